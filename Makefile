@@ -1,0 +1,43 @@
+# Thin wrapper over CMake for the README's commands.
+#   make          release build (build/)
+#   make test     sanitizer build (build-test/) and every test
+#   make demo     the main job: train, kill -9, resume, compare
+#   make bench    benchmarks (bench/README.md)
+#   make install  install into PREFIX (default /usr/local)
+PREFIX ?= /usr/local
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+CMAKE ?= cmake
+
+.PHONY: all setup build build-test test demo bench install clean fuzz
+
+all: build
+
+setup:
+	@bash scripts/setup
+
+build: setup
+	@$(CMAKE) -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=$(PREFIX) >/dev/null
+	@$(CMAKE) --build build -j $(JOBS)
+
+build-test: setup
+	@$(CMAKE) -S . -B build-test -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=ON >/dev/null
+	@$(CMAKE) --build build-test -j $(JOBS)
+
+test: build-test
+	@cd build-test && ctest --output-on-failure -j $(JOBS)
+
+demo: build
+	@bash scripts/demo build
+
+bench: build
+	@bash bench/run build
+
+install: build
+	@$(CMAKE) --install build --prefix $(PREFIX)
+
+fuzz: setup
+	@$(CMAKE) -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug -DCKPT_FUZZ=ON >/dev/null
+	@$(CMAKE) --build build-fuzz -j $(JOBS)
+
+clean:
+	rm -rf build build-test build-fuzz

@@ -1,0 +1,614 @@
+/*
+ * ckpt.h — save and restore the whole state of a training run, exactly.
+ *
+ * This header is the manual. Every function says what it does, what it
+ * returns and who owns what:
+ *   "copies"            the library keeps its own copy; the caller may free.
+ *   "borrows until X"   the caller keeps the memory alive and unchanged until X.
+ *   "view valid until Y" a pointer into library memory, valid until Y.
+ *
+ * Errors: every call that can fail returns int: CKPT_OK (0) or a negative
+ * ckpt_status. ckpt_errmsg() then returns a message for this thread that names
+ * the file, object, key, what was expected and what was found, and the OS
+ * error. No function aborts or exits on bad input. Constructors take an
+ * out-parameter and every *_free(NULL) is a no-op.
+ *
+ * On disk a checkpoint is a folder:
+ *   <project_dir>/checkpoints/checkpoint_<n>/
+ *       checkpoint.json              manifest and commit record (written last)
+ *       model.safetensors            a model's parameters under the names given
+ *       optimizer.safetensors        (model_1, optimizer_1, ... for the 2nd, ...)
+ *       scheduler.safetensors
+ *       scaler.safetensors
+ *       dataloader.safetensors
+ *       random_states_<p>.safetensors   process p's default generator
+ *       custom_checkpoint_<i>.safetensors
+ * Every state file is a standard safetensors file: tensors as tensors, every
+ * other entry (int, float, string, bytes) in __metadata__["ckpt"], one JSON
+ * document that keeps each entry's type (see docs/FORMAT.md).
+ */
+#ifndef CKPT_H
+#define CKPT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(CKPT_BUILDING) && defined(__GNUC__)
+#define CKPT_API __attribute__((visibility("default")))
+#else
+#define CKPT_API
+#endif
+
+#define CKPT_VERSION_MAJOR 0
+#define CKPT_VERSION_MINOR 1
+#define CKPT_VERSION_PATCH 0
+#define CKPT_VERSION_STRING "0.1.0"
+
+/* Returns CKPT_VERSION_STRING of the library actually linked. */
+CKPT_API const char *ckpt_version(void);
+
+/* ------------------------------------------------------------------------ */
+/* Errors                                                                    */
+/* ------------------------------------------------------------------------ */
+
+/* Values are stable forever. */
+typedef enum ckpt_status {
+    CKPT_OK = 0,
+    CKPT_EINVAL = -1,       /* bad argument or call sequence */
+    CKPT_EIO = -2,          /* the OS failed a read, write, fsync, rename... */
+    CKPT_ENOSPC = -3,       /* no space left on the device (or quota) */
+    CKPT_ENOENT = -4,       /* no such file, checkpoint or key */
+    CKPT_ECORRUPT = -5,     /* a file is malformed or fails its checksum */
+    CKPT_EMISMATCH = -6,    /* a file is fine but does not match the objects in memory */
+    CKPT_EEXIST = -7,       /* already exists (duplicate key, registered twice...) */
+    CKPT_ENOMEM = -8,       /* an allocation failed */
+    CKPT_EBUSY = -9,        /* another process holds the project lock */
+    CKPT_EUNSUPPORTED = -10 /* valid but not supported (newer format version...) */
+} ckpt_status;
+
+/* Static name and one-line meaning of a code, e.g. "CKPT_ECORRUPT: ...". */
+CKPT_API const char *ckpt_strerror(int code);
+/* This thread's last detailed error message; "" if none. View valid until the
+ * next failing ckpt call on this thread. */
+CKPT_API const char *ckpt_errmsg(void);
+/* Clears this thread's message. */
+CKPT_API void ckpt_clear_error(void);
+
+/* ------------------------------------------------------------------------ */
+/* Data types, named as safetensors names them                               */
+/* ------------------------------------------------------------------------ */
+
+typedef enum ckpt_dtype {
+    CKPT_DTYPE_INVALID = 0,
+    CKPT_F64 = 1,
+    CKPT_F32 = 2,
+    CKPT_F16 = 3,
+    CKPT_BF16 = 4,
+    CKPT_I64 = 5,
+    CKPT_I32 = 6,
+    CKPT_I16 = 7,
+    CKPT_I8 = 8,
+    CKPT_U8 = 9,
+    CKPT_BOOL = 10,
+    CKPT_U16 = 11,
+    CKPT_U32 = 12,
+    CKPT_U64 = 13,
+    CKPT_F8_E5M2 = 14,
+    CKPT_F8_E4M3 = 15,
+    CKPT_F8_E8M0 = 16,
+    CKPT_F8_E4M3FNUZ = 17,
+    CKPT_F8_E5M2FNUZ = 18,
+    CKPT_C64 = 19,
+    CKPT_F4 = 20,      /* 4 bits an element: prod(shape)*4 must be a multiple of 8 */
+    CKPT_F6_E2M3 = 21, /* 6 bits an element */
+    CKPT_F6_E3M2 = 22,
+    CKPT_DTYPE_COUNT_ = 23
+} ckpt_dtype;
+
+/* "F32", "BF16", ...; NULL for an invalid value. Static string. */
+CKPT_API const char *ckpt_dtype_name(ckpt_dtype dt);
+/* Parses a safetensors dtype name; CKPT_EINVAL if unknown. */
+CKPT_API int ckpt_dtype_from_name(const char *name, ckpt_dtype *out);
+/* Bits per element (4, 6, 8, 16, 32, 64); 0 for an invalid value. */
+CKPT_API int ckpt_dtype_bits(ckpt_dtype dt);
+
+/* Most dimensions a tensor may have. */
+#define CKPT_MAX_NDIM 16
+/* Longest key, in bytes, excluding the terminating NUL. */
+#define CKPT_MAX_KEY 1024
+
+/* Bytes of a tensor of this dtype and shape, overflow-checked. ndim 0 is a
+ * scalar (one element). CKPT_EINVAL on a bad dtype, ndim outside
+ * 0..CKPT_MAX_NDIM, a negative dimension, a sub-byte dtype whose bits do not
+ * fill whole bytes, or a size of 2^63 bytes or more. */
+CKPT_API int ckpt_tensor_nbytes(ckpt_dtype dt, int ndim, const int64_t *shape, uint64_t *out);
+
+/* ------------------------------------------------------------------------ */
+/* State dicts: what a stateful object writes and reads                      */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ckpt_writer ckpt_writer;
+typedef struct ckpt_reader ckpt_reader;
+
+/* Keys: 1..CKPT_MAX_KEY bytes of UTF-8, no control characters, not
+ * "__metadata__", unique within one state dict (a tensor and a scalar may not
+ * share a key). Anything else is CKPT_EINVAL (CKPT_EEXIST for a duplicate). */
+
+/* Adds a tensor. Copies key and shape; borrows data until the writer is saved
+ * or freed (no copy of tensor data is ever made). data may be NULL only when
+ * the tensor has 0 bytes or the writer is a schema writer. */
+CKPT_API int ckpt_write_tensor(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                               const int64_t *shape, const void *data);
+CKPT_API int ckpt_write_i64(ckpt_writer *w, const char *key, int64_t v);
+/* Exact: the bits of every finite value, infinities and NaN round-trip. */
+CKPT_API int ckpt_write_f64(ckpt_writer *w, const char *key, double v);
+/* Copies v, which must be valid UTF-8. */
+CKPT_API int ckpt_write_str(ckpt_writer *w, const char *key, const char *v);
+/* Copies n bytes from p. */
+CKPT_API int ckpt_write_bytes(ckpt_writer *w, const char *key, const void *p, size_t n);
+
+/* Reads a tensor into dst, which has room for exactly its bytes. dtype, ndim
+ * and shape must match the file exactly, else CKPT_EMISMATCH naming the key,
+ * what is in the file and what was asked for. CKPT_ENOENT if there is no such
+ * key (or it is not a tensor). */
+CKPT_API int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                              const int64_t *shape, void *dst);
+CKPT_API int ckpt_read_i64(ckpt_reader *r, const char *key, int64_t *v);
+CKPT_API int ckpt_read_f64(ckpt_reader *r, const char *key, double *v);
+/* Copies the string with its NUL into buf; CKPT_EINVAL if cap is too small. */
+CKPT_API int ckpt_read_str(ckpt_reader *r, const char *key, char *buf, size_t cap);
+/* Copies up to cap bytes; *n = the entry's length (CKPT_EINVAL if > cap). */
+CKPT_API int ckpt_read_bytes(ckpt_reader *r, const char *key, void *buf, size_t cap, size_t *n);
+
+/* --- standalone state-dict files (one safetensors file each) ------------- */
+
+/* A writer that collects entries in memory (tensor data borrowed). */
+CKPT_API int ckpt_writer_new(ckpt_writer **out);
+/* A schema writer: records keys, kinds, dtypes and shapes only, never reads
+ * data (used for transactional loads: compare before touching anything). */
+CKPT_API int ckpt_writer_new_schema(ckpt_writer **out);
+CKPT_API void ckpt_writer_free(ckpt_writer *w);
+/* Writes every entry to path as one safetensors file, crash-safely: a
+ * temporary file beside path, fsync, rename over path, fsync of the folder.
+ * On failure nothing is left at path (or the old file is intact) and no
+ * temporary file remains. The writer can be saved again or freed. */
+CKPT_API int ckpt_writer_save(ckpt_writer *w, const char *path);
+/* Number of entries added so far. */
+CKPT_API int64_t ckpt_writer_count(const ckpt_writer *w);
+
+/* Opens and fully validates a safetensors file (every rule of the format,
+ * and our __metadata__ document if present). Files written by other tools
+ * open too: their tensors are readable, they simply have no scalar entries. */
+CKPT_API int ckpt_reader_open(ckpt_reader **out, const char *path);
+/* The same over a caller's buffer (borrowed until the reader is freed). name
+ * is used in messages. */
+CKPT_API int ckpt_reader_open_memory(ckpt_reader **out, const void *buf, size_t len,
+                                     const char *name);
+CKPT_API void ckpt_reader_free(ckpt_reader *r);
+
+typedef enum ckpt_entry_kind {
+    CKPT_ENTRY_TENSOR = 1,
+    CKPT_ENTRY_I64 = 2,
+    CKPT_ENTRY_F64 = 3,
+    CKPT_ENTRY_STR = 4,
+    CKPT_ENTRY_BYTES = 5
+} ckpt_entry_kind;
+
+typedef struct ckpt_entry_info {
+    const char *key;       /* view valid until the reader/writer is freed */
+    ckpt_entry_kind kind;
+    ckpt_dtype dtype;      /* tensors only */
+    int ndim;              /* tensors only */
+    int64_t shape[CKPT_MAX_NDIM];
+    uint64_t nbytes;       /* tensor bytes; string length; bytes length; 8 for i64/f64 */
+    uint64_t offset;       /* tensors in a reader: byte offset of the data in the file */
+} ckpt_entry_info;
+
+/* Entries in file order (tensors by data offset, then scalar entries in the
+ * order they were written). */
+CKPT_API int64_t ckpt_reader_count(const ckpt_reader *r);
+CKPT_API int ckpt_reader_entry(const ckpt_reader *r, int64_t i, ckpt_entry_info *info);
+/* CKPT_ENOENT if absent. */
+CKPT_API int ckpt_reader_find(const ckpt_reader *r, const char *key, ckpt_entry_info *info);
+/* Zero-copy view of a tensor's bytes (mmap of the file). View valid until the
+ * reader is freed. */
+CKPT_API int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
+                                     ckpt_entry_info *info);
+/* The same entry listing for a writer (schema writers included). */
+CKPT_API int64_t ckpt_writer_entry_count(const ckpt_writer *w);
+CKPT_API int ckpt_writer_entry(const ckpt_writer *w, int64_t i, ckpt_entry_info *info);
+
+/* ------------------------------------------------------------------------ */
+/* Stateful objects                                                          */
+/* ------------------------------------------------------------------------ */
+
+/* Anything with state_dict / load_state_dict. state_dict puts every entry
+ * (it may be called with a schema writer: it must put the same keys, dtypes
+ * and shapes whatever the writer). load_state_dict gets every entry; it is
+ * called only after the file has been checked against the schema, so it
+ * should fail only on values it cannot accept (and then change nothing). */
+typedef struct ckpt_stateful_ops {
+    int (*state_dict)(void *self, ckpt_writer *w);
+    int (*load_state_dict)(void *self, ckpt_reader *r);
+} ckpt_stateful_ops;
+
+/* ------------------------------------------------------------------------ */
+/* Random numbers: Philox4x32-10                                             */
+/* ------------------------------------------------------------------------ */
+
+/* A counter-based generator: state is (key, counter, position in the 4-word
+ * block, a cached normal). Plain struct so it can live on the stack or inside
+ * other objects; treat the fields as private. */
+typedef struct ckpt_rng {
+    uint32_t key[2];
+    uint32_t counter[4];
+    uint32_t block[4];   /* output of the current counter */
+    uint32_t pos;        /* words of block used, 0..4 (4 = draw a new block) */
+    uint32_t has_normal; /* 1 if normal is a cached second Box-Muller value */
+    double normal;
+} ckpt_rng;
+
+/* Seeds the stream: key = seed, counter = 0. */
+CKPT_API void ckpt_rng_seed(ckpt_rng *g, uint64_t seed);
+/* An independent stream: key = seed, counter high words = stream. Streams of
+ * one seed never overlap (each has 2^64 blocks). */
+CKPT_API void ckpt_rng_seed_stream(ckpt_rng *g, uint64_t seed, uint64_t stream);
+CKPT_API uint32_t ckpt_rng_u32(ckpt_rng *g);
+CKPT_API uint64_t ckpt_rng_u64(ckpt_rng *g);
+/* Uniform in [0,1), 53 random bits. */
+CKPT_API double ckpt_rng_uniform(ckpt_rng *g);
+/* Uniform in [0,1) as float, 24 random bits. */
+CKPT_API float ckpt_rng_uniform_f32(ckpt_rng *g);
+/* Standard normal (Box-Muller; the second value is cached). */
+CKPT_API double ckpt_rng_normal(ckpt_rng *g);
+/* Uniform integer in [0, n) without bias; 0 if n == 0. */
+CKPT_API uint64_t ckpt_rng_below(ckpt_rng *g, uint64_t n);
+/* One Philox4x32-10 block: out = philox(counter, key). For known-answer tests. */
+CKPT_API void ckpt_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
+/* State dict of a generator (keys "key", "counter", "pos", "has_normal",
+ * "normal"). */
+CKPT_API const ckpt_stateful_ops *ckpt_rng_ops(void);
+
+/* ------------------------------------------------------------------------ */
+/* Models: named parameter tensors the caller owns                           */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ckpt_model ckpt_model;
+
+CKPT_API int ckpt_model_new(ckpt_model **out);
+CKPT_API void ckpt_model_free(ckpt_model *m);
+/* Adds a parameter. Copies name and shape; borrows data and grad (grad may be
+ * NULL for a frozen parameter) until the model is freed. Names follow the key
+ * rules; a duplicate is CKPT_EEXIST. */
+CKPT_API int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
+                                  const int64_t *shape, void *data, void *grad);
+CKPT_API int64_t ckpt_model_num_params(const ckpt_model *m);   /* parameter tensors */
+CKPT_API int64_t ckpt_model_num_elements(const ckpt_model *m); /* sum of their elements */
+typedef struct ckpt_param_info {
+    const char *name;  /* view valid until the model is freed */
+    ckpt_dtype dtype;
+    int ndim;
+    int64_t shape[CKPT_MAX_NDIM];
+    int64_t numel;
+    void *data;
+    void *grad;
+} ckpt_param_info;
+CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info);
+/* State dict: every parameter as a tensor under its name, nothing else. */
+CKPT_API const ckpt_stateful_ops *ckpt_model_ops(void);
+
+/* ------------------------------------------------------------------------ */
+/* Optimizers (state dict keys mirror PyTorch's)                             */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ckpt_optimizer ckpt_optimizer;
+
+typedef enum ckpt_optim_kind { CKPT_OPTIM_SGD = 1, CKPT_OPTIM_ADAM = 2, CKPT_OPTIM_ADAMW = 3 } ckpt_optim_kind;
+
+/* Every hyper-parameter of one parameter group (PyTorch's names). */
+typedef struct ckpt_optim_options {
+    double lr;
+    double momentum;      /* SGD */
+    double dampening;     /* SGD */
+    double weight_decay;
+    bool nesterov;        /* SGD */
+    bool maximize;
+    double beta1, beta2;  /* Adam/AdamW */
+    double eps;           /* Adam/AdamW */
+    bool amsgrad;         /* Adam/AdamW */
+} ckpt_optim_options;
+
+/* PyTorch's defaults for a kind (SGD lr 1e-3; Adam lr 1e-3, betas (0.9,
+ * 0.999), eps 1e-8; AdamW the same with weight_decay 1e-2). */
+CKPT_API ckpt_optim_options ckpt_optim_defaults(ckpt_optim_kind kind);
+
+/* An optimizer over all of m's parameters (fp32) in one group. Borrows m
+ * until the optimizer is freed. */
+CKPT_API int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
+                                const ckpt_optim_options *opt);
+/* Contract shortcuts. SGD: dampening 0, no maximize. AdamW: amsgrad off. */
+CKPT_API int ckpt_sgd_new(ckpt_optimizer **out, ckpt_model *m, double lr, double momentum,
+                          double weight_decay, bool nesterov);
+CKPT_API int ckpt_adam_new(ckpt_optimizer **out, ckpt_model *m, double lr, double beta1,
+                           double beta2, double eps, double weight_decay);
+CKPT_API int ckpt_adamw_new(ckpt_optimizer **out, ckpt_model *m, double lr, double beta1,
+                            double beta2, double eps, double weight_decay);
+CKPT_API void ckpt_optimizer_free(ckpt_optimizer *o);
+/* Splits parameters into groups: group_of[i] is the group of the model's i-th
+ * parameter (0..ngroups-1), opts[g] the options of group g. Only before the
+ * first step. Copies both arrays. */
+CKPT_API int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_of,
+                                       const ckpt_optim_options *opts);
+CKPT_API int ckpt_optimizer_num_groups(const ckpt_optimizer *o);
+CKPT_API double ckpt_optimizer_get_lr(const ckpt_optimizer *o, int group);
+CKPT_API int ckpt_optimizer_set_lr(ckpt_optimizer *o, int group, double lr);
+/* One update of every parameter from its gradient. CKPT_EINVAL if a
+ * parameter being optimized has no gradient. */
+CKPT_API int ckpt_optimizer_step(ckpt_optimizer *o);
+/* Sets every gradient to zero. */
+CKPT_API void ckpt_optimizer_zero_grad(ckpt_optimizer *o);
+CKPT_API const ckpt_stateful_ops *ckpt_optimizer_ops(void);
+
+/* ------------------------------------------------------------------------ */
+/* Learning-rate schedulers (drive every group of one optimizer)             */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ckpt_scheduler ckpt_scheduler;
+
+/* Each constructor sets the optimizer's learning rates to their values at
+ * step 0, as PyTorch's do. Borrows o until the scheduler is freed. */
+CKPT_API int ckpt_steplr_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t step_size, double gamma);
+CKPT_API int ckpt_multisteplr_new(ckpt_scheduler **out, ckpt_optimizer *o, int nmilestones,
+                                  const int64_t *milestones, double gamma);
+CKPT_API int ckpt_exponentiallr_new(ckpt_scheduler **out, ckpt_optimizer *o, double gamma);
+CKPT_API int ckpt_cosinelr_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t t_max, double eta_min);
+/* Linear warmup from 0 over warmup steps, then cosine decay to 0 at total
+ * steps (transformers' get_cosine_schedule_with_warmup, num_cycles 0.5). */
+CKPT_API int ckpt_warmup_cosine_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t warmup,
+                                    int64_t total);
+/* Linear warmup, then linear decay to 0 at total steps. */
+CKPT_API int ckpt_warmup_linear_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t warmup,
+                                    int64_t total);
+/* Constant learning rate, after an optional linear warmup (0 = none). */
+CKPT_API int ckpt_constant_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t warmup);
+CKPT_API void ckpt_scheduler_free(ckpt_scheduler *s);
+/* Advances one step and sets the optimizer's learning rates. */
+CKPT_API int ckpt_scheduler_step(ckpt_scheduler *s);
+/* The learning rate of a group after the last step (PyTorch's get_last_lr). */
+CKPT_API double ckpt_scheduler_last_lr(const ckpt_scheduler *s, int group);
+CKPT_API const ckpt_stateful_ops *ckpt_scheduler_ops(void);
+
+/* ------------------------------------------------------------------------ */
+/* Dynamic loss scaling (PyTorch's GradScaler)                               */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ckpt_grad_scaler ckpt_grad_scaler;
+
+/* PyTorch's defaults: 65536.0, 2.0, 0.5, 2000. */
+CKPT_API int ckpt_grad_scaler_new(ckpt_grad_scaler **out, double init_scale, double growth_factor,
+                                  double backoff_factor, int64_t growth_interval);
+CKPT_API void ckpt_grad_scaler_free(ckpt_grad_scaler *gs);
+/* The current scale; multiply the loss by it before backward. */
+CKPT_API double ckpt_grad_scaler_scale(const ckpt_grad_scaler *gs);
+/* Divides o's gradients by the scale (once per step) and records whether any
+ * is inf or NaN. *found_inf (may be NULL) gets that flag. */
+CKPT_API int ckpt_grad_scaler_unscale(ckpt_grad_scaler *gs, ckpt_optimizer *o, bool *found_inf);
+/* Unscales if not done yet, then steps o unless an inf/NaN was found.
+ * *stepped (may be NULL) says whether it stepped. */
+CKPT_API int ckpt_grad_scaler_step(ckpt_grad_scaler *gs, ckpt_optimizer *o, bool *stepped);
+/* Backs off or grows the scale from this step's finding; ends the step. */
+CKPT_API int ckpt_grad_scaler_update(ckpt_grad_scaler *gs);
+CKPT_API const ckpt_stateful_ops *ckpt_grad_scaler_ops(void);
+
+/* ------------------------------------------------------------------------ */
+/* Data loading                                                              */
+/* ------------------------------------------------------------------------ */
+
+/* A map-style dataset of fixed-size samples. get may be called from prefetch
+ * threads at once (num_workers > 0): it must be thread-safe. */
+typedef struct ckpt_dataset {
+    int64_t (*len)(void *self);
+    int (*get)(void *self, int64_t index, void *sample_out); /* writes sample_bytes; 0 or <0 */
+    size_t sample_bytes;
+    void *self;
+} ckpt_dataset;
+
+/* Lays out a batch: n samples (their indices and raw sample bytes back to
+ * back) into out, which has batch_bytes bytes. NULL: samples back to back. */
+typedef int (*ckpt_collate_fn)(void *user, const int64_t *indices, int64_t n,
+                               const void *samples, void *out);
+
+typedef struct ckpt_dataloader_config {
+    int64_t batch_size;
+    bool shuffle;          /* permutation is a pure function of (seed, epoch) */
+    uint64_t seed;
+    bool drop_last;
+    int num_workers;       /* prefetch threads; 0 = load in the caller's thread */
+    int prefetch_factor;   /* batches in flight per worker; 0 = 2 */
+    int num_processes;     /* shards; 0 or 1 = one process (the accelerator sets it) */
+    int process_index;
+    bool even_batches;     /* true (default via ckpt_dataloader_defaults): a short last
+                              global batch is completed from the epoch's start, so every
+                              process gets the same number of samples */
+    ckpt_collate_fn collate;
+    void *collate_user;
+    size_t batch_bytes;    /* with collate: bytes of a collated batch */
+} ckpt_dataloader_config;
+
+/* batch_size 1, no shuffle, seed 0, even_batches true, the rest 0. */
+CKPT_API ckpt_dataloader_config ckpt_dataloader_defaults(void);
+
+typedef struct ckpt_batch {
+    void *data;             /* size samples, contiguous (or as collate laid them out) */
+    int64_t size;           /* samples in this batch (this process's shard) */
+    const int64_t *indices; /* their dataset indices */
+    int64_t epoch;
+    int64_t index;          /* position of this batch in its epoch, from 0 */
+    bool end_of_epoch;      /* this is the epoch's last batch */
+} ckpt_batch;               /* view valid until the next call on the loader */
+
+typedef struct ckpt_dataloader ckpt_dataloader;
+
+/* Copies *ds and *cfg (the dataset's self is borrowed until free). */
+CKPT_API int ckpt_dataloader_new(ckpt_dataloader **out, const ckpt_dataset *ds,
+                                 const ckpt_dataloader_config *cfg);
+/* Stops the workers and frees; safe at any point of an epoch. */
+CKPT_API void ckpt_dataloader_free(ckpt_dataloader *dl);
+/* 1: a batch in *b; 0: the epoch ended (the next call starts the next epoch);
+ * <0: an error (a failing get names the index). */
+CKPT_API int ckpt_dataloader_next(ckpt_dataloader *dl, ckpt_batch *b);
+/* Starts epoch `epoch` from its first batch. */
+CKPT_API int ckpt_dataloader_set_epoch(ckpt_dataloader *dl, int64_t epoch);
+CKPT_API int64_t ckpt_dataloader_epoch(const ckpt_dataloader *dl);
+/* Batches (this process's) in one epoch. */
+CKPT_API int64_t ckpt_dataloader_num_batches(const ckpt_dataloader *dl);
+/* Skips the next num_batches batches of the current epoch without reading a
+ * sample; CKPT_EINVAL past the epoch's end. Applies to this epoch only. */
+CKPT_API int ckpt_skip_first_batches(ckpt_dataloader *dl, int64_t num_batches);
+/* State dict: seed, epoch, batches yielded this epoch, dataset length,
+ * batch size, shuffle, drop_last, shard. Loading positions the loader at the
+ * next batch. */
+CKPT_API const ckpt_stateful_ops *ckpt_dataloader_ops(void);
+
+/* ------------------------------------------------------------------------ */
+/* In-memory dataset helper                                                  */
+/* ------------------------------------------------------------------------ */
+
+/* A dataset over n samples of sample_bytes each, back to back at data
+ * (borrowed until the dataset is no longer used). Fills *out. */
+CKPT_API int ckpt_memory_dataset(ckpt_dataset *out, const void *data, int64_t n,
+                                 size_t sample_bytes);
+
+/* ------------------------------------------------------------------------ */
+/* The accelerator: one call to save, one to resume                          */
+/* ------------------------------------------------------------------------ */
+
+typedef struct ckpt_accelerator ckpt_accelerator;
+
+typedef struct ckpt_project_config {
+    const char *project_dir;          /* checkpoints go to <project_dir>/checkpoints/checkpoint_<n> */
+    const char *logging_dir;          /* NULL: <project_dir>/logs */
+    bool automatic_checkpoint_naming;
+    int total_limit;                  /* keep at most this many automatic checkpoints; 0 = all */
+    int64_t iteration;                /* number of the next automatic checkpoint */
+    bool save_on_each_node;           /* multi-node: each node's main process writes (later) */
+    int process_index;                /* 0 unless several processes (MPI later) */
+    int num_processes;                /* 0 or 1 = one */
+} ckpt_project_config;
+
+typedef enum ckpt_log_level { CKPT_LOG_INFO = 0, CKPT_LOG_WARNING = 1 } ckpt_log_level;
+/* Receives warnings (a fallback to an older checkpoint, a leftover temporary
+ * folder removed). Default: "ckpt: warning: <msg>" on stderr. */
+typedef void (*ckpt_log_fn)(void *user, ckpt_log_level level, const char *msg);
+
+/* Copies *cfg (and its strings). Does not touch the disk. */
+CKPT_API int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg);
+CKPT_API void ckpt_accelerator_free(ckpt_accelerator *acc);
+CKPT_API void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user);
+CKPT_API int ckpt_accelerator_process_index(const ckpt_accelerator *acc);
+CKPT_API int ckpt_accelerator_num_processes(const ckpt_accelerator *acc);
+
+/* What gets saved. Each borrows the object until the accelerator is freed.
+ * The k-th object of a kind is saved as <kind>.safetensors (k = 0) or
+ * <kind>_<k>.safetensors. Preparing the same object twice is CKPT_EEXIST. */
+CKPT_API int ckpt_prepare_model(ckpt_accelerator *acc, ckpt_model *m);
+CKPT_API int ckpt_prepare_optimizer(ckpt_accelerator *acc, ckpt_optimizer *o);
+CKPT_API int ckpt_prepare_scheduler(ckpt_accelerator *acc, ckpt_scheduler *s);
+/* Also shards the loader for this process (num_processes, process_index). */
+CKPT_API int ckpt_prepare_dataloader(ckpt_accelerator *acc, ckpt_dataloader *dl);
+CKPT_API int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs);
+/* Any object with state_dict/load_state_dict: custom_checkpoint_<i>.safetensors
+ * in registration order. ops and self are borrowed until the accelerator is
+ * freed. CKPT_EINVAL (naming the item) if ops lacks a function. */
+CKPT_API int ckpt_register_for_checkpointing(ckpt_accelerator *acc, const ckpt_stateful_ops *ops,
+                                             void *self);
+
+/* The process's default generator, always saved as
+ * random_states_<process_index>.safetensors. View valid until free. */
+CKPT_API ckpt_rng *ckpt_accelerator_rng(ckpt_accelerator *acc);
+/* Seeds the default generator with (seed, process_index). */
+CKPT_API int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed);
+
+/* Saves everything registered. output_dir NULL: the next automatic
+ * checkpoint (needs automatic_checkpoint_naming and project_dir). An explicit
+ * folder always wins; an existing checkpoint there is replaced atomically.
+ * Atomic: on any failure the previous state on disk is intact and nothing
+ * partial is visible. Removes the oldest automatic checkpoints beyond
+ * total_limit only after the new one is committed. */
+CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
+/* Loads everything registered. input_dir NULL: the newest complete checkpoint
+ * that verifies, falling back (with a warning) to older ones. Transactional:
+ * everything is checked first and nothing in memory changes unless all of it
+ * matches. Restores the step counter and the automatic numbering. */
+CKPT_API int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir);
+/* The folder of the last save or load; "" if none. View valid until the next
+ * save/load or free. */
+CKPT_API const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc);
+
+CKPT_API int64_t ckpt_accelerator_step(const ckpt_accelerator *acc);
+CKPT_API void ckpt_accelerator_set_step(ckpt_accelerator *acc, int64_t step);
+/* The number the next automatic checkpoint will get. */
+CKPT_API int64_t ckpt_accelerator_iteration(const ckpt_accelerator *acc);
+
+/* Hooks, as Accelerate's register_save_state_pre_hook /
+ * register_load_state_pre_hook: called at the start of every save (with the
+ * final folder) or load (with the folder being loaded). A non-zero return
+ * aborts the save/load with that code. */
+typedef int (*ckpt_state_hook_fn)(void *user, ckpt_accelerator *acc, const char *dir);
+typedef struct ckpt_hook_handle ckpt_hook_handle;
+/* *handle (may be NULL) receives a handle whose removal stops the hook. */
+CKPT_API int ckpt_register_save_state_pre_hook(ckpt_accelerator *acc, ckpt_state_hook_fn fn,
+                                               void *user, ckpt_hook_handle **handle);
+CKPT_API int ckpt_register_load_state_pre_hook(ckpt_accelerator *acc, ckpt_state_hook_fn fn,
+                                               void *user, ckpt_hook_handle **handle);
+/* Removes the hook and frees the handle. NULL is a no-op. Handles left are
+ * freed with the accelerator. */
+CKPT_API void ckpt_hook_remove(ckpt_hook_handle *handle);
+
+/* ------------------------------------------------------------------------ */
+/* Checkpoint folders (for tools: ls, verify, prune)                         */
+/* ------------------------------------------------------------------------ */
+
+typedef enum ckpt_checkpoint_status {
+    CKPT_CHECKPOINT_COMPLETE = 0, /* manifest valid, every file matches */
+    CKPT_CHECKPOINT_PARTIAL = 1,  /* no manifest (an interrupted save) */
+    CKPT_CHECKPOINT_CORRUPT = 2   /* manifest or a file fails verification */
+} ckpt_checkpoint_status;
+
+typedef struct ckpt_checkpoint_info {
+    char path[4096];
+    int64_t number;          /* n of checkpoint_<n>; -1 for other folders */
+    int64_t step;
+    int64_t iteration;
+    int64_t created_unix;    /* seconds since the epoch */
+    uint64_t total_bytes;
+    int num_files;
+    int num_processes;
+    int format_version;
+    char library_version[32];
+    ckpt_checkpoint_status status;
+} ckpt_checkpoint_info;
+
+/* Reads dir's manifest and, if deep, verifies every file's size and
+ * checksum. Returns CKPT_OK when the checkpoint is complete and valid;
+ * otherwise the error (ckpt_errmsg names the file) with info->status set.
+ * info is filled as far as could be read. */
+CKPT_API int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *info);
+/* Lists <project_dir>/checkpoints/checkpoint_<n> folders, ascending n, with
+ * their status (deep verification if deep). *out is malloc'd; free() it. */
+CKPT_API int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
+                                  int64_t *count);
+/* Removes all but the newest `keep` automatic checkpoints (under the project
+ * lock). *removed (may be NULL) gets how many went. */
+CKPT_API int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CKPT_H */

@@ -1,0 +1,47 @@
+/* error.h — internal error helpers: set the thread's message and return a code. */
+#ifndef CKPT_ERROR_H
+#define CKPT_ERROR_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ckpt.h"
+
+#if defined(__GNUC__)
+#define CKPT_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define CKPT_PRINTF(a, b)
+#endif
+
+/* Formats the thread's message and returns code (so: return ckpt__err(...)). */
+int ckpt__err(int code, const char *fmt, ...) CKPT_PRINTF(2, 3);
+/* Same, appending ": <strerror(errnum)>" and mapping errnum to a status
+ * (ENOSPC/EDQUOT -> CKPT_ENOSPC, ENOENT -> CKPT_ENOENT, EEXIST -> CKPT_EEXIST,
+ * ENOMEM -> CKPT_ENOMEM, EWOULDBLOCK -> CKPT_EBUSY, else CKPT_EIO). */
+int ckpt__err_os(int errnum, const char *fmt, ...) CKPT_PRINTF(2, 3);
+/* Maps an errno value to a status as above. */
+int ckpt__status_from_errno(int errnum);
+/* Prefixes the current message with "<prefix>: " (adding context on the way
+ * up) and returns code unchanged. */
+int ckpt__err_prefix(int code, const char *fmt, ...) CKPT_PRINTF(2, 3);
+/* CKPT_ENOMEM with "out of memory (<what>)". */
+int ckpt__err_nomem(const char *what);
+
+/* Return early on error: CKPT_TRY(call) */
+#define CKPT_TRY(expr)                                                                              \
+    do {                                                                                           \
+        int ckpt_try_rc_ = (expr);                                                                 \
+        if (ckpt_try_rc_ < 0) return ckpt_try_rc_;                                                 \
+    } while (0)
+
+/* Allocation wrappers that tests can make fail (see ckpt__alloc_fail_after). */
+void *ckpt__malloc(size_t n);
+void *ckpt__calloc(size_t n, size_t size);
+void *ckpt__realloc(void *p, size_t n);
+char *ckpt__strdup(const char *s);
+/* Testing: the n-th allocation from now (1-based) and every later one fail;
+ * n = 0 switches failures off. Returns how many allocations were made since
+ * the last call. */
+uint64_t ckpt__alloc_fail_after(uint64_t n);
+
+#endif

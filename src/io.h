@@ -1,0 +1,113 @@
+/* io.h — the one write stream, crash-safe publication, hostile-safe reads,
+ * and the fault-injection hook through which tests make OS calls fail.
+ *
+ * Every OS call that changes the disk goes through the ckpt__os_* wrappers
+ * below, so a test can make the N-th one fail with a chosen errno. */
+#ifndef CKPT_IO_H
+#define CKPT_IO_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "ckpt.h"
+
+/* ---- fault injection ---------------------------------------------------- */
+enum {
+    CKPT_FAULT_OPEN = 1 << 0,
+    CKPT_FAULT_WRITE = 1 << 1,
+    CKPT_FAULT_FSYNC = 1 << 2,
+    CKPT_FAULT_RENAME = 1 << 3,
+    CKPT_FAULT_MKDIR = 1 << 4,
+    CKPT_FAULT_READ = 1 << 5,
+    CKPT_FAULT_ANY = 0x3f
+};
+/* From now on, count calls of the kinds in mask; the n-th (1-based) fails
+ * with errnum (and, if persist, every later one too). n = 0 disarms. The
+ * environment variable CKPT_FAULT="<kinds>:<n>:<errno name>[:persist]"
+ * (kinds: open,write,fsync,rename,mkdir,read,any joined by '+'; e.g.
+ * "write:3:ENOSPC") arms it at the first I/O call of a process, so tools and
+ * end-to-end tests can inject faults through the public API. */
+void ckpt__fault_arm(unsigned mask, uint64_t n, int errnum, bool persist);
+void ckpt__fault_disarm(void);
+/* Calls of the armed kinds made since arming (to find the range of N). */
+uint64_t ckpt__fault_count(void);
+/* Whether an injected fault has fired since arming. */
+bool ckpt__fault_fired(void);
+
+/* OS wrappers (same contract as the syscalls: -1 and errno on failure). Each
+ * retries EINTR where the syscall can be restarted. */
+int ckpt__os_open(const char *path, int flags, mode_t mode);
+int ckpt__os_openat(int dirfd, const char *path, int flags, mode_t mode);
+ssize_t ckpt__os_write(int fd, const void *p, size_t n);
+ssize_t ckpt__os_pread(int fd, void *p, size_t n, uint64_t off);
+int ckpt__os_fsync(int fd);
+int ckpt__os_rename(const char *from, const char *to);
+/* renameat2(RENAME_EXCHANGE): swaps two existing paths atomically. */
+int ckpt__os_exchange(const char *a, const char *b);
+int ckpt__os_mkdir(const char *path, mode_t mode);
+
+/* ---- the write stream --------------------------------------------------- */
+typedef struct ckpt_ostream {
+    int fd;
+    char *path;         /* for messages (owned) */
+    int err;            /* sticky: first error status, 0 if none */
+    uint64_t bytes;     /* written so far */
+    void *hash;         /* XXH3 state of the whole stream (owned) */
+    void *part_hash;    /* XXH3 state of the current part (see part_begin) */
+} ckpt_ostream;
+
+/* Creates path exclusively (O_CREAT|O_EXCL, 0644). */
+int ckpt__ostream_open(ckpt_ostream *s, const char *path);
+/* Writes all n bytes (EINTR, short writes handled), updating the checksums.
+ * After an error, every call returns that error without writing. Error
+ * messages name the file and the OS error. */
+int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n);
+/* Starts a part checksum (e.g. one tensor's bytes) / returns it. */
+void ckpt__ostream_part_begin(ckpt_ostream *s);
+uint64_t ckpt__ostream_part_digest(const ckpt_ostream *s);
+/* fsyncs and closes; *digest = XXH3-64 of all bytes, *size = bytes. */
+int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size);
+/* Closes (if open) and unlinks the file; frees; safe after finish or error. */
+void ckpt__ostream_abort(ckpt_ostream *s);
+
+/* ---- crash-safe publication -------------------------------------------- */
+/* Writes path crash-safely: a temporary file ".<name>.tmp.<pid>.<n>" beside
+ * it is created, filled by fill(s, ctx), fsynced and closed, renamed over
+ * path, and the folder is fsynced. On any failure the temporary file is
+ * removed and path is untouched. digest/size (may be NULL) describe the file. */
+typedef int (*ckpt_fill_fn)(ckpt_ostream *s, void *ctx);
+int ckpt__publish_file(const char *path, ckpt_fill_fn fill, void *ctx, uint64_t *digest,
+                       uint64_t *size);
+/* Publishes a finished folder: fsync tmp_dir, then rename it to final (if
+ * final exists and replace is true: exchange the two atomically and remove
+ * the old one, which is left as a hidden leftover if removal fails), then
+ * fsync final's parent. CKPT_EEXIST if final exists and !replace. */
+int ckpt__publish_dir(const char *tmp_dir, const char *final, bool replace);
+/* fsyncs a folder by path. */
+int ckpt__fsync_dir(const char *path);
+/* mkdir -p with 0755; existing folders are fine; a file in the way is
+ * CKPT_EINVAL naming it. */
+int ckpt__mkdirs(const char *path);
+/* rm -rf of a folder we own (no symlink following). */
+int ckpt__remove_tree(const char *path);
+
+/* ---- reads -------------------------------------------------------------- */
+typedef struct ckpt_mapped {
+    const uint8_t *data;
+    uint64_t size;
+    void *map_base;     /* for munmap; NULL if data is heap or borrowed */
+    size_t map_len;
+    void *heap;         /* owned heap copy (small files / no mmap) */
+} ckpt_mapped;
+/* Maps a whole regular file read-only (empty files give size 0, data != NULL).
+ * Messages name the path. */
+int ckpt__map_file(const char *path, ckpt_mapped *m);
+void ckpt__unmap(ckpt_mapped *m);
+/* Reads a whole small file (<= max bytes) into a NUL-terminated heap buffer. */
+int ckpt__read_small_file(const char *path, uint64_t max, char **out, size_t *len);
+/* XXH3-64 of a buffer. */
+uint64_t ckpt__xxh3(const void *p, size_t n);
+
+#endif
