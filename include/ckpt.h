@@ -270,8 +270,10 @@ CKPT_API double ckpt_rng_normal(ckpt_rng *g);
 CKPT_API uint64_t ckpt_rng_below(ckpt_rng *g, uint64_t n);
 /* One Philox4x32-10 block: out = philox(counter, key). For known-answer tests. */
 CKPT_API void ckpt_philox4x32_10(const uint32_t counter[4], const uint32_t key[2], uint32_t out[4]);
-/* State dict of a generator (keys "key", "counter", "pos", "has_normal",
- * "normal"). */
+/* State dict of a generator: "key" (U32 [2]), "counter" (U32 [4]), "block"
+ * (U32 [4], the current block's words), "pos", "has_normal" (i64) and
+ * "normal" (f64); loading continues the stream exactly, mid-block and with a
+ * cached normal. */
 CKPT_API const ckpt_stateful_ops *ckpt_rng_ops(void);
 
 /* ------------------------------------------------------------------------ */
@@ -340,8 +342,10 @@ CKPT_API int ckpt_adamw_new(ckpt_optimizer **out, ckpt_model *m, double lr, doub
                             double beta2, double eps, double weight_decay);
 CKPT_API void ckpt_optimizer_free(ckpt_optimizer *o);
 /* Splits parameters into groups: group_of[i] is the group of the model's i-th
- * parameter (0..ngroups-1), opts[g] the options of group g. Only before the
- * first step. Copies both arrays. */
+ * parameter (0..ngroups-1, or -1: not optimized, e.g. a frozen parameter
+ * without gradient), opts[g] the options of group g; no group may be empty.
+ * State is numbered as PyTorch does: group 0's parameters first. Only before
+ * the first step. Copies both arrays. */
 CKPT_API int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_of,
                                        const ckpt_optim_options *opts);
 CKPT_API int ckpt_optimizer_num_groups(const ckpt_optimizer *o);
@@ -416,6 +420,10 @@ typedef struct ckpt_dataset {
     int (*get)(void *self, int64_t index, void *sample_out); /* writes sample_bytes; 0 or <0 */
     size_t sample_bytes;
     void *self;
+    /* Set by ckpt_memory_dataset (its samples and their count); other
+     * datasets leave them NULL and 0. */
+    const void *mem_data;
+    int64_t mem_len;
 } ckpt_dataset;
 
 /* Lays out a batch: n samples (their indices and raw sample bytes back to
@@ -434,7 +442,8 @@ typedef struct ckpt_dataloader_config {
     int process_index;
     bool even_batches;     /* true (default via ckpt_dataloader_defaults): a short last
                               global batch is completed from the epoch's start, so every
-                              process gets the same number of samples */
+                              process gets the same number of samples (several
+                              processes only; one process gets a short last batch) */
     ckpt_collate_fn collate;
     void *collate_user;
     size_t batch_bytes;    /* with collate: bytes of a collated batch */
@@ -480,7 +489,9 @@ CKPT_API const ckpt_stateful_ops *ckpt_dataloader_ops(void);
 /* ------------------------------------------------------------------------ */
 
 /* A dataset over n samples of sample_bytes each, back to back at data
- * (borrowed until the dataset is no longer used). Fills *out. */
+ * (borrowed until the dataset is no longer used). Fills *out, whose self
+ * points at *out: a loader made from it uses its own copy, but calling
+ * out->get directly needs *out to stay where it is. Allocates nothing. */
 CKPT_API int ckpt_memory_dataset(ckpt_dataset *out, const void *data, int64_t n,
                                  size_t sample_bytes);
 

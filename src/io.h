@@ -35,6 +35,9 @@ void ckpt__fault_disarm(void);
 uint64_t ckpt__fault_count(void);
 /* Whether an injected fault has fired since arming. */
 bool ckpt__fault_fired(void);
+/* Testing: caps every write call at max bytes (0 = no cap), so the
+ * short-write paths run. */
+void ckpt__fault_set_max_write(size_t max);
 
 /* OS wrappers (same contract as the syscalls: -1 and errno on failure). Each
  * retries EINTR where the syscall can be restarted. */
@@ -56,6 +59,7 @@ typedef struct ckpt_ostream {
     uint64_t bytes;     /* written so far */
     void *hash;         /* XXH3 state of the whole stream (owned) */
     void *part_hash;    /* XXH3 state of the current part (see part_begin) */
+    void *hash_mem;     /* the allocation holding both states (owned) */
 } ckpt_ostream;
 
 /* Creates path exclusively (O_CREAT|O_EXCL, 0644). */
@@ -67,9 +71,12 @@ int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n);
 /* Starts a part checksum (e.g. one tensor's bytes) / returns it. */
 void ckpt__ostream_part_begin(ckpt_ostream *s);
 uint64_t ckpt__ostream_part_digest(const ckpt_ostream *s);
-/* fsyncs and closes; *digest = XXH3-64 of all bytes, *size = bytes. */
+/* fsyncs and closes; *digest = XXH3-64 of all bytes, *size = bytes (both
+ * may be NULL). Releases everything on success AND on failure; on failure
+ * (or if the stream already had an error) the file is also unlinked. */
 int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size);
-/* Closes (if open) and unlinks the file; frees; safe after finish or error. */
+/* Closes (if open) and unlinks the file; frees. A no-op after finish (the
+ * finished file stays) and on a zeroed or already aborted stream. */
 void ckpt__ostream_abort(ckpt_ostream *s);
 
 /* ---- crash-safe publication -------------------------------------------- */

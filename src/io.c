@@ -1,0 +1,730 @@
+/* io.c — the one write stream, crash-safe publication, whole-file reads, and
+ * the fault-injection counter every OS wrapper consults. */
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
+
+#include "error.h"
+#include "io.h"
+
+#ifndef RENAME_NOREPLACE
+#define RENAME_NOREPLACE (1 << 0)
+#endif
+#ifndef RENAME_EXCHANGE
+#define RENAME_EXCHANGE (1 << 1)
+#endif
+
+/* ---- fault injection ---------------------------------------------------- */
+
+/* One process-wide counter: tests arm it from one thread, but OS calls may
+ * come from any thread, so the state sits behind a mutex. */
+static pthread_mutex_t fault_mu = PTHREAD_MUTEX_INITIALIZER;
+static unsigned fault_mask;
+static uint64_t fault_n;
+static int fault_errnum;
+static bool fault_persist;
+static uint64_t fault_calls;
+static bool fault_has_fired;
+static _Atomic size_t fault_max_write;
+static pthread_once_t fault_env_once = PTHREAD_ONCE_INIT;
+
+static unsigned kinds_from_names(const char *s, size_t len) {
+    static const struct { const char *name; unsigned bit; } tab[] = {
+        {"open", CKPT_FAULT_OPEN},   {"write", CKPT_FAULT_WRITE}, {"fsync", CKPT_FAULT_FSYNC},
+        {"rename", CKPT_FAULT_RENAME}, {"mkdir", CKPT_FAULT_MKDIR}, {"read", CKPT_FAULT_READ},
+        {"any", CKPT_FAULT_ANY},
+    };
+    unsigned mask = 0;
+    size_t i = 0;
+    while (i < len) {
+        size_t j = i;
+        while (j < len && s[j] != '+') j++;
+        bool found = false;
+        for (size_t k = 0; k < sizeof tab / sizeof tab[0]; k++) {
+            if (strlen(tab[k].name) == j - i && memcmp(tab[k].name, s + i, j - i) == 0) {
+                mask |= tab[k].bit;
+                found = true;
+            }
+        }
+        if (!found) return 0;
+        i = j + 1;
+    }
+    return mask;
+}
+
+static int errno_from_name(const char *s) {
+    static const struct { const char *name; int value; } tab[] = {
+        {"ENOSPC", ENOSPC}, {"EIO", EIO},       {"EDQUOT", EDQUOT}, {"EACCES", EACCES},
+        {"EPERM", EPERM},   {"EROFS", EROFS},   {"EINTR", EINTR},   {"ENOENT", ENOENT},
+        {"EEXIST", EEXIST}, {"ENOMEM", ENOMEM}, {"EFBIG", EFBIG},   {"EAGAIN", EAGAIN},
+        {"EBADF", EBADF},   {"EMFILE", EMFILE},
+    };
+    for (size_t k = 0; k < sizeof tab / sizeof tab[0]; k++)
+        if (strcmp(tab[k].name, s) == 0) return tab[k].value;
+    char *end = NULL;
+    long v = strtol(s, &end, 10);
+    if (end != s && *end == '\0' && v > 0 && v < 4096) return (int)v;
+    return 0;
+}
+
+/* CKPT_FAULT="<kinds>:<n>:<errno name>[:persist]". A malformed value is
+ * reported on stderr once and ignored: it only ever comes from a test. */
+static void fault_from_env(void) {
+    const char *v = getenv("CKPT_FAULT");
+    if (!v || !*v) return;
+    char buf[128];
+    if (strlen(v) >= sizeof buf) goto bad;
+    strcpy(buf, v);
+    char *c1 = strchr(buf, ':');
+    if (!c1) goto bad;
+    char *c2 = strchr(c1 + 1, ':');
+    if (!c2) goto bad;
+    *c2 = '\0';
+    char *c3 = strchr(c2 + 1, ':');
+    bool persist = false;
+    if (c3) {
+        *c3 = '\0';
+        if (strcmp(c3 + 1, "persist") != 0) goto bad;
+        persist = true;
+    }
+    unsigned mask = kinds_from_names(buf, (size_t)(c1 - buf));
+    char *end = NULL;
+    unsigned long long n = strtoull(c1 + 1, &end, 10);
+    int e = errno_from_name(c2 + 1);
+    if (!mask || end == c1 + 1 || *end != '\0' || n == 0 || !e) goto bad;
+    ckpt__fault_arm(mask, n, e, persist);
+    return;
+bad:
+    fprintf(stderr, "ckpt: warning: ignoring malformed CKPT_FAULT=\"%s\"\n", v);
+}
+
+void ckpt__fault_arm(unsigned mask, uint64_t n, int errnum, bool persist) {
+    pthread_mutex_lock(&fault_mu);
+    fault_mask = n ? mask : 0;
+    fault_n = n;
+    fault_errnum = errnum;
+    fault_persist = persist;
+    fault_calls = 0;
+    fault_has_fired = false;
+    pthread_mutex_unlock(&fault_mu);
+}
+
+void ckpt__fault_disarm(void) { ckpt__fault_arm(0, 0, 0, false); }
+
+uint64_t ckpt__fault_count(void) {
+    pthread_mutex_lock(&fault_mu);
+    uint64_t c = fault_calls;
+    pthread_mutex_unlock(&fault_mu);
+    return c;
+}
+
+bool ckpt__fault_fired(void) {
+    pthread_mutex_lock(&fault_mu);
+    bool f = fault_has_fired;
+    pthread_mutex_unlock(&fault_mu);
+    return f;
+}
+
+void ckpt__fault_set_max_write(size_t max) { fault_max_write = max; }
+
+/* Counts one call of `kind`; returns true (errno set) if it must fail. */
+static bool fault_hit(unsigned kind) {
+    pthread_once(&fault_env_once, fault_from_env);
+    bool fail = false;
+    int e = 0;
+    pthread_mutex_lock(&fault_mu);
+    if (fault_mask & kind) {
+        fault_calls++;
+        if (fault_calls == fault_n || (fault_persist && fault_calls > fault_n)) {
+            fail = true;
+            fault_has_fired = true;
+            e = fault_errnum;
+        }
+    }
+    pthread_mutex_unlock(&fault_mu);
+    if (fail) errno = e;
+    return fail;
+}
+
+/* ---- OS wrappers -------------------------------------------------------- */
+
+int ckpt__os_open(const char *path, int flags, mode_t mode) {
+    for (;;) {
+        if (fault_hit(CKPT_FAULT_OPEN)) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        int fd = open(path, flags | O_CLOEXEC, mode);
+        if (fd < 0 && errno == EINTR) continue;
+        return fd;
+    }
+}
+
+int ckpt__os_openat(int dirfd, const char *path, int flags, mode_t mode) {
+    for (;;) {
+        if (fault_hit(CKPT_FAULT_OPEN)) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        int fd = openat(dirfd, path, flags | O_CLOEXEC, mode);
+        if (fd < 0 && errno == EINTR) continue;
+        return fd;
+    }
+}
+
+ssize_t ckpt__os_write(int fd, const void *p, size_t n) {
+    size_t cap = fault_max_write;
+    if (cap && n > cap) n = cap;
+    for (;;) {
+        if (fault_hit(CKPT_FAULT_WRITE)) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        ssize_t w = write(fd, p, n);
+        if (w < 0 && errno == EINTR) continue;
+        return w;
+    }
+}
+
+ssize_t ckpt__os_pread(int fd, void *p, size_t n, uint64_t off) {
+    if (off > (uint64_t)INT64_MAX) {
+        errno = EINVAL;
+        return -1;
+    }
+    for (;;) {
+        if (fault_hit(CKPT_FAULT_READ)) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        ssize_t r = pread(fd, p, n, (off_t)off);
+        if (r < 0 && errno == EINTR) continue;
+        return r;
+    }
+}
+
+int ckpt__os_fsync(int fd) {
+    for (;;) {
+        if (fault_hit(CKPT_FAULT_FSYNC)) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        int r = fsync(fd);
+        if (r < 0 && errno == EINTR) continue;
+        return r;
+    }
+}
+
+int ckpt__os_rename(const char *from, const char *to) {
+    if (fault_hit(CKPT_FAULT_RENAME)) return -1;
+    return rename(from, to);
+}
+
+static int sys_renameat2(const char *a, const char *b, unsigned flags) {
+#ifdef SYS_renameat2
+    return (int)syscall(SYS_renameat2, AT_FDCWD, a, AT_FDCWD, b, flags);
+#else
+    (void)a;
+    (void)b;
+    (void)flags;
+    errno = ENOSYS;
+    return -1;
+#endif
+}
+
+int ckpt__os_exchange(const char *a, const char *b) {
+    if (fault_hit(CKPT_FAULT_RENAME)) return -1;
+    return sys_renameat2(a, b, RENAME_EXCHANGE);
+}
+
+/* rename that refuses to replace an existing target; falls back to a check
+ * plus rename on file systems without RENAME_NOREPLACE. */
+static int os_rename_noreplace(const char *from, const char *to) {
+    if (fault_hit(CKPT_FAULT_RENAME)) return -1;
+    int r = sys_renameat2(from, to, RENAME_NOREPLACE);
+    if (r == 0 || (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP)) return r;
+    struct stat st;
+    if (lstat(to, &st) == 0) {
+        errno = EEXIST;
+        return -1;
+    }
+    return rename(from, to);
+}
+
+int ckpt__os_mkdir(const char *path, mode_t mode) {
+    if (fault_hit(CKPT_FAULT_MKDIR)) return -1;
+    return mkdir(path, mode);
+}
+
+/* ---- the write stream --------------------------------------------------- */
+
+/* Both XXH3 states live in one allocation made through ckpt__malloc (so the
+ * allocation-failure sweep covers it), aligned by hand as XXH3 requires. */
+typedef struct hash_pair {
+    XXH3_state_t whole;
+    XXH3_state_t part;
+} hash_pair;
+
+static hash_pair *hash_pair_of(const ckpt_ostream *s) { return (hash_pair *)s->hash; }
+
+static void ostream_release(ckpt_ostream *s) {
+    free(s->path);
+    free(s->hash_mem);
+    s->path = NULL;
+    s->hash_mem = NULL;
+    s->hash = NULL;
+    s->part_hash = NULL;
+    s->fd = -1;
+}
+
+int ckpt__ostream_open(ckpt_ostream *s, const char *path) {
+    memset(s, 0, sizeof *s);
+    s->fd = -1;
+    s->path = ckpt__strdup(path);
+    size_t align = _Alignof(hash_pair) > 64 ? _Alignof(hash_pair) : 64;
+    s->hash_mem = ckpt__malloc(sizeof(hash_pair) + align);
+    if (!s->path || !s->hash_mem) {
+        ostream_release(s);
+        return ckpt__err_nomem("write stream");
+    }
+    uintptr_t a = ((uintptr_t)s->hash_mem + align - 1) & ~(uintptr_t)(align - 1);
+    hash_pair *h = (hash_pair *)a;
+    XXH3_INITSTATE(&h->whole);
+    XXH3_INITSTATE(&h->part);
+    XXH3_64bits_reset(&h->whole);
+    XXH3_64bits_reset(&h->part);
+    s->hash = h;
+    s->part_hash = &h->part;
+    int fd = ckpt__os_open(path, O_WRONLY | O_CREAT | O_EXCL, 0644);
+    if (fd < 0) {
+        int e = errno;
+        ostream_release(s);
+        return ckpt__err_os(e, "%s: create", path);
+    }
+    s->fd = fd;
+    return CKPT_OK;
+}
+
+/* Large buffers go down in pieces so no single call has to move gigabytes
+ * (Linux caps a write near 2 GiB anyway) and the checksum runs on data that
+ * was just touched. */
+#define OSTREAM_CHUNK ((size_t)64 << 20)
+
+int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n) {
+    if (s->err) return s->err;
+    if (s->fd < 0) return s->err = ckpt__err(CKPT_EINVAL, "write stream: not open");
+    const uint8_t *b = p;
+    hash_pair *h = hash_pair_of(s);
+    while (n > 0) {
+        size_t piece = n < OSTREAM_CHUNK ? n : OSTREAM_CHUNK;
+        size_t done = 0;
+        while (done < piece) {
+            ssize_t w = ckpt__os_write(s->fd, b + done, piece - done);
+            if (w < 0) return s->err = ckpt__err_os(errno, "%s: write", s->path);
+            if (w == 0) return s->err = ckpt__err_os(EIO, "%s: write made no progress", s->path);
+            done += (size_t)w;
+        }
+        XXH3_64bits_update(&h->whole, b, piece);
+        XXH3_64bits_update(&h->part, b, piece);
+        s->bytes += piece;
+        b += piece;
+        n -= piece;
+    }
+    return CKPT_OK;
+}
+
+void ckpt__ostream_part_begin(ckpt_ostream *s) {
+    if (s->hash) XXH3_64bits_reset(&hash_pair_of(s)->part);
+}
+
+uint64_t ckpt__ostream_part_digest(const ckpt_ostream *s) {
+    return s->hash ? XXH3_64bits_digest(&hash_pair_of(s)->part) : 0;
+}
+
+int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
+    if (s->fd < 0 && !s->path) return ckpt__err(CKPT_EINVAL, "write stream: not open");
+    int rc = s->err;
+    if (!rc && ckpt__os_fsync(s->fd) < 0) rc = ckpt__err_os(errno, "%s: fsync", s->path);
+    if (s->fd >= 0) {
+        /* A failing close can report a delayed write error (NFS): count it. */
+        if (close(s->fd) < 0 && !rc) rc = ckpt__err_os(errno, "%s: close", s->path);
+        s->fd = -1;
+    }
+    if (rc) {
+        unlink(s->path);
+        ostream_release(s);
+        return rc;
+    }
+    if (digest) *digest = XXH3_64bits_digest(&hash_pair_of(s)->whole);
+    if (size) *size = s->bytes;
+    ostream_release(s);
+    return CKPT_OK;
+}
+
+void ckpt__ostream_abort(ckpt_ostream *s) {
+    if (!s) return;
+    if (s->fd >= 0) close(s->fd);
+    if (s->path) unlink(s->path);
+    ostream_release(s);
+}
+
+/* ---- paths -------------------------------------------------------------- */
+
+/* Splits path into a malloc'd folder ("." if none) and a pointer to the
+ * final component. */
+static int split_path(const char *path, char **dir, const char **base) {
+    const char *slash = strrchr(path, '/');
+    if (!slash) {
+        *dir = ckpt__strdup(".");
+        *base = path;
+    } else {
+        size_t n = (size_t)(slash - path);
+        if (n == 0) n = 1; /* "/name": the folder is "/" */
+        *dir = ckpt__malloc(n + 1);
+        if (*dir) {
+            memcpy(*dir, path, n);
+            (*dir)[n] = '\0';
+        }
+        *base = slash + 1;
+    }
+    if (!*dir) return ckpt__err_nomem("path");
+    if (!**base) {
+        free(*dir);
+        *dir = NULL;
+        return ckpt__err(CKPT_EINVAL, "%s: not a file path (ends with '/')", path);
+    }
+    return CKPT_OK;
+}
+
+static _Atomic uint64_t temp_counter;
+
+/* "<dir>/.<base>.<tag>.<pid>.<n>" */
+static char *sibling_name(const char *dir, const char *base, const char *tag) {
+    uint64_t n = ++temp_counter;
+    int len = snprintf(NULL, 0, "%s/.%s.%s.%ld.%llu", dir, base, tag, (long)getpid(),
+                       (unsigned long long)n);
+    char *s = ckpt__malloc((size_t)len + 1);
+    if (s)
+        snprintf(s, (size_t)len + 1, "%s/.%s.%s.%ld.%llu", dir, base, tag, (long)getpid(),
+                 (unsigned long long)n);
+    return s;
+}
+
+/* ---- crash-safe publication -------------------------------------------- */
+
+int ckpt__fsync_dir(const char *path) {
+    int fd = ckpt__os_open(path, O_RDONLY | O_DIRECTORY, 0);
+    if (fd < 0) return ckpt__err_os(errno, "%s: open folder for fsync", path);
+    int rc = CKPT_OK;
+    /* Some file systems cannot fsync a folder (EINVAL): nothing to make durable. */
+    if (ckpt__os_fsync(fd) < 0 && errno != EINVAL) rc = ckpt__err_os(errno, "%s: fsync folder", path);
+    close(fd);
+    return rc;
+}
+
+int ckpt__publish_file(const char *path, ckpt_fill_fn fill, void *ctx, uint64_t *digest,
+                       uint64_t *size) {
+    if (!path || !fill) return ckpt__err(CKPT_EINVAL, "publish: no path or fill function");
+    char *dir = NULL;
+    const char *base = NULL;
+    CKPT_TRY(split_path(path, &dir, &base));
+    char *tmp = sibling_name(dir, base, "tmp");
+    char *old = sibling_name(dir, base, "old");
+    int rc = CKPT_OK;
+    bool have_old = false;
+    ckpt_ostream s;
+    memset(&s, 0, sizeof s);
+    s.fd = -1;
+    if (!tmp || !old) {
+        rc = ckpt__err_nomem("publish");
+        goto out;
+    }
+    rc = ckpt__ostream_open(&s, tmp);
+    if (rc) goto fail_prefix;
+    rc = fill(&s, ctx);
+    if (!rc && s.err) rc = s.err;
+    if (rc) {
+        ckpt__ostream_abort(&s);
+        goto fail_prefix;
+    }
+    uint64_t d = 0, sz = 0;
+    rc = ckpt__ostream_finish(&s, &d, &sz);
+    if (rc) goto fail_prefix;
+    /* Keep a hard link to the file being replaced, so that if the folder
+     * fsync after the rename fails we can put it back: the caller is told
+     * "failed" and finds the old bytes, not an undurable new file. */
+    if (link(path, old) == 0) have_old = true;
+    if (ckpt__os_rename(tmp, path) < 0) {
+        rc = ckpt__err_os(errno, "%s: rename temporary file into place", path);
+        unlink(tmp);
+        if (have_old) unlink(old);
+        goto out;
+    }
+    rc = ckpt__fsync_dir(dir);
+    if (rc) {
+        if (have_old)
+            rename(old, path);
+        else
+            unlink(path);
+        rc = ckpt__err_prefix(rc, "%s", path);
+        goto out;
+    }
+    if (have_old) unlink(old);
+    if (digest) *digest = d;
+    if (size) *size = sz;
+    goto out;
+fail_prefix:
+    /* Messages from the stream name the temporary file; say what it was for. */
+    rc = ckpt__err_prefix(rc, "%s", path);
+    if (tmp) unlink(tmp);
+out:
+    free(tmp);
+    free(old);
+    free(dir);
+    return rc;
+}
+
+static int dir_exists(const char *path, bool *exists) {
+    struct stat st;
+    if (lstat(path, &st) == 0) {
+        if (!S_ISDIR(st.st_mode)) return ckpt__err(CKPT_EINVAL, "%s: exists and is not a folder", path);
+        *exists = true;
+        return CKPT_OK;
+    }
+    if (errno == ENOENT) {
+        *exists = false;
+        return CKPT_OK;
+    }
+    return ckpt__err_os(errno, "%s: stat", path);
+}
+
+int ckpt__publish_dir(const char *tmp_dir, const char *final, bool replace) {
+    if (!tmp_dir || !final) return ckpt__err(CKPT_EINVAL, "publish folder: missing path");
+    CKPT_TRY(ckpt__fsync_dir(tmp_dir));
+    char *parent = NULL;
+    const char *base = NULL;
+    CKPT_TRY(split_path(final, &parent, &base));
+    int rc = CKPT_OK;
+    bool exists = false;
+    rc = dir_exists(final, &exists);
+    if (rc) goto out;
+    if (!exists) {
+        if (os_rename_noreplace(tmp_dir, final) == 0) goto synced;
+        if (errno != EEXIST && errno != ENOTEMPTY) {
+            rc = ckpt__err_os(errno, "%s: rename %s into place", final, tmp_dir);
+            goto out;
+        }
+        exists = true; /* appeared meanwhile: treat as a replacement */
+    }
+    if (!replace) {
+        rc = ckpt__err(CKPT_EEXIST, "%s: already exists", final);
+        goto out;
+    }
+    if (ckpt__os_exchange(tmp_dir, final) == 0) {
+        /* tmp_dir now holds the old checkpoint: make the swap durable first. */
+        rc = ckpt__fsync_dir(parent);
+        if (rc) goto out;
+        if (ckpt__remove_tree(tmp_dir) != CKPT_OK) ckpt_clear_error(); /* a hidden leftover */
+        goto out;
+    }
+    if (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP) {
+        rc = ckpt__err_os(errno, "%s: exchange with %s", final, tmp_dir);
+        goto out;
+    }
+    {
+        /* No RENAME_EXCHANGE on this file system: move the old folder aside
+         * first. A crash between the two renames leaves no checkpoint at
+         * final, but both folders stay on disk. */
+        char *aside = sibling_name(parent, base, "old");
+        if (!aside) {
+            rc = ckpt__err_nomem("publish folder");
+            goto out;
+        }
+        if (ckpt__os_rename(final, aside) < 0) {
+            rc = ckpt__err_os(errno, "%s: move old folder aside", final);
+            free(aside);
+            goto out;
+        }
+        if (ckpt__os_rename(tmp_dir, final) < 0) {
+            rc = ckpt__err_os(errno, "%s: rename %s into place", final, tmp_dir);
+            rename(aside, final);
+            free(aside);
+            goto out;
+        }
+        rc = ckpt__fsync_dir(parent);
+        if (!rc && ckpt__remove_tree(aside) != CKPT_OK) ckpt_clear_error();
+        free(aside);
+        goto out;
+    }
+synced:
+    rc = ckpt__fsync_dir(parent);
+out:
+    free(parent);
+    return rc;
+}
+
+int ckpt__mkdirs(const char *path) {
+    if (!path || !*path) return ckpt__err(CKPT_EINVAL, "mkdirs: empty path");
+    char *p = ckpt__strdup(path);
+    if (!p) return ckpt__err_nomem("mkdirs");
+    int rc = CKPT_OK;
+    size_t len = strlen(p);
+    for (size_t i = 1; i <= len; i++) {
+        if (p[i] != '/' && p[i] != '\0') continue;
+        if (p[i - 1] == '/') continue; /* "a//b" */
+        char saved = p[i];
+        p[i] = '\0';
+        if (ckpt__os_mkdir(p, 0755) < 0) {
+            int e = errno;
+            struct stat st;
+            /* EEXIST, or EACCES on a parent we may not write but that exists. */
+            if (stat(p, &st) == 0) {
+                if (!S_ISDIR(st.st_mode)) {
+                    rc = ckpt__err(CKPT_EINVAL, "%s: exists and is not a folder", p);
+                    break;
+                }
+            } else {
+                rc = ckpt__err_os(e, "%s: mkdir", p);
+                break;
+            }
+        }
+        p[i] = saved;
+    }
+    free(p);
+    return rc;
+}
+
+static int remove_one(const char *path, const struct stat *st, int type, struct FTW *ftw) {
+    (void)st;
+    (void)ftw;
+    int r = (type == FTW_DP) ? rmdir(path) : unlink(path);
+    if (r < 0 && errno != ENOENT) {
+        ckpt__err_os(errno, "%s: remove", path);
+        return 1;
+    }
+    return 0;
+}
+
+int ckpt__remove_tree(const char *path) {
+    struct stat st;
+    if (lstat(path, &st) < 0) {
+        if (errno == ENOENT) return CKPT_OK;
+        return ckpt__err_os(errno, "%s: stat", path);
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        if (unlink(path) < 0) return ckpt__err_os(errno, "%s: remove", path);
+        return CKPT_OK;
+    }
+    /* FTW_PHYS: never follow a symlink out of the tree we own. */
+    int r = nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
+    if (r == 1) return CKPT_EIO;
+    if (r < 0) return ckpt__err_os(errno, "%s: remove folder", path);
+    return CKPT_OK;
+}
+
+/* ---- reads -------------------------------------------------------------- */
+
+static const uint8_t empty_file_byte;
+
+int ckpt__map_file(const char *path, ckpt_mapped *m) {
+    memset(m, 0, sizeof *m);
+    int fd = ckpt__os_open(path, O_RDONLY, 0);
+    if (fd < 0) return ckpt__err_os(errno, "%s: open", path);
+    struct stat st;
+    int rc = CKPT_OK;
+    if (fstat(fd, &st) < 0) {
+        rc = ckpt__err_os(errno, "%s: stat", path);
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        rc = ckpt__err(CKPT_EINVAL, "%s: not a regular file", path);
+        goto out;
+    }
+    if (st.st_size == 0) {
+        m->data = &empty_file_byte;
+        goto out;
+    }
+    if ((uint64_t)st.st_size > (uint64_t)SIZE_MAX) {
+        rc = ckpt__err(CKPT_EINVAL, "%s: too large to map", path);
+        goto out;
+    }
+    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+        rc = ckpt__err_os(errno, "%s: mmap", path);
+        goto out;
+    }
+    m->data = p;
+    m->size = (uint64_t)st.st_size;
+    m->map_base = p;
+    m->map_len = (size_t)st.st_size;
+out:
+    close(fd);
+    return rc;
+}
+
+void ckpt__unmap(ckpt_mapped *m) {
+    if (!m) return;
+    if (m->map_base) munmap(m->map_base, m->map_len);
+    free(m->heap);
+    memset(m, 0, sizeof *m);
+}
+
+int ckpt__read_small_file(const char *path, uint64_t max, char **out, size_t *len) {
+    *out = NULL;
+    if (len) *len = 0;
+    int fd = ckpt__os_open(path, O_RDONLY, 0);
+    if (fd < 0) return ckpt__err_os(errno, "%s: open", path);
+    struct stat st;
+    int rc = CKPT_OK;
+    char *buf = NULL;
+    if (fstat(fd, &st) < 0) {
+        rc = ckpt__err_os(errno, "%s: stat", path);
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        rc = ckpt__err(CKPT_EINVAL, "%s: not a regular file", path);
+        goto out;
+    }
+    if ((uint64_t)st.st_size > max) {
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %lld bytes, more than the %llu-byte limit", path,
+                       (long long)st.st_size, (unsigned long long)max);
+        goto out;
+    }
+    size_t n = (size_t)st.st_size;
+    buf = ckpt__malloc(n + 1);
+    if (!buf) {
+        rc = ckpt__err_nomem(path);
+        goto out;
+    }
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = ckpt__os_pread(fd, buf + got, n - got, got);
+        if (r < 0) {
+            rc = ckpt__err_os(errno, "%s: read", path);
+            goto out;
+        }
+        if (r == 0) break; /* shrank meanwhile: take what is there */
+        got += (size_t)r;
+    }
+    buf[got] = '\0';
+    *out = buf;
+    buf = NULL;
+    if (len) *len = got;
+out:
+    free(buf);
+    close(fd);
+    return rc;
+}
+
+uint64_t ckpt__xxh3(const void *p, size_t n) { return XXH3_64bits(p, n); }

@@ -1,0 +1,527 @@
+/* manifest.c — checkpoint.json: write, parse (as hostile input), verify. */
+#include "manifest.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "error.h"
+
+void ckpt__manifest_init(ckpt_manifest *m) {
+    memset(m, 0, sizeof *m);
+    m->format_version = CKPT_FORMAT_VERSION;
+    m->process_index = -1;
+    m->num_processes = 1;
+}
+
+static void file_clear(ckpt_manifest_file *f) {
+    free(f->name);
+    free(f->kind);
+    for (int64_t i = 0; i < f->ntensors; i++) free(f->tensor_keys[i]);
+    free(f->tensor_keys);
+    free(f->tensor_xxh3);
+    memset(f, 0, sizeof *f);
+}
+
+void ckpt__manifest_clear(ckpt_manifest *m) {
+    for (int64_t i = 0; i < m->nfiles; i++) file_clear(&m->files[i]);
+    free(m->files);
+    ckpt__manifest_init(m);
+}
+
+static ckpt_manifest_file *push_file(ckpt_manifest *m) {
+    if (m->nfiles == m->cap) {
+        int64_t cap = m->cap ? m->cap * 2 : 8;
+        ckpt_manifest_file *nf = ckpt__realloc(m->files, (size_t)cap * sizeof *nf);
+        if (!nf) return NULL;
+        m->files = nf;
+        m->cap = cap;
+    }
+    ckpt_manifest_file *f = &m->files[m->nfiles++];
+    memset(f, 0, sizeof *f);
+    return f;
+}
+
+static int alloc_tensors(ckpt_manifest_file *f, int64_t n) {
+    f->tensor_keys = ckpt__calloc((size_t)(n ? n : 1), sizeof *f->tensor_keys);
+    f->tensor_xxh3 = ckpt__calloc((size_t)(n ? n : 1), sizeof *f->tensor_xxh3);
+    if (!f->tensor_keys || !f->tensor_xxh3) return ckpt__err_nomem("manifest tensors");
+    return 0;
+}
+
+int ckpt__manifest_add(ckpt_manifest *m, const char *name, const char *kind,
+                       const ckpt_file_digest *d) {
+    ckpt_manifest_file *f = push_file(m);
+    if (!f) return ckpt__err_nomem("manifest");
+    f->name = ckpt__strdup(name);
+    f->kind = ckpt__strdup(kind);
+    int rc = (f->name && f->kind) ? 0 : ckpt__err_nomem("manifest");
+    if (rc == 0) rc = alloc_tensors(f, d->ntensors);
+    for (int64_t i = 0; rc == 0 && i < d->ntensors; i++) {
+        f->tensor_keys[i] = ckpt__strdup(d->tensor_keys[i]);
+        if (!f->tensor_keys[i]) {
+            rc = ckpt__err_nomem("manifest tensor key");
+            break;
+        }
+        f->tensor_xxh3[i] = d->tensor_xxh3[i];
+        f->ntensors = i + 1;
+    }
+    if (rc < 0) {
+        file_clear(f);
+        m->nfiles--;
+        return rc;
+    }
+    f->size = d->size;
+    f->xxh3 = d->xxh3;
+    return 0;
+}
+
+const ckpt_manifest_file *ckpt__manifest_find(const ckpt_manifest *m, const char *name) {
+    for (int64_t i = 0; i < m->nfiles; i++)
+        if (strcmp(m->files[i].name, name) == 0) return &m->files[i];
+    return NULL;
+}
+
+/* ---- writing ------------------------------------------------------------ */
+
+static void hex64(uint64_t v, char out[17]) { snprintf(out, 17, "%016" PRIx64, v); }
+
+/* jansson reports allocation failure as a NULL value or a -1 status. */
+#define JSET(obj, key, val)                                                                        \
+    do {                                                                                           \
+        if (json_object_set_new((obj), (key), (val)) != 0) goto nomem;                             \
+    } while (0)
+
+static json_t *build_json(const ckpt_manifest *m) {
+    char hex[17];
+    json_t *root = json_object();
+    if (!root) return NULL;
+    JSET(root, "format", json_string("ckpt"));
+    JSET(root, "format_version", json_integer(m->format_version));
+    JSET(root, "library_version", json_string(m->library_version));
+    JSET(root, "iteration", json_integer(m->iteration));
+    JSET(root, "step", json_integer(m->step));
+    JSET(root, "process_index", json_integer(m->process_index < 0 ? 0 : m->process_index));
+    JSET(root, "num_processes", json_integer(m->num_processes));
+    JSET(root, "created_unix", json_integer(m->created_unix));
+    JSET(root, "created", json_string(m->created));
+    json_t *files = json_array();
+    if (!files) goto nomem;
+    JSET(root, "files", files);
+    for (int64_t i = 0; i < m->nfiles; i++) {
+        const ckpt_manifest_file *f = &m->files[i];
+        json_t *jf = json_object();
+        if (!jf || json_array_append_new(files, jf) != 0) goto nomem;
+        JSET(jf, "name", json_string(f->name));
+        JSET(jf, "kind", json_string(f->kind));
+        JSET(jf, "size", json_integer((json_int_t)f->size));
+        hex64(f->xxh3, hex);
+        JSET(jf, "xxh3", json_string(hex));
+        json_t *jt = json_object();
+        if (!jt) goto nomem;
+        JSET(jf, "tensors", jt);
+        for (int64_t t = 0; t < f->ntensors; t++) {
+            hex64(f->tensor_xxh3[t], hex);
+            JSET(jt, f->tensor_keys[t], json_string(hex));
+        }
+    }
+    return root;
+nomem:
+    json_decref(root);
+    return NULL;
+}
+
+typedef struct text_ctx {
+    const char *p;
+    size_t n;
+} text_ctx;
+
+static int fill_text(ckpt_ostream *s, void *ctx) {
+    text_ctx *t = ctx;
+    return ckpt__ostream_write(s, t->p, t->n);
+}
+
+int ckpt__manifest_write(ckpt_manifest *m, const char *dir) {
+    if (m->created_unix == 0) {
+        time_t now = time(NULL);
+        struct tm tm;
+        m->created_unix = (int64_t)now;
+        if (gmtime_r(&now, &tm)) strftime(m->created, sizeof m->created, "%Y-%m-%dT%H:%M:%SZ", &tm);
+    }
+    if (m->library_version[0] == '\0')
+        snprintf(m->library_version, sizeof m->library_version, "%s", CKPT_VERSION_STRING);
+    json_t *root = build_json(m);
+    if (!root) return ckpt__err_nomem("manifest JSON");
+    char *text = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(root);
+    if (!text) return ckpt__err_nomem("manifest JSON text");
+    size_t n = strlen(text);
+    char *withnl = ckpt__malloc(n + 2);
+    if (!withnl) {
+        free(text);
+        return ckpt__err_nomem("manifest JSON text");
+    }
+    memcpy(withnl, text, n);
+    withnl[n] = '\n';
+    withnl[n + 1] = '\0';
+    free(text);
+    size_t plen = strlen(dir) + sizeof("/" CKPT_MANIFEST_NAME);
+    char *path = ckpt__malloc(plen);
+    if (!path) {
+        free(withnl);
+        return ckpt__err_nomem("manifest path");
+    }
+    snprintf(path, plen, "%s/%s", dir, CKPT_MANIFEST_NAME);
+    text_ctx t = {withnl, n + 1};
+    int rc = ckpt__publish_file(path, fill_text, &t, NULL, NULL);
+    free(path);
+    free(withnl);
+    return rc;
+}
+
+/* ---- parsing ------------------------------------------------------------ */
+
+static int get_int(json_t *root, const char *key, bool required, int64_t lo, int64_t hi,
+                   int64_t *out, const char *what) {
+    json_t *v = json_object_get(root, key);
+    if (!v) {
+        if (!required) return 0;
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"%s\" is missing", what, key);
+    }
+    if (!json_is_integer(v))
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"%s\" must be an integer", what, key);
+    json_int_t x = json_integer_value(v);
+    if (x < lo || x > hi)
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"%s\" is %lld, expected %" PRId64 "..%" PRId64, what,
+                         key, (long long)x, lo, hi);
+    *out = (int64_t)x;
+    return 0;
+}
+
+static int get_str(json_t *root, const char *key, bool required, const char **out, size_t *len,
+                   const char *what) {
+    json_t *v = json_object_get(root, key);
+    *out = NULL;
+    if (!v) {
+        if (!required) return 0;
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"%s\" is missing", what, key);
+    }
+    if (!json_is_string(v)) return ckpt__err(CKPT_ECORRUPT, "%s: \"%s\" must be a string", what, key);
+    *out = json_string_value(v);
+    *len = json_string_length(v);
+    if (strlen(*out) != *len)
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"%s\" contains a NUL character", what, key);
+    return 0;
+}
+
+static int parse_hex64(const char *s, size_t len, uint64_t *out) {
+    if (len != 16) return -1;
+    uint64_t v = 0;
+    for (size_t i = 0; i < 16; i++) {
+        char c = s[i];
+        int d;
+        if (c >= '0' && c <= '9') d = c - '0';
+        else if (c >= 'a' && c <= 'f') d = c - 'a' + 10;
+        else return -1;
+        v = (v << 4) | (uint64_t)d;
+    }
+    *out = v;
+    return 0;
+}
+
+/* A name we will join to a folder path: a single, visible path component. */
+static bool plain_name(const char *s, size_t len) {
+    if (len == 0 || len > 255 || s[0] == '.') return false;
+    if (strstr(s, "..")) return false;
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)s[i];
+        if (c == '/' || c == '\\' || c < 0x20 || c == 0x7f) return false;
+    }
+    return strcmp(s, CKPT_MANIFEST_NAME) != 0;
+}
+
+static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *what) {
+    char where[4400];
+    snprintf(where, sizeof where, "%s: files[%" PRId64 "]", what, idx);
+    if (!json_is_object(jf)) return ckpt__err(CKPT_ECORRUPT, "%s: must be an object", where);
+    const char *name, *kind, *hex;
+    size_t nlen = 0, klen = 0, hlen = 0;
+    CKPT_TRY(get_str(jf, "name", true, &name, &nlen, where));
+    if (!plain_name(name, nlen))
+        return ckpt__err(CKPT_ECORRUPT, "%s: name \"%.64s\" is not a plain file name", where, name);
+    if (ckpt__manifest_find(m, name))
+        return ckpt__err(CKPT_ECORRUPT, "%s: file \"%s\" is listed twice", what, name);
+    snprintf(where, sizeof where, "%s: %s", what, name);
+    CKPT_TRY(get_str(jf, "kind", true, &kind, &klen, where));
+    if (klen == 0 || klen > 64)
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"kind\" must be 1..64 characters", where);
+    int64_t size = 0;
+    CKPT_TRY(get_int(jf, "size", true, 0, INT64_MAX, &size, where));
+    CKPT_TRY(get_str(jf, "xxh3", true, &hex, &hlen, where));
+    uint64_t digest;
+    if (parse_hex64(hex, hlen, &digest) != 0)
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"xxh3\" must be 16 lowercase hex digits", where);
+    json_t *jt = json_object_get(jf, "tensors");
+    if (jt && !json_is_object(jt))
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"tensors\" must be an object", where);
+
+    ckpt_manifest_file *f = push_file(m);
+    if (!f) return ckpt__err_nomem("manifest");
+    f->name = ckpt__strdup(name);
+    f->kind = ckpt__strdup(kind);
+    f->size = (uint64_t)size;
+    f->xxh3 = digest;
+    if (!f->name || !f->kind) return ckpt__err_nomem("manifest");
+    size_t nt = jt ? json_object_size(jt) : 0;
+    CKPT_TRY(alloc_tensors(f, (int64_t)nt));
+    if (jt) {
+        const char *key;
+        json_t *val;
+        json_object_foreach(jt, key, val) {
+            if (key[0] == '\0' || strlen(key) > CKPT_MAX_KEY)
+                return ckpt__err(CKPT_ECORRUPT, "%s: a tensor key is empty or too long", where);
+            if (!json_is_string(val) ||
+                parse_hex64(json_string_value(val), json_string_length(val),
+                            &f->tensor_xxh3[f->ntensors]) != 0)
+                return ckpt__err(CKPT_ECORRUPT,
+                                 "%s: tensor '%.128s': digest must be 16 lowercase hex digits",
+                                 where, key);
+            f->tensor_keys[f->ntensors] = ckpt__strdup(key);
+            if (!f->tensor_keys[f->ntensors]) return ckpt__err_nomem("manifest tensor key");
+            f->ntensors++;
+        }
+    }
+    return 0;
+}
+
+static int parse_root(json_t *root, const char *what, ckpt_manifest *m) {
+    if (!json_is_object(root)) return ckpt__err(CKPT_ECORRUPT, "%s: not a JSON object", what);
+    const char *s;
+    size_t len = 0;
+    CKPT_TRY(get_str(root, "format", true, &s, &len, what));
+    if (strcmp(s, "ckpt") != 0)
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"format\" is \"%.32s\", expected \"ckpt\"", what, s);
+    int64_t v = 0;
+    CKPT_TRY(get_int(root, "format_version", true, 1, INT32_MAX, &v, what));
+    if (v > CKPT_FORMAT_VERSION)
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "%s: checkpoint format version %" PRId64
+                         " is newer than this library's (%d); upgrade ckpt",
+                         what, v, CKPT_FORMAT_VERSION);
+    m->format_version = v;
+    CKPT_TRY(get_str(root, "library_version", true, &s, &len, what));
+    snprintf(m->library_version, sizeof m->library_version, "%s", s);
+    CKPT_TRY(get_int(root, "iteration", true, 0, INT64_MAX, &m->iteration, what));
+    CKPT_TRY(get_int(root, "step", true, INT64_MIN, INT64_MAX, &m->step, what));
+    CKPT_TRY(get_int(root, "num_processes", true, 1, 1 << 24, &v, what));
+    m->num_processes = (int)v;
+    v = -1;
+    CKPT_TRY(get_int(root, "process_index", false, 0, m->num_processes - 1, &v, what));
+    m->process_index = (int)v;
+    CKPT_TRY(get_int(root, "created_unix", false, INT64_MIN, INT64_MAX, &m->created_unix, what));
+    CKPT_TRY(get_str(root, "created", false, &s, &len, what));
+    if (s) snprintf(m->created, sizeof m->created, "%s", s);
+    json_t *files = json_object_get(root, "files");
+    if (!json_is_array(files))
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"files\" must be an array", what);
+    for (size_t i = 0; i < json_array_size(files); i++)
+        CKPT_TRY(parse_file(json_array_get(files, i), (int64_t)i, m, what));
+    return 0;
+}
+
+int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_manifest *m) {
+    ckpt__manifest_init(m);
+    if (len > CKPT_MANIFEST_MAX_BYTES)
+        return ckpt__err(CKPT_ECORRUPT, "%s: %zu bytes, more than the %u a manifest may have", what,
+                         len, CKPT_MANIFEST_MAX_BYTES);
+    json_error_t jerr;
+    json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!root)
+        return ckpt__err(CKPT_ECORRUPT, "%s: invalid JSON at line %d, column %d: %s", what,
+                         jerr.line, jerr.column, jerr.text);
+    int rc = parse_root(root, what, m);
+    json_decref(root);
+    if (rc < 0) {
+        /* Keep the message; drop what was parsed so far. */
+        for (int64_t i = 0; i < m->nfiles; i++) file_clear(&m->files[i]);
+        free(m->files);
+        m->files = NULL;
+        m->nfiles = m->cap = 0;
+    }
+    return rc;
+}
+
+static char *join(const char *a, const char *b) {
+    size_t n = strlen(a) + strlen(b) + 2;
+    char *p = ckpt__malloc(n);
+    if (p) snprintf(p, n, "%s/%s", a, b);
+    return p;
+}
+
+int ckpt__manifest_read(const char *dir, ckpt_manifest *m) {
+    ckpt__manifest_init(m);
+    struct stat st;
+    if (stat(dir, &st) != 0) return ckpt__err_os(errno, "%s", dir);
+    if (!S_ISDIR(st.st_mode)) return ckpt__err(CKPT_EINVAL, "%s: not a folder", dir);
+    char *path = join(dir, CKPT_MANIFEST_NAME);
+    if (!path) return ckpt__err_nomem("manifest path");
+    if (stat(path, &st) != 0 && errno == ENOENT) {
+        free(path);
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: not a complete checkpoint: no manifest " CKPT_MANIFEST_NAME
+                         " (an interrupted save?)",
+                         dir);
+    }
+    char *text = NULL;
+    size_t len = 0;
+    int rc = ckpt__read_small_file(path, CKPT_MANIFEST_MAX_BYTES, &text, &len);
+    if (rc == 0) rc = ckpt__manifest_parse(text, len, path, m);
+    free(text);
+    free(path);
+    return rc;
+}
+
+/* ---- verification ------------------------------------------------------- */
+
+/* The file's digest differs: say which tensor if the file still parses. */
+static int name_mismatch(const char *dir, const ckpt_manifest_file *f, const ckpt_mapped *mp) {
+    ckpt_reader *r = NULL;
+    int rc = ckpt_reader_open_memory(&r, mp->data, (size_t)mp->size, f->name);
+    if (rc < 0)
+        return ckpt__err_prefix(CKPT_ECORRUPT, "%s: %s: checksum mismatch and the file does not parse",
+                                dir, f->name);
+    for (int64_t t = 0; t < f->ntensors; t++) {
+        const void *p = NULL;
+        ckpt_entry_info info;
+        if (ckpt_reader_tensor_view(r, f->tensor_keys[t], &p, &info) < 0) {
+            ckpt_reader_free(r);
+            return ckpt__err(CKPT_ECORRUPT, "%s: %s: tensor '%s': missing (checksum mismatch)", dir,
+                             f->name, f->tensor_keys[t]);
+        }
+        if (ckpt__xxh3(p, (size_t)info.nbytes) != f->tensor_xxh3[t]) {
+            ckpt_reader_free(r);
+            return ckpt__err(CKPT_ECORRUPT, "%s: %s: tensor '%s': checksum mismatch", dir, f->name,
+                             f->tensor_keys[t]);
+        }
+    }
+    ckpt_reader_free(r);
+    return ckpt__err(CKPT_ECORRUPT,
+                     "%s: %s: checksum mismatch in the header or metadata (tensor data intact)", dir,
+                     f->name);
+}
+
+static bool ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+static int check_unlisted(const char *dir, const ckpt_manifest *m) {
+    DIR *d = opendir(dir);
+    if (!d) return ckpt__err_os(errno, "%s", dir);
+    struct dirent *e;
+    int rc = 0;
+    while ((e = readdir(d)) != NULL) {
+        if (!ends_with(e->d_name, ".safetensors") || e->d_name[0] == '.') continue;
+        if (!ckpt__manifest_find(m, e->d_name)) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s is not listed in the manifest", dir, e->d_name);
+            break;
+        }
+    }
+    closedir(d);
+    return rc;
+}
+
+/* Only entries that were mapped: the others are still zeroed. */
+static void unmap_if(ckpt_mapped *mp) {
+    if (mp->data || mp->map_base || mp->heap) ckpt__unmap(mp);
+    memset(mp, 0, sizeof *mp);
+}
+
+void ckpt__checkpoint_close(ckpt_checkpoint_open *c) {
+    if (c->maps) {
+        for (int64_t i = 0; i < c->m.nfiles; i++) unmap_if(&c->maps[i]);
+        free(c->maps);
+        c->maps = NULL;
+    }
+    ckpt__manifest_clear(&c->m);
+    c->total_bytes = 0;
+    c->have_manifest = false;
+}
+
+static int check_one(const char *dir, const ckpt_manifest_file *f, bool deep, ckpt_mapped *mp,
+                     bool *mapped) {
+    char *path = join(dir, f->name);
+    if (!path) return ckpt__err_nomem("checkpoint path");
+    struct stat st;
+    int rc = 0;
+    if (stat(path, &st) != 0) {
+        rc = errno == ENOENT ? ckpt__err(CKPT_ECORRUPT, "%s: %s is listed in the manifest but missing",
+                                         dir, f->name)
+                             : ckpt__err_os(errno, "%s", path);
+    } else if (!S_ISREG(st.st_mode)) {
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %s is not a regular file", dir, f->name);
+    } else if ((uint64_t)st.st_size != f->size) {
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: size %lld bytes, the manifest says %" PRIu64 "%s", dir,
+                       f->name, (long long)st.st_size, f->size,
+                       (uint64_t)st.st_size < f->size ? " (truncated)" : "");
+    } else if (deep) {
+        rc = ckpt__map_file(path, mp);
+        if (rc == 0) {
+            *mapped = true;
+            if (mp->size != f->size)
+                rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: size %" PRIu64 " bytes, the manifest says %" PRIu64,
+                               dir, f->name, mp->size, f->size);
+            else if (ckpt__xxh3(mp->data, (size_t)mp->size) != f->xxh3)
+                rc = name_mismatch(dir, f, mp);
+        }
+    }
+    free(path);
+    return rc;
+}
+
+int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_checkpoint_open *c) {
+    memset(c, 0, sizeof *c);
+    int rc = ckpt__manifest_read(dir, &c->m);
+    if (rc < 0) {
+        char *path = join(dir, CKPT_MANIFEST_NAME);
+        struct stat st;
+        c->no_manifest = path && stat(dir, &st) == 0 && S_ISDIR(st.st_mode) &&
+                         stat(path, &st) != 0 && errno == ENOENT;
+        free(path);
+        return rc;
+    }
+    c->have_manifest = true;
+    if (keep_maps && deep) {
+        c->maps = ckpt__calloc((size_t)(c->m.nfiles ? c->m.nfiles : 1), sizeof *c->maps);
+        if (!c->maps) {
+            ckpt__checkpoint_close(c);
+            return ckpt__err_nomem("checkpoint maps");
+        }
+    }
+    for (int64_t i = 0; i < c->m.nfiles && rc == 0; i++) {
+        const ckpt_manifest_file *f = &c->m.files[i];
+        ckpt_mapped tmp;
+        memset(&tmp, 0, sizeof tmp);
+        ckpt_mapped *mp = c->maps ? &c->maps[i] : &tmp;
+        bool mapped = false;
+        rc = check_one(dir, f, deep, mp, &mapped);
+        if (mapped && !c->maps) unmap_if(&tmp);
+        c->total_bytes += f->size;
+    }
+    if (rc == 0) rc = check_unlisted(dir, &c->m);
+    if (rc < 0) {
+        /* Keep the manifest (callers report what could be read); drop maps. */
+        if (c->maps) {
+            for (int64_t i = 0; i < c->m.nfiles; i++) unmap_if(&c->maps[i]);
+            free(c->maps);
+            c->maps = NULL;
+        }
+    }
+    return rc;
+}

@@ -1,0 +1,79 @@
+/* manifest.h — checkpoint.json, the manifest and commit record of a
+ * checkpoint folder: writing it, parsing it as hostile input, and verifying a
+ * folder's files against it. */
+#ifndef CKPT_MANIFEST_H
+#define CKPT_MANIFEST_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ckpt.h"
+#include "io.h"
+#include "statedict.h"
+
+#define CKPT_MANIFEST_NAME "checkpoint.json"
+#define CKPT_FORMAT_VERSION 1
+/* A manifest lists a few dozen files; anything this large is not ours. */
+#define CKPT_MANIFEST_MAX_BYTES (16u << 20)
+
+typedef struct ckpt_manifest_file {
+    char *name;            /* plain file name inside the folder */
+    char *kind;            /* "model", "optimizer", ..., "custom", "random_states" */
+    uint64_t size;
+    uint64_t xxh3;
+    int64_t ntensors;
+    char **tensor_keys;
+    uint64_t *tensor_xxh3;
+} ckpt_manifest_file;
+
+typedef struct ckpt_manifest {
+    int64_t format_version;
+    char library_version[32];
+    int64_t iteration;     /* the automatic numbering after this save (next number) */
+    int64_t step;
+    int process_index;     /* -1 if absent */
+    int num_processes;
+    int64_t created_unix;
+    char created[32];      /* ISO 8601 UTC */
+    int64_t nfiles;
+    int64_t cap;
+    ckpt_manifest_file *files;
+} ckpt_manifest;
+
+void ckpt__manifest_init(ckpt_manifest *m);
+/* Frees everything the manifest owns and re-initialises it. */
+void ckpt__manifest_clear(ckpt_manifest *m);
+/* Adds a file entry; copies name, kind and d's tensor keys and digests. */
+int ckpt__manifest_add(ckpt_manifest *m, const char *name, const char *kind,
+                       const ckpt_file_digest *d);
+const ckpt_manifest_file *ckpt__manifest_find(const ckpt_manifest *m, const char *name);
+
+/* Writes <dir>/checkpoint.json crash-safely (fsynced; the folder too). Fills
+ * created/created_unix if they are unset. */
+int ckpt__manifest_write(ckpt_manifest *m, const char *dir);
+/* Parses a manifest text; `what` names it in messages. CKPT_ECORRUPT for
+ * anything malformed, CKPT_EUNSUPPORTED for a newer format version. */
+int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_manifest *m);
+/* Reads and parses <dir>/checkpoint.json. A missing manifest is
+ * CKPT_ECORRUPT "... not a complete checkpoint"; a missing dir CKPT_ENOENT. */
+int ckpt__manifest_read(const char *dir, ckpt_manifest *m);
+
+/* An opened, verified checkpoint folder: its manifest and every listed file
+ * mapped (maps[i] belongs to m.files[i]). */
+typedef struct ckpt_checkpoint_open {
+    ckpt_manifest m;
+    ckpt_mapped *maps;
+    uint64_t total_bytes;
+    bool have_manifest; /* the manifest was read and parsed (m is valid) */
+    bool no_manifest;   /* the folder exists but has no manifest */
+} ckpt_checkpoint_open;
+
+/* Reads the manifest of dir and checks every listed file: it exists and has
+ * the listed size; if deep, its XXH3-64 matches too (on mismatch the message
+ * names the tensor whose digest differs when the file still parses). A
+ * .safetensors file the manifest does not list makes the folder corrupt.
+ * If keep_maps, the files stay mapped in c->maps (deep only). */
+int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_checkpoint_open *c);
+void ckpt__checkpoint_close(ckpt_checkpoint_open *c);
+
+#endif

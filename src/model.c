@@ -1,0 +1,178 @@
+/* model.c — a model is a list of named parameter tensors the caller owns.
+ * Its state dict is exactly those tensors under their names, so
+ * model.safetensors is a plain state dict any safetensors reader loads. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ckpt.h"
+#include "error.h"
+#include "statedict.h"
+
+typedef struct model_param {
+    char *name;
+    ckpt_dtype dtype;
+    int ndim;
+    int64_t shape[CKPT_MAX_NDIM];
+    int64_t numel;
+    uint64_t nbytes;
+    void *data;
+    void *grad;
+} model_param;
+
+struct ckpt_model {
+    model_param *params;
+    int64_t n, cap;
+    int64_t numel;
+};
+
+int ckpt_model_new(ckpt_model **out) {
+    if (!out) return ckpt__err(CKPT_EINVAL, "model_new: out is NULL");
+    *out = NULL;
+    ckpt_model *m = ckpt__calloc(1, sizeof *m);
+    if (!m) return ckpt__err_nomem("model");
+    *out = m;
+    return CKPT_OK;
+}
+
+void ckpt_model_free(ckpt_model *m) {
+    if (!m) return;
+    for (int64_t i = 0; i < m->n; i++) free(m->params[i].name);
+    free(m->params);
+    free(m);
+}
+
+int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
+                         const int64_t *shape, void *data, void *grad) {
+    if (!m) return ckpt__err(CKPT_EINVAL, "model_add_param: model is NULL");
+    /* Names become state-dict keys, so they follow the key rules. */
+    CKPT_TRY(ckpt__check_key(name, "model: parameter name"));
+    if (ndim < 0 || ndim > CKPT_MAX_NDIM)
+        return ckpt__err(CKPT_EINVAL, "model: parameter '%s': ndim %d outside 0..%d", name, ndim,
+                         CKPT_MAX_NDIM);
+    if (ndim > 0 && !shape)
+        return ckpt__err(CKPT_EINVAL, "model: parameter '%s': shape is NULL", name);
+    uint64_t nbytes;
+    int rc = ckpt_tensor_nbytes(dt, ndim, shape, &nbytes);
+    if (rc < 0) return ckpt__err_prefix(rc, "model: parameter '%s'", name);
+    if (!data && nbytes > 0)
+        return ckpt__err(CKPT_EINVAL, "model: parameter '%s': data is NULL", name);
+    int64_t numel = 1;
+    for (int d = 0; d < ndim; d++) numel *= shape[d]; /* no overflow: nbytes fit above */
+    for (int64_t i = 0; i < m->n; i++)
+        if (strcmp(m->params[i].name, name) == 0)
+            return ckpt__err(CKPT_EEXIST, "model: duplicate parameter name '%s'", name);
+    if (m->n == m->cap) {
+        int64_t cap = m->cap ? m->cap * 2 : 16;
+        model_param *p = ckpt__realloc(m->params, (size_t)cap * sizeof *p);
+        if (!p) return ckpt__err_nomem("model parameters");
+        m->params = p;
+        m->cap = cap;
+    }
+    model_param *p = &m->params[m->n];
+    memset(p, 0, sizeof *p);
+    p->name = ckpt__strdup(name);
+    if (!p->name) return ckpt__err_nomem("model parameter name");
+    p->dtype = dt;
+    p->ndim = ndim;
+    for (int d = 0; d < ndim; d++) p->shape[d] = shape[d];
+    p->numel = numel;
+    p->nbytes = nbytes;
+    p->data = data;
+    p->grad = grad;
+    m->n++;
+    m->numel += numel;
+    return CKPT_OK;
+}
+
+int64_t ckpt_model_num_params(const ckpt_model *m) { return m ? m->n : 0; }
+
+int64_t ckpt_model_num_elements(const ckpt_model *m) { return m ? m->numel : 0; }
+
+int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info) {
+    if (!m || !info) return ckpt__err(CKPT_EINVAL, "model_param: model or info is NULL");
+    if (i < 0 || i >= m->n)
+        return ckpt__err(CKPT_EINVAL, "model: parameter index %lld outside 0..%lld", (long long)i,
+                         (long long)m->n - 1);
+    const model_param *p = &m->params[i];
+    memset(info, 0, sizeof *info);
+    info->name = p->name;
+    info->dtype = p->dtype;
+    info->ndim = p->ndim;
+    memcpy(info->shape, p->shape, sizeof p->shape);
+    info->numel = p->numel;
+    info->data = p->data;
+    info->grad = p->grad;
+    return CKPT_OK;
+}
+
+/* ---- state dict --------------------------------------------------------- */
+
+static int model_state_dict(void *self, ckpt_writer *w) {
+    ckpt_model *m = self;
+    for (int64_t i = 0; i < m->n; i++) {
+        const model_param *p = &m->params[i];
+        CKPT_TRY(ckpt_write_tensor(w, p->name, p->dtype, p->ndim, p->shape, p->data));
+    }
+    return CKPT_OK;
+}
+
+static bool same_shape(const ckpt_entry_info *e, const model_param *p) {
+    if (e->ndim != p->ndim) return false;
+    for (int d = 0; d < p->ndim; d++)
+        if (e->shape[d] != p->shape[d]) return false;
+    return true;
+}
+
+static void shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
+    size_t n = (size_t)snprintf(buf, cap, "[");
+    for (int d = 0; d < ndim && n < cap; d++)
+        n += (size_t)snprintf(buf + n, cap - n, d ? ",%lld" : "%lld", (long long)shape[d]);
+    if (n < cap) snprintf(buf + n, cap - n, "]");
+}
+
+static int model_load_state_dict(void *self, ckpt_reader *r) {
+    ckpt_model *m = self;
+    /* Check every parameter before reading any, so a file that does not fit
+     * leaves the model untouched even outside a transactional load. */
+    for (int64_t i = 0; i < m->n; i++) {
+        const model_param *p = &m->params[i];
+        ckpt_entry_info e;
+        int rc = ckpt_reader_find(r, p->name, &e);
+        if (rc == CKPT_ENOENT || (rc == CKPT_OK && e.kind != CKPT_ENTRY_TENSOR))
+            return ckpt__err(CKPT_EMISMATCH, "model: parameter '%s' missing from the state dict",
+                             p->name);
+        if (rc < 0) return rc;
+        if (e.dtype != p->dtype || !same_shape(&e, p)) {
+            char fs[256], ms[256];
+            shape_str(fs, sizeof fs, e.ndim, e.shape);
+            shape_str(ms, sizeof ms, p->ndim, p->shape);
+            const char *fd = ckpt_dtype_name(e.dtype), *md = ckpt_dtype_name(p->dtype);
+            return ckpt__err(CKPT_EMISMATCH,
+                             "model: parameter '%s': %s %s in file, %s %s in memory", p->name,
+                             fd ? fd : "?", fs, md ? md : "?", ms);
+        }
+    }
+    int64_t extra = ckpt_reader_count(r) - m->n;
+    if (extra > 0) {
+        for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
+            ckpt_entry_info e;
+            if (ckpt_reader_entry(r, i, &e) < 0) continue;
+            bool known = false;
+            for (int64_t j = 0; j < m->n && !known; j++)
+                known = strcmp(m->params[j].name, e.key) == 0;
+            if (!known)
+                return ckpt__err(CKPT_EMISMATCH,
+                                 "model: state dict has entry '%s', which is no parameter", e.key);
+        }
+    }
+    for (int64_t i = 0; i < m->n; i++) {
+        const model_param *p = &m->params[i];
+        CKPT_TRY(ckpt_read_tensor(r, p->name, p->dtype, p->ndim, p->shape, p->data));
+    }
+    return CKPT_OK;
+}
+
+static const ckpt_stateful_ops model_ops = {model_state_dict, model_load_state_dict};
+
+const ckpt_stateful_ops *ckpt_model_ops(void) { return &model_ops; }

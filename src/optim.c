@@ -1,0 +1,746 @@
+/* optim.c — SGD, Adam and AdamW as PyTorch 1.13's single-tensor (foreach=False)
+ * implementations compute them: fp32 tensors, Python-float (double) scalars
+ * rounded to float where PyTorch's kernels round them, in PyTorch's order of
+ * operations, so trajectories agree with PyTorch's bit for bit. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ckpt.h"
+#include "error.h"
+#include "optim.h"
+
+/* PyTorch's CPU kernels (AVX2 build) compute add(x, alpha=a) and addcmul with
+ * a fused multiply-add; we use fmaf at the same places so that the results
+ * agree bit for bit. On x86-64 the SGD loop is compiled twice, for FMA
+ * hardware (fmaf becomes one vectorized instruction) and for the baseline
+ * (fmaf is a libm call: exact, but slower), picked at load time; the Adam loop
+ * has an explicit AVX2 version (below). */
+#define FMADD(a, b, c) fmaf((a), (b), (c))
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define UPDATE_CLONES __attribute__((target_clones("fma", "default")))
+#else
+#define UPDATE_CLONES
+#endif
+
+typedef struct opt_param {
+    const char *name; /* view into the model */
+    int ndim;
+    int64_t shape[CKPT_MAX_NDIM];
+    int64_t numel;
+    float *data;
+    float *grad;
+    int group;
+    float step; /* PyTorch keeps a float32 0-d tensor */
+    float *exp_avg;
+    float *exp_avg_sq;
+    float *max_exp_avg_sq;
+    float *momentum_buffer;
+} opt_param;
+
+struct ckpt_optimizer {
+    ckpt_optim_kind kind;
+    ckpt_model *model;
+    int64_t np;
+    opt_param *p; /* in PyTorch's numbering: group 0's parameters, then group 1's... */
+    int ngroups;
+    ckpt_optim_options *opts;
+    int64_t *group_start; /* ngroups + 1 offsets into p */
+    int64_t *param_index; /* 0..np-1, the data of the param_groups.<g>.params tensors */
+};
+
+static const char *kind_name(ckpt_optim_kind k) {
+    switch (k) {
+    case CKPT_OPTIM_SGD: return "sgd";
+    case CKPT_OPTIM_ADAM: return "adam";
+    case CKPT_OPTIM_ADAMW: return "adamw";
+    }
+    return "?";
+}
+
+ckpt_optim_options ckpt_optim_defaults(ckpt_optim_kind kind) {
+    ckpt_optim_options o;
+    memset(&o, 0, sizeof o);
+    o.lr = 1e-3;
+    if (kind == CKPT_OPTIM_ADAM || kind == CKPT_OPTIM_ADAMW) {
+        o.beta1 = 0.9;
+        o.beta2 = 0.999;
+        o.eps = 1e-8;
+        o.weight_decay = kind == CKPT_OPTIM_ADAMW ? 1e-2 : 0.0;
+    }
+    return o;
+}
+
+/* PyTorch's argument checks (plus finiteness), naming the group's key. */
+static int check_options(ckpt_optim_kind kind, const ckpt_optim_options *o, int g) {
+#define BAD(field, want, val)                                                                      \
+    ckpt__err(CKPT_EINVAL, "optimizer: param_groups.%d." field ": expected " want ", got %g", g,   \
+              (double)(val))
+    if (!(o->lr >= 0) || !isfinite(o->lr)) return BAD("lr", ">= 0", o->lr);
+    if (!(o->weight_decay >= 0) || !isfinite(o->weight_decay))
+        return BAD("weight_decay", ">= 0", o->weight_decay);
+    if (kind == CKPT_OPTIM_SGD) {
+        if (!(o->momentum >= 0) || !isfinite(o->momentum))
+            return BAD("momentum", ">= 0", o->momentum);
+        if (!isfinite(o->dampening)) return BAD("dampening", "a finite value", o->dampening);
+        if (o->nesterov && (o->momentum <= 0 || o->dampening != 0))
+            return ckpt__err(CKPT_EINVAL,
+                             "optimizer: param_groups.%d.nesterov: needs momentum > 0 and "
+                             "dampening 0, got momentum %g, dampening %g",
+                             g, o->momentum, o->dampening);
+    } else {
+        if (!(o->eps >= 0) || !isfinite(o->eps)) return BAD("eps", ">= 0", o->eps);
+        if (!(o->beta1 >= 0 && o->beta1 < 1)) return BAD("betas.0", "in [0, 1)", o->beta1);
+        if (!(o->beta2 >= 0 && o->beta2 < 1)) return BAD("betas.1", "in [0, 1)", o->beta2);
+    }
+    return CKPT_OK;
+#undef BAD
+}
+
+/* Which state buffers a parameter needs under its group's options. */
+static bool needs_moments(const ckpt_optimizer *o) { return o->kind != CKPT_OPTIM_SGD; }
+static bool needs_max(const ckpt_optimizer *o, const ckpt_optim_options *g) {
+    return o->kind != CKPT_OPTIM_SGD && g->amsgrad;
+}
+static bool needs_momentum(const ckpt_optimizer *o, const ckpt_optim_options *g) {
+    return o->kind == CKPT_OPTIM_SGD && g->momentum != 0;
+}
+
+static void free_state(opt_param *p) {
+    free(p->exp_avg);
+    free(p->exp_avg_sq);
+    free(p->max_exp_avg_sq);
+    free(p->momentum_buffer);
+    p->exp_avg = p->exp_avg_sq = p->max_exp_avg_sq = p->momentum_buffer = NULL;
+}
+
+static void free_params(opt_param *p, int64_t n) {
+    if (!p) return;
+    for (int64_t i = 0; i < n; i++) free_state(&p[i]);
+    free(p);
+}
+
+static float *zeros(int64_t n) { return ckpt__calloc(n > 0 ? (size_t)n : 1, sizeof(float)); }
+
+/* Allocates zeroed state for every parameter of p as its group needs.
+ * State exists from the start (zeros, step 0) so that the state dict has the
+ * same keys before and after the first step. */
+static int alloc_state(const ckpt_optimizer *o, opt_param *p, int64_t n,
+                       const ckpt_optim_options *opts) {
+    for (int64_t i = 0; i < n; i++) {
+        const ckpt_optim_options *g = &opts[p[i].group];
+        bool ok = true;
+        if (needs_moments(o)) {
+            ok = ok && (p[i].exp_avg = zeros(p[i].numel)) != NULL;
+            ok = ok && (p[i].exp_avg_sq = zeros(p[i].numel)) != NULL;
+        }
+        if (needs_max(o, g)) ok = ok && (p[i].max_exp_avg_sq = zeros(p[i].numel)) != NULL;
+        if (needs_momentum(o, g)) ok = ok && (p[i].momentum_buffer = zeros(p[i].numel)) != NULL;
+        if (!ok) return ckpt__err_nomem("optimizer state");
+    }
+    return CKPT_OK;
+}
+
+void ckpt_optimizer_free(ckpt_optimizer *o) {
+    if (!o) return;
+    free_params(o->p, o->np);
+    free(o->opts);
+    free(o->group_start);
+    free(o->param_index);
+    free(o);
+}
+
+int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
+                       const ckpt_optim_options *opt) {
+    if (!out) return ckpt__err(CKPT_EINVAL, "optimizer_new: out is NULL");
+    *out = NULL;
+    if (!m || !opt) return ckpt__err(CKPT_EINVAL, "optimizer_new: model or options is NULL");
+    if (kind != CKPT_OPTIM_SGD && kind != CKPT_OPTIM_ADAM && kind != CKPT_OPTIM_ADAMW)
+        return ckpt__err(CKPT_EINVAL, "optimizer_new: unknown kind %d", (int)kind);
+    int64_t np = ckpt_model_num_params(m);
+    if (np == 0) return ckpt__err(CKPT_EINVAL, "optimizer: the model has no parameters");
+    CKPT_TRY(check_options(kind, opt, 0));
+    for (int64_t i = 0; i < np; i++) {
+        ckpt_param_info info;
+        CKPT_TRY(ckpt_model_param(m, i, &info));
+        if (info.dtype != CKPT_F32) {
+            const char *dn = ckpt_dtype_name(info.dtype);
+            return ckpt__err(CKPT_EUNSUPPORTED,
+                             "optimizer: parameter '%s' is %s: only F32 parameters are supported",
+                             info.name, dn ? dn : "?");
+        }
+    }
+    ckpt_optimizer *o = ckpt__calloc(1, sizeof *o);
+    if (!o) return ckpt__err_nomem("optimizer");
+    o->kind = kind;
+    o->model = m;
+    o->np = np;
+    o->ngroups = 1;
+    o->p = ckpt__calloc((size_t)np, sizeof *o->p);
+    o->opts = ckpt__malloc(sizeof *o->opts);
+    o->group_start = ckpt__malloc(2 * sizeof *o->group_start);
+    o->param_index = ckpt__malloc((size_t)np * sizeof *o->param_index);
+    if (!o->p || !o->opts || !o->group_start || !o->param_index) {
+        ckpt_optimizer_free(o);
+        return ckpt__err_nomem("optimizer");
+    }
+    o->opts[0] = *opt;
+    o->group_start[0] = 0;
+    o->group_start[1] = np;
+    for (int64_t i = 0; i < np; i++) {
+        ckpt_param_info info;
+        ckpt_model_param(m, i, &info);
+        opt_param *p = &o->p[i];
+        p->name = info.name;
+        p->ndim = info.ndim;
+        memcpy(p->shape, info.shape, sizeof p->shape);
+        p->numel = info.numel;
+        p->data = info.data;
+        p->grad = info.grad;
+        o->param_index[i] = i;
+    }
+    int rc = alloc_state(o, o->p, np, o->opts);
+    if (rc < 0) {
+        ckpt_optimizer_free(o);
+        return rc;
+    }
+    *out = o;
+    return CKPT_OK;
+}
+
+int ckpt_sgd_new(ckpt_optimizer **out, ckpt_model *m, double lr, double momentum,
+                 double weight_decay, bool nesterov) {
+    ckpt_optim_options o = ckpt_optim_defaults(CKPT_OPTIM_SGD);
+    o.lr = lr;
+    o.momentum = momentum;
+    o.weight_decay = weight_decay;
+    o.nesterov = nesterov;
+    return ckpt_optimizer_new(out, CKPT_OPTIM_SGD, m, &o);
+}
+
+static int adam_like_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m, double lr,
+                         double beta1, double beta2, double eps, double weight_decay) {
+    ckpt_optim_options o = ckpt_optim_defaults(kind);
+    o.lr = lr;
+    o.beta1 = beta1;
+    o.beta2 = beta2;
+    o.eps = eps;
+    o.weight_decay = weight_decay;
+    return ckpt_optimizer_new(out, kind, m, &o);
+}
+
+int ckpt_adam_new(ckpt_optimizer **out, ckpt_model *m, double lr, double beta1, double beta2,
+                  double eps, double weight_decay) {
+    return adam_like_new(out, CKPT_OPTIM_ADAM, m, lr, beta1, beta2, eps, weight_decay);
+}
+
+int ckpt_adamw_new(ckpt_optimizer **out, ckpt_model *m, double lr, double beta1, double beta2,
+                   double eps, double weight_decay) {
+    return adam_like_new(out, CKPT_OPTIM_ADAMW, m, lr, beta1, beta2, eps, weight_decay);
+}
+
+static bool has_stepped(const ckpt_optimizer *o) {
+    for (int64_t i = 0; i < o->np; i++)
+        if (o->p[i].step != 0) return true;
+    return false;
+}
+
+int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_of,
+                              const ckpt_optim_options *opts) {
+    if (!o || !group_of || !opts)
+        return ckpt__err(CKPT_EINVAL, "optimizer_set_groups: NULL argument");
+    if (has_stepped(o))
+        return ckpt__err(CKPT_EINVAL, "optimizer_set_groups: only before the first step");
+    if (ngroups < 1) return ckpt__err(CKPT_EINVAL, "optimizer_set_groups: %d groups", ngroups);
+    int64_t nm = ckpt_model_num_params(o->model);
+    for (int g = 0; g < ngroups; g++) CKPT_TRY(check_options(o->kind, &opts[g], g));
+    int64_t *count = ckpt__calloc((size_t)ngroups + 1, sizeof *count);
+    if (!count) return ckpt__err_nomem("optimizer groups");
+    int64_t np = 0;
+    for (int64_t i = 0; i < nm; i++) {
+        if (group_of[i] == -1) continue; /* not optimized (a frozen parameter) */
+        if (group_of[i] < 0 || group_of[i] >= ngroups) {
+            free(count);
+            return ckpt__err(CKPT_EINVAL,
+                             "optimizer_set_groups: parameter %lld: group %d outside -1..%d",
+                             (long long)i, group_of[i], ngroups - 1);
+        }
+        count[group_of[i]]++;
+        np++;
+    }
+    for (int g = 0; g < ngroups; g++)
+        if (count[g] == 0) {
+            free(count);
+            return ckpt__err(CKPT_EINVAL, "optimizer_set_groups: group %d has no parameters", g);
+        }
+    opt_param *p = ckpt__calloc((size_t)np, sizeof *p);
+    ckpt_optim_options *nopts = ckpt__malloc((size_t)ngroups * sizeof *nopts);
+    int64_t *start = ckpt__malloc(((size_t)ngroups + 1) * sizeof *start);
+    int64_t *index = ckpt__malloc((size_t)np * sizeof *index);
+    if (!p || !nopts || !start || !index) {
+        free(p);
+        free(nopts);
+        free(start);
+        free(index);
+        free(count);
+        return ckpt__err_nomem("optimizer groups");
+    }
+    memcpy(nopts, opts, (size_t)ngroups * sizeof *nopts);
+    start[0] = 0;
+    for (int g = 0; g < ngroups; g++) start[g + 1] = start[g] + count[g];
+    memset(count, 0, ((size_t)ngroups + 1) * sizeof *count);
+    for (int64_t i = 0; i < nm; i++) {
+        if (group_of[i] == -1) continue;
+        int g = group_of[i];
+        int64_t k = start[g] + count[g]++;
+        ckpt_param_info info;
+        ckpt_model_param(o->model, i, &info);
+        p[k].name = info.name;
+        p[k].ndim = info.ndim;
+        memcpy(p[k].shape, info.shape, sizeof p[k].shape);
+        p[k].numel = info.numel;
+        p[k].data = info.data;
+        p[k].grad = info.grad;
+        p[k].group = g;
+        index[k] = k;
+    }
+    free(count);
+    int rc = alloc_state(o, p, np, nopts);
+    if (rc < 0) {
+        free_params(p, np);
+        free(nopts);
+        free(start);
+        free(index);
+        return rc;
+    }
+    free_params(o->p, o->np);
+    free(o->opts);
+    free(o->group_start);
+    free(o->param_index);
+    o->p = p;
+    o->np = np;
+    o->opts = nopts;
+    o->ngroups = ngroups;
+    o->group_start = start;
+    o->param_index = index;
+    return CKPT_OK;
+}
+
+int ckpt_optimizer_num_groups(const ckpt_optimizer *o) { return o ? o->ngroups : 0; }
+
+double ckpt_optimizer_get_lr(const ckpt_optimizer *o, int group) {
+    if (!o || group < 0 || group >= o->ngroups) return NAN;
+    return o->opts[group].lr;
+}
+
+int ckpt_optimizer_set_lr(ckpt_optimizer *o, int group, double lr) {
+    if (!o) return ckpt__err(CKPT_EINVAL, "optimizer_set_lr: optimizer is NULL");
+    if (group < 0 || group >= o->ngroups)
+        return ckpt__err(CKPT_EINVAL, "optimizer_set_lr: group %d outside 0..%d", group,
+                         o->ngroups - 1);
+    if (!(lr >= 0) || !isfinite(lr))
+        return ckpt__err(CKPT_EINVAL, "optimizer: param_groups.%d.lr: expected >= 0, got %g",
+                         group, lr);
+    o->opts[group].lr = lr;
+    return CKPT_OK;
+}
+
+/* ---- the updates -------------------------------------------------------- */
+
+/* torch.optim.SGD, one tensor. first: no momentum buffer yet (buf = d_p). */
+UPDATE_CLONES static void sgd_update(float *restrict p, const float *restrict g,
+                                     float *restrict buf, int64_t n, const ckpt_optim_options *o,
+                                     bool first) {
+    const float sign = o->maximize ? -1.0f : 1.0f;
+    const float wd = (float)o->weight_decay;
+    const float mom = (float)o->momentum;
+    const float damp = (float)(1.0 - o->dampening);
+    const float neg_lr = (float)-o->lr;
+    const bool has_wd = o->weight_decay != 0, has_mom = o->momentum != 0;
+    const bool nesterov = o->nesterov;
+    for (int64_t i = 0; i < n; i++) {
+        float d = sign * g[i];
+        if (has_wd) d = FMADD(wd, p[i], d);
+        if (has_mom) {
+            float b = first ? d : FMADD(damp, d, buf[i] * mom);
+            buf[i] = b;
+            d = nesterov ? FMADD(mom, b, d) : b;
+        }
+        p[i] = FMADD(neg_lr, d, p[i]);
+    }
+}
+
+typedef struct adam_consts {
+    float sign, wd, decay, b1, omb1, b2, omb2, bc2_sqrt, eps, neg_step_size;
+} adam_consts;
+
+/* torch.optim.Adam / AdamW, one tensor: the portable loop. The flags are
+ * constants in each instantiation below (the loop is inlined into them). */
+#if defined(__GNUC__)
+#define ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define ALWAYS_INLINE
+#endif
+
+static inline ALWAYS_INLINE void adam_loop(float *restrict p, const float *restrict g,
+                                           float *restrict m, float *restrict v,
+                                           float *restrict vmax, int64_t n, const adam_consts *k,
+                                           bool l2, bool decoupled, bool amsgrad) {
+    const adam_consts c = *k;
+    for (int64_t i = 0; i < n; i++) {
+        float gi = c.sign * g[i];
+        float pi = p[i];
+        if (l2) gi = FMADD(c.wd, pi, gi);
+        if (decoupled) pi = pi * c.decay;
+        float mi = FMADD(c.omb1, gi, m[i] * c.b1);
+        float vi = FMADD(c.omb2 * gi, gi, v[i] * c.b2);
+        m[i] = mi;
+        v[i] = vi;
+        if (amsgrad) {
+            vi = vmax[i] > vi ? vmax[i] : vi;
+            vmax[i] = vi;
+        }
+        float denom = sqrtf(vi) / c.bc2_sqrt + c.eps;
+        p[i] = pi + (c.neg_step_size * mi) / denom;
+    }
+}
+
+typedef void (*adam_fn)(float *restrict p, const float *restrict g, float *restrict m,
+                        float *restrict v, float *restrict vmax, int64_t n, const adam_consts *k);
+
+#define ADAM_VARIANT(attr, name, loop, l2, decoupled, amsgrad)                                     \
+    attr static void name(float *restrict p, const float *restrict g, float *restrict m,          \
+                          float *restrict v, float *restrict vmax, int64_t n,                     \
+                          const adam_consts *k) {                                                 \
+        loop(p, g, m, v, vmax, n, k, l2, decoupled, amsgrad);                                     \
+    }
+ADAM_VARIANT(, adam_generic_0, adam_loop, false, false, false)
+ADAM_VARIANT(, adam_generic_1, adam_loop, false, false, true)
+ADAM_VARIANT(, adam_generic_2, adam_loop, true, false, false)
+ADAM_VARIANT(, adam_generic_3, adam_loop, true, false, true)
+ADAM_VARIANT(, adam_generic_4, adam_loop, false, true, false)
+ADAM_VARIANT(, adam_generic_5, adam_loop, false, true, true)
+static const adam_fn adam_generic[6] = {adam_generic_0, adam_generic_1, adam_generic_2,
+                                        adam_generic_3, adam_generic_4, adam_generic_5};
+
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+/* The same loop eight lanes at a time with AVX2 + FMA. Compilers will not
+ * vectorize sqrtf while it may set errno, so the lanes are written out; every
+ * operation is the correctly rounded IEEE one of the scalar loop, so results
+ * are identical, lane or tail. */
+#define AVX2 __attribute__((target("avx2,fma")))
+static inline ALWAYS_INLINE AVX2 void adam_loop_avx2(float *restrict p, const float *restrict g,
+                                                     float *restrict m, float *restrict v,
+                                                     float *restrict vmax, int64_t n,
+                                                     const adam_consts *k, bool l2,
+                                                     bool decoupled, bool amsgrad) {
+    const adam_consts c = *k;
+    const __m256 sign = _mm256_set1_ps(c.sign), wd = _mm256_set1_ps(c.wd);
+    const __m256 decay = _mm256_set1_ps(c.decay), b1 = _mm256_set1_ps(c.b1);
+    const __m256 omb1 = _mm256_set1_ps(c.omb1), b2 = _mm256_set1_ps(c.b2);
+    const __m256 omb2 = _mm256_set1_ps(c.omb2), bc2 = _mm256_set1_ps(c.bc2_sqrt);
+    const __m256 eps = _mm256_set1_ps(c.eps), nss = _mm256_set1_ps(c.neg_step_size);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 gi = _mm256_mul_ps(sign, _mm256_loadu_ps(g + i));
+        __m256 pi = _mm256_loadu_ps(p + i);
+        if (l2) gi = _mm256_fmadd_ps(wd, pi, gi);
+        if (decoupled) pi = _mm256_mul_ps(pi, decay);
+        __m256 mi = _mm256_fmadd_ps(omb1, gi, _mm256_mul_ps(_mm256_loadu_ps(m + i), b1));
+        __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gi), gi,
+                                    _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
+        _mm256_storeu_ps(m + i, mi);
+        _mm256_storeu_ps(v + i, vi);
+        if (amsgrad) {
+            vi = _mm256_max_ps(_mm256_loadu_ps(vmax + i), vi); /* a > b ? a : b, as above */
+            _mm256_storeu_ps(vmax + i, vi);
+        }
+        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
+        _mm256_storeu_ps(p + i, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(nss, mi), denom)));
+    }
+    adam_loop(p + i, g + i, m + i, v + i, amsgrad ? vmax + i : vmax, n - i, k, l2, decoupled,
+              amsgrad);
+}
+ADAM_VARIANT(AVX2, adam_avx2_0, adam_loop_avx2, false, false, false)
+ADAM_VARIANT(AVX2, adam_avx2_1, adam_loop_avx2, false, false, true)
+ADAM_VARIANT(AVX2, adam_avx2_2, adam_loop_avx2, true, false, false)
+ADAM_VARIANT(AVX2, adam_avx2_3, adam_loop_avx2, true, false, true)
+ADAM_VARIANT(AVX2, adam_avx2_4, adam_loop_avx2, false, true, false)
+ADAM_VARIANT(AVX2, adam_avx2_5, adam_loop_avx2, false, true, true)
+static const adam_fn adam_avx2[6] = {adam_avx2_0, adam_avx2_1, adam_avx2_2,
+                                     adam_avx2_3, adam_avx2_4, adam_avx2_5};
+
+static bool force_generic;
+
+void ckpt__optim_force_generic(bool on) { force_generic = on; }
+
+static const adam_fn *adam_kernels(void) {
+    __builtin_cpu_init();
+    if (!force_generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return adam_avx2;
+    return adam_generic;
+}
+#else
+void ckpt__optim_force_generic(bool on) { (void)on; }
+
+static const adam_fn *adam_kernels(void) { return adam_generic; }
+#endif
+
+static void adam_update(opt_param *prm, const ckpt_optim_options *o, bool decoupled) {
+    prm->step += 1.0f;
+    double step = prm->step;
+    double bc1 = 1.0 - pow(o->beta1, step);
+    double bc2 = 1.0 - pow(o->beta2, step);
+    adam_consts c;
+    c.sign = o->maximize ? -1.0f : 1.0f;
+    c.wd = (float)o->weight_decay;
+    c.decay = (float)(1.0 - o->lr * o->weight_decay);
+    c.b1 = (float)o->beta1;
+    c.omb1 = (float)(1.0 - o->beta1);
+    c.b2 = (float)o->beta2;
+    c.omb2 = (float)(1.0 - o->beta2);
+    c.bc2_sqrt = (float)sqrt(bc2);
+    c.eps = (float)o->eps;
+    c.neg_step_size = (float)-(o->lr / bc1);
+    bool l2 = !decoupled && o->weight_decay != 0;
+    int variant = (decoupled ? 4 : l2 ? 2 : 0) + (o->amsgrad ? 1 : 0);
+    adam_kernels()[variant](prm->data, prm->grad, prm->exp_avg, prm->exp_avg_sq,
+                            prm->max_exp_avg_sq, prm->numel, &c);
+}
+
+int ckpt_optimizer_step(ckpt_optimizer *o) {
+    if (!o) return ckpt__err(CKPT_EINVAL, "optimizer_step: optimizer is NULL");
+    /* Check first so that a missing gradient changes nothing. */
+    for (int64_t i = 0; i < o->np; i++)
+        if (!o->p[i].grad && o->p[i].numel > 0)
+            return ckpt__err(CKPT_EINVAL,
+                             "optimizer: parameter '%s' (state %lld) has no gradient buffer",
+                             o->p[i].name, (long long)i);
+    for (int64_t i = 0; i < o->np; i++) {
+        opt_param *p = &o->p[i];
+        const ckpt_optim_options *g = &o->opts[p->group];
+        if (o->kind == CKPT_OPTIM_SGD) {
+            sgd_update(p->data, p->grad, p->momentum_buffer, p->numel, g, p->step == 0);
+            p->step += 1.0f;
+        } else {
+            adam_update(p, g, o->kind == CKPT_OPTIM_ADAMW);
+        }
+    }
+    return CKPT_OK;
+}
+
+void ckpt_optimizer_zero_grad(ckpt_optimizer *o) {
+    if (!o) return;
+    for (int64_t i = 0; i < o->np; i++)
+        if (o->p[i].grad) memset(o->p[i].grad, 0, (size_t)o->p[i].numel * sizeof(float));
+}
+
+/* ---- internal accessors (optim.h) -------------------------------------- */
+
+int64_t ckpt__optimizer_num_params(const ckpt_optimizer *o) { return o ? o->np : 0; }
+
+float *ckpt__optimizer_grad(const ckpt_optimizer *o, int64_t i, int64_t *numel) {
+    if (numel) *numel = o->p[i].numel;
+    return o->p[i].grad;
+}
+
+const char *ckpt__optimizer_param_name(const ckpt_optimizer *o, int64_t i) {
+    return o->p[i].name;
+}
+
+/* ---- state dict --------------------------------------------------------- */
+
+#define KEY_CAP 96
+
+static int write_group(const ckpt_optimizer *o, ckpt_writer *w, int g) {
+    const ckpt_optim_options *op = &o->opts[g];
+    char k[KEY_CAP];
+#define GKEY(name) (snprintf(k, sizeof k, "param_groups.%d." name, g), k)
+    CKPT_TRY(ckpt_write_f64(w, GKEY("lr"), op->lr));
+    CKPT_TRY(ckpt_write_f64(w, GKEY("weight_decay"), op->weight_decay));
+    CKPT_TRY(ckpt_write_i64(w, GKEY("maximize"), op->maximize));
+    if (o->kind == CKPT_OPTIM_SGD) {
+        CKPT_TRY(ckpt_write_f64(w, GKEY("momentum"), op->momentum));
+        CKPT_TRY(ckpt_write_f64(w, GKEY("dampening"), op->dampening));
+        CKPT_TRY(ckpt_write_i64(w, GKEY("nesterov"), op->nesterov));
+    } else {
+        CKPT_TRY(ckpt_write_f64(w, GKEY("betas.0"), op->beta1));
+        CKPT_TRY(ckpt_write_f64(w, GKEY("betas.1"), op->beta2));
+        CKPT_TRY(ckpt_write_f64(w, GKEY("eps"), op->eps));
+        CKPT_TRY(ckpt_write_i64(w, GKEY("amsgrad"), op->amsgrad));
+    }
+    int64_t n = o->group_start[g + 1] - o->group_start[g];
+    CKPT_TRY(ckpt_write_tensor(w, GKEY("params"), CKPT_I64, 1, &n,
+                               o->param_index + o->group_start[g]));
+#undef GKEY
+    return CKPT_OK;
+}
+
+/* A parameter's state tensors besides step, in key order: their key suffixes
+ * and buffers. Returns how many it has. */
+static int state_buffers(const opt_param *p, const char *names[4], float *bufs[4]) {
+    int n = 0;
+    float *all[4] = {p->exp_avg, p->exp_avg_sq, p->max_exp_avg_sq, p->momentum_buffer};
+    static const char *const all_names[4] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq",
+                                             "momentum_buffer"};
+    for (int j = 0; j < 4; j++)
+        if (all[j]) {
+            names[n] = all_names[j];
+            bufs[n++] = all[j];
+        }
+    return n;
+}
+
+static int optimizer_state_dict(void *self, ckpt_writer *w) {
+    const ckpt_optimizer *o = self;
+    char k[KEY_CAP];
+    CKPT_TRY(ckpt_write_str(w, "kind", kind_name(o->kind)));
+    for (int64_t i = 0; i < o->np; i++) {
+        const opt_param *p = &o->p[i];
+        snprintf(k, sizeof k, "state.%lld.step", (long long)i);
+        CKPT_TRY(ckpt_write_tensor(w, k, CKPT_F32, 0, NULL, &p->step));
+        const char *names[4];
+        float *bufs[4];
+        for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
+            snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
+            CKPT_TRY(ckpt_write_tensor(w, k, CKPT_F32, p->ndim, p->shape, bufs[j]));
+        }
+    }
+    for (int g = 0; g < o->ngroups; g++) CKPT_TRY(write_group(o, w, g));
+    return CKPT_OK;
+}
+
+static int read_bool(ckpt_reader *r, const char *key, bool *out) {
+    int64_t v;
+    CKPT_TRY(ckpt_read_i64(r, key, &v));
+    if (v != 0 && v != 1)
+        return ckpt__err(CKPT_ECORRUPT, "optimizer: %s: expected 0 or 1, got %lld", key,
+                         (long long)v);
+    *out = v != 0;
+    return CKPT_OK;
+}
+
+/* Reads group g's hyper-parameters into *op (which starts as the current
+ * ones) and checks its parameter list against ours. */
+static int read_group(const ckpt_optimizer *o, ckpt_reader *r, int g, ckpt_optim_options *op) {
+    char k[KEY_CAP];
+#define GKEY(name) (snprintf(k, sizeof k, "param_groups.%d." name, g), k)
+    CKPT_TRY(ckpt_read_f64(r, GKEY("lr"), &op->lr));
+    CKPT_TRY(ckpt_read_f64(r, GKEY("weight_decay"), &op->weight_decay));
+    CKPT_TRY(read_bool(r, GKEY("maximize"), &op->maximize));
+    if (o->kind == CKPT_OPTIM_SGD) {
+        CKPT_TRY(ckpt_read_f64(r, GKEY("momentum"), &op->momentum));
+        CKPT_TRY(ckpt_read_f64(r, GKEY("dampening"), &op->dampening));
+        CKPT_TRY(read_bool(r, GKEY("nesterov"), &op->nesterov));
+    } else {
+        CKPT_TRY(ckpt_read_f64(r, GKEY("betas.0"), &op->beta1));
+        CKPT_TRY(ckpt_read_f64(r, GKEY("betas.1"), &op->beta2));
+        CKPT_TRY(ckpt_read_f64(r, GKEY("eps"), &op->eps));
+        CKPT_TRY(read_bool(r, GKEY("amsgrad"), &op->amsgrad));
+    }
+    int64_t n = o->group_start[g + 1] - o->group_start[g];
+    ckpt_entry_info e;
+    int rc = ckpt_reader_find(r, GKEY("params"), &e);
+    if (rc < 0 || e.kind != CKPT_ENTRY_TENSOR || e.dtype != CKPT_I64 || e.ndim != 1 ||
+        e.shape[0] != n)
+        return ckpt__err(CKPT_EMISMATCH,
+                         "optimizer: %s: expected an I64 tensor of %lld parameter indices", k,
+                         (long long)n);
+    const void *data;
+    CKPT_TRY(ckpt_reader_tensor_view(r, k, &data, &e));
+    for (int64_t j = 0; j < n; j++) {
+        int64_t v;
+        memcpy(&v, (const char *)data + j * 8, 8); /* little-endian hosts only, as the format */
+        if (v != o->param_index[o->group_start[g] + j])
+            return ckpt__err(CKPT_EMISMATCH,
+                             "optimizer: %s[%lld]: parameter %lld in file, %lld in memory", k,
+                             (long long)j, (long long)v,
+                             (long long)o->param_index[o->group_start[g] + j]);
+    }
+#undef GKEY
+    int code = check_options(o->kind, op, g);
+    if (code < 0) return ckpt__err_prefix(CKPT_ECORRUPT, "state dict");
+    const ckpt_optim_options *cur = &o->opts[g];
+    if (needs_max(o, op) != needs_max(o, cur) || needs_momentum(o, op) != needs_momentum(o, cur))
+        return ckpt__err(CKPT_EMISMATCH,
+                         "optimizer: param_groups.%d: the file's %s differs from this "
+                         "optimizer's (its state buffers would not match)",
+                         g, o->kind == CKPT_OPTIM_SGD ? "momentum (zero vs non-zero)" : "amsgrad");
+    return CKPT_OK;
+}
+
+/* Checks that a state tensor exists with the parameter's shape. */
+static int check_state_tensor(ckpt_reader *r, const char *key, int ndim, const int64_t *shape) {
+    ckpt_entry_info e;
+    int rc = ckpt_reader_find(r, key, &e);
+    if (rc == CKPT_ENOENT || (rc == CKPT_OK && e.kind != CKPT_ENTRY_TENSOR))
+        return ckpt__err(CKPT_EMISMATCH, "optimizer: state dict has no tensor '%s'", key);
+    if (rc < 0) return rc;
+    bool same = e.dtype == CKPT_F32 && e.ndim == ndim;
+    for (int d = 0; same && d < ndim; d++) same = e.shape[d] == shape[d];
+    if (!same)
+        return ckpt__err(CKPT_EMISMATCH,
+                         "optimizer: '%s': dtype or shape in the file differs from the parameter's",
+                         key);
+    return CKPT_OK;
+}
+
+static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
+    ckpt_optimizer *o = self;
+    char kind[16], k[KEY_CAP];
+    int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
+    if (rc == CKPT_EINVAL || (rc == CKPT_OK && strcmp(kind, kind_name(o->kind)) != 0))
+        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict is for a%s %s optimizer, this "
+                         "one is %s", rc == CKPT_OK && kind[0] == 'a' ? "n" : "",
+                         rc == CKPT_OK ? kind : "different", kind_name(o->kind));
+    if (rc < 0) return rc;
+    /* Validate everything before changing anything. */
+    ckpt_optim_options *nopts = ckpt__malloc((size_t)o->ngroups * sizeof *nopts);
+    if (!nopts) return ckpt__err_nomem("optimizer load");
+    memcpy(nopts, o->opts, (size_t)o->ngroups * sizeof *nopts);
+    for (int g = 0; g < o->ngroups && rc >= 0; g++) rc = read_group(o, r, g, &nopts[g]);
+    snprintf(k, sizeof k, "param_groups.%d.lr", o->ngroups);
+    ckpt_entry_info e;
+    if (rc >= 0 && ckpt_reader_find(r, k, &e) == CKPT_OK)
+        rc = ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has more than %d groups",
+                       o->ngroups);
+    snprintf(k, sizeof k, "state.%lld.step", (long long)o->np);
+    if (rc >= 0 && ckpt_reader_find(r, k, &e) == CKPT_OK)
+        rc = ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has state for more than %lld "
+                       "parameters", (long long)o->np);
+    float *steps = rc >= 0 ? ckpt__calloc((size_t)o->np, sizeof *steps) : NULL;
+    if (rc >= 0 && !steps) rc = ckpt__err_nomem("optimizer load");
+    const char *names[4];
+    float *bufs[4];
+    for (int64_t i = 0; i < o->np && rc >= 0; i++) {
+        const opt_param *p = &o->p[i];
+        snprintf(k, sizeof k, "state.%lld.step", (long long)i);
+        rc = ckpt_read_tensor(r, k, CKPT_F32, 0, NULL, &steps[i]);
+        if (rc >= 0 && !(steps[i] >= 0 && steps[i] == floorf(steps[i])))
+            rc = ckpt__err(CKPT_ECORRUPT, "optimizer: %s: expected a whole number >= 0, got %g",
+                           k, (double)steps[i]);
+        for (int j = 0, n = state_buffers(p, names, bufs); j < n && rc >= 0; j++) {
+            snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
+            rc = check_state_tensor(r, k, p->ndim, p->shape);
+        }
+    }
+    /* Nothing can fail past this point but the copies of checked tensors. */
+    for (int64_t i = 0; i < o->np && rc >= 0; i++) {
+        opt_param *p = &o->p[i];
+        for (int j = 0, n = state_buffers(p, names, bufs); j < n && rc >= 0; j++) {
+            snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
+            rc = ckpt_read_tensor(r, k, CKPT_F32, p->ndim, p->shape, bufs[j]);
+        }
+        if (rc >= 0) p->step = steps[i];
+    }
+    if (rc >= 0) memcpy(o->opts, nopts, (size_t)o->ngroups * sizeof *nopts);
+    free(steps);
+    free(nopts);
+    return rc;
+}
+
+static const ckpt_stateful_ops optimizer_ops = {optimizer_state_dict, optimizer_load_state_dict};
+
+const ckpt_stateful_ops *ckpt_optimizer_ops(void) { return &optimizer_ops; }

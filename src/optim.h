@@ -1,0 +1,19 @@
+/* optim.h — what the loss scaler needs from an optimizer. */
+#ifndef CKPT_OPTIM_H
+#define CKPT_OPTIM_H
+
+#include <stdbool.h>
+
+#include "ckpt.h"
+
+/* Parameters the optimizer updates (in PyTorch's numbering across groups). */
+int64_t ckpt__optimizer_num_params(const ckpt_optimizer *o);
+/* The fp32 gradient of parameter i and its element count (grad may be NULL). */
+float *ckpt__optimizer_grad(const ckpt_optimizer *o, int64_t i, int64_t *numel);
+/* The name of parameter i, for messages. */
+const char *ckpt__optimizer_param_name(const ckpt_optimizer *o, int64_t i);
+
+/* Testing: use the portable Adam loop even where a SIMD one exists. */
+void ckpt__optim_force_generic(bool on);
+
+#endif

@@ -1,0 +1,1064 @@
+/* statedict.c — state dicts: a writer that collects entries (tensor data
+ * borrowed, never copied) and saves them as one safetensors file, a schema
+ * writer for transactional loads, and a reader that validates the whole file
+ * before handing anything out. Non-tensor entries travel in
+ * __metadata__["ckpt"] as one JSON document (docs/FORMAT.md). */
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "base64.h"
+#include "error.h"
+#include "io.h"
+#include "safetensors.h"
+#include "statedict.h"
+
+/* Version of the __metadata__["ckpt"] document. */
+#define CKPT_DOC_VERSION 1
+
+/* ---- dtypes ------------------------------------------------------------- */
+
+static const struct {
+    const char *name;
+    int bits;
+} dtype_table[CKPT_DTYPE_COUNT_] = {
+    [CKPT_F64] = {"F64", 64},         [CKPT_F32] = {"F32", 32},
+    [CKPT_F16] = {"F16", 16},         [CKPT_BF16] = {"BF16", 16},
+    [CKPT_I64] = {"I64", 64},         [CKPT_I32] = {"I32", 32},
+    [CKPT_I16] = {"I16", 16},         [CKPT_I8] = {"I8", 8},
+    [CKPT_U8] = {"U8", 8},            [CKPT_BOOL] = {"BOOL", 8},
+    [CKPT_U16] = {"U16", 16},         [CKPT_U32] = {"U32", 32},
+    [CKPT_U64] = {"U64", 64},         [CKPT_F8_E5M2] = {"F8_E5M2", 8},
+    [CKPT_F8_E4M3] = {"F8_E4M3", 8},  [CKPT_F8_E8M0] = {"F8_E8M0", 8},
+    [CKPT_F8_E4M3FNUZ] = {"F8_E4M3FNUZ", 8}, [CKPT_F8_E5M2FNUZ] = {"F8_E5M2FNUZ", 8},
+    [CKPT_C64] = {"C64", 64},         [CKPT_F4] = {"F4", 4},
+    [CKPT_F6_E2M3] = {"F6_E2M3", 6},  [CKPT_F6_E3M2] = {"F6_E3M2", 6},
+};
+
+static bool dtype_valid(ckpt_dtype dt) {
+    return (int)dt > 0 && (int)dt < CKPT_DTYPE_COUNT_ && dtype_table[dt].name;
+}
+
+const char *ckpt_dtype_name(ckpt_dtype dt) { return dtype_valid(dt) ? dtype_table[dt].name : NULL; }
+
+int ckpt_dtype_bits(ckpt_dtype dt) { return dtype_valid(dt) ? dtype_table[dt].bits : 0; }
+
+int ckpt_dtype_from_name(const char *name, ckpt_dtype *out) {
+    if (name) {
+        for (int i = 1; i < CKPT_DTYPE_COUNT_; i++) {
+            if (dtype_table[i].name && strcmp(dtype_table[i].name, name) == 0) {
+                if (out) *out = (ckpt_dtype)i;
+                return CKPT_OK;
+            }
+        }
+    }
+    return ckpt__err(CKPT_EINVAL, "unknown dtype '%s'", name ? name : "(null)");
+}
+
+int ckpt_tensor_nbytes(ckpt_dtype dt, int ndim, const int64_t *shape, uint64_t *out) {
+    if (!dtype_valid(dt)) return ckpt__err(CKPT_EINVAL, "tensor size: invalid dtype %d", (int)dt);
+    if (ndim < 0 || ndim > CKPT_MAX_NDIM)
+        return ckpt__err(CKPT_EINVAL, "tensor size: ndim %d outside 0..%d", ndim, CKPT_MAX_NDIM);
+    if (ndim > 0 && !shape) return ckpt__err(CKPT_EINVAL, "tensor size: shape is NULL");
+    bool zero = false;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] < 0)
+            return ckpt__err(CKPT_EINVAL, "tensor size: dimension %d is negative (%" PRId64 ")", i,
+                             shape[i]);
+        if (shape[i] == 0) zero = true;
+    }
+    uint64_t numel = 1;
+    /* A zero dimension makes the tensor empty however large the others are. */
+    for (int i = 0; i < ndim && !zero; i++) {
+        if (__builtin_mul_overflow(numel, (uint64_t)shape[i], &numel))
+            return ckpt__err(CKPT_EINVAL, "tensor size: element count overflows");
+    }
+    if (zero) numel = 0;
+    uint64_t bits = (uint64_t)dtype_table[dt].bits;
+    /* numel * bits / 8 without a 128-bit product: whole groups of 8
+     * elements are whole bytes; the remainder must fill whole bytes too. */
+    uint64_t whole = 0, rem_bits = (numel % 8) * bits;
+    if (__builtin_mul_overflow(numel / 8, bits, &whole))
+        return ckpt__err(CKPT_EINVAL, "tensor size: byte count overflows");
+    if (rem_bits % 8)
+        return ckpt__err(CKPT_EINVAL,
+                         "tensor size: %" PRIu64 " elements of %s (%d bits) is not a whole number "
+                         "of bytes",
+                         numel, dtype_table[dt].name, dtype_table[dt].bits);
+    uint64_t bytes;
+    if (__builtin_add_overflow(whole, rem_bits / 8, &bytes) || bytes >= ((uint64_t)1 << 63))
+        return ckpt__err(CKPT_EINVAL, "tensor size: 2^63 bytes or more");
+    if (out) *out = bytes;
+    return CKPT_OK;
+}
+
+/* ---- keys --------------------------------------------------------------- */
+
+/* Strict UTF-8: no overlong forms, no surrogates, nothing past U+10FFFF. */
+static bool utf8_valid(const unsigned char *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        unsigned c = s[i];
+        if (c < 0x80) {
+            i++;
+            continue;
+        }
+        size_t len;
+        uint32_t cp, min;
+        if (c >= 0xc2 && c <= 0xdf) len = 2, cp = c & 0x1f, min = 0x80;
+        else if (c >= 0xe0 && c <= 0xef) len = 3, cp = c & 0x0f, min = 0x800;
+        else if (c >= 0xf0 && c <= 0xf4) len = 4, cp = c & 0x07, min = 0x10000;
+        else return false;
+        if (n - i < len) return false;
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xc0) != 0x80) return false;
+            cp = cp << 6 | (s[i + k] & 0x3f);
+        }
+        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+        i += len;
+    }
+    return true;
+}
+
+int ckpt__check_key(const char *key, const char *what) {
+    if (!what) what = "state dict";
+    if (!key) return ckpt__err(CKPT_EINVAL, "%s: key is NULL", what);
+    size_t n = strlen(key);
+    if (n == 0) return ckpt__err(CKPT_EINVAL, "%s: key is empty", what);
+    if (n > CKPT_MAX_KEY)
+        return ckpt__err(CKPT_EINVAL, "%s: key '%.40s...' is %zu bytes, longer than %d", what, key,
+                         n, CKPT_MAX_KEY);
+    if (!utf8_valid((const unsigned char *)key, n))
+        return ckpt__err(CKPT_EINVAL, "%s: key is not valid UTF-8", what);
+    for (size_t i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)key[i];
+        /* C0, DEL, and C1 (U+0080..U+009F, encoded 0xC2 0x80..0x9F). */
+        if (c < 0x20 || c == 0x7f ||
+            (c == 0xc2 && i + 1 < n && (unsigned char)key[i + 1] >= 0x80 &&
+             (unsigned char)key[i + 1] <= 0x9f))
+            return ckpt__err(CKPT_EINVAL, "%s: key contains a control character at byte %zu",
+                             what, i);
+    }
+    if (strcmp(key, "__metadata__") == 0)
+        return ckpt__err(CKPT_EINVAL, "%s: key '__metadata__' is reserved by the file format",
+                         what);
+    return CKPT_OK;
+}
+
+/* ---- a small key -> index hash table ------------------------------------ */
+
+typedef struct key_slot {
+    const char *key; /* borrowed: owned by the writer/reader entry */
+    int64_t index;
+} key_slot;
+
+typedef struct key_index {
+    key_slot *slots;
+    size_t cap; /* power of two, or 0 */
+    size_t used;
+} key_index;
+
+static uint64_t hash_key(const char *s) {
+    return ckpt__xxh3(s, strlen(s));
+}
+
+static int64_t key_index_get(const key_index *m, const char *key) {
+    if (!m->cap) return -1;
+    size_t mask = m->cap - 1;
+    for (size_t i = (size_t)hash_key(key) & mask;; i = (i + 1) & mask) {
+        if (!m->slots[i].key) return -1;
+        if (strcmp(m->slots[i].key, key) == 0) return m->slots[i].index;
+    }
+}
+
+/* Inserts key; returns CKPT_OK, CKPT_EEXIST (*existing set) or CKPT_ENOMEM
+ * (without a message: callers say what they were doing). */
+static int key_index_put(key_index *m, const char *key, int64_t index, int64_t *existing) {
+    if ((m->used + 1) * 2 > m->cap) {
+        size_t ncap = m->cap ? m->cap * 2 : 16;
+        key_slot *ns = ckpt__calloc(ncap, sizeof *ns);
+        if (!ns) return CKPT_ENOMEM;
+        for (size_t j = 0; j < m->cap; j++) {
+            if (!m->slots[j].key) continue;
+            size_t i = (size_t)hash_key(m->slots[j].key) & (ncap - 1);
+            while (ns[i].key) i = (i + 1) & (ncap - 1);
+            ns[i] = m->slots[j];
+        }
+        free(m->slots);
+        m->slots = ns;
+        m->cap = ncap;
+    }
+    size_t mask = m->cap - 1;
+    size_t i = (size_t)hash_key(key) & mask;
+    for (; m->slots[i].key; i = (i + 1) & mask) {
+        if (strcmp(m->slots[i].key, key) == 0) {
+            if (existing) *existing = m->slots[i].index;
+            return CKPT_EEXIST;
+        }
+    }
+    m->slots[i].key = key;
+    m->slots[i].index = index;
+    m->used++;
+    return CKPT_OK;
+}
+
+static void key_index_free(key_index *m) {
+    free(m->slots);
+    memset(m, 0, sizeof *m);
+}
+
+/* ---- shared entry record ------------------------------------------------ */
+
+typedef struct entry {
+    char *key;             /* writer: owned; reader: view */
+    ckpt_entry_kind kind;
+    ckpt_dtype dtype;
+    int ndim;
+    int64_t shape[CKPT_MAX_NDIM];
+    uint64_t nbytes;
+    uint64_t offset;       /* reader tensors: absolute file offset */
+    const void *data;      /* writer tensors: borrowed */
+    int64_t i64;
+    double f64;
+    char *str;             /* writer: owned copy; reader: view into the doc */
+    uint8_t *bytes;        /* owned (both sides) */
+} entry;
+
+static const char *kind_name(ckpt_entry_kind k) {
+    switch (k) {
+    case CKPT_ENTRY_TENSOR: return "tensor";
+    case CKPT_ENTRY_I64: return "i64";
+    case CKPT_ENTRY_F64: return "f64";
+    case CKPT_ENTRY_STR: return "str";
+    case CKPT_ENTRY_BYTES: return "bytes";
+    }
+    return "?";
+}
+
+static const char *shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
+    size_t o = 0;
+    o += (size_t)snprintf(buf + o, cap - o, "[");
+    for (int i = 0; i < ndim && o < cap; i++)
+        o += (size_t)snprintf(buf + o, cap - o, i ? ",%" PRId64 : "%" PRId64, shape[i]);
+    if (o < cap) snprintf(buf + o, cap - o, "]");
+    return buf;
+}
+
+/* "tensor F32 [2,3]" / "i64" */
+static const char *describe(char *buf, size_t cap, const entry *e) {
+    if (e->kind != CKPT_ENTRY_TENSOR) {
+        snprintf(buf, cap, "%s", kind_name(e->kind));
+        return buf;
+    }
+    char sb[200];
+    snprintf(buf, cap, "tensor %s %s", ckpt_dtype_name(e->dtype),
+             shape_str(sb, sizeof sb, e->ndim, e->shape));
+    return buf;
+}
+
+static void entry_info(const entry *e, ckpt_entry_info *info) {
+    memset(info, 0, sizeof *info);
+    info->key = e->key;
+    info->kind = e->kind;
+    info->dtype = e->kind == CKPT_ENTRY_TENSOR ? e->dtype : CKPT_DTYPE_INVALID;
+    info->ndim = e->ndim;
+    memcpy(info->shape, e->shape, sizeof info->shape);
+    info->nbytes = e->nbytes;
+    info->offset = e->offset;
+}
+
+/* ---- writer ------------------------------------------------------------- */
+
+struct ckpt_writer {
+    entry *entries;
+    int64_t count, cap;
+    key_index index;
+    bool schema;
+    uint64_t tensor_bytes; /* sum so far: data offsets must stay below 2^63 */
+};
+
+static int writer_new(ckpt_writer **out, bool schema) {
+    if (!out) return ckpt__err(CKPT_EINVAL, "writer: out is NULL");
+    *out = ckpt__calloc(1, sizeof **out);
+    if (!*out) return ckpt__err_nomem("writer");
+    (*out)->schema = schema;
+    return CKPT_OK;
+}
+
+int ckpt_writer_new(ckpt_writer **out) { return writer_new(out, false); }
+int ckpt_writer_new_schema(ckpt_writer **out) { return writer_new(out, true); }
+
+static void entry_free_owned(entry *e) {
+    free(e->key);
+    free(e->str);
+    free(e->bytes);
+}
+
+void ckpt_writer_free(ckpt_writer *w) {
+    if (!w) return;
+    for (int64_t i = 0; i < w->count; i++) entry_free_owned(&w->entries[i]);
+    free(w->entries);
+    key_index_free(&w->index);
+    free(w);
+}
+
+int64_t ckpt_writer_count(const ckpt_writer *w) { return w ? w->count : 0; }
+int64_t ckpt_writer_entry_count(const ckpt_writer *w) { return ckpt_writer_count(w); }
+
+bool ckpt__writer_is_schema(const ckpt_writer *w) { return w && w->schema; }
+
+int ckpt_writer_entry(const ckpt_writer *w, int64_t i, ckpt_entry_info *info) {
+    if (!w || !info) return ckpt__err(CKPT_EINVAL, "writer entry: NULL argument");
+    if (i < 0 || i >= w->count)
+        return ckpt__err(CKPT_EINVAL, "writer entry: index %" PRId64 " outside 0..%" PRId64, i,
+                         w->count - 1);
+    entry_info(&w->entries[i], info);
+    return CKPT_OK;
+}
+
+/* Validates the key, reserves a slot; on success the caller fills *e (the
+ * key is already copied and indexed). Nothing changes on failure. */
+static int writer_add(ckpt_writer *w, const char *key, ckpt_entry_kind kind, entry **e) {
+    if (!w) return ckpt__err(CKPT_EINVAL, "write: writer is NULL");
+    CKPT_TRY(ckpt__check_key(key, "state dict"));
+    if (key_index_get(&w->index, key) >= 0)
+        return ckpt__err(CKPT_EEXIST, "state dict: key '%s' written twice", key);
+    if (w->count == w->cap) {
+        int64_t ncap = w->cap ? w->cap * 2 : 16;
+        entry *ne = ckpt__realloc(w->entries, (size_t)ncap * sizeof *ne);
+        if (!ne) return ckpt__err_nomem("state dict entries");
+        w->entries = ne;
+        w->cap = ncap;
+    }
+    char *k = ckpt__strdup(key);
+    if (!k) return ckpt__err_nomem("state dict key");
+    int rc = key_index_put(&w->index, k, w->count, NULL);
+    if (rc) {
+        free(k);
+        return ckpt__err_nomem("state dict key index");
+    }
+    entry *x = &w->entries[w->count];
+    memset(x, 0, sizeof *x);
+    x->key = k;
+    x->kind = kind;
+    *e = x;
+    return CKPT_OK;
+}
+
+int ckpt_write_tensor(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                      const int64_t *shape, const void *data) {
+    uint64_t nb = 0;
+    int rc = ckpt_tensor_nbytes(dt, ndim, shape, &nb);
+    if (rc) return ckpt__err_prefix(rc, "state dict: tensor '%s'", key ? key : "(null)");
+    if (w && !w->schema && !data && nb)
+        return ckpt__err(CKPT_EINVAL, "state dict: tensor '%s': data is NULL for %" PRIu64 " bytes",
+                         key ? key : "(null)", nb);
+    if (w && (w->tensor_bytes + nb >= ((uint64_t)1 << 63)))
+        return ckpt__err(CKPT_EINVAL, "state dict: tensor '%s': total tensor bytes reach 2^63",
+                         key ? key : "(null)");
+    entry *e = NULL;
+    CKPT_TRY(writer_add(w, key, CKPT_ENTRY_TENSOR, &e));
+    e->dtype = dt;
+    e->ndim = ndim;
+    for (int i = 0; i < ndim; i++) e->shape[i] = shape[i];
+    e->nbytes = nb;
+    e->data = w->schema ? NULL : data;
+    w->tensor_bytes += nb;
+    w->count++;
+    return CKPT_OK;
+}
+
+int ckpt_write_i64(ckpt_writer *w, const char *key, int64_t v) {
+    entry *e = NULL;
+    CKPT_TRY(writer_add(w, key, CKPT_ENTRY_I64, &e));
+    e->i64 = v;
+    e->nbytes = 8;
+    w->count++;
+    return CKPT_OK;
+}
+
+int ckpt_write_f64(ckpt_writer *w, const char *key, double v) {
+    entry *e = NULL;
+    CKPT_TRY(writer_add(w, key, CKPT_ENTRY_F64, &e));
+    e->f64 = v;
+    e->nbytes = 8;
+    w->count++;
+    return CKPT_OK;
+}
+
+int ckpt_write_str(ckpt_writer *w, const char *key, const char *v) {
+    if (!v) return ckpt__err(CKPT_EINVAL, "state dict: string '%s' is NULL", key ? key : "(null)");
+    size_t n = strlen(v);
+    if (!utf8_valid((const unsigned char *)v, n))
+        return ckpt__err(CKPT_EINVAL, "state dict: string '%s' is not valid UTF-8",
+                         key ? key : "(null)");
+    /* Copy first, so a failure leaves the writer unchanged. */
+    char *copy = ckpt__strdup(v);
+    if (!copy) return ckpt__err_nomem("state dict string");
+    entry *e = NULL;
+    int rc = writer_add(w, key, CKPT_ENTRY_STR, &e);
+    if (rc) {
+        free(copy);
+        return rc;
+    }
+    e->str = copy;
+    e->nbytes = n;
+    w->count++;
+    return CKPT_OK;
+}
+
+int ckpt_write_bytes(ckpt_writer *w, const char *key, const void *p, size_t n) {
+    if (!p && n)
+        return ckpt__err(CKPT_EINVAL, "state dict: bytes '%s' are NULL", key ? key : "(null)");
+    /* base64 grows 4/3 and the header is capped at 100 MB. */
+    if (n > (size_t)CKPT_ST_MAX_HEADER / 4 * 3)
+        return ckpt__err(CKPT_EINVAL, "state dict: bytes '%s': %zu bytes do not fit in a header",
+                         key ? key : "(null)", n);
+    uint8_t *copy = ckpt__malloc(n ? n : 1);
+    if (!copy) return ckpt__err_nomem("state dict bytes");
+    if (n) memcpy(copy, p, n);
+    entry *e = NULL;
+    int rc = writer_add(w, key, CKPT_ENTRY_BYTES, &e);
+    if (rc) {
+        free(copy);
+        return rc;
+    }
+    e->bytes = copy;
+    e->nbytes = n;
+    w->count++;
+    return CKPT_OK;
+}
+
+/* The __metadata__["ckpt"] document for the writer's non-tensor entries. */
+static int build_doc(const ckpt_writer *w, char **out) {
+    *out = NULL;
+    int rc = CKPT_OK;
+    json_t *doc = json_object();
+    json_t *arr = json_array();
+    if (!doc || !arr || json_object_set_new(doc, "version", json_integer(CKPT_DOC_VERSION)) ||
+        json_object_set(doc, "entries", arr)) {
+        rc = ckpt__err(CKPT_ENOMEM, "state dict: building the metadata document failed");
+        goto out;
+    }
+    for (int64_t i = 0; i < w->count; i++) {
+        const entry *e = &w->entries[i];
+        if (e->kind == CKPT_ENTRY_TENSOR) continue;
+        json_t *v = NULL;
+        char *b64 = NULL;
+        switch (e->kind) {
+        case CKPT_ENTRY_I64: v = json_integer((json_int_t)e->i64); break;
+        case CKPT_ENTRY_F64:
+            if (isnan(e->f64)) v = json_string("nan");
+            else if (isinf(e->f64)) v = json_string(e->f64 > 0 ? "inf" : "-inf");
+            else v = json_real(e->f64);
+            break;
+        case CKPT_ENTRY_STR: v = json_stringn(e->str, (size_t)e->nbytes); break;
+        case CKPT_ENTRY_BYTES:
+            rc = ckpt__base64_encode(e->bytes, (size_t)e->nbytes, &b64);
+            if (rc) goto out;
+            v = json_string(b64);
+            free(b64);
+            break;
+        case CKPT_ENTRY_TENSOR: break;
+        }
+        json_t *o = json_object();
+        if (!v || !o || json_object_set_new(o, "key", json_string(e->key)) ||
+            json_object_set_new(o, "type", json_string(kind_name(e->kind))) ||
+            json_object_set_new(o, "value", v) || json_array_append_new(arr, o)) {
+            json_decref(o);
+            rc = ckpt__err(CKPT_ENOMEM, "state dict: building the metadata entry '%s' failed",
+                           e->key);
+            goto out;
+        }
+    }
+    /* 17 significant digits: every finite double prints and parses back to
+     * the same bits. */
+    *out = json_dumps(doc, JSON_COMPACT | JSON_REAL_PRECISION(17));
+    if (!*out) rc = ckpt__err(CKPT_ENOMEM, "state dict: serialising the metadata document failed");
+out:
+    json_decref(arr);
+    json_decref(doc);
+    return rc;
+}
+
+typedef struct save_ctx {
+    const ckpt_writer *w;
+    ckpt_st_out *outs;
+    int64_t nt;
+    const char *doc;
+    ckpt_st_written *res;
+} save_ctx;
+
+static int fill_file(ckpt_ostream *s, void *ctx) {
+    save_ctx *c = ctx;
+    return ckpt__st_write(s, c->outs, c->nt, c->doc, c->res);
+}
+
+static void digest_clear(ckpt_file_digest *d) { memset(d, 0, sizeof *d); }
+
+void ckpt__file_digest_free(ckpt_file_digest *d) {
+    if (!d) return;
+    for (int64_t i = 0; i < d->ntensors; i++)
+        if (d->tensor_keys) free(d->tensor_keys[i]);
+    free(d->tensor_keys);
+    free(d->tensor_xxh3);
+    free(d->tensor_offset);
+    free(d->tensor_nbytes);
+    digest_clear(d);
+}
+
+/* Prepares the tensor list and document for a save. */
+static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c) {
+    memset(c, 0, sizeof *c);
+    if (!w) return ckpt__err(CKPT_EINVAL, "save: writer is NULL");
+    if (!path) return ckpt__err(CKPT_EINVAL, "save: path is NULL");
+    if (w->schema)
+        return ckpt__err(CKPT_EINVAL, "%s: a schema writer records no data and cannot be saved", path);
+    c->w = w;
+    int64_t nt = 0;
+    for (int64_t i = 0; i < w->count; i++) nt += w->entries[i].kind == CKPT_ENTRY_TENSOR;
+    c->outs = ckpt__calloc(nt ? (size_t)nt : 1, sizeof *c->outs);
+    c->res = ckpt__calloc(nt ? (size_t)nt : 1, sizeof *c->res);
+    if (!c->outs || !c->res) return ckpt__err_nomem("save");
+    int64_t k = 0;
+    for (int64_t i = 0; i < w->count; i++) {
+        const entry *e = &w->entries[i];
+        if (e->kind != CKPT_ENTRY_TENSOR) continue;
+        c->outs[k] = (ckpt_st_out){e->key, e->dtype, e->ndim, e->shape, e->data, e->nbytes};
+        k++;
+    }
+    c->nt = nt;
+    char *doc = NULL;
+    int rc = build_doc(w, &doc);
+    if (rc) return ckpt__err_prefix(rc, "%s", path);
+    c->doc = doc;
+    return CKPT_OK;
+}
+
+static void save_release(save_ctx *c) {
+    free(c->outs);
+    free(c->res);
+    free((char *)c->doc);
+    memset(c, 0, sizeof *c);
+}
+
+static int fill_digest(const save_ctx *c, uint64_t size, uint64_t xxh, ckpt_file_digest *d) {
+    digest_clear(d);
+    size_t n = c->nt ? (size_t)c->nt : 1;
+    d->tensor_keys = ckpt__calloc(n, sizeof *d->tensor_keys);
+    d->tensor_xxh3 = ckpt__calloc(n, sizeof *d->tensor_xxh3);
+    d->tensor_offset = ckpt__calloc(n, sizeof *d->tensor_offset);
+    d->tensor_nbytes = ckpt__calloc(n, sizeof *d->tensor_nbytes);
+    if (!d->tensor_keys || !d->tensor_xxh3 || !d->tensor_offset || !d->tensor_nbytes) {
+        ckpt__file_digest_free(d);
+        return ckpt__err_nomem("file digest");
+    }
+    d->ntensors = c->nt;
+    for (int64_t i = 0; i < c->nt; i++) {
+        int64_t p = c->res[i].file_pos;
+        d->tensor_keys[p] = ckpt__strdup(c->outs[i].name);
+        if (!d->tensor_keys[p]) {
+            ckpt__file_digest_free(d);
+            return ckpt__err_nomem("file digest");
+        }
+        d->tensor_xxh3[p] = c->res[i].xxh3;
+        d->tensor_offset[p] = c->res[i].offset;
+        d->tensor_nbytes[p] = c->outs[i].nbytes;
+    }
+    d->size = size;
+    d->xxh3 = xxh;
+    return CKPT_OK;
+}
+
+int ckpt__writer_save_digest(ckpt_writer *w, const char *path, ckpt_file_digest *d) {
+    if (d) digest_clear(d);
+    save_ctx c;
+    int rc = save_prepare(w, path, &c);
+    uint64_t size = 0, xxh = 0;
+    if (!rc) rc = ckpt__publish_file(path, fill_file, &c, &xxh, &size);
+    if (!rc && d) rc = fill_digest(&c, size, xxh, d);
+    save_release(&c);
+    return rc;
+}
+
+int ckpt_writer_save(ckpt_writer *w, const char *path) {
+    return ckpt__writer_save_digest(w, path, NULL);
+}
+
+int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d) {
+    if (d) digest_clear(d);
+    save_ctx c;
+    int rc = save_prepare(w, path, &c);
+    uint64_t size = 0, xxh = 0;
+    if (!rc) {
+        ckpt_ostream s;
+        rc = ckpt__ostream_open(&s, path);
+        if (!rc) {
+            rc = fill_file(&s, &c);
+            if (rc)
+                ckpt__ostream_abort(&s);
+            else
+                rc = ckpt__ostream_finish(&s, &xxh, &size);
+        }
+    }
+    if (!rc && d) rc = fill_digest(&c, size, xxh, d);
+    save_release(&c);
+    return rc;
+}
+
+/* ---- reader ------------------------------------------------------------- */
+
+struct ckpt_reader {
+    char *name;          /* for messages (owned) */
+    int fd;              /* file readers: open for pread; -1 for memory */
+    const uint8_t *mem;  /* memory readers: the buffer; file readers: the map once made */
+    void *map;           /* mmap of the file (tensor views), or NULL */
+    size_t map_len;
+    uint64_t file_size;
+    ckpt_st_header hdr;
+    json_t *doc;         /* parsed __metadata__["ckpt"] (owned) or NULL */
+    entry *entries;
+    int64_t count;
+    key_index index;
+};
+
+void ckpt__reader_set_name(ckpt_reader *r, const char *name) {
+    if (!r || !name) return;
+    char *n = ckpt__strdup(name);
+    if (!n) return; /* keep the old name: it only feeds messages */
+    free(r->name);
+    r->name = n;
+}
+
+void ckpt_reader_free(ckpt_reader *r) {
+    if (!r) return;
+    for (int64_t i = 0; i < r->count; i++) free(r->entries[i].bytes);
+    free(r->entries);
+    key_index_free(&r->index);
+    json_decref(r->doc);
+    ckpt__st_header_free(&r->hdr);
+    if (r->map) munmap(r->map, r->map_len);
+    if (r->fd >= 0) close(r->fd);
+    free(r->name);
+    free(r);
+}
+
+static int reader_alloc(ckpt_reader **out, const char *name) {
+    ckpt_reader *r = ckpt__calloc(1, sizeof *r);
+    if (!r) return ckpt__err_nomem("reader");
+    r->fd = -1;
+    r->name = ckpt__strdup(name ? name : "(memory)");
+    if (!r->name) {
+        free(r);
+        return ckpt__err_nomem("reader");
+    }
+    *out = r;
+    return CKPT_OK;
+}
+
+static int reader_index_add(ckpt_reader *r, int64_t i) {
+    int64_t prev = -1;
+    int rc = key_index_put(&r->index, r->entries[i].key, i, &prev);
+    if (rc == CKPT_ENOMEM) return ckpt__err_nomem("reader key index");
+    if (rc == CKPT_EEXIST)
+        return ckpt__err(CKPT_ECORRUPT, "%s: duplicate key '%s' (%s and %s)", r->name,
+                         r->entries[i].key, kind_name(r->entries[prev].kind),
+                         kind_name(r->entries[i].kind));
+    return CKPT_OK;
+}
+
+static int doc_err(const ckpt_reader *r, const char *fmt, const char *a, const char *b) {
+    char msg[1400];
+    snprintf(msg, sizeof msg, fmt, a ? a : "", b ? b : "");
+    return ckpt__err(CKPT_ECORRUPT, "%s: __metadata__ 'ckpt': %s", r->name, msg);
+}
+
+/* Parses one entry of the document into e (key/str views into the doc). */
+static int parse_doc_entry(ckpt_reader *r, json_t *o, size_t idx, entry *e) {
+    char at[32];
+    snprintf(at, sizeof at, "%zu", idx);
+    if (!json_is_object(o)) return doc_err(r, "entries[%s] is not an object", at, NULL);
+    const char *f;
+    json_t *fv;
+    json_object_foreach(o, f, fv) {
+        if (strcmp(f, "key") && strcmp(f, "type") && strcmp(f, "value"))
+            return doc_err(r, "entries[%s]: unknown field '%s'", at, f);
+    }
+    json_t *jk = json_object_get(o, "key"), *jt = json_object_get(o, "type"),
+           *jv = json_object_get(o, "value");
+    if (!json_is_string(jk)) return doc_err(r, "entries[%s]: key is missing or not a string", at, NULL);
+    if (!json_is_string(jt)) return doc_err(r, "entries[%s]: type is missing or not a string", at, NULL);
+    if (!jv) return doc_err(r, "entries[%s]: value is missing", at, NULL);
+    const char *key = json_string_value(jk);
+    if (strlen(key) != json_string_length(jk) || ckpt__check_key(key, "entry") != CKPT_OK)
+        return doc_err(r, "entries[%s]: invalid key '%s'", at, key);
+    e->key = (char *)key;
+    const char *type = json_string_value(jt);
+    if (strcmp(type, "i64") == 0) {
+        if (!json_is_integer(jv)) return doc_err(r, "entry '%s': i64 value is not an integer", key, NULL);
+        e->kind = CKPT_ENTRY_I64;
+        e->i64 = (int64_t)json_integer_value(jv);
+        e->nbytes = 8;
+    } else if (strcmp(type, "f64") == 0) {
+        e->kind = CKPT_ENTRY_F64;
+        e->nbytes = 8;
+        if (json_is_real(jv)) {
+            e->f64 = json_real_value(jv);
+        } else if (json_is_integer(jv)) {
+            e->f64 = (double)json_integer_value(jv);
+        } else if (json_is_string(jv)) {
+            const char *s = json_string_value(jv);
+            if (strcmp(s, "nan") == 0) e->f64 = NAN;
+            else if (strcmp(s, "inf") == 0) e->f64 = INFINITY;
+            else if (strcmp(s, "-inf") == 0) e->f64 = -INFINITY;
+            else return doc_err(r, "entry '%s': f64 value '%s' is not a number, \"nan\", \"inf\" or \"-inf\"", key, s);
+        } else {
+            return doc_err(r, "entry '%s': f64 value is not a number", key, NULL);
+        }
+    } else if (strcmp(type, "str") == 0) {
+        if (!json_is_string(jv)) return doc_err(r, "entry '%s': str value is not a string", key, NULL);
+        e->kind = CKPT_ENTRY_STR;
+        e->str = (char *)json_string_value(jv);
+        e->nbytes = json_string_length(jv);
+        if (strlen(e->str) != e->nbytes)
+            return doc_err(r, "entry '%s': str value contains a NUL character", key, NULL);
+    } else if (strcmp(type, "bytes") == 0) {
+        if (!json_is_string(jv)) return doc_err(r, "entry '%s': bytes value is not a string", key, NULL);
+        e->kind = CKPT_ENTRY_BYTES;
+        size_t n = 0;
+        int rc = ckpt__base64_decode(json_string_value(jv), json_string_length(jv), &e->bytes, &n);
+        if (rc == CKPT_ENOMEM) return rc;
+        if (rc) return ckpt__err_prefix(rc, "%s: __metadata__ 'ckpt': entry '%s'", r->name, key);
+        e->nbytes = n;
+    } else {
+        return doc_err(r, "entry '%s': unknown type '%s'", key, type);
+    }
+    return CKPT_OK;
+}
+
+static int parse_doc(ckpt_reader *r, const char *text, json_t **doc_out, json_t **entries_out) {
+    json_error_t jerr;
+    json_t *doc = json_loads(text, JSON_REJECT_DUPLICATES, &jerr);
+    if (!doc)
+        return ckpt__err(CKPT_ECORRUPT, "%s: __metadata__ 'ckpt' is not valid JSON: %s (at byte %d)",
+                         r->name, jerr.text, jerr.position);
+    *doc_out = doc;
+    if (!json_is_object(doc)) return doc_err(r, "not a JSON object", NULL, NULL);
+    const char *f;
+    json_t *fv;
+    json_object_foreach(doc, f, fv) {
+        if (strcmp(f, "version") && strcmp(f, "entries"))
+            return doc_err(r, "unknown field '%s'", f, NULL);
+    }
+    json_t *ver = json_object_get(doc, "version");
+    if (!json_is_integer(ver)) return doc_err(r, "version is missing or not an integer", NULL, NULL);
+    json_int_t v = json_integer_value(ver);
+    if (v > CKPT_DOC_VERSION)
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "%s: __metadata__ 'ckpt': version %lld is newer than this library "
+                         "supports (%d)",
+                         r->name, (long long)v, CKPT_DOC_VERSION);
+    if (v < 1) return doc_err(r, "version is not a positive integer", NULL, NULL);
+    json_t *arr = json_object_get(doc, "entries");
+    if (!json_is_array(arr)) return doc_err(r, "entries is missing or not an array", NULL, NULL);
+    *entries_out = arr;
+    return CKPT_OK;
+}
+
+/* Builds the entry list from the parsed header (+ document). */
+static int reader_build(ckpt_reader *r) {
+    json_t *arr = NULL;
+    size_t nscalar = 0;
+    if (r->hdr.metadata) {
+        json_t *jdoc = json_object_get(r->hdr.metadata, "ckpt");
+        if (jdoc) {
+            CKPT_TRY(parse_doc(r, json_string_value(jdoc), &r->doc, &arr));
+            nscalar = json_array_size(arr);
+        }
+    }
+    size_t total = (size_t)r->hdr.ntensors + nscalar;
+    r->entries = ckpt__calloc(total ? total : 1, sizeof *r->entries);
+    if (!r->entries) return ckpt__err_nomem("reader entries");
+    for (int64_t i = 0; i < r->hdr.ntensors; i++) {
+        const ckpt_st_tensor *t = &r->hdr.tensors[i];
+        entry *e = &r->entries[r->count];
+        e->key = (char *)t->name;
+        e->kind = CKPT_ENTRY_TENSOR;
+        e->dtype = t->dtype;
+        e->ndim = t->ndim;
+        memcpy(e->shape, t->shape, sizeof e->shape);
+        e->nbytes = t->end - t->begin;
+        e->offset = r->hdr.data_start + t->begin;
+        r->count++;
+        CKPT_TRY(reader_index_add(r, r->count - 1));
+    }
+    for (size_t i = 0; i < nscalar; i++) {
+        entry *e = &r->entries[r->count];
+        int rc = parse_doc_entry(r, json_array_get(arr, i), i, e);
+        r->count++; /* counted even on failure so free() releases e->bytes */
+        if (rc) return rc;
+        CKPT_TRY(reader_index_add(r, r->count - 1));
+    }
+    return CKPT_OK;
+}
+
+int ckpt_reader_open_memory(ckpt_reader **out, const void *buf, size_t len, const char *name) {
+    if (!out) return ckpt__err(CKPT_EINVAL, "reader: out is NULL");
+    *out = NULL;
+    if (!buf && len) return ckpt__err(CKPT_EINVAL, "reader: buffer is NULL");
+    ckpt_reader *r = NULL;
+    CKPT_TRY(reader_alloc(&r, name));
+    r->mem = buf;
+    r->file_size = len;
+    uint64_t n = 0;
+    int rc = ckpt__st_header_len(buf, len, r->name, &n);
+    if (!rc) rc = ckpt__st_parse((const uint8_t *)buf + 8, n, len, r->name, &r->hdr);
+    if (!rc) rc = reader_build(r);
+    if (rc) {
+        ckpt_reader_free(r);
+        return rc;
+    }
+    *out = r;
+    return CKPT_OK;
+}
+
+/* Reads exactly n bytes at off; a short read means the file shrank. */
+static int pread_all(const ckpt_reader *r, void *dst, uint64_t n, uint64_t off) {
+    uint8_t *p = dst;
+    while (n > 0) {
+        /* 64 MiB calls: measured faster than one huge call (the copy
+         * stays ahead of the kernel's page-cache walk). */
+        size_t piece = n > ((size_t)64 << 20) ? ((size_t)64 << 20) : (size_t)n;
+        ssize_t got = ckpt__os_pread(r->fd, p, piece, off);
+        if (got < 0) return ckpt__err_os(errno, "%s: read at offset %" PRIu64, r->name, off);
+        if (got == 0)
+            return ckpt__err(CKPT_ECORRUPT, "%s: file ended at offset %" PRIu64 " while reading",
+                             r->name, off);
+        p += got;
+        off += (uint64_t)got;
+        n -= (uint64_t)got;
+    }
+    return CKPT_OK;
+}
+
+int ckpt_reader_open(ckpt_reader **out, const char *path) {
+    if (!out) return ckpt__err(CKPT_EINVAL, "reader: out is NULL");
+    *out = NULL;
+    if (!path) return ckpt__err(CKPT_EINVAL, "reader: path is NULL");
+    ckpt_reader *r = NULL;
+    CKPT_TRY(reader_alloc(&r, path));
+    int rc = CKPT_OK;
+    uint8_t *hbuf = NULL;
+    r->fd = ckpt__os_open(path, O_RDONLY, 0);
+    if (r->fd < 0) {
+        rc = ckpt__err_os(errno, "%s: open", path);
+        goto out;
+    }
+    struct stat st;
+    if (fstat(r->fd, &st) < 0) {
+        rc = ckpt__err_os(errno, "%s: stat", path);
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        rc = ckpt__err(CKPT_EINVAL, "%s: not a regular file", path);
+        goto out;
+    }
+    r->file_size = (uint64_t)st.st_size;
+    uint8_t prefix[8] = {0};
+    if (r->file_size >= 8) {
+        rc = pread_all(r, prefix, 8, 0);
+        if (rc) goto out;
+    }
+    uint64_t n = 0;
+    rc = ckpt__st_header_len(prefix, r->file_size, r->name, &n);
+    if (rc) goto out;
+    /* Only the header is read now: tensor bytes go straight from the file
+     * into the caller's buffers later. */
+    hbuf = ckpt__malloc(n ? (size_t)n : 1);
+    if (!hbuf) {
+        rc = ckpt__err_nomem("safetensors header");
+        goto out;
+    }
+    rc = pread_all(r, hbuf, n, 8);
+    if (!rc) rc = ckpt__st_parse(hbuf, n, r->file_size, r->name, &r->hdr);
+    if (!rc) rc = reader_build(r);
+out:
+    free(hbuf);
+    if (rc) {
+        ckpt_reader_free(r);
+        return rc;
+    }
+    *out = r;
+    return CKPT_OK;
+}
+
+int64_t ckpt_reader_count(const ckpt_reader *r) { return r ? r->count : 0; }
+
+int ckpt_reader_entry(const ckpt_reader *r, int64_t i, ckpt_entry_info *info) {
+    if (!r || !info) return ckpt__err(CKPT_EINVAL, "reader entry: NULL argument");
+    if (i < 0 || i >= r->count)
+        return ckpt__err(CKPT_EINVAL, "%s: entry index %" PRId64 " outside 0..%" PRId64, r->name, i,
+                         r->count - 1);
+    entry_info(&r->entries[i], info);
+    return CKPT_OK;
+}
+
+static const entry *reader_get(const ckpt_reader *r, const char *key) {
+    int64_t i = key_index_get(&r->index, key);
+    return i < 0 ? NULL : &r->entries[i];
+}
+
+int ckpt_reader_find(const ckpt_reader *r, const char *key, ckpt_entry_info *info) {
+    if (!r || !key) return ckpt__err(CKPT_EINVAL, "reader find: NULL argument");
+    const entry *e = reader_get(r, key);
+    if (!e) return ckpt__err(CKPT_ENOENT, "%s: no key '%s'", r->name, key);
+    if (info) entry_info(e, info);
+    return CKPT_OK;
+}
+
+static int find_tensor(const ckpt_reader *r, const char *key, const entry **out) {
+    if (!r || !key) return ckpt__err(CKPT_EINVAL, "read tensor: NULL argument");
+    const entry *e = reader_get(r, key);
+    if (!e) return ckpt__err(CKPT_ENOENT, "%s: no tensor '%s'", r->name, key);
+    if (e->kind != CKPT_ENTRY_TENSOR)
+        return ckpt__err(CKPT_ENOENT, "%s: key '%s' is a %s, not a tensor", r->name, key,
+                         kind_name(e->kind));
+    *out = e;
+    return CKPT_OK;
+}
+
+int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
+                            ckpt_entry_info *info) {
+    const entry *e = NULL;
+    CKPT_TRY(find_tensor(r, key, &e));
+    if (!data) return ckpt__err(CKPT_EINVAL, "tensor view: data is NULL");
+    if (!r->mem && r->fd >= 0 && r->file_size > 0) {
+        /* Map lazily: loads that copy into caller buffers never need it. */
+        void *p = mmap(NULL, (size_t)r->file_size, PROT_READ, MAP_PRIVATE, r->fd, 0);
+        if (p == MAP_FAILED) return ckpt__err_os(errno, "%s: mmap", r->name);
+        r->map = p;
+        r->map_len = (size_t)r->file_size;
+        r->mem = p;
+    }
+    static const uint8_t empty = 0;
+    *data = r->mem ? (const void *)(r->mem + e->offset) : (const void *)&empty;
+    if (info) entry_info(e, info);
+    return CKPT_OK;
+}
+
+int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                     const int64_t *shape, void *dst) {
+    const entry *e = NULL;
+    CKPT_TRY(find_tensor(r, key, &e));
+    char a[200], b[200];
+    if (dt != e->dtype)
+        return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': dtype %s in file, %s asked", r->name, key,
+                         ckpt_dtype_name(e->dtype), ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "(invalid)");
+    bool same = ndim == e->ndim && (ndim == 0 || shape);
+    for (int i = 0; same && i < ndim; i++) same = shape[i] == e->shape[i];
+    if (!same) {
+        if (ndim < 0 || ndim > CKPT_MAX_NDIM || (ndim > 0 && !shape))
+            return ckpt__err(CKPT_EINVAL, "%s: key '%s': invalid shape asked (ndim %d)", r->name,
+                             key, ndim);
+        return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': shape %s in file, %s asked", r->name, key,
+                         shape_str(a, sizeof a, e->ndim, e->shape), shape_str(b, sizeof b, ndim, shape));
+    }
+    if (e->nbytes == 0) return CKPT_OK;
+    if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
+    if (r->mem) {
+        memcpy(dst, r->mem + e->offset, (size_t)e->nbytes);
+        return CKPT_OK;
+    }
+    int rc = pread_all(r, dst, e->nbytes, e->offset);
+    if (rc) return ckpt__err_prefix(rc, "tensor '%s'", key);
+    return CKPT_OK;
+}
+
+static int find_scalar(const ckpt_reader *r, const char *key, ckpt_entry_kind kind, const entry **out) {
+    if (!r || !key) return ckpt__err(CKPT_EINVAL, "read %s: NULL argument", kind_name(kind));
+    const entry *e = reader_get(r, key);
+    if (!e) return ckpt__err(CKPT_ENOENT, "%s: no key '%s'", r->name, key);
+    if (e->kind != kind)
+        return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': %s in file, %s asked", r->name, key,
+                         kind_name(e->kind), kind_name(kind));
+    *out = e;
+    return CKPT_OK;
+}
+
+int ckpt_read_i64(ckpt_reader *r, const char *key, int64_t *v) {
+    const entry *e = NULL;
+    CKPT_TRY(find_scalar(r, key, CKPT_ENTRY_I64, &e));
+    if (v) *v = e->i64;
+    return CKPT_OK;
+}
+
+int ckpt_read_f64(ckpt_reader *r, const char *key, double *v) {
+    const entry *e = NULL;
+    CKPT_TRY(find_scalar(r, key, CKPT_ENTRY_F64, &e));
+    if (v) *v = e->f64;
+    return CKPT_OK;
+}
+
+int ckpt_read_str(ckpt_reader *r, const char *key, char *buf, size_t cap) {
+    const entry *e = NULL;
+    CKPT_TRY(find_scalar(r, key, CKPT_ENTRY_STR, &e));
+    if (!buf || cap < e->nbytes + 1)
+        return ckpt__err(CKPT_EINVAL, "%s: key '%s': string of %" PRIu64 " bytes needs %" PRIu64
+                         " bytes of buffer, %zu given",
+                         r->name, key, e->nbytes, e->nbytes + 1, buf ? cap : 0);
+    memcpy(buf, e->str, (size_t)e->nbytes + 1);
+    return CKPT_OK;
+}
+
+int ckpt_read_bytes(ckpt_reader *r, const char *key, void *buf, size_t cap, size_t *n) {
+    const entry *e = NULL;
+    CKPT_TRY(find_scalar(r, key, CKPT_ENTRY_BYTES, &e));
+    if (n) *n = (size_t)e->nbytes;
+    if (e->nbytes > cap || (!buf && e->nbytes))
+        return ckpt__err(CKPT_EINVAL, "%s: key '%s': %" PRIu64 " bytes, buffer holds %zu", r->name,
+                         key, e->nbytes, buf ? cap : 0);
+    if (e->nbytes) memcpy(buf, e->bytes, (size_t)e->nbytes);
+    return CKPT_OK;
+}
+
+/* ---- schema check ------------------------------------------------------- */
+
+int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const char *what) {
+    if (!schema || !r) return ckpt__err(CKPT_EINVAL, "schema check: NULL argument");
+    if (!what) what = r->name;
+    char a[260], b[260];
+    for (int64_t i = 0; i < schema->count; i++) {
+        const entry *m = &schema->entries[i];
+        const entry *f = reader_get(r, m->key);
+        if (!f)
+            return ckpt__err(CKPT_EMISMATCH, "%s: key '%s' missing in file (memory has %s)", what,
+                             m->key, describe(a, sizeof a, m));
+        if (f->kind != m->kind)
+            return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': %s in file, %s in memory", what, m->key,
+                             describe(a, sizeof a, f), describe(b, sizeof b, m));
+        if (m->kind != CKPT_ENTRY_TENSOR) continue;
+        if (f->dtype != m->dtype)
+            return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': dtype %s in file, %s in memory", what,
+                             m->key, ckpt_dtype_name(f->dtype), ckpt_dtype_name(m->dtype));
+        bool same = f->ndim == m->ndim;
+        for (int d = 0; same && d < m->ndim; d++) same = f->shape[d] == m->shape[d];
+        if (!same)
+            return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': shape %s in file, %s in memory", what,
+                             m->key, shape_str(a, sizeof a, f->ndim, f->shape),
+                             shape_str(b, sizeof b, m->ndim, m->shape));
+    }
+    for (int64_t i = 0; i < r->count; i++) {
+        const entry *f = &r->entries[i];
+        if (key_index_get(&schema->index, f->key) < 0)
+            return ckpt__err(CKPT_EMISMATCH, "%s: key '%s' in file (%s) but not in memory", what,
+                             f->key, describe(a, sizeof a, f));
+    }
+    return CKPT_OK;
+}

@@ -1,0 +1,59 @@
+/* store.h — the checkpoint store: project lock, automatic numbering,
+ * leftover temporary folders, rotation. */
+#ifndef CKPT_STORE_H
+#define CKPT_STORE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ckpt.h"
+
+/* Where warnings go (the accelerator's log callback, or stderr). */
+typedef struct ckpt_logger {
+    ckpt_log_fn fn; /* NULL: "ckpt: warning: <msg>" on stderr */
+    void *user;
+} ckpt_logger;
+void ckpt__log(const ckpt_logger *lg, ckpt_log_level level, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+/* "<a>/<b>" in a ckpt__malloc'd string; NULL on allocation failure. */
+char *ckpt__path_join(const char *a, const char *b);
+/* "<project_dir>/checkpoints". */
+char *ckpt__checkpoints_dir(const char *project_dir);
+
+/* 1 and *n if name is exactly "checkpoint_<digits>" (no sign, no leading
+ * zero unless the number is 0, fits in int64); else 0. */
+int ckpt__parse_checkpoint_name(const char *name, int64_t *n);
+
+/* The numbers of every checkpoint_<n> folder in dir, ascending (malloc'd;
+ * free()). A missing dir gives 0 entries. */
+int ckpt__list_numbers(const char *dir, int64_t **nums, int64_t *count);
+
+/* An exclusive, non-blocking flock on a lock file (created if missing). */
+typedef struct ckpt_lock {
+    int fd;
+} ckpt_lock;
+/* CKPT_EBUSY naming the lock file (and the holder's pid when known). */
+int ckpt__lock_acquire(ckpt_lock *lk, const char *lock_path);
+void ckpt__lock_release(ckpt_lock *lk);
+
+/* The lock that covers saves to <parent>/<base>: "<parent>/.lock" when base
+ * is an automatic name checkpoint_<n> (one lock for the whole checkpoints
+ * folder, so numbering, rotation and cleanup are serialised), else
+ * "<parent>/.<base>.lock" (one lock per explicit folder). */
+char *ckpt__lock_path(const char *parent, const char *base);
+/* Name of the temporary folder of a save whose final folder is `base`:
+ * ".<base>.tmp.<pid>". */
+char *ckpt__temp_name(const char *base);
+/* Removes leftover temporary folders of interrupted saves in dir: hidden
+ * ".<base>.tmp*" names (base NULL: any ".checkpoint_<digits>.tmp*" name),
+ * warning about each. Only called under the lock that covers those names. */
+int ckpt__remove_leftovers(const char *dir, const char *base, const ckpt_logger *lg);
+/* Removes the oldest checkpoint_<n> folders in dir so that at most keep
+ * remain (keep >= 0). *removed (may be NULL) gets the count. */
+int ckpt__rotate(const char *dir, int64_t keep, const ckpt_logger *lg, int64_t *removed);
+
+#endif

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The command line: help and version, exit codes (0 ok, 1 differences or
+# failed verification, 2 usage, 3 runtime error), messages on stderr as
+# "ckpt: ...", train's refusals (existing project without --resume, a resume
+# with other settings, a malformed data file), diff, prune and total-limit.
+source "$(dirname "$0")/common.bash"
+
+run_rc 0 "$CKPT_BIN" --version
+grep -q "^ckpt 0\.[0-9]*\.[0-9]* (library " "$WORK/out" || fail "--version"
+run_rc 0 "$CKPT_BIN" --help
+cp "$WORK/out" "$WORK/help"
+for c in train ls inspect verify diff prune; do
+    grep -q "^  $c " "$WORK/help" || fail "--help does not list $c"
+    run_rc 0 "$CKPT_BIN" "$c" --help
+    grep -q "^usage: ckpt $c" "$WORK/out" || fail "$c --help"
+done
+run_rc 2 "$CKPT_BIN"
+run_rc 2 "$CKPT_BIN" frobnicate
+grep -q "^ckpt: unknown command 'frobnicate'" "$WORK/err" || fail "unknown command message"
+run_rc 2 "$CKPT_BIN" train --epochs abc
+grep -q "bad value for '--epochs'" "$WORK/err" || fail "bad value message"
+run_rc 2 "$CKPT_BIN" train --no-such-option
+run_rc 2 "$CKPT_BIN" train --epochs
+run_rc 2 "$CKPT_BIN" verify
+run_rc 2 "$CKPT_BIN" diff only-one
+run_rc 2 "$CKPT_BIN" prune "$WORK"
+run_rc 2 "$CKPT_BIN" ls --bogus "$WORK"
+run_rc 3 "$CKPT_BIN" ls "$WORK/missing"
+grep -q "^ckpt: " "$WORK/err" || fail "ls: no 'ckpt: ' message"
+
+# a malformed data file is named with its line
+printf '0,1,2\n' >"$WORK/bad.csv"
+run_rc 3 "$CKPT_BIN" train --data "$WORK/bad.csv" --project-dir "$WORK/x" --quiet
+grep -q "^ckpt: data: .*bad.csv:1: " "$WORK/err" || fail "bad data message"
+
+# a run with every checkpoint kept: steps 10, 20, 30, 40 and the end (46)
+proj=$WORK/proj
+run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 10 --total-limit 0 --quiet --project-dir "$proj"
+[ "$(ls "$proj/checkpoints" | grep -c '^checkpoint_')" -eq 5 ] || fail "expected 5 checkpoints"
+acc=$(grep "test accuracy" "$WORK/out")
+[ "$(wc -l <"$proj/logs/metrics.jsonl")" -eq 46 ] || fail "metrics: expected 46 lines"
+head -1 "$proj/logs/metrics.jsonl" | grep -q '^{"step":1,"epoch":0,"loss":[0-9.e+-]*,"lr":[0-9.e+-]*,"scale":1024}$' \
+    || fail "metrics line format"
+
+# the same project again: refused without --resume; a different setting refused
+run_rc 2 "$CKPT_BIN" train --epochs 1 --quiet --project-dir "$proj"
+grep -q "already has checkpoints" "$WORK/err" || fail "no 'already has checkpoints'"
+run_rc 2 "$CKPT_BIN" train --epochs 1 --lr 0.01 --resume --quiet --project-dir "$proj"
+grep -q "^ckpt: resume: .*--lr" "$WORK/err" || fail "no --lr mismatch message"
+# resuming a finished run changes nothing and reports the same accuracy
+run_rc 0 "$CKPT_BIN" train --epochs 1 --resume --quiet --project-dir "$proj"
+[ "$(grep "test accuracy" "$WORK/out")" = "$acc" ] || fail "finished run: accuracy changed"
+[ "$(ls "$proj/checkpoints" | grep -c '^checkpoint_')" -eq 5 ] || fail "finished run saved again"
+
+# diff: equal to itself; two steps differ in tensors and the manifest step
+c0=$proj/checkpoints/checkpoint_0
+c1=$proj/checkpoints/checkpoint_1
+run_rc 0 "$CKPT_BIN" diff "$c0" "$c0"
+grep -q "bit for bit" "$WORK/out" || fail "diff: not bit for bit"
+run_rc 1 "$CKPT_BIN" diff "$c0" "$c1"
+grep -q "^checkpoint.json: step: 10 vs 20" "$WORK/out" || fail "diff: no step difference"
+grep -q "^model.safetensors: fc1.weight: max |a-b| = " "$WORK/out" || fail "diff: no fc1.weight line"
+grep -q "^dataloader.safetensors: batches_yielded: 10 vs 20" "$WORK/out" || fail "diff: no loader line"
+run_rc 1 "$CKPT_BIN" diff "$c0/model.safetensors" "$c1/model.safetensors"
+run_rc 0 "$CKPT_BIN" diff --atol 100 "$c0/model.safetensors" "$c1/model.safetensors"
+grep -q "within --atol" "$WORK/out" || fail "diff --atol"
+run_rc 2 "$CKPT_BIN" diff "$c0" "$c1/model.safetensors"
+run_rc 3 "$CKPT_BIN" diff "$c0/model.safetensors" "$WORK/missing.safetensors"
+cp -r "$c0" "$WORK/c0-extra"
+cp "$c0/model.safetensors" "$WORK/c0-extra/model_1.safetensors"
+run_rc 1 "$CKPT_BIN" diff "$c0" "$WORK/c0-extra"
+grep -q "^model_1.safetensors: only in B" "$WORK/out" || fail "diff: extra file not reported"
+
+# prune keeps the newest N
+run_rc 0 "$CKPT_BIN" prune "$proj" --keep 2
+grep -q "^removed 3 checkpoints" "$WORK/out" || fail "prune: expected 3 removed"
+[ "$(ls "$proj/checkpoints" | grep '^checkpoint_' | sort | tr '\n' ' ')" = "checkpoint_3 checkpoint_4 " ] \
+    || fail "prune: wrong checkpoints left"
+
+# --total-limit keeps the newest N during training
+run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 10 --total-limit 2 --quiet --project-dir "$WORK/lim"
+[ "$(ls "$WORK/lim/checkpoints" | grep '^checkpoint_' | sort | tr '\n' ' ')" = "checkpoint_3 checkpoint_4 " ] \
+    || fail "total-limit: wrong checkpoints left"
+echo "ok: command line behaves as documented"

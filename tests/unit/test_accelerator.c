@@ -1,0 +1,1096 @@
+/* test_accelerator.c — save_state / load_state: Accelerate's checkpoint tests
+ * ported to C (save limit, resume from a folder, automatic naming, relative
+ * project folder, invalid registration, automatic loading, hooks), numbering,
+ * locking, leftovers, and every kind of bad input with the in-memory state
+ * checked unchanged byte for byte. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "ckpt.h"
+#include "error.h"
+#include "io.h"
+#include "manifest.h"
+#include "store.h"
+
+/* ---- a custom stateful object: a counter and a small tensor ------------- */
+
+typedef struct counter {
+    int64_t value;
+    float w[4];
+    int wlen;          /* shape its state_dict declares (4 unless a test changes it) */
+    ckpt_dtype wdtype; /* dtype it declares */
+    bool extra_key;    /* declare one more key than was saved */
+} counter;
+
+static int counter_sd(void *self, ckpt_writer *w) {
+    counter *c = self;
+    CKPT_TRY(ckpt_write_i64(w, "value", c->value));
+    int64_t shape[1] = {c->wlen};
+    CKPT_TRY(ckpt_write_tensor(w, "w", c->wdtype, 1, shape, c->w));
+    if (c->extra_key) CKPT_TRY(ckpt_write_i64(w, "extra", 1));
+    return 0;
+}
+
+static int counter_load(void *self, ckpt_reader *r) {
+    counter *c = self;
+    int64_t v;
+    float w[4];
+    int64_t shape[1] = {4};
+    /* Read everything first, then change the object: nothing half-applied. */
+    CKPT_TRY(ckpt_read_i64(r, "value", &v));
+    CKPT_TRY(ckpt_read_tensor(r, "w", CKPT_F32, 1, shape, w));
+    c->value = v;
+    memcpy(c->w, w, sizeof w);
+    return 0;
+}
+
+static const ckpt_stateful_ops counter_ops = {counter_sd, counter_load};
+
+static void counter_set(counter *c, int64_t v) {
+    memset(c, 0, sizeof *c);
+    c->value = v;
+    c->wlen = 4;
+    c->wdtype = CKPT_F32;
+    for (int i = 0; i < 4; i++) c->w[i] = (float)v * 0.5f + (float)i;
+}
+
+/* ---- temp folders -------------------------------------------------------- */
+
+static char *make_tmp(void) {
+    char *t = strdup("/tmp/ckpt_acc_XXXXXX");
+    assert_non_null(mkdtemp(t));
+    return t;
+}
+
+static void rm_tmp(char *t) {
+    assert_int_equal(ckpt__remove_tree(t), 0);
+    free(t);
+}
+
+static char *pathf(const char *fmt, ...) {
+    char buf[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    return strdup(buf);
+}
+
+static bool exists(const char *p) {
+    struct stat st;
+    return lstat(p, &st) == 0;
+}
+
+/* Visible entries of a folder (hidden lock and temp names excluded). */
+static int count_visible(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (e->d_name[0] != '.') n++;
+    closedir(d);
+    return n;
+}
+
+static int count_hidden_tmp(const char *dir) {
+    DIR *d = opendir(dir);
+    if (!d) return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (e->d_name[0] == '.' && (strstr(e->d_name, ".tmp") || strstr(e->d_name, ".old."))) n++;
+    closedir(d);
+    return n;
+}
+
+/* Collects warnings instead of printing them. */
+typedef struct logbuf {
+    int n;
+    char last[1024];
+} logbuf;
+
+static void log_collect(void *user, ckpt_log_level level, const char *msg) {
+    logbuf *l = user;
+    (void)level;
+    l->n++;
+    snprintf(l->last, sizeof l->last, "%s", msg);
+}
+
+static ckpt_accelerator *new_acc(const char *project, bool automatic, int limit, logbuf *lb) {
+    ckpt_project_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.project_dir = project;
+    cfg.automatic_checkpoint_naming = automatic;
+    cfg.total_limit = limit;
+    ckpt_accelerator *acc = NULL;
+    assert_int_equal(ckpt_accelerator_new(&acc, &cfg), CKPT_OK);
+    if (lb) ckpt_accelerator_set_log(acc, log_collect, lb);
+    return acc;
+}
+
+static void assert_contains(const char *hay, const char *needle) {
+    if (!strstr(hay, needle)) fail_msg("message \"%s\" does not contain \"%s\"", hay, needle);
+}
+
+/* ---- Accelerate's checkpoint tests --------------------------------------- */
+
+static void test_save_state_with_total_limit_1_keeps_one_checkpoint(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    ckpt_accelerator *acc = new_acc(t, true, 1, NULL);
+    counter c;
+    counter_set(&c, 1);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    c.value = 2;
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    char *cd = pathf("%s/checkpoints", t);
+    assert_int_equal(count_visible(cd), 1);
+    char *c1 = pathf("%s/checkpoint_1", cd);
+    assert_true(exists(c1));
+    free(c1);
+    free(cd);
+    ckpt_accelerator_free(acc);
+    rm_tmp(t);
+}
+
+static void test_total_limit_2_with_11_saves_leaves_checkpoint_9_and_10(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    ckpt_accelerator *acc = new_acc(t, true, 2, NULL);
+    counter c;
+    counter_set(&c, 0);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    for (int i = 0; i < 11; i++) {
+        c.value = i;
+        assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    }
+    char *cd = pathf("%s/checkpoints", t);
+    assert_int_equal(count_visible(cd), 2);
+    assert_int_equal(count_hidden_tmp(cd), 0);
+    char *c9 = pathf("%s/checkpoint_9", cd), *c10 = pathf("%s/checkpoint_10", cd);
+    assert_true(exists(c9));
+    assert_true(exists(c10));
+    assert_int_equal(ckpt_accelerator_iteration(acc), 11);
+    free(c9);
+    free(c10);
+    free(cd);
+    ckpt_accelerator_free(acc);
+    rm_tmp(t);
+}
+
+static void test_load_state_from_explicit_folder_restores_saved_state(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = pathf("%s/initial", t);
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    counter c;
+    counter_set(&c, 7);
+    counter saved = c;
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    ckpt_set_seed(acc, 42);
+    ckpt_rng rng_saved = *ckpt_accelerator_rng(acc);
+    assert_int_equal(ckpt_save_state(acc, dir), 0);
+    assert_string_equal(ckpt_accelerator_last_dir(acc), dir);
+    /* "train" */
+    counter_set(&c, 99);
+    (void)ckpt_rng_u32(ckpt_accelerator_rng(acc));
+    assert_int_equal(ckpt_load_state(acc, dir), 0);
+    assert_memory_equal(&c, &saved, sizeof c);
+    assert_memory_equal(ckpt_accelerator_rng(acc), &rng_saved, sizeof rng_saved);
+    ckpt_accelerator_free(acc);
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_automatic_naming_then_explicit_loads_of_checkpoint_0_and_1(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+    counter c;
+    counter_set(&c, 1);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    ckpt_accelerator_set_step(acc, 10);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    counter first = c;
+    counter_set(&c, 2);
+    ckpt_accelerator_set_step(acc, 20);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    counter second = c;
+    counter_set(&c, 3);
+    char *c0 = pathf("%s/checkpoints/checkpoint_0", t), *c1 = pathf("%s/checkpoints/checkpoint_1", t);
+    assert_int_equal(ckpt_load_state(acc, c0), 0);
+    assert_memory_equal(&c, &first, sizeof c);
+    assert_int_equal(ckpt_accelerator_step(acc), 10);
+    assert_int_equal(ckpt_load_state(acc, c1), 0);
+    assert_memory_equal(&c, &second, sizeof c);
+    assert_int_equal(ckpt_accelerator_step(acc), 20);
+    /* Loading an older checkpoint never makes the numbering collide. */
+    assert_int_equal(ckpt_load_state(acc, c0), 0);
+    assert_int_equal(ckpt_accelerator_iteration(acc), 2);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    char *c2 = pathf("%s/checkpoints/checkpoint_2", t);
+    assert_true(exists(c2));
+    free(c0);
+    free(c1);
+    free(c2);
+    ckpt_accelerator_free(acc);
+    rm_tmp(t);
+}
+
+static void test_relative_project_dir_and_load_state_null(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char cwd[4096];
+    assert_non_null(getcwd(cwd, sizeof cwd));
+    assert_int_equal(chdir(t), 0);
+    ckpt_accelerator *acc = new_acc("proj/run", true, 0, NULL);
+    counter c;
+    counter_set(&c, 5);
+    counter saved = c;
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    assert_true(exists("proj/run/checkpoints/checkpoint_0/checkpoint.json"));
+    counter_set(&c, 6);
+    assert_int_equal(ckpt_load_state(acc, NULL), 0);
+    assert_memory_equal(&c, &saved, sizeof c);
+    assert_string_equal(ckpt_accelerator_last_dir(acc), "proj/run/checkpoints/checkpoint_0");
+    ckpt_accelerator_free(acc);
+    assert_int_equal(chdir(cwd), 0);
+    rm_tmp(t);
+}
+
+static int no_load(void *self, ckpt_reader *r) {
+    (void)self;
+    (void)r;
+    return 0;
+}
+
+static void test_register_for_checkpointing_rejects_invalid_objects_naming_them(void **st) {
+    (void)st;
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    counter a, b;
+    counter_set(&a, 1);
+    counter_set(&b, 2);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, NULL, &a), CKPT_EINVAL);
+    assert_contains(ckpt_errmsg(), "custom object 0");
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &a), 0);
+    ckpt_stateful_ops no_sd = {NULL, no_load};
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &no_sd, &b), CKPT_EINVAL);
+    assert_contains(ckpt_errmsg(), "custom object 1");
+    assert_contains(ckpt_errmsg(), "state_dict");
+    ckpt_stateful_ops no_ld = {counter_sd, NULL};
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &no_ld, &b), CKPT_EINVAL);
+    assert_contains(ckpt_errmsg(), "custom object 1");
+    assert_contains(ckpt_errmsg(), "load_state_dict");
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &a), CKPT_EEXIST);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &b), 0);
+    ckpt_accelerator_free(acc);
+}
+
+static void test_load_state_null_picks_the_newest_checkpoint(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+    counter c;
+    counter_set(&c, 0);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    for (int i = 0; i < 3; i++) {
+        counter_set(&c, i * 10);
+        ckpt_accelerator_set_step(acc, i);
+        assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    }
+    counter last = c;
+    ckpt_accelerator_free(acc);
+    /* A fresh run over the same project resumes from checkpoint_2. */
+    acc = new_acc(t, true, 0, NULL);
+    counter_set(&c, 1234);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    assert_int_equal(ckpt_load_state(acc, NULL), 0);
+    assert_memory_equal(&c, &last, sizeof c);
+    assert_int_equal(ckpt_accelerator_step(acc), 2);
+    assert_int_equal(ckpt_accelerator_iteration(acc), 3);
+    ckpt_accelerator_free(acc);
+    rm_tmp(t);
+}
+
+typedef struct hook_log {
+    int calls;
+    char dir[4096];
+} hook_log;
+
+static int record_hook(void *user, ckpt_accelerator *acc, const char *dir) {
+    hook_log *h = user;
+    (void)acc;
+    h->calls++;
+    snprintf(h->dir, sizeof h->dir, "%s", dir);
+    return 0;
+}
+
+static int failing_hook(void *user, ckpt_accelerator *acc, const char *dir) {
+    (void)user;
+    (void)acc;
+    (void)dir;
+    return CKPT_EINVAL;
+}
+
+static void test_save_and_load_hooks_run_and_stop_after_removal(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+    counter c;
+    counter_set(&c, 1);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    hook_log sh = {0}, lh = {0};
+    ckpt_hook_handle *hs = NULL, *hl = NULL;
+    assert_int_equal(ckpt_register_save_state_pre_hook(acc, record_hook, &sh, &hs), 0);
+    assert_int_equal(ckpt_register_load_state_pre_hook(acc, record_hook, &lh, &hl), 0);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    char *c0 = pathf("%s/checkpoints/checkpoint_0", t);
+    assert_int_equal(sh.calls, 1);
+    assert_string_equal(sh.dir, c0);
+    assert_int_equal(ckpt_load_state(acc, NULL), 0);
+    assert_int_equal(lh.calls, 1);
+    assert_string_equal(lh.dir, c0);
+    ckpt_hook_remove(hs);
+    ckpt_hook_remove(hl);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    assert_int_equal(ckpt_load_state(acc, NULL), 0);
+    assert_int_equal(sh.calls, 1);
+    assert_int_equal(lh.calls, 1);
+    /* A failing save hook aborts the save before anything is written. */
+    ckpt_hook_handle *hf = NULL;
+    assert_int_equal(ckpt_register_save_state_pre_hook(acc, failing_hook, NULL, &hf), 0);
+    assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EINVAL);
+    char *cd = pathf("%s/checkpoints", t);
+    assert_int_equal(count_visible(cd), 2);
+    assert_int_equal(count_hidden_tmp(cd), 0);
+    ckpt_hook_remove(hf);
+    /* A handle never removed is freed with the accelerator (ASan checks). */
+    assert_int_equal(ckpt_register_save_state_pre_hook(acc, record_hook, &sh, NULL), 0);
+    free(cd);
+    free(c0);
+    ckpt_accelerator_free(acc);
+    rm_tmp(t);
+}
+
+/* ---- numbering, naming, locking, leftovers ------------------------------ */
+
+static void test_save_state_null_without_automatic_naming_is_einval(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    ckpt_accelerator *acc = new_acc(t, false, 0, NULL);
+    assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EINVAL);
+    assert_contains(ckpt_errmsg(), "automatic_checkpoint_naming");
+    ckpt_accelerator_free(acc);
+    acc = new_acc(NULL, true, 0, NULL);
+    assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EINVAL);
+    assert_contains(ckpt_errmsg(), "project_dir");
+    ckpt_accelerator_free(acc);
+    rm_tmp(t);
+}
+
+static void test_new_run_numbers_after_existing_checkpoints(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    counter c;
+    counter_set(&c, 1);
+    for (int run = 0; run < 2; run++) {
+        /* Each run starts from iteration 0 as Accelerate's would, and must
+         * not collide with the previous run's checkpoints. */
+        ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+        assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+        assert_int_equal(ckpt_save_state(acc, NULL), 0);
+        assert_int_equal(ckpt_save_state(acc, NULL), 0);
+        ckpt_accelerator_free(acc);
+    }
+    char *c3 = pathf("%s/checkpoints/checkpoint_3", t), *c4 = pathf("%s/checkpoints/checkpoint_4", t);
+    assert_true(exists(c3));
+    assert_false(exists(c4));
+    /* A configured iteration above the existing ones wins. */
+    ckpt_project_config cfg = {.project_dir = t, .automatic_checkpoint_naming = true, .iteration = 10};
+    ckpt_accelerator *acc = NULL;
+    assert_int_equal(ckpt_accelerator_new(&acc, &cfg), 0);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    char *c10 = pathf("%s/checkpoints/checkpoint_10", t);
+    assert_true(exists(c10));
+    ckpt_accelerator_free(acc);
+    free(c3);
+    free(c4);
+    free(c10);
+    rm_tmp(t);
+}
+
+static void test_save_state_is_busy_while_another_holds_the_project_lock(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *cd = pathf("%s/checkpoints", t), *lp = pathf("%s/checkpoints/.lock", t);
+    assert_int_equal(ckpt__mkdirs(cd), 0);
+    ckpt_lock lk;
+    assert_int_equal(ckpt__lock_acquire(&lk, lp), 0);
+    ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+    assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EBUSY);
+    assert_contains(ckpt_errmsg(), lp);
+    assert_int_equal(count_visible(cd), 0);
+    ckpt__lock_release(&lk);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    assert_int_equal(count_visible(cd), 1);
+    ckpt_accelerator_free(acc);
+    free(cd);
+    free(lp);
+    rm_tmp(t);
+}
+
+static void test_save_removes_leftover_temp_folders_with_a_warning(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *left = pathf("%s/checkpoints/.checkpoint_4.tmp.99999", t);
+    char *leftfile = pathf("%s/model.safetensors", left);
+    assert_int_equal(ckpt__mkdirs(left), 0);
+    FILE *f = fopen(leftfile, "w");
+    assert_non_null(f);
+    fputs("half", f);
+    fclose(f);
+    logbuf lb = {0};
+    ckpt_accelerator *acc = new_acc(t, true, 0, &lb);
+    /* Loads ignore leftovers: nothing to load yet. */
+    assert_int_equal(ckpt_load_state(acc, NULL), CKPT_ENOENT);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    assert_false(exists(left));
+    assert_int_equal(lb.n, 1);
+    assert_contains(lb.last, ".checkpoint_4.tmp.99999");
+    ckpt_accelerator_free(acc);
+    free(left);
+    free(leftfile);
+    rm_tmp(t);
+}
+
+static void test_explicit_save_replaces_an_existing_checkpoint_atomically(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = pathf("%s/best", t);
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    counter c;
+    counter_set(&c, 1);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    assert_int_equal(ckpt_save_state(acc, dir), 0);
+    counter_set(&c, 2);
+    counter second = c;
+    assert_int_equal(ckpt_save_state(acc, dir), 0);
+    counter_set(&c, 3);
+    assert_int_equal(ckpt_load_state(acc, dir), 0);
+    assert_memory_equal(&c, &second, sizeof c);
+    assert_int_equal(count_visible(t), 1);
+    assert_int_equal(count_hidden_tmp(t), 0);
+    ckpt_accelerator_free(acc);
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_explicit_save_refuses_to_replace_a_folder_that_is_not_a_checkpoint(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = pathf("%s/mine", t), *file = pathf("%s/mine/notes.txt", t);
+    assert_int_equal(ckpt__mkdirs(dir), 0);
+    FILE *f = fopen(file, "w");
+    assert_non_null(f);
+    fputs("precious", f);
+    fclose(f);
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    assert_int_equal(ckpt_save_state(acc, dir), CKPT_EEXIST);
+    assert_contains(ckpt_errmsg(), "not a checkpoint");
+    assert_true(exists(file));
+    ckpt_accelerator_free(acc);
+    free(dir);
+    free(file);
+    rm_tmp(t);
+}
+
+static void test_manifest_lists_every_file_with_size_and_digest(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = pathf("%s/ck", t);
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    counter a, b;
+    counter_set(&a, 1);
+    counter_set(&b, 2);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &a), 0);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &b), 0);
+    ckpt_accelerator_set_step(acc, 77);
+    assert_int_equal(ckpt_save_state(acc, dir), 0);
+    ckpt_manifest m;
+    assert_int_equal(ckpt__manifest_read(dir, &m), 0);
+    assert_int_equal(m.format_version, 1);
+    assert_int_equal(m.step, 77);
+    assert_int_equal(m.num_processes, 1);
+    assert_int_equal(m.nfiles, 3);
+    assert_string_equal(m.files[0].name, "custom_checkpoint_0.safetensors");
+    assert_string_equal(m.files[0].kind, "custom");
+    assert_string_equal(m.files[1].name, "custom_checkpoint_1.safetensors");
+    assert_string_equal(m.files[2].name, "random_states_0.safetensors");
+    assert_string_equal(m.files[2].kind, "random_states");
+    assert_int_equal(m.files[0].ntensors, 1);
+    assert_string_equal(m.files[0].tensor_keys[0], "w");
+    assert_int_equal(m.files[0].tensor_xxh3[0], ckpt__xxh3(a.w, sizeof a.w));
+    ckpt_checkpoint_info info;
+    assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), 0);
+    assert_int_equal(info.status, CKPT_CHECKPOINT_COMPLETE);
+    assert_int_equal(info.num_files, 3);
+    assert_int_equal(info.step, 77);
+    assert_string_equal(info.library_version, CKPT_VERSION_STRING);
+    uint64_t total = 0;
+    for (int64_t i = 0; i < m.nfiles; i++) {
+        char *p = pathf("%s/%s", dir, m.files[i].name);
+        ckpt_mapped mp;
+        assert_int_equal(ckpt__map_file(p, &mp), 0);
+        assert_int_equal(mp.size, m.files[i].size);
+        assert_int_equal(ckpt__xxh3(mp.data, (size_t)mp.size), m.files[i].xxh3);
+        total += mp.size;
+        ckpt__unmap(&mp);
+        free(p);
+    }
+    assert_int_equal(info.total_bytes, total);
+    ckpt__manifest_clear(&m);
+    ckpt_accelerator_free(acc);
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_checkpoint_list_and_prune(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+    counter c;
+    counter_set(&c, 1);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    for (int i = 0; i < 4; i++) assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    /* An interrupted save's folder under a final name (as another tool
+     * might leave): listed as partial. */
+    char *p = pathf("%s/checkpoints/checkpoint_9", t);
+    assert_int_equal(ckpt__mkdirs(p), 0);
+    ckpt_checkpoint_info *infos = NULL;
+    int64_t n = 0;
+    assert_int_equal(ckpt_checkpoint_list(t, true, &infos, &n), 0);
+    assert_int_equal(n, 5);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(infos[i].number, i);
+        assert_int_equal(infos[i].status, CKPT_CHECKPOINT_COMPLETE);
+    }
+    assert_int_equal(infos[4].number, 9);
+    assert_int_equal(infos[4].status, CKPT_CHECKPOINT_PARTIAL);
+    free(infos);
+    /* load_state(NULL) skips the partial one with a warning. */
+    logbuf lb = {0};
+    ckpt_accelerator_set_log(acc, log_collect, &lb);
+    assert_int_equal(ckpt_load_state(acc, NULL), 0);
+    assert_int_equal(lb.n, 1);
+    assert_contains(lb.last, "checkpoint_9");
+    int64_t removed = 0;
+    assert_int_equal(ckpt_checkpoint_prune(t, 2, &removed), 0);
+    assert_int_equal(removed, 3);
+    assert_int_equal(ckpt_checkpoint_list(t, false, &infos, &n), 0);
+    assert_int_equal(n, 2);
+    assert_int_equal(infos[0].number, 3);
+    assert_int_equal(infos[1].number, 9);
+    free(infos);
+    ckpt_accelerator_free(acc);
+    free(p);
+    rm_tmp(t);
+}
+
+/* ---- bad input: a clear error and nothing changed in memory ------------- */
+
+/* Saves two counters (values 1, 2) to <t>/ck and returns the folder. */
+static char *save_two(const char *t) {
+    char *dir = pathf("%s/ck", t);
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    counter a, b;
+    counter_set(&a, 1);
+    counter_set(&b, 2);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &a), 0);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &b), 0);
+    assert_int_equal(ckpt_save_state(acc, dir), 0);
+    ckpt_accelerator_free(acc);
+    return dir;
+}
+
+/* Loads dir into two fresh counters (values 50, 60), expecting `code` and a
+ * message containing `needle`, with both counters and the RNG unchanged. */
+static void expect_load_fails(const char *dir, int ncounters, void (*tweak)(counter *), int code,
+                              const char *needle) {
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    counter cs[3];
+    for (int i = 0; i < ncounters; i++) {
+        counter_set(&cs[i], 50 + 10 * i);
+        if (tweak && i == 1) tweak(&cs[i]);
+        assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &cs[i]), 0);
+    }
+    ckpt_set_seed(acc, 3);
+    counter before[3];
+    memcpy(before, cs, sizeof cs);
+    ckpt_rng rng_before = *ckpt_accelerator_rng(acc);
+    int rc = ckpt_load_state(acc, dir);
+    if (rc != code) fail_msg("load_state returned %d (%s), expected %d", rc, ckpt_errmsg(), code);
+    assert_contains(ckpt_errmsg(), needle);
+    if (getenv("CKPT_TEST_VERBOSE")) print_message("  %s\n", ckpt_errmsg());
+    assert_memory_equal(cs, before, sizeof cs);
+    assert_memory_equal(ckpt_accelerator_rng(acc), &rng_before, sizeof rng_before);
+    assert_int_equal(ckpt_accelerator_step(acc), 0);
+    ckpt_accelerator_free(acc);
+}
+
+static void wider(counter *c) { c->wlen = 3; }
+static void as_f64(counter *c) { c->wdtype = CKPT_F64; }
+static void extra(counter *c) { c->extra_key = true; }
+
+static void test_load_state_rejects_shape_mismatch(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    expect_load_fails(dir, 2, wider, CKPT_EMISMATCH, "'w'");
+    expect_load_fails(dir, 2, wider, CKPT_EMISMATCH, "custom_checkpoint_1.safetensors");
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_rejects_dtype_mismatch(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    expect_load_fails(dir, 2, as_f64, CKPT_EMISMATCH, "'w'");
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_rejects_missing_key(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    expect_load_fails(dir, 2, extra, CKPT_EMISMATCH, "extra");
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_rejects_a_different_number_of_objects(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    expect_load_fails(dir, 3, NULL, CKPT_EMISMATCH, "checkpoint has 2 custom objects, 3 are registered");
+    expect_load_fails(dir, 1, NULL, CKPT_EMISMATCH, "checkpoint has 2 custom objects, 1 is registered");
+    free(dir);
+    rm_tmp(t);
+}
+
+static void flip_byte(const char *path, long off_from_end, long off_from_start) {
+    int fd = open(path, O_RDWR);
+    assert_true(fd >= 0);
+    struct stat s;
+    assert_int_equal(fstat(fd, &s), 0);
+    off_t off = off_from_end > 0 ? s.st_size - off_from_end : off_from_start;
+    unsigned char b;
+    assert_int_equal(pread(fd, &b, 1, off), 1);
+    b ^= 0x01;
+    assert_int_equal(pwrite(fd, &b, 1, off), 1);
+    close(fd);
+}
+
+static void test_load_state_names_the_tensor_with_a_flipped_byte(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    char *f = pathf("%s/custom_checkpoint_1.safetensors", dir);
+    /* The tensor data is the file's tail (the only tensor, 16 bytes). */
+    flip_byte(f, 3, 0);
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT,
+                      "custom_checkpoint_1.safetensors: tensor 'w': checksum mismatch");
+    ckpt_checkpoint_info info;
+    assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), CKPT_ECORRUPT);
+    assert_int_equal(info.status, CKPT_CHECKPOINT_CORRUPT);
+    /* Shallow verification checks sizes only. */
+    assert_int_equal(ckpt_checkpoint_verify(dir, false, &info), 0);
+    free(f);
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_rejects_a_flipped_byte_in_a_header(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    char *f = pathf("%s/custom_checkpoint_0.safetensors", dir);
+    flip_byte(f, 0, 12); /* inside the JSON header, after the 8-byte length */
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "custom_checkpoint_0.safetensors");
+    free(f);
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_rejects_a_truncated_file(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    char *f = pathf("%s/custom_checkpoint_1.safetensors", dir);
+    struct stat s;
+    assert_int_equal(stat(f, &s), 0);
+    assert_int_equal(truncate(f, s.st_size - 5), 0);
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "custom_checkpoint_1.safetensors: size");
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "truncated");
+    free(f);
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_rejects_a_missing_manifest(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    char *f = pathf("%s/checkpoint.json", dir);
+    assert_int_equal(unlink(f), 0);
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "no manifest checkpoint.json");
+    ckpt_checkpoint_info info;
+    assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), CKPT_ECORRUPT);
+    assert_int_equal(info.status, CKPT_CHECKPOINT_PARTIAL);
+    free(f);
+    free(dir);
+    rm_tmp(t);
+}
+
+static void rewrite_manifest(const char *dir, const char *from, const char *to) {
+    char *f = pathf("%s/checkpoint.json", dir);
+    char *text = NULL;
+    size_t len = 0;
+    assert_int_equal(ckpt__read_small_file(f, 1 << 20, &text, &len), 0);
+    char *at = strstr(text, from);
+    assert_non_null(at);
+    FILE *o = fopen(f, "w");
+    assert_non_null(o);
+    fwrite(text, 1, (size_t)(at - text), o);
+    fputs(to, o);
+    fputs(at + strlen(from), o);
+    fclose(o);
+    free(text);
+    free(f);
+}
+
+static void test_load_state_refuses_a_newer_format_version(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    rewrite_manifest(dir, "\"format_version\": 1", "\"format_version\": 2");
+    expect_load_fails(dir, 2, NULL, CKPT_EUNSUPPORTED,
+                      "checkpoint format version 2 is newer than this library's (1); upgrade ckpt");
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_rejects_hostile_manifests(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    rewrite_manifest(dir, "\"custom_checkpoint_0.safetensors\"", "\"../custom_checkpoint_0.safetensors\"");
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "not a plain file name");
+    rewrite_manifest(dir, "\"../custom_checkpoint_0.safetensors\"", "\"custom_checkpoint_1.safetensors\"");
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "listed twice");
+    free(dir);
+    dir = save_two(t);
+    rewrite_manifest(dir, "\"step\": 0", "\"step\": \"0\"");
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "\"step\" must be an integer");
+    free(dir);
+    ckpt_manifest m;
+    const char *bad[] = {"", "[]", "{\"format\":\"ckpt\"}", "{\"format\":\"other\",\"format_version\":1}",
+                         "{\"format\":\"ckpt\",\"format_version\":1,\"format_version\":1}"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        assert_int_equal(ckpt__manifest_parse(bad[i], strlen(bad[i]), "m", &m), CKPT_ECORRUPT);
+        ckpt__manifest_clear(&m);
+    }
+    rm_tmp(t);
+}
+
+static void test_load_state_rejects_an_unlisted_state_file(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    char *from = pathf("%s/custom_checkpoint_1.safetensors", dir);
+    char *to = pathf("%s/model.safetensors", dir);
+    assert_int_equal(link(from, to), 0);
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "model.safetensors is not listed in the manifest");
+    free(from);
+    free(to);
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_of_a_missing_folder_is_enoent(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = pathf("%s/nothing", t);
+    expect_load_fails(dir, 1, NULL, CKPT_ENOENT, "nothing");
+    ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+    assert_int_equal(ckpt_load_state(acc, NULL), CKPT_ENOENT);
+    assert_contains(ckpt_errmsg(), "no checkpoint");
+    ckpt_accelerator_free(acc);
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_null_falls_back_past_a_corrupt_newest_checkpoint(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+    counter c;
+    counter_set(&c, 1);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    counter first = c;
+    counter_set(&c, 2);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    char *f = pathf("%s/checkpoints/checkpoint_1/custom_checkpoint_0.safetensors", t);
+    flip_byte(f, 2, 0);
+    counter_set(&c, 3);
+    logbuf lb = {0};
+    ckpt_accelerator_set_log(acc, log_collect, &lb);
+    assert_int_equal(ckpt_load_state(acc, NULL), 0);
+    assert_memory_equal(&c, &first, sizeof c);
+    assert_int_equal(lb.n, 1);
+    assert_contains(lb.last, "tensor 'w': checksum mismatch");
+    assert_contains(lb.last, "falling back");
+    /* With every checkpoint bad, the error lists why. */
+    char *f0 = pathf("%s/checkpoints/checkpoint_0/custom_checkpoint_0.safetensors", t);
+    assert_int_equal(truncate(f0, 10), 0);
+    assert_int_equal(ckpt_load_state(acc, NULL), CKPT_ECORRUPT);
+    assert_contains(ckpt_errmsg(), "no valid checkpoint");
+    assert_contains(ckpt_errmsg(), "truncated");
+    assert_contains(ckpt_errmsg(), "checksum mismatch");
+    ckpt_accelerator_free(acc);
+    free(f);
+    free(f0);
+    rm_tmp(t);
+}
+
+static void test_save_state_into_a_project_path_that_is_a_file_fails_clearly(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *file = pathf("%s/plainfile", t);
+    FILE *f = fopen(file, "w");
+    assert_non_null(f);
+    fclose(f);
+    ckpt_accelerator *acc = new_acc(file, true, 0, NULL);
+    assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EINVAL);
+    assert_contains(ckpt_errmsg(), "plainfile");
+    assert_contains(ckpt_errmsg(), "not a folder");
+    ckpt_accelerator_free(acc);
+    /* A path under a file: cannot be created, whoever runs the test (root
+     * ignores chmod 0500, so this is the unwritable folder case for root). */
+    char *under = pathf("%s/plainfile/proj", t);
+    acc = new_acc(under, true, 0, NULL);
+    assert_true(ckpt_save_state(acc, NULL) < 0);
+    assert_contains(ckpt_errmsg(), "plainfile");
+    ckpt_accelerator_free(acc);
+    free(under);
+    free(file);
+    rm_tmp(t);
+}
+
+static void test_save_state_into_an_unwritable_folder_fails_clearly(void **st) {
+    (void)st;
+    if (geteuid() == 0) {
+        /* root writes through chmod 0500; covered by the path-under-a-file
+         * case of the previous test. */
+        skip();
+    }
+    char *t = make_tmp();
+    char *ro = pathf("%s/ro", t);
+    assert_int_equal(mkdir(ro, 0500), 0);
+    char *proj = pathf("%s/ro/proj", t);
+    ckpt_accelerator *acc = new_acc(proj, true, 0, NULL);
+    assert_true(ckpt_save_state(acc, NULL) < 0);
+    assert_contains(ckpt_errmsg(), "ro/proj");
+    assert_int_equal(chmod(ro, 0700), 0);
+    ckpt_accelerator_free(acc);
+    free(proj);
+    free(ro);
+    rm_tmp(t);
+}
+
+static void test_accelerator_new_validates_its_config(void **st) {
+    (void)st;
+    ckpt_accelerator *acc = NULL;
+    ckpt_project_config cfg = {.total_limit = -1};
+    assert_int_equal(ckpt_accelerator_new(&acc, &cfg), CKPT_EINVAL);
+    assert_null(acc);
+    cfg = (ckpt_project_config){.num_processes = 2, .process_index = 2};
+    assert_int_equal(ckpt_accelerator_new(&acc, &cfg), CKPT_EINVAL);
+    assert_int_equal(ckpt_accelerator_new(&acc, NULL), CKPT_EINVAL);
+    /* The strings are copied. */
+    char proj[] = "/tmp/somewhere";
+    cfg = (ckpt_project_config){.project_dir = proj, .num_processes = 2, .process_index = 1};
+    assert_int_equal(ckpt_accelerator_new(&acc, &cfg), 0);
+    proj[1] = 'X';
+    assert_int_equal(ckpt_accelerator_process_index(acc), 1);
+    assert_int_equal(ckpt_accelerator_num_processes(acc), 2);
+    ckpt_accelerator_free(acc);
+    ckpt_accelerator_free(NULL);
+    ckpt_hook_remove(NULL);
+}
+
+static void test_checkpoint_names_parse_only_canonical_numbers(void **st) {
+    (void)st;
+    int64_t n = -1;
+    assert_int_equal(ckpt__parse_checkpoint_name("checkpoint_0", &n), 1);
+    assert_int_equal(n, 0);
+    assert_int_equal(ckpt__parse_checkpoint_name("checkpoint_123", &n), 1);
+    assert_int_equal(n, 123);
+    assert_int_equal(ckpt__parse_checkpoint_name("checkpoint_", &n), 0);
+    assert_int_equal(ckpt__parse_checkpoint_name("checkpoint_01", &n), 0);
+    assert_int_equal(ckpt__parse_checkpoint_name("checkpoint_1a", &n), 0);
+    assert_int_equal(ckpt__parse_checkpoint_name("checkpoint_-1", &n), 0);
+    assert_int_equal(ckpt__parse_checkpoint_name("checkpoint_1234567890123456789", &n), 0);
+    assert_int_equal(ckpt__parse_checkpoint_name(".checkpoint_1.tmp.5", &n), 0);
+}
+
+/* ---- allocation failures: every one is a clean CKPT_ENOMEM ---------------- */
+
+static void test_save_and_load_fail_cleanly_at_every_allocation(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *cd = pathf("%s/checkpoints", t);
+    ckpt_accelerator *acc = new_acc(t, true, 2, NULL);
+    counter c;
+    counter_set(&c, 1);
+    counter saved = c;
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    int failures = 0;
+    for (uint64_t n = 1;; n++) {
+        assert_true(n < 10000);
+        counter_set(&c, 100 + (int64_t)n);
+        ckpt__alloc_fail_after(n);
+        int rc = ckpt_save_state(acc, NULL);
+        ckpt__alloc_fail_after(0);
+        if (rc == 0) break;
+        if (rc != CKPT_ENOMEM) fail_msg("allocation %llu: %d %s", (unsigned long long)n, rc, ckpt_errmsg());
+        failures++;
+        assert_int_equal(count_visible(cd), 1);
+        assert_int_equal(count_hidden_tmp(cd), 0);
+    }
+    assert_true(failures > 5);
+    counter newest = c;
+    ckpt_accelerator_free(acc);
+
+    acc = new_acc(t, true, 0, NULL);
+    counter_set(&c, 9);
+    counter before = c;
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    failures = 0;
+    for (uint64_t n = 1;; n++) {
+        assert_true(n < 10000);
+        ckpt__alloc_fail_after(n);
+        int rc = ckpt_load_state(acc, NULL);
+        ckpt__alloc_fail_after(0);
+        if (rc == 0) break;
+        if (rc != CKPT_ENOMEM) fail_msg("allocation %llu: %d %s", (unsigned long long)n, rc, ckpt_errmsg());
+        failures++;
+        assert_memory_equal(&c, &before, sizeof c);
+        assert_int_equal(ckpt_accelerator_step(acc), 0);
+    }
+    assert_true(failures > 5);
+    assert_memory_equal(&c, &newest, sizeof c);
+    (void)saved;
+    ckpt_accelerator_free(acc);
+    free(cd);
+    rm_tmp(t);
+}
+
+/* The manifest parser survives random damage: every mutation of a valid
+ * manifest parses or is refused with ECORRUPT/EUNSUPPORTED (ASan watches). */
+static void test_manifest_parser_survives_random_mutations(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_two(t);
+    char *f = pathf("%s/checkpoint.json", dir);
+    char *text = NULL;
+    size_t len = 0;
+    assert_int_equal(ckpt__read_small_file(f, 1 << 20, &text, &len), 0);
+    char *buf = malloc(len + 1);
+    assert_non_null(buf);
+    unsigned seed = 99;
+    int accepted = 0;
+    for (int i = 0; i < 3000; i++) {
+        memcpy(buf, text, len);
+        size_t n = len;
+        int edits = 1 + rand_r(&seed) % 4;
+        for (int e = 0; e < edits; e++) {
+            size_t at = (size_t)rand_r(&seed) % n;
+            switch (rand_r(&seed) % 3) {
+            case 0: buf[at] = (char)(rand_r(&seed) & 0xff); break;
+            case 1: n = at + 1; break;
+            default: buf[at] = "0123456789\"{}[],:-."[rand_r(&seed) % 20]; break;
+            }
+        }
+        ckpt_manifest m;
+        int rc = ckpt__manifest_parse(buf, n, "m", &m);
+        if (rc == 0) accepted++;
+        else if (rc != CKPT_ECORRUPT && rc != CKPT_EUNSUPPORTED)
+            fail_msg("mutation %d: status %d (%s)", i, rc, ckpt_errmsg());
+        ckpt__manifest_clear(&m);
+    }
+    assert_true(accepted < 3000);
+    free(buf);
+    free(text);
+    free(f);
+    free(dir);
+    rm_tmp(t);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_save_state_with_total_limit_1_keeps_one_checkpoint),
+        cmocka_unit_test(test_total_limit_2_with_11_saves_leaves_checkpoint_9_and_10),
+        cmocka_unit_test(test_load_state_from_explicit_folder_restores_saved_state),
+        cmocka_unit_test(test_automatic_naming_then_explicit_loads_of_checkpoint_0_and_1),
+        cmocka_unit_test(test_relative_project_dir_and_load_state_null),
+        cmocka_unit_test(test_register_for_checkpointing_rejects_invalid_objects_naming_them),
+        cmocka_unit_test(test_load_state_null_picks_the_newest_checkpoint),
+        cmocka_unit_test(test_save_and_load_hooks_run_and_stop_after_removal),
+        cmocka_unit_test(test_save_state_null_without_automatic_naming_is_einval),
+        cmocka_unit_test(test_new_run_numbers_after_existing_checkpoints),
+        cmocka_unit_test(test_save_state_is_busy_while_another_holds_the_project_lock),
+        cmocka_unit_test(test_save_removes_leftover_temp_folders_with_a_warning),
+        cmocka_unit_test(test_explicit_save_replaces_an_existing_checkpoint_atomically),
+        cmocka_unit_test(test_explicit_save_refuses_to_replace_a_folder_that_is_not_a_checkpoint),
+        cmocka_unit_test(test_manifest_lists_every_file_with_size_and_digest),
+        cmocka_unit_test(test_checkpoint_list_and_prune),
+        cmocka_unit_test(test_load_state_rejects_shape_mismatch),
+        cmocka_unit_test(test_load_state_rejects_dtype_mismatch),
+        cmocka_unit_test(test_load_state_rejects_missing_key),
+        cmocka_unit_test(test_load_state_rejects_a_different_number_of_objects),
+        cmocka_unit_test(test_load_state_names_the_tensor_with_a_flipped_byte),
+        cmocka_unit_test(test_load_state_rejects_a_flipped_byte_in_a_header),
+        cmocka_unit_test(test_load_state_rejects_a_truncated_file),
+        cmocka_unit_test(test_load_state_rejects_a_missing_manifest),
+        cmocka_unit_test(test_load_state_refuses_a_newer_format_version),
+        cmocka_unit_test(test_load_state_rejects_hostile_manifests),
+        cmocka_unit_test(test_load_state_rejects_an_unlisted_state_file),
+        cmocka_unit_test(test_load_state_of_a_missing_folder_is_enoent),
+        cmocka_unit_test(test_load_state_null_falls_back_past_a_corrupt_newest_checkpoint),
+        cmocka_unit_test(test_save_state_into_a_project_path_that_is_a_file_fails_clearly),
+        cmocka_unit_test(test_save_state_into_an_unwritable_folder_fails_clearly),
+        cmocka_unit_test(test_accelerator_new_validates_its_config),
+        cmocka_unit_test(test_checkpoint_names_parse_only_canonical_numbers),
+        cmocka_unit_test(test_save_and_load_fail_cleanly_at_every_allocation),
+        cmocka_unit_test(test_manifest_parser_survives_random_mutations),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

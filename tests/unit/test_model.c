@@ -1,0 +1,243 @@
+/* test_model.c — parameter registration, key rules, and the model's state
+ * dict: exactly the parameters, under their names, loaded back in place. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "ckpt.h"
+#include "error.h"
+#include "io.h"
+
+static char tmpdir[64];
+
+static int setup(void **state) {
+    (void)state;
+    strcpy(tmpdir, "/tmp/ckpt_test_model_XXXXXX");
+    return mkdtemp(tmpdir) ? 0 : -1;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    return ckpt__remove_tree(tmpdir) == CKPT_OK ? 0 : -1;
+}
+
+static void save_model(ckpt_model *m, const char *path) {
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    assert_int_equal(ckpt_model_ops()->state_dict(m, w), CKPT_OK);
+    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
+    ckpt_writer_free(w);
+}
+
+static int load_model(ckpt_model *m, const char *path) {
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+    int rc = ckpt_model_ops()->load_state_dict(m, r);
+    ckpt_reader_free(r);
+    return rc;
+}
+
+static void test_add_param_records_name_shape_and_buffers(void **state) {
+    (void)state;
+    float w[6], gw[6];
+    int64_t b[3];
+    ckpt_model *m;
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    int64_t sw[2] = {2, 3}, sb[1] = {3};
+    char name[16] = "layer.w";
+    assert_int_equal(ckpt_model_add_param(m, name, CKPT_F32, 2, sw, w, gw), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "layer.b", CKPT_I64, 1, sb, b, NULL), CKPT_OK);
+    double scalar = 1;
+    assert_int_equal(ckpt_model_add_param(m, "scalar", CKPT_F64, 0, NULL, &scalar, NULL), CKPT_OK);
+    strcpy(name, "changed"); /* the model copied the name */
+    sw[0] = 99;             /* and the shape */
+    assert_int_equal(ckpt_model_num_params(m), 3);
+    assert_int_equal(ckpt_model_num_elements(m), 6 + 3 + 1);
+    ckpt_param_info info;
+    assert_int_equal(ckpt_model_param(m, 0, &info), CKPT_OK);
+    assert_string_equal(info.name, "layer.w");
+    assert_int_equal(info.dtype, CKPT_F32);
+    assert_int_equal(info.ndim, 2);
+    assert_int_equal(info.shape[0], 2);
+    assert_int_equal(info.shape[1], 3);
+    assert_int_equal(info.numel, 6);
+    assert_ptr_equal(info.data, w);
+    assert_ptr_equal(info.grad, gw);
+    assert_int_equal(ckpt_model_param(m, 1, &info), CKPT_OK);
+    assert_null(info.grad);
+    assert_int_equal(ckpt_model_param(m, 3, &info), CKPT_EINVAL);
+    assert_int_equal(ckpt_model_param(m, -1, &info), CKPT_EINVAL);
+    ckpt_model_free(m);
+    ckpt_model_free(NULL);
+}
+
+static void test_add_param_rejects_bad_names_and_duplicates(void **state) {
+    (void)state;
+    float x[2];
+    int64_t s[1] = {2};
+    ckpt_model *m;
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "a", CKPT_F32, 1, s, x, NULL), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "a", CKPT_F32, 1, s, x, NULL), CKPT_EEXIST);
+    assert_non_null(strstr(ckpt_errmsg(), "'a'"));
+    assert_int_equal(ckpt_model_add_param(m, "", CKPT_F32, 1, s, x, NULL), CKPT_EINVAL);
+    assert_int_equal(ckpt_model_add_param(m, NULL, CKPT_F32, 1, s, x, NULL), CKPT_EINVAL);
+    assert_int_equal(ckpt_model_add_param(m, "__metadata__", CKPT_F32, 1, s, x, NULL),
+                     CKPT_EINVAL);
+    assert_int_equal(ckpt_model_add_param(m, "tab\there", CKPT_F32, 1, s, x, NULL), CKPT_EINVAL);
+    char *longname = malloc(CKPT_MAX_KEY + 2);
+    memset(longname, 'k', CKPT_MAX_KEY + 1);
+    longname[CKPT_MAX_KEY + 1] = '\0';
+    assert_int_equal(ckpt_model_add_param(m, longname, CKPT_F32, 1, s, x, NULL), CKPT_EINVAL);
+    longname[CKPT_MAX_KEY] = '\0'; /* exactly the limit is fine */
+    assert_int_equal(ckpt_model_add_param(m, longname, CKPT_F32, 1, s, x, NULL), CKPT_OK);
+    free(longname);
+    int64_t neg[1] = {-1};
+    assert_int_equal(ckpt_model_add_param(m, "neg", CKPT_F32, 1, neg, x, NULL), CKPT_EINVAL);
+    assert_int_equal(ckpt_model_add_param(m, "nodata", CKPT_F32, 1, s, NULL, NULL), CKPT_EINVAL);
+    assert_int_equal(ckpt_model_add_param(m, "ndim", CKPT_F32, CKPT_MAX_NDIM + 1, s, x, NULL),
+                     CKPT_EINVAL);
+    assert_int_equal(ckpt_model_add_param(m, "dtype", CKPT_DTYPE_INVALID, 1, s, x, NULL),
+                     CKPT_EINVAL);
+    assert_int_equal(ckpt_model_num_params(m), 2);
+    ckpt_model_free(m);
+}
+
+static void test_add_param_allocation_failures_are_clean(void **state) {
+    (void)state;
+    float x[2];
+    int64_t s[1] = {2};
+    for (uint64_t n = 1;; n++) {
+        ckpt_model *m = NULL;
+        ckpt__alloc_fail_after(n);
+        int rc = ckpt_model_new(&m);
+        char name[32];
+        for (int i = 0; rc == CKPT_OK && i < 40; i++) {
+            snprintf(name, sizeof name, "p%d", i);
+            rc = ckpt_model_add_param(m, name, CKPT_F32, 1, s, x, NULL);
+        }
+        ckpt__alloc_fail_after(0);
+        if (rc == CKPT_OK) {
+            assert_int_equal(ckpt_model_num_params(m), 40);
+            ckpt_model_free(m);
+            break;
+        }
+        assert_int_equal(rc, CKPT_ENOMEM);
+        ckpt_model_free(m);
+    }
+}
+
+static void test_state_dict_is_exactly_the_parameters(void **state) {
+    (void)state;
+    float w[6] = {1, 2, 3, 4, 5, 6};
+    uint16_t h[4] = {1, 2, 3, 4};
+    ckpt_model *m;
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    int64_t sw[2] = {3, 2}, sh[1] = {4};
+    assert_int_equal(ckpt_model_add_param(m, "enc.weight", CKPT_F32, 2, sw, w, NULL), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "enc.bias", CKPT_BF16, 1, sh, h, NULL), CKPT_OK);
+    ckpt_writer *w_;
+    assert_int_equal(ckpt_writer_new(&w_), CKPT_OK);
+    assert_int_equal(ckpt_model_ops()->state_dict(m, w_), CKPT_OK);
+    assert_int_equal(ckpt_writer_entry_count(w_), 2);
+    ckpt_entry_info e;
+    assert_int_equal(ckpt_writer_entry(w_, 0, &e), CKPT_OK);
+    assert_string_equal(e.key, "enc.weight");
+    assert_int_equal(e.kind, CKPT_ENTRY_TENSOR);
+    assert_int_equal(e.dtype, CKPT_F32);
+    assert_int_equal(e.ndim, 2);
+    assert_int_equal(e.shape[0], 3);
+    assert_int_equal(e.shape[1], 2);
+    assert_int_equal(ckpt_writer_entry(w_, 1, &e), CKPT_OK);
+    assert_string_equal(e.key, "enc.bias");
+    assert_int_equal(e.dtype, CKPT_BF16);
+    ckpt_writer_free(w_);
+    ckpt_model_free(m);
+}
+
+static void test_load_state_dict_restores_every_parameter(void **state) {
+    (void)state;
+    char path[128];
+    snprintf(path, sizeof path, "%s/model.safetensors", tmpdir);
+    float w[6] = {1.5f, -2, 3, 4, 5, 6.25f}, w2[6] = {0};
+    int64_t b[2] = {INT64_MIN, 7}, b2[2] = {0};
+    int64_t sw[2] = {2, 3}, sb[1] = {2};
+    ckpt_model *a, *c;
+    assert_int_equal(ckpt_model_new(&a), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(a, "w", CKPT_F32, 2, sw, w, NULL), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(a, "b", CKPT_I64, 1, sb, b, NULL), CKPT_OK);
+    save_model(a, path);
+    /* a model with the same parameters, registered in another order */
+    assert_int_equal(ckpt_model_new(&c), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(c, "b", CKPT_I64, 1, sb, b2, NULL), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(c, "w", CKPT_F32, 2, sw, w2, NULL), CKPT_OK);
+    assert_int_equal(load_model(c, path), CKPT_OK);
+    assert_memory_equal(w, w2, sizeof w);
+    assert_memory_equal(b, b2, sizeof b);
+    ckpt_model_free(a);
+    ckpt_model_free(c);
+}
+
+static void test_load_rejects_shape_mismatch_missing_and_extra_and_changes_nothing(void **state) {
+    (void)state;
+    char path[128];
+    snprintf(path, sizeof path, "%s/model.safetensors", tmpdir);
+    float w[6] = {1, 2, 3, 4, 5, 6}, v[2] = {7, 8};
+    int64_t s23[2] = {2, 3}, s2[1] = {2}, s32[2] = {3, 2};
+    ckpt_model *a;
+    assert_int_equal(ckpt_model_new(&a), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(a, "v", CKPT_F32, 1, s2, v, NULL), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(a, "w", CKPT_F32, 2, s23, w, NULL), CKPT_OK);
+    save_model(a, path);
+
+    float x[6] = {9, 9, 9, 9, 9, 9}, y[2] = {9, 9};
+    const float nines[6] = {9, 9, 9, 9, 9, 9};
+    ckpt_model *m;
+    /* v loads fine but w has another shape: v must stay untouched too */
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "v", CKPT_F32, 1, s2, y, NULL), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "w", CKPT_F32, 2, s32, x, NULL), CKPT_OK);
+    assert_int_equal(load_model(m, path), CKPT_EMISMATCH);
+    assert_non_null(strstr(ckpt_errmsg(), "'w'"));
+    assert_non_null(strstr(ckpt_errmsg(), "[2,3] in file"));
+    assert_memory_equal(x, nines, sizeof x);
+    assert_memory_equal(y, nines, sizeof y);
+    ckpt_model_free(m);
+    /* a parameter the file lacks */
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "v", CKPT_F32, 1, s2, y, NULL), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "u", CKPT_F32, 1, s2, x, NULL), CKPT_OK);
+    assert_int_equal(load_model(m, path), CKPT_EMISMATCH);
+    assert_non_null(strstr(ckpt_errmsg(), "'u'"));
+    assert_memory_equal(y, nines, sizeof y);
+    ckpt_model_free(m);
+    /* the file has a tensor the model lacks */
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "v", CKPT_F32, 1, s2, y, NULL), CKPT_OK);
+    assert_int_equal(load_model(m, path), CKPT_EMISMATCH);
+    assert_non_null(strstr(ckpt_errmsg(), "'w'"));
+    assert_memory_equal(y, nines, sizeof y);
+    ckpt_model_free(m);
+    ckpt_model_free(a);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_add_param_records_name_shape_and_buffers),
+        cmocka_unit_test(test_add_param_rejects_bad_names_and_duplicates),
+        cmocka_unit_test(test_add_param_allocation_failures_are_clean),
+        cmocka_unit_test(test_state_dict_is_exactly_the_parameters),
+        cmocka_unit_test_setup_teardown(test_load_state_dict_restores_every_parameter, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(
+            test_load_rejects_shape_mismatch_missing_and_extra_and_changes_nothing, setup,
+            teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,604 @@
+/* test_optim.c — SGD / Adam / AdamW: argument checks, the update formulas on
+ * hand-checked values, parameter groups, and state dicts that resume a run
+ * bit for bit (the numbers against PyTorch are in test_torch_numerics.py). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "ckpt.h"
+#include "error.h"
+#include "io.h"
+#include "optim.h"
+
+static char tmpdir[64];
+
+static int setup(void **state) {
+    (void)state;
+    strcpy(tmpdir, "/tmp/ckpt_test_optim_XXXXXX");
+    return mkdtemp(tmpdir) ? 0 : -1;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    return ckpt__remove_tree(tmpdir) == CKPT_OK ? 0 : -1;
+}
+
+/* ---- a two-parameter model ---------------------------------------------- */
+
+typedef struct fixture {
+    float w[6], gw[6], b[3], gb[3];
+    ckpt_model *m;
+} fixture;
+
+static void fixture_init(fixture *f) {
+    memset(f, 0, sizeof *f);
+    for (int j = 0; j < 6; j++) f->w[j] = (float)(0.5 * sin(0.3 * j + 1));
+    for (int j = 0; j < 3; j++) f->b[j] = (float)(0.5 * sin(0.3 * j + 2));
+    assert_int_equal(ckpt_model_new(&f->m), CKPT_OK);
+    int64_t sw[2] = {2, 3}, sb[1] = {3};
+    assert_int_equal(ckpt_model_add_param(f->m, "w", CKPT_F32, 2, sw, f->w, f->gw), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(f->m, "b", CKPT_F32, 1, sb, f->b, f->gb), CKPT_OK);
+}
+
+static void grads(fixture *f, int t) {
+    for (int j = 0; j < 6; j++) f->gw[j] = (float)sin(0.37 * j + t);
+    for (int j = 0; j < 3; j++) f->gb[j] = (float)sin(0.37 * j + t + 1);
+}
+
+static char *path_of(const char *name) {
+    static char path[128];
+    snprintf(path, sizeof path, "%s/%s", tmpdir, name);
+    return path;
+}
+
+static void save(const ckpt_stateful_ops *ops, void *self, const char *path) {
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    assert_int_equal(ops->state_dict(self, w), CKPT_OK);
+    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
+    ckpt_writer_free(w);
+}
+
+static int load(const ckpt_stateful_ops *ops, void *self, const char *path) {
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+    int rc = ops->load_state_dict(self, r);
+    ckpt_reader_free(r);
+    return rc;
+}
+
+static char *slurp(const char *path, size_t *n) {
+    FILE *fp = fopen(path, "rb");
+    assert_non_null(fp);
+    fseek(fp, 0, SEEK_END);
+    long len = ftell(fp);
+    fseek(fp, 0, SEEK_SET);
+    char *buf = malloc((size_t)len + 1);
+    assert_int_equal(fread(buf, 1, (size_t)len, fp), (size_t)len);
+    fclose(fp);
+    *n = (size_t)len;
+    return buf;
+}
+
+/* The optimizer's whole state as bytes (its state dict file). */
+static char *state_bytes(ckpt_optimizer *o, const char *name, size_t *n) {
+    char path[128];
+    snprintf(path, sizeof path, "%s/%s", tmpdir, name);
+    save(ckpt_optimizer_ops(), o, path);
+    return slurp(path, n);
+}
+
+/* ---- argument checks ----------------------------------------------------- */
+
+static void test_new_rejects_bad_hyperparameters(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f);
+    ckpt_optimizer *o = (ckpt_optimizer *)&f; /* must be reset to NULL on failure */
+    assert_int_equal(ckpt_sgd_new(&o, f.m, -0.5, 0, 0, false), CKPT_EINVAL);
+    assert_null(o);
+    assert_string_equal(ckpt_errmsg(), "optimizer: param_groups.0.lr: expected >= 0, got -0.5");
+    assert_int_equal(ckpt_sgd_new(&o, f.m, NAN, 0, 0, false), CKPT_EINVAL);
+    assert_int_equal(ckpt_sgd_new(&o, f.m, 0.1, -0.1, 0, false), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "momentum"));
+    assert_int_equal(ckpt_sgd_new(&o, f.m, 0.1, 0, -1, false), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "weight_decay"));
+    assert_int_equal(ckpt_sgd_new(&o, f.m, 0.1, 0, 0, true), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "nesterov"));
+    ckpt_optim_options so = ckpt_optim_defaults(CKPT_OPTIM_SGD);
+    so.momentum = 0.9;
+    so.dampening = 0.1;
+    so.nesterov = true;
+    assert_int_equal(ckpt_optimizer_new(&o, CKPT_OPTIM_SGD, f.m, &so), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "dampening"));
+    assert_int_equal(ckpt_adamw_new(&o, f.m, 1e-3, 1.0, 0.999, 1e-8, 0), CKPT_EINVAL);
+    assert_string_equal(ckpt_errmsg(),
+                        "optimizer: param_groups.0.betas.0: expected in [0, 1), got 1");
+    assert_int_equal(ckpt_adamw_new(&o, f.m, 1e-3, 0.9, -0.1, 1e-8, 0), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "betas.1"));
+    assert_int_equal(ckpt_adam_new(&o, f.m, 1e-3, 0.9, 0.999, -1e-8, 0), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "eps"));
+    assert_int_equal(ckpt_adam_new(&o, f.m, -1e-3, 0.9, 0.999, 1e-8, 0), CKPT_EINVAL);
+    assert_null(o);
+    ckpt_model_free(f.m);
+}
+
+static void test_new_rejects_a_model_without_parameters(void **state) {
+    (void)state;
+    ckpt_model *m;
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    ckpt_optimizer *o;
+    assert_int_equal(ckpt_adamw_new(&o, m, 1e-3, 0.9, 0.999, 1e-8, 0.01), CKPT_EINVAL);
+    assert_string_equal(ckpt_errmsg(), "optimizer: the model has no parameters");
+    assert_null(o);
+    ckpt_model_free(m);
+}
+
+static void test_new_rejects_non_f32_parameters_naming_them(void **state) {
+    (void)state;
+    ckpt_model *m;
+    double d[2];
+    int64_t s[1] = {2};
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "dbl", CKPT_F64, 1, s, d, d), CKPT_OK);
+    ckpt_optimizer *o;
+    assert_int_equal(ckpt_sgd_new(&o, m, 0.1, 0, 0, false), CKPT_EUNSUPPORTED);
+    assert_non_null(strstr(ckpt_errmsg(), "'dbl' is F64"));
+    ckpt_model_free(m);
+}
+
+static void test_step_without_gradient_fails_and_changes_nothing(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f);
+    float frozen[2] = {1, 2};
+    int64_t s[1] = {2};
+    assert_int_equal(ckpt_model_add_param(f.m, "frozen", CKPT_F32, 1, s, frozen, NULL), CKPT_OK);
+    ckpt_optimizer *o;
+    assert_int_equal(ckpt_adamw_new(&o, f.m, 1e-2, 0.9, 0.999, 1e-8, 0.01), CKPT_OK);
+    grads(&f, 1);
+    size_t n0, n1;
+    char *before = state_bytes(o, "before.safetensors", &n0);
+    float w0[6], b0[3];
+    memcpy(w0, f.w, sizeof w0);
+    memcpy(b0, f.b, sizeof b0);
+    assert_int_equal(ckpt_optimizer_step(o), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "'frozen'"));
+    assert_non_null(strstr(ckpt_errmsg(), "no gradient"));
+    char *after = state_bytes(o, "after.safetensors", &n1);
+    assert_int_equal(n0, n1);
+    assert_memory_equal(before, after, n0);
+    assert_memory_equal(w0, f.w, sizeof w0);
+    assert_memory_equal(b0, f.b, sizeof b0);
+    free(before);
+    free(after);
+    ckpt_optimizer_free(o);
+    /* excluded from the optimizer (group -1), it is fine */
+    assert_int_equal(ckpt_adamw_new(&o, f.m, 1e-2, 0.9, 0.999, 1e-8, 0.01), CKPT_OK);
+    int group_of[3] = {0, 0, -1};
+    ckpt_optim_options opts = ckpt_optim_defaults(CKPT_OPTIM_ADAMW);
+    assert_int_equal(ckpt_optimizer_set_groups(o, 1, group_of, &opts), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_step(o), CKPT_OK);
+    assert_float_equal(frozen[0], 1, 0);
+    ckpt_optimizer_free(o);
+    ckpt_model_free(f.m);
+}
+
+/* ---- the formulas -------------------------------------------------------- */
+
+static void test_sgd_momentum_first_step_copies_gradient_then_dampens(void **state) {
+    (void)state;
+    float p[1] = {1.0f}, g[1] = {0.5f};
+    int64_t s[1] = {1};
+    ckpt_model *m;
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m, "p", CKPT_F32, 1, s, p, g), CKPT_OK);
+    ckpt_optim_options so = ckpt_optim_defaults(CKPT_OPTIM_SGD);
+    so.lr = 0.1;
+    so.momentum = 0.9;
+    so.dampening = 0.5;
+    ckpt_optimizer *o;
+    assert_int_equal(ckpt_optimizer_new(&o, CKPT_OPTIM_SGD, m, &so), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_step(o), CKPT_OK);
+    /* buf = g (no dampening on the first step); p -= lr * buf */
+    float expect = fmaf(-0.1f, 0.5f, 1.0f);
+    assert_true(p[0] == expect);
+    assert_int_equal(ckpt_optimizer_step(o), CKPT_OK);
+    /* buf = 0.9*buf + (1-0.5)*g */
+    float buf = fmaf(0.5f, 0.5f, 0.5f * 0.9f);
+    expect = fmaf(-0.1f, buf, expect);
+    assert_true(p[0] == expect);
+    ckpt_optimizer_free(o);
+    ckpt_model_free(m);
+}
+
+static void test_adamw_first_step_moves_each_weight_by_lr_times_sign(void **state) {
+    (void)state;
+    /* After one step Adam's update is lr * g/|g| (bias-corrected), so with no
+     * weight decay every weight moves by about lr against its gradient. */
+    fixture f;
+    fixture_init(&f);
+    float w0[6];
+    memcpy(w0, f.w, sizeof w0);
+    ckpt_optimizer *o;
+    assert_int_equal(ckpt_adamw_new(&o, f.m, 0.01, 0.9, 0.999, 1e-8, 0), CKPT_OK);
+    grads(&f, 1);
+    assert_int_equal(ckpt_optimizer_step(o), CKPT_OK);
+    for (int j = 0; j < 6; j++) {
+        float want = f.gw[j] > 0 ? -0.01f : 0.01f;
+        assert_float_equal(f.w[j] - w0[j], want, 1e-6);
+    }
+    ckpt_optimizer_free(o);
+    ckpt_model_free(f.m);
+}
+
+static void test_zero_grad_and_learning_rate_accessors(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f);
+    ckpt_optimizer *o;
+    assert_int_equal(ckpt_sgd_new(&o, f.m, 0.1, 0, 0, false), CKPT_OK);
+    grads(&f, 3);
+    ckpt_optimizer_zero_grad(o);
+    for (int j = 0; j < 6; j++) assert_true(f.gw[j] == 0.0f);
+    for (int j = 0; j < 3; j++) assert_true(f.gb[j] == 0.0f);
+    assert_int_equal(ckpt_optimizer_num_groups(o), 1);
+    assert_true(ckpt_optimizer_get_lr(o, 0) == 0.1);
+    assert_int_equal(ckpt_optimizer_set_lr(o, 0, 0.25), CKPT_OK);
+    assert_true(ckpt_optimizer_get_lr(o, 0) == 0.25);
+    assert_int_equal(ckpt_optimizer_set_lr(o, 0, -1), CKPT_EINVAL);
+    assert_int_equal(ckpt_optimizer_set_lr(o, 1, 0.1), CKPT_EINVAL);
+    assert_true(ckpt_optimizer_get_lr(o, 0) == 0.25);
+    ckpt_optimizer_free(o);
+    ckpt_optimizer_free(NULL);
+    ckpt_optimizer_zero_grad(NULL);
+    ckpt_model_free(f.m);
+}
+
+static void test_set_groups_numbers_state_like_pytorch(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f);
+    ckpt_optimizer *o;
+    assert_int_equal(ckpt_adam_new(&o, f.m, 1e-3, 0.9, 0.999, 1e-8, 0), CKPT_OK);
+    /* b in group 0, w in group 1: PyTorch numbers b as state 0, w as state 1 */
+    int group_of[2] = {1, 0};
+    ckpt_optim_options opts[2] = {ckpt_optim_defaults(CKPT_OPTIM_ADAM),
+                                  ckpt_optim_defaults(CKPT_OPTIM_ADAM)};
+    opts[1].lr = 0.5;
+    opts[1].amsgrad = true;
+    int bad_group[2] = {0, 2};
+    assert_int_equal(ckpt_optimizer_set_groups(o, 2, bad_group, opts), CKPT_EINVAL);
+    assert_int_equal(ckpt_optimizer_set_groups(o, 2, group_of, opts), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_num_groups(o), 2);
+    assert_true(ckpt_optimizer_get_lr(o, 1) == 0.5);
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new_schema(&w), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_ops()->state_dict(o, w), CKPT_OK);
+    static const char *keys[] = {
+        "kind",
+        "state.0.step", "state.0.exp_avg", "state.0.exp_avg_sq",
+        "state.1.step", "state.1.exp_avg", "state.1.exp_avg_sq", "state.1.max_exp_avg_sq",
+        "param_groups.0.lr", "param_groups.0.weight_decay", "param_groups.0.maximize",
+        "param_groups.0.betas.0", "param_groups.0.betas.1", "param_groups.0.eps",
+        "param_groups.0.amsgrad", "param_groups.0.params",
+        "param_groups.1.lr", "param_groups.1.weight_decay", "param_groups.1.maximize",
+        "param_groups.1.betas.0", "param_groups.1.betas.1", "param_groups.1.eps",
+        "param_groups.1.amsgrad", "param_groups.1.params",
+    };
+    int n = (int)(sizeof keys / sizeof keys[0]);
+    assert_int_equal(ckpt_writer_entry_count(w), n);
+    for (int i = 0; i < n; i++) {
+        ckpt_entry_info e;
+        assert_int_equal(ckpt_writer_entry(w, i, &e), CKPT_OK);
+        assert_string_equal(e.key, keys[i]);
+        if (strcmp(e.key, "state.0.exp_avg") == 0) { /* b's shape */
+            assert_int_equal(e.ndim, 1);
+            assert_int_equal(e.shape[0], 3);
+        }
+        if (strcmp(e.key, "state.1.step") == 0) { /* a float32 0-d tensor, as PyTorch */
+            assert_int_equal(e.kind, CKPT_ENTRY_TENSOR);
+            assert_int_equal(e.dtype, CKPT_F32);
+            assert_int_equal(e.ndim, 0);
+        }
+    }
+    ckpt_writer_free(w);
+    /* groups are fixed once stepping started */
+    grads(&f, 1);
+    assert_int_equal(ckpt_optimizer_step(o), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_set_groups(o, 2, group_of, opts), CKPT_EINVAL);
+    ckpt_optimizer_free(o);
+    ckpt_model_free(f.m);
+}
+
+/* ---- state dicts --------------------------------------------------------- */
+
+/* Runs `total` steps straight, and again with a save after `cut` steps and a
+ * load into a fresh model + optimizer: the parameters must match bit for bit. */
+static void check_resume(ckpt_optim_kind kind, const ckpt_optim_options *opts, int cut,
+                         int total) {
+    fixture a, b;
+    fixture_init(&a);
+    ckpt_optimizer *oa;
+    assert_int_equal(ckpt_optimizer_new(&oa, kind, a.m, opts), CKPT_OK);
+    for (int t = 1; t <= total; t++) {
+        grads(&a, t);
+        assert_int_equal(ckpt_optimizer_step(oa), CKPT_OK);
+    }
+    fixture_init(&b);
+    ckpt_optimizer *ob;
+    assert_int_equal(ckpt_optimizer_new(&ob, kind, b.m, opts), CKPT_OK);
+    for (int t = 1; t <= cut; t++) {
+        grads(&b, t);
+        assert_int_equal(ckpt_optimizer_step(ob), CKPT_OK);
+    }
+    save(ckpt_model_ops(), b.m, path_of("model.safetensors"));
+    save(ckpt_optimizer_ops(), ob, path_of("optimizer.safetensors"));
+    ckpt_optimizer_free(ob);
+    ckpt_model_free(b.m);
+
+    fixture c;
+    fixture_init(&c);
+    ckpt_optimizer *oc;
+    ckpt_optim_options other = *opts;
+    other.lr = opts->lr * 3; /* the file's hyper-parameters win, as in PyTorch */
+    assert_int_equal(ckpt_optimizer_new(&oc, kind, c.m, &other), CKPT_OK);
+    assert_int_equal(load(ckpt_model_ops(), c.m, path_of("model.safetensors")), CKPT_OK);
+    assert_int_equal(load(ckpt_optimizer_ops(), oc, path_of("optimizer.safetensors")), CKPT_OK);
+    assert_true(ckpt_optimizer_get_lr(oc, 0) == opts->lr);
+    for (int t = cut + 1; t <= total; t++) {
+        grads(&c, t);
+        assert_int_equal(ckpt_optimizer_step(oc), CKPT_OK);
+    }
+    assert_memory_equal(a.w, c.w, sizeof a.w);
+    assert_memory_equal(a.b, c.b, sizeof a.b);
+    ckpt_optimizer_free(oa);
+    ckpt_optimizer_free(oc);
+    ckpt_model_free(a.m);
+    ckpt_model_free(c.m);
+}
+
+static void test_adamw_amsgrad_resumes_bit_for_bit(void **state) {
+    (void)state;
+    ckpt_optim_options o = ckpt_optim_defaults(CKPT_OPTIM_ADAMW);
+    o.lr = 0.01;
+    o.amsgrad = true;
+    check_resume(CKPT_OPTIM_ADAMW, &o, 5, 12);
+    check_resume(CKPT_OPTIM_ADAMW, &o, 0, 3); /* saved before the first step */
+}
+
+static void test_adam_resumes_bit_for_bit(void **state) {
+    (void)state;
+    ckpt_optim_options o = ckpt_optim_defaults(CKPT_OPTIM_ADAM);
+    o.weight_decay = 0.1;
+    o.maximize = true;
+    check_resume(CKPT_OPTIM_ADAM, &o, 7, 10);
+}
+
+static void test_sgd_dampening_resumes_bit_for_bit_even_before_first_step(void **state) {
+    (void)state;
+    ckpt_optim_options o = ckpt_optim_defaults(CKPT_OPTIM_SGD);
+    o.lr = 0.05;
+    o.momentum = 0.9;
+    o.dampening = 0.3;
+    /* before the first step the buffer does not exist yet in PyTorch's
+     * terms: after loading, the first step must still copy the gradient */
+    check_resume(CKPT_OPTIM_SGD, &o, 0, 4);
+    check_resume(CKPT_OPTIM_SGD, &o, 3, 8);
+}
+
+static void test_loading_sgd_state_into_adamw_is_a_mismatch_and_changes_nothing(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f);
+    ckpt_optimizer *sgd, *adamw;
+    assert_int_equal(ckpt_sgd_new(&sgd, f.m, 0.1, 0.9, 0, false), CKPT_OK);
+    grads(&f, 1);
+    assert_int_equal(ckpt_optimizer_step(sgd), CKPT_OK);
+    save(ckpt_optimizer_ops(), sgd, path_of("sgd.safetensors"));
+    assert_int_equal(ckpt_adamw_new(&adamw, f.m, 0.01, 0.9, 0.999, 1e-8, 0.01), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_step(adamw), CKPT_OK);
+    size_t n0, n1;
+    char *before = state_bytes(adamw, "before.safetensors", &n0);
+    assert_int_equal(load(ckpt_optimizer_ops(), adamw, path_of("sgd.safetensors")),
+                     CKPT_EMISMATCH);
+    assert_string_equal(ckpt_errmsg(),
+                        "optimizer: the state dict is for a sgd optimizer, this one is adamw");
+    char *after = state_bytes(adamw, "after.safetensors", &n1);
+    assert_int_equal(n0, n1);
+    assert_memory_equal(before, after, n0);
+    free(before);
+    free(after);
+    ckpt_optimizer_free(sgd);
+    ckpt_optimizer_free(adamw);
+    ckpt_model_free(f.m);
+}
+
+static void test_load_rejects_bad_values_and_changes_nothing(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f);
+    ckpt_optimizer *o;
+    assert_int_equal(ckpt_adamw_new(&o, f.m, 0.01, 0.9, 0.999, 1e-8, 0.01), CKPT_OK);
+    grads(&f, 1);
+    assert_int_equal(ckpt_optimizer_step(o), CKPT_OK);
+    /* a state dict with a negative learning rate and beta1 = 1: hand-made
+     * from a valid one by copying every entry but those */
+    save(ckpt_optimizer_ops(), o, path_of("good.safetensors"));
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, path_of("good.safetensors")), CKPT_OK);
+    for (int variant = 0; variant < 3; variant++) {
+        ckpt_writer *w;
+        assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+        for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
+            ckpt_entry_info e;
+            assert_int_equal(ckpt_reader_entry(r, i, &e), CKPT_OK);
+            if (e.kind == CKPT_ENTRY_TENSOR) {
+                const void *data;
+                assert_int_equal(ckpt_reader_tensor_view(r, e.key, &data, &e), CKPT_OK);
+                assert_int_equal(ckpt_write_tensor(w, e.key, e.dtype, e.ndim, e.shape, data),
+                                 CKPT_OK);
+            } else if (e.kind == CKPT_ENTRY_F64) {
+                double v;
+                assert_int_equal(ckpt_read_f64(r, e.key, &v), CKPT_OK);
+                if (variant == 0 && strcmp(e.key, "param_groups.0.lr") == 0) v = -0.5;
+                if (variant == 1 && strcmp(e.key, "param_groups.0.betas.0") == 0) v = 1.0;
+                assert_int_equal(ckpt_write_f64(w, e.key, v), CKPT_OK);
+            } else if (e.kind == CKPT_ENTRY_I64) {
+                int64_t v;
+                assert_int_equal(ckpt_read_i64(r, e.key, &v), CKPT_OK);
+                if (variant == 2 && strcmp(e.key, "param_groups.0.amsgrad") == 0) v = 1;
+                assert_int_equal(ckpt_write_i64(w, e.key, v), CKPT_OK);
+            } else {
+                char s[64];
+                assert_int_equal(ckpt_read_str(r, e.key, s, sizeof s), CKPT_OK);
+                assert_int_equal(ckpt_write_str(w, e.key, s), CKPT_OK);
+            }
+        }
+        assert_int_equal(ckpt_writer_save(w, path_of("bad.safetensors")), CKPT_OK);
+        ckpt_writer_free(w);
+        size_t n0, n1;
+        char *before = state_bytes(o, "before.safetensors", &n0);
+        float w0[6];
+        memcpy(w0, f.w, sizeof w0);
+        int rc = load(ckpt_optimizer_ops(), o, path_of("bad.safetensors"));
+        if (variant == 0) {
+            assert_int_equal(rc, CKPT_ECORRUPT);
+            assert_non_null(strstr(ckpt_errmsg(), "param_groups.0.lr: expected >= 0, got -0.5"));
+        } else if (variant == 1) {
+            assert_int_equal(rc, CKPT_ECORRUPT);
+            assert_non_null(strstr(ckpt_errmsg(), "betas.0"));
+        } else {
+            assert_int_equal(rc, CKPT_EMISMATCH);
+            assert_non_null(strstr(ckpt_errmsg(), "amsgrad"));
+        }
+        char *after = state_bytes(o, "after.safetensors", &n1);
+        assert_int_equal(n0, n1);
+        assert_memory_equal(before, after, n0);
+        assert_memory_equal(w0, f.w, sizeof w0);
+        free(before);
+        free(after);
+    }
+    ckpt_reader_free(r);
+    ckpt_optimizer_free(o);
+    ckpt_model_free(f.m);
+}
+
+static void test_state_before_first_step_is_zeros_and_step_zero(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f);
+    ckpt_optimizer *o;
+    assert_int_equal(ckpt_adamw_new(&o, f.m, 0.01, 0.9, 0.999, 1e-8, 0.01), CKPT_OK);
+    save(ckpt_optimizer_ops(), o, path_of("o.safetensors"));
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, path_of("o.safetensors")), CKPT_OK);
+    float step = -1, m[6] = {1};
+    assert_int_equal(ckpt_read_tensor(r, "state.0.step", CKPT_F32, 0, NULL, &step), CKPT_OK);
+    assert_true(step == 0.0f);
+    int64_t s[2] = {2, 3};
+    assert_int_equal(ckpt_read_tensor(r, "state.0.exp_avg", CKPT_F32, 2, s, m), CKPT_OK);
+    for (int j = 0; j < 6; j++) assert_true(m[j] == 0.0f);
+    char kind[16];
+    assert_int_equal(ckpt_read_str(r, "kind", kind, sizeof kind), CKPT_OK);
+    assert_string_equal(kind, "adamw");
+    int64_t two = 2, pidx[2];
+    assert_int_equal(ckpt_read_tensor(r, "param_groups.0.params", CKPT_I64, 1, &two, pidx),
+                     CKPT_OK);
+    assert_int_equal(pidx[0], 0);
+    assert_int_equal(pidx[1], 1);
+    ckpt_reader_free(r);
+    ckpt_optimizer_free(o);
+    ckpt_model_free(f.m);
+}
+
+static void test_new_allocation_failures_are_clean(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f);
+    for (uint64_t n = 1;; n++) {
+        ckpt_optimizer *o = NULL;
+        ckpt__alloc_fail_after(n);
+        int rc = ckpt_adamw_new(&o, f.m, 0.01, 0.9, 0.999, 1e-8, 0.01);
+        if (rc == CKPT_OK) {
+            int group_of[2] = {0, 1};
+            ckpt_optim_options opts[2] = {ckpt_optim_defaults(CKPT_OPTIM_ADAMW),
+                                          ckpt_optim_defaults(CKPT_OPTIM_ADAMW)};
+            opts[1].amsgrad = true;
+            rc = ckpt_optimizer_set_groups(o, 2, group_of, opts);
+            if (rc != CKPT_OK) assert_int_equal(ckpt_optimizer_num_groups(o), 1);
+        }
+        ckpt__alloc_fail_after(0);
+        if (rc == CKPT_OK) {
+            assert_int_equal(ckpt_optimizer_num_groups(o), 2);
+            ckpt_optimizer_free(o);
+            break;
+        }
+        assert_int_equal(rc, CKPT_ENOMEM);
+        ckpt_optimizer_free(o);
+    }
+    ckpt_model_free(f.m);
+}
+
+static void test_simd_and_portable_adam_loops_agree_bit_for_bit(void **state) {
+    (void)state;
+    enum { N = 37 }; /* four 8-lane blocks and a tail */
+    float p[2][N], g[N];
+    int64_t shape[1] = {N};
+    for (int j = 0; j < N; j++) p[0][j] = p[1][j] = (float)sin(j * 0.61);
+    ckpt_optim_options opt = ckpt_optim_defaults(CKPT_OPTIM_ADAM);
+    opt.lr = 0.01;
+    opt.weight_decay = 0.05;
+    opt.amsgrad = true;
+    opt.maximize = true;
+    for (int kind = 0; kind < 2; kind++) {
+        for (int k = 0; k < 2; k++) {
+            ckpt_model *m;
+            ckpt_optimizer *o;
+            assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+            assert_int_equal(ckpt_model_add_param(m, "p", CKPT_F32, 1, shape, p[k], g), CKPT_OK);
+            assert_int_equal(
+                ckpt_optimizer_new(&o, kind ? CKPT_OPTIM_ADAMW : CKPT_OPTIM_ADAM, m, &opt),
+                CKPT_OK);
+            ckpt__optim_force_generic(k == 1);
+            for (int t = 1; t <= 20; t++) {
+                for (int j = 0; j < N; j++) g[j] = (float)cos(j * 0.37 + t * 1.3);
+                assert_int_equal(ckpt_optimizer_step(o), CKPT_OK);
+            }
+            ckpt__optim_force_generic(false);
+            ckpt_optimizer_free(o);
+            ckpt_model_free(m);
+        }
+        assert_memory_equal(p[0], p[1], sizeof p[0]);
+    }
+}
+
+int main(void) {
+#define T(name) cmocka_unit_test_setup_teardown(name, setup, teardown)
+    const struct CMUnitTest tests[] = {
+        T(test_new_rejects_bad_hyperparameters),
+        T(test_new_rejects_a_model_without_parameters),
+        T(test_new_rejects_non_f32_parameters_naming_them),
+        T(test_step_without_gradient_fails_and_changes_nothing),
+        T(test_sgd_momentum_first_step_copies_gradient_then_dampens),
+        T(test_adamw_first_step_moves_each_weight_by_lr_times_sign),
+        T(test_zero_grad_and_learning_rate_accessors),
+        T(test_set_groups_numbers_state_like_pytorch),
+        T(test_adamw_amsgrad_resumes_bit_for_bit),
+        T(test_adam_resumes_bit_for_bit),
+        T(test_sgd_dampening_resumes_bit_for_bit_even_before_first_step),
+        T(test_loading_sgd_state_into_adamw_is_a_mismatch_and_changes_nothing),
+        T(test_load_rejects_bad_values_and_changes_nothing),
+        T(test_state_before_first_step_is_zeros_and_step_zero),
+        T(test_new_allocation_failures_are_clean),
+        T(test_simd_and_portable_adam_loops_agree_bit_for_bit),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,272 @@
+/* test_rng.c — Philox4x32-10 known answers, the stream API, and exact
+ * continuation of a generator after its state dict is saved and loaded. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "ckpt.h"
+#include "io.h"
+
+/* ---- a fresh folder per test -------------------------------------------- */
+
+static char tmpdir[64];
+
+static int setup(void **state) {
+    (void)state;
+    strcpy(tmpdir, "/tmp/ckpt_test_rng_XXXXXX");
+    return mkdtemp(tmpdir) ? 0 : -1;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    return ckpt__remove_tree(tmpdir) == CKPT_OK ? 0 : -1;
+}
+
+/* Saves g's state dict to a file and loads it into *to. */
+static int round_trip(ckpt_rng *from, ckpt_rng *to) {
+    char path[128];
+    snprintf(path, sizeof path, "%s/rng.safetensors", tmpdir);
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    assert_int_equal(ckpt_rng_ops()->state_dict(from, w), CKPT_OK);
+    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
+    ckpt_writer_free(w);
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+    int rc = ckpt_rng_ops()->load_state_dict(to, r);
+    ckpt_reader_free(r);
+    return rc;
+}
+
+/* ---- tests --------------------------------------------------------------- */
+
+static void test_philox_matches_random123_known_answers(void **state) {
+    (void)state;
+    static const uint32_t vec[3][10] = {
+        {0, 0, 0, 0, 0, 0, 0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8},
+        {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff, 0x408f276d,
+         0x41c83b0e, 0xa20bc7c6, 0x6d5451fd},
+        {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344, 0xa4093822, 0x299f31d0, 0xd16cfe09,
+         0x94fdcceb, 0x5001e420, 0x24126ea1},
+    };
+    for (int i = 0; i < 3; i++) {
+        uint32_t out[4];
+        ckpt_philox4x32_10(vec[i], vec[i] + 4, out);
+        for (int k = 0; k < 4; k++) assert_int_equal(out[k], vec[i][6 + k]);
+    }
+}
+
+static void test_u32_stream_is_philox_of_successive_counters(void **state) {
+    (void)state;
+    ckpt_rng g;
+    uint64_t seed = 0x0123456789abcdefULL;
+    ckpt_rng_seed_stream(&g, seed, 7);
+    uint32_t key[2] = {(uint32_t)seed, (uint32_t)(seed >> 32)};
+    for (uint32_t block = 0; block < 3; block++) {
+        uint32_t ctr[4] = {block, 0, 7, 0}, out[4];
+        ckpt_philox4x32_10(ctr, key, out);
+        for (int k = 0; k < 4; k++) assert_int_equal(ckpt_rng_u32(&g), out[k]);
+    }
+}
+
+static void test_distinct_seeds_and_streams_differ(void **state) {
+    (void)state;
+    ckpt_rng a, b, c, d;
+    ckpt_rng_seed(&a, 1);
+    ckpt_rng_seed_stream(&b, 1, 1);
+    ckpt_rng_seed(&c, 2);
+    ckpt_rng_seed_stream(&d, 1, 0);
+    int same_ab = 0, same_ac = 0;
+    for (int i = 0; i < 64; i++) {
+        uint32_t x = ckpt_rng_u32(&a), y = ckpt_rng_u32(&b), z = ckpt_rng_u32(&c);
+        same_ab += x == y;
+        same_ac += x == z;
+        (void)ckpt_rng_u32(&d);
+    }
+    assert_true(same_ab < 2);
+    assert_true(same_ac < 2);
+    /* seed() is stream 0 */
+    ckpt_rng_seed(&a, 1);
+    ckpt_rng_seed_stream(&d, 1, 0);
+    for (int i = 0; i < 16; i++) assert_int_equal(ckpt_rng_u32(&a), ckpt_rng_u32(&d));
+}
+
+static void test_uniform_is_in_unit_interval_and_covers_it(void **state) {
+    (void)state;
+    ckpt_rng g;
+    ckpt_rng_seed(&g, 42);
+    double lo = 1, hi = 0, sum = 0;
+    float flo = 1, fhi = 0;
+    for (int i = 0; i < 200000; i++) {
+        double u = ckpt_rng_uniform(&g);
+        assert_true(u >= 0.0 && u < 1.0);
+        lo = u < lo ? u : lo;
+        hi = u > hi ? u : hi;
+        sum += u;
+        float f = ckpt_rng_uniform_f32(&g);
+        assert_true(f >= 0.0f && f < 1.0f);
+        flo = f < flo ? f : flo;
+        fhi = f > fhi ? f : fhi;
+    }
+    assert_true(lo < 1e-4 && hi > 1 - 1e-4);
+    assert_true(flo < 1e-4f && fhi > 1 - 1e-4f);
+    assert_true(sum / 200000 > 0.49 && sum / 200000 < 0.51);
+}
+
+static void test_uniform_uses_53_bits_of_u64(void **state) {
+    (void)state;
+    ckpt_rng a, b;
+    ckpt_rng_seed(&a, 9);
+    ckpt_rng_seed(&b, 9);
+    for (int i = 0; i < 100; i++) {
+        uint64_t x = ckpt_rng_u64(&a);
+        assert_true(ckpt_rng_uniform(&b) == (double)(x >> 11) / 9007199254740992.0);
+    }
+}
+
+static void test_normal_has_unit_moments_and_caches_pairs(void **state) {
+    (void)state;
+    ckpt_rng g;
+    ckpt_rng_seed(&g, 3);
+    double s = 0, s2 = 0;
+    const int n = 100000;
+    for (int i = 0; i < n; i++) {
+        double z = ckpt_rng_normal(&g);
+        s += z;
+        s2 += z * z;
+    }
+    assert_true(s / n > -0.02 && s / n < 0.02);
+    assert_true(s2 / n > 0.98 && s2 / n < 1.02);
+    /* a pair costs 4 words: two uniforms of 53 bits */
+    ckpt_rng_seed(&g, 3);
+    (void)ckpt_rng_normal(&g);
+    assert_int_equal(g.has_normal, 1);
+    (void)ckpt_rng_normal(&g);
+    assert_int_equal(g.has_normal, 0);
+    assert_int_equal(g.pos, 4);
+    assert_int_equal(g.counter[0], 1);
+}
+
+static void test_below_stays_in_range_and_is_balanced(void **state) {
+    (void)state;
+    ckpt_rng g;
+    ckpt_rng_seed(&g, 5);
+    assert_int_equal(ckpt_rng_below(&g, 0), 0);
+    assert_int_equal(ckpt_rng_below(&g, 1), 0);
+    int64_t count[6] = {0};
+    for (int i = 0; i < 60000; i++) {
+        uint64_t v = ckpt_rng_below(&g, 6);
+        assert_true(v < 6);
+        count[v]++;
+    }
+    for (int k = 0; k < 6; k++) assert_true(count[k] > 9500 && count[k] < 10500);
+    uint64_t big = (UINT64_C(1) << 63) + 12345;
+    for (int i = 0; i < 1000; i++) assert_true(ckpt_rng_below(&g, big) < big);
+}
+
+/* Draws a mixed sequence and returns a digest of everything drawn. */
+static void draw_mixed(ckpt_rng *g, double *out, int n) {
+    for (int i = 0; i < n; i++) {
+        switch (i % 5) {
+        case 0: out[i] = ckpt_rng_u32(g); break;
+        case 1: out[i] = ckpt_rng_uniform(g); break;
+        case 2: out[i] = ckpt_rng_normal(g); break;
+        case 3: out[i] = (double)ckpt_rng_below(g, 1000003); break;
+        default: out[i] = ckpt_rng_uniform_f32(g); break;
+        }
+    }
+}
+
+static void test_stream_continues_identically_after_state_dict_round_trip(void **state) {
+    (void)state;
+    /* Every position in a block (0..4 words used), and with a cached normal. */
+    for (int skip = 0; skip <= 9; skip++) {
+        for (int cached = 0; cached <= 1; cached++) {
+            ckpt_rng g, h;
+            ckpt_rng_seed_stream(&g, 1234 + (uint64_t)skip, 99);
+            for (int i = 0; i < skip; i++) (void)ckpt_rng_u32(&g);
+            if (cached) {
+                (void)ckpt_rng_normal(&g);
+                assert_int_equal(g.has_normal, 1);
+            }
+            ckpt_rng_seed(&h, 777); /* something else entirely */
+            (void)ckpt_rng_normal(&h);
+            (void)ckpt_rng_u32(&h);
+            assert_int_equal(round_trip(&g, &h), CKPT_OK);
+            double a[64], b[64];
+            draw_mixed(&g, a, 64);
+            draw_mixed(&h, b, 64);
+            assert_memory_equal(a, b, sizeof a);
+        }
+    }
+}
+
+static void test_load_rejects_bad_position_and_changes_nothing(void **state) {
+    (void)state;
+    char path[128];
+    snprintf(path, sizeof path, "%s/bad.safetensors", tmpdir);
+    ckpt_rng src;
+    ckpt_rng_seed(&src, 1);
+    ckpt_writer *w;
+    const int64_t two = 2, four = 4;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    assert_int_equal(ckpt_write_tensor(w, "key", CKPT_U32, 1, &two, src.key), CKPT_OK);
+    assert_int_equal(ckpt_write_tensor(w, "counter", CKPT_U32, 1, &four, src.counter), CKPT_OK);
+    assert_int_equal(ckpt_write_tensor(w, "block", CKPT_U32, 1, &four, src.block), CKPT_OK);
+    assert_int_equal(ckpt_write_i64(w, "pos", 7), CKPT_OK);
+    assert_int_equal(ckpt_write_i64(w, "has_normal", 0), CKPT_OK);
+    assert_int_equal(ckpt_write_f64(w, "normal", 0.0), CKPT_OK);
+    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
+    ckpt_writer_free(w);
+    ckpt_rng g, before;
+    ckpt_rng_seed(&g, 55);
+    (void)ckpt_rng_u32(&g);
+    before = g;
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+    assert_int_equal(ckpt_rng_ops()->load_state_dict(&g, r), CKPT_ECORRUPT);
+    assert_non_null(strstr(ckpt_errmsg(), "pos"));
+    ckpt_reader_free(r);
+    assert_memory_equal(&g, &before, sizeof g);
+}
+
+static void test_state_dict_has_exactly_the_documented_keys(void **state) {
+    (void)state;
+    ckpt_rng g;
+    ckpt_rng_seed(&g, 1);
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new_schema(&w), CKPT_OK);
+    assert_int_equal(ckpt_rng_ops()->state_dict(&g, w), CKPT_OK);
+    static const char *keys[] = {"key", "counter", "block", "pos", "has_normal", "normal"};
+    assert_int_equal(ckpt_writer_entry_count(w), 6);
+    for (int i = 0; i < 6; i++) {
+        ckpt_entry_info e;
+        assert_int_equal(ckpt_writer_entry(w, i, &e), CKPT_OK);
+        assert_string_equal(e.key, keys[i]);
+    }
+    ckpt_writer_free(w);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_philox_matches_random123_known_answers),
+        cmocka_unit_test(test_u32_stream_is_philox_of_successive_counters),
+        cmocka_unit_test(test_distinct_seeds_and_streams_differ),
+        cmocka_unit_test(test_uniform_is_in_unit_interval_and_covers_it),
+        cmocka_unit_test(test_uniform_uses_53_bits_of_u64),
+        cmocka_unit_test(test_normal_has_unit_moments_and_caches_pairs),
+        cmocka_unit_test(test_below_stays_in_range_and_is_balanced),
+        cmocka_unit_test_setup_teardown(
+            test_stream_continues_identically_after_state_dict_round_trip, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_load_rejects_bad_position_and_changes_nothing, setup,
+                                        teardown),
+        cmocka_unit_test(test_state_dict_has_exactly_the_documented_keys),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,282 @@
+/* test_sched.c — learning-rate schedulers: PyTorch's values on hand-checked
+ * cases, construction at step 0, state dicts that resume exactly, and
+ * argument checks (the 50-step comparison with PyTorch is in
+ * test_torch_numerics.py). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "ckpt.h"
+#include "error.h"
+#include "io.h"
+
+static char tmpdir[64];
+
+static int setup(void **state) {
+    (void)state;
+    strcpy(tmpdir, "/tmp/ckpt_test_sched_XXXXXX");
+    return mkdtemp(tmpdir) ? 0 : -1;
+}
+
+static int teardown(void **state) {
+    (void)state;
+    return ckpt__remove_tree(tmpdir) == CKPT_OK ? 0 : -1;
+}
+
+typedef struct fixture {
+    float p[2], g[2];
+    ckpt_model *m;
+    ckpt_optimizer *o;
+} fixture;
+
+static void fixture_init(fixture *f, double lr0, double lr1) {
+    memset(f, 0, sizeof *f);
+    assert_int_equal(ckpt_model_new(&f->m), CKPT_OK);
+    int64_t s[1] = {1};
+    assert_int_equal(ckpt_model_add_param(f->m, "a", CKPT_F32, 1, s, &f->p[0], &f->g[0]), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(f->m, "b", CKPT_F32, 1, s, &f->p[1], &f->g[1]), CKPT_OK);
+    assert_int_equal(ckpt_sgd_new(&f->o, f->m, lr0, 0, 0, false), CKPT_OK);
+    int group_of[2] = {0, 1};
+    ckpt_optim_options opts[2] = {ckpt_optim_defaults(CKPT_OPTIM_SGD),
+                                  ckpt_optim_defaults(CKPT_OPTIM_SGD)};
+    opts[0].lr = lr0;
+    opts[1].lr = lr1;
+    assert_int_equal(ckpt_optimizer_set_groups(f->o, 2, group_of, opts), CKPT_OK);
+}
+
+static void fixture_free(fixture *f) {
+    ckpt_optimizer_free(f->o);
+    ckpt_model_free(f->m);
+}
+
+static void test_steplr_halves_every_step_size_steps(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f, 0.1, 0.4);
+    ckpt_scheduler *s;
+    assert_int_equal(ckpt_steplr_new(&s, f.o, 2, 0.5), CKPT_OK);
+    const double want0[] = {0.1, 0.1, 0.1 * 0.5, 0.1 * 0.5, 0.1 * 0.5 * 0.5, 0.1 * 0.5 * 0.5};
+    for (int t = 0; t < 6; t++) {
+        if (t > 0) assert_int_equal(ckpt_scheduler_step(s), CKPT_OK);
+        assert_true(ckpt_optimizer_get_lr(f.o, 0) == want0[t]);
+        assert_true(ckpt_scheduler_last_lr(s, 0) == want0[t]);
+        assert_true(ckpt_optimizer_get_lr(f.o, 1) == want0[t] * 4);
+    }
+    ckpt_scheduler_free(s);
+    ckpt_scheduler_free(NULL);
+    fixture_free(&f);
+}
+
+static void test_multisteplr_applies_repeated_milestones_at_once(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f, 1.0, 2.0);
+    ckpt_scheduler *s;
+    const int64_t ms[3] = {2, 4, 4};
+    assert_int_equal(ckpt_multisteplr_new(&s, f.o, 3, ms, 0.1), CKPT_OK);
+    const double want[] = {1.0, 1.0, 0.1, 0.1, 0.1 * pow(0.1, 2), 0.1 * pow(0.1, 2)};
+    for (int t = 0; t < 6; t++) {
+        if (t > 0) assert_int_equal(ckpt_scheduler_step(s), CKPT_OK);
+        assert_true(ckpt_optimizer_get_lr(f.o, 0) == want[t]);
+    }
+    ckpt_scheduler_free(s);
+    fixture_free(&f);
+}
+
+static void test_warmup_schedules_start_at_zero_on_construction(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f, 0.1, 0.2);
+    ckpt_scheduler *s;
+    assert_int_equal(ckpt_warmup_cosine_new(&s, f.o, 4, 10), CKPT_OK);
+    assert_true(ckpt_optimizer_get_lr(f.o, 0) == 0.0);
+    assert_int_equal(ckpt_scheduler_step(s), CKPT_OK);
+    assert_true(ckpt_optimizer_get_lr(f.o, 0) == 0.1 * (1.0 / 4.0));
+    for (int t = 2; t <= 4; t++) assert_int_equal(ckpt_scheduler_step(s), CKPT_OK);
+    assert_true(ckpt_optimizer_get_lr(f.o, 0) == 0.1); /* cos(0) = 1 at the peak */
+    for (int t = 5; t <= 10; t++) assert_int_equal(ckpt_scheduler_step(s), CKPT_OK);
+    assert_true(ckpt_optimizer_get_lr(f.o, 0) == 0.0); /* cos(pi) at total */
+    /* past total transformers' formula rises again (it is periodic): so do we */
+    for (int t = 11; t <= 12; t++) assert_int_equal(ckpt_scheduler_step(s), CKPT_OK);
+    assert_true(ckpt_optimizer_get_lr(f.o, 0) == 0.1 * (0.5 * (1.0 + cos(M_PI * (8.0 / 6.0)))));
+    ckpt_scheduler_free(s);
+    /* the next scheduler's base is the current rate (0 now), as in PyTorch */
+    assert_int_equal(ckpt_optimizer_set_lr(f.o, 0, 0.3), CKPT_OK);
+    assert_int_equal(ckpt_warmup_linear_new(&s, f.o, 2, 4), CKPT_OK);
+    const double want[] = {0.0, 0.3 * 0.5, 0.3, 0.3 * 0.5, 0.0, 0.0};
+    for (int t = 0; t < 6; t++) {
+        if (t > 0) assert_int_equal(ckpt_scheduler_step(s), CKPT_OK);
+        assert_true(ckpt_optimizer_get_lr(f.o, 0) == want[t]);
+    }
+    ckpt_scheduler_free(s);
+    fixture_free(&f);
+}
+
+static void test_cosine_follows_pytorch_recursive_form(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f, 0.1, 0.1);
+    ckpt_scheduler *s;
+    assert_int_equal(ckpt_cosinelr_new(&s, f.o, 4, 0.0), CKPT_OK);
+    double lr = 0.1;
+    for (int e = 1; e <= 12; e++) {
+        assert_int_equal(ckpt_scheduler_step(s), CKPT_OK);
+        /* PyTorch's get_lr(), operation for operation */
+        if ((((e - 1 - 4) % 8) + 8) % 8 == 0)
+            lr = lr + (0.1 - 0.0) * (1 - cos(M_PI / 4)) / 2;
+        else
+            lr = (1 + cos(M_PI * e / 4)) / (1 + cos(M_PI * (e - 1) / 4)) * (lr - 0.0) + 0.0;
+        assert_true(ckpt_optimizer_get_lr(f.o, 0) == lr);
+    }
+    ckpt_scheduler_free(s);
+    fixture_free(&f);
+}
+
+static void test_constructors_reject_bad_arguments(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f, 0.1, 0.1);
+    ckpt_scheduler *s = NULL;
+    assert_int_equal(ckpt_steplr_new(&s, f.o, 0, 0.5), CKPT_EINVAL);
+    assert_string_equal(ckpt_errmsg(), "steplr: step_size: expected >= 1, got 0");
+    assert_int_equal(ckpt_steplr_new(&s, f.o, 1, -0.5), CKPT_EINVAL);
+    assert_int_equal(ckpt_cosinelr_new(&s, f.o, 0, 0), CKPT_EINVAL);
+    assert_int_equal(ckpt_warmup_cosine_new(&s, f.o, 10, 5), CKPT_EINVAL);
+    assert_int_equal(ckpt_warmup_linear_new(&s, f.o, -1, 5), CKPT_EINVAL);
+    const int64_t bad[1] = {-3};
+    assert_int_equal(ckpt_multisteplr_new(&s, f.o, 1, bad, 0.1), CKPT_EINVAL);
+    assert_int_equal(ckpt_steplr_new(&s, NULL, 1, 0.5), CKPT_EINVAL);
+    assert_null(s);
+    assert_true(ckpt_optimizer_get_lr(f.o, 0) == 0.1);
+    fixture_free(&f);
+}
+
+static void save(ckpt_scheduler *s, const char *path) {
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    assert_int_equal(ckpt_scheduler_ops()->state_dict(s, w), CKPT_OK);
+    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
+    ckpt_writer_free(w);
+}
+
+static int load(ckpt_scheduler *s, const char *path) {
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+    int rc = ckpt_scheduler_ops()->load_state_dict(s, r);
+    ckpt_reader_free(r);
+    return rc;
+}
+
+static void test_every_kind_resumes_exactly_after_state_dict(void **state) {
+    (void)state;
+    char path[128];
+    snprintf(path, sizeof path, "%s/scheduler.safetensors", tmpdir);
+    static const int64_t ms[2] = {3, 9};
+    for (int kind = 0; kind < 7; kind++) {
+        fixture a, b;
+        ckpt_scheduler *sa = NULL, *sb = NULL;
+        fixture_init(&a, 0.1, 0.05);
+        fixture_init(&b, 0.7, 0.3); /* different rates: the file must win */
+        ckpt_scheduler **ss[2] = {&sa, &sb};
+        fixture *fs[2] = {&a, &b};
+        for (int i = 0; i < 2; i++) {
+            int rc;
+            switch (kind) {
+            case 0: rc = ckpt_steplr_new(ss[i], fs[i]->o, 3, 0.5); break;
+            case 1: rc = ckpt_multisteplr_new(ss[i], fs[i]->o, 2, ms, 0.3); break;
+            case 2: rc = ckpt_exponentiallr_new(ss[i], fs[i]->o, 0.9); break;
+            case 3: rc = ckpt_cosinelr_new(ss[i], fs[i]->o, 5, 0.001); break;
+            case 4: rc = ckpt_warmup_cosine_new(ss[i], fs[i]->o, 3, 15); break;
+            case 5: rc = ckpt_warmup_linear_new(ss[i], fs[i]->o, 3, 15); break;
+            default: rc = ckpt_constant_new(ss[i], fs[i]->o, 4); break;
+            }
+            assert_int_equal(rc, CKPT_OK);
+        }
+        for (int t = 0; t < 7; t++) assert_int_equal(ckpt_scheduler_step(sa), CKPT_OK);
+        save(sa, path);
+        assert_int_equal(load(sb, path), CKPT_OK);
+        /* the optimizer's rates are the optimizer's state; copy them as its
+         * own state dict would */
+        for (int g = 0; g < 2; g++)
+            assert_int_equal(ckpt_optimizer_set_lr(b.o, g, ckpt_optimizer_get_lr(a.o, g)), CKPT_OK);
+        for (int g = 0; g < 2; g++)
+            assert_true(ckpt_scheduler_last_lr(sb, g) == ckpt_scheduler_last_lr(sa, g));
+        for (int t = 0; t < 15; t++) {
+            assert_int_equal(ckpt_scheduler_step(sa), CKPT_OK);
+            assert_int_equal(ckpt_scheduler_step(sb), CKPT_OK);
+            for (int g = 0; g < 2; g++)
+                assert_true(ckpt_optimizer_get_lr(a.o, g) == ckpt_optimizer_get_lr(b.o, g));
+        }
+        ckpt_scheduler_free(sa);
+        ckpt_scheduler_free(sb);
+        fixture_free(&a);
+        fixture_free(&b);
+    }
+}
+
+static void test_loading_another_kind_is_a_mismatch_and_changes_nothing(void **state) {
+    (void)state;
+    char path[128];
+    snprintf(path, sizeof path, "%s/scheduler.safetensors", tmpdir);
+    fixture f;
+    fixture_init(&f, 0.1, 0.1);
+    ckpt_scheduler *step, *cos;
+    assert_int_equal(ckpt_steplr_new(&step, f.o, 3, 0.5), CKPT_OK);
+    save(step, path);
+    assert_int_equal(ckpt_cosinelr_new(&cos, f.o, 10, 0), CKPT_OK);
+    assert_int_equal(ckpt_scheduler_step(cos), CKPT_OK);
+    double before = ckpt_scheduler_last_lr(cos, 0);
+    assert_int_equal(load(cos, path), CKPT_EMISMATCH);
+    assert_string_equal(ckpt_errmsg(),
+                        "scheduler: the state dict is for steplr, this scheduler is "
+                        "cosineannealinglr");
+    assert_true(ckpt_scheduler_last_lr(cos, 0) == before);
+    ckpt_scheduler_free(step);
+    ckpt_scheduler_free(cos);
+    fixture_free(&f);
+}
+
+static void test_constructor_allocation_failures_are_clean(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f, 0.1, 0.2);
+    const int64_t ms[2] = {1, 2};
+    for (uint64_t n = 1;; n++) {
+        ckpt_scheduler *s = NULL;
+        ckpt__alloc_fail_after(n);
+        int rc = ckpt_multisteplr_new(&s, f.o, 2, ms, 0.5);
+        ckpt__alloc_fail_after(0);
+        if (rc == CKPT_OK) {
+            assert_true(ckpt_scheduler_last_lr(s, 1) == 0.2);
+            ckpt_scheduler_free(s);
+            break;
+        }
+        assert_int_equal(rc, CKPT_ENOMEM);
+        assert_null(s);
+        assert_true(ckpt_optimizer_get_lr(f.o, 1) == 0.2);
+    }
+    fixture_free(&f);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_steplr_halves_every_step_size_steps),
+        cmocka_unit_test(test_multisteplr_applies_repeated_milestones_at_once),
+        cmocka_unit_test(test_warmup_schedules_start_at_zero_on_construction),
+        cmocka_unit_test(test_cosine_follows_pytorch_recursive_form),
+        cmocka_unit_test(test_constructors_reject_bad_arguments),
+        cmocka_unit_test(test_constructor_allocation_failures_are_clean),
+        cmocka_unit_test_setup_teardown(test_every_kind_resumes_exactly_after_state_dict, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(
+            test_loading_another_kind_is_a_mismatch_and_changes_nothing, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

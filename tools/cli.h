@@ -1,0 +1,45 @@
+/* cli.h — shared pieces of the ckpt command-line tool. */
+#ifndef CKPT_TOOLS_CLI_H
+#define CKPT_TOOLS_CLI_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* Exit codes (docs/CLI.md). */
+enum {
+    CLI_OK = 0,      /* success; checkpoints equal; everything verified */
+    CLI_DIFFER = 1,  /* differences found, or verification failed */
+    CLI_USAGE = 2,   /* bad command line */
+    CLI_RUNTIME = 3  /* the operation failed (I/O error, bad file, full disk...) */
+};
+
+#if defined(__GNUC__)
+#define CLI_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define CLI_PRINTF(a, b)
+#endif
+
+/* "ckpt: <message>" on stderr. */
+void cli_error(const char *fmt, ...) CLI_PRINTF(1, 2);
+/* "ckpt <cmd>: <message>" and a pointer to --help on stderr; returns CLI_USAGE. */
+int cli_usage_error(const char *cmd, const char *fmt, ...) CLI_PRINTF(2, 3);
+
+/* Strict number parsing for options: the whole string, in range. */
+bool cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
+bool cli_parse_double(const char *s, double *out);
+
+/* Writes s as a JSON string literal (quotes and escapes) to stdout. */
+void cli_json_string(const char *s);
+
+/* Human-readable byte count ("1.5 MiB") into buf. */
+const char *cli_human_bytes(uint64_t n, char *buf, int cap);
+
+/* Subcommands: argv[0] is the subcommand's name. Each returns an exit code. */
+int cli_train(int argc, char **argv);
+int cli_ls(int argc, char **argv);
+int cli_inspect(int argc, char **argv);
+int cli_verify(int argc, char **argv);
+int cli_diff(int argc, char **argv);
+int cli_prune(int argc, char **argv);
+
+#endif

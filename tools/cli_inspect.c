@@ -1,0 +1,553 @@
+/* cli_inspect.c — `ckpt inspect` and `ckpt diff`: what is inside a
+ * checkpoint, and how two checkpoints differ. */
+#include <dirent.h>
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "ckpt.h"
+#include "cli.h"
+
+static const char inspect_help[] =
+    "usage: ckpt inspect [--json] PATH\n"
+    "\n"
+    "PATH is a checkpoint folder or one .safetensors file. Shows the manifest (step,\n"
+    "iteration, creation time, files) and, for every object (state file), its\n"
+    "tensors with dtype, shape and bytes and its scalar entries with their values.\n"
+    "\n"
+    "  --json   one JSON document instead of text\n";
+
+static const char diff_help[] =
+    "usage: ckpt diff [--atol X] A B\n"
+    "\n"
+    "Compares two checkpoint folders (every state file) or two .safetensors files,\n"
+    "entry by entry: tensors by dtype, shape and value (max absolute difference,\n"
+    "elements that differ), scalar entries by value, and the step in the manifests.\n"
+    "Creation times, checkpoint numbers and library versions are not compared.\n"
+    "\n"
+    "  --atol X   values within X of each other count as equal (default 0: bit for bit)\n"
+    "\n"
+    "Exit 0 if equal, 1 if they differ, 3 if a file cannot be read.\n";
+
+static bool is_dir(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+static bool has_suffix(const char *s, const char *suffix) {
+    size_t n = strlen(s), m = strlen(suffix);
+    return n > m && !strcmp(s + n - m, suffix);
+}
+
+static int state_file_filter(const struct dirent *d) {
+    return d->d_name[0] != '.' && has_suffix(d->d_name, ".safetensors");
+}
+
+/* The .safetensors files of a folder, sorted by name. Returns the count or
+ * -1 with errno; free with free_names. */
+static int list_state_files(const char *dir, struct dirent ***names) {
+    return scandir(dir, names, state_file_filter, alphasort);
+}
+
+static void free_names(struct dirent **names, int n) {
+    for (int i = 0; i < n; i++) free(names[i]);
+    free(names);
+}
+
+static const char *kind_name(ckpt_entry_kind k) {
+    switch (k) {
+    case CKPT_ENTRY_TENSOR: return "tensor";
+    case CKPT_ENTRY_I64: return "i64";
+    case CKPT_ENTRY_F64: return "f64";
+    case CKPT_ENTRY_STR: return "str";
+    case CKPT_ENTRY_BYTES: return "bytes";
+    }
+    return "unknown";
+}
+
+static void print_shape(const ckpt_entry_info *e) {
+    putchar('[');
+    for (int d = 0; d < e->ndim; d++) printf("%s%lld", d ? ", " : "", (long long)e->shape[d]);
+    putchar(']');
+}
+
+static int lib_error(const char *what, int rc) {
+    cli_error("%s: %s", what, *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc));
+    return CLI_RUNTIME;
+}
+
+/* ---- inspect -------------------------------------------------------------- */
+
+/* Prints one entry's value (scalars) or description (tensors). */
+static int print_entry(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
+    int rc = CKPT_OK;
+    if (json) {
+        printf("{\"key\":");
+        cli_json_string(e->key);
+        printf(",\"kind\":\"%s\"", kind_name(e->kind));
+    } else {
+        printf("    %-40s ", e->key);
+    }
+    switch (e->kind) {
+    case CKPT_ENTRY_TENSOR:
+        if (json) {
+            printf(",\"dtype\":\"%s\",\"shape\":", ckpt_dtype_name(e->dtype));
+            print_shape(e);
+            printf(",\"bytes\":%llu,\"offset\":%llu}", (unsigned long long)e->nbytes,
+                   (unsigned long long)e->offset);
+        } else {
+            printf("%-5s ", ckpt_dtype_name(e->dtype));
+            print_shape(e);
+            printf("  %llu bytes\n", (unsigned long long)e->nbytes);
+        }
+        break;
+    case CKPT_ENTRY_I64: {
+        int64_t v = 0;
+        rc = ckpt_read_i64(r, e->key, &v);
+        printf(json ? ",\"value\":%lld}" : "= %lld\n", (long long)v);
+        break;
+    }
+    case CKPT_ENTRY_F64: {
+        double v = 0;
+        rc = ckpt_read_f64(r, e->key, &v);
+        if (json && !isfinite(v)) printf(",\"value\":\"%g\"}", v); /* JSON has no inf/nan */
+        else printf(json ? ",\"value\":%.17g}" : "= %.17g\n", v);
+        break;
+    }
+    case CKPT_ENTRY_STR: {
+        char *buf = malloc(e->nbytes + 1);
+        if (!buf) return CKPT_ENOMEM;
+        rc = ckpt_read_str(r, e->key, buf, e->nbytes + 1);
+        if (rc == CKPT_OK) {
+            printf(json ? ",\"value\":" : "= ");
+            cli_json_string(buf);
+            printf(json ? "}" : "\n");
+        }
+        free(buf);
+        break;
+    }
+    case CKPT_ENTRY_BYTES: {
+        unsigned char *buf = malloc(e->nbytes ? e->nbytes : 1);
+        size_t n = 0;
+        if (!buf) return CKPT_ENOMEM;
+        rc = ckpt_read_bytes(r, e->key, buf, e->nbytes, &n);
+        if (rc == CKPT_OK) {
+            printf(json ? ",\"bytes\":%zu,\"hex\":\"" : "= <%zu bytes> ", n);
+            for (size_t i = 0; i < n && (json || i < 32); i++) printf("%02x", buf[i]);
+            printf(json ? "\"}" : (n > 32 ? "...\n" : "\n"));
+        }
+        free(buf);
+        break;
+    }
+    }
+    return rc;
+}
+
+static int inspect_file(const char *path, const char *label, bool json, bool first) {
+    ckpt_reader *r = NULL;
+    int rc = ckpt_reader_open(&r, path);
+    if (rc < 0) return lib_error("inspect", rc);
+    int64_t n = ckpt_reader_count(r);
+    uint64_t tensor_bytes = 0;
+    int64_t ntensors = 0;
+    for (int64_t i = 0; i < n; i++) {
+        ckpt_entry_info e;
+        if (ckpt_reader_entry(r, i, &e) == CKPT_OK && e.kind == CKPT_ENTRY_TENSOR) {
+            ntensors++;
+            tensor_bytes += e.nbytes;
+        }
+    }
+    if (json) {
+        printf("%s{\"file\":", first ? "" : ",");
+        cli_json_string(label);
+        printf(",\"tensors\":%lld,\"tensor_bytes\":%llu,\"entries\":[", (long long)ntensors,
+               (unsigned long long)tensor_bytes);
+    } else {
+        char size[32];
+        printf("%s: %lld entries, %lld tensors (%s)\n", label, (long long)n, (long long)ntensors,
+               cli_human_bytes(tensor_bytes, size, sizeof size));
+    }
+    for (int64_t i = 0; i < n && rc == CKPT_OK; i++) {
+        ckpt_entry_info e;
+        if ((rc = ckpt_reader_entry(r, i, &e)) < 0) break;
+        if (json && i) putchar(',');
+        rc = print_entry(r, &e, json);
+    }
+    if (json) printf("]}");
+    if (rc < 0) {
+        if (json) putchar('\n');
+        fflush(stdout);
+        lib_error("inspect", rc);
+        ckpt_reader_free(r);
+        return CLI_RUNTIME;
+    }
+    ckpt_reader_free(r);
+    return CLI_OK;
+}
+
+int cli_inspect(int argc, char **argv) {
+    bool json = false;
+    const char *path = NULL;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(inspect_help, stdout);
+            return CLI_OK;
+        } else if (!strcmp(a, "--json")) {
+            json = true;
+        } else if (a[0] == '-' && a[1]) {
+            return cli_usage_error("inspect", "unknown option '%s'", a);
+        } else if (path) {
+            return cli_usage_error("inspect", "unexpected argument '%s'", a);
+        } else {
+            path = a;
+        }
+    }
+    if (!path) return cli_usage_error("inspect", "missing PATH");
+
+    if (!is_dir(path)) {
+        if (json) printf("{\"path\":"), cli_json_string(path), printf(",\"objects\":[");
+        int st = inspect_file(path, path, json, true);
+        if (st == CLI_OK && json) printf("]}\n");
+        return st;
+    }
+
+    ckpt_checkpoint_info info;
+    memset(&info, 0, sizeof info);
+    int vrc = ckpt_checkpoint_verify(path, false, &info);
+    char vmsg[1024];
+    snprintf(vmsg, sizeof vmsg, "%s", vrc < 0 ? ckpt_errmsg() : "");
+    char when[32] = "-";
+    time_t ct = (time_t)info.created_unix;
+    struct tm tm;
+    if (info.created_unix > 0 && gmtime_r(&ct, &tm)) strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
+    if (json) {
+        printf("{\"path\":");
+        cli_json_string(path);
+        if (vrc == CKPT_OK) {
+            printf(",\"manifest\":{\"step\":%lld,\"iteration\":%lld,\"created_unix\":%lld,"
+                   "\"files\":%d,\"bytes\":%llu,\"num_processes\":%d,\"format_version\":%d,"
+                   "\"library_version\":",
+                   (long long)info.step, (long long)info.iteration, (long long)info.created_unix,
+                   info.num_files, (unsigned long long)info.total_bytes, info.num_processes,
+                   info.format_version);
+            cli_json_string(info.library_version);
+            putchar('}');
+        } else {
+            printf(",\"manifest\":null,\"manifest_error\":");
+            cli_json_string(vmsg);
+        }
+        printf(",\"objects\":[");
+    } else if (vrc == CKPT_OK) {
+        char size[32];
+        printf("checkpoint %s\n  step %lld, iteration %lld, created %s UTC, %d files, %s,\n"
+               "  %d process%s, format %d, library %s\n",
+               path, (long long)info.step, (long long)info.iteration, when, info.num_files,
+               cli_human_bytes(info.total_bytes, size, sizeof size), info.num_processes,
+               info.num_processes == 1 ? "" : "es", info.format_version, info.library_version);
+    } else {
+        printf("checkpoint %s\n  manifest: %s\n", path, vmsg);
+    }
+
+    struct dirent **names = NULL;
+    int n = list_state_files(path, &names);
+    if (n < 0) {
+        if (json) printf("]}\n");
+        cli_error("inspect: %s: %s", path, strerror(errno));
+        return CLI_RUNTIME;
+    }
+    int status = CLI_OK;
+    for (int i = 0; i < n && status == CLI_OK; i++) {
+        char file[4096];
+        snprintf(file, sizeof file, "%s/%s", path, names[i]->d_name);
+        if (!json) putchar('\n');
+        status = inspect_file(file, names[i]->d_name, json, i == 0);
+    }
+    free_names(names, n);
+    if (status == CLI_OK && json) printf("]}\n");
+    return status;
+}
+
+/* ---- diff ----------------------------------------------------------------- */
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    float v;
+    if (exp == 0) v = ldexpf((float)man, -24);
+    else if (exp == 31) v = man ? NAN : INFINITY;
+    else v = ldexpf((float)(man | 0x400), (int)exp - 25);
+    return sign ? -v : v;
+}
+
+/* Element i of a tensor as a double; false for dtypes compared by bytes. */
+static bool element_value(ckpt_dtype dt, const unsigned char *p, int64_t i, double *out) {
+    union { float f; double d; int64_t i64; uint64_t u64; int32_t i32; uint32_t u32; int16_t i16;
+            uint16_t u16; } u;
+    switch (dt) {
+    case CKPT_F64: memcpy(&u.d, p + 8 * i, 8); *out = u.d; return true;
+    case CKPT_F32: memcpy(&u.f, p + 4 * i, 4); *out = u.f; return true;
+    case CKPT_F16: memcpy(&u.u16, p + 2 * i, 2); *out = half_to_float(u.u16); return true;
+    case CKPT_BF16: {
+        uint16_t b;
+        memcpy(&b, p + 2 * i, 2);
+        u.u32 = (uint32_t)b << 16;
+        float f;
+        memcpy(&f, &u.u32, 4);
+        *out = f;
+        return true;
+    }
+    case CKPT_I64: memcpy(&u.i64, p + 8 * i, 8); *out = (double)u.i64; return true;
+    case CKPT_U64: memcpy(&u.u64, p + 8 * i, 8); *out = (double)u.u64; return true;
+    case CKPT_I32: memcpy(&u.i32, p + 4 * i, 4); *out = u.i32; return true;
+    case CKPT_U32: memcpy(&u.u32, p + 4 * i, 4); *out = u.u32; return true;
+    case CKPT_I16: memcpy(&u.i16, p + 2 * i, 2); *out = u.i16; return true;
+    case CKPT_U16: memcpy(&u.u16, p + 2 * i, 2); *out = u.u16; return true;
+    case CKPT_I8: *out = (int8_t)p[i]; return true;
+    case CKPT_U8:
+    case CKPT_BOOL: *out = p[i]; return true;
+    default: return false;
+    }
+}
+
+typedef struct diff_ctx {
+    double atol;
+    int64_t differences;
+    int64_t tensors, scalars;
+} diff_ctx;
+
+static void report(diff_ctx *d, const char *file, const char *key, const char *fmt, ...)
+    CLI_PRINTF(4, 5);
+static void report(diff_ctx *d, const char *file, const char *key, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    printf("%s: %s: ", file, key);
+    vprintf(fmt, ap);
+    putchar('\n');
+    va_end(ap);
+    d->differences++;
+}
+
+static void diff_tensor(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_reader *rb,
+                        const ckpt_entry_info *ea, const ckpt_entry_info *eb) {
+    d->tensors++;
+    bool same_shape = ea->ndim == eb->ndim;
+    for (int k = 0; same_shape && k < ea->ndim; k++) same_shape = ea->shape[k] == eb->shape[k];
+    if (ea->dtype != eb->dtype || !same_shape) {
+        printf("%s: %s: %s ", file, ea->key, ckpt_dtype_name(ea->dtype));
+        print_shape(ea);
+        printf(" vs %s ", ckpt_dtype_name(eb->dtype));
+        print_shape(eb);
+        putchar('\n');
+        d->differences++;
+        return;
+    }
+    const void *pa = NULL, *pb = NULL;
+    ckpt_entry_info ia, ib;
+    if (ckpt_reader_tensor_view(ra, ea->key, &pa, &ia) < 0 ||
+        ckpt_reader_tensor_view(rb, eb->key, &pb, &ib) < 0) {
+        report(d, file, ea->key, "cannot read: %s", ckpt_errmsg());
+        return;
+    }
+    if (ea->nbytes == 0 || !memcmp(pa, pb, ea->nbytes)) return;
+
+    int64_t numel = 1;
+    for (int k = 0; k < ea->ndim; k++) numel *= ea->shape[k];
+    double a, b;
+    if (!element_value(ea->dtype, pa, 0, &a)) {
+        uint64_t nb = 0;
+        for (uint64_t i = 0; i < ea->nbytes; i++)
+            nb += ((const unsigned char *)pa)[i] != ((const unsigned char *)pb)[i];
+        report(d, file, ea->key, "%llu of %llu bytes differ", (unsigned long long)nb,
+               (unsigned long long)ea->nbytes);
+        return;
+    }
+    double maxabs = 0.0;
+    int64_t ndiff = 0, first = -1;
+    size_t esz = (size_t)(ckpt_dtype_bits(ea->dtype) / 8);
+    for (int64_t i = 0; i < numel; i++) {
+        if (!memcmp((const char *)pa + (size_t)i * esz, (const char *)pb + (size_t)i * esz, esz))
+            continue;
+        element_value(ea->dtype, pa, i, &a);
+        element_value(ea->dtype, pb, i, &b);
+        double diff = fabs(a - b);
+        if (isnan(diff)) diff = INFINITY;
+        if (diff > maxabs) maxabs = diff;
+        if (diff > d->atol || d->atol == 0.0) {
+            ndiff++;
+            if (first < 0) first = i;
+        }
+    }
+    if (ndiff == 0) return;
+    report(d, file, ea->key, "max |a-b| = %.9g, %lld of %lld elements differ (first at flat index %lld)",
+           maxabs, (long long)ndiff, (long long)numel, (long long)first);
+}
+
+static void diff_scalar(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_reader *rb,
+                        const ckpt_entry_info *ea, const ckpt_entry_info *eb) {
+    d->scalars++;
+    if (ea->kind != eb->kind) {
+        report(d, file, ea->key, "%s vs %s", kind_name(ea->kind), kind_name(eb->kind));
+        return;
+    }
+    switch (ea->kind) {
+    case CKPT_ENTRY_I64: {
+        int64_t a = 0, b = 0;
+        ckpt_read_i64(ra, ea->key, &a);
+        ckpt_read_i64(rb, eb->key, &b);
+        if (a != b) report(d, file, ea->key, "%lld vs %lld", (long long)a, (long long)b);
+        break;
+    }
+    case CKPT_ENTRY_F64: {
+        double a = 0, b = 0;
+        ckpt_read_f64(ra, ea->key, &a);
+        ckpt_read_f64(rb, eb->key, &b);
+        bool same = !memcmp(&a, &b, sizeof a) || (d->atol > 0 && fabs(a - b) <= d->atol);
+        if (!same) report(d, file, ea->key, "%.17g vs %.17g (|a-b| = %.3g)", a, b, fabs(a - b));
+        break;
+    }
+    case CKPT_ENTRY_STR:
+    case CKPT_ENTRY_BYTES: {
+        size_t na = ea->nbytes, nb = eb->nbytes, ga = 0, gb = 0;
+        char *a = malloc(na + 1), *b = malloc(nb + 1);
+        if (!a || !b) {
+            report(d, file, ea->key, "out of memory");
+        } else if (ea->kind == CKPT_ENTRY_STR) {
+            ckpt_read_str(ra, ea->key, a, na + 1);
+            ckpt_read_str(rb, eb->key, b, nb + 1);
+            if (strcmp(a, b)) report(d, file, ea->key, "\"%s\" vs \"%s\"", a, b);
+        } else {
+            ckpt_read_bytes(ra, ea->key, a, na, &ga);
+            ckpt_read_bytes(rb, eb->key, b, nb, &gb);
+            if (ga != gb || memcmp(a, b, ga))
+                report(d, file, ea->key, "%zu bytes vs %zu bytes, contents differ", ga, gb);
+        }
+        free(a);
+        free(b);
+        break;
+    }
+    case CKPT_ENTRY_TENSOR: break;
+    }
+}
+
+/* Compares two state files; CLI_RUNTIME if one cannot be opened. */
+static int diff_files(diff_ctx *d, const char *pa, const char *pb, const char *label) {
+    ckpt_reader *ra = NULL, *rb = NULL;
+    int rc = ckpt_reader_open(&ra, pa);
+    if (rc < 0) return lib_error("diff", rc);
+    if ((rc = ckpt_reader_open(&rb, pb)) < 0) {
+        ckpt_reader_free(ra);
+        return lib_error("diff", rc);
+    }
+    int64_t na = ckpt_reader_count(ra), nb = ckpt_reader_count(rb);
+    for (int64_t i = 0; i < na; i++) {
+        ckpt_entry_info ea, eb;
+        if (ckpt_reader_entry(ra, i, &ea) < 0) continue;
+        if (ckpt_reader_find(rb, ea.key, &eb) < 0) {
+            report(d, label, ea.key, "only in A");
+            continue;
+        }
+        if (ea.kind == CKPT_ENTRY_TENSOR && eb.kind == CKPT_ENTRY_TENSOR)
+            diff_tensor(d, label, ra, rb, &ea, &eb);
+        else
+            diff_scalar(d, label, ra, rb, &ea, &eb);
+    }
+    for (int64_t i = 0; i < nb; i++) {
+        ckpt_entry_info ea, eb;
+        if (ckpt_reader_entry(rb, i, &eb) < 0) continue;
+        if (ckpt_reader_find(ra, eb.key, &ea) < 0) report(d, label, eb.key, "only in B");
+    }
+    ckpt_reader_free(ra);
+    ckpt_reader_free(rb);
+    return CLI_OK;
+}
+
+static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
+    ckpt_checkpoint_info ia, ib;
+    memset(&ia, 0, sizeof ia);
+    memset(&ib, 0, sizeof ib);
+    int va = ckpt_checkpoint_verify(a, false, &ia);
+    int vb = ckpt_checkpoint_verify(b, false, &ib);
+    if ((va == CKPT_OK) != (vb == CKPT_OK)) {
+        printf("checkpoint.json: %s\n", va == CKPT_OK ? "B has no valid manifest" : "A has no valid manifest");
+        d->differences++;
+    } else if (va == CKPT_OK && ia.step != ib.step) {
+        printf("checkpoint.json: step: %lld vs %lld\n", (long long)ia.step, (long long)ib.step);
+        d->differences++;
+    }
+
+    struct dirent **na = NULL, **nb = NULL;
+    int ca = list_state_files(a, &na);
+    if (ca < 0) {
+        cli_error("diff: %s: %s", a, strerror(errno));
+        return CLI_RUNTIME;
+    }
+    int cb = list_state_files(b, &nb);
+    if (cb < 0) {
+        cli_error("diff: %s: %s", b, strerror(errno));
+        free_names(na, ca);
+        return CLI_RUNTIME;
+    }
+    int status = CLI_OK, i = 0, j = 0;
+    /* both lists are sorted: walk them together */
+    while (status == CLI_OK && (i < ca || j < cb)) {
+        int c = i >= ca ? 1 : j >= cb ? -1 : strcmp(na[i]->d_name, nb[j]->d_name);
+        if (c < 0) {
+            printf("%s: only in A\n", na[i++]->d_name);
+            d->differences++;
+        } else if (c > 0) {
+            printf("%s: only in B\n", nb[j++]->d_name);
+            d->differences++;
+        } else {
+            char fa[4096], fb[4096];
+            snprintf(fa, sizeof fa, "%s/%s", a, na[i]->d_name);
+            snprintf(fb, sizeof fb, "%s/%s", b, nb[j]->d_name);
+            status = diff_files(d, fa, fb, na[i]->d_name);
+            i++;
+            j++;
+        }
+    }
+    free_names(na, ca);
+    free_names(nb, cb);
+    return status;
+}
+
+int cli_diff(int argc, char **argv) {
+    diff_ctx d = {0};
+    const char *paths[2];
+    int npaths = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(diff_help, stdout);
+            return CLI_OK;
+        } else if (!strcmp(a, "--atol") || !strncmp(a, "--atol=", 7)) {
+            const char *v = a[6] == '=' ? a + 7 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!v) return cli_usage_error("diff", "--atol needs a value");
+            if (!cli_parse_double(v, &d.atol) || d.atol < 0)
+                return cli_usage_error("diff", "bad value for --atol: '%s'", v);
+        } else if (a[0] == '-' && a[1]) {
+            return cli_usage_error("diff", "unknown option '%s'", a);
+        } else if (npaths == 2) {
+            return cli_usage_error("diff", "unexpected argument '%s'", a);
+        } else {
+            paths[npaths++] = a;
+        }
+    }
+    if (npaths != 2) return cli_usage_error("diff", "needs two paths, A and B");
+    bool da = is_dir(paths[0]), db = is_dir(paths[1]);
+    if (da != db) return cli_usage_error("diff", "A and B must both be checkpoint folders or both files");
+    int status = da ? diff_dirs(&d, paths[0], paths[1]) : diff_files(&d, paths[0], paths[1], "file");
+    if (status != CLI_OK) return status;
+    if (d.differences) {
+        printf("%lld difference%s\n", (long long)d.differences, d.differences == 1 ? "" : "s");
+        return CLI_DIFFER;
+    }
+    printf("equal: %lld tensors, %lld scalar entries%s\n", (long long)d.tensors,
+           (long long)d.scalars, d.atol > 0 ? " (within --atol)" : ", bit for bit");
+    return CLI_OK;
+}
