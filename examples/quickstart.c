@@ -1,7 +1,8 @@
-/* quickstart.c — the ckpt API on one page: a model, an optimizer, a shuffled
- * data loader and an accelerator that saves them all every 25 steps. Run it,
- * kill it whenever you like, run it again: it resumes where the last
- * checkpoint left off (model, AdamW moments, data order, step), exactly.
+/* quickstart.c — the ckpt API on one page: a model, an optimizer, a
+ * learning-rate scheduler, a shuffled prefetching data loader and an
+ * accelerator that saves them all every 25 steps. Run it, kill it whenever
+ * you like, run it again: it resumes where the last checkpoint left off
+ * (weights, AdamW moments, learning rate, data order, step), exactly.
  *
  *   example_quickstart [PROJECT_DIR]      (default: runs/quickstart)
  */
@@ -18,7 +19,7 @@
         }                                                                                          \
     } while (0)
 
-enum { N = 256, FEATURES = 4, STEPS = 200 };
+enum { N = 256, FEATURES = 4, STEPS = 300 };
 
 typedef struct sample { float x[FEATURES], y; } sample;
 
@@ -35,18 +36,21 @@ int main(int argc, char **argv) {
     /* --- the ~20 lines that matter ------------------------------------------ */
     ckpt_model *model;
     ckpt_optimizer *opt;
+    ckpt_scheduler *sched;
     ckpt_dataloader *loader;
     ckpt_accelerator *acc;
     ckpt_dataset ds;
     CHECK(ckpt_model_new(&model));
     CHECK(ckpt_model_add_param(model, "linear.weight", CKPT_F32, 1, (int64_t[]){FEATURES}, w, gw));
     CHECK(ckpt_model_add_param(model, "linear.bias", CKPT_F32, 1, (int64_t[]){1}, b, gb));
-    CHECK(ckpt_adamw_new(&opt, model, 0.05, 0.9, 0.999, 1e-8, 0.0));
+    CHECK(ckpt_adamw_new(&opt, model, 0.1, 0.9, 0.999, 1e-8, 0.0));
+    CHECK(ckpt_steplr_new(&sched, opt, 100, 0.5)); /* halves lr every 100 steps */
     CHECK(ckpt_memory_dataset(&ds, data, N, sizeof(sample)));
     ckpt_dataloader_config dc = ckpt_dataloader_defaults();
     dc.batch_size = 16;
     dc.shuffle = true;
     dc.seed = 1;
+    dc.num_workers = 2; /* prefetch threads: they never change the order */
     CHECK(ckpt_dataloader_new(&loader, &ds, &dc));
     ckpt_project_config cfg = {.project_dir = argc > 1 ? argv[1] : "runs/quickstart",
                                .automatic_checkpoint_naming = true, .total_limit = 2};
@@ -54,6 +58,7 @@ int main(int argc, char **argv) {
     CHECK(ckpt_prepare_model(acc, model));
     CHECK(ckpt_prepare_optimizer(acc, opt));
     CHECK(ckpt_prepare_dataloader(acc, loader));
+    CHECK(ckpt_register_for_checkpointing(acc, ckpt_scheduler_ops(), sched)); /* as Accelerate's docs do */
     int rc = ckpt_load_state(acc, NULL); /* the newest complete checkpoint, if any */
     if (rc < 0 && rc != CKPT_ENOENT) CHECK(rc);
     if (rc == CKPT_OK) printf("resumed from %s\n", ckpt_accelerator_last_dir(acc));
@@ -76,6 +81,7 @@ int main(int argc, char **argv) {
             gb[0] += 2 * err / (float)batch.size;
         }
         CHECK(ckpt_optimizer_step(opt));
+        CHECK(ckpt_scheduler_step(sched));
         ckpt_accelerator_set_step(acc, ++step);
         if (step % 25 == 0) {
             CHECK(ckpt_save_state(acc, NULL)); /* <dir>/checkpoints/checkpoint_<n> */
@@ -83,10 +89,11 @@ int main(int argc, char **argv) {
                    ckpt_accelerator_last_dir(acc));
         }
     }
-    printf("w = [%.3f %.3f %.3f %.3f], b = %.3f (true: [2 -3 0.5 1], 1)\n", w[0], w[1], w[2], w[3], b[0]);
+    printf("w = [%.6f %.6f %.6f %.6f], b = %.6f (true: [2 -3 0.5 1], 1)\n", w[0], w[1], w[2], w[3], b[0]);
 
     ckpt_accelerator_free(acc);
     ckpt_dataloader_free(loader);
+    ckpt_scheduler_free(sched);
     ckpt_optimizer_free(opt);
     ckpt_model_free(model);
     return 0;

@@ -227,14 +227,27 @@ CKPT_API int ckpt_writer_entry(const ckpt_writer *w, int64_t i, ckpt_entry_info 
 /* Stateful objects                                                          */
 /* ------------------------------------------------------------------------ */
 
-/* Anything with state_dict / load_state_dict. state_dict puts every entry
- * (it may be called with a schema writer: it must put the same keys, dtypes
- * and shapes whatever the writer). load_state_dict gets every entry; it is
- * called only after the file has been checked against the schema, so it
- * should fail only on values it cannot accept (and then change nothing). */
+/* Anything with state_dict / load_state_dict (and, optionally,
+ * check_state_dict). state_dict puts every entry (it may be called with a
+ * schema writer: it must put the same keys, dtypes and shapes whatever the
+ * writer). load_state_dict gets every entry; ckpt_load_state calls it only
+ * after the file has been checked against the schema and, where the object
+ * has one, by check_state_dict, so it should fail only on values it cannot
+ * accept (and then change nothing). An initializer that omits
+ * check_state_dict leaves it NULL: {sd, lsd} still compiles (GCC's and
+ * Clang's -Wmissing-field-initializers, part of -Wextra, warn about it; the
+ * designated form {.state_dict = sd, .load_state_dict = lsd} does not).
+ * Every built-in kind's ops have all three; their load_state_dict is their
+ * check_state_dict followed by the commit. */
 typedef struct ckpt_stateful_ops {
     int (*state_dict)(void *self, ckpt_writer *w);
     int (*load_state_dict)(void *self, ckpt_reader *r);
+    /* Optional (may be NULL): checks every value load_state_dict would read
+     * and refuse, changing nothing. ckpt_load_state calls it for every object
+     * before any load_state_dict, so a value an object would refuse stops the
+     * load before anything in memory changed. It sees every object as it was
+     * before the load. Returns 0 or the error load_state_dict would return. */
+    int (*check_state_dict)(void *self, ckpt_reader *r);
 } ckpt_stateful_ops;
 
 /* ------------------------------------------------------------------------ */
@@ -535,7 +548,11 @@ CKPT_API int ckpt_prepare_dataloader(ckpt_accelerator *acc, ckpt_dataloader *dl)
 CKPT_API int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs);
 /* Any object with state_dict/load_state_dict: custom_checkpoint_<i>.safetensors
  * in registration order. ops and self are borrowed until the accelerator is
- * freed. CKPT_EINVAL (naming the item) if ops lacks a function. */
+ * freed. CKPT_EINVAL (naming the item) if ops lacks state_dict or
+ * load_state_dict; check_state_dict is optional. Without it, a value the
+ * object's load_state_dict refuses after its schema matched is found only
+ * while ckpt_load_state applies the checkpoint: the objects loaded before it
+ * are then already changed (the error says "state partially loaded"). */
 CKPT_API int ckpt_register_for_checkpointing(ckpt_accelerator *acc, const ckpt_stateful_ops *ops,
                                              void *self);
 
@@ -554,8 +571,12 @@ CKPT_API int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed);
 CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
 /* Loads everything registered. input_dir NULL: the newest complete checkpoint
  * that verifies, falling back (with a warning) to older ones. Transactional:
- * everything is checked first and nothing in memory changes unless all of it
- * matches. Restores the step counter and the automatic numbering. */
+ * everything is checked first (manifest, files, every object's schema, then
+ * every object's check_state_dict) and nothing in memory changes unless all
+ * of it matches. The one exception: a custom object without check_state_dict
+ * whose load_state_dict refuses a value; the objects loaded before it are then
+ * already changed and the error says "state partially loaded". Restores the
+ * step counter and the automatic numbering. */
 CKPT_API int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir);
 /* The folder of the last save or load; "" if none. View valid until the next
  * save/load or free. */

@@ -575,7 +575,8 @@ static void plural(char *buf, size_t cap, int n, const char *noun) {
 }
 
 /* Matches the registered objects with the checkpoint's files, checks every
- * object's schema against its file, and only then loads them all. */
+ * object's schema against its file, then every value through the objects'
+ * check_state_dict, and only then loads them all. */
 static int apply_checkpoint(ckpt_accelerator *acc, const char *dir, ckpt_checkpoint_open *c) {
     const ckpt_manifest *m = &c->m;
     int have[K_COUNT] = {0};
@@ -630,6 +631,18 @@ static int apply_checkpoint(ckpt_accelerator *acc, const char *dir, ckpt_checkpo
         if (rc < 0) rc = ckpt__err_prefix(rc, "load_state: %s", dir);
     }
     if (rc < 0) goto out;
+    /* Every schema matches: now every value, still changing nothing. Each
+     * check sees the objects as they were before the load. */
+    for (int i = 0; i < n; i++) {
+        if (!plan[i].ops->check_state_dict) continue;
+        rc = plan[i].ops->check_state_dict(plan[i].self, readers[i]);
+        if (rc == 0) continue;
+        if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "check_state_dict returned %d", rc);
+        char name[96];
+        obj_file_name(acc, &plan[i], name, sizeof name);
+        rc = ckpt__err_prefix(rc, "load_state: %s: %s", dir, name);
+        goto out;
+    }
     /* Allocated before anything is applied: past this point only an
      * object's own load_state_dict can fail. */
     last = ckpt__strdup(dir);
@@ -637,9 +650,11 @@ static int apply_checkpoint(ckpt_accelerator *acc, const char *dir, ckpt_checkpo
         rc = ckpt__err_nomem("last_dir");
         goto out;
     }
-    /* Everything matches: apply. A failure past this point is a value an
-     * object refuses after its schema matched (documented in CHECKPOINTS.md);
-     * the objects before it are already loaded. */
+    /* Everything matches: apply. The built-in objects' load_state_dict is
+     * their check (passed above) plus the commit, so a failure past this
+     * point is a value refused by a custom object without check_state_dict
+     * (documented in CHECKPOINTS.md); the objects before it are already
+     * loaded. */
     for (int i = 0; i < n; i++) {
         rc = plan[i].ops->load_state_dict(plan[i].self, readers[i]);
         if (rc != 0) {

@@ -668,6 +668,7 @@ static int dl_load_state_dict(void *self, ckpt_reader *r) {
     ckpt_dataloader *dl = self;
     if (!dl || !r) return ckpt__err(CKPT_EINVAL, "dataloader: load_state_dict: NULL argument");
     dl_state st;
+    /* The check (read_state, what check_state_dict runs), then the commit. */
     CKPT_TRY(read_state(dl, r, &st));
     pipeline_pause(dl);
     dl->cfg.seed = (uint64_t)st.seed;
@@ -677,7 +678,11 @@ static int dl_load_state_dict(void *self, ckpt_reader *r) {
     return 0;
 }
 
-static const ckpt_stateful_ops dl_ops = {dl_state_dict, dl_load_state_dict};
+static int dl_check_state_dict(void *self, ckpt_reader *r) {
+    return ckpt__dataloader_check_state(self, r);
+}
+
+static const ckpt_stateful_ops dl_ops = {dl_state_dict, dl_load_state_dict, dl_check_state_dict};
 
 const ckpt_stateful_ops *ckpt_dataloader_ops(void) { return &dl_ops; }
 

@@ -17,9 +17,11 @@ int ckpt__dataloader_set_shard(ckpt_dataloader *dl, int num_processes, int proce
 
 /* Reads the state dict in r and checks it against dl as load_state_dict
  * would (every key present, dataset length, batch size, shuffle, drop_last,
- * even_batches, num_processes equal; values in range), changing nothing: the
- * accelerator calls it before loading anything so a mismatch aborts the
- * whole load. Same errors as load_state_dict. */
+ * even_batches, num_processes equal; values in range), changing nothing. It
+ * is the check_state_dict of ckpt_dataloader_ops(), which ckpt_load_state
+ * calls before loading anything, so a mismatch aborts the whole load; and
+ * load_state_dict runs the same check before it commits. Same errors as
+ * load_state_dict. */
 int ckpt__dataloader_check_state(const ckpt_dataloader *dl, ckpt_reader *r);
 
 /* Position in the current epoch: batches already yielded (or skipped). */

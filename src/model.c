@@ -131,10 +131,13 @@ static void shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
     if (n < cap) snprintf(buf + n, cap - n, "]");
 }
 
-static int model_load_state_dict(void *self, ckpt_reader *r) {
-    ckpt_model *m = self;
-    /* Check every parameter before reading any, so a file that does not fit
-     * leaves the model untouched even outside a transactional load. */
+/* The check: every parameter present as a tensor of its dtype and shape, and
+ * nothing else in the state dict. A model accepts any bytes as values, so
+ * this is all load_state_dict can refuse; it is the same as the schema check
+ * ckpt_load_state makes first, so there it never fails, but it lets anyone
+ * using ckpt_model_ops() on its own check a file before loading it. Reads no
+ * tensor data. */
+static int model_check(const ckpt_model *m, ckpt_reader *r) {
     for (int64_t i = 0; i < m->n; i++) {
         const model_param *p = &m->params[i];
         ckpt_entry_info e;
@@ -166,6 +169,17 @@ static int model_load_state_dict(void *self, ckpt_reader *r) {
                                  "model: state dict has entry '%s', which is no parameter", e.key);
         }
     }
+    return CKPT_OK;
+}
+
+static int model_check_state_dict(void *self, ckpt_reader *r) { return model_check(self, r); }
+
+static int model_load_state_dict(void *self, ckpt_reader *r) {
+    ckpt_model *m = self;
+    /* Check every parameter before reading any, so a file that does not fit
+     * leaves the model untouched even outside a transactional load. */
+    CKPT_TRY(model_check(m, r));
+    /* Commit. Only a read error of a file-backed reader can stop it midway. */
     for (int64_t i = 0; i < m->n; i++) {
         const model_param *p = &m->params[i];
         CKPT_TRY(ckpt_read_tensor(r, p->name, p->dtype, p->ndim, p->shape, p->data));
@@ -173,6 +187,7 @@ static int model_load_state_dict(void *self, ckpt_reader *r) {
     return CKPT_OK;
 }
 
-static const ckpt_stateful_ops model_ops = {model_state_dict, model_load_state_dict};
+static const ckpt_stateful_ops model_ops = {model_state_dict, model_load_state_dict,
+                                            model_check_state_dict};
 
 const ckpt_stateful_ops *ckpt_model_ops(void) { return &model_ops; }

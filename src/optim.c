@@ -687,8 +687,23 @@ static int check_state_tensor(ckpt_reader *r, const char *key, int ndim, const i
     return CKPT_OK;
 }
 
-static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
-    ckpt_optimizer *o = self;
+/* Reads state.<i>.step into *step and checks it is a whole number >= 0. */
+static int read_step(ckpt_reader *r, int64_t i, float *step) {
+    char k[KEY_CAP];
+    snprintf(k, sizeof k, "state.%lld.step", (long long)i);
+    CKPT_TRY(ckpt_read_tensor(r, k, CKPT_F32, 0, NULL, step));
+    if (!(*step >= 0 && *step == floorf(*step)))
+        return ckpt__err(CKPT_ECORRUPT, "optimizer: %s: expected a whole number >= 0, got %g", k,
+                         (double)*step);
+    return CKPT_OK;
+}
+
+/* The check: reads and validates every entry a load takes (the kind, every
+ * group's hyper-parameters and parameter list, no extra groups or
+ * parameters, every step, every state tensor's dtype and shape), changing
+ * nothing and allocating nothing, so that it cannot fail for a reason the
+ * commit would not also meet. */
+static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r) {
     char kind[16], k[KEY_CAP];
     int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
     if (rc == CKPT_EINVAL || (rc == CKPT_OK && strcmp(kind, kind_name(o->kind)) != 0))
@@ -696,51 +711,67 @@ static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
                          "one is %s", rc == CKPT_OK && kind[0] == 'a' ? "n" : "",
                          rc == CKPT_OK ? kind : "different", kind_name(o->kind));
     if (rc < 0) return rc;
-    /* Validate everything before changing anything. */
-    ckpt_optim_options *nopts = ckpt__malloc((size_t)o->ngroups * sizeof *nopts);
-    if (!nopts) return ckpt__err_nomem("optimizer load");
-    memcpy(nopts, o->opts, (size_t)o->ngroups * sizeof *nopts);
-    for (int g = 0; g < o->ngroups && rc >= 0; g++) rc = read_group(o, r, g, &nopts[g]);
-    snprintf(k, sizeof k, "param_groups.%d.lr", o->ngroups);
+    for (int g = 0; g < o->ngroups; g++) {
+        ckpt_optim_options op = o->opts[g];
+        CKPT_TRY(read_group(o, r, g, &op));
+    }
     ckpt_entry_info e;
-    if (rc >= 0 && ckpt_reader_find(r, k, &e) == CKPT_OK)
-        rc = ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has more than %d groups",
-                       o->ngroups);
+    snprintf(k, sizeof k, "param_groups.%d.lr", o->ngroups);
+    if (ckpt_reader_find(r, k, &e) == CKPT_OK)
+        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has more than %d groups",
+                         o->ngroups);
     snprintf(k, sizeof k, "state.%lld.step", (long long)o->np);
-    if (rc >= 0 && ckpt_reader_find(r, k, &e) == CKPT_OK)
-        rc = ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has state for more than %lld "
-                       "parameters", (long long)o->np);
-    float *steps = rc >= 0 ? ckpt__calloc((size_t)o->np, sizeof *steps) : NULL;
-    if (rc >= 0 && !steps) rc = ckpt__err_nomem("optimizer load");
+    if (ckpt_reader_find(r, k, &e) == CKPT_OK)
+        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has state for more than %lld "
+                         "parameters", (long long)o->np);
     const char *names[4];
     float *bufs[4];
-    for (int64_t i = 0; i < o->np && rc >= 0; i++) {
+    for (int64_t i = 0; i < o->np; i++) {
         const opt_param *p = &o->p[i];
-        snprintf(k, sizeof k, "state.%lld.step", (long long)i);
-        rc = ckpt_read_tensor(r, k, CKPT_F32, 0, NULL, &steps[i]);
-        if (rc >= 0 && !(steps[i] >= 0 && steps[i] == floorf(steps[i])))
-            rc = ckpt__err(CKPT_ECORRUPT, "optimizer: %s: expected a whole number >= 0, got %g",
-                           k, (double)steps[i]);
-        for (int j = 0, n = state_buffers(p, names, bufs); j < n && rc >= 0; j++) {
+        float step;
+        CKPT_TRY(read_step(r, i, &step));
+        for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
-            rc = check_state_tensor(r, k, p->ndim, p->shape);
+            CKPT_TRY(check_state_tensor(r, k, p->ndim, p->shape));
         }
     }
-    /* Nothing can fail past this point but the copies of checked tensors. */
-    for (int64_t i = 0; i < o->np && rc >= 0; i++) {
-        opt_param *p = &o->p[i];
-        for (int j = 0, n = state_buffers(p, names, bufs); j < n && rc >= 0; j++) {
-            snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
-            rc = ckpt_read_tensor(r, k, CKPT_F32, p->ndim, p->shape, bufs[j]);
-        }
-        if (rc >= 0) p->step = steps[i];
-    }
-    if (rc >= 0) memcpy(o->opts, nopts, (size_t)o->ngroups * sizeof *nopts);
-    free(steps);
-    free(nopts);
-    return rc;
+    return CKPT_OK;
 }
 
-static const ckpt_stateful_ops optimizer_ops = {optimizer_state_dict, optimizer_load_state_dict};
+static int optimizer_check_state_dict(void *self, ckpt_reader *r) {
+    return optimizer_check(self, r);
+}
+
+static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
+    ckpt_optimizer *o = self;
+    /* Validate everything before changing anything. */
+    CKPT_TRY(optimizer_check(o, r));
+    /* Commit: the same reads, every one checked above, so they cannot fail
+     * now, but for a read error of a file-backed reader midway through the
+     * tensor copies (never in ckpt_load_state, whose readers are in memory). */
+    ckpt_optim_options op;
+    for (int g = 0; g < o->ngroups; g++) {
+        op = o->opts[g];
+        CKPT_TRY(read_group(o, r, g, &op));
+        o->opts[g] = op;
+    }
+    char k[KEY_CAP];
+    const char *names[4];
+    float *bufs[4];
+    for (int64_t i = 0; i < o->np; i++) {
+        opt_param *p = &o->p[i];
+        float step;
+        CKPT_TRY(read_step(r, i, &step));
+        for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
+            snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
+            CKPT_TRY(ckpt_read_tensor(r, k, CKPT_F32, p->ndim, p->shape, bufs[j]));
+        }
+        p->step = step;
+    }
+    return CKPT_OK;
+}
+
+static const ckpt_stateful_ops optimizer_ops = {optimizer_state_dict, optimizer_load_state_dict,
+                                                optimizer_check_state_dict};
 
 const ckpt_stateful_ops *ckpt_optimizer_ops(void) { return &optimizer_ops; }

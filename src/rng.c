@@ -110,30 +110,43 @@ static int rng_state_dict(void *self, ckpt_writer *w) {
     return CKPT_OK;
 }
 
-static int rng_load_state_dict(void *self, ckpt_reader *r) {
-    ckpt_rng *g = self;
-    ckpt_rng n;
-    memset(&n, 0, sizeof n);
+/* Reads and checks the whole state in r into *n; changes nothing else. */
+static int rng_read(ckpt_reader *r, ckpt_rng *n) {
+    memset(n, 0, sizeof *n);
     const int64_t two = 2, four = 4;
     int64_t pos, has_normal;
-    /* Read everything into a copy first: a bad value leaves g untouched. */
-    CKPT_TRY(ckpt_read_tensor(r, "key", CKPT_U32, 1, &two, n.key));
-    CKPT_TRY(ckpt_read_tensor(r, "counter", CKPT_U32, 1, &four, n.counter));
-    CKPT_TRY(ckpt_read_tensor(r, "block", CKPT_U32, 1, &four, n.block));
+    CKPT_TRY(ckpt_read_tensor(r, "key", CKPT_U32, 1, &two, n->key));
+    CKPT_TRY(ckpt_read_tensor(r, "counter", CKPT_U32, 1, &four, n->counter));
+    CKPT_TRY(ckpt_read_tensor(r, "block", CKPT_U32, 1, &four, n->block));
     CKPT_TRY(ckpt_read_i64(r, "pos", &pos));
     CKPT_TRY(ckpt_read_i64(r, "has_normal", &has_normal));
-    CKPT_TRY(ckpt_read_f64(r, "normal", &n.normal));
+    CKPT_TRY(ckpt_read_f64(r, "normal", &n->normal));
     if (pos < 0 || pos > 4)
         return ckpt__err(CKPT_ECORRUPT, "rng: pos: expected 0..4, got %lld", (long long)pos);
     if (has_normal != 0 && has_normal != 1)
         return ckpt__err(CKPT_ECORRUPT, "rng: has_normal: expected 0 or 1, got %lld",
                          (long long)has_normal);
-    n.pos = (uint32_t)pos;
-    n.has_normal = (uint32_t)has_normal;
+    n->pos = (uint32_t)pos;
+    n->has_normal = (uint32_t)has_normal;
+    return CKPT_OK;
+}
+
+static int rng_check_state_dict(void *self, ckpt_reader *r) {
+    (void)self;
+    ckpt_rng n;
+    return rng_read(r, &n);
+}
+
+static int rng_load_state_dict(void *self, ckpt_reader *r) {
+    ckpt_rng *g = self;
+    ckpt_rng n;
+    /* The check reads everything into a copy: a bad value leaves g untouched. */
+    CKPT_TRY(rng_read(r, &n));
     *g = n;
     return CKPT_OK;
 }
 
-static const ckpt_stateful_ops rng_ops = {rng_state_dict, rng_load_state_dict};
+static const ckpt_stateful_ops rng_ops = {rng_state_dict, rng_load_state_dict,
+                                          rng_check_state_dict};
 
 const ckpt_stateful_ops *ckpt_rng_ops(void) { return &rng_ops; }

@@ -175,28 +175,46 @@ static int scaler_state_dict(void *self, ckpt_writer *w) {
     return CKPT_OK;
 }
 
+typedef struct scaler_state {
+    double scale, growth_factor, backoff_factor;
+    int64_t growth_interval, growth_tracker;
+} scaler_state;
+
+/* Reads and checks the whole state in r into *st; changes nothing else. */
+static int scaler_read(ckpt_reader *r, scaler_state *st) {
+    CKPT_TRY(ckpt_read_f64(r, "scale", &st->scale));
+    CKPT_TRY(ckpt_read_f64(r, "growth_factor", &st->growth_factor));
+    CKPT_TRY(ckpt_read_f64(r, "backoff_factor", &st->backoff_factor));
+    CKPT_TRY(ckpt_read_i64(r, "growth_interval", &st->growth_interval));
+    CKPT_TRY(ckpt_read_i64(r, "_growth_tracker", &st->growth_tracker));
+    CKPT_TRY(check_params(st->scale, st->growth_factor, st->backoff_factor, st->growth_interval,
+                          CKPT_ECORRUPT));
+    if (st->growth_tracker < 0 || st->growth_tracker >= st->growth_interval)
+        return ckpt__err(CKPT_ECORRUPT, "grad_scaler: _growth_tracker: expected 0..%lld, got %lld",
+                         (long long)st->growth_interval - 1, (long long)st->growth_tracker);
+    return CKPT_OK;
+}
+
+static int scaler_check_state_dict(void *self, ckpt_reader *r) {
+    (void)self;
+    scaler_state st;
+    return scaler_read(r, &st);
+}
+
 static int scaler_load_state_dict(void *self, ckpt_reader *r) {
     ckpt_grad_scaler *gs = self;
-    double scale, gf, bf;
-    int64_t gi, gt;
-    CKPT_TRY(ckpt_read_f64(r, "scale", &scale));
-    CKPT_TRY(ckpt_read_f64(r, "growth_factor", &gf));
-    CKPT_TRY(ckpt_read_f64(r, "backoff_factor", &bf));
-    CKPT_TRY(ckpt_read_i64(r, "growth_interval", &gi));
-    CKPT_TRY(ckpt_read_i64(r, "_growth_tracker", &gt));
-    CKPT_TRY(check_params(scale, gf, bf, gi, CKPT_ECORRUPT));
-    if (gt < 0 || gt >= gi)
-        return ckpt__err(CKPT_ECORRUPT, "grad_scaler: _growth_tracker: expected 0..%lld, got %lld",
-                         (long long)gi - 1, (long long)gt);
-    gs->scale = (float)scale;
-    gs->growth_factor = gf;
-    gs->backoff_factor = bf;
-    gs->growth_interval = gi;
-    gs->growth_tracker = gt;
+    scaler_state st;
+    CKPT_TRY(scaler_read(r, &st));
+    gs->scale = (float)st.scale;
+    gs->growth_factor = st.growth_factor;
+    gs->backoff_factor = st.backoff_factor;
+    gs->growth_interval = st.growth_interval;
+    gs->growth_tracker = st.growth_tracker;
     gs->n = 0; /* a load starts a fresh step */
     return CKPT_OK;
 }
 
-static const ckpt_stateful_ops scaler_ops = {scaler_state_dict, scaler_load_state_dict};
+static const ckpt_stateful_ops scaler_ops = {scaler_state_dict, scaler_load_state_dict,
+                                             scaler_check_state_dict};
 
 const ckpt_stateful_ops *ckpt_grad_scaler_ops(void) { return &scaler_ops; }

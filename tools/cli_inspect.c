@@ -27,7 +27,8 @@ static const char diff_help[] =
     "\n"
     "Compares two checkpoint folders (every state file) or two .safetensors files,\n"
     "entry by entry: tensors by dtype, shape and value (max absolute difference,\n"
-    "elements that differ), scalar entries by value, and the step in the manifests.\n"
+    "elements that differ), scalar entries by value, and the manifests' step and\n"
+    "number of processes.\n"
     "Creation times, checkpoint numbers and library versions are not compared.\n"
     "\n"
     "  --atol X   values within X of each other count as equal (default 0: bit for bit)\n"
@@ -475,9 +476,15 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
     if ((va == CKPT_OK) != (vb == CKPT_OK)) {
         printf("checkpoint.json: %s\n", va == CKPT_OK ? "B has no valid manifest" : "A has no valid manifest");
         d->differences++;
-    } else if (va == CKPT_OK && ia.step != ib.step) {
-        printf("checkpoint.json: step: %lld vs %lld\n", (long long)ia.step, (long long)ib.step);
-        d->differences++;
+    } else if (va == CKPT_OK) {
+        if (ia.step != ib.step) {
+            printf("checkpoint.json: step: %lld vs %lld\n", (long long)ia.step, (long long)ib.step);
+            d->differences++;
+        }
+        if (ia.num_processes != ib.num_processes) {
+            printf("checkpoint.json: num_processes: %d vs %d\n", ia.num_processes, ib.num_processes);
+            d->differences++;
+        }
     }
 
     struct dirent **na = NULL, **nb = NULL;

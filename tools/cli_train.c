@@ -99,7 +99,10 @@ static int run_config_load_state_dict(void *self, ckpt_reader *r) {
     return CKPT_OK;
 }
 
-static const ckpt_stateful_ops run_config_ops = {run_config_state_dict, run_config_load_state_dict};
+static const ckpt_stateful_ops run_config_ops = {
+    .state_dict = run_config_state_dict,
+    .load_state_dict = run_config_load_state_dict,
+};
 
 static bool run_config_check(const run_config *saved, const run_config *now) {
     bool ok = true;
@@ -267,8 +270,8 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
                       .project_dir = "runs/digits"};
     opterr = 0;
     optind = 0;
-    int c;
-    while ((c = getopt_long(argc, argv, ":h", longopts, NULL)) != -1) {
+    int c, li = -1;
+    while ((c = getopt_long(argc, argv, ":h", longopts, &li)) != -1) {
         const char *a = optarg;
         bool ok = true;
         switch (c) {
@@ -288,7 +291,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case ':': return cli_usage_error("train", "option '%s' needs a value", argv[optind - 1]);
         default: return cli_usage_error("train", "unknown option '%s'", argv[optind - 1]);
         }
-        if (!ok) return cli_usage_error("train", "bad value for '%s': '%s'", argv[optind - 2], a);
+        if (!ok) return cli_usage_error("train", "bad value for '--%s': '%s'", longopts[li].name, a);
     }
     if (optind < argc) return cli_usage_error("train", "unexpected argument '%s'", argv[optind]);
     if (!*o->project_dir) return cli_usage_error("train", "--project-dir is empty");
@@ -314,6 +317,7 @@ typedef struct trainer {
     ckpt_accelerator *acc;
     run_config config, saved_config;
     FILE *metrics;
+    bool tty; /* a progress bar is being redrawn on stdout */
 } trainer;
 
 static void trainer_free(trainer *t) {
@@ -472,6 +476,8 @@ static int save(trainer *t, int64_t step) {
     int rc = ckpt_save_state(t->acc, NULL);
     if (rc < 0) {
         const char *msg = ckpt_errmsg();
+        if (t->tty) putchar('\n'); /* end the progress bar's line first */
+        fflush(stdout);
         cli_error("save failed: %s (at step %lld)", *msg ? msg : ckpt_strerror(rc), (long long)step);
         return CLI_RUNTIME;
     }
@@ -542,7 +548,7 @@ int cli_train(int argc, char **argv) {
         goto done;
     }
 
-    bool tty = !o->quiet && isatty(STDOUT_FILENO);
+    bool tty = t.tty = !o->quiet && isatty(STDOUT_FILENO);
     if (!o->quiet)
         printf("training %lld steps (%lld epochs of %lld batches of %lld), %lld training rows, "
                "%lld test rows\n",
@@ -633,10 +639,6 @@ int cli_train(int argc, char **argv) {
         status = CLI_OK;
         goto done;
     }
-    if (saved_step != step) { /* resumed a finished run whose last save was lost */
-        if ((status = save(&t, step)) != CLI_OK) goto done;
-    }
-
     int64_t correct = evaluate(&t.net, t.test_rows, t.ntest, t.x, t.y, t.pred);
     if (!o->quiet) printf("final checkpoint: %s\n", ckpt_accelerator_last_dir(t.acc));
     printf("test accuracy: %.2f%% (%lld/%lld)\n", 100.0 * (double)correct / (double)t.ntest,

@@ -33,7 +33,8 @@ printf '0,1,2\n' >"$WORK/bad.csv"
 run_rc 3 "$CKPT_BIN" train --data "$WORK/bad.csv" --project-dir "$WORK/x" --quiet
 grep -q "^ckpt: data: .*bad.csv:1: " "$WORK/err" || fail "bad data message"
 
-# a run with every checkpoint kept: steps 10, 20, 30, 40 and the end (46)
+# a run with every checkpoint kept: steps 10, 20, 30, 40 and the end (46);
+# 2 loader threads by default
 proj=$WORK/proj
 run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 10 --total-limit 0 --quiet --project-dir "$proj"
 [ "$(ls "$proj/checkpoints" | grep -c '^checkpoint_')" -eq 5 ] || fail "expected 5 checkpoints"
@@ -41,6 +42,11 @@ acc=$(grep "test accuracy" "$WORK/out")
 [ "$(wc -l <"$proj/logs/metrics.jsonl")" -eq 46 ] || fail "metrics: expected 46 lines"
 head -1 "$proj/logs/metrics.jsonl" | grep -q '^{"step":1,"epoch":0,"loss":[0-9.e+-]*,"lr":[0-9.e+-]*,"scale":1024}$' \
     || fail "metrics line format"
+
+# the same run with the data loaded in the training thread: the same bits
+run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 10 --workers 0 --quiet --project-dir "$WORK/w0"
+run_rc 0 "$CKPT_BIN" diff "$(latest_checkpoint "$proj")" "$(latest_checkpoint "$WORK/w0")"
+cmp "$proj/logs/metrics.jsonl" "$WORK/w0/logs/metrics.jsonl" || fail "--workers 0: metrics differ"
 
 # the same project again: refused without --resume; a different setting refused
 run_rc 2 "$CKPT_BIN" train --epochs 1 --quiet --project-dir "$proj"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # ckpt train survives kill -9 at random moments: killed at least 10 times,
-# many of them during a save (each restart saves every 1, 2 or 4 steps), and
+# several of them during a save (each restart saves every 1, 2 or 4 steps, and
+# every third kill waits for a save's temporary folder to appear), and
 # resumed each time, the final checkpoint equals an uninterrupted run's bit for
 # bit, and so do the metrics log and the accuracy. After every kill, each
 # visible checkpoint verifies.
@@ -32,8 +33,16 @@ while [ "$kills" -lt 10 ]; do
         fi
         "${args[@]}" >"$WORK/train.out" 2>&1 &
         pid=$!
-        delay_ms=$(( elapsed_ms * (3 + RANDOM % 13) / 100 ))
-        sleep "$(printf '%d.%03d' $((delay_ms / 1000)) $((delay_ms % 1000)))"
+        if [ $((kills % 3)) -eq 2 ]; then
+            # aimed: kill as soon as a save's temporary folder shows up
+            for _ in $(seq 1 100000); do
+                compgen -G "$run/checkpoints/.checkpoint_*.tmp*" >/dev/null && break
+                kill -0 "$pid" 2>/dev/null || break
+            done
+        else
+            delay_ms=$(( elapsed_ms * (3 + RANDOM % 13) / 100 ))
+            sleep "$(printf '%d.%03d' $((delay_ms / 1000)) $((delay_ms % 1000)))"
+        fi
         kill -9 "$pid" 2>/dev/null || true
         rc=0
         wait "$pid" || rc=$?
@@ -56,4 +65,5 @@ while [ "$kills" -lt 10 ]; do
     cmp "$ref/logs/metrics.jsonl" "$run/logs/metrics.jsonl" || fail "metrics logs differ"
     [ "$(grep "test accuracy" "$WORK/train.out")" = "$ref_acc" ] || fail "accuracy differs"
 done
+[ "$mid_save" -ge 1 ] || fail "no kill landed during a save"
 echo "ok: $kills kills ($mid_save left a save half-done) in $rounds round(s); final checkpoints equal bit for bit"

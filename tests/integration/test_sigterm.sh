@@ -15,14 +15,14 @@ interrupt() {
     local sig=$1 run=$2 after=$3 pid rc=0 lines n dir
     "${TRAIN[@]}" --save-every 0 --project-dir "$run" --resume >"$WORK/sig.out" 2>"$WORK/sig.err" &
     pid=$!
-    for _ in $(seq 1 3000); do
+    for _ in $(seq 1 6000); do
         lines=0
         [ -f "$run/logs/metrics.jsonl" ] && lines=$(wc -l <"$run/logs/metrics.jsonl")
         [ "$lines" -ge "$after" ] && break
         kill -0 "$pid" 2>/dev/null || break
         sleep 0.01
     done
-    kill -"$sig" "$pid"
+    kill -"$sig" "$pid" || fail "SIG$sig: the run ended before the signal"
     wait "$pid" || rc=$?
     [ "$rc" -eq 0 ] || { cat "$WORK/sig.err" >&2; fail "SIG$sig: exit $rc, expected 0"; }
     grep -q "^preempted at step [0-9]*, checkpoint saved: " "$WORK/sig.out" \

@@ -68,4 +68,6 @@ for f in garbage truncated short-data huge-header empty bad-json; do
     grep -q "^ckpt: " "$WORK/err" || { cat "$WORK/err" >&2; fail "inspect $f: no 'ckpt: ' message"; }
 done
 run_rc 3 "$CKPT_BIN" inspect "$WORK/no-such-file"
+run_rc 1 "$CKPT_BIN" verify "$WORK/short-data.safetensors"
+run_rc 0 "$CKPT_BIN" verify "$good/model.safetensors"
 echo "ok: $nflips flipped bytes in $nfiles files caught; ls and inspect behave"

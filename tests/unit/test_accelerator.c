@@ -55,7 +55,8 @@ static int counter_load(void *self, ckpt_reader *r) {
     return 0;
 }
 
-static const ckpt_stateful_ops counter_ops = {counter_sd, counter_load};
+static const ckpt_stateful_ops counter_ops = {.state_dict = counter_sd,
+                                              .load_state_dict = counter_load};
 
 static void counter_set(counter *c, int64_t v) {
     memset(c, 0, sizeof *c);
@@ -287,11 +288,11 @@ static void test_register_for_checkpointing_rejects_invalid_objects_naming_them(
     assert_int_equal(ckpt_register_for_checkpointing(acc, NULL, &a), CKPT_EINVAL);
     assert_contains(ckpt_errmsg(), "custom object 0");
     assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &a), 0);
-    ckpt_stateful_ops no_sd = {NULL, no_load};
+    ckpt_stateful_ops no_sd = {.state_dict = NULL, .load_state_dict = no_load};
     assert_int_equal(ckpt_register_for_checkpointing(acc, &no_sd, &b), CKPT_EINVAL);
     assert_contains(ckpt_errmsg(), "custom object 1");
     assert_contains(ckpt_errmsg(), "state_dict");
-    ckpt_stateful_ops no_ld = {counter_sd, NULL};
+    ckpt_stateful_ops no_ld = {.state_dict = counter_sd, .load_state_dict = NULL};
     assert_int_equal(ckpt_register_for_checkpointing(acc, &no_ld, &b), CKPT_EINVAL);
     assert_contains(ckpt_errmsg(), "custom object 1");
     assert_contains(ckpt_errmsg(), "load_state_dict");
@@ -693,6 +694,399 @@ static void test_load_state_rejects_a_different_number_of_objects(void **st) {
     rm_tmp(t);
 }
 
+/* ---- values an object refuses after its schema matched ------------------ */
+
+/* A small training setup: a model, an optimizer, a scheduler, a scaler and a
+ * data loader, prepared in that order (the data loader last). */
+typedef struct setup {
+    float w[6], gw[6], b[3], gb[3];
+    int64_t data[128];
+    ckpt_model *m;
+    ckpt_optimizer *o;
+    ckpt_scheduler *s;
+    ckpt_grad_scaler *gs;
+    ckpt_dataloader *dl;
+    ckpt_accelerator *acc;
+} setup;
+
+/* Builds the setup over a data set of nsamples, with its own values from
+ * `seed`, and trains `steps` steps. */
+static void setup_init(setup *u, float seed, int64_t nsamples, ckpt_optim_kind kind,
+                       bool warmup_linear, int steps) {
+    memset(u, 0, sizeof *u);
+    for (int j = 0; j < 6; j++) u->w[j] = seed + 0.25f * (float)j;
+    for (int j = 0; j < 3; j++) u->b[j] = seed - 0.5f * (float)j;
+    for (int j = 0; j < 128; j++) u->data[j] = j;
+    assert_int_equal(ckpt_model_new(&u->m), 0);
+    int64_t sw[2] = {2, 3}, sb[1] = {3};
+    assert_int_equal(ckpt_model_add_param(u->m, "w", CKPT_F32, 2, sw, u->w, u->gw), 0);
+    assert_int_equal(ckpt_model_add_param(u->m, "b", CKPT_F32, 1, sb, u->b, u->gb), 0);
+    ckpt_optim_options opt = ckpt_optim_defaults(kind);
+    opt.lr = 0.01 * (double)seed;
+    assert_int_equal(ckpt_optimizer_new(&u->o, kind, u->m, &opt), 0);
+    if (warmup_linear) assert_int_equal(ckpt_warmup_linear_new(&u->s, u->o, 2, 20), 0);
+    else assert_int_equal(ckpt_warmup_cosine_new(&u->s, u->o, 2, 20), 0);
+    assert_int_equal(ckpt_grad_scaler_new(&u->gs, 1024.0 * seed, 2.0, 0.5, 100), 0);
+    ckpt_dataset ds;
+    assert_int_equal(ckpt_memory_dataset(&ds, u->data, nsamples, sizeof(int64_t)), 0);
+    ckpt_dataloader_config dc = ckpt_dataloader_defaults();
+    dc.batch_size = 8;
+    dc.shuffle = true;
+    dc.seed = 5;
+    assert_int_equal(ckpt_dataloader_new(&u->dl, &ds, &dc), 0);
+    u->acc = new_acc(NULL, false, 0, NULL);
+    ckpt_set_seed(u->acc, (uint64_t)(seed * 100));
+    assert_int_equal(ckpt_prepare_model(u->acc, u->m), 0);
+    assert_int_equal(ckpt_prepare_optimizer(u->acc, u->o), 0);
+    assert_int_equal(ckpt_prepare_scheduler(u->acc, u->s), 0);
+    assert_int_equal(ckpt_prepare_scaler(u->acc, u->gs), 0);
+    assert_int_equal(ckpt_prepare_dataloader(u->acc, u->dl), 0);
+    for (int t = 0; t < steps; t++) {
+        ckpt_batch bt;
+        assert_int_equal(ckpt_dataloader_next(u->dl, &bt), 1);
+        for (int j = 0; j < 6; j++) u->gw[j] = (float)bt.indices[j % bt.size] * 0.01f - 0.3f;
+        for (int j = 0; j < 3; j++) u->gb[j] = ckpt_rng_uniform_f32(ckpt_accelerator_rng(u->acc));
+        assert_int_equal(ckpt_optimizer_step(u->o), 0);
+        assert_int_equal(ckpt_scheduler_step(u->s), 0);
+        ckpt_accelerator_set_step(u->acc, ckpt_accelerator_step(u->acc) + 1);
+    }
+}
+
+static void setup_free(setup *u) {
+    ckpt_accelerator_free(u->acc);
+    ckpt_dataloader_free(u->dl);
+    ckpt_grad_scaler_free(u->gs);
+    ckpt_scheduler_free(u->s);
+    ckpt_optimizer_free(u->o);
+    ckpt_model_free(u->m);
+}
+
+/* An object's whole state as bytes: its state dict written to a file. */
+static void obj_bytes(const ckpt_stateful_ops *ops, void *self, const char *path, char **out,
+                      size_t *n) {
+    ckpt_writer *w = NULL;
+    assert_int_equal(ckpt_writer_new(&w), 0);
+    assert_int_equal(ops->state_dict(self, w), 0);
+    assert_int_equal(ckpt_writer_save(w, path), 0);
+    ckpt_writer_free(w);
+    assert_int_equal(ckpt__read_small_file(path, 1 << 20, out, n), 0);
+}
+
+/* Everything of a setup in memory, byte for byte. */
+typedef struct snapshot {
+    float w[6], b[3];
+    char *bytes[5];
+    size_t n[5];
+    ckpt_rng rng;
+    int64_t step, iteration;
+    char last_dir[256];
+} snapshot;
+
+static void snap(setup *u, const char *tmp, snapshot *sn) {
+    memcpy(sn->w, u->w, sizeof sn->w);
+    memcpy(sn->b, u->b, sizeof sn->b);
+    const ckpt_stateful_ops *ops[5] = {ckpt_model_ops(), ckpt_optimizer_ops(),
+                                       ckpt_scheduler_ops(), ckpt_grad_scaler_ops(),
+                                       ckpt_dataloader_ops()};
+    void *self[5] = {u->m, u->o, u->s, u->gs, u->dl};
+    for (int i = 0; i < 5; i++) {
+        char *p = pathf("%s/snap_%d.safetensors", tmp, i);
+        obj_bytes(ops[i], self[i], p, &sn->bytes[i], &sn->n[i]);
+        free(p);
+    }
+    sn->rng = *ckpt_accelerator_rng(u->acc);
+    sn->step = ckpt_accelerator_step(u->acc);
+    sn->iteration = ckpt_accelerator_iteration(u->acc);
+    snprintf(sn->last_dir, sizeof sn->last_dir, "%s", ckpt_accelerator_last_dir(u->acc));
+}
+
+static void snap_free(snapshot *sn) {
+    for (int i = 0; i < 5; i++) free(sn->bytes[i]);
+}
+
+static void assert_unchanged(setup *u, const char *tmp, const snapshot *before) {
+    snapshot now;
+    snap(u, tmp, &now);
+    assert_memory_equal(now.w, before->w, sizeof now.w);
+    assert_memory_equal(now.b, before->b, sizeof now.b);
+    static const char *const what[5] = {"model", "optimizer", "scheduler", "scaler", "dataloader"};
+    for (int i = 0; i < 5; i++) {
+        if (now.n[i] != before->n[i] || memcmp(now.bytes[i], before->bytes[i], now.n[i]) != 0)
+            fail_msg("the %s's state changed", what[i]);
+    }
+    assert_memory_equal(&now.rng, &before->rng, sizeof now.rng);
+    assert_int_equal(now.step, before->step);
+    assert_int_equal(now.iteration, before->iteration);
+    assert_string_equal(now.last_dir, before->last_dir);
+    snap_free(&now);
+}
+
+/* Saves a setup over `n_saved` samples, loads it into one that differs as
+ * given, expecting `code` and a message with both needles, and everything
+ * in memory unchanged. */
+static void expect_value_refused(int64_t n_saved, ckpt_optim_kind k_saved, bool lin_saved,
+                                 int64_t n_mine, ckpt_optim_kind k_mine, bool lin_mine, int code,
+                                 const char *needle1, const char *needle2) {
+    char *t = make_tmp();
+    char *dir = pathf("%s/ck", t);
+    setup a, b;
+    setup_init(&a, 1.0f, n_saved, k_saved, lin_saved, 5);
+    assert_int_equal(ckpt_save_state(a.acc, dir), 0);
+    setup_init(&b, 2.0f, n_mine, k_mine, lin_mine, 3);
+    snapshot before;
+    snap(&b, t, &before);
+    int rc = ckpt_load_state(b.acc, dir);
+    if (rc != code) fail_msg("load_state returned %d (%s), expected %d", rc, ckpt_errmsg(), code);
+    assert_contains(ckpt_errmsg(), needle1);
+    assert_contains(ckpt_errmsg(), needle2);
+    if (getenv("CKPT_TEST_VERBOSE")) print_message("  %s\n", ckpt_errmsg());
+    assert_unchanged(&b, t, &before);
+    snap_free(&before);
+    setup_free(&b);
+    /* The same load into a setup that matches succeeds: only the value above
+     * stood in the way. */
+    setup c;
+    setup_init(&c, 2.0f, n_saved, k_saved, lin_saved, 3);
+    assert_int_equal(ckpt_load_state(c.acc, dir), 0);
+    assert_memory_equal(c.w, a.w, sizeof c.w);
+    assert_memory_equal(c.b, a.b, sizeof c.b);
+    assert_int_equal(ckpt_accelerator_step(c.acc), 5);
+    setup_free(&c);
+    setup_free(&a);
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_refuses_a_dataloader_of_another_dataset_changing_nothing(void **st) {
+    (void)st;
+    /* model, optimizer, scheduler and scaler all match and would load first */
+    expect_value_refused(100, CKPT_OPTIM_ADAMW, false, 120, CKPT_OPTIM_ADAMW, false,
+                         CKPT_EMISMATCH, "dataloader.safetensors",
+                         "dataloader: dataset_length: saved 100, this loader has 120");
+}
+
+static void test_load_state_refuses_an_optimizer_of_another_kind_changing_nothing(void **st) {
+    (void)st;
+    /* Adam and AdamW have the same keys: only the "kind" value differs */
+    expect_value_refused(100, CKPT_OPTIM_ADAM, false, 100, CKPT_OPTIM_ADAMW, false,
+                         CKPT_EMISMATCH, "optimizer.safetensors",
+                         "the state dict is for an adam optimizer, this one is adamw");
+}
+
+static void test_load_state_refuses_a_scheduler_of_another_kind_changing_nothing(void **st) {
+    (void)st;
+    expect_value_refused(100, CKPT_OPTIM_ADAMW, true, 100, CKPT_OPTIM_ADAMW, false,
+                         CKPT_EMISMATCH, "scheduler.safetensors",
+                         "the state dict is for warmup_linear, this scheduler is warmup_cosine");
+}
+
+/* Past the checks no built-in load allocates: an allocation failure anywhere
+ * in a load of every kind of object is a clean ENOMEM with nothing changed. */
+static void test_load_state_of_every_kind_changes_nothing_at_any_failed_allocation(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = pathf("%s/ck", t);
+    setup a, b;
+    setup_init(&a, 1.0f, 100, CKPT_OPTIM_ADAMW, false, 5);
+    assert_int_equal(ckpt_save_state(a.acc, dir), 0);
+    setup_init(&b, 2.0f, 100, CKPT_OPTIM_ADAMW, false, 3);
+    snapshot before;
+    snap(&b, t, &before);
+    int failures = 0;
+    for (uint64_t n = 1;; n++) {
+        assert_true(n < 10000);
+        ckpt__alloc_fail_after(n);
+        int rc = ckpt_load_state(b.acc, dir);
+        ckpt__alloc_fail_after(0);
+        if (rc == 0) break;
+        if (rc != CKPT_ENOMEM) fail_msg("allocation %llu: %d %s", (unsigned long long)n, rc, ckpt_errmsg());
+        failures++;
+        assert_unchanged(&b, t, &before);
+    }
+    assert_true(failures > 5);
+    assert_memory_equal(b.w, a.w, sizeof b.w);
+    assert_int_equal(ckpt_accelerator_step(b.acc), 5);
+    snap_free(&before);
+    setup_free(&b);
+    setup_free(&a);
+    free(dir);
+    rm_tmp(t);
+}
+
+/* A custom object with a value check: accepts a saved value up to max. */
+typedef struct picky {
+    int64_t value, max;
+    int id;
+    char *trace; /* calls appended here: "c<id>" for a check, "l<id>" for a load */
+} picky;
+
+static int picky_sd(void *self, ckpt_writer *w) {
+    return ckpt_write_i64(w, "value", ((picky *)self)->value);
+}
+
+static int picky_read(picky *p, ckpt_reader *r, int64_t *v) {
+    CKPT_TRY(ckpt_read_i64(r, "value", v));
+    if (*v > p->max)
+        return ckpt__err(CKPT_EMISMATCH, "picky: value: saved %lld, this object takes at most %lld",
+                         (long long)*v, (long long)p->max);
+    return 0;
+}
+
+static void picky_log(picky *p, char what) {
+    if (p->trace) snprintf(p->trace + strlen(p->trace), 8, "%c%d", what, p->id);
+}
+
+static int picky_check(void *self, ckpt_reader *r) {
+    picky *p = self;
+    picky_log(p, 'c');
+    int64_t v;
+    return picky_read(p, r, &v);
+}
+
+static int picky_load(void *self, ckpt_reader *r) {
+    picky *p = self;
+    picky_log(p, 'l');
+    int64_t v;
+    CKPT_TRY(picky_read(p, r, &v));
+    p->value = v;
+    return 0;
+}
+
+static int positive_check(void *self, ckpt_reader *r) {
+    (void)self;
+    (void)r;
+    return 1;
+}
+
+static const ckpt_stateful_ops picky_ops = {picky_sd, picky_load, picky_check};
+static const ckpt_stateful_ops picky_ops_unchecked = {.state_dict = picky_sd,
+                                                      .load_state_dict = picky_load};
+static const ckpt_stateful_ops picky_ops_positive = {picky_sd, picky_load, positive_check};
+
+/* Saves a model (weights 1) and a picky object (value 50) to <t>/ck. */
+static char *save_model_and_picky(const char *t) {
+    char *dir = pathf("%s/ck", t);
+    float w[4] = {1, 1, 1, 1};
+    int64_t shape[1] = {4};
+    ckpt_model *m;
+    assert_int_equal(ckpt_model_new(&m), 0);
+    assert_int_equal(ckpt_model_add_param(m, "w", CKPT_F32, 1, shape, w, NULL), 0);
+    picky p = {50, 100, 0, NULL};
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    assert_int_equal(ckpt_prepare_model(acc, m), 0);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &picky_ops, &p), 0);
+    ckpt_accelerator_set_step(acc, 9);
+    assert_int_equal(ckpt_save_state(acc, dir), 0);
+    ckpt_accelerator_free(acc);
+    ckpt_model_free(m);
+    return dir;
+}
+
+/* Loads dir into a model (weights 7, registered first) and a picky object
+ * (value 3, at most max) with the given ops; returns the status. */
+static int load_model_and_picky(const char *dir, const ckpt_stateful_ops *ops, int64_t max,
+                                float w[4], picky *p) {
+    for (int i = 0; i < 4; i++) w[i] = 7;
+    int64_t shape[1] = {4};
+    ckpt_model *m;
+    assert_int_equal(ckpt_model_new(&m), 0);
+    assert_int_equal(ckpt_model_add_param(m, "w", CKPT_F32, 1, shape, w, NULL), 0);
+    *p = (picky){3, max, 0, NULL};
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    assert_int_equal(ckpt_prepare_model(acc, m), 0);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, ops, p), 0);
+    ckpt_set_seed(acc, 3);
+    ckpt_rng rng_before = *ckpt_accelerator_rng(acc);
+    int rc = ckpt_load_state(acc, dir);
+    if (rc != 0) {
+        assert_memory_equal(ckpt_accelerator_rng(acc), &rng_before, sizeof rng_before);
+        assert_int_equal(ckpt_accelerator_step(acc), 0);
+        assert_string_equal(ckpt_accelerator_last_dir(acc), "");
+    } else {
+        assert_int_equal(ckpt_accelerator_step(acc), 9);
+    }
+    ckpt_accelerator_free(acc);
+    ckpt_model_free(m);
+    return rc;
+}
+
+static void test_load_state_stops_at_a_custom_check_state_dict_before_loading_anything(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_model_and_picky(t);
+    const float sevens[4] = {7, 7, 7, 7}, ones[4] = {1, 1, 1, 1};
+    float w[4];
+    picky p;
+    assert_int_equal(load_model_and_picky(dir, &picky_ops, 10, w, &p), CKPT_EMISMATCH);
+    assert_contains(ckpt_errmsg(), "custom_checkpoint_0.safetensors");
+    assert_contains(ckpt_errmsg(), "picky: value: saved 50, this object takes at most 10");
+    assert_null(strstr(ckpt_errmsg(), "partially"));
+    assert_memory_equal(w, sevens, sizeof w); /* the model, loaded first, is untouched */
+    assert_int_equal(p.value, 3);
+    /* a check returning a positive value is an error too */
+    assert_int_equal(load_model_and_picky(dir, &picky_ops_positive, 100, w, &p), CKPT_EINVAL);
+    assert_contains(ckpt_errmsg(), "custom_checkpoint_0.safetensors");
+    assert_contains(ckpt_errmsg(), "check_state_dict returned 1");
+    assert_memory_equal(w, sevens, sizeof w);
+    assert_int_equal(p.value, 3);
+    /* with room for the value it loads */
+    assert_int_equal(load_model_and_picky(dir, &picky_ops, 100, w, &p), 0);
+    assert_memory_equal(w, ones, sizeof w);
+    assert_int_equal(p.value, 50);
+    free(dir);
+    rm_tmp(t);
+}
+
+/* The documented limit: a custom object without check_state_dict whose
+ * load_state_dict refuses a value is found only while applying, after the
+ * objects before it were loaded, and the error says so. */
+static void test_a_custom_object_without_check_state_dict_can_still_fail_mid_apply(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = save_model_and_picky(t);
+    const float ones[4] = {1, 1, 1, 1};
+    float w[4];
+    picky p;
+    assert_int_equal(load_model_and_picky(dir, &picky_ops_unchecked, 10, w, &p), CKPT_EMISMATCH);
+    assert_contains(ckpt_errmsg(), "custom_checkpoint_0.safetensors");
+    assert_contains(ckpt_errmsg(), "state partially loaded: 1 of 3 objects were loaded before this one");
+    assert_contains(ckpt_errmsg(), "picky: value: saved 50");
+    assert_memory_equal(w, ones, sizeof w); /* the model was loaded */
+    assert_int_equal(p.value, 3);           /* the refusing object itself is unchanged */
+    free(dir);
+    rm_tmp(t);
+}
+
+static void test_load_state_runs_every_check_before_any_load(void **st) {
+    (void)st;
+    char *t = make_tmp();
+    char *dir = pathf("%s/ck", t);
+    char trace[64] = "";
+    picky p0 = {1, 10, 0, NULL}, p1 = {2, 10, 1, NULL};
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &picky_ops, &p0), 0);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &picky_ops, &p1), 0);
+    assert_int_equal(ckpt_save_state(acc, dir), 0);
+    p0.value = p1.value = 0;
+    p0.trace = p1.trace = trace;
+    assert_int_equal(ckpt_load_state(acc, dir), 0);
+    assert_string_equal(trace, "c0c1l0l1");
+    assert_int_equal(p0.value, 1);
+    assert_int_equal(p1.value, 2);
+    /* the second refuses: the first is neither loaded nor asked to load */
+    trace[0] = '\0';
+    p0.value = p1.value = 0;
+    p1.max = 1;
+    assert_int_equal(ckpt_load_state(acc, dir), CKPT_EMISMATCH);
+    assert_string_equal(trace, "c0c1");
+    assert_contains(ckpt_errmsg(), "custom_checkpoint_1.safetensors");
+    assert_int_equal(p0.value, 0);
+    assert_int_equal(p1.value, 0);
+    ckpt_accelerator_free(acc);
+    free(dir);
+    rm_tmp(t);
+}
+
 static void flip_byte(const char *path, long off_from_end, long off_from_start) {
     int fd = open(path, O_RDWR);
     assert_true(fd >= 0);
@@ -1076,6 +1470,13 @@ int main(void) {
         cmocka_unit_test(test_load_state_rejects_dtype_mismatch),
         cmocka_unit_test(test_load_state_rejects_missing_key),
         cmocka_unit_test(test_load_state_rejects_a_different_number_of_objects),
+        cmocka_unit_test(test_load_state_refuses_a_dataloader_of_another_dataset_changing_nothing),
+        cmocka_unit_test(test_load_state_refuses_an_optimizer_of_another_kind_changing_nothing),
+        cmocka_unit_test(test_load_state_refuses_a_scheduler_of_another_kind_changing_nothing),
+        cmocka_unit_test(test_load_state_of_every_kind_changes_nothing_at_any_failed_allocation),
+        cmocka_unit_test(test_load_state_stops_at_a_custom_check_state_dict_before_loading_anything),
+        cmocka_unit_test(test_a_custom_object_without_check_state_dict_can_still_fail_mid_apply),
+        cmocka_unit_test(test_load_state_runs_every_check_before_any_load),
         cmocka_unit_test(test_load_state_names_the_tensor_with_a_flipped_byte),
         cmocka_unit_test(test_load_state_rejects_a_flipped_byte_in_a_header),
         cmocka_unit_test(test_load_state_rejects_a_truncated_file),

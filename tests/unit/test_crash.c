@@ -55,7 +55,8 @@ static int counter_load(void *self, ckpt_reader *r) {
     return 0;
 }
 
-static const ckpt_stateful_ops counter_ops = {counter_sd, counter_load};
+static const ckpt_stateful_ops counter_ops = {.state_dict = counter_sd,
+                                              .load_state_dict = counter_load};
 
 /* A model whose two parameters are also functions of the same value. */
 typedef struct run {

@@ -160,6 +160,8 @@ static int remove_tmpdir(void **state) {
     char path[128];
     snprintf(path, sizeof path, "%s/dl.safetensors", tmpdir);
     unlink(path);
+    snprintf(path, sizeof path, "%s/dl_bad.safetensors", tmpdir);
+    unlink(path);
     return rmdir(tmpdir);
 }
 
@@ -652,6 +654,90 @@ static void test_load_state_rejects_other_dataset_length_and_changes_nothing(voi
     ckpt_reader_free(r);
 }
 
+/* A copy of the i64 state in r with key set to v, opened as a reader. */
+static ckpt_reader *rewritten(ckpt_reader *r, const char *key, int64_t v) {
+    char path[128];
+    snprintf(path, sizeof path, "%s/dl_bad.safetensors", tmpdir);
+    ckpt_writer *w = NULL;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
+        ckpt_entry_info e;
+        assert_int_equal(ckpt_reader_entry(r, i, &e), CKPT_OK);
+        int64_t x;
+        assert_int_equal(ckpt_read_i64(r, e.key, &x), CKPT_OK);
+        assert_int_equal(ckpt_write_i64(w, e.key, strcmp(e.key, key) == 0 ? v : x), CKPT_OK);
+    }
+    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
+    ckpt_writer_free(w);
+    ckpt_reader *out = NULL;
+    assert_int_equal(ckpt_reader_open(&out, path), CKPT_OK);
+    return out;
+}
+
+/* check_state_dict (what ckpt_load_state runs before any load) refuses what
+ * load_state_dict refuses, with the same code and message, and leaves the
+ * loader where it was; on a good state it changes nothing either. */
+static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(void **state) {
+    (void)state;
+    const ckpt_stateful_ops *ops = ckpt_dataloader_ops();
+    assert_non_null(ops->check_state_dict);
+    counting c;
+    counting_init(&c, 16);
+    ckpt_dataloader *dl = make_loader(&c, 4, false, 0, 0);
+    expect_batch(dl, 0, 0, 0, 4, false);
+    expect_batch(dl, 0, 1, 4, 4, false);
+    ckpt_reader *r = save_and_open(dl); /* epoch 0, 2 batches yielded */
+    ckpt_dataloader_free(dl);
+
+    static const struct {
+        int64_t n, batch;
+        bool shuffle;
+        const char *key; /* NULL: r as saved; else this key rewritten to value */
+        int64_t value;
+        int code;
+        const char *needle;
+    } cases[] = {
+        {17, 4, false, NULL, 0, CKPT_EMISMATCH, "dataset_length: saved 16, this loader has 17"},
+        {16, 8, false, NULL, 0, CKPT_EMISMATCH, "batch_size: saved 4, this loader has 8"},
+        {16, 4, true, NULL, 0, CKPT_EMISMATCH, "shuffle"},
+        {16, 4, false, "batches_yielded", 99, CKPT_ECORRUPT, "batches_yielded: expected 0..4, got 99"},
+        {16, 4, false, "epoch", -1, CKPT_ECORRUPT, "epoch: expected >= 0, got -1"},
+        {16, 4, false, "num_processes", 2, CKPT_EMISMATCH, "num_processes"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        counting ci;
+        counting_init(&ci, cases[i].n);
+        ckpt_dataloader *other = make_loader(&ci, cases[i].batch, cases[i].shuffle, 0, 0);
+        assert_int_equal(ckpt_skip_first_batches(other, 1), CKPT_OK);
+        ckpt_reader *src = cases[i].key ? rewritten(r, cases[i].key, cases[i].value) : r;
+        assert_int_equal(ops->check_state_dict(other, src), cases[i].code);
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
+        if (!strstr(msg, cases[i].needle)) fail_msg("case %zu: \"%s\"", i, msg);
+        assert_int_equal(ckpt_dataloader_epoch(other), 0);
+        assert_int_equal(ckpt__dataloader_position(other), 1);
+        assert_int_equal(ops->load_state_dict(other, src), cases[i].code);
+        assert_string_equal(ckpt_errmsg(), msg);
+        assert_int_equal(ckpt__dataloader_position(other), 1);
+        if (!cases[i].shuffle)
+            expect_batch(other, 0, 1, cases[i].batch, cases[i].batch,
+                         2 * cases[i].batch >= cases[i].n);
+        if (src != r) ckpt_reader_free(src);
+        ckpt_dataloader_free(other);
+    }
+
+    counting c2;
+    counting_init(&c2, 16);
+    ckpt_dataloader *good = make_loader(&c2, 4, false, 0, 0);
+    assert_int_equal(ops->check_state_dict(good, r), CKPT_OK);
+    assert_int_equal(ckpt__dataloader_position(good), 0);
+    expect_batch(good, 0, 0, 0, 4, false); /* the check moved nothing */
+    assert_int_equal(ops->load_state_dict(good, r), CKPT_OK);
+    expect_batch(good, 0, 2, 8, 4, false); /* the load did */
+    ckpt_dataloader_free(good);
+    ckpt_reader_free(r);
+}
+
 static void test_state_dict_names_every_field_with_schema_writer(void **state) {
     (void)state;
     counting c;
@@ -965,6 +1051,7 @@ int main(void) {
         cmocka_unit_test(test_skipping_1e6_batches_of_1e8_samples_reads_no_sample),
         cmocka_unit_test(test_skip_with_workers_reads_nothing_before_next),
         cmocka_unit_test(test_load_state_rejects_other_dataset_length_and_changes_nothing),
+        cmocka_unit_test(test_check_state_dict_refuses_what_load_refuses_and_changes_nothing),
         cmocka_unit_test(test_state_dict_names_every_field_with_schema_writer),
         cmocka_unit_test(test_state_saved_after_last_batch_resumes_with_end_signal),
         cmocka_unit_test(test_collate_lays_out_the_batch),

@@ -227,6 +227,71 @@ static void test_load_rejects_shape_mismatch_missing_and_extra_and_changes_nothi
     ckpt_model_free(a);
 }
 
+/* check_state_dict refuses exactly what load_state_dict refuses (a missing
+ * parameter, another dtype or shape, an extra entry), with the same code and
+ * message, and never writes a parameter, not even for a good file. */
+static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(void **state) {
+    (void)state;
+    const ckpt_stateful_ops *ops = ckpt_model_ops();
+    assert_non_null(ops->check_state_dict);
+    char path[128];
+    snprintf(path, sizeof path, "%s/model.safetensors", tmpdir);
+    float w[6] = {1, 2, 3, 4, 5, 6}, v[2] = {7, 8};
+    int64_t s23[2] = {2, 3}, s2[1] = {2}, s32[2] = {3, 2};
+    ckpt_model *a;
+    assert_int_equal(ckpt_model_new(&a), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(a, "v", CKPT_F32, 1, s2, v, NULL), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(a, "w", CKPT_F32, 2, s23, w, NULL), CKPT_OK);
+    save_model(a, path);
+    ckpt_model_free(a);
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+
+    static const struct {
+        const char *name2;  /* second parameter's name; NULL: none */
+        ckpt_dtype dt2;
+        int shape2;         /* 0: [2,3], 1: [3,2] */
+        int code;
+        const char *needle;
+    } cases[] = {
+        {"w", CKPT_F32, 1, CKPT_EMISMATCH, "model: parameter 'w': F32 [2,3] in file, F32 [3,2] in memory"},
+        {"w", CKPT_I32, 0, CKPT_EMISMATCH, "model: parameter 'w': F32 [2,3] in file, I32 [2,3] in memory"},
+        {"u", CKPT_F32, 0, CKPT_EMISMATCH, "model: parameter 'u' missing from the state dict"},
+        {NULL, CKPT_F32, 0, CKPT_EMISMATCH, "model: state dict has entry 'w', which is no parameter"},
+        {"w", CKPT_F32, 0, CKPT_OK, ""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        float x[6] = {9, 9, 9, 9, 9, 9}, y[2] = {9, 9};
+        const float nines[6] = {9, 9, 9, 9, 9, 9};
+        ckpt_model *m;
+        assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+        assert_int_equal(ckpt_model_add_param(m, "v", CKPT_F32, 1, s2, y, NULL), CKPT_OK);
+        if (cases[i].name2)
+            assert_int_equal(ckpt_model_add_param(m, cases[i].name2, cases[i].dt2, 2,
+                                                  cases[i].shape2 ? s32 : s23, x, NULL),
+                             CKPT_OK);
+        ckpt_clear_error();
+        assert_int_equal(ops->check_state_dict(m, r), cases[i].code);
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
+        if (!strstr(msg, cases[i].needle)) fail_msg("case %zu: \"%s\"", i, msg);
+        assert_memory_equal(x, nines, sizeof x);
+        assert_memory_equal(y, nines, sizeof y);
+        ckpt_clear_error();
+        assert_int_equal(ops->load_state_dict(m, r), cases[i].code);
+        assert_string_equal(ckpt_errmsg(), msg);
+        if (cases[i].code != CKPT_OK) {
+            assert_memory_equal(x, nines, sizeof x);
+            assert_memory_equal(y, nines, sizeof y);
+        } else {
+            assert_memory_equal(x, w, sizeof x);
+            assert_memory_equal(y, v, sizeof y);
+        }
+        ckpt_model_free(m);
+    }
+    ckpt_reader_free(r);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_add_param_records_name_shape_and_buffers),
@@ -238,6 +303,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(
             test_load_rejects_shape_mismatch_missing_and_extra_and_changes_nothing, setup,
             teardown),
+        cmocka_unit_test_setup_teardown(
+            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -491,6 +491,148 @@ static void test_load_rejects_bad_values_and_changes_nothing(void **state) {
     ckpt_model_free(f.m);
 }
 
+/* Copies the state dict at src to dst with one entry replaced by v: an f64
+ * or i64 key, or element elem of an F32 / I64 tensor (NULL key: a plain
+ * copy). */
+static void copy_with(const char *src, const char *dst, const char *key, double v, int elem) {
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, src), CKPT_OK);
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    void *bufs[64];
+    int nbufs = 0;
+    for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
+        ckpt_entry_info e;
+        assert_int_equal(ckpt_reader_entry(r, i, &e), CKPT_OK);
+        bool hit = key && strcmp(e.key, key) == 0;
+        if (e.kind == CKPT_ENTRY_TENSOR) {
+            assert_true(nbufs < 64);
+            void *buf = bufs[nbufs++] = malloc(e.nbytes ? e.nbytes : 1);
+            assert_non_null(buf);
+            assert_int_equal(ckpt_read_tensor(r, e.key, e.dtype, e.ndim, e.shape, buf), CKPT_OK);
+            if (hit && e.dtype == CKPT_F32) ((float *)buf)[elem] = (float)v;
+            if (hit && e.dtype == CKPT_I64) ((int64_t *)buf)[elem] = (int64_t)v;
+            assert_int_equal(ckpt_write_tensor(w, e.key, e.dtype, e.ndim, e.shape, buf), CKPT_OK);
+        } else if (e.kind == CKPT_ENTRY_F64) {
+            double x;
+            assert_int_equal(ckpt_read_f64(r, e.key, &x), CKPT_OK);
+            assert_int_equal(ckpt_write_f64(w, e.key, hit ? v : x), CKPT_OK);
+        } else if (e.kind == CKPT_ENTRY_I64) {
+            int64_t x;
+            assert_int_equal(ckpt_read_i64(r, e.key, &x), CKPT_OK);
+            assert_int_equal(ckpt_write_i64(w, e.key, hit ? (int64_t)v : x), CKPT_OK);
+        } else {
+            char str[64];
+            assert_int_equal(ckpt_read_str(r, e.key, str, sizeof str), CKPT_OK);
+            assert_int_equal(ckpt_write_str(w, e.key, str), CKPT_OK);
+        }
+    }
+    assert_int_equal(ckpt_writer_save(w, dst), CKPT_OK);
+    ckpt_writer_free(w);
+    for (int i = 0; i < nbufs; i++) free(bufs[i]);
+    ckpt_reader_free(r);
+}
+
+/* check_state_dict refuses what load_state_dict refuses (same code, same
+ * message) and changes nothing: not the state, not the model; on a good
+ * state it changes nothing either. */
+static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(void **state) {
+    (void)state;
+    const ckpt_stateful_ops *ops = ckpt_optimizer_ops();
+    assert_non_null(ops->check_state_dict);
+    enum { SGD, ADAM, ADAMW };
+    static const struct {
+        int src;
+        const char *key;
+        double v;
+        int elem;
+        int code;
+        const char *needle;
+    } cases[] = {
+        {ADAM, NULL, 0, 0, CKPT_EMISMATCH,
+         "optimizer: the state dict is for an adam optimizer, this one is adamw"},
+        {SGD, NULL, 0, 0, CKPT_EMISMATCH,
+         "optimizer: the state dict is for a sgd optimizer, this one is adamw"},
+        {ADAMW, "param_groups.0.lr", -0.5, 0, CKPT_ECORRUPT,
+         "param_groups.0.lr: expected >= 0, got -0.5"},
+        {ADAMW, "param_groups.0.eps", -1, 0, CKPT_ECORRUPT, "param_groups.0.eps: expected >= 0"},
+        {ADAMW, "param_groups.0.betas.1", 1, 0, CKPT_ECORRUPT,
+         "param_groups.0.betas.1: expected in [0, 1), got 1"},
+        {ADAMW, "param_groups.0.amsgrad", 1, 0, CKPT_EMISMATCH, "param_groups.0: the file's amsgrad"},
+        {ADAMW, "param_groups.0.maximize", 2, 0, CKPT_ECORRUPT,
+         "param_groups.0.maximize: expected 0 or 1, got 2"},
+        {ADAMW, "state.1.step", 1.5, 0, CKPT_ECORRUPT,
+         "state.1.step: expected a whole number >= 0, got 1.5"},
+        {ADAMW, "state.0.step", -1, 0, CKPT_ECORRUPT,
+         "state.0.step: expected a whole number >= 0, got -1"},
+        {ADAMW, "param_groups.0.params", 0, 1, CKPT_EMISMATCH,
+         "param_groups.0.params[1]: parameter 0 in file, 1 in memory"},
+        {ADAMW, NULL, 0, 0, CKPT_OK, ""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        fixture a, b;
+        fixture_init(&a);
+        fixture_init(&b);
+        ckpt_optimizer *oa, *ob;
+        if (cases[i].src == SGD) assert_int_equal(ckpt_sgd_new(&oa, a.m, 0.1, 0.9, 0, false), CKPT_OK);
+        else if (cases[i].src == ADAM)
+            assert_int_equal(ckpt_adam_new(&oa, a.m, 0.02, 0.8, 0.99, 1e-6, 0.0), CKPT_OK);
+        else assert_int_equal(ckpt_adamw_new(&oa, a.m, 0.02, 0.8, 0.99, 1e-6, 0.1), CKPT_OK);
+        assert_int_equal(ckpt_adamw_new(&ob, b.m, 0.01, 0.9, 0.999, 1e-8, 0.01), CKPT_OK);
+        for (int t = 0; t < 2; t++) {
+            grads(&a, t);
+            assert_int_equal(ckpt_optimizer_step(oa), CKPT_OK);
+        }
+        grads(&b, 7);
+        assert_int_equal(ckpt_optimizer_step(ob), CKPT_OK);
+        save(ops, oa, path_of("good.safetensors"));
+        char bad[128];
+        snprintf(bad, sizeof bad, "%s", path_of("bad.safetensors"));
+        copy_with(path_of("good.safetensors"), bad, cases[i].key, cases[i].v, cases[i].elem);
+        size_t n0, n1;
+        char *before = state_bytes(ob, "before.safetensors", &n0);
+        float w0[6], b0[3];
+        memcpy(w0, b.w, sizeof w0);
+        memcpy(b0, b.b, sizeof b0);
+        ckpt_reader *r;
+        assert_int_equal(ckpt_reader_open(&r, bad), CKPT_OK);
+        ckpt_clear_error();
+        assert_int_equal(ops->check_state_dict(ob, r), cases[i].code);
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
+        if (!strstr(msg, cases[i].needle)) fail_msg("case %zu: \"%s\"", i, msg);
+        char *after = state_bytes(ob, "after.safetensors", &n1);
+        assert_int_equal(n0, n1);
+        assert_memory_equal(before, after, n0);
+        free(after);
+        ckpt_clear_error();
+        assert_int_equal(ops->load_state_dict(ob, r), cases[i].code);
+        assert_string_equal(ckpt_errmsg(), msg);
+        if (cases[i].code != CKPT_OK) {
+            after = state_bytes(ob, "after.safetensors", &n1);
+            assert_int_equal(n0, n1);
+            assert_memory_equal(before, after, n0);
+            free(after);
+        } else {
+            size_t ng;
+            char *want = state_bytes(oa, "want.safetensors", &ng);
+            after = state_bytes(ob, "after.safetensors", &n1);
+            assert_int_equal(ng, n1);
+            assert_memory_equal(want, after, ng);
+            free(want);
+            free(after);
+        }
+        assert_memory_equal(w0, b.w, sizeof w0); /* a load never touches the parameters */
+        assert_memory_equal(b0, b.b, sizeof b0);
+        free(before);
+        ckpt_reader_free(r);
+        ckpt_optimizer_free(oa);
+        ckpt_optimizer_free(ob);
+        ckpt_model_free(a.m);
+        ckpt_model_free(b.m);
+    }
+}
+
 static void test_state_before_first_step_is_zeros_and_step_zero(void **state) {
     (void)state;
     fixture f;
@@ -596,6 +738,7 @@ int main(void) {
         T(test_sgd_dampening_resumes_bit_for_bit_even_before_first_step),
         T(test_loading_sgd_state_into_adamw_is_a_mismatch_and_changes_nothing),
         T(test_load_rejects_bad_values_and_changes_nothing),
+        T(test_check_state_dict_refuses_what_load_refuses_and_changes_nothing),
         T(test_state_before_first_step_is_zeros_and_step_zero),
         T(test_new_allocation_failures_are_clean),
         T(test_simd_and_portable_adam_loops_agree_bit_for_bit),

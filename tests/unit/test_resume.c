@@ -43,7 +43,8 @@ static int stats_load(void *self, ckpt_reader *r) {
     return 0;
 }
 
-static const ckpt_stateful_ops stats_ops = {stats_sd, stats_load};
+static const ckpt_stateful_ops stats_ops = {.state_dict = stats_sd,
+                                            .load_state_dict = stats_load};
 
 /* h = W x + b; out = V h + c; loss = 0.5 * mean ||out - y||^2. */
 typedef struct world {
@@ -325,7 +326,8 @@ static int stats_sd_other(void *self, ckpt_writer *w) {
     CKPT_TRY(stats_sd(self, w));
     return ckpt_write_i64(w, "new_field", 0);
 }
-static const ckpt_stateful_ops stats_ops_other = {stats_sd_other, stats_load};
+static const ckpt_stateful_ops stats_ops_other = {.state_dict = stats_sd_other,
+                                                  .load_state_dict = stats_load};
 
 static void test_load_state_mismatch_changes_nothing_in_any_object(void **st) {
     (void)st;

@@ -236,6 +236,70 @@ static void test_load_rejects_bad_position_and_changes_nothing(void **state) {
     assert_memory_equal(&g, &before, sizeof g);
 }
 
+/* Writes a generator state dict with pos and has_normal as given. */
+static void write_state(const char *path, const ckpt_rng *src, int64_t pos, int64_t has_normal) {
+    ckpt_writer *w;
+    const int64_t two = 2, four = 4;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    assert_int_equal(ckpt_write_tensor(w, "key", CKPT_U32, 1, &two, src->key), CKPT_OK);
+    assert_int_equal(ckpt_write_tensor(w, "counter", CKPT_U32, 1, &four, src->counter), CKPT_OK);
+    assert_int_equal(ckpt_write_tensor(w, "block", CKPT_U32, 1, &four, src->block), CKPT_OK);
+    assert_int_equal(ckpt_write_i64(w, "pos", pos), CKPT_OK);
+    assert_int_equal(ckpt_write_i64(w, "has_normal", has_normal), CKPT_OK);
+    assert_int_equal(ckpt_write_f64(w, "normal", 0.25), CKPT_OK);
+    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
+    ckpt_writer_free(w);
+}
+
+/* check_state_dict refuses what load_state_dict refuses (same code, same
+ * message) and never changes the generator, not even for a good state. */
+static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(void **state) {
+    (void)state;
+    const ckpt_stateful_ops *ops = ckpt_rng_ops();
+    assert_non_null(ops->check_state_dict);
+    char path[128];
+    snprintf(path, sizeof path, "%s/check.safetensors", tmpdir);
+    ckpt_rng src;
+    ckpt_rng_seed(&src, 1);
+    (void)ckpt_rng_u32(&src);
+    static const struct {
+        int64_t pos, has_normal;
+        int code;
+        const char *needle;
+    } cases[] = {
+        {7, 0, CKPT_ECORRUPT, "rng: pos: expected 0..4, got 7"},
+        {-1, 0, CKPT_ECORRUPT, "rng: pos: expected 0..4, got -1"},
+        {2, 2, CKPT_ECORRUPT, "rng: has_normal: expected 0 or 1, got 2"},
+        {2, 1, CKPT_OK, ""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        write_state(path, &src, cases[i].pos, cases[i].has_normal);
+        ckpt_rng g, before;
+        ckpt_rng_seed(&g, 55);
+        (void)ckpt_rng_normal(&g);
+        before = g;
+        ckpt_reader *r;
+        assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+        ckpt_clear_error();
+        assert_int_equal(ops->check_state_dict(&g, r), cases[i].code);
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
+        assert_non_null(strstr(msg, cases[i].needle));
+        assert_memory_equal(&g, &before, sizeof g);
+        ckpt_clear_error();
+        assert_int_equal(ops->load_state_dict(&g, r), cases[i].code);
+        assert_string_equal(ckpt_errmsg(), msg);
+        if (cases[i].code != CKPT_OK) {
+            assert_memory_equal(&g, &before, sizeof g);
+        } else {
+            assert_memory_equal(g.key, src.key, sizeof g.key);
+            assert_int_equal(g.pos, 2);
+            assert_int_equal(g.has_normal, 1);
+        }
+        ckpt_reader_free(r);
+    }
+}
+
 static void test_state_dict_has_exactly_the_documented_keys(void **state) {
     (void)state;
     ckpt_rng g;
@@ -266,6 +330,8 @@ int main(void) {
             test_stream_continues_identically_after_state_dict_round_trip, setup, teardown),
         cmocka_unit_test_setup_teardown(test_load_rejects_bad_position_and_changes_nothing, setup,
                                         teardown),
+        cmocka_unit_test_setup_teardown(
+            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, setup, teardown),
         cmocka_unit_test(test_state_dict_has_exactly_the_documented_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

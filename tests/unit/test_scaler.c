@@ -224,6 +224,93 @@ static void test_load_rejects_bad_values_and_changes_nothing(void **state) {
     ckpt_grad_scaler_free(gs);
 }
 
+/* The scaler's saved state as the bytes of its state dict file. */
+static char *scaler_bytes(ckpt_grad_scaler *gs, size_t *n) {
+    char path[128];
+    snprintf(path, sizeof path, "%s/snap.safetensors", tmpdir);
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    assert_int_equal(ckpt_grad_scaler_ops()->state_dict(gs, w), CKPT_OK);
+    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
+    ckpt_writer_free(w);
+    char *buf = NULL;
+    assert_int_equal(ckpt__read_small_file(path, 1 << 20, &buf, n), CKPT_OK);
+    return buf;
+}
+
+/* check_state_dict refuses what load_state_dict refuses (same code, same
+ * message) and changes nothing: not the saved state, not the step in
+ * progress (a load starts a fresh step, a check must not). */
+static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(void **state) {
+    (void)state;
+    const ckpt_stateful_ops *ops = ckpt_grad_scaler_ops();
+    assert_non_null(ops->check_state_dict);
+    char path[128];
+    snprintf(path, sizeof path, "%s/check.safetensors", tmpdir);
+    static const struct {
+        double scale, gf, bf;
+        int64_t gi, gt;
+        int code;
+        const char *needle;
+    } cases[] = {
+        {0, 2, 0.5, 10, 0, CKPT_ECORRUPT, "grad_scaler: scale: expected a finite float32 > 0, got 0"},
+        {-4, 2, 0.5, 10, 0, CKPT_ECORRUPT, "scale: expected a finite float32 > 0, got -4"},
+        {1e300, 2, 0.5, 10, 0, CKPT_ECORRUPT, "scale: expected a finite float32 > 0"},
+        {1024, 0.5, 0.5, 10, 0, CKPT_ECORRUPT, "growth_factor: expected > 1, got 0.5"},
+        {1024, 2, 1.5, 10, 0, CKPT_ECORRUPT, "backoff_factor: expected in (0, 1), got 1.5"},
+        {1024, 2, 0.5, 0, 0, CKPT_ECORRUPT, "growth_interval: expected >= 1, got 0"},
+        {1024, 2, 0.5, 10, 10, CKPT_ECORRUPT, "_growth_tracker: expected 0..9, got 10"},
+        {1024, 2, 0.5, 10, 3, CKPT_OK, ""},
+    };
+    fixture f;
+    fixture_init(&f);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        ckpt_writer *w;
+        assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+        assert_int_equal(ckpt_write_f64(w, "scale", cases[i].scale), CKPT_OK);
+        assert_int_equal(ckpt_write_f64(w, "growth_factor", cases[i].gf), CKPT_OK);
+        assert_int_equal(ckpt_write_f64(w, "backoff_factor", cases[i].bf), CKPT_OK);
+        assert_int_equal(ckpt_write_i64(w, "growth_interval", cases[i].gi), CKPT_OK);
+        assert_int_equal(ckpt_write_i64(w, "_growth_tracker", cases[i].gt), CKPT_OK);
+        assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
+        ckpt_writer_free(w);
+        ckpt_grad_scaler *gs;
+        assert_int_equal(ckpt_grad_scaler_new(&gs, 8, 2, 0.5, 3), CKPT_OK);
+        scaled_grads(&f, gs);
+        assert_int_equal(ckpt_grad_scaler_unscale(gs, f.o, NULL), CKPT_OK);
+        size_t n0, n1;
+        char *before = scaler_bytes(gs, &n0);
+        ckpt_reader *r;
+        assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+        ckpt_clear_error();
+        assert_int_equal(ops->check_state_dict(gs, r), cases[i].code);
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
+        if (!strstr(msg, cases[i].needle)) fail_msg("case %zu: \"%s\"", i, msg);
+        char *after = scaler_bytes(gs, &n1);
+        assert_int_equal(n0, n1);
+        assert_memory_equal(before, after, n0);
+        free(after);
+        /* the step in progress is still there: unscaling twice is refused */
+        assert_int_equal(ckpt_grad_scaler_unscale(gs, f.o, NULL), CKPT_EINVAL);
+        ckpt_clear_error();
+        assert_int_equal(ops->load_state_dict(gs, r), cases[i].code);
+        assert_string_equal(ckpt_errmsg(), msg);
+        if (cases[i].code != CKPT_OK) {
+            after = scaler_bytes(gs, &n1);
+            assert_int_equal(n0, n1);
+            assert_memory_equal(before, after, n0);
+            free(after);
+        } else {
+            assert_true(ckpt_grad_scaler_scale(gs) == 1024);
+        }
+        free(before);
+        ckpt_reader_free(r);
+        ckpt_grad_scaler_free(gs);
+    }
+    fixture_free(&f);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_new_rejects_bad_arguments),
@@ -234,6 +321,8 @@ int main(void) {
                                         teardown),
         cmocka_unit_test_setup_teardown(test_load_rejects_bad_values_and_changes_nothing, setup,
                                         teardown),
+        cmocka_unit_test_setup_teardown(
+            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -243,6 +243,151 @@ static void test_loading_another_kind_is_a_mismatch_and_changes_nothing(void **s
     fixture_free(&f);
 }
 
+/* Copies the state dict in src to dst with one entry replaced: an f64 or i64
+ * key by v, or element `elem` of an I64 tensor key by v (NULL key: a plain
+ * copy). */
+static void copy_with(const char *src, const char *dst, const char *key, double v, int elem) {
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, src), CKPT_OK);
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    int64_t buf[64];
+    for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
+        ckpt_entry_info e;
+        assert_int_equal(ckpt_reader_entry(r, i, &e), CKPT_OK);
+        bool hit = key && strcmp(e.key, key) == 0;
+        if (e.kind == CKPT_ENTRY_TENSOR) {
+            assert_true(e.dtype == CKPT_I64 && e.ndim == 1 && e.shape[0] <= 64);
+            assert_int_equal(ckpt_read_tensor(r, e.key, CKPT_I64, 1, e.shape, buf), CKPT_OK);
+            if (hit) buf[elem] = (int64_t)v;
+            assert_int_equal(ckpt_write_tensor(w, e.key, CKPT_I64, 1, e.shape, buf), CKPT_OK);
+        } else if (e.kind == CKPT_ENTRY_F64) {
+            double x;
+            assert_int_equal(ckpt_read_f64(r, e.key, &x), CKPT_OK);
+            assert_int_equal(ckpt_write_f64(w, e.key, hit ? v : x), CKPT_OK);
+        } else if (e.kind == CKPT_ENTRY_I64) {
+            int64_t x;
+            assert_int_equal(ckpt_read_i64(r, e.key, &x), CKPT_OK);
+            assert_int_equal(ckpt_write_i64(w, e.key, hit ? (int64_t)v : x), CKPT_OK);
+        } else {
+            char str[64];
+            assert_int_equal(ckpt_read_str(r, e.key, str, sizeof str), CKPT_OK);
+            assert_int_equal(ckpt_write_str(w, e.key, str), CKPT_OK);
+        }
+    }
+    assert_int_equal(ckpt_writer_save(w, dst), CKPT_OK);
+    ckpt_writer_free(w);
+    ckpt_reader_free(r);
+}
+
+static ckpt_scheduler *make_kind(int kind, ckpt_optimizer *o) {
+    static const int64_t ms[2] = {3, 9};
+    ckpt_scheduler *s = NULL;
+    int rc;
+    switch (kind) {
+    case 0: rc = ckpt_steplr_new(&s, o, 3, 0.5); break;
+    case 1: rc = ckpt_multisteplr_new(&s, o, 2, ms, 0.3); break;
+    case 2: rc = ckpt_exponentiallr_new(&s, o, 0.9); break;
+    case 3: rc = ckpt_cosinelr_new(&s, o, 5, 0.001); break;
+    case 4: rc = ckpt_warmup_cosine_new(&s, o, 3, 15); break;
+    case 5: rc = ckpt_warmup_linear_new(&s, o, 3, 15); break;
+    default: rc = ckpt_constant_new(&s, o, 4); break;
+    }
+    assert_int_equal(rc, CKPT_OK);
+    return s;
+}
+
+/* The scheduler's state and its optimizer's rates, as bytes. */
+static char *sched_bytes(ckpt_scheduler *s, ckpt_optimizer *o, size_t *n) {
+    char path[128];
+    snprintf(path, sizeof path, "%s/snap.safetensors", tmpdir);
+    save(s, path);
+    char *buf = NULL;
+    assert_int_equal(ckpt__read_small_file(path, 1 << 20, &buf, n), CKPT_OK);
+    buf = realloc(buf, *n + 2 * sizeof(double));
+    assert_non_null(buf);
+    for (int g = 0; g < 2; g++) {
+        double lr = ckpt_optimizer_get_lr(o, g);
+        memcpy(buf + *n, &lr, sizeof lr);
+        *n += sizeof lr;
+    }
+    return buf;
+}
+
+/* check_state_dict refuses what load_state_dict refuses (same code, same
+ * message), changing nothing; on a good state it changes nothing either. */
+static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(void **state) {
+    (void)state;
+    const ckpt_stateful_ops *ops = ckpt_scheduler_ops();
+    assert_non_null(ops->check_state_dict);
+    char good[128], bad[128];
+    snprintf(good, sizeof good, "%s/good.safetensors", tmpdir);
+    snprintf(bad, sizeof bad, "%s/bad.safetensors", tmpdir);
+    static const struct {
+        int src, dst; /* kinds as in make_kind */
+        const char *key;
+        double v;
+        int elem;
+        int code;
+        const char *needle;
+    } cases[] = {
+        {5, 4, NULL, 0, 0, CKPT_EMISMATCH,
+         "scheduler: the state dict is for warmup_linear, this scheduler is warmup_cosine"},
+        {0, 0, "last_epoch", -1, 0, CKPT_ECORRUPT, "scheduler: last_epoch: expected >= 0, got -1"},
+        {0, 0, "base_lrs.1", -0.5, 0, CKPT_ECORRUPT, "scheduler: base_lrs.1: expected >= 0, got -0.5"},
+        {0, 0, "step_size", 0, 0, CKPT_ECORRUPT, "scheduler: step_size: expected >= 1, got 0"},
+        {0, 0, "gamma", NAN, 0, CKPT_ECORRUPT, "scheduler: gamma: expected a finite value >= 0"},
+        {1, 1, "milestones", -1, 1, CKPT_ECORRUPT, "scheduler: milestones[1]: expected >= 0, got -1"},
+        {2, 2, "gamma", -0.5, 0, CKPT_ECORRUPT, "scheduler: gamma: expected a finite value >= 0, got -0.5"},
+        {3, 3, "T_max", 0, 0, CKPT_ECORRUPT, "scheduler: T_max: expected >= 1, got 0"},
+        {3, 3, "eta_min", -1, 0, CKPT_ECORRUPT, "scheduler: eta_min: expected a finite value >= 0, got -1"},
+        {4, 4, "total", 2, 0, CKPT_ECORRUPT, "scheduler: total: expected >= warmup (3), got 2"},
+        {6, 6, "warmup", -2, 0, CKPT_ECORRUPT, "scheduler: warmup: expected >= 0, got -2"},
+        {4, 4, NULL, 0, 0, CKPT_OK, ""},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        fixture a, b;
+        fixture_init(&a, 0.1, 0.05);
+        fixture_init(&b, 0.7, 0.3);
+        ckpt_scheduler *sa = make_kind(cases[i].src, a.o), *sb = make_kind(cases[i].dst, b.o);
+        for (int t = 0; t < 5; t++) assert_int_equal(ckpt_scheduler_step(sa), CKPT_OK);
+        assert_int_equal(ckpt_scheduler_step(sb), CKPT_OK);
+        save(sa, good);
+        copy_with(good, bad, cases[i].key, cases[i].v, cases[i].elem);
+        size_t n0, n1;
+        char *before = sched_bytes(sb, b.o, &n0);
+        ckpt_reader *r;
+        assert_int_equal(ckpt_reader_open(&r, bad), CKPT_OK);
+        ckpt_clear_error();
+        assert_int_equal(ops->check_state_dict(sb, r), cases[i].code);
+        char msg[256];
+        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
+        if (!strstr(msg, cases[i].needle)) fail_msg("case %zu: \"%s\"", i, msg);
+        char *after = sched_bytes(sb, b.o, &n1);
+        assert_int_equal(n0, n1);
+        assert_memory_equal(before, after, n0);
+        free(after);
+        ckpt_clear_error();
+        assert_int_equal(ops->load_state_dict(sb, r), cases[i].code);
+        assert_string_equal(ckpt_errmsg(), msg);
+        if (cases[i].code != CKPT_OK) {
+            after = sched_bytes(sb, b.o, &n1);
+            assert_int_equal(n0, n1);
+            assert_memory_equal(before, after, n0);
+            free(after);
+        } else {
+            for (int g = 0; g < 2; g++)
+                assert_true(ckpt_scheduler_last_lr(sb, g) == ckpt_scheduler_last_lr(sa, g));
+        }
+        free(before);
+        ckpt_reader_free(r);
+        ckpt_scheduler_free(sa);
+        ckpt_scheduler_free(sb);
+        fixture_free(&a);
+        fixture_free(&b);
+    }
+}
+
 static void test_constructor_allocation_failures_are_clean(void **state) {
     (void)state;
     fixture f;
@@ -277,6 +422,8 @@ int main(void) {
                                         teardown),
         cmocka_unit_test_setup_teardown(
             test_loading_another_kind_is_a_mismatch_and_changes_nothing, setup, teardown),
+        cmocka_unit_test_setup_teardown(
+            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
