@@ -13,13 +13,15 @@ CMAKE ?= cmake
 all: build
 
 setup:
-	@bash scripts/setup
+	@bash scripts/setup all
 
-build: setup
-	@$(CMAKE) -S . -B build -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=$(PREFIX) >/dev/null
+build:
+	@bash scripts/setup build
+	@$(CMAKE) -S . -B build -DCMAKE_BUILD_TYPE=Release -DCKPT_BUILD_TESTS=OFF -DCMAKE_INSTALL_PREFIX=$(PREFIX) >/dev/null
 	@$(CMAKE) --build build -j $(JOBS)
 
-build-test: setup
+build-test:
+	@bash scripts/setup test
 	@$(CMAKE) -S . -B build-test -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=ON >/dev/null
 	@$(CMAKE) --build build-test -j $(JOBS)
 
@@ -27,15 +29,18 @@ test: build-test
 	@cd build-test && ctest --output-on-failure -j $(JOBS)
 
 demo: build
+	@bash scripts/setup demo
 	@bash scripts/demo build
 
 bench: build
+	@bash scripts/setup all
 	@bash bench/run build
 
 install: build
 	@$(CMAKE) --install build --prefix $(PREFIX)
 
-fuzz: setup
+fuzz:
+	@bash scripts/setup test
 	@$(CMAKE) -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug -DCKPT_FUZZ=ON >/dev/null
 	@$(CMAKE) --build build-fuzz -j $(JOBS)
 

@@ -101,6 +101,11 @@ int ckpt_scheduler_step(ckpt_scheduler *s) {
     if (ckpt_optimizer_num_groups(s->o) != s->ngroups)
         return ckpt__err(CKPT_EINVAL, "scheduler: the optimizer has %d groups, the scheduler %d",
                          ckpt_optimizer_num_groups(s->o), s->ngroups);
+    /* A loaded state may sit at the counters' limit; stepping past it would
+     * overflow. */
+    if (s->last_epoch == INT64_MAX || s->step_count == INT64_MAX)
+        return ckpt__err(CKPT_EINVAL, "scheduler %s: step counter is at its maximum (%lld)",
+                         kind_names[s->kind], (long long)INT64_MAX);
     double stack[8];
     double *v = s->ngroups <= 8 ? stack : ckpt__malloc((size_t)s->ngroups * sizeof *v);
     if (!v) return ckpt__err_nomem("scheduler step");

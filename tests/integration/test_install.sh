@@ -1,0 +1,163 @@
+#!/usr/bin/env bash
+# test_install.sh — proves `make install` gives users a working library: a
+# separate Release build is installed into a temporary prefix (with
+# `cmake --install --prefix`, so nothing may depend on the configure-time
+# prefix), then a small program that saves and reloads a model is built
+# against it three ways: pkg-config + shared library, pkg-config --static
+# (fully static binary), and a CMake project using find_package(ckpt).
+# Also checks that libckpt.so exports nothing but the public ckpt_* API and
+# that no internal header is installed.
+set -euo pipefail
+
+: "${CKPT_SOURCE_DIR:?set CKPT_SOURCE_DIR to the source folder}"
+CC=${CC:-cc}
+JOBS=$(nproc 2>/dev/null || echo 2)
+
+WORK=$(mktemp -d /tmp/ckpt-install.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+BUILD=$WORK/build
+PREFIX=$WORK/prefix
+
+fail() {
+    echo "FAIL: $*" >&2
+    exit 1
+}
+
+# run LOG CMD...: runs CMD with its output in $WORK/LOG, shown only on failure.
+run() {
+    local log=$WORK/$1 rc=0
+    shift
+    "$@" >"$log" 2>&1 || rc=$?
+    if [ "$rc" -ne 0 ]; then
+        cat "$log" >&2
+        fail "exit $rc: $*"
+    fi
+}
+
+# --- a separate Release build, installed elsewhere than configured -----------
+run configure.log cmake -S "$CKPT_SOURCE_DIR" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
+    -DCKPT_BUILD_TESTS=OFF -DCKPT_SANITIZE=OFF -DCMAKE_INSTALL_PREFIX=/nonexistent/ckpt-prefix
+run build.log cmake --build "$BUILD" -j "$JOBS" --target ckpt ckpt_static ckpt_cli
+run install.log cmake --install "$BUILD" --prefix "$PREFIX"
+
+LIBDIR=$(ls -d "$PREFIX"/lib*/ | head -n1)
+LIBDIR=${LIBDIR%/}
+[ -f "$PREFIX/include/ckpt.h" ] || fail "ckpt.h not installed"
+extra=$(cd "$PREFIX/include" && ls | grep -vx 'ckpt.h' || true)
+[ -z "$extra" ] || fail "internal headers installed: $extra"
+for f in libckpt.so libckpt.a pkgconfig/ckpt.pc cmake/ckpt/ckptConfig.cmake \
+         cmake/ckpt/ckptConfigVersion.cmake cmake/ckpt/ckptTargets.cmake; do
+    [ -e "$LIBDIR/$f" ] || fail "$LIBDIR/$f not installed"
+done
+run cli.log "$PREFIX/bin/ckpt" --version
+grep -q '/nonexistent/ckpt-prefix' -r "$LIBDIR/pkgconfig" "$LIBDIR/cmake" &&
+    fail "installed files name the configure-time prefix, not the install prefix"
+
+# --- only the public API is exported ------------------------------------------
+nm -D --defined-only "$LIBDIR/libckpt.so" | awk '{print $NF}' >"$WORK/exports"
+grep -qx 'ckpt_save_state' "$WORK/exports" || fail "ckpt_save_state is not exported"
+leaked=$(grep -v '^ckpt_' "$WORK/exports" | grep -vxE '_init|_fini|_edata|_end|__bss_start' || true)
+[ -z "$leaked" ] || fail "libckpt.so exports non-API symbols: $(echo $leaked)"
+
+# --- the user's program ------------------------------------------------------
+mkdir -p "$WORK/app"
+cat >"$WORK/app/app.c" <<'EOF'
+/* Saves a model with an accelerator, scribbles over it, loads it back. */
+#include <ckpt.h>
+#include <stdio.h>
+#include <string.h>
+
+#define CHECK(call)                                                        \
+    do {                                                                   \
+        if ((call) < 0) {                                                  \
+            fprintf(stderr, "app: %s: %s\n", #call, ckpt_errmsg());        \
+            return 1;                                                      \
+        }                                                                  \
+    } while (0)
+
+int main(int argc, char **argv) {
+    if (argc != 2) return 2;
+    if (strcmp(ckpt_version(), CKPT_VERSION_STRING) != 0) {
+        fprintf(stderr, "app: header %s, library %s\n", CKPT_VERSION_STRING, ckpt_version());
+        return 1;
+    }
+    float w[6] = {1.5f, -2.0f, 3.25f, 0.0f, 1e-3f, 42.0f}, want[6];
+    memcpy(want, w, sizeof w);
+    ckpt_model *m = NULL;
+    ckpt_accelerator *acc = NULL;
+    CHECK(ckpt_model_new(&m));
+    CHECK(ckpt_model_add_param(m, "layer.weight", CKPT_F32, 2, (int64_t[]){2, 3}, w, NULL));
+    ckpt_project_config cfg = {.project_dir = argv[1]};
+    CHECK(ckpt_accelerator_new(&acc, &cfg));
+    CHECK(ckpt_prepare_model(acc, m));
+    ckpt_accelerator_set_step(acc, 7);
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/saved", argv[1]);
+    CHECK(ckpt_save_state(acc, dir));
+    ckpt_checkpoint_info info;
+    CHECK(ckpt_checkpoint_verify(dir, true, &info));
+    memset(w, 0xff, sizeof w);
+    ckpt_accelerator_set_step(acc, 0);
+    CHECK(ckpt_load_state(acc, dir));
+    if (memcmp(w, want, sizeof w) != 0 || ckpt_accelerator_step(acc) != 7) {
+        fprintf(stderr, "app: loaded state differs from the saved one\n");
+        return 1;
+    }
+    ckpt_accelerator_free(acc);
+    ckpt_model_free(m);
+    printf("ok %s\n", ckpt_version());
+    return 0;
+}
+EOF
+
+export PKG_CONFIG_PATH=$LIBDIR/pkgconfig
+want_version=$(sed -n 's/^#define CKPT_VERSION_STRING "\(.*\)"$/\1/p' "$CKPT_SOURCE_DIR/include/ckpt.h")
+[ "$(pkg-config --modversion ckpt)" = "$want_version" ] || fail "pkg-config version is not $want_version"
+
+# run_app NAME BINARY: runs it on a fresh project folder; it must print "ok".
+run_app() {
+    mkdir -p "$WORK/run-$1"
+    run "run-$1.log" "$2" "$WORK/run-$1"
+    grep -qx "ok $want_version" "$WORK/run-$1.log" || fail "$1: unexpected output: $(cat "$WORK/run-$1.log")"
+}
+
+# (a) pkg-config, shared: the binary must load the installed libckpt.so.
+# shellcheck disable=SC2046
+run cc-shared.log "$CC" -std=c11 -Wall -Werror -o "$WORK/app/app_shared" "$WORK/app/app.c" \
+    $(pkg-config --cflags --libs ckpt)
+LD_LIBRARY_PATH=$LIBDIR ldd "$WORK/app/app_shared" | grep -q "$LIBDIR/libckpt.so" ||
+    fail "app_shared does not load $LIBDIR/libckpt.so"
+LD_LIBRARY_PATH=$LIBDIR run_app shared "$WORK/app/app_shared"
+
+# (a) pkg-config --static: everything, libc included, in one binary, so
+# Requires.private / Libs.private must name every dependency.
+# shellcheck disable=SC2046
+run cc-static.log "$CC" -std=c11 -Wall -Werror -static -o "$WORK/app/app_static" "$WORK/app/app.c" \
+    $(pkg-config --static --cflags --libs ckpt)
+if readelf -d "$WORK/app/app_static" | grep -q NEEDED; then
+    fail "app_static is not static: $(readelf -d "$WORK/app/app_static" | grep NEEDED)"
+fi
+run_app static "$WORK/app/app_static"
+
+# (b) CMake: find_package(ckpt) and the exported targets.
+mkdir -p "$WORK/cmake-app"
+cat >"$WORK/cmake-app/CMakeLists.txt" <<EOF
+cmake_minimum_required(VERSION 3.16)
+project(ckpt_user C)
+find_package(ckpt $want_version REQUIRED)
+add_executable(app_cmake "$WORK/app/app.c")
+target_link_libraries(app_cmake PRIVATE ckpt::ckpt)
+add_executable(app_cmake_static "$WORK/app/app.c")
+target_link_libraries(app_cmake_static PRIVATE ckpt::ckpt_static)
+EOF
+unset PKG_CONFIG_PATH
+run cmake-app-configure.log cmake -S "$WORK/cmake-app" -B "$WORK/cmake-app/build" \
+    -DCMAKE_PREFIX_PATH="$PREFIX" -DCMAKE_BUILD_TYPE=Release
+run cmake-app-build.log cmake --build "$WORK/cmake-app/build" -j "$JOBS"
+LD_LIBRARY_PATH=$LIBDIR run_app cmake "$WORK/cmake-app/build/app_cmake"
+if ldd "$WORK/cmake-app/build/app_cmake_static" | grep -q libckpt.so; then
+    fail "app_cmake_static links libckpt.so"
+fi
+run_app cmake-static "$WORK/cmake-app/build/app_cmake_static"
+
+echo "install: shared, static and CMake consumers built and ran against $PREFIX"
