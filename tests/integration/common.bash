@@ -17,6 +17,15 @@ cleanup() {
 }
 trap cleanup EXIT
 
+# has PATTERN: like `grep -q PATTERN` at the end of a pipeline, but reads all
+# of its input first, so the writer never dies of SIGPIPE (which pipefail
+# would report as a failure).
+has() {
+    local input
+    input=$(cat)
+    grep -q "$@" <<<"$input"
+}
+
 fail() {
     echo "FAIL: $*" >&2
     exit 1

@@ -40,7 +40,7 @@ run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 10 --total-limit 0 --quiet --
 [ "$(ls "$proj/checkpoints" | grep -c '^checkpoint_')" -eq 5 ] || fail "expected 5 checkpoints"
 acc=$(grep "test accuracy" "$WORK/out")
 [ "$(wc -l <"$proj/logs/metrics.jsonl")" -eq 46 ] || fail "metrics: expected 46 lines"
-head -1 "$proj/logs/metrics.jsonl" | grep -q '^{"step":1,"epoch":0,"loss":[0-9.e+-]*,"lr":[0-9.e+-]*,"scale":1024}$' \
+head -1 "$proj/logs/metrics.jsonl" | has '^{"step":1,"epoch":0,"loss":[0-9.e+-]*,"lr":[0-9.e+-]*,"scale":1024}$' \
     || fail "metrics line format"
 
 # the same run with the data loaded in the training thread: the same bits

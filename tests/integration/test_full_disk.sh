@@ -23,13 +23,13 @@ check_fault() {
         [ "$rc" -eq 3 ] || { cat "$WORK/err" >&2; fail "$kind:$n: exit $rc, expected 3"; }
         grep -q "^ckpt: save failed: .*$message" "$WORK/err" \
             || { cat "$WORK/err" >&2; fail "$kind:$n: no clear message"; }
-        if ls "$run/checkpoints" 2>/dev/null | grep -q '^checkpoint_'; then
+        if ls "$run/checkpoints" 2>/dev/null | has '^checkpoint_'; then
             found=1
             break
         fi
     done
     [ "$found" -eq 1 ] || fail "$kind: no N made a save fail after a complete checkpoint"
-    ! ls -A "$run/checkpoints" | grep -q '\.tmp' || fail "$kind:$n: a temporary folder was left"
+    ! ls -A "$run/checkpoints" | has '\.tmp' || fail "$kind:$n: a temporary folder was left"
     run_rc 0 "$CKPT_BIN" verify "$run"
     local before
     before=$(ls "$run/checkpoints" | grep -c '^checkpoint_')

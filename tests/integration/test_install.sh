@@ -18,6 +18,15 @@ trap 'rm -rf "$WORK"' EXIT
 BUILD=$WORK/build
 PREFIX=$WORK/prefix
 
+# has PATTERN: like `grep -q PATTERN` at the end of a pipeline, but reads all
+# of its input first, so the writer never dies of SIGPIPE (which pipefail
+# would report as a failure).
+has() {
+    local input
+    input=$(cat)
+    grep -q "$@" <<<"$input"
+}
+
 fail() {
     echo "FAIL: $*" >&2
     exit 1
@@ -125,7 +134,7 @@ run_app() {
 # shellcheck disable=SC2046
 run cc-shared.log "$CC" -std=c11 -Wall -Werror -o "$WORK/app/app_shared" "$WORK/app/app.c" \
     $(pkg-config --cflags --libs ckpt)
-LD_LIBRARY_PATH=$LIBDIR ldd "$WORK/app/app_shared" | grep -q "$LIBDIR/libckpt.so" ||
+LD_LIBRARY_PATH=$LIBDIR ldd "$WORK/app/app_shared" | has "$LIBDIR/libckpt.so" ||
     fail "app_shared does not load $LIBDIR/libckpt.so"
 LD_LIBRARY_PATH=$LIBDIR run_app shared "$WORK/app/app_shared"
 
@@ -134,7 +143,7 @@ LD_LIBRARY_PATH=$LIBDIR run_app shared "$WORK/app/app_shared"
 # shellcheck disable=SC2046
 run cc-static.log "$CC" -std=c11 -Wall -Werror -static -o "$WORK/app/app_static" "$WORK/app/app.c" \
     $(pkg-config --static --cflags --libs ckpt)
-if readelf -d "$WORK/app/app_static" | grep -q NEEDED; then
+if readelf -d "$WORK/app/app_static" | has NEEDED; then
     fail "app_static is not static: $(readelf -d "$WORK/app/app_static" | grep NEEDED)"
 fi
 run_app static "$WORK/app/app_static"
@@ -155,7 +164,7 @@ run cmake-app-configure.log cmake -S "$WORK/cmake-app" -B "$WORK/cmake-app/build
     -DCMAKE_PREFIX_PATH="$PREFIX" -DCMAKE_BUILD_TYPE=Release
 run cmake-app-build.log cmake --build "$WORK/cmake-app/build" -j "$JOBS"
 LD_LIBRARY_PATH=$LIBDIR run_app cmake "$WORK/cmake-app/build/app_cmake"
-if ldd "$WORK/cmake-app/build/app_cmake_static" | grep -q libckpt.so; then
+if ldd "$WORK/cmake-app/build/app_cmake_static" | has libckpt.so; then
     fail "app_cmake_static links libckpt.so"
 fi
 run_app cmake-static "$WORK/cmake-app/build/app_cmake_static"

@@ -52,10 +52,10 @@ while [ "$kills" -lt 10 ]; do
             fail "ckpt train exited $rc (expected 0 or a kill)"
         fi
         kills=$((kills + 1))
-        if ls -A "$run/checkpoints" 2>/dev/null | grep -q '^\.checkpoint_.*\.tmp'; then
+        if ls -A "$run/checkpoints" 2>/dev/null | has '^\.checkpoint_.*\.tmp'; then
             mid_save=$((mid_save + 1))
         fi
-        if ls "$run/checkpoints" 2>/dev/null | grep -q '^checkpoint_'; then
+        if ls "$run/checkpoints" 2>/dev/null | has '^checkpoint_'; then
             run_rc 0 "$CKPT_BIN" verify "$run"
         fi
     done

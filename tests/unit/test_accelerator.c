@@ -22,6 +22,7 @@
 #include "io.h"
 #include "manifest.h"
 #include "store.h"
+#include "helpers/testutil.h"
 
 /* ---- a custom stateful object: a counter and a small tensor ------------- */
 
@@ -66,32 +67,13 @@ static void counter_set(counter *c, int64_t v) {
     for (int i = 0; i < 4; i++) c->w[i] = (float)v * 0.5f + (float)i;
 }
 
-/* ---- temp folders -------------------------------------------------------- */
-
-static char *make_tmp(void) {
-    char *t = strdup("/tmp/ckpt_acc_XXXXXX");
-    assert_non_null(mkdtemp(t));
-    return t;
+/* Sets c to value v and registers it with acc. */
+static void register_counter(ckpt_accelerator *acc, counter *c, int64_t v) {
+    counter_set(c, v);
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, c), 0);
 }
 
-static void rm_tmp(char *t) {
-    assert_int_equal(ckpt__remove_tree(t), 0);
-    free(t);
-}
-
-static char *pathf(const char *fmt, ...) {
-    char buf[4096];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof buf, fmt, ap);
-    va_end(ap);
-    return strdup(buf);
-}
-
-static bool exists(const char *p) {
-    struct stat st;
-    return lstat(p, &st) == 0;
-}
+/* ---- folders ------------------------------------------------------------ */
 
 /* Visible entries of a folder (hidden lock and temp names excluded). */
 static int count_visible(const char *dir) {
@@ -101,17 +83,6 @@ static int count_visible(const char *dir) {
     struct dirent *e;
     while ((e = readdir(d)) != NULL)
         if (e->d_name[0] != '.') n++;
-    closedir(d);
-    return n;
-}
-
-static int count_hidden_tmp(const char *dir) {
-    DIR *d = opendir(dir);
-    if (!d) return 0;
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL)
-        if (e->d_name[0] == '.' && (strstr(e->d_name, ".tmp") || strstr(e->d_name, ".old."))) n++;
     closedir(d);
     return n;
 }
@@ -141,61 +112,55 @@ static ckpt_accelerator *new_acc(const char *project, bool automatic, int limit,
     return acc;
 }
 
-static void assert_contains(const char *hay, const char *needle) {
-    if (!strstr(hay, needle)) fail_msg("message \"%s\" does not contain \"%s\"", hay, needle);
-}
-
 /* ---- Accelerate's checkpoint tests --------------------------------------- */
 
 static void test_save_state_with_total_limit_1_keeps_one_checkpoint(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     ckpt_accelerator *acc = new_acc(t, true, 1, NULL);
     counter c;
-    counter_set(&c, 1);
-    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    register_counter(acc, &c, 1);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
     c.value = 2;
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
-    char *cd = pathf("%s/checkpoints", t);
+    char *cd = tu_pathf("%s/checkpoints", t);
     assert_int_equal(count_visible(cd), 1);
-    char *c1 = pathf("%s/checkpoint_1", cd);
-    assert_true(exists(c1));
+    char *c1 = tu_pathf("%s/checkpoint_1", cd);
+    assert_true(tu_exists(c1));
     free(c1);
     free(cd);
     ckpt_accelerator_free(acc);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_total_limit_2_with_11_saves_leaves_checkpoint_9_and_10(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     ckpt_accelerator *acc = new_acc(t, true, 2, NULL);
     counter c;
-    counter_set(&c, 0);
-    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    register_counter(acc, &c, 0);
     for (int i = 0; i < 11; i++) {
         c.value = i;
         assert_int_equal(ckpt_save_state(acc, NULL), 0);
     }
-    char *cd = pathf("%s/checkpoints", t);
+    char *cd = tu_pathf("%s/checkpoints", t);
     assert_int_equal(count_visible(cd), 2);
-    assert_int_equal(count_hidden_tmp(cd), 0);
-    char *c9 = pathf("%s/checkpoint_9", cd), *c10 = pathf("%s/checkpoint_10", cd);
-    assert_true(exists(c9));
-    assert_true(exists(c10));
+    assert_int_equal(tu_count_hidden_tmp(cd), 0);
+    char *c9 = tu_pathf("%s/checkpoint_9", cd), *c10 = tu_pathf("%s/checkpoint_10", cd);
+    assert_true(tu_exists(c9));
+    assert_true(tu_exists(c10));
     assert_int_equal(ckpt_accelerator_iteration(acc), 11);
     free(c9);
     free(c10);
     free(cd);
     ckpt_accelerator_free(acc);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_from_explicit_folder_restores_saved_state(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = pathf("%s/initial", t);
+    char *t = tu_tmpdir_new("acc");
+    char *dir = tu_pathf("%s/initial", t);
     ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
     counter c;
     counter_set(&c, 7);
@@ -213,16 +178,15 @@ static void test_load_state_from_explicit_folder_restores_saved_state(void **st)
     assert_memory_equal(ckpt_accelerator_rng(acc), &rng_saved, sizeof rng_saved);
     ckpt_accelerator_free(acc);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_automatic_naming_then_explicit_loads_of_checkpoint_0_and_1(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
     counter c;
-    counter_set(&c, 1);
-    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    register_counter(acc, &c, 1);
     ckpt_accelerator_set_step(acc, 10);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
     counter first = c;
@@ -231,7 +195,7 @@ static void test_automatic_naming_then_explicit_loads_of_checkpoint_0_and_1(void
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
     counter second = c;
     counter_set(&c, 3);
-    char *c0 = pathf("%s/checkpoints/checkpoint_0", t), *c1 = pathf("%s/checkpoints/checkpoint_1", t);
+    char *c0 = tu_pathf("%s/checkpoints/checkpoint_0", t), *c1 = tu_pathf("%s/checkpoints/checkpoint_1", t);
     assert_int_equal(ckpt_load_state(acc, c0), 0);
     assert_memory_equal(&c, &first, sizeof c);
     assert_int_equal(ckpt_accelerator_step(acc), 10);
@@ -242,18 +206,18 @@ static void test_automatic_naming_then_explicit_loads_of_checkpoint_0_and_1(void
     assert_int_equal(ckpt_load_state(acc, c0), 0);
     assert_int_equal(ckpt_accelerator_iteration(acc), 2);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
-    char *c2 = pathf("%s/checkpoints/checkpoint_2", t);
-    assert_true(exists(c2));
+    char *c2 = tu_pathf("%s/checkpoints/checkpoint_2", t);
+    assert_true(tu_exists(c2));
     free(c0);
     free(c1);
     free(c2);
     ckpt_accelerator_free(acc);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_relative_project_dir_and_load_state_null(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char cwd[4096];
     assert_non_null(getcwd(cwd, sizeof cwd));
     assert_int_equal(chdir(t), 0);
@@ -263,14 +227,14 @@ static void test_relative_project_dir_and_load_state_null(void **st) {
     counter saved = c;
     assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
-    assert_true(exists("proj/run/checkpoints/checkpoint_0/checkpoint.json"));
+    assert_true(tu_exists("proj/run/checkpoints/checkpoint_0/checkpoint.json"));
     counter_set(&c, 6);
     assert_int_equal(ckpt_load_state(acc, NULL), 0);
     assert_memory_equal(&c, &saved, sizeof c);
     assert_string_equal(ckpt_accelerator_last_dir(acc), "proj/run/checkpoints/checkpoint_0");
     ckpt_accelerator_free(acc);
     assert_int_equal(chdir(cwd), 0);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static int no_load(void *self, ckpt_reader *r) {
@@ -286,16 +250,16 @@ static void test_register_for_checkpointing_rejects_invalid_objects_naming_them(
     counter_set(&a, 1);
     counter_set(&b, 2);
     assert_int_equal(ckpt_register_for_checkpointing(acc, NULL, &a), CKPT_EINVAL);
-    assert_contains(ckpt_errmsg(), "custom object 0");
+    tu_assert_errmsg_has("custom object 0");
     assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &a), 0);
     ckpt_stateful_ops no_sd = {.state_dict = NULL, .load_state_dict = no_load};
     assert_int_equal(ckpt_register_for_checkpointing(acc, &no_sd, &b), CKPT_EINVAL);
-    assert_contains(ckpt_errmsg(), "custom object 1");
-    assert_contains(ckpt_errmsg(), "state_dict");
+    tu_assert_errmsg_has("custom object 1");
+    tu_assert_errmsg_has("state_dict");
     ckpt_stateful_ops no_ld = {.state_dict = counter_sd, .load_state_dict = NULL};
     assert_int_equal(ckpt_register_for_checkpointing(acc, &no_ld, &b), CKPT_EINVAL);
-    assert_contains(ckpt_errmsg(), "custom object 1");
-    assert_contains(ckpt_errmsg(), "load_state_dict");
+    tu_assert_errmsg_has("custom object 1");
+    tu_assert_errmsg_has("load_state_dict");
     assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &a), CKPT_EEXIST);
     assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &b), 0);
     ckpt_accelerator_free(acc);
@@ -303,11 +267,10 @@ static void test_register_for_checkpointing_rejects_invalid_objects_naming_them(
 
 static void test_load_state_null_picks_the_newest_checkpoint(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
     counter c;
-    counter_set(&c, 0);
-    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    register_counter(acc, &c, 0);
     for (int i = 0; i < 3; i++) {
         counter_set(&c, i * 10);
         ckpt_accelerator_set_step(acc, i);
@@ -317,14 +280,13 @@ static void test_load_state_null_picks_the_newest_checkpoint(void **st) {
     ckpt_accelerator_free(acc);
     /* A fresh run over the same project resumes from checkpoint_2. */
     acc = new_acc(t, true, 0, NULL);
-    counter_set(&c, 1234);
-    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    register_counter(acc, &c, 1234);
     assert_int_equal(ckpt_load_state(acc, NULL), 0);
     assert_memory_equal(&c, &last, sizeof c);
     assert_int_equal(ckpt_accelerator_step(acc), 2);
     assert_int_equal(ckpt_accelerator_iteration(acc), 3);
     ckpt_accelerator_free(acc);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 typedef struct hook_log {
@@ -349,17 +311,16 @@ static int failing_hook(void *user, ckpt_accelerator *acc, const char *dir) {
 
 static void test_save_and_load_hooks_run_and_stop_after_removal(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
     counter c;
-    counter_set(&c, 1);
-    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    register_counter(acc, &c, 1);
     hook_log sh = {0}, lh = {0};
     ckpt_hook_handle *hs = NULL, *hl = NULL;
     assert_int_equal(ckpt_register_save_state_pre_hook(acc, record_hook, &sh, &hs), 0);
     assert_int_equal(ckpt_register_load_state_pre_hook(acc, record_hook, &lh, &hl), 0);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
-    char *c0 = pathf("%s/checkpoints/checkpoint_0", t);
+    char *c0 = tu_pathf("%s/checkpoints/checkpoint_0", t);
     assert_int_equal(sh.calls, 1);
     assert_string_equal(sh.dir, c0);
     assert_int_equal(ckpt_load_state(acc, NULL), 0);
@@ -375,37 +336,37 @@ static void test_save_and_load_hooks_run_and_stop_after_removal(void **st) {
     ckpt_hook_handle *hf = NULL;
     assert_int_equal(ckpt_register_save_state_pre_hook(acc, failing_hook, NULL, &hf), 0);
     assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EINVAL);
-    char *cd = pathf("%s/checkpoints", t);
+    char *cd = tu_pathf("%s/checkpoints", t);
     assert_int_equal(count_visible(cd), 2);
-    assert_int_equal(count_hidden_tmp(cd), 0);
+    assert_int_equal(tu_count_hidden_tmp(cd), 0);
     ckpt_hook_remove(hf);
     /* A handle never removed is freed with the accelerator (ASan checks). */
     assert_int_equal(ckpt_register_save_state_pre_hook(acc, record_hook, &sh, NULL), 0);
     free(cd);
     free(c0);
     ckpt_accelerator_free(acc);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 /* ---- numbering, naming, locking, leftovers ------------------------------ */
 
 static void test_save_state_null_without_automatic_naming_is_einval(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     ckpt_accelerator *acc = new_acc(t, false, 0, NULL);
     assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EINVAL);
-    assert_contains(ckpt_errmsg(), "automatic_checkpoint_naming");
+    tu_assert_errmsg_has("automatic_checkpoint_naming");
     ckpt_accelerator_free(acc);
     acc = new_acc(NULL, true, 0, NULL);
     assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EINVAL);
-    assert_contains(ckpt_errmsg(), "project_dir");
+    tu_assert_errmsg_has("project_dir");
     ckpt_accelerator_free(acc);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_new_run_numbers_after_existing_checkpoints(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     counter c;
     counter_set(&c, 1);
     for (int run = 0; run < 2; run++) {
@@ -417,33 +378,33 @@ static void test_new_run_numbers_after_existing_checkpoints(void **st) {
         assert_int_equal(ckpt_save_state(acc, NULL), 0);
         ckpt_accelerator_free(acc);
     }
-    char *c3 = pathf("%s/checkpoints/checkpoint_3", t), *c4 = pathf("%s/checkpoints/checkpoint_4", t);
-    assert_true(exists(c3));
-    assert_false(exists(c4));
+    char *c3 = tu_pathf("%s/checkpoints/checkpoint_3", t), *c4 = tu_pathf("%s/checkpoints/checkpoint_4", t);
+    assert_true(tu_exists(c3));
+    assert_false(tu_exists(c4));
     /* A configured iteration above the existing ones wins. */
     ckpt_project_config cfg = {.project_dir = t, .automatic_checkpoint_naming = true, .iteration = 10};
     ckpt_accelerator *acc = NULL;
     assert_int_equal(ckpt_accelerator_new(&acc, &cfg), 0);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
-    char *c10 = pathf("%s/checkpoints/checkpoint_10", t);
-    assert_true(exists(c10));
+    char *c10 = tu_pathf("%s/checkpoints/checkpoint_10", t);
+    assert_true(tu_exists(c10));
     ckpt_accelerator_free(acc);
     free(c3);
     free(c4);
     free(c10);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_save_state_is_busy_while_another_holds_the_project_lock(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *cd = pathf("%s/checkpoints", t), *lp = pathf("%s/checkpoints/.lock", t);
+    char *t = tu_tmpdir_new("acc");
+    char *cd = tu_pathf("%s/checkpoints", t), *lp = tu_pathf("%s/checkpoints/.lock", t);
     assert_int_equal(ckpt__mkdirs(cd), 0);
     ckpt_lock lk;
     assert_int_equal(ckpt__lock_acquire(&lk, lp), 0);
     ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
     assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EBUSY);
-    assert_contains(ckpt_errmsg(), lp);
+    tu_assert_errmsg_has(lp);
     assert_int_equal(count_visible(cd), 0);
     ckpt__lock_release(&lk);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
@@ -451,41 +412,37 @@ static void test_save_state_is_busy_while_another_holds_the_project_lock(void **
     ckpt_accelerator_free(acc);
     free(cd);
     free(lp);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_save_removes_leftover_temp_folders_with_a_warning(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *left = pathf("%s/checkpoints/.checkpoint_4.tmp.99999", t);
-    char *leftfile = pathf("%s/model.safetensors", left);
+    char *t = tu_tmpdir_new("acc");
+    char *left = tu_pathf("%s/checkpoints/.checkpoint_4.tmp.99999", t);
+    char *leftfile = tu_pathf("%s/model.safetensors", left);
     assert_int_equal(ckpt__mkdirs(left), 0);
-    FILE *f = fopen(leftfile, "w");
-    assert_non_null(f);
-    fputs("half", f);
-    fclose(f);
+    tu_write_text(leftfile, "half");
     logbuf lb = {0};
     ckpt_accelerator *acc = new_acc(t, true, 0, &lb);
     /* Loads ignore leftovers: nothing to load yet. */
     assert_int_equal(ckpt_load_state(acc, NULL), CKPT_ENOENT);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
-    assert_false(exists(left));
+    assert_false(tu_exists(left));
     assert_int_equal(lb.n, 1);
-    assert_contains(lb.last, ".checkpoint_4.tmp.99999");
+    tu_assert_contains(lb.last, ".checkpoint_4.tmp.99999");
     ckpt_accelerator_free(acc);
     free(left);
     free(leftfile);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_explicit_save_replaces_an_existing_checkpoint_atomically(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = pathf("%s/best", t);
+    char *t = tu_tmpdir_new("acc");
+    char *dir = tu_pathf("%s/best", t);
     ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
     counter c;
-    counter_set(&c, 1);
-    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    register_counter(acc, &c, 1);
     assert_int_equal(ckpt_save_state(acc, dir), 0);
     counter_set(&c, 2);
     counter second = c;
@@ -494,35 +451,32 @@ static void test_explicit_save_replaces_an_existing_checkpoint_atomically(void *
     assert_int_equal(ckpt_load_state(acc, dir), 0);
     assert_memory_equal(&c, &second, sizeof c);
     assert_int_equal(count_visible(t), 1);
-    assert_int_equal(count_hidden_tmp(t), 0);
+    assert_int_equal(tu_count_hidden_tmp(t), 0);
     ckpt_accelerator_free(acc);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_explicit_save_refuses_to_replace_a_folder_that_is_not_a_checkpoint(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = pathf("%s/mine", t), *file = pathf("%s/mine/notes.txt", t);
+    char *t = tu_tmpdir_new("acc");
+    char *dir = tu_pathf("%s/mine", t), *file = tu_pathf("%s/mine/notes.txt", t);
     assert_int_equal(ckpt__mkdirs(dir), 0);
-    FILE *f = fopen(file, "w");
-    assert_non_null(f);
-    fputs("precious", f);
-    fclose(f);
+    tu_write_text(file, "precious");
     ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
     assert_int_equal(ckpt_save_state(acc, dir), CKPT_EEXIST);
-    assert_contains(ckpt_errmsg(), "not a checkpoint");
-    assert_true(exists(file));
+    tu_assert_errmsg_has("not a checkpoint");
+    assert_true(tu_exists(file));
     ckpt_accelerator_free(acc);
     free(dir);
     free(file);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_manifest_lists_every_file_with_size_and_digest(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = pathf("%s/ck", t);
+    char *t = tu_tmpdir_new("acc");
+    char *dir = tu_pathf("%s/ck", t);
     ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
     counter a, b;
     counter_set(&a, 1);
@@ -553,7 +507,7 @@ static void test_manifest_lists_every_file_with_size_and_digest(void **st) {
     assert_string_equal(info.library_version, CKPT_VERSION_STRING);
     uint64_t total = 0;
     for (int64_t i = 0; i < m.nfiles; i++) {
-        char *p = pathf("%s/%s", dir, m.files[i].name);
+        char *p = tu_pathf("%s/%s", dir, m.files[i].name);
         ckpt_mapped mp;
         assert_int_equal(ckpt__map_file(p, &mp), 0);
         assert_int_equal(mp.size, m.files[i].size);
@@ -566,20 +520,19 @@ static void test_manifest_lists_every_file_with_size_and_digest(void **st) {
     ckpt__manifest_clear(&m);
     ckpt_accelerator_free(acc);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_checkpoint_list_and_prune(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
     counter c;
-    counter_set(&c, 1);
-    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    register_counter(acc, &c, 1);
     for (int i = 0; i < 4; i++) assert_int_equal(ckpt_save_state(acc, NULL), 0);
     /* An interrupted save's folder under a final name (as another tool
      * might leave): listed as partial. */
-    char *p = pathf("%s/checkpoints/checkpoint_9", t);
+    char *p = tu_pathf("%s/checkpoints/checkpoint_9", t);
     assert_int_equal(ckpt__mkdirs(p), 0);
     ckpt_checkpoint_info *infos = NULL;
     int64_t n = 0;
@@ -597,7 +550,7 @@ static void test_checkpoint_list_and_prune(void **st) {
     ckpt_accelerator_set_log(acc, log_collect, &lb);
     assert_int_equal(ckpt_load_state(acc, NULL), 0);
     assert_int_equal(lb.n, 1);
-    assert_contains(lb.last, "checkpoint_9");
+    tu_assert_contains(lb.last, "checkpoint_9");
     int64_t removed = 0;
     assert_int_equal(ckpt_checkpoint_prune(t, 2, &removed), 0);
     assert_int_equal(removed, 3);
@@ -608,14 +561,14 @@ static void test_checkpoint_list_and_prune(void **st) {
     free(infos);
     ckpt_accelerator_free(acc);
     free(p);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 /* ---- bad input: a clear error and nothing changed in memory ------------- */
 
 /* Saves two counters (values 1, 2) to <t>/ck and returns the folder. */
 static char *save_two(const char *t) {
-    char *dir = pathf("%s/ck", t);
+    char *dir = tu_pathf("%s/ck", t);
     ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
     counter a, b;
     counter_set(&a, 1);
@@ -643,8 +596,7 @@ static void expect_load_fails(const char *dir, int ncounters, void (*tweak)(coun
     memcpy(before, cs, sizeof cs);
     ckpt_rng rng_before = *ckpt_accelerator_rng(acc);
     int rc = ckpt_load_state(acc, dir);
-    if (rc != code) fail_msg("load_state returned %d (%s), expected %d", rc, ckpt_errmsg(), code);
-    assert_contains(ckpt_errmsg(), needle);
+    tu_expect_error(rc, code, needle);
     if (getenv("CKPT_TEST_VERBOSE")) print_message("  %s\n", ckpt_errmsg());
     assert_memory_equal(cs, before, sizeof cs);
     assert_memory_equal(ckpt_accelerator_rng(acc), &rng_before, sizeof rng_before);
@@ -656,42 +608,40 @@ static void wider(counter *c) { c->wlen = 3; }
 static void as_f64(counter *c) { c->wdtype = CKPT_F64; }
 static void extra(counter *c) { c->extra_key = true; }
 
+/* Saves two counters into a fresh folder, then expects loading it with
+ * `ncounters` counters registered (the second one changed by `tweak`) to
+ * fail as expect_load_fails describes. */
+static void expect_two_saved_load_fails(int ncounters, void (*tweak)(counter *), int code,
+                                        const char *needle) {
+    char *t = tu_tmpdir_new("acc");
+    char *dir = save_two(t);
+    expect_load_fails(dir, ncounters, tweak, code, needle);
+    free(dir);
+    tu_tmpdir_free(t);
+}
+
 static void test_load_state_rejects_shape_mismatch(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = save_two(t);
-    expect_load_fails(dir, 2, wider, CKPT_EMISMATCH, "'w'");
-    expect_load_fails(dir, 2, wider, CKPT_EMISMATCH, "custom_checkpoint_1.safetensors");
-    free(dir);
-    rm_tmp(t);
+    expect_two_saved_load_fails(2, wider, CKPT_EMISMATCH, "'w'");
+    expect_two_saved_load_fails(2, wider, CKPT_EMISMATCH, "custom_checkpoint_1.safetensors");
 }
 
 static void test_load_state_rejects_dtype_mismatch(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = save_two(t);
-    expect_load_fails(dir, 2, as_f64, CKPT_EMISMATCH, "'w'");
-    free(dir);
-    rm_tmp(t);
+    expect_two_saved_load_fails(2, as_f64, CKPT_EMISMATCH, "'w'");
 }
 
 static void test_load_state_rejects_missing_key(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = save_two(t);
-    expect_load_fails(dir, 2, extra, CKPT_EMISMATCH, "extra");
-    free(dir);
-    rm_tmp(t);
+    expect_two_saved_load_fails(2, extra, CKPT_EMISMATCH, "extra");
 }
 
 static void test_load_state_rejects_a_different_number_of_objects(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = save_two(t);
-    expect_load_fails(dir, 3, NULL, CKPT_EMISMATCH, "checkpoint has 2 custom objects, 3 are registered");
-    expect_load_fails(dir, 1, NULL, CKPT_EMISMATCH, "checkpoint has 2 custom objects, 1 is registered");
-    free(dir);
-    rm_tmp(t);
+    expect_two_saved_load_fails(3, NULL, CKPT_EMISMATCH,
+                                "checkpoint has 2 custom objects, 3 are registered");
+    expect_two_saved_load_fails(1, NULL, CKPT_EMISMATCH,
+                                "checkpoint has 2 custom objects, 1 is registered");
 }
 
 /* ---- values an object refuses after its schema matched ------------------ */
@@ -761,17 +711,6 @@ static void setup_free(setup *u) {
     ckpt_model_free(u->m);
 }
 
-/* An object's whole state as bytes: its state dict written to a file. */
-static void obj_bytes(const ckpt_stateful_ops *ops, void *self, const char *path, char **out,
-                      size_t *n) {
-    ckpt_writer *w = NULL;
-    assert_int_equal(ckpt_writer_new(&w), 0);
-    assert_int_equal(ops->state_dict(self, w), 0);
-    assert_int_equal(ckpt_writer_save(w, path), 0);
-    ckpt_writer_free(w);
-    assert_int_equal(ckpt__read_small_file(path, 1 << 20, out, n), 0);
-}
-
 /* Everything of a setup in memory, byte for byte. */
 typedef struct snapshot {
     float w[6], b[3];
@@ -790,8 +729,8 @@ static void snap(setup *u, const char *tmp, snapshot *sn) {
                                        ckpt_dataloader_ops()};
     void *self[5] = {u->m, u->o, u->s, u->gs, u->dl};
     for (int i = 0; i < 5; i++) {
-        char *p = pathf("%s/snap_%d.safetensors", tmp, i);
-        obj_bytes(ops[i], self[i], p, &sn->bytes[i], &sn->n[i]);
+        char *p = tu_pathf("%s/snap_%d.safetensors", tmp, i);
+        sn->bytes[i] = tu_state_bytes(ops[i], self[i], p, &sn->n[i]);
         free(p);
     }
     sn->rng = *ckpt_accelerator_rng(u->acc);
@@ -827,8 +766,8 @@ static void assert_unchanged(setup *u, const char *tmp, const snapshot *before) 
 static void expect_value_refused(int64_t n_saved, ckpt_optim_kind k_saved, bool lin_saved,
                                  int64_t n_mine, ckpt_optim_kind k_mine, bool lin_mine, int code,
                                  const char *needle1, const char *needle2) {
-    char *t = make_tmp();
-    char *dir = pathf("%s/ck", t);
+    char *t = tu_tmpdir_new("acc");
+    char *dir = tu_pathf("%s/ck", t);
     setup a, b;
     setup_init(&a, 1.0f, n_saved, k_saved, lin_saved, 5);
     assert_int_equal(ckpt_save_state(a.acc, dir), 0);
@@ -836,9 +775,8 @@ static void expect_value_refused(int64_t n_saved, ckpt_optim_kind k_saved, bool 
     snapshot before;
     snap(&b, t, &before);
     int rc = ckpt_load_state(b.acc, dir);
-    if (rc != code) fail_msg("load_state returned %d (%s), expected %d", rc, ckpt_errmsg(), code);
-    assert_contains(ckpt_errmsg(), needle1);
-    assert_contains(ckpt_errmsg(), needle2);
+    tu_expect_error(rc, code, needle1);
+    tu_assert_errmsg_has(needle2);
     if (getenv("CKPT_TEST_VERBOSE")) print_message("  %s\n", ckpt_errmsg());
     assert_unchanged(&b, t, &before);
     snap_free(&before);
@@ -854,7 +792,7 @@ static void expect_value_refused(int64_t n_saved, ckpt_optim_kind k_saved, bool 
     setup_free(&c);
     setup_free(&a);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_refuses_a_dataloader_of_another_dataset_changing_nothing(void **st) {
@@ -884,8 +822,8 @@ static void test_load_state_refuses_a_scheduler_of_another_kind_changing_nothing
  * in a load of every kind of object is a clean ENOMEM with nothing changed. */
 static void test_load_state_of_every_kind_changes_nothing_at_any_failed_allocation(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = pathf("%s/ck", t);
+    char *t = tu_tmpdir_new("acc");
+    char *dir = tu_pathf("%s/ck", t);
     setup a, b;
     setup_init(&a, 1.0f, 100, CKPT_OPTIM_ADAMW, false, 5);
     assert_int_equal(ckpt_save_state(a.acc, dir), 0);
@@ -910,7 +848,7 @@ static void test_load_state_of_every_kind_changes_nothing_at_any_failed_allocati
     setup_free(&b);
     setup_free(&a);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 /* A custom object with a value check: accepts a saved value up to max. */
@@ -965,7 +903,7 @@ static const ckpt_stateful_ops picky_ops_positive = {picky_sd, picky_load, posit
 
 /* Saves a model (weights 1) and a picky object (value 50) to <t>/ck. */
 static char *save_model_and_picky(const char *t) {
-    char *dir = pathf("%s/ck", t);
+    char *dir = tu_pathf("%s/ck", t);
     float w[4] = {1, 1, 1, 1};
     int64_t shape[1] = {4};
     ckpt_model *m;
@@ -1012,21 +950,21 @@ static int load_model_and_picky(const char *dir, const ckpt_stateful_ops *ops, i
 
 static void test_load_state_stops_at_a_custom_check_state_dict_before_loading_anything(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char *dir = save_model_and_picky(t);
     const float sevens[4] = {7, 7, 7, 7}, ones[4] = {1, 1, 1, 1};
     float w[4];
     picky p;
     assert_int_equal(load_model_and_picky(dir, &picky_ops, 10, w, &p), CKPT_EMISMATCH);
-    assert_contains(ckpt_errmsg(), "custom_checkpoint_0.safetensors");
-    assert_contains(ckpt_errmsg(), "picky: value: saved 50, this object takes at most 10");
+    tu_assert_errmsg_has("custom_checkpoint_0.safetensors");
+    tu_assert_errmsg_has("picky: value: saved 50, this object takes at most 10");
     assert_null(strstr(ckpt_errmsg(), "partially"));
     assert_memory_equal(w, sevens, sizeof w); /* the model, loaded first, is untouched */
     assert_int_equal(p.value, 3);
     /* a check returning a positive value is an error too */
     assert_int_equal(load_model_and_picky(dir, &picky_ops_positive, 100, w, &p), CKPT_EINVAL);
-    assert_contains(ckpt_errmsg(), "custom_checkpoint_0.safetensors");
-    assert_contains(ckpt_errmsg(), "check_state_dict returned 1");
+    tu_assert_errmsg_has("custom_checkpoint_0.safetensors");
+    tu_assert_errmsg_has("check_state_dict returned 1");
     assert_memory_equal(w, sevens, sizeof w);
     assert_int_equal(p.value, 3);
     /* with room for the value it loads */
@@ -1034,7 +972,7 @@ static void test_load_state_stops_at_a_custom_check_state_dict_before_loading_an
     assert_memory_equal(w, ones, sizeof w);
     assert_int_equal(p.value, 50);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 /* The documented limit: a custom object without check_state_dict whose
@@ -1042,25 +980,25 @@ static void test_load_state_stops_at_a_custom_check_state_dict_before_loading_an
  * objects before it were loaded, and the error says so. */
 static void test_a_custom_object_without_check_state_dict_can_still_fail_mid_apply(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char *dir = save_model_and_picky(t);
     const float ones[4] = {1, 1, 1, 1};
     float w[4];
     picky p;
     assert_int_equal(load_model_and_picky(dir, &picky_ops_unchecked, 10, w, &p), CKPT_EMISMATCH);
-    assert_contains(ckpt_errmsg(), "custom_checkpoint_0.safetensors");
-    assert_contains(ckpt_errmsg(), "state partially loaded: 1 of 3 objects were loaded before this one");
-    assert_contains(ckpt_errmsg(), "picky: value: saved 50");
+    tu_assert_errmsg_has("custom_checkpoint_0.safetensors");
+    tu_assert_errmsg_has("state partially loaded: 1 of 3 objects were loaded before this one");
+    tu_assert_errmsg_has("picky: value: saved 50");
     assert_memory_equal(w, ones, sizeof w); /* the model was loaded */
     assert_int_equal(p.value, 3);           /* the refusing object itself is unchanged */
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_runs_every_check_before_any_load(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = pathf("%s/ck", t);
+    char *t = tu_tmpdir_new("acc");
+    char *dir = tu_pathf("%s/ck", t);
     char trace[64] = "";
     picky p0 = {1, 10, 0, NULL}, p1 = {2, 10, 1, NULL};
     ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
@@ -1079,34 +1017,21 @@ static void test_load_state_runs_every_check_before_any_load(void **st) {
     p1.max = 1;
     assert_int_equal(ckpt_load_state(acc, dir), CKPT_EMISMATCH);
     assert_string_equal(trace, "c0c1");
-    assert_contains(ckpt_errmsg(), "custom_checkpoint_1.safetensors");
+    tu_assert_errmsg_has("custom_checkpoint_1.safetensors");
     assert_int_equal(p0.value, 0);
     assert_int_equal(p1.value, 0);
     ckpt_accelerator_free(acc);
     free(dir);
-    rm_tmp(t);
-}
-
-static void flip_byte(const char *path, long off_from_end, long off_from_start) {
-    int fd = open(path, O_RDWR);
-    assert_true(fd >= 0);
-    struct stat s;
-    assert_int_equal(fstat(fd, &s), 0);
-    off_t off = off_from_end > 0 ? s.st_size - off_from_end : off_from_start;
-    unsigned char b;
-    assert_int_equal(pread(fd, &b, 1, off), 1);
-    b ^= 0x01;
-    assert_int_equal(pwrite(fd, &b, 1, off), 1);
-    close(fd);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_names_the_tensor_with_a_flipped_byte(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char *dir = save_two(t);
-    char *f = pathf("%s/custom_checkpoint_1.safetensors", dir);
+    char *f = tu_pathf("%s/custom_checkpoint_1.safetensors", dir);
     /* The tensor data is the file's tail (the only tensor, 16 bytes). */
-    flip_byte(f, 3, 0);
+    tu_flip_byte(f, -3);
     expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT,
                       "custom_checkpoint_1.safetensors: tensor 'w': checksum mismatch");
     ckpt_checkpoint_info info;
@@ -1116,41 +1041,39 @@ static void test_load_state_names_the_tensor_with_a_flipped_byte(void **st) {
     assert_int_equal(ckpt_checkpoint_verify(dir, false, &info), 0);
     free(f);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_rejects_a_flipped_byte_in_a_header(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char *dir = save_two(t);
-    char *f = pathf("%s/custom_checkpoint_0.safetensors", dir);
-    flip_byte(f, 0, 12); /* inside the JSON header, after the 8-byte length */
+    char *f = tu_pathf("%s/custom_checkpoint_0.safetensors", dir);
+    tu_flip_byte(f, 12); /* inside the JSON header, after the 8-byte length */
     expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "custom_checkpoint_0.safetensors");
     free(f);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_rejects_a_truncated_file(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char *dir = save_two(t);
-    char *f = pathf("%s/custom_checkpoint_1.safetensors", dir);
-    struct stat s;
-    assert_int_equal(stat(f, &s), 0);
-    assert_int_equal(truncate(f, s.st_size - 5), 0);
+    char *f = tu_pathf("%s/custom_checkpoint_1.safetensors", dir);
+    tu_truncate(f, tu_file_size(f) - 5);
     expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "custom_checkpoint_1.safetensors: size");
     expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "truncated");
     free(f);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_rejects_a_missing_manifest(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char *dir = save_two(t);
-    char *f = pathf("%s/checkpoint.json", dir);
+    char *f = tu_pathf("%s/checkpoint.json", dir);
     assert_int_equal(unlink(f), 0);
     expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "no manifest checkpoint.json");
     ckpt_checkpoint_info info;
@@ -1158,14 +1081,13 @@ static void test_load_state_rejects_a_missing_manifest(void **st) {
     assert_int_equal(info.status, CKPT_CHECKPOINT_PARTIAL);
     free(f);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void rewrite_manifest(const char *dir, const char *from, const char *to) {
-    char *f = pathf("%s/checkpoint.json", dir);
-    char *text = NULL;
+    char *f = tu_pathf("%s/checkpoint.json", dir);
     size_t len = 0;
-    assert_int_equal(ckpt__read_small_file(f, 1 << 20, &text, &len), 0);
+    char *text = tu_read_file(f, &len);
     char *at = strstr(text, from);
     assert_non_null(at);
     FILE *o = fopen(f, "w");
@@ -1180,18 +1102,18 @@ static void rewrite_manifest(const char *dir, const char *from, const char *to) 
 
 static void test_load_state_refuses_a_newer_format_version(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char *dir = save_two(t);
     rewrite_manifest(dir, "\"format_version\": 1", "\"format_version\": 2");
     expect_load_fails(dir, 2, NULL, CKPT_EUNSUPPORTED,
                       "checkpoint format version 2 is newer than this library's (1); upgrade ckpt");
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_rejects_hostile_manifests(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char *dir = save_two(t);
     rewrite_manifest(dir, "\"custom_checkpoint_0.safetensors\"", "\"../custom_checkpoint_0.safetensors\"");
     expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "not a plain file name");
@@ -1209,92 +1131,89 @@ static void test_load_state_rejects_hostile_manifests(void **st) {
         assert_int_equal(ckpt__manifest_parse(bad[i], strlen(bad[i]), "m", &m), CKPT_ECORRUPT);
         ckpt__manifest_clear(&m);
     }
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_rejects_an_unlisted_state_file(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char *dir = save_two(t);
-    char *from = pathf("%s/custom_checkpoint_1.safetensors", dir);
-    char *to = pathf("%s/model.safetensors", dir);
+    char *from = tu_pathf("%s/custom_checkpoint_1.safetensors", dir);
+    char *to = tu_pathf("%s/model.safetensors", dir);
     assert_int_equal(link(from, to), 0);
     expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "model.safetensors is not listed in the manifest");
     free(from);
     free(to);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_of_a_missing_folder_is_enoent(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *dir = pathf("%s/nothing", t);
+    char *t = tu_tmpdir_new("acc");
+    char *dir = tu_pathf("%s/nothing", t);
     expect_load_fails(dir, 1, NULL, CKPT_ENOENT, "nothing");
     ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
     assert_int_equal(ckpt_load_state(acc, NULL), CKPT_ENOENT);
-    assert_contains(ckpt_errmsg(), "no checkpoint");
+    tu_assert_errmsg_has("no checkpoint");
     ckpt_accelerator_free(acc);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_load_state_null_falls_back_past_a_corrupt_newest_checkpoint(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
     counter c;
-    counter_set(&c, 1);
-    assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &c), 0);
+    register_counter(acc, &c, 1);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
     counter first = c;
     counter_set(&c, 2);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
-    char *f = pathf("%s/checkpoints/checkpoint_1/custom_checkpoint_0.safetensors", t);
-    flip_byte(f, 2, 0);
+    char *f = tu_pathf("%s/checkpoints/checkpoint_1/custom_checkpoint_0.safetensors", t);
+    tu_flip_byte(f, -2);
     counter_set(&c, 3);
     logbuf lb = {0};
     ckpt_accelerator_set_log(acc, log_collect, &lb);
     assert_int_equal(ckpt_load_state(acc, NULL), 0);
     assert_memory_equal(&c, &first, sizeof c);
     assert_int_equal(lb.n, 1);
-    assert_contains(lb.last, "tensor 'w': checksum mismatch");
-    assert_contains(lb.last, "falling back");
+    tu_assert_contains(lb.last, "tensor 'w': checksum mismatch");
+    tu_assert_contains(lb.last, "falling back");
     /* With every checkpoint bad, the error lists why. */
-    char *f0 = pathf("%s/checkpoints/checkpoint_0/custom_checkpoint_0.safetensors", t);
-    assert_int_equal(truncate(f0, 10), 0);
+    char *f0 = tu_pathf("%s/checkpoints/checkpoint_0/custom_checkpoint_0.safetensors", t);
+    tu_truncate(f0, 10);
     assert_int_equal(ckpt_load_state(acc, NULL), CKPT_ECORRUPT);
-    assert_contains(ckpt_errmsg(), "no valid checkpoint");
-    assert_contains(ckpt_errmsg(), "truncated");
-    assert_contains(ckpt_errmsg(), "checksum mismatch");
+    tu_assert_errmsg_has("no valid checkpoint");
+    tu_assert_errmsg_has("truncated");
+    tu_assert_errmsg_has("checksum mismatch");
     ckpt_accelerator_free(acc);
     free(f);
     free(f0);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_save_state_into_a_project_path_that_is_a_file_fails_clearly(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *file = pathf("%s/plainfile", t);
-    FILE *f = fopen(file, "w");
-    assert_non_null(f);
-    fclose(f);
+    char *t = tu_tmpdir_new("acc");
+    char *file = tu_pathf("%s/plainfile", t);
+    tu_write_text(file, "");
     ckpt_accelerator *acc = new_acc(file, true, 0, NULL);
     assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EINVAL);
-    assert_contains(ckpt_errmsg(), "plainfile");
-    assert_contains(ckpt_errmsg(), "not a folder");
+    tu_assert_errmsg_has("plainfile");
+    tu_assert_errmsg_has("not a folder");
     ckpt_accelerator_free(acc);
     /* A path under a file: cannot be created, whoever runs the test (root
      * ignores chmod 0500, so this is the unwritable folder case for root). */
-    char *under = pathf("%s/plainfile/proj", t);
+    char *under = tu_pathf("%s/plainfile/proj", t);
     acc = new_acc(under, true, 0, NULL);
     assert_true(ckpt_save_state(acc, NULL) < 0);
-    assert_contains(ckpt_errmsg(), "plainfile");
+    tu_assert_errmsg_has("plainfile");
     ckpt_accelerator_free(acc);
     free(under);
     free(file);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_save_state_into_an_unwritable_folder_fails_clearly(void **st) {
@@ -1304,18 +1223,18 @@ static void test_save_state_into_an_unwritable_folder_fails_clearly(void **st) {
          * case of the previous test. */
         skip();
     }
-    char *t = make_tmp();
-    char *ro = pathf("%s/ro", t);
+    char *t = tu_tmpdir_new("acc");
+    char *ro = tu_pathf("%s/ro", t);
     assert_int_equal(mkdir(ro, 0500), 0);
-    char *proj = pathf("%s/ro/proj", t);
+    char *proj = tu_pathf("%s/ro/proj", t);
     ckpt_accelerator *acc = new_acc(proj, true, 0, NULL);
     assert_true(ckpt_save_state(acc, NULL) < 0);
-    assert_contains(ckpt_errmsg(), "ro/proj");
+    tu_assert_errmsg_has("ro/proj");
     assert_int_equal(chmod(ro, 0700), 0);
     ckpt_accelerator_free(acc);
     free(proj);
     free(ro);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_accelerator_new_validates_its_config(void **st) {
@@ -1358,8 +1277,8 @@ static void test_checkpoint_names_parse_only_canonical_numbers(void **st) {
 
 static void test_save_and_load_fail_cleanly_at_every_allocation(void **st) {
     (void)st;
-    char *t = make_tmp();
-    char *cd = pathf("%s/checkpoints", t);
+    char *t = tu_tmpdir_new("acc");
+    char *cd = tu_pathf("%s/checkpoints", t);
     ckpt_accelerator *acc = new_acc(t, true, 2, NULL);
     counter c;
     counter_set(&c, 1);
@@ -1377,7 +1296,7 @@ static void test_save_and_load_fail_cleanly_at_every_allocation(void **st) {
         if (rc != CKPT_ENOMEM) fail_msg("allocation %llu: %d %s", (unsigned long long)n, rc, ckpt_errmsg());
         failures++;
         assert_int_equal(count_visible(cd), 1);
-        assert_int_equal(count_hidden_tmp(cd), 0);
+        assert_int_equal(tu_count_hidden_tmp(cd), 0);
     }
     assert_true(failures > 5);
     counter newest = c;
@@ -1404,19 +1323,18 @@ static void test_save_and_load_fail_cleanly_at_every_allocation(void **st) {
     (void)saved;
     ckpt_accelerator_free(acc);
     free(cd);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 /* The manifest parser survives random damage: every mutation of a valid
  * manifest parses or is refused with ECORRUPT/EUNSUPPORTED (ASan watches). */
 static void test_manifest_parser_survives_random_mutations(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("acc");
     char *dir = save_two(t);
-    char *f = pathf("%s/checkpoint.json", dir);
-    char *text = NULL;
+    char *f = tu_pathf("%s/checkpoint.json", dir);
     size_t len = 0;
-    assert_int_equal(ckpt__read_small_file(f, 1 << 20, &text, &len), 0);
+    char *text = tu_read_file(f, &len);
     char *buf = malloc(len + 1);
     assert_non_null(buf);
     unsigned seed = 99;
@@ -1445,7 +1363,7 @@ static void test_manifest_parser_survives_random_mutations(void **st) {
     free(text);
     free(f);
     free(dir);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 int main(void) {

@@ -7,13 +7,10 @@
 #include <stddef.h>
 #include <setjmp.h>
 #include <stdint.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <dirent.h>
 #include <errno.h>
 #include <signal.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -24,6 +21,7 @@
 #include "error.h"
 #include "io.h"
 #include "store.h"
+#include "helpers/testutil.h"
 
 /* ---- state: a counter whose whole content is a function of its value ---- */
 
@@ -128,28 +126,6 @@ static int64_t load_fresh(const char *project, const char *explicit_dir) {
     return v;
 }
 
-static char *make_tmp(void) {
-    char *t = strdup("/tmp/ckpt_crash_XXXXXX");
-    assert_non_null(mkdtemp(t));
-    return t;
-}
-
-static void rm_tmp(char *t) {
-    assert_int_equal(ckpt__remove_tree(t), 0);
-    free(t);
-}
-
-static int count_hidden_tmp(const char *dir) {
-    DIR *d = opendir(dir);
-    if (!d) return 0;
-    int n = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL)
-        if (e->d_name[0] == '.' && (strstr(e->d_name, ".tmp") || strstr(e->d_name, ".old."))) n++;
-    closedir(d);
-    return n;
-}
-
 /* Every visible checkpoint_<n> folder verifies completely. */
 static void assert_all_complete(const char *project) {
     ckpt_checkpoint_info *infos = NULL;
@@ -165,10 +141,57 @@ static int status_of(int errnum) { return errnum == ENOSPC ? CKPT_ENOSPC : CKPT_
 
 /* ---- the N-th I/O call fails ---------------------------------------------- */
 
+/* A sweep of injected faults: for n = 1, 2, ... a save of value 100 + n
+ * with its n-th I/O call failing with `errnum` (and, if `persist`, every
+ * call after it), until a save runs without reaching the fault. */
+typedef struct fault_sweep {
+    int errnum;
+    bool persist;
+    const char *save_dir;   /* the folder saves go to (NULL: automatic saves) */
+    const char *project;    /* the project loads look in (NULL: save_dir) */
+    const char *tmp_parent; /* holds no temporary entry after a failed save */
+    bool check_status;      /* a failed save returns status_of(errnum) */
+} fault_sweep;
+
+/* Runs the sweep on r, whose newest committed value is *latest (updated).
+ * After every save, a fresh run loads exactly the newest committed value
+ * (never half old, half new) and, with a project, every visible checkpoint
+ * is complete. Returns the number of failed saves. */
+static int run_fault_sweep(run *r, const fault_sweep *fs, int64_t *latest) {
+    int failures = 0;
+    for (uint64_t n = 1;; n++) {
+        assert_true(n < 1000);
+        int64_t v = 100 + (int64_t)n;
+        run_set(r, v);
+        ckpt__fault_arm(CKPT_FAULT_ANY, n, fs->errnum, fs->persist);
+        int rc = ckpt_save_state(r->acc, fs->save_dir);
+        bool fired = ckpt__fault_fired();
+        ckpt__fault_disarm();
+        if (!fired) {
+            assert_int_equal(rc, 0);
+            *latest = v;
+            return failures;
+        }
+        if (rc < 0) {
+            if (fs->check_status && rc != status_of(fs->errnum))
+                fail_msg("N=%llu: save returned %d (%s)", (unsigned long long)n, rc, ckpt_errmsg());
+            failures++;
+            /* Nothing partial, not even a temporary folder. */
+            assert_int_equal(tu_count_hidden_tmp(fs->tmp_parent), 0);
+        } else {
+            /* A fault the save could absorb (a folder that already exists,
+             * a rotation left for later): the new checkpoint is committed. */
+            *latest = v;
+        }
+        assert_int_equal(load_fresh(fs->project, fs->save_dir), *latest);
+        if (fs->project) assert_all_complete(fs->project);
+    }
+}
+
 static void fault_every_call_of_automatic_saves(int errnum, bool persist) {
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("crash");
     char cd[4200];
-    snprintf(cd, sizeof cd, "%s/checkpoints", t);
+    tu_path(cd, sizeof cd, t, "checkpoints");
     run r;
     assert_int_equal(run_open(&r, t, 2, NULL), 0);
     run_set(&r, 1);
@@ -176,44 +199,19 @@ static void fault_every_call_of_automatic_saves(int errnum, bool persist) {
     run_set(&r, 2);
     assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
     int64_t latest = 2;
-    int failures = 0;
-    for (uint64_t n = 1;; n++) {
-        assert_true(n < 1000);
-        int64_t v = 100 + (int64_t)n;
-        run_set(&r, v);
-        ckpt__fault_arm(CKPT_FAULT_ANY, n, errnum, persist);
-        int rc = ckpt_save_state(r.acc, NULL);
-        bool fired = ckpt__fault_fired();
-        ckpt__fault_disarm();
-        if (!fired) {
-            assert_int_equal(rc, 0);
-            latest = v;
-            break;
-        }
-        if (rc < 0) {
-            if (rc != status_of(errnum))
-                fail_msg("N=%llu: save returned %d (%s)", (unsigned long long)n, rc, ckpt_errmsg());
-            failures++;
-            /* Nothing partial, not even a temporary folder. */
-            assert_int_equal(count_hidden_tmp(cd), 0);
-        } else {
-            /* A fault the save could absorb (a folder that already exists,
-             * a rotation left for later): the new checkpoint is committed. */
-            latest = v;
-        }
-        assert_int_equal(load_fresh(t, NULL), latest);
-        assert_all_complete(t);
-    }
+    fault_sweep fs = {.errnum = errnum, .persist = persist, .save_dir = NULL, .project = t,
+                      .tmp_parent = cd, .check_status = true};
+    int failures = run_fault_sweep(&r, &fs, &latest);
     if (getenv("CKPT_TEST_VERBOSE"))
         print_message("  %d failing saves out of %d calls\n", failures, failures + 1);
     assert_true(failures >= 10);
     /* The next successful save leaves no leftover at all. */
     run_set(&r, 5000);
     assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
-    assert_int_equal(count_hidden_tmp(cd), 0);
+    assert_int_equal(tu_count_hidden_tmp(cd), 0);
     assert_int_equal(load_fresh(t, NULL), 5000);
     run_close(&r);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 static void test_save_fault_at_every_io_call_enospc(void **st) {
@@ -233,40 +231,20 @@ static void test_save_persistent_fault_from_every_io_call_enospc(void **st) {
 
 static void test_explicit_replace_fault_at_every_io_call_keeps_old_checkpoint(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("crash");
     char dir[4200];
-    snprintf(dir, sizeof dir, "%s/best", t);
+    tu_path(dir, sizeof dir, t, "best");
     run r;
     assert_int_equal(run_open(&r, NULL, 0, dir), 0);
     run_set(&r, 7);
     assert_int_equal(ckpt_save_state(r.acc, dir), 0);
     int64_t latest = 7;
-    int failures = 0;
-    for (uint64_t n = 1;; n++) {
-        assert_true(n < 1000);
-        int64_t v = 100 + (int64_t)n;
-        run_set(&r, v);
-        ckpt__fault_arm(CKPT_FAULT_ANY, n, EIO, false);
-        int rc = ckpt_save_state(r.acc, dir);
-        bool fired = ckpt__fault_fired();
-        ckpt__fault_disarm();
-        if (!fired) {
-            assert_int_equal(rc, 0);
-            latest = v;
-            break;
-        }
-        if (rc < 0) {
-            failures++;
-            assert_int_equal(count_hidden_tmp(t), 0);
-        } else {
-            latest = v;
-        }
-        /* Never half old, half new: exactly the old or (on success) the new. */
-        assert_int_equal(load_fresh(NULL, dir), latest);
-    }
+    fault_sweep fs = {.errnum = EIO, .persist = false, .save_dir = dir, .project = NULL,
+                      .tmp_parent = t, .check_status = false};
+    int failures = run_fault_sweep(&r, &fs, &latest);
     assert_true(failures >= 10);
     run_close(&r);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 /* ---- SIGKILL at random moments ------------------------------------------- */
@@ -294,7 +272,7 @@ static void save_loop_child(const char *project, int done) {
 
 static void test_sigkill_during_save_loop_never_leaves_a_partial_checkpoint(void **st) {
     (void)st;
-    char *t = make_tmp();
+    char *t = tu_tmpdir_new("crash");
     unsigned seed = 12345;
     int64_t last = 0;
     int rounds_with_checkpoint = 0, mid_save = 0;
@@ -323,8 +301,8 @@ static void test_sigkill_during_save_loop_never_leaves_a_partial_checkpoint(void
         if (!(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL))
             fail_msg("round %d: the child exited by itself (status %d)", round, status);
         char cd[4200];
-        snprintf(cd, sizeof cd, "%s/checkpoints", t);
-        if (count_hidden_tmp(cd) > 0) mid_save++;
+        tu_path(cd, sizeof cd, t, "checkpoints");
+        if (tu_count_hidden_tmp(cd) > 0) mid_save++;
         int64_t v = load_fresh(t, NULL);
         if (v == -1000 + CKPT_ENOENT) {
             assert_int_equal(last, 0); /* nothing saved yet: only possible early */
@@ -347,10 +325,10 @@ static void test_sigkill_during_save_loop_never_leaves_a_partial_checkpoint(void
     assert_int_equal(ckpt_load_state(r.acc, NULL), 0);
     assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
     char cd[4200];
-    snprintf(cd, sizeof cd, "%s/checkpoints", t);
-    assert_int_equal(count_hidden_tmp(cd), 0);
+    tu_path(cd, sizeof cd, t, "checkpoints");
+    assert_int_equal(tu_count_hidden_tmp(cd), 0);
     run_close(&r);
-    rm_tmp(t);
+    tu_tmpdir_free(t);
 }
 
 int main(void) {

@@ -15,6 +15,7 @@
 #include "ckpt.h"
 #include "dataloader.h"
 #include "error.h"
+#include "helpers/testutil.h"
 
 /* ---- a counting dataset: sample i is the int64 i ------------------------ */
 
@@ -146,35 +147,11 @@ static void expect_end(ckpt_dataloader *dl) {
     assert_int_equal(ckpt_dataloader_next(dl, &b), 0);
 }
 
-/* ---- temporary folder for state files ------------------------------------ */
-
-static char tmpdir[64];
-
-static int make_tmpdir(void **state) {
-    (void)state;
-    snprintf(tmpdir, sizeof tmpdir, "/tmp/ckpt_dl_XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int remove_tmpdir(void **state) {
-    (void)state;
-    char path[128];
-    snprintf(path, sizeof path, "%s/dl.safetensors", tmpdir);
-    unlink(path);
-    snprintf(path, sizeof path, "%s/dl_bad.safetensors", tmpdir);
-    unlink(path);
-    return rmdir(tmpdir);
-}
-
 /* Saves dl's state dict to a file and opens a reader on it. */
 static ckpt_reader *save_and_open(ckpt_dataloader *dl) {
     char path[128];
-    snprintf(path, sizeof path, "%s/dl.safetensors", tmpdir);
-    ckpt_writer *w = NULL;
-    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
-    assert_int_equal(ckpt_dataloader_ops()->state_dict(dl, w), CKPT_OK);
-    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
-    ckpt_writer_free(w);
+    tu_path(path, sizeof path, tu_dir(), "dl.safetensors");
+    tu_save_state(ckpt_dataloader_ops(), dl, path);
     ckpt_reader *r = NULL;
     assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
     return r;
@@ -634,9 +611,9 @@ static void test_load_state_rejects_other_dataset_length_and_changes_nothing(voi
     ckpt_dataloader *other = make_loader(&c2, 4, false, 0, 0);
     assert_int_equal(ckpt__dataloader_check_state(other, r), CKPT_EMISMATCH);
     assert_int_equal(ckpt_dataloader_ops()->load_state_dict(other, r), CKPT_EMISMATCH);
-    assert_non_null(strstr(ckpt_errmsg(), "dataset_length"));
-    assert_non_null(strstr(ckpt_errmsg(), "16"));
-    assert_non_null(strstr(ckpt_errmsg(), "17"));
+    tu_assert_errmsg_has("dataset_length");
+    tu_assert_errmsg_has("16");
+    tu_assert_errmsg_has("17");
     expect_batch(other, 0, 0, 0, 4, false); /* unchanged */
     ckpt_dataloader_free(other);
 
@@ -644,13 +621,13 @@ static void test_load_state_rejects_other_dataset_length_and_changes_nothing(voi
     counting_init(&c3, 16);
     ckpt_dataloader *bs = make_loader(&c3, 8, false, 0, 0);
     assert_int_equal(ckpt_dataloader_ops()->load_state_dict(bs, r), CKPT_EMISMATCH);
-    assert_non_null(strstr(ckpt_errmsg(), "batch_size"));
+    tu_assert_errmsg_has("batch_size");
     expect_batch(bs, 0, 0, 0, 8, false);
     ckpt_dataloader_free(bs);
 
     ckpt_dataloader *sh = make_loader(&c3, 4, true, 0, 0);
     assert_int_equal(ckpt_dataloader_ops()->load_state_dict(sh, r), CKPT_EMISMATCH);
-    assert_non_null(strstr(ckpt_errmsg(), "shuffle"));
+    tu_assert_errmsg_has("shuffle");
     ckpt_dataloader_free(sh);
     ckpt_reader_free(r);
 }
@@ -658,7 +635,7 @@ static void test_load_state_rejects_other_dataset_length_and_changes_nothing(voi
 /* A copy of the i64 state in r with key set to v, opened as a reader. */
 static ckpt_reader *rewritten(ckpt_reader *r, const char *key, int64_t v) {
     char path[128];
-    snprintf(path, sizeof path, "%s/dl_bad.safetensors", tmpdir);
+    tu_path(path, sizeof path, tu_dir(), "dl_bad.safetensors");
     ckpt_writer *w = NULL;
     assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
     for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
@@ -891,40 +868,40 @@ static void test_bad_configs_are_rejected_with_a_message(void **state) {
     cfg.batch_size = 0;
     assert_int_equal(ckpt_dataloader_new(&dl, &ds, &cfg), CKPT_EINVAL);
     assert_null(dl);
-    assert_non_null(strstr(ckpt_errmsg(), "batch_size"));
+    tu_assert_errmsg_has("batch_size");
     cfg.batch_size = -3;
     assert_int_equal(ckpt_dataloader_new(&dl, &ds, &cfg), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "-3"));
+    tu_assert_errmsg_has("-3");
     cfg.batch_size = 4;
 
     cfg.num_workers = -1;
     assert_int_equal(ckpt_dataloader_new(&dl, &ds, &cfg), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "num_workers"));
+    tu_assert_errmsg_has("num_workers");
     cfg.num_workers = 0;
 
     cfg.num_processes = 2;
     cfg.process_index = 2;
     assert_int_equal(ckpt_dataloader_new(&dl, &ds, &cfg), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "process_index"));
+    tu_assert_errmsg_has("process_index");
     cfg.num_processes = 0;
     cfg.process_index = 0;
 
     ckpt_dataset bad = ds;
     bad.get = NULL;
     assert_int_equal(ckpt_dataloader_new(&dl, &bad, &cfg), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "get"));
+    tu_assert_errmsg_has("get");
     bad = ds;
     bad.len = NULL;
     assert_int_equal(ckpt_dataloader_new(&dl, &bad, &cfg), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "len"));
+    tu_assert_errmsg_has("len");
     bad = ds;
     bad.sample_bytes = 0;
     assert_int_equal(ckpt_dataloader_new(&dl, &bad, &cfg), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "sample_bytes"));
+    tu_assert_errmsg_has("sample_bytes");
     bad = ds;
     bad.len = zero_len;
     assert_int_equal(ckpt_dataloader_new(&dl, &bad, &cfg), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "empty"));
+    tu_assert_errmsg_has("empty");
     assert_int_equal(ckpt_dataloader_new(&dl, NULL, &cfg), CKPT_EINVAL);
     assert_int_equal(ckpt_dataloader_new(&dl, &ds, NULL), CKPT_EINVAL);
     assert_int_equal(ckpt_dataloader_new(NULL, &ds, &cfg), CKPT_EINVAL);
@@ -942,7 +919,7 @@ static void test_skip_beyond_epoch_and_negative_values_are_rejected(void **state
     counting_init(&c, 16);
     ckpt_dataloader *dl = make_loader(&c, 4, false, 0, 0);
     assert_int_equal(ckpt_skip_first_batches(dl, 5), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "4 batches"));
+    tu_assert_errmsg_has("4 batches");
     assert_int_equal(ckpt_skip_first_batches(dl, -1), CKPT_EINVAL);
     assert_int_equal(ckpt_dataloader_set_epoch(dl, -1), CKPT_EINVAL);
     expect_batch(dl, 0, 0, 0, 4, false); /* unchanged */
@@ -962,12 +939,12 @@ static void check_get_failure(int workers) {
     ckpt_clear_error();
     assert_int_equal(ckpt_dataloader_next(dl, &b), CKPT_ECORRUPT);
     /* the message is set in this (the caller's) thread */
-    assert_non_null(strstr(ckpt_errmsg(), "get(index 7)"));
-    assert_non_null(strstr(ckpt_errmsg(), "batch 1 of epoch 0"));
-    assert_non_null(strstr(ckpt_errmsg(), "record 7 is unreadable")); /* get's own message */
+    tu_assert_errmsg_has("get(index 7)");
+    tu_assert_errmsg_has("batch 1 of epoch 0");
+    tu_assert_errmsg_has("record 7 is unreadable"); /* get's own message */
     /* the position stays at the failed batch: a retry fails the same way */
     assert_int_equal(ckpt_dataloader_next(dl, &b), CKPT_ECORRUPT);
-    assert_non_null(strstr(ckpt_errmsg(), "get(index 7)"));
+    tu_assert_errmsg_has("get(index 7)");
     /* once the dataset recovers, the loader goes on from there */
     atomic_store(&c.fail_index, -1);
     expect_batch(dl, 0, 1, 4, 4, false);
@@ -1024,7 +1001,7 @@ static void test_allocation_failures_are_clean_enomem(void **state) {
         }
         assert_int_equal(rc, CKPT_ENOMEM);
         assert_null(dl);
-        assert_non_null(strstr(ckpt_errmsg(), "out of memory"));
+        tu_assert_errmsg_has("out of memory");
         failures++;
     }
     assert_true(failures > 3);
@@ -1063,5 +1040,5 @@ int main(void) {
         cmocka_unit_test(test_free_mid_epoch_with_workers_does_not_hang_or_leak),
         cmocka_unit_test(test_allocation_failures_are_clean_enomem),
     };
-    return cmocka_run_group_tests(tests, make_tmpdir, remove_tmpdir);
+    return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }

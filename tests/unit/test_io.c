@@ -19,6 +19,7 @@
 #include "ckpt.h"
 #include "error.h"
 #include "io.h"
+#include "helpers/testutil.h"
 
 typedef struct fx {
     char dir[64];
@@ -26,8 +27,7 @@ typedef struct fx {
 
 static int setup(void **state) {
     fx *f = calloc(1, sizeof *f);
-    strcpy(f->dir, "/tmp/ckpt_test_io_XXXXXX");
-    if (!mkdtemp(f->dir)) return -1;
+    if (tu_tmpdir_make(f->dir, sizeof f->dir, "test_io") != 0) return -1;
     *state = f;
     return 0;
 }
@@ -36,17 +36,9 @@ static int teardown(void **state) {
     fx *f = *state;
     ckpt__fault_disarm();
     ckpt__fault_set_max_write(0);
-    ckpt__remove_tree(f->dir);
+    tu_tmpdir_remove(f->dir);
     free(f);
     return 0;
-}
-
-static void assert_msg_has(const char *needle) {
-    if (!strstr(ckpt_errmsg(), needle)) fail_msg("message \"%s\" lacks \"%s\"", ckpt_errmsg(), needle);
-}
-
-static void pathf(char *out, size_t cap, const fx *f, const char *name) {
-    snprintf(out, cap, "%s/%s", f->dir, name);
 }
 
 static int count_entries(const char *dir) {
@@ -60,28 +52,12 @@ static int count_entries(const char *dir) {
     return n;
 }
 
-static void write_file(const char *path, const char *text) {
-    FILE *fp = fopen(path, "wb");
-    assert_non_null(fp);
-    fputs(text, fp);
-    fclose(fp);
-}
-
-static void assert_file_is(const char *path, const char *text) {
-    char *buf = NULL;
-    size_t len = 0;
-    assert_int_equal(ckpt__read_small_file(path, 1 << 20, &buf, &len), CKPT_OK);
-    assert_int_equal(len, strlen(text));
-    assert_memory_equal(buf, text, len);
-    free(buf);
-}
-
 /* ---- the stream --------------------------------------------------------- */
 
 static void test_ostream_writes_all_bytes_and_checksums_them(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "s.bin");
+    tu_path(p, sizeof p, f->dir, "s.bin");
     static uint8_t data[100000];
     for (size_t i = 0; i < sizeof data; i++) data[i] = (uint8_t)(i * 7);
     ckpt_ostream s;
@@ -95,17 +71,13 @@ static void test_ostream_writes_all_bytes_and_checksums_them(void **state) {
     assert_int_equal(sz, sizeof data);
     assert_true(dg == ckpt__xxh3(data, sizeof data));
     ckpt__ostream_abort(&s); /* no-op after finish: the file stays */
-    ckpt_mapped m;
-    assert_int_equal(ckpt__map_file(p, &m), CKPT_OK);
-    assert_int_equal(m.size, sizeof data);
-    assert_memory_equal(m.data, data, sizeof data);
-    ckpt__unmap(&m);
+    tu_assert_file_is(p, data, sizeof data);
 }
 
 static void test_ostream_handles_short_writes(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "short.bin");
+    tu_path(p, sizeof p, f->dir, "short.bin");
     uint8_t data[1000];
     for (size_t i = 0; i < sizeof data; i++) data[i] = (uint8_t)(i ^ 0x5a);
     ckpt__fault_set_max_write(3);
@@ -118,16 +90,13 @@ static void test_ostream_handles_short_writes(void **state) {
     uint64_t dg;
     assert_int_equal(ckpt__ostream_finish(&s, &dg, NULL), CKPT_OK);
     assert_true(dg == ckpt__xxh3(data, sizeof data));
-    ckpt_mapped m;
-    assert_int_equal(ckpt__map_file(p, &m), CKPT_OK);
-    assert_memory_equal(m.data, data, sizeof data);
-    ckpt__unmap(&m);
+    tu_assert_file_is(p, data, sizeof data);
 }
 
 static void test_ostream_retries_eintr(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "eintr.bin");
+    tu_path(p, sizeof p, f->dir, "eintr.bin");
     ckpt__fault_arm(CKPT_FAULT_ANY, 1, EINTR, false); /* the create is interrupted */
     ckpt_ostream s;
     assert_int_equal(ckpt__ostream_open(&s, p), CKPT_OK);
@@ -138,19 +107,19 @@ static void test_ostream_retries_eintr(void **state) {
     ckpt__fault_arm(CKPT_FAULT_FSYNC, 1, EINTR, false);
     assert_int_equal(ckpt__ostream_finish(&s, NULL, NULL), CKPT_OK);
     assert_true(ckpt__fault_fired());
-    assert_file_is(p, "abc");
+    tu_assert_file_text(p, "abc");
 }
 
 static void test_ostream_error_is_sticky_and_named(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "sticky.bin");
+    tu_path(p, sizeof p, f->dir, "sticky.bin");
     ckpt_ostream s;
     assert_int_equal(ckpt__ostream_open(&s, p), CKPT_OK);
     ckpt__fault_arm(CKPT_FAULT_WRITE, 2, ENOSPC, false);
     assert_int_equal(ckpt__ostream_write(&s, "a", 1), CKPT_OK);
     assert_int_equal(ckpt__ostream_write(&s, "b", 1), CKPT_ENOSPC);
-    assert_msg_has("sticky.bin: write: No space left on device");
+    tu_assert_errmsg_has("sticky.bin: write: No space left on device");
     assert_int_equal(ckpt__ostream_write(&s, "c", 1), CKPT_ENOSPC);
     assert_int_equal(ckpt__fault_count(), 2); /* the third call never reached the OS */
     ckpt__fault_disarm();
@@ -162,25 +131,25 @@ static void test_ostream_error_is_sticky_and_named(void **state) {
 static void test_ostream_fsync_failure_removes_file(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "fs.bin");
+    tu_path(p, sizeof p, f->dir, "fs.bin");
     ckpt_ostream s;
     assert_int_equal(ckpt__ostream_open(&s, p), CKPT_OK);
     assert_int_equal(ckpt__ostream_write(&s, "abc", 3), CKPT_OK);
     ckpt__fault_arm(CKPT_FAULT_FSYNC, 1, EIO, false);
     assert_int_equal(ckpt__ostream_finish(&s, NULL, NULL), CKPT_EIO);
-    assert_msg_has("fs.bin: fsync: Input/output error");
+    tu_assert_errmsg_has("fs.bin: fsync: Input/output error");
     assert_int_equal(access(p, F_OK), -1);
 }
 
 static void test_ostream_open_is_exclusive_and_abort_unlinks(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "ex.bin");
-    write_file(p, "old");
+    tu_path(p, sizeof p, f->dir, "ex.bin");
+    tu_write_text(p, "old");
     ckpt_ostream s;
     assert_int_equal(ckpt__ostream_open(&s, p), CKPT_EEXIST);
-    assert_msg_has("ex.bin: create");
-    assert_file_is(p, "old");
+    tu_assert_errmsg_has("ex.bin: create");
+    tu_assert_file_text(p, "old");
     unlink(p);
     assert_int_equal(ckpt__ostream_open(&s, p), CKPT_OK);
     assert_int_equal(ckpt__ostream_write(&s, "x", 1), CKPT_OK);
@@ -202,65 +171,65 @@ static int fill_fails(ckpt_ostream *s, void *ctx) {
 static void test_publish_file_creates_and_replaces_atomically(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "pub.txt");
+    tu_path(p, sizeof p, f->dir, "pub.txt");
     uint64_t dg = 0, sz = 0;
     assert_int_equal(ckpt__publish_file(p, fill_text, "first", &dg, &sz), CKPT_OK);
-    assert_file_is(p, "first");
+    tu_assert_file_text(p, "first");
     assert_int_equal(sz, 5);
     assert_true(dg == ckpt__xxh3("first", 5));
     assert_int_equal(ckpt__publish_file(p, fill_text, "second!", NULL, NULL), CKPT_OK);
-    assert_file_is(p, "second!");
+    tu_assert_file_text(p, "second!");
     assert_int_equal(count_entries(f->dir), 1); /* no temporary or backup left */
 }
 
 static void test_publish_file_fill_failure_leaves_nothing(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "pub.txt");
+    tu_path(p, sizeof p, f->dir, "pub.txt");
     assert_int_equal(ckpt__publish_file(p, fill_fails, NULL, NULL, NULL), CKPT_EINVAL);
-    assert_msg_has("fill: refused");
+    tu_assert_errmsg_has("fill: refused");
     assert_int_equal(count_entries(f->dir), 0);
-    write_file(p, "keep");
+    tu_write_text(p, "keep");
     assert_int_equal(ckpt__publish_file(p, fill_fails, NULL, NULL, NULL), CKPT_EINVAL);
-    assert_file_is(p, "keep");
+    tu_assert_file_text(p, "keep");
     assert_int_equal(count_entries(f->dir), 1);
 }
 
 static void test_publish_file_every_fault_keeps_old_file(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "pub.txt");
-    write_file(p, "old contents");
+    tu_path(p, sizeof p, f->dir, "pub.txt");
+    tu_write_text(p, "old contents");
     ckpt__fault_arm(CKPT_FAULT_ANY, UINT64_MAX, EIO, false);
     assert_int_equal(ckpt__publish_file(p, fill_text, "new", NULL, NULL), CKPT_OK);
     uint64_t calls = ckpt__fault_count();
     ckpt__fault_disarm();
-    write_file(p, "old contents");
+    tu_write_text(p, "old contents");
     for (uint64_t n = 1; n <= calls; n++) {
         ckpt__fault_arm(CKPT_FAULT_ANY, n, EIO, false);
         int rc = ckpt__publish_file(p, fill_text, "new", NULL, NULL);
         ckpt__fault_disarm();
         assert_int_equal(rc, CKPT_EIO);
-        assert_msg_has(p);
-        assert_file_is(p, "old contents");
+        tu_assert_errmsg_has(p);
+        tu_assert_file_text(p, "old contents");
         assert_int_equal(count_entries(f->dir), 1);
     }
     /* persistent failure: the same */
     ckpt__fault_arm(CKPT_FAULT_WRITE, 1, ENOSPC, true);
     assert_int_equal(ckpt__publish_file(p, fill_text, "new", NULL, NULL), CKPT_ENOSPC);
     ckpt__fault_disarm();
-    assert_file_is(p, "old contents");
+    tu_assert_file_text(p, "old contents");
     assert_int_equal(count_entries(f->dir), 1);
 }
 
 static void test_publish_file_rejects_folder_paths(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "sub/");
+    tu_path(p, sizeof p, f->dir, "sub/");
     assert_int_equal(ckpt__publish_file(p, fill_text, "x", NULL, NULL), CKPT_EINVAL);
-    pathf(p, sizeof p, f, "missing/file");
+    tu_path(p, sizeof p, f->dir, "missing/file");
     assert_int_equal(ckpt__publish_file(p, fill_text, "x", NULL, NULL), CKPT_ENOENT);
-    assert_msg_has("missing/file");
+    tu_assert_errmsg_has("missing/file");
 }
 
 /* ---- folders ------------------------------------------------------------ */
@@ -271,28 +240,28 @@ static void make_tree(const char *root, const char *content) {
     snprintf(p, sizeof p, "%s/a/b", root);
     assert_int_equal(ckpt__mkdirs(p), CKPT_OK);
     snprintf(p, sizeof p, "%s/a/b/file", root);
-    write_file(p, content);
+    tu_write_text(p, content);
     snprintf(p, sizeof p, "%s/top", root);
-    write_file(p, content);
+    tu_write_text(p, content);
 }
 
 static void test_publish_dir_new_and_replace_and_refuse(void **state) {
     fx *f = *state;
     char tmp[128], fin[128], p[256];
-    pathf(tmp, sizeof tmp, f, ".tmp1");
-    pathf(fin, sizeof fin, f, "ckpt");
+    tu_path(tmp, sizeof tmp, f->dir, ".tmp1");
+    tu_path(fin, sizeof fin, f->dir, "ckpt");
     make_tree(tmp, "one");
     assert_int_equal(ckpt__publish_dir(tmp, fin, false), CKPT_OK);
     snprintf(p, sizeof p, "%s/a/b/file", fin);
-    assert_file_is(p, "one");
+    tu_assert_file_text(p, "one");
     assert_int_equal(access(tmp, F_OK), -1);
 
     make_tree(tmp, "two");
     assert_int_equal(ckpt__publish_dir(tmp, fin, false), CKPT_EEXIST);
-    assert_msg_has("already exists");
-    assert_file_is(p, "one");
+    tu_assert_errmsg_has("already exists");
+    tu_assert_file_text(p, "one");
     assert_int_equal(ckpt__publish_dir(tmp, fin, true), CKPT_OK);
-    assert_file_is(p, "two");
+    tu_assert_file_text(p, "two");
     assert_int_equal(access(tmp, F_OK), -1); /* the old folder was removed */
     assert_int_equal(count_entries(f->dir), 1);
 }
@@ -300,21 +269,21 @@ static void test_publish_dir_new_and_replace_and_refuse(void **state) {
 static void test_publish_dir_fault_keeps_old_folder(void **state) {
     fx *f = *state;
     char tmp[128], fin[128], p[256];
-    pathf(tmp, sizeof tmp, f, ".tmp1");
-    pathf(fin, sizeof fin, f, "ckpt");
+    tu_path(tmp, sizeof tmp, f->dir, ".tmp1");
+    tu_path(fin, sizeof fin, f->dir, "ckpt");
     make_tree(fin, "old");
     make_tree(tmp, "new");
     ckpt__fault_arm(CKPT_FAULT_RENAME, 1, EIO, false);
     assert_int_equal(ckpt__publish_dir(tmp, fin, true), CKPT_EIO);
     ckpt__fault_disarm();
     snprintf(p, sizeof p, "%s/top", fin);
-    assert_file_is(p, "old");
+    tu_assert_file_text(p, "old");
     ckpt__fault_arm(CKPT_FAULT_FSYNC, 1, EIO, false); /* the temp folder's fsync */
     assert_int_equal(ckpt__publish_dir(tmp, fin, true), CKPT_EIO);
     ckpt__fault_disarm();
-    assert_file_is(p, "old");
+    tu_assert_file_text(p, "old");
     assert_int_equal(ckpt__publish_dir(tmp, fin, true), CKPT_OK);
-    assert_file_is(p, "new");
+    tu_assert_file_text(p, "new");
 }
 
 static void test_fsync_dir_reports_failures(void **state) {
@@ -322,43 +291,43 @@ static void test_fsync_dir_reports_failures(void **state) {
     assert_int_equal(ckpt__fsync_dir(f->dir), CKPT_OK);
     ckpt__fault_arm(CKPT_FAULT_FSYNC, 1, EIO, false);
     assert_int_equal(ckpt__fsync_dir(f->dir), CKPT_EIO);
-    assert_msg_has("fsync folder");
+    tu_assert_errmsg_has("fsync folder");
     ckpt__fault_disarm();
     char p[128];
-    pathf(p, sizeof p, f, "nope");
+    tu_path(p, sizeof p, f->dir, "nope");
     assert_int_equal(ckpt__fsync_dir(p), CKPT_ENOENT);
 }
 
 static void test_mkdirs_nested_existing_and_file_in_the_way(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "a/b//c/d/");
+    tu_path(p, sizeof p, f->dir, "a/b//c/d/");
     assert_int_equal(ckpt__mkdirs(p), CKPT_OK);
     assert_int_equal(ckpt__mkdirs(p), CKPT_OK);
     struct stat st;
-    pathf(p, sizeof p, f, "a/b/c/d");
+    tu_path(p, sizeof p, f->dir, "a/b/c/d");
     assert_int_equal(stat(p, &st), 0);
     assert_true(S_ISDIR(st.st_mode));
-    pathf(p, sizeof p, f, "a/file");
-    write_file(p, "x");
-    pathf(p, sizeof p, f, "a/file/sub");
+    tu_path(p, sizeof p, f->dir, "a/file");
+    tu_write_text(p, "x");
+    tu_path(p, sizeof p, f->dir, "a/file/sub");
     assert_int_equal(ckpt__mkdirs(p), CKPT_EINVAL);
-    assert_msg_has("a/file: exists and is not a folder");
-    pathf(p, sizeof p, f, "m/n");
+    tu_assert_errmsg_has("a/file: exists and is not a folder");
+    tu_path(p, sizeof p, f->dir, "m/n");
     /* mkdir calls: /tmp, the test folder (both exist: a failure there is
      * moot), then "m", which must fail. */
     ckpt__fault_arm(CKPT_FAULT_MKDIR, 3, ENOSPC, false);
     int rc = ckpt__mkdirs(p);
     ckpt__fault_disarm();
     assert_int_equal(rc, CKPT_ENOSPC);
-    assert_msg_has("mkdir");
+    tu_assert_errmsg_has("mkdir");
 }
 
 static void test_remove_tree_does_not_follow_symlinks(void **state) {
     fx *f = *state;
     char root[128], outside[128], p[256];
-    pathf(root, sizeof root, f, "tree");
-    pathf(outside, sizeof outside, f, "outside");
+    tu_path(root, sizeof root, f->dir, "tree");
+    tu_path(outside, sizeof outside, f->dir, "outside");
     make_tree(root, "x");
     make_tree(outside, "keep");
     snprintf(p, sizeof p, "%s/a/link", root);
@@ -366,7 +335,7 @@ static void test_remove_tree_does_not_follow_symlinks(void **state) {
     assert_int_equal(ckpt__remove_tree(root), CKPT_OK);
     assert_int_equal(access(root, F_OK), -1);
     snprintf(p, sizeof p, "%s/a/b/file", outside);
-    assert_file_is(p, "keep");
+    tu_assert_file_text(p, "keep");
     assert_int_equal(ckpt__remove_tree(root), CKPT_OK); /* already gone: fine */
 }
 
@@ -375,31 +344,31 @@ static void test_remove_tree_does_not_follow_symlinks(void **state) {
 static void test_map_file_regular_empty_folder_missing(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "m.txt");
-    write_file(p, "hello");
+    tu_path(p, sizeof p, f->dir, "m.txt");
+    tu_write_text(p, "hello");
     ckpt_mapped m;
     assert_int_equal(ckpt__map_file(p, &m), CKPT_OK);
     assert_int_equal(m.size, 5);
     assert_memory_equal(m.data, "hello", 5);
     ckpt__unmap(&m);
-    write_file(p, "");
+    tu_write_text(p, "");
     assert_int_equal(ckpt__map_file(p, &m), CKPT_OK);
     assert_int_equal(m.size, 0);
     assert_non_null(m.data);
     ckpt__unmap(&m);
     assert_int_equal(ckpt__map_file(f->dir, &m), CKPT_EINVAL);
-    assert_msg_has("not a regular file");
-    pathf(p, sizeof p, f, "absent");
+    tu_assert_errmsg_has("not a regular file");
+    tu_path(p, sizeof p, f->dir, "absent");
     assert_int_equal(ckpt__map_file(p, &m), CKPT_ENOENT);
-    assert_msg_has("absent: open");
+    tu_assert_errmsg_has("absent: open");
     ckpt__unmap(NULL);
 }
 
 static void test_read_small_file_limits_size(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "r.txt");
-    write_file(p, "0123456789");
+    tu_path(p, sizeof p, f->dir, "r.txt");
+    tu_write_text(p, "0123456789");
     char *buf;
     size_t len;
     assert_int_equal(ckpt__read_small_file(p, 10, &buf, &len), CKPT_OK);
@@ -408,10 +377,10 @@ static void test_read_small_file_limits_size(void **state) {
     free(buf);
     assert_int_equal(ckpt__read_small_file(p, 9, &buf, &len), CKPT_ECORRUPT);
     assert_null(buf);
-    assert_msg_has("9-byte limit");
+    tu_assert_errmsg_has("9-byte limit");
     ckpt__fault_arm(CKPT_FAULT_READ, 1, EIO, false);
     assert_int_equal(ckpt__read_small_file(p, 10, &buf, &len), CKPT_EIO);
-    assert_msg_has("r.txt: read");
+    tu_assert_errmsg_has("r.txt: read");
 }
 
 /* ---- fault hook details ------------------------------------------------- */
@@ -419,7 +388,7 @@ static void test_read_small_file_limits_size(void **state) {
 static void test_fault_counts_only_armed_kinds_and_persist(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "k.bin");
+    tu_path(p, sizeof p, f->dir, "k.bin");
     ckpt__fault_arm(CKPT_FAULT_FSYNC, 2, EIO, true);
     ckpt_ostream s;
     assert_int_equal(ckpt__ostream_open(&s, p), CKPT_OK);
@@ -454,7 +423,7 @@ static int child_main(void) {
 static void test_fault_env_variable_arms_the_hook(void **state) {
     fx *f = *state;
     char p[128];
-    pathf(p, sizeof p, f, "env.bin");
+    tu_path(p, sizeof p, f->dir, "env.bin");
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {

@@ -13,35 +13,7 @@
 #include "ckpt.h"
 #include "error.h"
 #include "io.h"
-
-static char tmpdir[64];
-
-static int setup(void **state) {
-    (void)state;
-    strcpy(tmpdir, "/tmp/ckpt_test_model_XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    return ckpt__remove_tree(tmpdir) == CKPT_OK ? 0 : -1;
-}
-
-static void save_model(ckpt_model *m, const char *path) {
-    ckpt_writer *w;
-    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
-    assert_int_equal(ckpt_model_ops()->state_dict(m, w), CKPT_OK);
-    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
-    ckpt_writer_free(w);
-}
-
-static int load_model(ckpt_model *m, const char *path) {
-    ckpt_reader *r;
-    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
-    int rc = ckpt_model_ops()->load_state_dict(m, r);
-    ckpt_reader_free(r);
-    return rc;
-}
+#include "helpers/testutil.h"
 
 static void test_add_param_records_name_shape_and_buffers(void **state) {
     (void)state;
@@ -85,7 +57,7 @@ static void test_add_param_rejects_bad_names_and_duplicates(void **state) {
     assert_int_equal(ckpt_model_new(&m), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(m, "a", CKPT_F32, 1, s, x, NULL), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(m, "a", CKPT_F32, 1, s, x, NULL), CKPT_EEXIST);
-    assert_non_null(strstr(ckpt_errmsg(), "'a'"));
+    tu_assert_errmsg_has("'a'");
     assert_int_equal(ckpt_model_add_param(m, "", CKPT_F32, 1, s, x, NULL), CKPT_EINVAL);
     assert_int_equal(ckpt_model_add_param(m, NULL, CKPT_F32, 1, s, x, NULL), CKPT_EINVAL);
     assert_int_equal(ckpt_model_add_param(m, "__metadata__", CKPT_F32, 1, s, x, NULL),
@@ -164,7 +136,7 @@ static void test_state_dict_is_exactly_the_parameters(void **state) {
 static void test_load_state_dict_restores_every_parameter(void **state) {
     (void)state;
     char path[128];
-    snprintf(path, sizeof path, "%s/model.safetensors", tmpdir);
+    tu_path(path, sizeof path, tu_dir(), "model.safetensors");
     float w[6] = {1.5f, -2, 3, 4, 5, 6.25f}, w2[6] = {0};
     int64_t b[2] = {INT64_MIN, 7}, b2[2] = {0};
     int64_t sw[2] = {2, 3}, sb[1] = {2};
@@ -172,29 +144,40 @@ static void test_load_state_dict_restores_every_parameter(void **state) {
     assert_int_equal(ckpt_model_new(&a), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(a, "w", CKPT_F32, 2, sw, w, NULL), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(a, "b", CKPT_I64, 1, sb, b, NULL), CKPT_OK);
-    save_model(a, path);
+    tu_save_state(ckpt_model_ops(), a, path);
     /* a model with the same parameters, registered in another order */
     assert_int_equal(ckpt_model_new(&c), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(c, "b", CKPT_I64, 1, sb, b2, NULL), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(c, "w", CKPT_F32, 2, sw, w2, NULL), CKPT_OK);
-    assert_int_equal(load_model(c, path), CKPT_OK);
+    assert_int_equal(tu_load_state(ckpt_model_ops(), c, path), CKPT_OK);
     assert_memory_equal(w, w2, sizeof w);
     assert_memory_equal(b, b2, sizeof b);
     ckpt_model_free(a);
     ckpt_model_free(c);
 }
 
-static void test_load_rejects_shape_mismatch_missing_and_extra_and_changes_nothing(void **state) {
-    (void)state;
-    char path[128];
-    snprintf(path, sizeof path, "%s/model.safetensors", tmpdir);
-    float w[6] = {1, 2, 3, 4, 5, 6}, v[2] = {7, 8};
-    int64_t s23[2] = {2, 3}, s2[1] = {2}, s32[2] = {3, 2};
+/* The file the load tests read: a model of v = {7, 8} (shape [2]) and
+ * w = {1, ..., 6} (shape [2,3]). */
+static const float saved_v[2] = {7, 8}, saved_w[6] = {1, 2, 3, 4, 5, 6};
+
+static void save_v_and_w(const char *path) {
+    float w[6], v[2];
+    memcpy(w, saved_w, sizeof w);
+    memcpy(v, saved_v, sizeof v);
+    int64_t s23[2] = {2, 3}, s2[1] = {2};
     ckpt_model *a;
     assert_int_equal(ckpt_model_new(&a), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(a, "v", CKPT_F32, 1, s2, v, NULL), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(a, "w", CKPT_F32, 2, s23, w, NULL), CKPT_OK);
-    save_model(a, path);
+    tu_save_state(ckpt_model_ops(), a, path);
+    ckpt_model_free(a);
+}
+
+static void test_load_rejects_shape_mismatch_missing_and_extra_and_changes_nothing(void **state) {
+    (void)state;
+    char path[128];
+    save_v_and_w(tu_path(path, sizeof path, tu_dir(), "model.safetensors"));
+    int64_t s2[1] = {2}, s32[2] = {3, 2};
 
     float x[6] = {9, 9, 9, 9, 9, 9}, y[2] = {9, 9};
     const float nines[6] = {9, 9, 9, 9, 9, 9};
@@ -203,9 +186,9 @@ static void test_load_rejects_shape_mismatch_missing_and_extra_and_changes_nothi
     assert_int_equal(ckpt_model_new(&m), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(m, "v", CKPT_F32, 1, s2, y, NULL), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(m, "w", CKPT_F32, 2, s32, x, NULL), CKPT_OK);
-    assert_int_equal(load_model(m, path), CKPT_EMISMATCH);
-    assert_non_null(strstr(ckpt_errmsg(), "'w'"));
-    assert_non_null(strstr(ckpt_errmsg(), "[2,3] in file"));
+    assert_int_equal(tu_load_state(ckpt_model_ops(), m, path), CKPT_EMISMATCH);
+    tu_assert_errmsg_has("'w'");
+    tu_assert_errmsg_has("[2,3] in file");
     assert_memory_equal(x, nines, sizeof x);
     assert_memory_equal(y, nines, sizeof y);
     ckpt_model_free(m);
@@ -213,18 +196,17 @@ static void test_load_rejects_shape_mismatch_missing_and_extra_and_changes_nothi
     assert_int_equal(ckpt_model_new(&m), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(m, "v", CKPT_F32, 1, s2, y, NULL), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(m, "u", CKPT_F32, 1, s2, x, NULL), CKPT_OK);
-    assert_int_equal(load_model(m, path), CKPT_EMISMATCH);
-    assert_non_null(strstr(ckpt_errmsg(), "'u'"));
+    assert_int_equal(tu_load_state(ckpt_model_ops(), m, path), CKPT_EMISMATCH);
+    tu_assert_errmsg_has("'u'");
     assert_memory_equal(y, nines, sizeof y);
     ckpt_model_free(m);
     /* the file has a tensor the model lacks */
     assert_int_equal(ckpt_model_new(&m), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(m, "v", CKPT_F32, 1, s2, y, NULL), CKPT_OK);
-    assert_int_equal(load_model(m, path), CKPT_EMISMATCH);
-    assert_non_null(strstr(ckpt_errmsg(), "'w'"));
+    assert_int_equal(tu_load_state(ckpt_model_ops(), m, path), CKPT_EMISMATCH);
+    tu_assert_errmsg_has("'w'");
     assert_memory_equal(y, nines, sizeof y);
     ckpt_model_free(m);
-    ckpt_model_free(a);
 }
 
 /* check_state_dict refuses exactly what load_state_dict refuses (a missing
@@ -235,15 +217,8 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
     const ckpt_stateful_ops *ops = ckpt_model_ops();
     assert_non_null(ops->check_state_dict);
     char path[128];
-    snprintf(path, sizeof path, "%s/model.safetensors", tmpdir);
-    float w[6] = {1, 2, 3, 4, 5, 6}, v[2] = {7, 8};
+    save_v_and_w(tu_path(path, sizeof path, tu_dir(), "model.safetensors"));
     int64_t s23[2] = {2, 3}, s2[1] = {2}, s32[2] = {3, 2};
-    ckpt_model *a;
-    assert_int_equal(ckpt_model_new(&a), CKPT_OK);
-    assert_int_equal(ckpt_model_add_param(a, "v", CKPT_F32, 1, s2, v, NULL), CKPT_OK);
-    assert_int_equal(ckpt_model_add_param(a, "w", CKPT_F32, 2, s23, w, NULL), CKPT_OK);
-    save_model(a, path);
-    ckpt_model_free(a);
     ckpt_reader *r;
     assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
 
@@ -270,22 +245,17 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
             assert_int_equal(ckpt_model_add_param(m, cases[i].name2, cases[i].dt2, 2,
                                                   cases[i].shape2 ? s32 : s23, x, NULL),
                              CKPT_OK);
-        ckpt_clear_error();
-        assert_int_equal(ops->check_state_dict(m, r), cases[i].code);
         char msg[256];
-        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
-        if (!strstr(msg, cases[i].needle)) fail_msg("case %zu: \"%s\"", i, msg);
+        tu_check_state(ops, m, r, cases[i].code, cases[i].needle, i, msg, sizeof msg);
         assert_memory_equal(x, nines, sizeof x);
         assert_memory_equal(y, nines, sizeof y);
-        ckpt_clear_error();
-        assert_int_equal(ops->load_state_dict(m, r), cases[i].code);
-        assert_string_equal(ckpt_errmsg(), msg);
+        tu_load_state_like_check(ops, m, r, cases[i].code, msg);
         if (cases[i].code != CKPT_OK) {
             assert_memory_equal(x, nines, sizeof x);
             assert_memory_equal(y, nines, sizeof y);
         } else {
-            assert_memory_equal(x, w, sizeof x);
-            assert_memory_equal(y, v, sizeof y);
+            assert_memory_equal(x, saved_w, sizeof x);
+            assert_memory_equal(y, saved_v, sizeof y);
         }
         ckpt_model_free(m);
     }
@@ -298,13 +268,13 @@ int main(void) {
         cmocka_unit_test(test_add_param_rejects_bad_names_and_duplicates),
         cmocka_unit_test(test_add_param_allocation_failures_are_clean),
         cmocka_unit_test(test_state_dict_is_exactly_the_parameters),
-        cmocka_unit_test_setup_teardown(test_load_state_dict_restores_every_parameter, setup,
-                                        teardown),
+        cmocka_unit_test_setup_teardown(test_load_state_dict_restores_every_parameter, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(
-            test_load_rejects_shape_mismatch_missing_and_extra_and_changes_nothing, setup,
-            teardown),
+            test_load_rejects_shape_mismatch_missing_and_extra_and_changes_nothing, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(
-            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, setup, teardown),
+            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -16,19 +16,7 @@
 #include "error.h"
 #include "io.h"
 #include "optim.h"
-
-static char tmpdir[64];
-
-static int setup(void **state) {
-    (void)state;
-    strcpy(tmpdir, "/tmp/ckpt_test_optim_XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    return ckpt__remove_tree(tmpdir) == CKPT_OK ? 0 : -1;
-}
+#include "helpers/testutil.h"
 
 /* ---- a two-parameter model ---------------------------------------------- */
 
@@ -54,45 +42,13 @@ static void grads(fixture *f, int t) {
 
 static char *path_of(const char *name) {
     static char path[128];
-    snprintf(path, sizeof path, "%s/%s", tmpdir, name);
-    return path;
-}
-
-static void save(const ckpt_stateful_ops *ops, void *self, const char *path) {
-    ckpt_writer *w;
-    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
-    assert_int_equal(ops->state_dict(self, w), CKPT_OK);
-    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
-    ckpt_writer_free(w);
-}
-
-static int load(const ckpt_stateful_ops *ops, void *self, const char *path) {
-    ckpt_reader *r;
-    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
-    int rc = ops->load_state_dict(self, r);
-    ckpt_reader_free(r);
-    return rc;
-}
-
-static char *slurp(const char *path, size_t *n) {
-    FILE *fp = fopen(path, "rb");
-    assert_non_null(fp);
-    fseek(fp, 0, SEEK_END);
-    long len = ftell(fp);
-    fseek(fp, 0, SEEK_SET);
-    char *buf = malloc((size_t)len + 1);
-    assert_int_equal(fread(buf, 1, (size_t)len, fp), (size_t)len);
-    fclose(fp);
-    *n = (size_t)len;
-    return buf;
+    return tu_path(path, sizeof path, tu_dir(), name);
 }
 
 /* The optimizer's whole state as bytes (its state dict file). */
 static char *state_bytes(ckpt_optimizer *o, const char *name, size_t *n) {
     char path[128];
-    snprintf(path, sizeof path, "%s/%s", tmpdir, name);
-    save(ckpt_optimizer_ops(), o, path);
-    return slurp(path, n);
+    return tu_state_bytes(ckpt_optimizer_ops(), o, tu_path(path, sizeof path, tu_dir(), name), n);
 }
 
 /* ---- argument checks ----------------------------------------------------- */
@@ -107,24 +63,24 @@ static void test_new_rejects_bad_hyperparameters(void **state) {
     assert_string_equal(ckpt_errmsg(), "optimizer: param_groups.0.lr: expected >= 0, got -0.5");
     assert_int_equal(ckpt_sgd_new(&o, f.m, NAN, 0, 0, false), CKPT_EINVAL);
     assert_int_equal(ckpt_sgd_new(&o, f.m, 0.1, -0.1, 0, false), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "momentum"));
+    tu_assert_errmsg_has("momentum");
     assert_int_equal(ckpt_sgd_new(&o, f.m, 0.1, 0, -1, false), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "weight_decay"));
+    tu_assert_errmsg_has("weight_decay");
     assert_int_equal(ckpt_sgd_new(&o, f.m, 0.1, 0, 0, true), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "nesterov"));
+    tu_assert_errmsg_has("nesterov");
     ckpt_optim_options so = ckpt_optim_defaults(CKPT_OPTIM_SGD);
     so.momentum = 0.9;
     so.dampening = 0.1;
     so.nesterov = true;
     assert_int_equal(ckpt_optimizer_new(&o, CKPT_OPTIM_SGD, f.m, &so), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "dampening"));
+    tu_assert_errmsg_has("dampening");
     assert_int_equal(ckpt_adamw_new(&o, f.m, 1e-3, 1.0, 0.999, 1e-8, 0), CKPT_EINVAL);
     assert_string_equal(ckpt_errmsg(),
                         "optimizer: param_groups.0.betas.0: expected in [0, 1), got 1");
     assert_int_equal(ckpt_adamw_new(&o, f.m, 1e-3, 0.9, -0.1, 1e-8, 0), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "betas.1"));
+    tu_assert_errmsg_has("betas.1");
     assert_int_equal(ckpt_adam_new(&o, f.m, 1e-3, 0.9, 0.999, -1e-8, 0), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "eps"));
+    tu_assert_errmsg_has("eps");
     assert_int_equal(ckpt_adam_new(&o, f.m, -1e-3, 0.9, 0.999, 1e-8, 0), CKPT_EINVAL);
     assert_null(o);
     ckpt_model_free(f.m);
@@ -150,7 +106,7 @@ static void test_new_rejects_non_f32_parameters_naming_them(void **state) {
     assert_int_equal(ckpt_model_add_param(m, "dbl", CKPT_F64, 1, s, d, d), CKPT_OK);
     ckpt_optimizer *o;
     assert_int_equal(ckpt_sgd_new(&o, m, 0.1, 0, 0, false), CKPT_EUNSUPPORTED);
-    assert_non_null(strstr(ckpt_errmsg(), "'dbl' is F64"));
+    tu_assert_errmsg_has("'dbl' is F64");
     ckpt_model_free(m);
 }
 
@@ -170,11 +126,10 @@ static void test_step_without_gradient_fails_and_changes_nothing(void **state) {
     memcpy(w0, f.w, sizeof w0);
     memcpy(b0, f.b, sizeof b0);
     assert_int_equal(ckpt_optimizer_step(o), CKPT_EINVAL);
-    assert_non_null(strstr(ckpt_errmsg(), "'frozen'"));
-    assert_non_null(strstr(ckpt_errmsg(), "no gradient"));
+    tu_assert_errmsg_has("'frozen'");
+    tu_assert_errmsg_has("no gradient");
     char *after = state_bytes(o, "after.safetensors", &n1);
-    assert_int_equal(n0, n1);
-    assert_memory_equal(before, after, n0);
+    tu_assert_bytes_equal(before, n0, after, n1);
     assert_memory_equal(w0, f.w, sizeof w0);
     assert_memory_equal(b0, f.b, sizeof b0);
     free(before);
@@ -339,8 +294,8 @@ static void check_resume(ckpt_optim_kind kind, const ckpt_optim_options *opts, i
         grads(&b, t);
         assert_int_equal(ckpt_optimizer_step(ob), CKPT_OK);
     }
-    save(ckpt_model_ops(), b.m, path_of("model.safetensors"));
-    save(ckpt_optimizer_ops(), ob, path_of("optimizer.safetensors"));
+    tu_save_state(ckpt_model_ops(), b.m, path_of("model.safetensors"));
+    tu_save_state(ckpt_optimizer_ops(), ob, path_of("optimizer.safetensors"));
     ckpt_optimizer_free(ob);
     ckpt_model_free(b.m);
 
@@ -350,8 +305,8 @@ static void check_resume(ckpt_optim_kind kind, const ckpt_optim_options *opts, i
     ckpt_optim_options other = *opts;
     other.lr = opts->lr * 3; /* the file's hyper-parameters win, as in PyTorch */
     assert_int_equal(ckpt_optimizer_new(&oc, kind, c.m, &other), CKPT_OK);
-    assert_int_equal(load(ckpt_model_ops(), c.m, path_of("model.safetensors")), CKPT_OK);
-    assert_int_equal(load(ckpt_optimizer_ops(), oc, path_of("optimizer.safetensors")), CKPT_OK);
+    assert_int_equal(tu_load_state(ckpt_model_ops(), c.m, path_of("model.safetensors")), CKPT_OK);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), oc, path_of("optimizer.safetensors")), CKPT_OK);
     assert_true(ckpt_optimizer_get_lr(oc, 0) == opts->lr);
     for (int t = cut + 1; t <= total; t++) {
         grads(&c, t);
@@ -402,18 +357,17 @@ static void test_loading_sgd_state_into_adamw_is_a_mismatch_and_changes_nothing(
     assert_int_equal(ckpt_sgd_new(&sgd, f.m, 0.1, 0.9, 0, false), CKPT_OK);
     grads(&f, 1);
     assert_int_equal(ckpt_optimizer_step(sgd), CKPT_OK);
-    save(ckpt_optimizer_ops(), sgd, path_of("sgd.safetensors"));
+    tu_save_state(ckpt_optimizer_ops(), sgd, path_of("sgd.safetensors"));
     assert_int_equal(ckpt_adamw_new(&adamw, f.m, 0.01, 0.9, 0.999, 1e-8, 0.01), CKPT_OK);
     assert_int_equal(ckpt_optimizer_step(adamw), CKPT_OK);
     size_t n0, n1;
     char *before = state_bytes(adamw, "before.safetensors", &n0);
-    assert_int_equal(load(ckpt_optimizer_ops(), adamw, path_of("sgd.safetensors")),
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), adamw, path_of("sgd.safetensors")),
                      CKPT_EMISMATCH);
     assert_string_equal(ckpt_errmsg(),
                         "optimizer: the state dict is for a sgd optimizer, this one is adamw");
     char *after = state_bytes(adamw, "after.safetensors", &n1);
-    assert_int_equal(n0, n1);
-    assert_memory_equal(before, after, n0);
+    tu_assert_bytes_equal(before, n0, after, n1);
     free(before);
     free(after);
     ckpt_optimizer_free(sgd);
@@ -431,7 +385,7 @@ static void test_load_rejects_bad_values_and_changes_nothing(void **state) {
     assert_int_equal(ckpt_optimizer_step(o), CKPT_OK);
     /* a state dict with a negative learning rate and beta1 = 1: hand-made
      * from a valid one by copying every entry but those */
-    save(ckpt_optimizer_ops(), o, path_of("good.safetensors"));
+    tu_save_state(ckpt_optimizer_ops(), o, path_of("good.safetensors"));
     ckpt_reader *r;
     assert_int_equal(ckpt_reader_open(&r, path_of("good.safetensors")), CKPT_OK);
     for (int variant = 0; variant < 3; variant++) {
@@ -468,20 +422,19 @@ static void test_load_rejects_bad_values_and_changes_nothing(void **state) {
         char *before = state_bytes(o, "before.safetensors", &n0);
         float w0[6];
         memcpy(w0, f.w, sizeof w0);
-        int rc = load(ckpt_optimizer_ops(), o, path_of("bad.safetensors"));
+        int rc = tu_load_state(ckpt_optimizer_ops(), o, path_of("bad.safetensors"));
         if (variant == 0) {
             assert_int_equal(rc, CKPT_ECORRUPT);
-            assert_non_null(strstr(ckpt_errmsg(), "param_groups.0.lr: expected >= 0, got -0.5"));
+            tu_assert_errmsg_has("param_groups.0.lr: expected >= 0, got -0.5");
         } else if (variant == 1) {
             assert_int_equal(rc, CKPT_ECORRUPT);
-            assert_non_null(strstr(ckpt_errmsg(), "betas.0"));
+            tu_assert_errmsg_has("betas.0");
         } else {
             assert_int_equal(rc, CKPT_EMISMATCH);
-            assert_non_null(strstr(ckpt_errmsg(), "amsgrad"));
+            tu_assert_errmsg_has("amsgrad");
         }
         char *after = state_bytes(o, "after.safetensors", &n1);
-        assert_int_equal(n0, n1);
-        assert_memory_equal(before, after, n0);
+        tu_assert_bytes_equal(before, n0, after, n1);
         assert_memory_equal(w0, f.w, sizeof w0);
         free(before);
         free(after);
@@ -489,48 +442,6 @@ static void test_load_rejects_bad_values_and_changes_nothing(void **state) {
     ckpt_reader_free(r);
     ckpt_optimizer_free(o);
     ckpt_model_free(f.m);
-}
-
-/* Copies the state dict at src to dst with one entry replaced by v: an f64
- * or i64 key, or element elem of an F32 / I64 tensor (NULL key: a plain
- * copy). */
-static void copy_with(const char *src, const char *dst, const char *key, double v, int elem) {
-    ckpt_reader *r;
-    assert_int_equal(ckpt_reader_open(&r, src), CKPT_OK);
-    ckpt_writer *w;
-    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
-    void *bufs[64];
-    int nbufs = 0;
-    for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
-        ckpt_entry_info e;
-        assert_int_equal(ckpt_reader_entry(r, i, &e), CKPT_OK);
-        bool hit = key && strcmp(e.key, key) == 0;
-        if (e.kind == CKPT_ENTRY_TENSOR) {
-            assert_true(nbufs < 64);
-            void *buf = bufs[nbufs++] = malloc(e.nbytes ? e.nbytes : 1);
-            assert_non_null(buf);
-            assert_int_equal(ckpt_read_tensor(r, e.key, e.dtype, e.ndim, e.shape, buf), CKPT_OK);
-            if (hit && e.dtype == CKPT_F32) ((float *)buf)[elem] = (float)v;
-            if (hit && e.dtype == CKPT_I64) ((int64_t *)buf)[elem] = (int64_t)v;
-            assert_int_equal(ckpt_write_tensor(w, e.key, e.dtype, e.ndim, e.shape, buf), CKPT_OK);
-        } else if (e.kind == CKPT_ENTRY_F64) {
-            double x;
-            assert_int_equal(ckpt_read_f64(r, e.key, &x), CKPT_OK);
-            assert_int_equal(ckpt_write_f64(w, e.key, hit ? v : x), CKPT_OK);
-        } else if (e.kind == CKPT_ENTRY_I64) {
-            int64_t x;
-            assert_int_equal(ckpt_read_i64(r, e.key, &x), CKPT_OK);
-            assert_int_equal(ckpt_write_i64(w, e.key, hit ? (int64_t)v : x), CKPT_OK);
-        } else {
-            char str[64];
-            assert_int_equal(ckpt_read_str(r, e.key, str, sizeof str), CKPT_OK);
-            assert_int_equal(ckpt_write_str(w, e.key, str), CKPT_OK);
-        }
-    }
-    assert_int_equal(ckpt_writer_save(w, dst), CKPT_OK);
-    ckpt_writer_free(w);
-    for (int i = 0; i < nbufs; i++) free(bufs[i]);
-    ckpt_reader_free(r);
 }
 
 /* check_state_dict refuses what load_state_dict refuses (same code, same
@@ -585,10 +496,10 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
         }
         grads(&b, 7);
         assert_int_equal(ckpt_optimizer_step(ob), CKPT_OK);
-        save(ops, oa, path_of("good.safetensors"));
+        tu_save_state(ops, oa, path_of("good.safetensors"));
         char bad[128];
         snprintf(bad, sizeof bad, "%s", path_of("bad.safetensors"));
-        copy_with(path_of("good.safetensors"), bad, cases[i].key, cases[i].v, cases[i].elem);
+        tu_copy_state_with(path_of("good.safetensors"), bad, cases[i].key, cases[i].v, cases[i].elem);
         size_t n0, n1;
         char *before = state_bytes(ob, "before.safetensors", &n0);
         float w0[6], b0[3];
@@ -596,29 +507,21 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
         memcpy(b0, b.b, sizeof b0);
         ckpt_reader *r;
         assert_int_equal(ckpt_reader_open(&r, bad), CKPT_OK);
-        ckpt_clear_error();
-        assert_int_equal(ops->check_state_dict(ob, r), cases[i].code);
         char msg[256];
-        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
-        if (!strstr(msg, cases[i].needle)) fail_msg("case %zu: \"%s\"", i, msg);
+        tu_check_state(ops, ob, r, cases[i].code, cases[i].needle, i, msg, sizeof msg);
         char *after = state_bytes(ob, "after.safetensors", &n1);
-        assert_int_equal(n0, n1);
-        assert_memory_equal(before, after, n0);
+        tu_assert_bytes_equal(before, n0, after, n1);
         free(after);
-        ckpt_clear_error();
-        assert_int_equal(ops->load_state_dict(ob, r), cases[i].code);
-        assert_string_equal(ckpt_errmsg(), msg);
+        tu_load_state_like_check(ops, ob, r, cases[i].code, msg);
         if (cases[i].code != CKPT_OK) {
             after = state_bytes(ob, "after.safetensors", &n1);
-            assert_int_equal(n0, n1);
-            assert_memory_equal(before, after, n0);
+            tu_assert_bytes_equal(before, n0, after, n1);
             free(after);
         } else {
             size_t ng;
             char *want = state_bytes(oa, "want.safetensors", &ng);
             after = state_bytes(ob, "after.safetensors", &n1);
-            assert_int_equal(ng, n1);
-            assert_memory_equal(want, after, ng);
+            tu_assert_bytes_equal(want, ng, after, n1);
             free(want);
             free(after);
         }
@@ -639,7 +542,7 @@ static void test_state_before_first_step_is_zeros_and_step_zero(void **state) {
     fixture_init(&f);
     ckpt_optimizer *o;
     assert_int_equal(ckpt_adamw_new(&o, f.m, 0.01, 0.9, 0.999, 1e-8, 0.01), CKPT_OK);
-    save(ckpt_optimizer_ops(), o, path_of("o.safetensors"));
+    tu_save_state(ckpt_optimizer_ops(), o, path_of("o.safetensors"));
     ckpt_reader *r;
     assert_int_equal(ckpt_reader_open(&r, path_of("o.safetensors")), CKPT_OK);
     float step = -1, m[6] = {1};
@@ -723,7 +626,7 @@ static void test_simd_and_portable_adam_loops_agree_bit_for_bit(void **state) {
 }
 
 int main(void) {
-#define T(name) cmocka_unit_test_setup_teardown(name, setup, teardown)
+#define T(name) cmocka_unit_test_setup_teardown(name, tu_tmpdir_setup, tu_tmpdir_teardown)
     const struct CMUnitTest tests[] = {
         T(test_new_rejects_bad_hyperparameters),
         T(test_new_rejects_a_model_without_parameters),

@@ -11,37 +11,14 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
-#include "io.h"
-
-/* ---- a fresh folder per test -------------------------------------------- */
-
-static char tmpdir[64];
-
-static int setup(void **state) {
-    (void)state;
-    strcpy(tmpdir, "/tmp/ckpt_test_rng_XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    return ckpt__remove_tree(tmpdir) == CKPT_OK ? 0 : -1;
-}
+#include "helpers/testutil.h"
 
 /* Saves g's state dict to a file and loads it into *to. */
 static int round_trip(ckpt_rng *from, ckpt_rng *to) {
     char path[128];
-    snprintf(path, sizeof path, "%s/rng.safetensors", tmpdir);
-    ckpt_writer *w;
-    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
-    assert_int_equal(ckpt_rng_ops()->state_dict(from, w), CKPT_OK);
-    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
-    ckpt_writer_free(w);
-    ckpt_reader *r;
-    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
-    int rc = ckpt_rng_ops()->load_state_dict(to, r);
-    ckpt_reader_free(r);
-    return rc;
+    tu_path(path, sizeof path, tu_dir(), "rng.safetensors");
+    tu_save_state(ckpt_rng_ops(), from, path);
+    return tu_load_state(ckpt_rng_ops(), to, path);
 }
 
 /* ---- tests --------------------------------------------------------------- */
@@ -207,37 +184,9 @@ static void test_stream_continues_identically_after_state_dict_round_trip(void *
     }
 }
 
-static void test_load_rejects_bad_position_and_changes_nothing(void **state) {
-    (void)state;
-    char path[128];
-    snprintf(path, sizeof path, "%s/bad.safetensors", tmpdir);
-    ckpt_rng src;
-    ckpt_rng_seed(&src, 1);
-    ckpt_writer *w;
-    const int64_t two = 2, four = 4;
-    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
-    assert_int_equal(ckpt_write_tensor(w, "key", CKPT_U32, 1, &two, src.key), CKPT_OK);
-    assert_int_equal(ckpt_write_tensor(w, "counter", CKPT_U32, 1, &four, src.counter), CKPT_OK);
-    assert_int_equal(ckpt_write_tensor(w, "block", CKPT_U32, 1, &four, src.block), CKPT_OK);
-    assert_int_equal(ckpt_write_i64(w, "pos", 7), CKPT_OK);
-    assert_int_equal(ckpt_write_i64(w, "has_normal", 0), CKPT_OK);
-    assert_int_equal(ckpt_write_f64(w, "normal", 0.0), CKPT_OK);
-    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
-    ckpt_writer_free(w);
-    ckpt_rng g, before;
-    ckpt_rng_seed(&g, 55);
-    (void)ckpt_rng_u32(&g);
-    before = g;
-    ckpt_reader *r;
-    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
-    assert_int_equal(ckpt_rng_ops()->load_state_dict(&g, r), CKPT_ECORRUPT);
-    assert_non_null(strstr(ckpt_errmsg(), "pos"));
-    ckpt_reader_free(r);
-    assert_memory_equal(&g, &before, sizeof g);
-}
-
-/* Writes a generator state dict with pos and has_normal as given. */
-static void write_state(const char *path, const ckpt_rng *src, int64_t pos, int64_t has_normal) {
+/* Writes a generator state dict with pos, has_normal and normal as given. */
+static void write_state(const char *path, const ckpt_rng *src, int64_t pos, int64_t has_normal,
+                        double normal) {
     ckpt_writer *w;
     const int64_t two = 2, four = 4;
     assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
@@ -246,9 +195,24 @@ static void write_state(const char *path, const ckpt_rng *src, int64_t pos, int6
     assert_int_equal(ckpt_write_tensor(w, "block", CKPT_U32, 1, &four, src->block), CKPT_OK);
     assert_int_equal(ckpt_write_i64(w, "pos", pos), CKPT_OK);
     assert_int_equal(ckpt_write_i64(w, "has_normal", has_normal), CKPT_OK);
-    assert_int_equal(ckpt_write_f64(w, "normal", 0.25), CKPT_OK);
+    assert_int_equal(ckpt_write_f64(w, "normal", normal), CKPT_OK);
     assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
     ckpt_writer_free(w);
+}
+
+static void test_load_rejects_bad_position_and_changes_nothing(void **state) {
+    (void)state;
+    char path[128];
+    tu_path(path, sizeof path, tu_dir(), "bad.safetensors");
+    ckpt_rng src;
+    ckpt_rng_seed(&src, 1);
+    write_state(path, &src, 7, 0, 0.0);
+    ckpt_rng g, before;
+    ckpt_rng_seed(&g, 55);
+    (void)ckpt_rng_u32(&g);
+    before = g;
+    tu_expect_error(tu_load_state(ckpt_rng_ops(), &g, path), CKPT_ECORRUPT, "pos");
+    assert_memory_equal(&g, &before, sizeof g);
 }
 
 /* check_state_dict refuses what load_state_dict refuses (same code, same
@@ -258,7 +222,7 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
     const ckpt_stateful_ops *ops = ckpt_rng_ops();
     assert_non_null(ops->check_state_dict);
     char path[128];
-    snprintf(path, sizeof path, "%s/check.safetensors", tmpdir);
+    tu_path(path, sizeof path, tu_dir(), "check.safetensors");
     ckpt_rng src;
     ckpt_rng_seed(&src, 1);
     (void)ckpt_rng_u32(&src);
@@ -273,22 +237,17 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
         {2, 1, CKPT_OK, ""},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-        write_state(path, &src, cases[i].pos, cases[i].has_normal);
+        write_state(path, &src, cases[i].pos, cases[i].has_normal, 0.25);
         ckpt_rng g, before;
         ckpt_rng_seed(&g, 55);
         (void)ckpt_rng_normal(&g);
         before = g;
         ckpt_reader *r;
         assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
-        ckpt_clear_error();
-        assert_int_equal(ops->check_state_dict(&g, r), cases[i].code);
         char msg[256];
-        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
-        assert_non_null(strstr(msg, cases[i].needle));
+        tu_check_state(ops, &g, r, cases[i].code, cases[i].needle, i, msg, sizeof msg);
         assert_memory_equal(&g, &before, sizeof g);
-        ckpt_clear_error();
-        assert_int_equal(ops->load_state_dict(&g, r), cases[i].code);
-        assert_string_equal(ckpt_errmsg(), msg);
+        tu_load_state_like_check(ops, &g, r, cases[i].code, msg);
         if (cases[i].code != CKPT_OK) {
             assert_memory_equal(&g, &before, sizeof g);
         } else {
@@ -327,11 +286,11 @@ int main(void) {
         cmocka_unit_test(test_normal_has_unit_moments_and_caches_pairs),
         cmocka_unit_test(test_below_stays_in_range_and_is_balanced),
         cmocka_unit_test_setup_teardown(
-            test_stream_continues_identically_after_state_dict_round_trip, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_load_rejects_bad_position_and_changes_nothing, setup,
-                                        teardown),
+            test_stream_continues_identically_after_state_dict_round_trip, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_load_rejects_bad_position_and_changes_nothing, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(
-            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, setup, teardown),
+            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test(test_state_dict_has_exactly_the_documented_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -12,11 +12,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "ckpt.h"
 #include "io.h"
 #include "safetensors.h"
+#include "helpers/testutil.h"
 
 /* A file: 8-byte little-endian length, header text, then data_len bytes
  * (value i & 0xff). */
@@ -33,10 +33,7 @@ static uint8_t *make_file(const char *header, size_t data_len, size_t *len) {
 static void expect(const uint8_t *buf, size_t len, int code, const char *needle) {
     ckpt_reader *r = NULL;
     int rc = ckpt_reader_open_memory(&r, buf, len, "x.safetensors");
-    if (rc != code)
-        fail_msg("expected %d, got %d (%s)", code, rc, ckpt_errmsg());
-    if (needle && !strstr(ckpt_errmsg(), needle))
-        fail_msg("message \"%s\" lacks \"%s\"", ckpt_errmsg(), needle);
+    tu_expect_error(rc, code, needle);
     if (code == CKPT_OK)
         assert_non_null(r);
     else
@@ -49,22 +46,15 @@ static void expect_header(const char *header, size_t data_len, int code, const c
     uint8_t *b = make_file(header, data_len, &len);
     expect(b, len, code, needle);
     /* and through the file path (pread) as well */
-    char dir[] = "/tmp/ckpt_test_st_XXXXXX";
-    assert_non_null(mkdtemp(dir));
-    char path[64];
-    snprintf(path, sizeof path, "%s/x.safetensors", dir);
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    assert_int_equal(fwrite(b, 1, len, f), len);
-    fclose(f);
+    char dir[64], path[128];
+    assert_int_equal(tu_tmpdir_make(dir, sizeof dir, "test_st"), 0);
+    tu_write_file(tu_path(path, sizeof path, dir, "x.safetensors"), b, len);
     ckpt_reader *r = NULL;
     int rc = ckpt_reader_open(&r, path);
-    if (rc != code) fail_msg("file: expected %d, got %d (%s)", code, rc, ckpt_errmsg());
-    if (needle && !strstr(ckpt_errmsg(), needle))
-        fail_msg("file: message \"%s\" lacks \"%s\"", ckpt_errmsg(), needle);
-    if (code != CKPT_OK) assert_non_null(strstr(ckpt_errmsg(), path));
+    tu_expect_error(rc, code, needle); /* the same through the file */
+    if (code != CKPT_OK) tu_assert_errmsg_has(path);
     ckpt_reader_free(r);
-    ckpt__remove_tree(dir);
+    assert_int_equal(tu_tmpdir_remove(dir), 0);
     free(b);
 }
 
@@ -297,10 +287,9 @@ static void test_accepts_scalars_zero_sized_and_unordered_entries(void **state) 
 
 static void test_writer_layout_metadata_first_padded_sorted_aligned(void **state) {
     (void)state;
-    char dir[] = "/tmp/ckpt_test_st_XXXXXX";
-    assert_non_null(mkdtemp(dir));
-    char path[64];
-    snprintf(path, sizeof path, "%s/l.safetensors", dir);
+    char dir[64], path[128];
+    assert_int_equal(tu_tmpdir_make(dir, sizeof dir, "test_st"), 0);
+    tu_path(path, sizeof path, dir, "l.safetensors");
     ckpt_writer *w;
     assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
     uint8_t u8[3] = {1, 2, 3};
@@ -317,9 +306,8 @@ static void test_writer_layout_metadata_first_padded_sorted_aligned(void **state
     assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
     ckpt_writer_free(w);
 
-    char *buf;
     size_t len;
-    assert_int_equal(ckpt__read_small_file(path, 1 << 20, &buf, &len), CKPT_OK);
+    char *buf = tu_read_file(path, &len);
     const uint8_t *b = (const uint8_t *)buf;
     uint64_t n = 0;
     for (int i = 7; i >= 0; i--) n = n << 8 | b[i];
@@ -363,7 +351,7 @@ static void test_writer_layout_metadata_first_padded_sorted_aligned(void **state
                         "{\"version\":1,\"entries\":[{\"key\":\"n\",\"type\":\"i64\",\"value\":3}]}");
     json_decref(root);
     free(buf);
-    ckpt__remove_tree(dir);
+    assert_int_equal(tu_tmpdir_remove(dir), 0);
 }
 
 static void test_header_parser_rejects_every_truncation_of_a_valid_file(void **state) {

@@ -13,20 +13,7 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
-#include "io.h"
-
-static char tmpdir[64];
-
-static int setup(void **state) {
-    (void)state;
-    strcpy(tmpdir, "/tmp/ckpt_test_scaler_XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    return ckpt__remove_tree(tmpdir) == CKPT_OK ? 0 : -1;
-}
+#include "helpers/testutil.h"
 
 typedef struct fixture {
     float p[3], g[3];
@@ -151,7 +138,7 @@ static void test_growth_never_overflows_to_infinity(void **state) {
 static void test_state_dict_round_trip_with_pytorch_names(void **state) {
     (void)state;
     char path[128];
-    snprintf(path, sizeof path, "%s/scaler.safetensors", tmpdir);
+    tu_path(path, sizeof path, tu_dir(), "scaler.safetensors");
     fixture f;
     fixture_init(&f);
     ckpt_grad_scaler *a, *b;
@@ -162,11 +149,7 @@ static void test_state_dict_round_trip_with_pytorch_names(void **state) {
         assert_int_equal(ckpt_grad_scaler_step(a, f.o, NULL), CKPT_OK);
         assert_int_equal(ckpt_grad_scaler_update(a), CKPT_OK);
     }
-    ckpt_writer *w;
-    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
-    assert_int_equal(ckpt_grad_scaler_ops()->state_dict(a, w), CKPT_OK);
-    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
-    ckpt_writer_free(w);
+    tu_save_state(ckpt_grad_scaler_ops(), a, path);
     ckpt_reader *r;
     assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
     double v;
@@ -203,7 +186,7 @@ static void test_state_dict_round_trip_with_pytorch_names(void **state) {
 static void test_load_rejects_bad_values_and_changes_nothing(void **state) {
     (void)state;
     char path[128];
-    snprintf(path, sizeof path, "%s/bad.safetensors", tmpdir);
+    tu_path(path, sizeof path, tu_dir(), "bad.safetensors");
     ckpt_writer *w;
     assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
     assert_int_equal(ckpt_write_f64(w, "scale", 1024), CKPT_OK);
@@ -218,7 +201,7 @@ static void test_load_rejects_bad_values_and_changes_nothing(void **state) {
     ckpt_reader *r;
     assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
     assert_int_equal(ckpt_grad_scaler_ops()->load_state_dict(gs, r), CKPT_ECORRUPT);
-    assert_non_null(strstr(ckpt_errmsg(), "growth_factor"));
+    tu_assert_errmsg_has("growth_factor");
     ckpt_reader_free(r);
     assert_true(ckpt_grad_scaler_scale(gs) == 8);
     ckpt_grad_scaler_free(gs);
@@ -227,15 +210,7 @@ static void test_load_rejects_bad_values_and_changes_nothing(void **state) {
 /* The scaler's saved state as the bytes of its state dict file. */
 static char *scaler_bytes(ckpt_grad_scaler *gs, size_t *n) {
     char path[128];
-    snprintf(path, sizeof path, "%s/snap.safetensors", tmpdir);
-    ckpt_writer *w;
-    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
-    assert_int_equal(ckpt_grad_scaler_ops()->state_dict(gs, w), CKPT_OK);
-    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
-    ckpt_writer_free(w);
-    char *buf = NULL;
-    assert_int_equal(ckpt__read_small_file(path, 1 << 20, &buf, n), CKPT_OK);
-    return buf;
+    return tu_state_bytes(ckpt_grad_scaler_ops(), gs, tu_path(path, sizeof path, tu_dir(), "snap.safetensors"), n);
 }
 
 /* check_state_dict refuses what load_state_dict refuses (same code, same
@@ -246,7 +221,7 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
     const ckpt_stateful_ops *ops = ckpt_grad_scaler_ops();
     assert_non_null(ops->check_state_dict);
     char path[128];
-    snprintf(path, sizeof path, "%s/check.safetensors", tmpdir);
+    tu_path(path, sizeof path, tu_dir(), "check.safetensors");
     static const struct {
         double scale, gf, bf;
         int64_t gi, gt;
@@ -282,24 +257,17 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
         char *before = scaler_bytes(gs, &n0);
         ckpt_reader *r;
         assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
-        ckpt_clear_error();
-        assert_int_equal(ops->check_state_dict(gs, r), cases[i].code);
         char msg[256];
-        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
-        if (!strstr(msg, cases[i].needle)) fail_msg("case %zu: \"%s\"", i, msg);
+        tu_check_state(ops, gs, r, cases[i].code, cases[i].needle, i, msg, sizeof msg);
         char *after = scaler_bytes(gs, &n1);
-        assert_int_equal(n0, n1);
-        assert_memory_equal(before, after, n0);
+        tu_assert_bytes_equal(before, n0, after, n1);
         free(after);
         /* the step in progress is still there: unscaling twice is refused */
         assert_int_equal(ckpt_grad_scaler_unscale(gs, f.o, NULL), CKPT_EINVAL);
-        ckpt_clear_error();
-        assert_int_equal(ops->load_state_dict(gs, r), cases[i].code);
-        assert_string_equal(ckpt_errmsg(), msg);
+        tu_load_state_like_check(ops, gs, r, cases[i].code, msg);
         if (cases[i].code != CKPT_OK) {
             after = scaler_bytes(gs, &n1);
-            assert_int_equal(n0, n1);
-            assert_memory_equal(before, after, n0);
+            tu_assert_bytes_equal(before, n0, after, n1);
             free(after);
         } else {
             assert_true(ckpt_grad_scaler_scale(gs) == 1024);
@@ -317,12 +285,12 @@ int main(void) {
         cmocka_unit_test(test_unscale_divides_gradients_and_step_updates),
         cmocka_unit_test(test_inf_or_nan_skips_the_step_and_backs_off),
         cmocka_unit_test(test_growth_never_overflows_to_infinity),
-        cmocka_unit_test_setup_teardown(test_state_dict_round_trip_with_pytorch_names, setup,
-                                        teardown),
-        cmocka_unit_test_setup_teardown(test_load_rejects_bad_values_and_changes_nothing, setup,
-                                        teardown),
+        cmocka_unit_test_setup_teardown(test_state_dict_round_trip_with_pytorch_names, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_load_rejects_bad_values_and_changes_nothing, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(
-            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, setup, teardown),
+            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

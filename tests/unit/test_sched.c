@@ -16,19 +16,7 @@
 #include "ckpt.h"
 #include "error.h"
 #include "io.h"
-
-static char tmpdir[64];
-
-static int setup(void **state) {
-    (void)state;
-    strcpy(tmpdir, "/tmp/ckpt_test_sched_XXXXXX");
-    return mkdtemp(tmpdir) ? 0 : -1;
-}
-
-static int teardown(void **state) {
-    (void)state;
-    return ckpt__remove_tree(tmpdir) == CKPT_OK ? 0 : -1;
-}
+#include "helpers/testutil.h"
 
 typedef struct fixture {
     float p[2], g[2];
@@ -158,26 +146,10 @@ static void test_constructors_reject_bad_arguments(void **state) {
     fixture_free(&f);
 }
 
-static void save(ckpt_scheduler *s, const char *path) {
-    ckpt_writer *w;
-    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
-    assert_int_equal(ckpt_scheduler_ops()->state_dict(s, w), CKPT_OK);
-    assert_int_equal(ckpt_writer_save(w, path), CKPT_OK);
-    ckpt_writer_free(w);
-}
-
-static int load(ckpt_scheduler *s, const char *path) {
-    ckpt_reader *r;
-    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
-    int rc = ckpt_scheduler_ops()->load_state_dict(s, r);
-    ckpt_reader_free(r);
-    return rc;
-}
-
 static void test_every_kind_resumes_exactly_after_state_dict(void **state) {
     (void)state;
     char path[128];
-    snprintf(path, sizeof path, "%s/scheduler.safetensors", tmpdir);
+    tu_path(path, sizeof path, tu_dir(), "scheduler.safetensors");
     static const int64_t ms[2] = {3, 9};
     for (int kind = 0; kind < 7; kind++) {
         fixture a, b;
@@ -200,8 +172,8 @@ static void test_every_kind_resumes_exactly_after_state_dict(void **state) {
             assert_int_equal(rc, CKPT_OK);
         }
         for (int t = 0; t < 7; t++) assert_int_equal(ckpt_scheduler_step(sa), CKPT_OK);
-        save(sa, path);
-        assert_int_equal(load(sb, path), CKPT_OK);
+        tu_save_state(ckpt_scheduler_ops(), sa, path);
+        assert_int_equal(tu_load_state(ckpt_scheduler_ops(), sb, path), CKPT_OK);
         /* the optimizer's rates are the optimizer's state; copy them as its
          * own state dict would */
         for (int g = 0; g < 2; g++)
@@ -224,16 +196,16 @@ static void test_every_kind_resumes_exactly_after_state_dict(void **state) {
 static void test_loading_another_kind_is_a_mismatch_and_changes_nothing(void **state) {
     (void)state;
     char path[128];
-    snprintf(path, sizeof path, "%s/scheduler.safetensors", tmpdir);
+    tu_path(path, sizeof path, tu_dir(), "scheduler.safetensors");
     fixture f;
     fixture_init(&f, 0.1, 0.1);
     ckpt_scheduler *step, *cos;
     assert_int_equal(ckpt_steplr_new(&step, f.o, 3, 0.5), CKPT_OK);
-    save(step, path);
+    tu_save_state(ckpt_scheduler_ops(), step, path);
     assert_int_equal(ckpt_cosinelr_new(&cos, f.o, 10, 0), CKPT_OK);
     assert_int_equal(ckpt_scheduler_step(cos), CKPT_OK);
     double before = ckpt_scheduler_last_lr(cos, 0);
-    assert_int_equal(load(cos, path), CKPT_EMISMATCH);
+    assert_int_equal(tu_load_state(ckpt_scheduler_ops(), cos, path), CKPT_EMISMATCH);
     assert_string_equal(ckpt_errmsg(),
                         "scheduler: the state dict is for steplr, this scheduler is "
                         "cosineannealinglr");
@@ -241,43 +213,6 @@ static void test_loading_another_kind_is_a_mismatch_and_changes_nothing(void **s
     ckpt_scheduler_free(step);
     ckpt_scheduler_free(cos);
     fixture_free(&f);
-}
-
-/* Copies the state dict in src to dst with one entry replaced: an f64 or i64
- * key by v, or element `elem` of an I64 tensor key by v (NULL key: a plain
- * copy). */
-static void copy_with(const char *src, const char *dst, const char *key, double v, int elem) {
-    ckpt_reader *r;
-    assert_int_equal(ckpt_reader_open(&r, src), CKPT_OK);
-    ckpt_writer *w;
-    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
-    int64_t buf[64];
-    for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
-        ckpt_entry_info e;
-        assert_int_equal(ckpt_reader_entry(r, i, &e), CKPT_OK);
-        bool hit = key && strcmp(e.key, key) == 0;
-        if (e.kind == CKPT_ENTRY_TENSOR) {
-            assert_true(e.dtype == CKPT_I64 && e.ndim == 1 && e.shape[0] <= 64);
-            assert_int_equal(ckpt_read_tensor(r, e.key, CKPT_I64, 1, e.shape, buf), CKPT_OK);
-            if (hit) buf[elem] = (int64_t)v;
-            assert_int_equal(ckpt_write_tensor(w, e.key, CKPT_I64, 1, e.shape, buf), CKPT_OK);
-        } else if (e.kind == CKPT_ENTRY_F64) {
-            double x;
-            assert_int_equal(ckpt_read_f64(r, e.key, &x), CKPT_OK);
-            assert_int_equal(ckpt_write_f64(w, e.key, hit ? v : x), CKPT_OK);
-        } else if (e.kind == CKPT_ENTRY_I64) {
-            int64_t x;
-            assert_int_equal(ckpt_read_i64(r, e.key, &x), CKPT_OK);
-            assert_int_equal(ckpt_write_i64(w, e.key, hit ? (int64_t)v : x), CKPT_OK);
-        } else {
-            char str[64];
-            assert_int_equal(ckpt_read_str(r, e.key, str, sizeof str), CKPT_OK);
-            assert_int_equal(ckpt_write_str(w, e.key, str), CKPT_OK);
-        }
-    }
-    assert_int_equal(ckpt_writer_save(w, dst), CKPT_OK);
-    ckpt_writer_free(w);
-    ckpt_reader_free(r);
 }
 
 static ckpt_scheduler *make_kind(int kind, ckpt_optimizer *o) {
@@ -300,10 +235,7 @@ static ckpt_scheduler *make_kind(int kind, ckpt_optimizer *o) {
 /* The scheduler's state and its optimizer's rates, as bytes. */
 static char *sched_bytes(ckpt_scheduler *s, ckpt_optimizer *o, size_t *n) {
     char path[128];
-    snprintf(path, sizeof path, "%s/snap.safetensors", tmpdir);
-    save(s, path);
-    char *buf = NULL;
-    assert_int_equal(ckpt__read_small_file(path, 1 << 20, &buf, n), CKPT_OK);
+    char *buf = tu_state_bytes(ckpt_scheduler_ops(), s, tu_path(path, sizeof path, tu_dir(), "snap.safetensors"), n);
     buf = realloc(buf, *n + 2 * sizeof(double));
     assert_non_null(buf);
     for (int g = 0; g < 2; g++) {
@@ -321,8 +253,8 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
     const ckpt_stateful_ops *ops = ckpt_scheduler_ops();
     assert_non_null(ops->check_state_dict);
     char good[128], bad[128];
-    snprintf(good, sizeof good, "%s/good.safetensors", tmpdir);
-    snprintf(bad, sizeof bad, "%s/bad.safetensors", tmpdir);
+    tu_path(good, sizeof good, tu_dir(), "good.safetensors");
+    tu_path(bad, sizeof bad, tu_dir(), "bad.safetensors");
     static const struct {
         int src, dst; /* kinds as in make_kind */
         const char *key;
@@ -352,28 +284,21 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
         ckpt_scheduler *sa = make_kind(cases[i].src, a.o), *sb = make_kind(cases[i].dst, b.o);
         for (int t = 0; t < 5; t++) assert_int_equal(ckpt_scheduler_step(sa), CKPT_OK);
         assert_int_equal(ckpt_scheduler_step(sb), CKPT_OK);
-        save(sa, good);
-        copy_with(good, bad, cases[i].key, cases[i].v, cases[i].elem);
+        tu_save_state(ckpt_scheduler_ops(), sa, good);
+        tu_copy_state_with(good, bad, cases[i].key, cases[i].v, cases[i].elem);
         size_t n0, n1;
         char *before = sched_bytes(sb, b.o, &n0);
         ckpt_reader *r;
         assert_int_equal(ckpt_reader_open(&r, bad), CKPT_OK);
-        ckpt_clear_error();
-        assert_int_equal(ops->check_state_dict(sb, r), cases[i].code);
         char msg[256];
-        snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
-        if (!strstr(msg, cases[i].needle)) fail_msg("case %zu: \"%s\"", i, msg);
+        tu_check_state(ops, sb, r, cases[i].code, cases[i].needle, i, msg, sizeof msg);
         char *after = sched_bytes(sb, b.o, &n1);
-        assert_int_equal(n0, n1);
-        assert_memory_equal(before, after, n0);
+        tu_assert_bytes_equal(before, n0, after, n1);
         free(after);
-        ckpt_clear_error();
-        assert_int_equal(ops->load_state_dict(sb, r), cases[i].code);
-        assert_string_equal(ckpt_errmsg(), msg);
+        tu_load_state_like_check(ops, sb, r, cases[i].code, msg);
         if (cases[i].code != CKPT_OK) {
             after = sched_bytes(sb, b.o, &n1);
-            assert_int_equal(n0, n1);
-            assert_memory_equal(before, after, n0);
+            tu_assert_bytes_equal(before, n0, after, n1);
             free(after);
         } else {
             for (int g = 0; g < 2; g++)
@@ -418,12 +343,12 @@ int main(void) {
         cmocka_unit_test(test_cosine_follows_pytorch_recursive_form),
         cmocka_unit_test(test_constructors_reject_bad_arguments),
         cmocka_unit_test(test_constructor_allocation_failures_are_clean),
-        cmocka_unit_test_setup_teardown(test_every_kind_resumes_exactly_after_state_dict, setup,
-                                        teardown),
+        cmocka_unit_test_setup_teardown(test_every_kind_resumes_exactly_after_state_dict, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(
-            test_loading_another_kind_is_a_mismatch_and_changes_nothing, setup, teardown),
+            test_loading_another_kind_is_a_mismatch_and_changes_nothing, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(
-            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, setup, teardown),
+            test_check_state_dict_refuses_what_load_refuses_and_changes_nothing, tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

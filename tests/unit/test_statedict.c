@@ -15,13 +15,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "ckpt.h"
 #include "error.h"
 #include "io.h"
 #include "statedict.h"
+#include "helpers/testutil.h"
 
 /* ---- fixtures ----------------------------------------------------------- */
 
@@ -32,9 +32,8 @@ typedef struct fx {
 
 static int setup(void **state) {
     fx *f = calloc(1, sizeof *f);
-    strcpy(f->dir, "/tmp/ckpt_test_sd_XXXXXX");
-    if (!mkdtemp(f->dir)) return -1;
-    snprintf(f->path, sizeof f->path, "%s/x.safetensors", f->dir);
+    if (tu_tmpdir_make(f->dir, sizeof f->dir, "test_sd") != 0) return -1;
+    tu_path(f->path, sizeof f->path, f->dir, "x.safetensors");
     *state = f;
     return 0;
 }
@@ -43,14 +42,9 @@ static int teardown(void **state) {
     fx *f = *state;
     ckpt__fault_disarm();
     ckpt__alloc_fail_after(0);
-    ckpt__remove_tree(f->dir);
+    tu_tmpdir_remove(f->dir);
     free(f);
     return 0;
-}
-
-static void assert_msg_has(const char *needle) {
-    if (!strstr(ckpt_errmsg(), needle))
-        fail_msg("message \"%s\" lacks \"%s\"", ckpt_errmsg(), needle);
 }
 
 /* Names of the folder's entries other than . and .., joined by '|'. */
@@ -65,19 +59,6 @@ static void list_dir(const char *dir, char *out, size_t cap) {
         strncat(out, de->d_name, cap - strlen(out) - 1);
     }
     closedir(d);
-}
-
-static uint8_t *slurp(const char *path, size_t *n) {
-    char *buf = NULL;
-    size_t len = 0;
-    assert_int_equal(ckpt__read_small_file(path, 1 << 26, &buf, &len), CKPT_OK);
-    *n = len;
-    return (uint8_t *)buf;
-}
-
-static bool file_exists(const char *path) {
-    struct stat st;
-    return stat(path, &st) == 0;
 }
 
 /* ---- dtypes and sizes --------------------------------------------------- */
@@ -136,7 +117,7 @@ static void test_tensor_nbytes_checks_overflow_and_sub_byte(void **state) {
     /* sub-byte */
     int64_t odd[] = {3};
     assert_int_equal(ckpt_tensor_nbytes(CKPT_F4, 1, odd, &n), CKPT_EINVAL);
-    assert_msg_has("whole number of bytes");
+    tu_assert_errmsg_has("whole number of bytes");
     int64_t even[] = {6};
     assert_int_equal(ckpt_tensor_nbytes(CKPT_F4, 1, even, &n), CKPT_OK);
     assert_int_equal(n, 3);
@@ -255,7 +236,7 @@ static void test_round_trip_scalars_and_zero_sized_tensors(void **state) {
     /* a scalar asked as shape [1] is a mismatch: exact shapes only */
     int64_t s1[] = {1};
     assert_int_equal(ckpt_read_tensor(r, "scalar", CKPT_F64, 1, s1, &s2), CKPT_EMISMATCH);
-    assert_msg_has("shape [] in file, [1] asked");
+    tu_assert_errmsg_has("shape [] in file, [1] asked");
     ckpt_reader_free(r);
 }
 
@@ -336,7 +317,7 @@ static void test_round_trip_i64_f64_str_bytes_exactly(void **state) {
     assert_int_equal(got[1], 201);
     /* the same through a memory reader */
     size_t len;
-    uint8_t *file = slurp(f->path, &len);
+    uint8_t *file = (uint8_t *)tu_read_file(f->path, &len);
     ckpt_reader *m;
     assert_int_equal(ckpt_reader_open_memory(&m, file, len, "mem"), CKPT_OK);
     int64_t v = 0;
@@ -394,23 +375,23 @@ static void test_writer_rejects_malformed_keys(void **state) {
     memset(long_key, 'k', CKPT_MAX_KEY + 1);
     long_key[CKPT_MAX_KEY + 1] = '\0';
     assert_int_equal(ckpt_write_i64(w, long_key, 1), CKPT_EINVAL);
-    assert_msg_has("longer than 1024");
+    tu_assert_errmsg_has("longer than 1024");
     long_key[CKPT_MAX_KEY] = '\0';
     assert_int_equal(ckpt_write_i64(w, long_key, 1), CKPT_OK); /* exactly 1024 is fine */
     assert_int_equal(ckpt_write_i64(w, "", 1), CKPT_EINVAL);
-    assert_msg_has("empty");
+    tu_assert_errmsg_has("empty");
     assert_int_equal(ckpt_write_i64(w, NULL, 1), CKPT_EINVAL);
     assert_int_equal(ckpt_write_i64(w, "a\nb", 1), CKPT_EINVAL);
-    assert_msg_has("control character");
+    tu_assert_errmsg_has("control character");
     assert_int_equal(ckpt_write_i64(w, "a\x7f", 1), CKPT_EINVAL);
     assert_int_equal(ckpt_write_i64(w, "a\xc2\x85", 1), CKPT_EINVAL); /* C1 NEL */
     assert_int_equal(ckpt_write_i64(w, "a\xff", 1), CKPT_EINVAL);
-    assert_msg_has("UTF-8");
+    tu_assert_errmsg_has("UTF-8");
     assert_int_equal(ckpt_write_i64(w, "\xc0\xaf", 1), CKPT_EINVAL);     /* overlong */
     assert_int_equal(ckpt_write_i64(w, "\xed\xa0\x80", 1), CKPT_EINVAL); /* surrogate */
     assert_int_equal(ckpt_write_i64(w, "\xe2\x82", 1), CKPT_EINVAL);     /* truncated */
     assert_int_equal(ckpt_write_i64(w, "__metadata__", 1), CKPT_EINVAL);
-    assert_msg_has("reserved");
+    tu_assert_errmsg_has("reserved");
     int64_t s[] = {1};
     float x = 1;
     assert_int_equal(ckpt_write_tensor(w, "__metadata__", CKPT_F32, 1, s, &x), CKPT_EINVAL);
@@ -418,7 +399,7 @@ static void test_writer_rejects_malformed_keys(void **state) {
     assert_int_equal(ckpt_write_str(w, "s", NULL), CKPT_EINVAL);
     assert_int_equal(ckpt_write_bytes(w, "b", NULL, 3), CKPT_EINVAL);
     assert_int_equal(ckpt_write_tensor(w, "t", CKPT_F32, 1, s, NULL), CKPT_EINVAL);
-    assert_msg_has("data is NULL");
+    tu_assert_errmsg_has("data is NULL");
     assert_int_equal(ckpt_write_tensor(w, "t", CKPT_DTYPE_INVALID, 1, s, &x), CKPT_EINVAL);
     int64_t neg[] = {-2};
     assert_int_equal(ckpt_write_tensor(w, "t", CKPT_F32, 1, neg, &x), CKPT_EINVAL);
@@ -435,7 +416,7 @@ static void test_writer_rejects_duplicate_keys_across_kinds(void **state) {
     float x = 1;
     assert_int_equal(ckpt_write_tensor(w, "a", CKPT_F32, 1, s, &x), CKPT_OK);
     assert_int_equal(ckpt_write_i64(w, "a", 1), CKPT_EEXIST);
-    assert_msg_has("'a'");
+    tu_assert_errmsg_has("'a'");
     assert_int_equal(ckpt_write_f64(w, "a", 1), CKPT_EEXIST);
     assert_int_equal(ckpt_write_str(w, "a", "x"), CKPT_EEXIST);
     assert_int_equal(ckpt_write_bytes(w, "a", "x", 1), CKPT_EEXIST);
@@ -482,15 +463,15 @@ static void test_read_tensor_rejects_dtype_and_shape_mismatch(void **state) {
     assert_int_equal(ckpt_read_tensor(r, "w", CKPT_F32, 2, ok, y), CKPT_OK);
     assert_true(y[5] == 6.0f);
     assert_int_equal(ckpt_read_tensor(r, "w", CKPT_F32, 2, t, y), CKPT_EMISMATCH);
-    assert_msg_has("key 'w': shape [2,3] in file, [3,2] asked");
+    tu_assert_errmsg_has("key 'w': shape [2,3] in file, [3,2] asked");
     assert_int_equal(ckpt_read_tensor(r, "w", CKPT_F32, 1, l, y), CKPT_EMISMATCH);
-    assert_msg_has("[2,3] in file, [6] asked");
+    tu_assert_errmsg_has("[2,3] in file, [6] asked");
     assert_int_equal(ckpt_read_tensor(r, "w", CKPT_I32, 2, ok, y), CKPT_EMISMATCH);
-    assert_msg_has("dtype F32 in file, I32 asked");
+    tu_assert_errmsg_has("dtype F32 in file, I32 asked");
     assert_int_equal(ckpt_read_tensor(r, "nope", CKPT_F32, 2, ok, y), CKPT_ENOENT);
-    assert_msg_has("'nope'");
+    tu_assert_errmsg_has("'nope'");
     assert_int_equal(ckpt_read_tensor(r, "step", CKPT_I64, 0, NULL, y), CKPT_ENOENT);
-    assert_msg_has("not a tensor");
+    tu_assert_errmsg_has("not a tensor");
     assert_int_equal(ckpt_read_tensor(r, "w", CKPT_F32, 2, ok, NULL), CKPT_EINVAL);
     ckpt_reader_free(r);
 }
@@ -507,7 +488,7 @@ static void test_scalar_reads_check_kind_and_capacity(void **state) {
     assert_int_equal(ckpt_read_f64(r, "lr", &d), CKPT_OK);
     assert_true(d == 0.001);
     assert_int_equal(ckpt_read_i64(r, "lr", &i), CKPT_EMISMATCH);
-    assert_msg_has("key 'lr': f64 in file, i64 asked");
+    tu_assert_errmsg_has("key 'lr': f64 in file, i64 asked");
     assert_int_equal(ckpt_read_f64(r, "step", &d), CKPT_EMISMATCH);
     assert_int_equal(ckpt_read_i64(r, "w", &i), CKPT_EMISMATCH);
     assert_int_equal(ckpt_read_i64(r, "missing", &i), CKPT_ENOENT);
@@ -535,7 +516,7 @@ static void test_reader_open_missing_file_is_enoent(void **state) {
     ckpt_reader *r = (ckpt_reader *)1;
     assert_int_equal(ckpt_reader_open(&r, f->path), CKPT_ENOENT);
     assert_null(r);
-    assert_msg_has("x.safetensors");
+    tu_assert_errmsg_has("x.safetensors");
     assert_int_equal(ckpt_reader_open(&r, f->dir), CKPT_EINVAL); /* a folder */
     ckpt_reader_free(NULL);
     ckpt_writer_free(NULL);
@@ -569,11 +550,11 @@ static void test_schema_check_reports_missing_extra_dtype_shape_kind(void **stat
 
     s = schema_like_small(); /* no "blob": the file has an extra key */
     assert_int_equal(ckpt__schema_check(s, r, "opt.safetensors"), CKPT_EMISMATCH);
-    assert_msg_has("opt.safetensors: key 'blob' in file (bytes) but not in memory");
+    tu_assert_errmsg_has("opt.safetensors: key 'blob' in file (bytes) but not in memory");
     assert_int_equal(ckpt_write_bytes(s, "blob", "", 0), CKPT_OK);
     assert_int_equal(ckpt_write_i64(s, "epoch", 0), CKPT_OK);
     assert_int_equal(ckpt__schema_check(s, r, "opt.safetensors"), CKPT_EMISMATCH);
-    assert_msg_has("opt.safetensors: key 'epoch' missing in file (memory has i64)");
+    tu_assert_errmsg_has("opt.safetensors: key 'epoch' missing in file (memory has i64)");
     ckpt_writer_free(s);
 
     ckpt_writer *s2;
@@ -581,19 +562,19 @@ static void test_schema_check_reports_missing_extra_dtype_shape_kind(void **stat
     int64_t sh[] = {2, 3}, sh2[] = {3, 2};
     assert_int_equal(ckpt_write_tensor(s2, "w", CKPT_F16, 2, sh, NULL), CKPT_OK);
     assert_int_equal(ckpt__schema_check(s2, r, "m"), CKPT_EMISMATCH);
-    assert_msg_has("m: tensor 'w': dtype F32 in file, F16 in memory");
+    tu_assert_errmsg_has("m: tensor 'w': dtype F32 in file, F16 in memory");
     ckpt_writer_free(s2);
 
     assert_int_equal(ckpt_writer_new_schema(&s2), CKPT_OK);
     assert_int_equal(ckpt_write_tensor(s2, "w", CKPT_F32, 2, sh2, NULL), CKPT_OK);
     assert_int_equal(ckpt__schema_check(s2, r, "m"), CKPT_EMISMATCH);
-    assert_msg_has("m: tensor 'w': shape [2,3] in file, [3,2] in memory");
+    tu_assert_errmsg_has("m: tensor 'w': shape [2,3] in file, [3,2] in memory");
     ckpt_writer_free(s2);
 
     assert_int_equal(ckpt_writer_new_schema(&s2), CKPT_OK);
     assert_int_equal(ckpt_write_i64(s2, "w", 0), CKPT_OK);
     assert_int_equal(ckpt__schema_check(s2, r, "m"), CKPT_EMISMATCH);
-    assert_msg_has("m: key 'w': tensor F32 [2,3] in file, i64 in memory");
+    tu_assert_errmsg_has("m: key 'w': tensor F32 [2,3] in file, i64 in memory");
     ckpt_writer_free(s2);
 
     assert_int_equal(ckpt_writer_new_schema(&s2), CKPT_OK);
@@ -601,7 +582,7 @@ static void test_schema_check_reports_missing_extra_dtype_shape_kind(void **stat
     assert_int_equal(ckpt_write_i64(s2, "step", 0), CKPT_OK);
     assert_int_equal(ckpt_write_i64(s2, "lr", 0), CKPT_OK); /* f64 in the file */
     assert_int_equal(ckpt__schema_check(s2, r, "m"), CKPT_EMISMATCH);
-    assert_msg_has("m: key 'lr': f64 in file, i64 in memory");
+    tu_assert_errmsg_has("m: key 'lr': f64 in file, i64 in memory");
     ckpt_writer_free(s2);
     ckpt_reader_free(r);
 }
@@ -622,7 +603,7 @@ static void test_save_digest_matches_file_and_tensor_bytes(void **state) {
     ckpt_file_digest d;
     assert_int_equal(ckpt__writer_save_digest(w, f->path, &d), CKPT_OK);
     size_t len;
-    uint8_t *file = slurp(f->path, &len);
+    uint8_t *file = (uint8_t *)tu_read_file(f->path, &len);
     assert_int_equal(d.size, len);
     assert_true(d.xxh3 == ckpt__xxh3(file, len));
     assert_int_equal(d.ntensors, 2);
@@ -638,10 +619,10 @@ static void test_save_digest_matches_file_and_tensor_bytes(void **state) {
 
     /* write_new: plain creation, refuses an existing file */
     char p2[160];
-    snprintf(p2, sizeof p2, "%s/new.safetensors", f->dir);
+    tu_path(p2, sizeof p2, f->dir, "new.safetensors");
     assert_int_equal(ckpt__writer_write_new(w, p2, &d), CKPT_OK);
     size_t len2;
-    uint8_t *file2 = slurp(p2, &len2);
+    uint8_t *file2 = (uint8_t *)tu_read_file(p2, &len2);
     assert_int_equal(len2, len);
     assert_memory_equal(file2, file, len); /* same bytes as a published save */
     assert_true(d.xxh3 == ckpt__xxh3(file2, len2));
@@ -677,11 +658,11 @@ static void sweep_faults(fx *f, bool overwrite, int errnum, int expect) {
         assert_int_equal(ckpt_write_str(w0, "old", "previous contents"), CKPT_OK);
         assert_int_equal(ckpt_writer_save(w0, f->path), CKPT_OK);
         ckpt_writer_free(w0);
-        old = slurp(f->path, &old_len);
+        old = (uint8_t *)tu_read_file(f->path, &old_len);
     }
     /* Count the I/O calls a clean save makes (into a scratch path). */
     char scratch[160];
-    snprintf(scratch, sizeof scratch, "%s/scratch.safetensors", f->dir);
+    tu_path(scratch, sizeof scratch, f->dir, "scratch.safetensors");
     ckpt__fault_arm(CKPT_FAULT_ANY, UINT64_MAX, EIO, false);
     assert_int_equal(ckpt_writer_save(w, scratch), CKPT_OK);
     uint64_t calls = ckpt__fault_count();
@@ -704,17 +685,16 @@ static void sweep_faults(fx *f, bool overwrite, int errnum, int expect) {
         }
         assert_true(fired);
         if (rc != expect) fail_msg("fault at call %llu: got %d (%s)", (unsigned long long)n, rc, ckpt_errmsg());
-        assert_msg_has(f->path);
+        tu_assert_errmsg_has(f->path);
         bool named_op = false;
         for (size_t k = 0; k < sizeof ops / sizeof ops[0]; k++) named_op |= strstr(ckpt_errmsg(), ops[k]) != NULL;
         if (!named_op) fail_msg("message names no operation: %s", ckpt_errmsg());
-        assert_non_null(strstr(ckpt_errmsg(), strerror(errnum)));
+        tu_assert_errmsg_has(strerror(errnum));
         if (overwrite) {
             assert_string_equal(listing, "x.safetensors");
             size_t len;
-            uint8_t *now = slurp(f->path, &len);
-            assert_int_equal(len, old_len);
-            assert_memory_equal(now, old, len);
+            uint8_t *now = (uint8_t *)tu_read_file(f->path, &len);
+            tu_assert_bytes_equal(now, len, old, old_len);
             free(now);
         } else {
             if (listing[0]) fail_msg("fault at call %llu left: %s", (unsigned long long)n, listing);
@@ -776,7 +756,7 @@ static void test_write_new_fault_leaves_no_file(void **state) {
         int rc = ckpt__writer_write_new(w, f->path, NULL);
         ckpt__fault_disarm();
         assert_int_equal(rc, CKPT_ENOSPC);
-        assert_false(file_exists(f->path));
+        assert_false(tu_exists(f->path));
     }
     ckpt_writer_free(w);
 }
@@ -787,14 +767,14 @@ static void test_read_fault_is_reported(void **state) {
     ckpt__fault_arm(CKPT_FAULT_READ, 1, EIO, false);
     ckpt_reader *r = NULL;
     assert_int_equal(ckpt_reader_open(&r, f->path), CKPT_EIO);
-    assert_msg_has("read");
+    tu_assert_errmsg_has("read");
     ckpt__fault_disarm();
     assert_int_equal(ckpt_reader_open(&r, f->path), CKPT_OK);
     ckpt__fault_arm(CKPT_FAULT_READ, 1, EIO, false);
     float y[6];
     int64_t s[] = {2, 3};
     assert_int_equal(ckpt_read_tensor(r, "w", CKPT_F32, 2, s, y), CKPT_EIO);
-    assert_msg_has("tensor 'w'");
+    tu_assert_errmsg_has("tensor 'w'");
     ckpt__fault_disarm();
     assert_int_equal(ckpt_read_tensor(r, "w", CKPT_F32, 2, s, y), CKPT_OK);
     ckpt_reader_free(r);
@@ -893,7 +873,7 @@ static void expect_doc(const char *doc, int code, const char *needle) {
     ckpt_reader *r = NULL;
     int rc = ckpt_reader_open_memory(&r, buf, len, "doc.safetensors");
     if (rc != code) fail_msg("doc %s: got %d (%s), expected %d", doc ? doc : "(none)", rc, ckpt_errmsg(), code);
-    if (needle) assert_msg_has(needle);
+    if (needle) tu_assert_errmsg_has(needle);
     ckpt_reader_free(r);
     free(buf);
 }
@@ -939,14 +919,14 @@ static void test_memory_reader_uses_given_name_in_messages(void **state) {
     uint8_t junk[4] = {1, 2, 3, 4};
     ckpt_reader *r;
     assert_int_equal(ckpt_reader_open_memory(&r, junk, 4, "given-name"), CKPT_ECORRUPT);
-    assert_msg_has("given-name: file is shorter than 8 bytes");
+    tu_assert_errmsg_has("given-name: file is shorter than 8 bytes");
     size_t len;
     uint8_t *buf = file_with_doc(NULL, &len);
     assert_int_equal(ckpt_reader_open_memory(&r, buf, len, "a"), CKPT_OK);
     ckpt__reader_set_name(r, "renamed.safetensors");
     int64_t v;
     assert_int_equal(ckpt_read_i64(r, "zz", &v), CKPT_ENOENT);
-    assert_msg_has("renamed.safetensors: no key 'zz'");
+    tu_assert_errmsg_has("renamed.safetensors: no key 'zz'");
     const void *view;
     ckpt_entry_info info;
     assert_int_equal(ckpt_reader_tensor_view(r, "t", &view, &info), CKPT_OK);
