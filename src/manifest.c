@@ -5,6 +5,8 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -504,6 +506,128 @@ static int check_one(const char *dir, const ckpt_manifest_file *f, bool deep, ck
     return rc;
 }
 
+/* Checks files[idx[0..n-1]] in ascending index order and stops at the first
+ * failure, recording its index, status and message (the message is
+ * thread-local, so a worker thread hands it over in the job). */
+typedef struct check_job {
+    const char *dir;
+    const ckpt_manifest *m;
+    bool deep;
+    ckpt_mapped *maps; /* NULL: map, hash and unmap each file */
+    const int64_t *idx;
+    int64_t n;
+    int64_t failed; /* index of the first failing file, or -1 */
+    int rc;
+    char msg[2048];
+} check_job;
+
+static void run_check_job(check_job *j) {
+    j->failed = -1;
+    j->rc = 0;
+    for (int64_t k = 0; k < j->n; k++) {
+        int64_t i = j->idx[k];
+        ckpt_mapped tmp;
+        memset(&tmp, 0, sizeof tmp);
+        ckpt_mapped *mp = j->maps ? &j->maps[i] : &tmp;
+        bool mapped = false;
+        int rc = check_one(j->dir, &j->m->files[i], j->deep, mp, &mapped);
+        if (mapped && !j->maps) unmap_if(&tmp);
+        if (rc < 0) {
+            j->failed = i;
+            j->rc = rc;
+            snprintf(j->msg, sizeof j->msg, "%s", ckpt_errmsg());
+            return;
+        }
+    }
+}
+
+static void *check_thread(void *arg) {
+    run_check_job(arg);
+    return NULL;
+}
+
+typedef struct sized_file {
+    uint64_t size;
+    int64_t index;
+} sized_file;
+
+static int cmp_size_desc(const void *a, const void *b) {
+    const sized_file *x = a, *y = b;
+    if (x->size != y->size) return x->size < y->size ? 1 : -1;
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Below this many bytes to hash a second thread costs more than it saves. */
+static _Atomic uint64_t parallel_check_bytes = 64u << 20;
+
+uint64_t ckpt__set_parallel_check_bytes(uint64_t bytes) {
+    return atomic_exchange(&parallel_check_bytes, bytes);
+}
+
+/* Checks every listed file (size; if deep, XXH3-64). Hashing is most of a
+ * verified load's time, so with two or more large files it is split over
+ * two threads, balanced by size. The error reported is the one of the
+ * lowest-numbered failing file, as a sequential check would report. */
+static int check_files(const char *dir, const ckpt_manifest *m, bool deep, ckpt_mapped *maps) {
+    int64_t n = m->nfiles;
+    if (n == 0) return CKPT_OK;
+    int64_t *idx = ckpt__calloc((size_t)n * 2, sizeof *idx);
+    if (!idx) return ckpt__err_nomem("checkpoint check");
+    uint64_t total = 0;
+    for (int64_t i = 0; i < n; i++) total += m->files[i].size;
+    check_job job[2];
+    memset(job, 0, sizeof job);
+    for (int w = 0; w < 2; w++) {
+        job[w].dir = dir;
+        job[w].m = m;
+        job[w].deep = deep;
+        job[w].maps = maps;
+        job[w].idx = idx + (size_t)w * (size_t)n;
+        job[w].failed = -1; /* a job that never runs has not failed */
+    }
+    bool parallel = deep && n >= 2 && total >= atomic_load(&parallel_check_bytes);
+    if (parallel) {
+        /* Greedy by size: each file, largest first, goes to the job with
+         * fewer bytes so far; each job then checks its files in index order. */
+        sized_file *v = ckpt__calloc((size_t)n, sizeof *v);
+        if (!v) {
+            free(idx);
+            return ckpt__err_nomem("checkpoint check");
+        }
+        for (int64_t i = 0; i < n; i++) v[i] = (sized_file){m->files[i].size, i};
+        qsort(v, (size_t)n, sizeof *v, cmp_size_desc);
+        uint64_t load[2] = {0, 0};
+        for (int64_t k = 0; k < n; k++) {
+            int w = load[0] <= load[1] ? 0 : 1;
+            idx[(size_t)w * (size_t)n + (size_t)job[w].n++] = v[k].index;
+            load[w] += v[k].size;
+        }
+        free(v);
+        qsort(idx, (size_t)job[0].n, sizeof *idx, cmp_i64);
+        qsort(idx + n, (size_t)job[1].n, sizeof *idx, cmp_i64);
+    } else {
+        for (int64_t i = 0; i < n; i++) idx[i] = i;
+        job[0].n = n;
+    }
+    pthread_t th;
+    bool threaded = parallel && job[1].n > 0 && pthread_create(&th, NULL, check_thread, &job[1]) == 0;
+    run_check_job(&job[0]);
+    if (threaded) pthread_join(th, NULL);
+    else if (job[1].n > 0) run_check_job(&job[1]);
+    int rc = CKPT_OK;
+    const check_job *bad = NULL;
+    for (int w = 0; w < 2; w++)
+        if (job[w].failed >= 0 && (!bad || job[w].failed < bad->failed)) bad = &job[w];
+    if (bad) rc = ckpt__err(bad->rc, "%s", bad->msg);
+    free(idx);
+    return rc;
+}
+
 int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_checkpoint_open *c) {
     memset(c, 0, sizeof *c);
     int rc = ckpt__manifest_read(dir, &c->m);
@@ -523,16 +647,8 @@ int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_check
             return ckpt__err_nomem("checkpoint maps");
         }
     }
-    for (int64_t i = 0; i < c->m.nfiles && rc == 0; i++) {
-        const ckpt_manifest_file *f = &c->m.files[i];
-        ckpt_mapped tmp;
-        memset(&tmp, 0, sizeof tmp);
-        ckpt_mapped *mp = c->maps ? &c->maps[i] : &tmp;
-        bool mapped = false;
-        rc = check_one(dir, f, deep, mp, &mapped);
-        if (mapped && !c->maps) unmap_if(&tmp);
-        c->total_bytes += f->size;
-    }
+    for (int64_t i = 0; i < c->m.nfiles; i++) c->total_bytes += c->m.files[i].size;
+    rc = check_files(dir, &c->m, deep, c->maps);
     if (rc == 0) rc = check_unlisted(dir, &c->m);
     if (rc < 0) {
         /* Keep the manifest (callers report what could be read); drop maps. */

@@ -75,5 +75,9 @@ typedef struct ckpt_checkpoint_open {
  * If keep_maps, the files stay mapped in c->maps (deep only). */
 int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_checkpoint_open *c);
 void ckpt__checkpoint_close(ckpt_checkpoint_open *c);
+/* Deep checks hash the files on two threads once they hold at least this
+ * many bytes (default 64 MiB). Tests set 0 to exercise the threaded path on
+ * small checkpoints; returns the previous value. */
+uint64_t ckpt__set_parallel_check_bytes(uint64_t bytes);
 
 #endif
