@@ -1,4 +1,4 @@
-/* bench_gpt2.c — DESIGN.md's performance targets on a GPT-2-small-sized
+/* bench_gpt2.c — the project's performance targets on a GPT-2-small-sized
  * training state, through the real accelerator path, as ratios against
  * baselines measured in the same run:
  *
