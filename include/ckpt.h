@@ -199,6 +199,9 @@ typedef enum ckpt_entry_kind {
     CKPT_ENTRY_BYTES = 5
 } ckpt_entry_kind;
 
+/* "tensor", "i64", "f64", "str", "bytes"; NULL for an invalid value. Static. */
+CKPT_API const char *ckpt_entry_kind_name(ckpt_entry_kind kind);
+
 typedef struct ckpt_entry_info {
     const char *key;       /* view valid until the reader/writer is freed */
     ckpt_entry_kind kind;

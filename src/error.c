@@ -86,6 +86,15 @@ int ckpt__err_prefix(int code, const char *fmt, ...) {
     return code;
 }
 
+const char *ckpt__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
+    if (cap == 0) return buf;
+    size_t o = (size_t)snprintf(buf, cap, "[");
+    for (int i = 0; i < ndim && o < cap; i++)
+        o += (size_t)snprintf(buf + o, cap - o, i ? ",%lld" : "%lld", (long long)shape[i]);
+    if (o < cap) snprintf(buf + o, cap - o, "]");
+    return buf;
+}
+
 int ckpt__err_nomem(const char *what) {
     return ckpt__err(CKPT_ENOMEM, "out of memory (%s)", what);
 }

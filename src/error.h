@@ -24,6 +24,9 @@ int ckpt__status_from_errno(int errnum);
 /* Prefixes the current message with "<prefix>: " (adding context on the way
  * up) and returns code unchanged. */
 int ckpt__err_prefix(int code, const char *fmt, ...) CKPT_PRINTF(2, 3);
+/* Formats a shape as "[2,3]" ("[]" for a scalar) into buf, cut short if it
+ * does not fit; returns buf. For messages. */
+const char *ckpt__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape);
 /* CKPT_ENOMEM with "out of memory (<what>)". */
 int ckpt__err_nomem(const char *what);
 

@@ -124,13 +124,6 @@ static bool same_shape(const ckpt_entry_info *e, const model_param *p) {
     return true;
 }
 
-static void shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
-    size_t n = (size_t)snprintf(buf, cap, "[");
-    for (int d = 0; d < ndim && n < cap; d++)
-        n += (size_t)snprintf(buf + n, cap - n, d ? ",%lld" : "%lld", (long long)shape[d]);
-    if (n < cap) snprintf(buf + n, cap - n, "]");
-}
-
 /* The check: every parameter present as a tensor of its dtype and shape, and
  * nothing else in the state dict. A model accepts any bytes as values, so
  * this is all load_state_dict can refuse; it is the same as the schema check
@@ -148,8 +141,8 @@ static int model_check(const ckpt_model *m, ckpt_reader *r) {
         if (rc < 0) return rc;
         if (e.dtype != p->dtype || !same_shape(&e, p)) {
             char fs[256], ms[256];
-            shape_str(fs, sizeof fs, e.ndim, e.shape);
-            shape_str(ms, sizeof ms, p->ndim, p->shape);
+            ckpt__shape_str(fs, sizeof fs, e.ndim, e.shape);
+            ckpt__shape_str(ms, sizeof ms, p->ndim, p->shape);
             const char *fd = ckpt_dtype_name(e.dtype), *md = ckpt_dtype_name(p->dtype);
             return ckpt__err(CKPT_EMISMATCH,
                              "model: parameter '%s': %s %s in file, %s %s in memory", p->name,

@@ -20,16 +20,6 @@ static void put_le64(uint8_t *p, uint64_t v) {
     for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
-/* "[2,3]" into buf (truncated politely if huge). */
-static const char *shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
-    size_t o = 0;
-    o += (size_t)snprintf(buf + o, cap - o, "[");
-    for (int i = 0; i < ndim && o < cap; i++)
-        o += (size_t)snprintf(buf + o, cap - o, i ? ",%" PRId64 : "%" PRId64, shape[i]);
-    if (o < cap) snprintf(buf + o, cap - o, "]");
-    return buf;
-}
-
 /* ---- reading ------------------------------------------------------------ */
 
 int ckpt__st_header_len(const uint8_t *prefix, uint64_t file_size, const char *name, uint64_t *n) {
@@ -114,17 +104,17 @@ static int parse_tensor(const char *file, const char *key, json_t *v, ckpt_st_te
                              "%s: tensor '%s': %s shape %s: elements x %d bits is not a whole "
                              "number of bytes (or overflows)",
                              file, key, ckpt_dtype_name(t->dtype),
-                             shape_str(sb, sizeof sb, t->ndim, t->shape), bits);
+                             ckpt__shape_str(sb, sizeof sb, t->ndim, t->shape), bits);
         return ckpt__err(CKPT_ECORRUPT,
                          "%s: tensor '%s': shape %s x element size overflows", file, key,
-                         shape_str(sb, sizeof sb, t->ndim, t->shape));
+                         ckpt__shape_str(sb, sizeof sb, t->ndim, t->shape));
     }
     if (t->end - t->begin != need)
         return ckpt__err(CKPT_ECORRUPT,
                          "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 "] hold %" PRIu64
                          " bytes, %s shape %s needs %" PRIu64,
                          file, key, t->begin, t->end, t->end - t->begin,
-                         ckpt_dtype_name(t->dtype), shape_str(sb, sizeof sb, t->ndim, t->shape),
+                         ckpt_dtype_name(t->dtype), ckpt__shape_str(sb, sizeof sb, t->ndim, t->shape),
                          need);
     return CKPT_OK;
 }

@@ -231,25 +231,22 @@ typedef struct entry {
     uint8_t *bytes;        /* owned (both sides) */
 } entry;
 
-static const char *kind_name(ckpt_entry_kind k) {
-    switch (k) {
+const char *ckpt_entry_kind_name(ckpt_entry_kind kind) {
+    switch (kind) {
     case CKPT_ENTRY_TENSOR: return "tensor";
     case CKPT_ENTRY_I64: return "i64";
     case CKPT_ENTRY_F64: return "f64";
     case CKPT_ENTRY_STR: return "str";
     case CKPT_ENTRY_BYTES: return "bytes";
     }
-    return "?";
+    return NULL;
 }
 
-static const char *shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {
-    size_t o = 0;
-    o += (size_t)snprintf(buf + o, cap - o, "[");
-    for (int i = 0; i < ndim && o < cap; i++)
-        o += (size_t)snprintf(buf + o, cap - o, i ? ",%" PRId64 : "%" PRId64, shape[i]);
-    if (o < cap) snprintf(buf + o, cap - o, "]");
-    return buf;
+static const char *kind_name(ckpt_entry_kind k) {
+    const char *n = ckpt_entry_kind_name(k);
+    return n ? n : "?";
 }
+
 
 /* "tensor F32 [2,3]" / "i64" */
 static const char *describe(char *buf, size_t cap, const entry *e) {
@@ -259,7 +256,7 @@ static const char *describe(char *buf, size_t cap, const entry *e) {
     }
     char sb[200];
     snprintf(buf, cap, "tensor %s %s", ckpt_dtype_name(e->dtype),
-             shape_str(sb, sizeof sb, e->ndim, e->shape));
+             ckpt__shape_str(sb, sizeof sb, e->ndim, e->shape));
     return buf;
 }
 
@@ -968,7 +965,7 @@ int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
             return ckpt__err(CKPT_EINVAL, "%s: key '%s': invalid shape asked (ndim %d)", r->name,
                              key, ndim);
         return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': shape %s in file, %s asked", r->name, key,
-                         shape_str(a, sizeof a, e->ndim, e->shape), shape_str(b, sizeof b, ndim, shape));
+                         ckpt__shape_str(a, sizeof a, e->ndim, e->shape), ckpt__shape_str(b, sizeof b, ndim, shape));
     }
     if (e->nbytes == 0) return CKPT_OK;
     if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
@@ -1051,8 +1048,8 @@ int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const ch
         for (int d = 0; same && d < m->ndim; d++) same = f->shape[d] == m->shape[d];
         if (!same)
             return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': shape %s in file, %s in memory", what,
-                             m->key, shape_str(a, sizeof a, f->ndim, f->shape),
-                             shape_str(b, sizeof b, m->ndim, m->shape));
+                             m->key, ckpt__shape_str(a, sizeof a, f->ndim, f->shape),
+                             ckpt__shape_str(b, sizeof b, m->ndim, m->shape));
     }
     for (int64_t i = 0; i < r->count; i++) {
         const entry *f = &r->entries[i];

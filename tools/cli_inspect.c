@@ -61,14 +61,8 @@ static void free_names(struct dirent **names, int n) {
 }
 
 static const char *kind_name(ckpt_entry_kind k) {
-    switch (k) {
-    case CKPT_ENTRY_TENSOR: return "tensor";
-    case CKPT_ENTRY_I64: return "i64";
-    case CKPT_ENTRY_F64: return "f64";
-    case CKPT_ENTRY_STR: return "str";
-    case CKPT_ENTRY_BYTES: return "bytes";
-    }
-    return "unknown";
+    const char *n = ckpt_entry_kind_name(k);
+    return n ? n : "unknown";
 }
 
 static void print_shape(const ckpt_entry_info *e) {
