@@ -100,6 +100,43 @@ static void hex64(uint64_t v, char out[17]) { snprintf(out, 17, "%016" PRIx64, v
         if (json_object_set_new((obj), (key), (val)) != 0) goto nomem;                             \
     } while (0)
 
+/* The manifest checksums itself: its last member is
+ *   "manifest_xxh3": "<16 hex digits>"
+ * the XXH3-64 of the file's bytes with those 16 digits read as '0's. Every
+ * other file is covered by the manifest, so without this a changed step, size
+ * or tensor checksum in the manifest would go unnoticed. */
+#define MANIFEST_SUM_KEY "manifest_xxh3"
+#define MANIFEST_SUM_ZERO "0000000000000000"
+static const char manifest_sum_prefix[] = "\"" MANIFEST_SUM_KEY "\": \"";
+
+/* Where the 16 digits of the checksum are in text: the one occurrence of
+ * the key's bytes followed by 16 characters and a quote. NULL if there is
+ * not exactly one. (Inside a JSON string a quote is always escaped, so these
+ * bytes can only be the member itself.) */
+static const char *find_sum_digits(const char *text, size_t len) {
+    const size_t plen = sizeof manifest_sum_prefix - 1;
+    const char *found = NULL;
+    for (const char *p = text; (size_t)(p - text) + plen + 17 <= len;) {
+        const char *q = memmem(p, len - (size_t)(p - text), manifest_sum_prefix, plen);
+        if (!q || (size_t)(q - text) + plen + 17 > len) break;
+        if (found) return NULL;
+        found = q + plen;
+        p = q + 1;
+    }
+    if (found && found[16] != '"') return NULL;
+    return found;
+}
+
+static int manifest_sum(const char *text, size_t len, const char *digits, uint64_t *out) {
+    char *copy = ckpt__malloc(len);
+    if (!copy) return ckpt__err_nomem("manifest checksum");
+    memcpy(copy, text, len);
+    memset(copy + (digits - text), '0', 16);
+    *out = ckpt__xxh3(copy, len);
+    free(copy);
+    return CKPT_OK;
+}
+
 static json_t *build_json(const ckpt_manifest *m) {
     char hex[17];
     json_t *root = json_object();
@@ -133,6 +170,7 @@ static json_t *build_json(const ckpt_manifest *m) {
             JSET(jt, f->tensor_keys[t], json_string(hex));
         }
     }
+    JSET(root, MANIFEST_SUM_KEY, json_string(MANIFEST_SUM_ZERO));
     return root;
 nomem:
     json_decref(root);
@@ -173,6 +211,20 @@ int ckpt__manifest_write(ckpt_manifest *m, const char *dir) {
     withnl[n] = '\n';
     withnl[n + 1] = '\0';
     free(text);
+    char *digits = (char *)find_sum_digits(withnl, n + 1);
+    if (!digits) {
+        free(withnl);
+        return ckpt__err(CKPT_EINVAL, "manifest: no unique %s member to fill", MANIFEST_SUM_KEY);
+    }
+    uint64_t sum = 0;
+    int src = manifest_sum(withnl, n + 1, digits, &sum);
+    if (src < 0) {
+        free(withnl);
+        return src;
+    }
+    char hex[17];
+    hex64(sum, hex);
+    memcpy(digits, hex, 16);
     size_t plen = strlen(dir) + sizeof("/" CKPT_MANIFEST_NAME);
     char *path = ckpt__malloc(plen);
     if (!path) {
@@ -356,6 +408,30 @@ static int parse_root(json_t *root, const char *what, ckpt_manifest *m) {
     return check_unique_names(m, what);
 }
 
+/* After the structure and the format version: a newer format may checksum
+ * differently, and a clear structural message beats "checksum mismatch". */
+static int check_sum(json_t *root, const char *text, size_t len, const char *what) {
+    json_t *v = json_object_get(root, MANIFEST_SUM_KEY);
+    if (!v) return ckpt__err(CKPT_ECORRUPT, "%s: \"" MANIFEST_SUM_KEY "\" is missing", what);
+    const char *want = json_string_value(v);
+    if (!want || json_string_length(v) != 16 || strspn(want, "0123456789abcdef") != 16)
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"" MANIFEST_SUM_KEY "\" must be 16 hex digits", what);
+    const char *digits = find_sum_digits(text, len);
+    if (!digits || memcmp(digits, want, 16) != 0)
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: \"" MANIFEST_SUM_KEY "\" must appear exactly once, as written", what);
+    uint64_t sum = 0;
+    CKPT_TRY(manifest_sum(text, len, digits, &sum));
+    char hex[17];
+    hex64(sum, hex);
+    if (memcmp(hex, want, 16) != 0)
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: checksum mismatch: the manifest was changed after it was written "
+                         "(%s in the file, %s computed)",
+                         what, want, hex);
+    return CKPT_OK;
+}
+
 int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_manifest *m) {
     ckpt__manifest_init(m);
     if (len > CKPT_MANIFEST_MAX_BYTES)
@@ -367,6 +443,7 @@ int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_ma
         return ckpt__err(CKPT_ECORRUPT, "%s: invalid JSON at line %d, column %d: %s", what,
                          jerr.line, jerr.column, jerr.text);
     int rc = parse_root(root, what, m);
+    if (rc == 0) rc = check_sum(root, text, len, what);
     json_decref(root);
     if (rc < 0) {
         /* Keep the message; drop what was parsed so far. */

@@ -36,6 +36,21 @@ flip_byte "$bad/model.safetensors" $(( $(stat -c %s "$bad/model.safetensors") - 
 run_rc 1 "$CKPT_BIN" verify "$bad"
 grep -q "fc3" "$WORK/out" || { cat "$WORK/out" >&2; fail "verify did not name the tensor"; }
 
+# edits that keep the manifest valid JSON (the step; one digit of a file's
+# checksum) are caught by the manifest's own checksum
+edit_manifest() { # PYTHON-EXPR on the text t
+    /usr/bin/python3 -c 'import re,sys; p=sys.argv[1]; t=open(p).read(); n=eval(sys.argv[2]); assert n!=t; open(p,"w").write(n)' \
+        "$bad/checkpoint.json" "$1" || fail "could not edit the manifest with $1"
+}
+for expr in 't.replace("\"step\": 40", "\"step\": 41", 1)' \
+            're.sub(r"(\"xxh3\": \")(.)", lambda m: m.group(1) + ("1" if m.group(2) == "0" else "0"), t, count=1)'; do
+    rm -rf "$bad"; cp -r "$good" "$bad"
+    edit_manifest "$expr"
+    run_rc 1 "$CKPT_BIN" verify "$bad"
+    grep -q "checkpoint.json.*changed after it was written" "$WORK/out" \
+        || { cat "$WORK/out" >&2; fail "verify did not catch the manifest edit $expr"; }
+done
+
 # ls: a folder without a manifest is partial; a damaged one corrupt
 cp -r "$good" "$proj/checkpoints/checkpoint_7"
 rm "$proj/checkpoints/checkpoint_7/checkpoint.json"

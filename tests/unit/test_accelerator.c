@@ -1328,6 +1328,25 @@ static void test_save_and_load_fail_cleanly_at_every_allocation(void **st) {
 
 /* The manifest parser survives random damage: every mutation of a valid
  * manifest parses or is refused with ECORRUPT/EUNSUPPORTED (ASan watches). */
+/* The manifest covers every other file; its own checksum covers it: a
+ * changed step or tensor checksum, or a removed checksum, is refused. */
+static void test_load_state_rejects_an_edited_manifest(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("acc");
+    char *dir = save_two(t);
+    rewrite_manifest(dir, "\"step\": 0", "\"step\": 7");
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "the manifest was changed after it was written");
+    ckpt_checkpoint_info info;
+    tu_expect_error(ckpt_checkpoint_verify(dir, true, &info), CKPT_ECORRUPT, "checkpoint.json");
+    assert_int_equal(info.status, CKPT_CHECKPOINT_CORRUPT);
+    rewrite_manifest(dir, "\"step\": 7", "\"step\": 0");
+    assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), 0);
+    rewrite_manifest(dir, "\"manifest_xxh3\"", "\"manifest_xxh4\"");
+    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "\"manifest_xxh3\" is missing");
+    free(dir);
+    tu_tmpdir_free(t);
+}
+
 static void test_manifest_parser_survives_random_mutations(void **st) {
     (void)st;
     char *t = tu_tmpdir_new("acc");
@@ -1409,6 +1428,7 @@ int main(void) {
         cmocka_unit_test(test_accelerator_new_validates_its_config),
         cmocka_unit_test(test_checkpoint_names_parse_only_canonical_numbers),
         cmocka_unit_test(test_save_and_load_fail_cleanly_at_every_allocation),
+        cmocka_unit_test(test_load_state_rejects_an_edited_manifest),
         cmocka_unit_test(test_manifest_parser_survives_random_mutations),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
