@@ -59,6 +59,11 @@ for f in libckpt.so libckpt.a pkgconfig/ckpt.pc cmake/ckpt/ckptConfig.cmake \
     [ -e "$LIBDIR/$f" ] || fail "$LIBDIR/$f not installed"
 done
 run cli.log "$PREFIX/bin/ckpt" --version
+# the installed tool trains with the installed data set (share/ckpt)
+[ -f "$PREFIX/share/ckpt/digits.csv.gz" ] || fail "the data set is not installed"
+cmp "$PREFIX/share/ckpt/digits.csv.gz" "$CKPT_SOURCE_DIR/data/digits.csv.gz" || fail "installed data differs"
+(unset CKPT_DATA; cd "$WORK" && run train.log "$PREFIX/bin/ckpt" train --epochs 1 --quiet --project-dir "$WORK/train")
+grep -q "test accuracy" "$WORK/train.log" || fail "installed ckpt train did not finish: $(cat "$WORK/train.log")"
 grep -q '/nonexistent/ckpt-prefix' -r "$LIBDIR/pkgconfig" "$LIBDIR/cmake" &&
     fail "installed files name the configure-time prefix, not the install prefix"
 
