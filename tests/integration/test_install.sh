@@ -7,30 +7,13 @@
 # (fully static binary), and a CMake project using find_package(ckpt).
 # Also checks that libckpt.so exports nothing but the public ckpt_* API and
 # that no internal header is installed.
-set -euo pipefail
+source "$(dirname "$0")/common.bash" # $WORK, fail, has
 
 : "${CKPT_SOURCE_DIR:?set CKPT_SOURCE_DIR to the source folder}"
 CC=${CC:-cc}
 JOBS=$(nproc 2>/dev/null || echo 2)
-
-WORK=$(mktemp -d /tmp/ckpt-install.XXXXXX)
-trap 'rm -rf "$WORK"' EXIT
 BUILD=$WORK/build
 PREFIX=$WORK/prefix
-
-# has PATTERN: like `grep -q PATTERN` at the end of a pipeline, but reads all
-# of its input first, so the writer never dies of SIGPIPE (which pipefail
-# would report as a failure).
-has() {
-    local input
-    input=$(cat)
-    grep -q "$@" <<<"$input"
-}
-
-fail() {
-    echo "FAIL: $*" >&2
-    exit 1
-}
 
 # run LOG CMD...: runs CMD with its output in $WORK/LOG, shown only on failure.
 run() {
