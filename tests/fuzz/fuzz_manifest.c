@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "ckpt.h"
-#include "manifest.h"
+#include "format/manifest.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 

@@ -18,10 +18,10 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "io.h"
-#include "manifest.h"
-#include "store.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "format/manifest.h"
+#include "store/store.h"
 #include "helpers/testutil.h"
 
 /* ---- a custom stateful object: a counter and a small tensor ------------- */

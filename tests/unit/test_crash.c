@@ -18,9 +18,9 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "io.h"
-#include "store.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "store/store.h"
 #include "helpers/testutil.h"
 
 /* ---- state: a counter whose whole content is a function of its value ---- */

@@ -13,8 +13,8 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
-#include "dataloader.h"
-#include "error.h"
+#include "train/dataloader.h"
+#include "base/error.h"
 #include "helpers/testutil.h"
 
 /* ---- a counting dataset: sample i is the int64 i ------------------------ */

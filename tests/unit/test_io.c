@@ -17,8 +17,8 @@
 #include <unistd.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "io.h"
+#include "base/error.h"
+#include "base/io.h"
 #include "helpers/testutil.h"
 
 typedef struct fx {

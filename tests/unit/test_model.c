@@ -11,8 +11,8 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "io.h"
+#include "base/error.h"
+#include "base/io.h"
 #include "helpers/testutil.h"
 
 static void test_add_param_records_name_shape_and_buffers(void **state) {

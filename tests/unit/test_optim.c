@@ -13,9 +13,9 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "io.h"
-#include "optim.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "train/optim.h"
 #include "helpers/testutil.h"
 
 /* ---- a two-parameter model ---------------------------------------------- */

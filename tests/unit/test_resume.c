@@ -16,8 +16,8 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "io.h"
+#include "base/error.h"
+#include "base/io.h"
 #include "helpers/testutil.h"
 
 #define NSAMPLES 22

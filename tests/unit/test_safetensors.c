@@ -14,8 +14,8 @@
 #include <string.h>
 
 #include "ckpt.h"
-#include "io.h"
-#include "safetensors.h"
+#include "base/io.h"
+#include "format/safetensors.h"
 #include "helpers/testutil.h"
 
 /* A file: 8-byte little-endian length, header text, then data_len bytes

@@ -14,8 +14,8 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "io.h"
+#include "base/error.h"
+#include "base/io.h"
 #include "helpers/testutil.h"
 
 typedef struct fixture {

@@ -18,9 +18,9 @@
 #include <unistd.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "io.h"
-#include "statedict.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "format/statedict.h"
 #include "helpers/testutil.h"
 
 /* ---- fixtures ----------------------------------------------------------- */

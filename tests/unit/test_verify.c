@@ -13,7 +13,7 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
-#include "manifest.h"
+#include "format/manifest.h"
 #include "helpers/testutil.h"
 
 enum { NA = 4096, NB = 1024, NC = 64 };

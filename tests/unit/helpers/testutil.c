@@ -14,7 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "io.h"
+#include "base/io.h"
 #include "helpers/testutil.h"
 
 int tu_tmpdir_make(char *buf, size_t cap, const char *tag) {

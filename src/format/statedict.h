@@ -4,7 +4,7 @@
 #define CKPT_STATEDICT_H
 
 #include "ckpt.h"
-#include "io.h"
+#include "base/io.h"
 
 /* Digest of one written state file: whole-file size and XXH3-64, and each
  * tensor's XXH3-64 (so verify can name the tensor that went bad). */

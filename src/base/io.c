@@ -16,8 +16,8 @@
 #define XXH_STATIC_LINKING_ONLY
 #include <xxhash.h>
 
-#include "error.h"
-#include "io.h"
+#include "base/error.h"
+#include "base/io.h"
 
 #ifndef RENAME_NOREPLACE
 #define RENAME_NOREPLACE (1 << 0)

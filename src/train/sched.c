@@ -8,7 +8,7 @@
 #include <string.h>
 
 #include "ckpt.h"
-#include "error.h"
+#include "base/error.h"
 
 typedef enum sched_kind {
     SCHED_STEP,

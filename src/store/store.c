@@ -1,6 +1,6 @@
 /* store.c — the checkpoint store: lock, numbering, leftovers, rotation, and
  * the folder tools (verify, list, prune). */
-#include "store.h"
+#include "store/store.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -14,9 +14,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "error.h"
-#include "io.h"
-#include "manifest.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "format/manifest.h"
 
 void ckpt__log(const ckpt_logger *lg, ckpt_log_level level, const char *fmt, ...) {
     char msg[1024];

@@ -8,8 +8,8 @@
 #include <stdint.h>
 
 #include "ckpt.h"
-#include "io.h"
-#include "statedict.h"
+#include "base/io.h"
+#include "format/statedict.h"
 
 #define CKPT_MANIFEST_NAME "checkpoint.json"
 #define CKPT_FORMAT_VERSION 1

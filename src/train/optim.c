@@ -8,8 +8,8 @@
 #include <string.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "optim.h"
+#include "base/error.h"
+#include "train/optim.h"
 
 /* PyTorch's CPU kernels (AVX2 build) compute add(x, alpha=a) and addcmul with
  * a fused multiply-add; we use fmaf at the same places so that the results

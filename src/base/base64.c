@@ -2,8 +2,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "base64.h"
-#include "error.h"
+#include "base/base64.h"
+#include "base/error.h"
 
 static const char alphabet[] =
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";

@@ -1,5 +1,5 @@
 /* manifest.c — checkpoint.json: write, parse (as hostile input), verify. */
-#include "manifest.h"
+#include "format/manifest.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -13,7 +13,7 @@
 #include <sys/stat.h>
 #include <time.h>
 
-#include "error.h"
+#include "base/error.h"
 
 void ckpt__manifest_init(ckpt_manifest *m) {
     memset(m, 0, sizeof *m);

@@ -27,8 +27,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "dataloader.h"
-#include "error.h"
+#include "train/dataloader.h"
+#include "base/error.h"
 
 #define MSG_CAP 1024
 #define FEISTEL_ROUNDS 6

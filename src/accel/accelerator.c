@@ -9,12 +9,12 @@
 #include <dirent.h>
 
 #include "ckpt.h"
-#include "dataloader.h"
-#include "error.h"
-#include "io.h"
-#include "manifest.h"
-#include "statedict.h"
-#include "store.h"
+#include "train/dataloader.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "format/manifest.h"
+#include "format/statedict.h"
+#include "store/store.h"
 
 /* The kinds of saved objects, in the order their files are written. */
 enum {

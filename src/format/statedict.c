@@ -14,11 +14,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "base64.h"
-#include "error.h"
-#include "io.h"
-#include "safetensors.h"
-#include "statedict.h"
+#include "base/base64.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "format/safetensors.h"
+#include "format/statedict.h"
 
 /* Version of the __metadata__["ckpt"] document. */
 #define CKPT_DOC_VERSION 1

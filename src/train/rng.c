@@ -5,7 +5,7 @@
 #include <string.h>
 
 #include "ckpt.h"
-#include "error.h"
+#include "base/error.h"
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u

@@ -6,8 +6,8 @@
 #include <string.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "statedict.h"
+#include "base/error.h"
+#include "format/statedict.h"
 
 typedef struct model_param {
     char *name;

@@ -6,7 +6,7 @@
 #include <stdatomic.h>
 #include <string.h>
 
-#include "error.h"
+#include "base/error.h"
 
 #define ERRMSG_CAP 2048
 

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "error.h"
-#include "safetensors.h"
+#include "base/error.h"
+#include "format/safetensors.h"
 
 /* ---- helpers ------------------------------------------------------------ */
 

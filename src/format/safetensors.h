@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #include "ckpt.h"
-#include "io.h"
+#include "base/io.h"
 
 /* The format's limit on the JSON header. */
 #define CKPT_ST_MAX_HEADER 100000000ULL

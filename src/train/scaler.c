@@ -6,8 +6,8 @@
 #include <stdlib.h>
 
 #include "ckpt.h"
-#include "error.h"
-#include "optim.h"
+#include "base/error.h"
+#include "train/optim.h"
 
 enum { STAGE_READY = 0, STAGE_UNSCALED = 1, STAGE_STEPPED = 2 };
 
