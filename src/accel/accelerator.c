@@ -7,6 +7,8 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "ckpt.h"
 #include "train/dataloader.h"
@@ -43,7 +45,9 @@ typedef struct acc_obj {
     void *self;
 } acc_obj;
 
-enum { HOOK_SAVE = 0, HOOK_LOAD = 1 };
+enum { HOOK_SAVE = 0, HOOK_LOAD = 1, HOOK_SAVE_POST = 2, HOOK_LOAD_POST = 3, HOOK_KINDS = 4 };
+static const char *const hook_name[HOOK_KINDS] = {"save_state pre-hook", "load_state pre-hook",
+                                                  "save_state post-hook", "load_state post-hook"};
 
 struct ckpt_hook_handle {
     ckpt_accelerator *acc;
@@ -69,7 +73,12 @@ struct ckpt_accelerator {
     ckpt_rng rng;
     int64_t step;
     char *last_dir;
-    ckpt_hook_handle *hooks[2];
+    ckpt_hook_handle *hooks[HOOK_KINDS];
+    /* The last ckpt_load_state failed (other than "no checkpoint"): saves
+     * refuse until a load succeeds or ckpt_accelerator_start_over. */
+    bool load_failed;
+    int load_failed_code;
+    char *load_failed_msg; /* may be NULL (no memory to copy it) */
 };
 
 /* ---- lifecycle ------------------------------------------------------------ */
@@ -115,7 +124,7 @@ nomem:
 
 void ckpt_accelerator_free(ckpt_accelerator *acc) {
     if (!acc) return;
-    for (int w = 0; w < 2; w++) {
+    for (int w = 0; w < HOOK_KINDS; w++) {
         ckpt_hook_handle *h = acc->hooks[w];
         while (h) {
             ckpt_hook_handle *next = h->next;
@@ -127,6 +136,7 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
     free(acc->project_dir);
     free(acc->logging_dir);
     free(acc->last_dir);
+    free(acc->load_failed_msg);
     free(acc);
 }
 
@@ -134,6 +144,17 @@ void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user)
     if (!acc) return;
     acc->log.fn = fn;
     acc->log.user = user;
+    for (int i = 0; i < acc->nobjs; i++)
+        if (acc->objs[i].kind == K_DATALOADER) ckpt_dataloader_set_log(acc->objs[i].self, fn, user);
+}
+
+int ckpt_accelerator_start_over(ckpt_accelerator *acc) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "accelerator_start_over: acc is NULL");
+    acc->load_failed = false;
+    acc->load_failed_code = 0;
+    free(acc->load_failed_msg);
+    acc->load_failed_msg = NULL;
+    return CKPT_OK;
 }
 
 int ckpt_accelerator_process_index(const ckpt_accelerator *acc) { return acc ? acc->process_index : 0; }
@@ -203,7 +224,9 @@ int ckpt_prepare_dataloader(ckpt_accelerator *acc, ckpt_dataloader *dl) {
         if (acc->objs[i].self == dl)
             return ckpt__err(CKPT_EEXIST, "prepare_dataloader: this object is already registered");
     CKPT_TRY(ckpt__dataloader_set_shard(dl, acc->num_processes, acc->process_index));
-    return prepare_builtin(acc, K_DATALOADER, ckpt_dataloader_ops(), dl, "prepare_dataloader");
+    CKPT_TRY(prepare_builtin(acc, K_DATALOADER, ckpt_dataloader_ops(), dl, "prepare_dataloader"));
+    ckpt_dataloader_set_log(dl, acc->log.fn, acc->log.user);
+    return CKPT_OK;
 }
 int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs) {
     return prepare_builtin(acc, K_SCALER, ckpt_grad_scaler_ops(), gs,
@@ -257,6 +280,14 @@ int ckpt_register_load_state_pre_hook(ckpt_accelerator *acc, ckpt_state_hook_fn 
                                       ckpt_hook_handle **handle) {
     return add_hook(acc, HOOK_LOAD, fn, user, handle, "register_load_state_pre_hook");
 }
+int ckpt_register_save_state_post_hook(ckpt_accelerator *acc, ckpt_state_hook_fn fn, void *user,
+                                       ckpt_hook_handle **handle) {
+    return add_hook(acc, HOOK_SAVE_POST, fn, user, handle, "register_save_state_post_hook");
+}
+int ckpt_register_load_state_post_hook(ckpt_accelerator *acc, ckpt_state_hook_fn fn, void *user,
+                                       ckpt_hook_handle **handle) {
+    return add_hook(acc, HOOK_LOAD_POST, fn, user, handle, "register_load_state_post_hook");
+}
 
 void ckpt_hook_remove(ckpt_hook_handle *h) {
     if (!h) return;
@@ -266,19 +297,25 @@ void ckpt_hook_remove(ckpt_hook_handle *h) {
     free(h);
 }
 
+/* Pre-hooks: the first failure aborts. Post-hooks: the save/load already
+ * succeeded, so a failure is a warning and the others still run. */
 static int run_hooks(ckpt_accelerator *acc, int which, const char *dir, const char *what) {
     ckpt_hook_handle *h = acc->hooks[which];
+    bool post = which == HOOK_SAVE_POST || which == HOOK_LOAD_POST;
     while (h) {
         /* A hook may remove itself: take the next one first. */
         ckpt_hook_handle *next = h->next;
+        ckpt_clear_error();
         int r = h->fn(h->user, acc, dir);
         if (r != 0) {
-            int code = r < 0 && r >= CKPT_EUNSUPPORTED ? r : CKPT_EINVAL;
-            return ckpt__err(code, "%s: %s: a %s pre-hook failed (returned %d)", what, dir,
-                             which == HOOK_SAVE ? "save_state" : "load_state", r);
+            r = ckpt__callback_failed(r, "the hook");
+            r = ckpt__err_prefix(r, "%s: %s: a %s failed", what, dir, hook_name[which]);
+            if (!post) return r;
+            ckpt__log(&acc->log, CKPT_LOG_WARNING, "%s", ckpt_errmsg());
         }
         h = next;
     }
+    if (post) ckpt_clear_error();
     return 0;
 }
 
@@ -310,11 +347,12 @@ static int save_object(ckpt_accelerator *acc, const acc_obj *o, const char *tmp,
     obj_file_name(acc, o, name, sizeof name);
     ckpt_writer *w = NULL;
     CKPT_TRY(ckpt_writer_new(&w));
+    ckpt_clear_error();
     int rc = o->ops->state_dict(o->self, w);
     if (rc != 0) {
-        if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "state_dict returned %d", rc);
+        rc = ckpt__callback_failed(rc, "state_dict");
         ckpt_writer_free(w);
-        return ckpt__err_prefix(rc, "%s: state_dict", name);
+        return ckpt__err_prefix(rc, "%s", name);
     }
     char *path = ckpt__path_join(tmp, name);
     if (!path) {
@@ -327,6 +365,106 @@ static int save_object(ckpt_accelerator *acc, const acc_obj *o, const char *tmp,
     if (rc == 0) rc = ckpt__manifest_add(m, name, kind_name[o->kind], &d);
     ckpt__file_digest_free(&d);
     ckpt_writer_free(w);
+    free(path);
+    return rc;
+}
+
+/* ---- files a save pre-hook adds ------------------------------------------- */
+
+typedef struct extra_list {
+    char **names;
+    int n, cap;
+} extra_list;
+
+static void extras_free(extra_list *x) {
+    for (int i = 0; i < x->n; i++) free(x->names[i]);
+    free(x->names);
+    memset(x, 0, sizeof *x);
+}
+
+static int cmp_name(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* What the pre-hooks left in the temporary folder tmp: only regular files
+ * with names a manifest can list and that none of the planned state files
+ * use. Anything else fails the save, naming it: silently dropping a file the
+ * user meant to keep, or following a link out of the folder, would be worse. */
+static int collect_extras(ckpt_accelerator *acc, const char *tmp, const char *target,
+                          const acc_obj *plan, int nplan, extra_list *x) {
+    DIR *d = opendir(tmp);
+    if (!d) return ckpt__err_os(errno, "save_state: %s", tmp);
+    int rc = 0;
+    struct dirent *e;
+    while (rc == 0 && (e = readdir(d)) != NULL) {
+        const char *nm = e->d_name;
+        if (strcmp(nm, ".") == 0 || strcmp(nm, "..") == 0) continue;
+        struct stat st;
+        if (fstatat(dirfd(d), nm, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+            rc = ckpt__err_os(errno, "save_state: %s/%s", tmp, nm);
+            break;
+        }
+        const char *why = NULL;
+        if (S_ISLNK(st.st_mode)) why = "is a symbolic link; only regular files are kept";
+        else if (S_ISDIR(st.st_mode))
+            why = "is a folder; only regular files at the top of the checkpoint folder are kept";
+        else if (!S_ISREG(st.st_mode)) why = "is not a regular file";
+        else if (strcmp(nm, CKPT_MANIFEST_NAME) == 0) why = "is the manifest's name";
+        else if (!ckpt__manifest_valid_name(nm))
+            why = "is not a name a checkpoint can list (hidden, \"..\", control characters or "
+                  "not UTF-8)";
+        for (int i = 0; !why && i < nplan; i++) {
+            char own[96];
+            obj_file_name(acc, &plan[i], own, sizeof own);
+            if (strcmp(nm, own) == 0) why = "is the name of one of the checkpoint's state files";
+        }
+        if (why) {
+            rc = ckpt__err(CKPT_EINVAL, "save_state: %s: a save pre-hook wrote '%s', which %s",
+                           target, nm, why);
+            break;
+        }
+        if (x->n == x->cap) {
+            int cap = x->cap ? x->cap * 2 : 8;
+            char **nn = ckpt__realloc(x->names, (size_t)cap * sizeof *nn);
+            if (!nn) {
+                rc = ckpt__err_nomem("save extras");
+                break;
+            }
+            x->names = nn;
+            x->cap = cap;
+        }
+        if (!(x->names[x->n] = ckpt__strdup(nm))) {
+            rc = ckpt__err_nomem("save extras");
+            break;
+        }
+        x->n++;
+    }
+    closedir(d);
+    if (rc == 0 && x->n > 1) qsort(x->names, (size_t)x->n, sizeof *x->names, cmp_name);
+    return rc;
+}
+
+/* Makes one pre-hook file durable and lists it: fsync, then size and
+ * XXH3-64 of what is on disk. */
+static int add_extra(const char *tmp, const char *name, ckpt_manifest *m) {
+    char *path = ckpt__path_join(tmp, name);
+    if (!path) return ckpt__err_nomem("save path");
+    int rc = 0;
+    int fd = ckpt__os_open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0);
+    if (fd < 0) rc = ckpt__err_os(errno, "save_state: %s", path);
+    else if (ckpt__os_fsync(fd) != 0) rc = ckpt__err_os(errno, "save_state: %s: fsync", path);
+    if (fd >= 0) close(fd);
+    ckpt_mapped mp;
+    memset(&mp, 0, sizeof mp);
+    if (rc == 0) rc = ckpt__map_file(path, &mp);
+    if (rc == 0) {
+        ckpt_file_digest d;
+        memset(&d, 0, sizeof d);
+        d.size = mp.size;
+        d.xxh3 = ckpt__xxh3(mp.data, (size_t)mp.size);
+        rc = ckpt__manifest_add(m, name, "extra", &d);
+        ckpt__unmap(&mp);
+    }
     free(path);
     return rc;
 }
@@ -428,13 +566,23 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
         return ckpt__err(CKPT_EINVAL,
                          "save_state: automatic checkpoint naming needs a project_dir");
     if (!automatic && !output_dir[0]) return ckpt__err(CKPT_EINVAL, "save_state: output_dir is empty");
+    if (acc->load_failed)
+        return ckpt__err(CKPT_EINVAL,
+                         "save_state: refused: the last load_state of this accelerator failed "
+                         "(%s: %s); saving now could replace or rotate away the checkpoints it "
+                         "could not load. Fix the cause and load again, or call "
+                         "ckpt_accelerator_start_over to start this run over deliberately",
+                         ckpt__status_name(acc->load_failed_code),
+                         acc->load_failed_msg ? acc->load_failed_msg : "(message lost)");
 
     char *parent = NULL, *base = NULL, *target = NULL, *tmp = NULL, *lockp = NULL, *tname = NULL;
+    char *last = NULL;
     acc_obj *plan = NULL;
+    extra_list extras = {0};
     ckpt_lock lk = {-1};
     ckpt_manifest m;
     ckpt__manifest_init(&m);
-    bool tmp_made = false;
+    bool tmp_made = false, committed = false;
     int64_t number = -1;
     int rc = 0;
 
@@ -496,9 +644,6 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
         rc = check_replaceable(target);
         if (rc < 0) goto out;
     }
-    rc = run_hooks(acc, HOOK_SAVE, target, "save_state");
-    if (rc < 0) goto out;
-
     if (ckpt__os_mkdir(tmp, 0755) != 0) {
         rc = ckpt__err_os(errno, "save_state: %s: create temporary folder", tmp);
         goto out;
@@ -510,12 +655,22 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
         rc = ckpt__err_nomem("save plan");
         goto out;
     }
+    /* As Accelerate's: the pre-hooks get the folder being written, and what
+     * they put there is saved with the checkpoint. */
+    rc = run_hooks(acc, HOOK_SAVE, tmp, "save_state");
+    if (rc < 0) goto out;
+    rc = collect_extras(acc, tmp, target, plan, nplan, &extras);
+    if (rc < 0) goto out;
     for (int i = 0; i < nplan; i++) {
         rc = save_object(acc, &plan[i], tmp, &m);
         if (rc < 0) {
             rc = ckpt__err_prefix(rc, "save_state: %s", target);
             goto out;
         }
+    }
+    for (int i = 0; i < extras.n; i++) {
+        rc = add_extra(tmp, extras.names[i], &m);
+        if (rc < 0) goto out;
     }
     m.step = acc->step;
     m.iteration = automatic ? number + 1 : acc->iteration;
@@ -526,6 +681,19 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
     rc = ckpt__manifest_write(&m, tmp);
     if (rc < 0) {
         rc = ckpt__err_prefix(rc, "save_state: %s", target);
+        goto out;
+    }
+    /* The folder may have appeared (or changed) since the first check, while
+     * the hooks ran and the files were written: a user's folder is never
+     * replaced. (Automatic names are published without replacing.) */
+    if (!automatic) {
+        rc = check_replaceable(target);
+        if (rc < 0) goto out;
+    }
+    /* Allocated before the commit, after which nothing may fail. */
+    last = ckpt__strdup(target);
+    if (!last) {
+        rc = ckpt__err_nomem("last_dir");
         goto out;
     }
     struct stat tmp_st, tgt_st;
@@ -544,8 +712,8 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
     /* Committed: nothing below may fail the save. */
     if (automatic) acc->iteration = number + 1;
     free(acc->last_dir);
-    acc->last_dir = target;
-    target = NULL;
+    acc->last_dir = last; /* target stays ours: the post-hooks get it */
+    last = NULL;
     if (automatic && acc->total_limit > 0) {
         /* Rotation only after the commit: the newest checkpoint is never at
          * risk. A failure here leaves an extra old checkpoint, not a failed save. */
@@ -553,11 +721,16 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
         if (ckpt__rotate(parent, acc->total_limit, &acc->log, &removed) < 0)
             ckpt__log(&acc->log, CKPT_LOG_WARNING, "total_limit rotation: %s", ckpt_errmsg());
     }
+    committed = true;
 out:
     if (tmp_made && ckpt__remove_tree(tmp) < 0)
         ckpt__log(&acc->log, CKPT_LOG_WARNING, "could not remove %s after a failed save", tmp);
     ckpt__lock_release(&lk);
+    /* After the lock is released, so that a post-hook may save again. */
+    if (committed) run_hooks(acc, HOOK_SAVE_POST, target, "save_state");
     ckpt__manifest_clear(&m);
+    extras_free(&extras);
+    free(last);
     free(plan);
     free(parent);
     free(base);
@@ -623,9 +796,9 @@ static int apply_checkpoint(ckpt_accelerator *acc, const char *dir, ckpt_checkpo
         ckpt_writer *schema = NULL;
         rc = ckpt_writer_new_schema(&schema);
         if (rc < 0) break;
+        ckpt_clear_error();
         rc = plan[i].ops->state_dict(plan[i].self, schema);
-        if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "state_dict returned %d", rc);
-        if (rc < 0) rc = ckpt__err_prefix(rc, "%s: state_dict", name);
+        if (rc != 0) rc = ckpt__err_prefix(ckpt__callback_failed(rc, "state_dict"), "%s", name);
         else rc = ckpt__schema_check(schema, readers[i], name);
         ckpt_writer_free(schema);
         if (rc < 0) rc = ckpt__err_prefix(rc, "load_state: %s", dir);
@@ -635,9 +808,10 @@ static int apply_checkpoint(ckpt_accelerator *acc, const char *dir, ckpt_checkpo
      * check sees the objects as they were before the load. */
     for (int i = 0; i < n; i++) {
         if (!plan[i].ops->check_state_dict) continue;
+        ckpt_clear_error();
         rc = plan[i].ops->check_state_dict(plan[i].self, readers[i]);
         if (rc == 0) continue;
-        if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "check_state_dict returned %d", rc);
+        rc = ckpt__callback_failed(rc, "check_state_dict");
         char name[96];
         obj_file_name(acc, &plan[i], name, sizeof name);
         rc = ckpt__err_prefix(rc, "load_state: %s: %s", dir, name);
@@ -656,9 +830,10 @@ static int apply_checkpoint(ckpt_accelerator *acc, const char *dir, ckpt_checkpo
      * (documented in CHECKPOINTS.md); the objects before it are already
      * loaded. */
     for (int i = 0; i < n; i++) {
+        ckpt_clear_error();
         rc = plan[i].ops->load_state_dict(plan[i].self, readers[i]);
         if (rc != 0) {
-            if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "load_state_dict returned %d", rc);
+            rc = ckpt__callback_failed(rc, "load_state_dict");
             char name[96];
             obj_file_name(acc, &plan[i], name, sizeof name);
             rc = ckpt__err_prefix(rc, "load_state: %s: %s (state partially loaded: %d of %d "
@@ -695,14 +870,29 @@ out:
     return rc;
 }
 
-int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
-    if (!acc) return ckpt__err(CKPT_EINVAL, "load_state: acc is NULL");
+/* The warning for a checkpoint skipped by load_state(NULL): the message
+ * usually starts with the folder already. */
+static void warn_skipped(ckpt_accelerator *acc, const char *dir, const char *msg, bool older) {
+    size_t n = strlen(dir);
+    bool named = strncmp(msg, dir, n) == 0 && msg[n] == ':';
+    ckpt__log(&acc->log, CKPT_LOG_WARNING, "skipping %s%s%s%s", named ? "" : dir, named ? "" : ": ",
+              msg, older ? "; falling back to an older checkpoint" : "");
+}
+
+/* ckpt_load_state without the bookkeeping of failures; *nothing is set when
+ * there is no checkpoint at all (the CKPT_ENOENT a fresh start gets). */
+static int load_state(ckpt_accelerator *acc, const char *input_dir, bool *nothing) {
     ckpt_checkpoint_open c;
     memset(&c, 0, sizeof c);
     char *dir = NULL;
     int rc = 0;
     if (input_dir) {
         if (!input_dir[0]) return ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
+        struct stat st;
+        if (lstat(input_dir, &st) != 0 && errno == ENOENT) {
+            *nothing = true;
+            return ckpt__err(CKPT_ENOENT, "load_state: %s: no such checkpoint folder", input_dir);
+        }
         dir = ckpt__strdup(input_dir);
         if (!dir) return ckpt__err_nomem("load path");
         rc = ckpt__checkpoint_open(dir, true, true, &c);
@@ -717,8 +907,10 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
         if (!cdir) return ckpt__err_nomem("load path");
         int64_t *nums = NULL, count = 0;
         rc = ckpt__list_numbers(cdir, &nums, &count);
-        if (rc == 0 && count == 0)
+        if (rc == 0 && count == 0) {
+            *nothing = true;
             rc = ckpt__err(CKPT_ENOENT, "load_state: no checkpoint in %s", cdir);
+        }
         /* Why each newer checkpoint was skipped, for the final message. */
         char why[1536] = "";
         for (int64_t i = count - 1; rc == 0 && i >= 0; i--) {
@@ -737,8 +929,7 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
                 rc = ckpt__err_prefix(orc, "load_state");
                 break;
             }
-            ckpt__log(&acc->log, CKPT_LOG_WARNING, "skipping %s: %s%s", dir, ckpt_errmsg(),
-                      i > 0 ? "; falling back to an older checkpoint" : "");
+            warn_skipped(acc, dir, ckpt_errmsg(), i > 0);
             size_t used = strlen(why);
             snprintf(why + used, sizeof why - used, "%s%s", used ? "; " : "", ckpt_errmsg());
             ckpt__checkpoint_close(&c);
@@ -753,8 +944,29 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     }
     rc = run_hooks(acc, HOOK_LOAD, dir, "load_state");
     if (rc == 0) rc = apply_checkpoint(acc, dir, &c);
+    if (rc == 0) {
+        ckpt__checkpoint_close(&c); /* the post-hooks may rewrite the folder */
+        run_hooks(acc, HOOK_LOAD_POST, dir, "load_state");
+    }
 out:
     ckpt__checkpoint_close(&c);
     free(dir);
+    return rc;
+}
+
+int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "load_state: acc is NULL");
+    bool nothing = false;
+    int rc = load_state(acc, input_dir, &nothing);
+    if (rc == 0) return ckpt_accelerator_start_over(acc);
+    if (nothing) return rc;
+    /* CKPT_ENOENT is promised for "no checkpoint" only, so that a caller may
+     * take it for a fresh start: a key an object reads and the file lacks
+     * (or a hook's missing file) is a mismatch between checkpoint and run. */
+    if (rc == CKPT_ENOENT) rc = CKPT_EMISMATCH;
+    free(acc->load_failed_msg);
+    acc->load_failed_msg = ckpt__strdup(ckpt_errmsg());
+    acc->load_failed = true;
+    acc->load_failed_code = rc;
     return rc;
 }
