@@ -126,6 +126,40 @@ static bool run_config_check(const run_config *saved, const run_config *now) {
     return ok;
 }
 
+/* ---- the console's loss window, saved with every checkpoint -------------- */
+
+/* A progress line shows the mean loss of the steps since the last multiple
+ * of --log-every. The window is part of the run's state (a custom object), so
+ * the first line after a resume averages the same steps as the line of an
+ * uninterrupted run, and it restarts at the same steps whatever is printed
+ * (--quiet or not), so checkpoints do not depend on the output mode. */
+typedef struct loss_window {
+    double sum;
+    int64_t n;
+} loss_window;
+
+static int loss_window_state_dict(void *self, ckpt_writer *w) {
+    const loss_window *lw = self;
+    int rc;
+    if ((rc = ckpt_write_f64(w, "sum", lw->sum)) < 0) return rc;
+    return ckpt_write_i64(w, "steps", lw->n);
+}
+
+static int loss_window_load_state_dict(void *self, ckpt_reader *r) {
+    loss_window lw;
+    int rc;
+    if ((rc = ckpt_read_f64(r, "sum", &lw.sum)) < 0) return rc;
+    if ((rc = ckpt_read_i64(r, "steps", &lw.n)) < 0) return rc;
+    if (lw.n < 0) return ckpt_set_error(CKPT_ECORRUPT, "loss window: steps %lld < 0", (long long)lw.n);
+    *(loss_window *)self = lw;
+    return CKPT_OK;
+}
+
+static const ckpt_stateful_ops loss_window_ops = {
+    .state_dict = loss_window_state_dict,
+    .load_state_dict = loss_window_load_state_dict,
+};
+
 /* ---- small helpers ------------------------------------------------------ */
 
 static volatile sig_atomic_t stop_signal = 0;
@@ -316,6 +350,7 @@ typedef struct trainer {
     ckpt_dataloader *loader;
     ckpt_accelerator *acc;
     run_config config, saved_config;
+    loss_window window;
     FILE *metrics;
     bool tty; /* a progress bar is being redrawn on stdout */
 } trainer;
@@ -451,7 +486,8 @@ static int trainer_setup(trainer *t) {
     t->config = (run_config){.epochs = o->epochs, .batch_size = o->batch_size, .seed = o->seed,
                              .train_rows = t->ntrain, .hidden = HIDDEN, .lr = o->lr};
     t->saved_config = t->config;
-    if ((rc = ckpt_register_for_checkpointing(t->acc, &run_config_ops, &t->saved_config)) < 0)
+    if ((rc = ckpt_register_for_checkpointing(t->acc, &run_config_ops, &t->saved_config)) < 0 ||
+        (rc = ckpt_register_for_checkpointing(t->acc, &loss_window_ops, &t->window)) < 0)
         return lib_fail("register", rc);
 
     /* weights come from the seeded default generator; dropout draws from it
@@ -556,8 +592,8 @@ int cli_train(int argc, char **argv) {
                (long long)o->batch_size, (long long)t.ntrain, (long long)t.ntest);
 
     ckpt_rng *rng = ckpt_accelerator_rng(t.acc);
-    double t0 = now_seconds(), last_draw = 0.0, window_loss = 0.0;
-    int64_t start_step = step, window_n = 0;
+    double t0 = now_seconds(), last_draw = 0.0;
+    int64_t start_step = step;
     while (step < total && !stop_signal) {
         ckpt_batch b;
         rc = ckpt_dataloader_next(t.loader, &b);
@@ -601,8 +637,12 @@ int cli_train(int argc, char **argv) {
             status = CLI_RUNTIME;
             goto done;
         }
-        window_loss += loss;
-        window_n++;
+        t.window.sum += loss;
+        t.window.n++;
+        double mean_loss = t.window.sum / (double)t.window.n;
+        /* restarted before the save, so a checkpoint holds the window of the
+         * steps after the last line */
+        if (step % o->log_every == 0) t.window = (loss_window){0.0, 0};
 
         if ((o->save_every > 0 && step % o->save_every == 0) || step == total) {
             if ((status = save(&t, step)) != CLI_OK) goto done;
@@ -624,10 +664,8 @@ int cli_train(int argc, char **argv) {
         } else if (!tty && !o->quiet && (step % o->log_every == 0 || step == total)) {
             printf("epoch %lld step %lld/%lld loss %.4f lr %.3g scale %g %.1f it/s\n",
                    (long long)b.epoch + 1, (long long)step, (long long)total,
-                   window_loss / (double)window_n, lr, scale, rate);
+                   mean_loss, lr, scale, rate);
             fflush(stdout);
-            window_loss = 0.0;
-            window_n = 0;
         }
     }
     if (tty) putchar('\n');
