@@ -50,6 +50,8 @@ static const char train_help[] =
     "  --data FILE        the data set (default: the project's data/digits.csv.gz,\n"
     "                     or $CKPT_DATA)\n"
     "  --resume           continue from the newest complete checkpoint in DIR\n"
+    "  --shard-optimizer  ZeRO-1: each process keeps the AdamW moments of its share\n"
+    "                     of the parameters (saved as sharded tensors)\n"
     "  --log-every N      steps between progress lines when not on a terminal (default 50)\n"
     "  --quiet            print only the result\n"
     "  -h, --help         this help\n"
@@ -67,7 +69,7 @@ typedef struct train_opts {
     double lr;
     const char *project_dir;
     const char *data;
-    bool resume, quiet;
+    bool resume, quiet, shard_optimizer;
 } train_opts;
 
 /* ---- the run's settings, saved with every checkpoint -------------------- */
@@ -252,7 +254,7 @@ static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x
 
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
     enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
-           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET };
+           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
@@ -266,6 +268,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"resume", no_argument, NULL, O_RESUME},
         {"log-every", required_argument, NULL, O_LOG_EVERY},
         {"quiet", no_argument, NULL, O_QUIET},
+        {"shard-optimizer", no_argument, NULL, O_SHARD_OPTIM},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -291,6 +294,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_RESUME: o->resume = true; break;
         case O_LOG_EVERY: ok = cli_parse_i64(a, 1, INT64_MAX, &o->log_every); break;
         case O_QUIET: o->quiet = true; break;
+        case O_SHARD_OPTIM: o->shard_optimizer = true; break;
         case 'h': fputs(train_help, stdout); return -1;
         case ':': return cli_usage_error("train", "option '%s' needs a value", argv[optind - 1]);
         default: return cli_usage_error("train", "unknown option '%s'", argv[optind - 1]);
@@ -445,6 +449,9 @@ static int trainer_setup(trainer *t) {
         .comm = t->dist.comm,
     };
     if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return lib_fail("accelerator", rc);
+    if (o->shard_optimizer &&
+        (rc = ckpt_optimizer_set_shard(t->optim, t->dist.comm ? t->dist.comm : ckpt_comm_self())) < 0)
+        return lib_fail("--shard-optimizer", rc);
     if ((rc = ckpt_prepare_dataloader(t->acc, t->loader)) < 0) return lib_fail("prepare", rc);
     int64_t per_epoch = ckpt_dataloader_num_batches(t->loader);
     if (per_epoch <= 0) {

@@ -1,6 +1,6 @@
 /* shard_pending.c — placeholders for the sharded-tensor writer and reader
- * until they land: weak, so the real definitions replace them. Nothing puts
- * shard entries yet, so a writer never has any. */
+ * and the sharded optimizer until they land: weak, so the real definitions
+ * replace them. Nothing puts shard entries yet, so a writer never has any. */
 #include "base/error.h"
 #include "format/statedict.h"
 
@@ -20,4 +20,9 @@ __attribute__((weak)) int ckpt__reader_attach_shard(ckpt_reader *r, const void *
                                                     const ckpt_chunk *chunks, int64_t n) {
     (void)r, (void)buf, (void)len, (void)keys, (void)chunks, (void)n;
     return ckpt__err(CKPT_EUNSUPPORTED, "%s: sharded tensors are not supported yet", name);
+}
+
+__attribute__((weak)) int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm) {
+    (void)o, (void)comm;
+    return ckpt__err(CKPT_EUNSUPPORTED, "optimizer_set_shard: the sharded optimizer is not built yet");
 }
