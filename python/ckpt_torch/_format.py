@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import time
 
@@ -206,11 +207,18 @@ def _loads_strict(text, allow_trailing=False):
 
 
 def _check_ints(v):
+    """What jansson refuses and Python's json accepts: integers beyond
+    int64, infinite reals, NUL characters in strings."""
     stack = [v]
     while stack:
         x = stack.pop()
         if isinstance(x, dict):
+            if any("\0" in k for k in x):
+                raise ValueError("\\u0000 is not allowed without JSON_ALLOW_NUL")
             stack.extend(x.values())
+        elif isinstance(x, str):
+            if "\0" in x:
+                raise ValueError("\\u0000 is not allowed without JSON_ALLOW_NUL")
         elif isinstance(x, list):
             stack.extend(x)
         elif isinstance(x, int) and not isinstance(x, bool):
@@ -805,8 +813,7 @@ def verify_folder(dir, keep_data=False):
             st = os.stat(path)
         except FileNotFoundError:
             raise CorruptError("%s: %s is listed in the manifest but missing" % (dir, f["name"])) from None
-        import stat as _stat
-        if not _stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(st.st_mode):
             raise CorruptError("%s: %s is not a regular file" % (dir, f["name"]))
         if st.st_size != f["size"]:
             raise CorruptError("%s: %s: size %d bytes, the manifest says %d%s"
