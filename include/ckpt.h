@@ -315,6 +315,15 @@ typedef struct ckpt_comm {
     void (*destroy)(void *ctx);
 } ckpt_comm;
 
+/* For communicator implementations: sets this thread's message (printf
+ * format) and returns code, so a collective can `return ckpt_set_error(
+ * CKPT_EIO, "allgather: %s", why);` and the caller's ckpt_errmsg names it. */
+CKPT_API int ckpt_set_error(int code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
 /* A communicator of one process (rank 0 of 1): static, never freed. */
 CKPT_API const ckpt_comm *ckpt_comm_self(void);
 /* Calls c->destroy(c->ctx) and frees c; for communicators made by a ckpt

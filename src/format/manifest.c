@@ -28,6 +28,7 @@ static void file_clear(ckpt_manifest_file *f) {
     for (int64_t i = 0; i < f->ntensors; i++) free(f->tensor_keys[i]);
     free(f->tensor_keys);
     free(f->tensor_xxh3);
+    free(f->chunks);
     memset(f, 0, sizeof *f);
 }
 
@@ -73,6 +74,11 @@ int ckpt__manifest_add(ckpt_manifest *m, const char *name, const char *kind,
         }
         f->tensor_xxh3[i] = d->tensor_xxh3[i];
         f->ntensors = i + 1;
+    }
+    if (rc == 0 && d->tensor_chunk) {
+        f->chunks = ckpt__malloc((size_t)(d->ntensors ? d->ntensors : 1) * sizeof *f->chunks);
+        if (!f->chunks) rc = ckpt__err_nomem("manifest chunks");
+        else if (d->ntensors) memcpy(f->chunks, d->tensor_chunk, (size_t)d->ntensors * sizeof *f->chunks);
     }
     if (rc < 0) {
         file_clear(f);
@@ -137,8 +143,46 @@ static int manifest_sum(const char *text, size_t len, const char *digits, uint64
     return CKPT_OK;
 }
 
-static json_t *build_json(const ckpt_manifest *m) {
+/* One file's entry. "rank" only when not 0, so a one-process manifest reads
+ * as it always did. */
+static json_t *file_json(const ckpt_manifest_file *f) {
     char hex[17];
+    json_t *jf = json_object();
+    if (!jf) return NULL;
+    JSET(jf, "name", json_string(f->name));
+    JSET(jf, "kind", json_string(f->kind));
+    if (f->rank != 0) JSET(jf, "rank", json_integer(f->rank));
+    JSET(jf, "size", json_integer((json_int_t)f->size));
+    hex64(f->xxh3, hex);
+    JSET(jf, "xxh3", json_string(hex));
+    json_t *jt = json_object();
+    if (!jt) goto nomem;
+    JSET(jf, "tensors", jt);
+    for (int64_t t = 0; t < f->ntensors; t++) {
+        hex64(f->tensor_xxh3[t], hex);
+        JSET(jt, f->tensor_keys[t], json_string(hex));
+    }
+    return jf;
+nomem:
+    json_decref(jf);
+    return NULL;
+}
+
+/* Every file's entry, in order. */
+static json_t *files_json(const ckpt_manifest *m) {
+    json_t *files = json_array();
+    if (!files) return NULL;
+    for (int64_t i = 0; i < m->nfiles; i++) {
+        json_t *jf = file_json(&m->files[i]);
+        if (!jf || json_array_append_new(files, jf) != 0) {
+            json_decref(files);
+            return NULL;
+        }
+    }
+    return files;
+}
+
+static json_t *build_json(const ckpt_manifest *m) {
     json_t *root = json_object();
     if (!root) return NULL;
     JSET(root, "format", json_string("ckpt"));
@@ -150,26 +194,9 @@ static json_t *build_json(const ckpt_manifest *m) {
     JSET(root, "num_processes", json_integer(m->num_processes));
     JSET(root, "created_unix", json_integer(m->created_unix));
     JSET(root, "created", json_string(m->created));
-    json_t *files = json_array();
+    json_t *files = files_json(m);
     if (!files) goto nomem;
     JSET(root, "files", files);
-    for (int64_t i = 0; i < m->nfiles; i++) {
-        const ckpt_manifest_file *f = &m->files[i];
-        json_t *jf = json_object();
-        if (!jf || json_array_append_new(files, jf) != 0) goto nomem;
-        JSET(jf, "name", json_string(f->name));
-        JSET(jf, "kind", json_string(f->kind));
-        JSET(jf, "size", json_integer((json_int_t)f->size));
-        hex64(f->xxh3, hex);
-        JSET(jf, "xxh3", json_string(hex));
-        json_t *jt = json_object();
-        if (!jt) goto nomem;
-        JSET(jf, "tensors", jt);
-        for (int64_t t = 0; t < f->ntensors; t++) {
-            hex64(f->tensor_xxh3[t], hex);
-            JSET(jt, f->tensor_keys[t], json_string(hex));
-        }
-    }
     JSET(root, MANIFEST_SUM_KEY, json_string(MANIFEST_SUM_ZERO));
     return root;
 nomem:
@@ -313,7 +340,8 @@ static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *wha
     CKPT_TRY(get_str(jf, "kind", true, &kind, &klen, where));
     if (klen == 0 || klen > 64)
         return ckpt__err(CKPT_ECORRUPT, "%s: \"kind\" must be 1..64 characters", where);
-    int64_t size = 0;
+    int64_t size = 0, rank = 0;
+    CKPT_TRY(get_int(jf, "rank", false, 0, m->num_processes - 1, &rank, where));
     CKPT_TRY(get_int(jf, "size", true, 0, INT64_MAX, &size, where));
     CKPT_TRY(get_str(jf, "xxh3", true, &hex, &hlen, where));
     uint64_t digest;
@@ -329,6 +357,7 @@ static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *wha
     f->kind = ckpt__strdup(kind);
     f->size = (uint64_t)size;
     f->xxh3 = digest;
+    f->rank = (int)rank;
     if (!f->name || !f->kind) return ckpt__err_nomem("manifest");
     size_t nt = jt ? json_object_size(jt) : 0;
     CKPT_TRY(alloc_tensors(f, (int64_t)nt));
@@ -451,6 +480,46 @@ int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_ma
         free(m->files);
         m->files = NULL;
         m->nfiles = m->cap = 0;
+    }
+    return rc;
+}
+
+/* ---- file records between processes ------------------------------------ */
+
+int ckpt__manifest_files_to_json(const ckpt_manifest *m, char **out, size_t *len) {
+    *out = NULL;
+    *len = 0;
+    json_t *files = files_json(m);
+    if (!files) return ckpt__err_nomem("file records JSON");
+    char *text = json_dumps(files, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    json_decref(files);
+    if (!text) return ckpt__err_nomem("file records JSON text");
+    *out = text;
+    *len = strlen(text);
+    return CKPT_OK;
+}
+
+int ckpt__manifest_files_from_json(ckpt_manifest *m, const char *text, size_t len,
+                                   const char *what) {
+    if (len > CKPT_MANIFEST_MAX_BYTES)
+        return ckpt__err(CKPT_ECORRUPT, "%s: %zu bytes, more than the %u a manifest may have", what,
+                         len, CKPT_MANIFEST_MAX_BYTES);
+    json_error_t jerr;
+    json_t *files = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!files)
+        return ckpt__err(CKPT_ECORRUPT, "%s: invalid JSON at line %d, column %d: %s", what,
+                         jerr.line, jerr.column, jerr.text);
+    int64_t before = m->nfiles;
+    int rc = json_is_array(files) ? CKPT_OK
+                                  : ckpt__err(CKPT_ECORRUPT, "%s: file records must be an array", what);
+    for (size_t i = 0; rc == 0 && i < json_array_size(files); i++)
+        rc = parse_file(json_array_get(files, i), (int64_t)i, m, what);
+    json_decref(files);
+    if (rc == 0) rc = check_unique_names(m, what);
+    if (rc < 0) {
+        /* Keep the message; m holds what it held before. */
+        for (int64_t i = before; i < m->nfiles; i++) file_clear(&m->files[i]);
+        m->nfiles = before;
     }
     return rc;
 }
@@ -590,6 +659,7 @@ typedef struct check_job {
     const char *dir;
     const ckpt_manifest *m;
     bool deep;
+    const bool *shallow; /* NULL, or per file: only check the size */
     ckpt_mapped *maps; /* NULL: map, hash and unmap each file */
     const int64_t *idx;
     int64_t n;
@@ -607,7 +677,8 @@ static void run_check_job(check_job *j) {
         memset(&tmp, 0, sizeof tmp);
         ckpt_mapped *mp = j->maps ? &j->maps[i] : &tmp;
         bool mapped = false;
-        int rc = check_one(j->dir, &j->m->files[i], j->deep, mp, &mapped);
+        bool deep = j->deep && !(j->shallow && j->shallow[i]);
+        int rc = check_one(j->dir, &j->m->files[i], deep, mp, &mapped);
         if (mapped && !j->maps) unmap_if(&tmp);
         if (rc < 0) {
             j->failed = i;
@@ -650,19 +721,22 @@ uint64_t ckpt__set_parallel_check_bytes(uint64_t bytes) {
  * verified load's time, so with two or more large files it is split over
  * two threads, balanced by size. The error reported is the one of the
  * lowest-numbered failing file, as a sequential check would report. */
-static int check_files(const char *dir, const ckpt_manifest *m, bool deep, ckpt_mapped *maps) {
+static int check_files(const char *dir, const ckpt_manifest *m, bool deep, const bool *shallow,
+                       ckpt_mapped *maps) {
     int64_t n = m->nfiles;
     if (n == 0) return CKPT_OK;
     int64_t *idx = ckpt__calloc((size_t)n * 2, sizeof *idx);
     if (!idx) return ckpt__err_nomem("checkpoint check");
     uint64_t total = 0;
-    for (int64_t i = 0; i < n; i++) total += m->files[i].size;
+    for (int64_t i = 0; i < n; i++)
+        if (!shallow || !shallow[i]) total += m->files[i].size;
     check_job job[2];
     memset(job, 0, sizeof job);
     for (int w = 0; w < 2; w++) {
         job[w].dir = dir;
         job[w].m = m;
         job[w].deep = deep;
+        job[w].shallow = shallow;
         job[w].maps = maps;
         job[w].idx = idx + (size_t)w * (size_t)n;
         job[w].failed = -1; /* a job that never runs has not failed */
@@ -706,6 +780,12 @@ static int check_files(const char *dir, const ckpt_manifest *m, bool deep, ckpt_
 }
 
 int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_checkpoint_open *c) {
+    return ckpt__checkpoint_open_some(dir, deep, keep_maps, NULL, NULL, c);
+}
+
+int ckpt__checkpoint_open_some(const char *dir, bool deep, bool keep_maps,
+                               bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
+                               ckpt_checkpoint_open *c) {
     memset(c, 0, sizeof *c);
     int rc = ckpt__manifest_read(dir, &c->m);
     if (rc < 0) {
@@ -725,7 +805,17 @@ int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_check
         }
     }
     for (int64_t i = 0; i < c->m.nfiles; i++) c->total_bytes += c->m.files[i].size;
-    rc = check_files(dir, &c->m, deep, c->maps);
+    bool *shallow = NULL;
+    if (want) {
+        shallow = ckpt__calloc((size_t)(c->m.nfiles ? c->m.nfiles : 1), sizeof *shallow);
+        if (!shallow) {
+            ckpt__checkpoint_close(c);
+            return ckpt__err_nomem("checkpoint check");
+        }
+        for (int64_t i = 0; i < c->m.nfiles; i++) shallow[i] = !want(&c->m.files[i], ctx);
+    }
+    rc = check_files(dir, &c->m, deep, shallow, c->maps);
+    free(shallow);
     if (rc == 0) rc = check_unlisted(dir, &c->m);
     if (rc < 0) {
         /* Keep the manifest (callers report what could be read); drop maps. */
