@@ -263,9 +263,9 @@ static int write_files(save_op *op) {
         if (o->kind == K_RNG || op->committer)
             rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false);
         if (rc == 0 && ckpt__writer_has_shards(op->writers[i])) {
-            char shard[128];
-            ckpt__acc_shard_name(name, c->rank, c->size, shard, sizeof shard);
-            rc = write_file(op, op->writers[i], shard, ckpt__kind_name[o->kind], true);
+            char shard[160];
+            rc = ckpt__acc_shard_name(name, c->rank, c->size, shard, sizeof shard);
+            if (rc == 0) rc = write_file(op, op->writers[i], shard, ckpt__kind_name[o->kind], true);
         }
         if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
     }
