@@ -295,6 +295,8 @@ static int gather_records(save_op *op, const char *json, size_t len) {
             if (op->all.files[i].rank < 0 || op->all.files[i].rank >= c->size)
                 rc = ckpt__err(CKPT_EINVAL, "save_state: %s: rank %d outside [0, %d)",
                                op->all.files[i].name, op->all.files[i].rank, c->size);
+        /* The ranks' chunks of each sharded tensor must tile it exactly. */
+        if (rc == 0) rc = ckpt__manifest_check_chunks(&op->all, CKPT_EINVAL, "save_state");
     }
     free(all);
     free(lens);

@@ -14,6 +14,7 @@
 #include <time.h>
 
 #include "base/error.h"
+#include "format/shard.h"
 
 void ckpt__manifest_init(ckpt_manifest *m) {
     memset(m, 0, sizeof *m);
@@ -143,6 +144,36 @@ static int manifest_sum(const char *text, size_t len, const char *digits, uint64
     return CKPT_OK;
 }
 
+/* A shard file's chunk records: {"<key>": {"dtype": "F32", "global_shape":
+ * [..], "offsets": [..], "shape": [..]}, ...}, one per tensor. */
+static json_t *shape_json(int ndim, const int64_t *v) {
+    json_t *a = json_array();
+    for (int d = 0; a && d < ndim; d++)
+        if (json_array_append_new(a, json_integer(v[d])) != 0) {
+            json_decref(a);
+            return NULL;
+        }
+    return a;
+}
+
+static json_t *chunks_json(const ckpt_manifest_file *f) {
+    json_t *jc = json_object();
+    if (!jc) return NULL;
+    for (int64_t t = 0; t < f->ntensors; t++) {
+        const ckpt_chunk *c = &f->chunks[t];
+        json_t *o = json_object();
+        if (!o || json_object_set_new(jc, f->tensor_keys[t], o) != 0) goto nomem;
+        JSET(o, "dtype", json_string(ckpt_dtype_name(c->dtype)));
+        JSET(o, "global_shape", shape_json(c->ndim, c->global_shape));
+        JSET(o, "offsets", shape_json(c->ndim, c->offsets));
+        JSET(o, "shape", shape_json(c->ndim, c->shape));
+    }
+    return jc;
+nomem:
+    json_decref(jc);
+    return NULL;
+}
+
 /* One file's entry. "rank" only when not 0, so a one-process manifest reads
  * as it always did. */
 static json_t *file_json(const ckpt_manifest_file *f) {
@@ -161,6 +192,11 @@ static json_t *file_json(const ckpt_manifest_file *f) {
     for (int64_t t = 0; t < f->ntensors; t++) {
         hex64(f->tensor_xxh3[t], hex);
         JSET(jt, f->tensor_keys[t], json_string(hex));
+    }
+    if (f->chunks) {
+        json_t *jc = chunks_json(f);
+        if (!jc) goto nomem;
+        JSET(jf, "chunks", jc);
     }
     return jf;
 nomem:
@@ -327,6 +363,81 @@ static bool plain_name(const char *s, size_t len) {
     return strcmp(s, CKPT_MANIFEST_NAME) != 0;
 }
 
+/* A JSON array of ndim non-negative integers. */
+static int parse_dims(json_t *a, const char *field, int *ndim, int64_t *out, const char *where,
+                      const char *key) {
+    if (!json_is_array(a))
+        return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%.128s': \"%s\" must be an array", where,
+                         key, field);
+    size_t n = json_array_size(a);
+    if (n > CKPT_MAX_NDIM || (*ndim >= 0 && (int)n != *ndim))
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: chunk of '%.128s': \"%s\" has %zu dimensions, expected %d (at most %d)",
+                         where, key, field, n, *ndim < 0 ? (int)n : *ndim, CKPT_MAX_NDIM);
+    for (size_t d = 0; d < n; d++) {
+        json_t *v = json_array_get(a, d);
+        if (!json_is_integer(v) || json_integer_value(v) < 0)
+            return ckpt__err(CKPT_ECORRUPT,
+                             "%s: chunk of '%.128s': \"%s\"[%zu] must be a non-negative integer",
+                             where, key, field, d);
+        out[d] = (int64_t)json_integer_value(v);
+    }
+    *ndim = (int)n;
+    return CKPT_OK;
+}
+
+/* A shard file's "chunks": exactly one record per tensor of its "tensors",
+ * each within its tensor's bounds. Whether the chunks of every file tile
+ * their tensors is checked once all files are read. */
+static int parse_chunks(json_t *jc, ckpt_manifest_file *f, const ckpt_manifest *m,
+                        const char *where) {
+    if (!json_is_object(jc))
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"chunks\" must be an object", where);
+    int index = 0, count = 0;
+    if (!ckpt__shard_file_parse(f->name, NULL, &index, &count))
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: has \"chunks\" but is not named as a shard file "
+                         "(<name>-<i>-of-<n>.safetensors)",
+                         where);
+    if (count != m->num_processes || index != f->rank + 1)
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: shard %d of %d, but the manifest says rank %d of %d processes", where,
+                         index, count, f->rank, m->num_processes);
+    if ((int64_t)json_object_size(jc) != f->ntensors)
+        return ckpt__err(CKPT_ECORRUPT, "%s: %zu chunk records for %" PRId64 " tensors", where,
+                         json_object_size(jc), f->ntensors);
+    f->chunks = ckpt__calloc((size_t)(f->ntensors ? f->ntensors : 1), sizeof *f->chunks);
+    if (!f->chunks) return ckpt__err_nomem("manifest chunks");
+    for (int64_t t = 0; t < f->ntensors; t++) {
+        const char *key = f->tensor_keys[t];
+        json_t *o = json_object_get(jc, key);
+        if (!json_is_object(o))
+            return ckpt__err(CKPT_ECORRUPT, "%s: tensor '%.128s' has no chunk record", where, key);
+        const char *field;
+        json_t *fv;
+        json_object_foreach(o, field, fv) {
+            if (strcmp(field, "dtype") && strcmp(field, "global_shape") &&
+                strcmp(field, "offsets") && strcmp(field, "shape"))
+                return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%.128s': unknown field \"%.64s\"",
+                                 where, key, field);
+        }
+        ckpt_chunk *c = &f->chunks[t];
+        json_t *jd = json_object_get(o, "dtype");
+        if (!json_is_string(jd) ||
+            ckpt_dtype_from_name(json_string_value(jd), &c->dtype) != CKPT_OK)
+            return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%.128s': \"dtype\" is missing or unknown",
+                             where, key);
+        c->ndim = -1;
+        CKPT_TRY(parse_dims(json_object_get(o, "global_shape"), "global_shape", &c->ndim,
+                            c->global_shape, where, key));
+        CKPT_TRY(parse_dims(json_object_get(o, "offsets"), "offsets", &c->ndim, c->offsets, where,
+                            key));
+        CKPT_TRY(parse_dims(json_object_get(o, "shape"), "shape", &c->ndim, c->shape, where, key));
+        CKPT_TRY(ckpt__chunk_check(c, CKPT_ECORRUPT, where, key, NULL));
+    }
+    return CKPT_OK;
+}
+
 static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *what) {
     char where[4400];
     snprintf(where, sizeof where, "%s: files[%" PRId64 "]", what, idx);
@@ -378,6 +489,8 @@ static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *wha
             f->ntensors++;
         }
     }
+    json_t *jc = json_object_get(jf, "chunks");
+    if (jc) CKPT_TRY(parse_chunks(jc, f, m, where));
     return 0;
 }
 
@@ -434,7 +547,8 @@ static int parse_root(json_t *root, const char *what, ckpt_manifest *m) {
         return ckpt__err(CKPT_ECORRUPT, "%s: \"files\" must be an array", what);
     for (size_t i = 0; i < json_array_size(files); i++)
         CKPT_TRY(parse_file(json_array_get(files, i), (int64_t)i, m, what));
-    return check_unique_names(m, what);
+    CKPT_TRY(check_unique_names(m, what));
+    return ckpt__manifest_check_chunks(m, CKPT_ECORRUPT, what);
 }
 
 /* After the structure and the format version: a newer format may checksum
@@ -481,6 +595,66 @@ int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_ma
         m->files = NULL;
         m->nfiles = m->cap = 0;
     }
+    return rc;
+}
+
+/* ---- chunk sets across files ------------------------------------------------ */
+
+typedef struct chunk_item {
+    const char *file; /* the shard file's name; its stem groups objects */
+    size_t stem_len;
+    const char *key;
+    const ckpt_chunk *c;
+} chunk_item;
+
+static int cmp_chunk_item(const void *a, const void *b) {
+    const chunk_item *x = a, *y = b;
+    size_t n = x->stem_len < y->stem_len ? x->stem_len : y->stem_len;
+    int s = memcmp(x->file, y->file, n);
+    if (s) return s;
+    if (x->stem_len != y->stem_len) return x->stem_len < y->stem_len ? -1 : 1;
+    return strcmp(x->key, y->key);
+}
+
+int ckpt__manifest_check_chunks(const ckpt_manifest *m, int code, const char *what) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < m->nfiles; i++)
+        if (m->files[i].chunks) total += m->files[i].ntensors;
+    if (total == 0) return CKPT_OK;
+    chunk_item *v = ckpt__calloc((size_t)total, sizeof *v);
+    ckpt_chunk_ref *refs = ckpt__calloc((size_t)total, sizeof *refs);
+    int rc = CKPT_OK;
+    if (!v || !refs) {
+        rc = ckpt__err_nomem("manifest chunks");
+        goto out;
+    }
+    int64_t k = 0;
+    for (int64_t i = 0; i < m->nfiles; i++) {
+        const ckpt_manifest_file *f = &m->files[i];
+        if (!f->chunks) continue;
+        size_t stem = 0;
+        if (!ckpt__shard_file_parse(f->name, &stem, NULL, NULL)) {
+            rc = ckpt__err(code, "%s: %s has chunks but is not named as a shard file", what, f->name);
+            goto out;
+        }
+        for (int64_t t = 0; t < f->ntensors; t++)
+            v[k++] = (chunk_item){f->name, stem, f->tensor_keys[t], &f->chunks[t]};
+    }
+    qsort(v, (size_t)total, sizeof *v, cmp_chunk_item);
+    for (int64_t i = 0; i < total && rc == CKPT_OK;) {
+        int64_t j = i;
+        while (j < total && cmp_chunk_item(&v[i], &v[j]) == 0) {
+            refs[j - i] = (ckpt_chunk_ref){v[j].c, v[j].file};
+            j++;
+        }
+        char obj[300];
+        snprintf(obj, sizeof obj, "%s: %.*s", what, (int)v[i].stem_len, v[i].file);
+        rc = ckpt__chunks_cover(refs, j - i, code, obj, v[i].key);
+        i = j;
+    }
+out:
+    free(v);
+    free(refs);
     return rc;
 }
 

@@ -89,6 +89,13 @@ int ckpt__checkpoint_open_some(const char *dir, bool deep, bool keep_maps,
  * small checkpoints; returns the previous value. */
 uint64_t ckpt__set_parallel_check_bytes(uint64_t bytes);
 
+/* Whether the chunks recorded by m's shard files tile every sharded tensor
+ * exactly (per object, i.e. per shard-file stem, and key): consistent dtype
+ * and global shape, within bounds, no overlap, no hole. Fails with `code`
+ * (CKPT_ECORRUPT when parsing, CKPT_EINVAL before a save commits) naming
+ * `what`, the object, the key and the files at fault. */
+int ckpt__manifest_check_chunks(const ckpt_manifest *m, int code, const char *what);
+
 /* The file entries of m as one JSON text (*out malloc'd, *len bytes), and
  * back: appended to m from such a text (hostile-input rules as for the
  * manifest; `what` names it). How each rank's file records reach the rank

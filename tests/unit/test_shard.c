@@ -8,12 +8,14 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ckpt.h"
 #include "base/error.h"
+#include "format/manifest.h"
 #include "format/shard.h"
 #include "format/statedict.h"
 #include "helpers/testutil.h"
@@ -267,6 +269,211 @@ static void test_object_file_skips_shards(void **state) {
     ckpt_writer_free(w);
 }
 
+/* ---- manifests ------------------------------------------------------------ */
+
+/* A manifest of `np` processes whose shard files obj-0000k-of-0000n hold one
+ * chunk each of "t" (F32, global [g0, 4]): rows [rows[k], rows[k+1]) for
+ * rank k, with per-chunk overrides through `extra` (inserted into rank
+ * `bad`'s chunk record in place of its defaults when not NULL). */
+static char *manifest_text(int np, const int64_t *rows, int64_t g0, int bad, const char *chunk_json) {
+    size_t cap = 16384;
+    char *t = malloc(cap);
+    int n = snprintf(t, cap,
+                     "{\"format\": \"ckpt\", \"format_version\": 1, \"library_version\": \"x\",\n"
+                     " \"iteration\": 1, \"step\": 5, \"num_processes\": %d, \"files\": [\n",
+                     np);
+    for (int k = 0; k < np; k++) {
+        char rec[512];
+        if (k == bad && chunk_json)
+            snprintf(rec, sizeof rec, "%s", chunk_json);
+        else
+            snprintf(rec, sizeof rec,
+                     "{\"dtype\": \"F32\", \"global_shape\": [%" PRId64 ", 4], \"offsets\": [%" PRId64
+                     ", 0], \"shape\": [%" PRId64 ", 4]}",
+                     g0, rows[k], rows[k + 1] - rows[k]);
+        n += snprintf(t + n, cap - (size_t)n,
+                      "%s {\"name\": \"obj-%05d-of-%05d.safetensors\", \"kind\": \"optimizer\", "
+                      "\"rank\": %d, \"size\": 100, \"xxh3\": \"0000000000000000\", "
+                      "\"tensors\": {\"t\": \"0000000000000000\"}, \"chunks\": {\"t\": %s}}\n",
+                      k ? "," : "", k + 1, np, k, rec);
+    }
+    snprintf(t + n, cap - (size_t)n, "], \"manifest_xxh3\": \"0000000000000000\"}\n");
+    return t;
+}
+
+static int parse_text(const char *text) {
+    ckpt_manifest m;
+    int rc = ckpt__manifest_parse(text, strlen(text), "checkpoint.json", &m);
+    ckpt__manifest_clear(&m);
+    return rc;
+}
+
+/* Corrupt chunk tables: clear CKPT_ECORRUPT naming the key and the fault.
+ * (A table that tiles its tensor gets as far as the manifest checksum.) */
+static void test_manifest_rejects_bad_chunk_tables(void **state) {
+    (void)state;
+    const int64_t good[] = {0, 2, 5, 8}, hole[] = {0, 2, 5, 7};
+    char *t = manifest_text(3, good, 8, -1, NULL);
+    assert_int_equal(parse_text(t), CKPT_ECORRUPT);
+    assert_non_null(strstr(ckpt_errmsg(), "checksum mismatch"));
+    free(t);
+    struct {
+        const int64_t *rows;
+        int64_t g0;
+        int bad;
+        const char *rec;
+        const char *msg;
+    } cases[] = {
+        {good, 8, 1, "{\"dtype\": \"F32\", \"global_shape\": [8, 4], \"offsets\": [1, 0], \"shape\": [4, 4]}",
+         "tensor 't': chunks overlap: offsets [0,0] shape [2,4] (obj-00001-of-00003.safetensors) and "
+         "offsets [1,0] shape [4,4] (obj-00002-of-00003.safetensors)"},
+        {hole, 8, -1, NULL, "tensor 't': chunks leave a hole: they cover 28 of the 32 elements of [8,4]"},
+        {good, 8, 2, "{\"dtype\": \"F32\", \"global_shape\": [8, 4], \"offsets\": [5, 0], \"shape\": [4, 4]}",
+         "lie outside the tensor's global shape [8,4] (dimension 0: 5 + 4 > 8)"},
+        {good, 8, 1, "{\"dtype\": \"F16\", \"global_shape\": [8, 4], \"offsets\": [2, 0], \"shape\": [3, 4]}",
+         "chunks disagree on the tensor: F32 [8,4] in obj-00001-of-00003.safetensors, F16 [8,4]"},
+        {good, 8, 1, "{\"dtype\": \"F32\", \"global_shape\": [9, 4], \"offsets\": [2, 0], \"shape\": [3, 4]}",
+         "chunks disagree on the tensor: F32 [8,4]"},
+        {good, 8, 1, "{\"dtype\": \"F32\", \"global_shape\": [8, 4], \"offsets\": [2], \"shape\": [3, 4]}",
+         "\"offsets\" has 1 dimensions, expected 2"},
+        {good, 8, 1, "{\"dtype\": \"F32\", \"global_shape\": [8, 4], \"offsets\": [-2, 0], \"shape\": [3, 4]}",
+         "\"offsets\"[0] must be a non-negative integer"},
+        {good, 8, 1, "{\"dtype\": \"Q9\", \"global_shape\": [8, 4], \"offsets\": [2, 0], \"shape\": [3, 4]}",
+         "\"dtype\" is missing or unknown"},
+        {good, 8, 1, "{\"dtype\": \"F32\", \"global_shape\": [9223372036854775807, 4], \"offsets\": [2, 0], \"shape\": [3, 4]}",
+         "global shape [9223372036854775807,4]"},
+        {good, 8, 1, "{\"dtype\": \"F32\", \"global_shape\": [8, 4], \"offsets\": [2, 0], \"shape\": [3, 4], \"x\": 1}",
+         "unknown field \"x\""},
+        {good, 8, 1, "[]", "tensor 't' has no chunk record"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        t = manifest_text(3, cases[i].rows, cases[i].g0, cases[i].bad, cases[i].rec);
+        int rc = parse_text(t);
+        if (rc != CKPT_ECORRUPT || !strstr(ckpt_errmsg(), cases[i].msg))
+            fail_msg("case %zu: rc %d, message: %s", i, rc, ckpt_errmsg());
+        free(t);
+    }
+    /* A file with chunks must be named and numbered as a shard. */
+    t = manifest_text(3, good, 8, -1, NULL);
+    char *p = strstr(t, "obj-00002-of-00003");
+    memcpy(p, "obj-00003-of-00003", 18);
+    p = strstr(t, "obj-00003-of-00003");
+    p = strstr(p + 1, "obj-00003-of-00003");
+    memcpy(p, "obj-00002-of-00003", 18);
+    assert_int_equal(parse_text(t), CKPT_ECORRUPT);
+    assert_non_null(strstr(ckpt_errmsg(), "shard 3 of 3, but the manifest says rank 1 of 3"));
+    free(t);
+}
+
+/* Chunk records survive a manifest write and parse; a many-chunk table
+ * (column split over 4000 chunks) is checked without a quadratic walk. */
+static void test_manifest_chunks_round_trip(void **state) {
+    (void)state;
+    ckpt_manifest m;
+    ckpt__manifest_init(&m);
+    m.num_processes = 2;
+    for (int r = 0; r < 2; r++) {
+        ckpt_file_digest d;
+        memset(&d, 0, sizeof d);
+        char *keys[1] = {"state.0.exp_avg"};
+        uint64_t x[1] = {0x1234};
+        ckpt_chunk c[1];
+        memset(c, 0, sizeof c);
+        c[0] = (ckpt_chunk){CKPT_BF16, 2, {3, 6}, {0, r * 3}, {3, 3}};
+        d.ntensors = 1;
+        d.tensor_keys = keys;
+        d.tensor_xxh3 = x;
+        d.tensor_chunk = c;
+        char name[64];
+        assert_int_equal(ckpt__shard_file_name(name, sizeof name, "optimizer", r, 2), CKPT_OK);
+        assert_int_equal(ckpt__manifest_add(&m, name, "optimizer", &d), CKPT_OK);
+        m.files[m.nfiles - 1].rank = r;
+    }
+    assert_int_equal(ckpt__manifest_write(&m, tu_dir()), CKPT_OK);
+    ckpt__manifest_clear(&m);
+    assert_int_equal(ckpt__manifest_read(tu_dir(), &m), CKPT_OK);
+    assert_int_equal(m.nfiles, 2);
+    const ckpt_manifest_file *f = ckpt__manifest_find(&m, "optimizer-00002-of-00002.safetensors");
+    assert_non_null(f);
+    assert_non_null(f->chunks);
+    assert_int_equal(f->rank, 1);
+    assert_int_equal(f->chunks[0].dtype, CKPT_BF16);
+    assert_int_equal(f->chunks[0].ndim, 2);
+    assert_int_equal(f->chunks[0].offsets[1], 3);
+    assert_int_equal(f->chunks[0].shape[0], 3);
+    assert_int_equal(f->chunks[0].global_shape[1], 6);
+    ckpt__manifest_clear(&m);
+
+    /* 4000 columns of a [2, 4000] tensor, one chunk each, shuffled. */
+    enum { N = 4000 };
+    ckpt_chunk *cs = calloc(N, sizeof *cs);
+    ckpt_chunk_ref *refs = calloc(N, sizeof *refs);
+    for (int i = 0; i < N; i++) {
+        int col = (int)(((int64_t)i * 1237) % N);
+        cs[i] = (ckpt_chunk){CKPT_F32, 2, {2, N}, {0, col}, {2, 1}};
+        refs[i] = (ckpt_chunk_ref){&cs[i], "f"};
+    }
+    assert_int_equal(ckpt__chunks_cover(refs, N, CKPT_ECORRUPT, "x", "t"), CKPT_OK);
+    cs[17].offsets[1] = cs[18].offsets[1];
+    for (int i = 0; i < N; i++) refs[i] = (ckpt_chunk_ref){&cs[i], "f"};
+    assert_int_equal(ckpt__chunks_cover(refs, N, CKPT_ECORRUPT, "x", "t"), CKPT_ECORRUPT);
+    assert_non_null(strstr(ckpt_errmsg(), "chunks overlap"));
+    free(cs);
+    free(refs);
+}
+
+/* A reader given shard files whose chunks overlap or leave a hole refuses
+ * to assemble the tensor, naming the files. */
+static void test_reader_rejects_bad_chunk_sets(void **state) {
+    (void)state;
+    const int64_t a[][4] = {{0, 0, 3, C}}, b[][4] = {{2, 0, 4, C}}, c[][4] = {{4, 0, 2, C}};
+    shard_file s[3];
+    memset(s, 0, sizeof s);
+    write_shard(&s[0], 0, 2, a, 1);
+    write_shard(&s[1], 1, 2, b, 1);
+    write_shard(&s[2], 1, 3, c, 1);
+    int64_t g[2] = {R, C};
+    float whole[R * C];
+    ckpt_reader *r = NULL;
+    assert_int_equal(ckpt__reader_new_empty(&r, "obj"), CKPT_OK);
+    attach(r, &s[0]);
+    attach(r, &s[1]);
+    assert_int_equal(ckpt_read_tensor(r, "t", CKPT_F32, 2, g, whole), CKPT_ECORRUPT);
+    assert_non_null(strstr(ckpt_errmsg(), "chunks overlap"));
+    assert_non_null(strstr(ckpt_errmsg(), "(obj-00002-of-00002.safetensors)"));
+    ckpt_writer *schema = NULL;
+    assert_int_equal(ckpt_writer_new_schema(&schema), CKPT_OK);
+    assert_int_equal(ckpt_write_tensor(schema, "t", CKPT_F32, 2, g, NULL), CKPT_OK);
+    assert_int_equal(ckpt__schema_check(schema, r, "obj"), CKPT_ECORRUPT);
+    ckpt_reader_free(r);
+    assert_int_equal(ckpt__reader_new_empty(&r, "obj"), CKPT_OK);
+    attach(r, &s[0]);
+    attach(r, &s[2]);
+    assert_int_equal(ckpt_read_tensor(r, "t", CKPT_F32, 2, g, whole), CKPT_ECORRUPT);
+    assert_non_null(strstr(ckpt_errmsg(), "chunks leave a hole: they cover 25 of the 30"));
+    /* A chunk record that disagrees with the file's own header. */
+    ckpt_chunk wrong = s[1].d.tensor_chunk[0];
+    wrong.shape[0] = 3;
+    const char *keys[1] = {"t"};
+    assert_int_equal(ckpt__reader_attach_shard(r, s[1].bytes, s[1].len, "x", keys, &wrong, 1),
+                     CKPT_ECORRUPT);
+    assert_non_null(strstr(ckpt_errmsg(), "F32 [4,5] in the file, F32 [3,5] listed"));
+    /* A complete set checks out against the schema. */
+    ckpt_reader_free(r);
+    const int64_t d[][4] = {{3, 0, 3, C}};
+    shard_file s3;
+    memset(&s3, 0, sizeof s3);
+    write_shard(&s3, 1, 4, d, 1);
+    assert_int_equal(ckpt__reader_new_empty(&r, "obj"), CKPT_OK);
+    attach(r, &s[0]);
+    attach(r, &s3);
+    assert_int_equal(ckpt__schema_check(schema, r, "obj"), CKPT_OK);
+    ckpt_reader_free(r);
+    ckpt_writer_free(schema);
+    shard_file_free(&s3);
+    for (int i = 0; i < 3; i++) shard_file_free(&s[i]);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_rows_round_trip_any_slice, tu_tmpdir_setup,
@@ -278,6 +485,12 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_write_shard_validates, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_object_file_skips_shards, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_manifest_rejects_bad_chunk_tables, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_manifest_chunks_round_trip, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_reader_rejects_bad_chunk_sets, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
