@@ -132,39 +132,41 @@ static bool run_config_check(const run_config *saved, const run_config *now) {
     return ok;
 }
 
-/* ---- the console's loss window, saved with every checkpoint -------------- */
+/* ---- the recent losses ------------------------------------------------- */
 
-/* A progress line shows the mean loss of the steps since the last multiple
- * of --log-every. The window is part of the run's state (a custom object), so
- * the first line after a resume averages the same steps as the line of an
- * uninterrupted run, and it restarts at the same steps whatever is printed
- * (--quiet or not), so checkpoints do not depend on the output mode. */
-typedef struct loss_window {
-    double sum;
-    int64_t n;
-} loss_window;
+/* A progress line shows the mean loss of the steps since the previous line
+ * (the last --log-every steps; at most LOSS_RING). A resumed run refills the
+ * ring from the metrics log, which holds every step's loss exactly (%.9g of
+ * a float round-trips) and is cut back to the resumed step, so the first line
+ * after a resume averages the same losses, in the same order, as the
+ * uninterrupted run's line. Nothing of it is in the checkpoint: what is
+ * printed never changes what is saved. */
+#define LOSS_RING 1024
+typedef struct loss_history {
+    float loss[LOSS_RING]; /* step s's loss at (s - 1) % LOSS_RING */
+    int64_t steps;         /* the last step recorded */
+    int64_t known_from;    /* losses of steps known_from..steps are held */
+} loss_history;
 
-static int loss_window_state_dict(void *self, ckpt_writer *w) {
-    const loss_window *lw = self;
-    int rc;
-    if ((rc = ckpt_write_f64(w, "sum", lw->sum)) < 0) return rc;
-    return ckpt_write_i64(w, "steps", lw->n);
+/* Records step's loss; steps come in order, a gap drops what came before. */
+static void loss_history_put(loss_history *h, int64_t step, float loss) {
+    if (step < 1) return;
+    if (step != h->steps + 1 || h->known_from < 1) h->known_from = step;
+    h->loss[(step - 1) % LOSS_RING] = loss;
+    h->steps = step;
+    if (h->steps - h->known_from + 1 > LOSS_RING) h->known_from = h->steps - LOSS_RING + 1;
 }
 
-static int loss_window_load_state_dict(void *self, ckpt_reader *r) {
-    loss_window lw;
-    int rc;
-    if ((rc = ckpt_read_f64(r, "sum", &lw.sum)) < 0) return rc;
-    if ((rc = ckpt_read_i64(r, "steps", &lw.n)) < 0) return rc;
-    if (lw.n < 0) return ckpt_set_error(CKPT_ECORRUPT, "loss window: steps %lld < 0", (long long)lw.n);
-    *(loss_window *)self = lw;
-    return CKPT_OK;
+/* The mean of the losses of the last n steps (as many of them as are held),
+ * summed oldest first. */
+static double loss_history_mean(const loss_history *h, int64_t n) {
+    if (h->known_from < 1) return 0.0;
+    if (n > h->steps - h->known_from + 1) n = h->steps - h->known_from + 1;
+    if (n <= 0) return 0.0;
+    double sum = 0.0;
+    for (int64_t s = h->steps - n + 1; s <= h->steps; s++) sum += h->loss[(s - 1) % LOSS_RING];
+    return sum / (double)n;
 }
-
-static const ckpt_stateful_ops loss_window_ops = {
-    .state_dict = loss_window_state_dict,
-    .load_state_dict = loss_window_load_state_dict,
-};
 
 /* ---- small helpers ------------------------------------------------------ */
 
@@ -226,7 +228,7 @@ static const char *find_data(char *buf, size_t cap) {
 /* Opens the metrics log for appending. On resume it first drops every line
  * past the resumed step (and a torn last line), so the log reads as if the
  * run had never stopped; a fresh run starts it empty. */
-static FILE *metrics_open(const char *path, bool resume, int64_t keep_upto) {
+static FILE *metrics_open(const char *path, bool resume, int64_t keep_upto, loss_history *losses) {
     if (!resume) return fopen(path, "w");
     FILE *in = fopen(path, "r");
     if (!in) return errno == ENOENT ? fopen(path, "w") : NULL;
@@ -249,6 +251,9 @@ static FILE *metrics_open(const char *path, bool resume, int64_t keep_upto) {
         if (line[len - 1] != '\n') break; /* torn by a kill mid-write */
         if (sscanf(line, "{\"step\":%lld", &step) != 1 || step > keep_upto) break;
         fputs(line, out);
+        const char *lp = strstr(line, "\"loss\":");
+        float loss;
+        if (lp && sscanf(lp, "\"loss\":%f", &loss) == 1) loss_history_put(losses, step, loss);
     }
     free(line);
     fclose(in);
@@ -358,7 +363,7 @@ typedef struct trainer {
     ckpt_dataloader *loader;
     ckpt_accelerator *acc;
     run_config config, saved_config;
-    loss_window window;
+    loss_history losses;
     FILE *metrics;
     bool tty; /* a progress bar is being redrawn on stdout */
     /* many processes: data parallel over dist.comm (cli_dist.c) */
@@ -509,8 +514,7 @@ static int trainer_setup(trainer *t) {
     t->config = (run_config){.epochs = o->epochs, .batch_size = o->batch_size, .seed = o->seed,
                              .train_rows = t->ntrain, .hidden = HIDDEN, .lr = o->lr};
     t->saved_config = t->config;
-    if ((rc = ckpt_register_for_checkpointing(t->acc, &run_config_ops, &t->saved_config)) < 0 ||
-        (rc = ckpt_register_for_checkpointing(t->acc, &loss_window_ops, &t->window)) < 0)
+    if ((rc = ckpt_register_for_checkpointing(t->acc, &run_config_ops, &t->saved_config)) < 0)
         return lib_fail("register", rc);
 
     /* weights come from the seeded default generator; dropout draws from it
@@ -671,7 +675,7 @@ int cli_train(int argc, char **argv) {
         goto done;
     }
     snprintf(metrics_path, sizeof metrics_path, "%s/metrics.jsonl", logdir);
-    if (t.speak && (make_dirs(logdir) != 0 || !(t.metrics = metrics_open(metrics_path, resumed, step)))) {
+    if (t.speak && (make_dirs(logdir) != 0 || !(t.metrics = metrics_open(metrics_path, resumed, step, &t.losses)))) {
         cli_error("%s: %s", metrics_path, strerror(errno));
         status = CLI_RUNTIME;
         goto done;
@@ -743,12 +747,7 @@ int cli_train(int argc, char **argv) {
             status = CLI_RUNTIME;
             goto done;
         }
-        t.window.sum += loss;
-        t.window.n++;
-        double mean_loss = t.window.sum / (double)t.window.n;
-        /* restarted before the save, so a checkpoint holds the window of the
-         * steps after the last line */
-        if (step % o->log_every == 0) t.window = (loss_window){0.0, 0};
+        loss_history_put(&t.losses, step, loss);
 
         if ((o->save_every > 0 && step % o->save_every == 0) || step == total) {
             if ((status = save(&t, step)) != CLI_OK) goto done;
@@ -770,7 +769,8 @@ int cli_train(int argc, char **argv) {
         } else if (!tty && !quiet && (step % o->log_every == 0 || step == total)) {
             printf("epoch %lld step %lld/%lld loss %.4f lr %.3g scale %g %.1f it/s\n",
                    (long long)b.epoch + 1, (long long)step, (long long)total,
-                   mean_loss, lr, scale, rate);
+                   loss_history_mean(&t.losses, step - (step - 1) / o->log_every * o->log_every),
+                   lr, scale, rate);
             fflush(stdout);
         }
     }
