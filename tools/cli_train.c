@@ -52,6 +52,8 @@ static const char train_help[] =
     "  --resume           continue from the newest complete checkpoint in DIR\n"
     "  --log-every N      steps between progress lines when not on a terminal (default 50)\n"
     "  --quiet            print only the result\n"
+    "  --shard-optimizer  ZeRO-1: each process keeps the AdamW moments of its share\n"
+    "                     of the parameters only (saved as sharded tensors)\n"
     "  -h, --help         this help\n"
     "\n"
     "Under mpirun -np N (a build with MPI) N processes train data parallel: each\n"
@@ -68,6 +70,7 @@ typedef struct train_opts {
     const char *project_dir;
     const char *data;
     bool resume, quiet;
+    bool shard_optimizer; /* ZeRO-1 over the processes */
 } train_opts;
 
 /* ---- the run's settings, saved with every checkpoint -------------------- */
@@ -108,8 +111,19 @@ static const ckpt_stateful_ops run_config_ops = {
     .load_state_dict = run_config_load_state_dict,
 };
 
-static bool run_config_check(const run_config *saved, const run_config *now) {
+/* saved_procs/now_procs: the process counts of the saving and this run; the
+ * global batch (--batch-size x processes) is what must stay the same. */
+static bool run_config_check(const run_config *saved, const run_config *now, int saved_procs,
+                             int now_procs) {
     bool ok = true;
+    if (saved->batch_size * saved_procs != now->batch_size * now_procs) {
+        cli_error("resume: the checkpoint was trained with a global batch of %lld (%d x "
+                  "--batch-size %lld), this run has %lld (%d x %lld)",
+                  (long long)(saved->batch_size * saved_procs), saved_procs,
+                  (long long)saved->batch_size, (long long)(now->batch_size * now_procs), now_procs,
+                  (long long)now->batch_size);
+        ok = false;
+    }
 #define CHECK_I64(field, opt)                                                                      \
     if (saved->field != now->field) {                                                              \
         cli_error("resume: the checkpoint was trained with " opt " %lld, this run has %lld",       \
@@ -117,7 +131,6 @@ static bool run_config_check(const run_config *saved, const run_config *now) {
         ok = false;                                                                                \
     }
     CHECK_I64(epochs, "--epochs")
-    CHECK_I64(batch_size, "--batch-size")
     CHECK_I64(seed, "--seed")
     CHECK_I64(train_rows, "a training set of rows")
     CHECK_I64(hidden, "hidden width")
@@ -252,7 +265,7 @@ static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x
 
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
     enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
-           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET };
+           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
@@ -266,6 +279,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"resume", no_argument, NULL, O_RESUME},
         {"log-every", required_argument, NULL, O_LOG_EVERY},
         {"quiet", no_argument, NULL, O_QUIET},
+        {"shard-optimizer", no_argument, NULL, O_SHARD_OPTIM},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -291,6 +305,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_RESUME: o->resume = true; break;
         case O_LOG_EVERY: ok = cli_parse_i64(a, 1, INT64_MAX, &o->log_every); break;
         case O_QUIET: o->quiet = true; break;
+        case O_SHARD_OPTIM: o->shard_optimizer = true; break;
         case 'h': fputs(train_help, stdout); return -1;
         case ':': return cli_usage_error("train", "option '%s' needs a value", argv[optind - 1]);
         default: return cli_usage_error("train", "unknown option '%s'", argv[optind - 1]);
@@ -423,6 +438,9 @@ static int trainer_setup(trainer *t) {
     groups[1] = groups[0];
     groups[1].weight_decay = 0.0;
     if ((rc = ckpt_optimizer_set_groups(t->optim, 2, group_of, groups)) < 0)
+        return lib_fail("optimizer", rc);
+    if (o->shard_optimizer &&
+        (rc = ckpt_optimizer_set_shard(t->optim, t->dist.comm ? t->dist.comm : ckpt_comm_self())) < 0)
         return lib_fail("optimizer", rc);
 
     /* the data loader: shuffled every epoch, prefetched by worker threads */
@@ -596,7 +614,12 @@ int cli_train(int argc, char **argv) {
                 status = lib_fail("resume", rc);
                 goto done;
             }
-            if (!run_config_check(&t.saved_config, &t.config)) {
+            ckpt_checkpoint_info saved_info;
+            memset(&saved_info, 0, sizeof saved_info);
+            (void)ckpt_checkpoint_verify(ckpt_accelerator_last_dir(t.acc), false, &saved_info);
+            int saved_procs = saved_info.num_processes > 0 ? saved_info.num_processes : 1;
+            if (!run_config_check(&t.saved_config, &t.config, saved_procs,
+                                  t.dist.size > 0 ? t.dist.size : 1)) {
                 status = CLI_USAGE;
                 goto done;
             }
