@@ -50,10 +50,10 @@ static const char train_help[] =
     "  --data FILE        the data set (default: the project's data/digits.csv.gz,\n"
     "                     or $CKPT_DATA)\n"
     "  --resume           continue from the newest complete checkpoint in DIR\n"
+    "  --shard-optimizer  ZeRO-1: each process keeps the AdamW moments of its share\n"
+    "                     of the parameters (saved as sharded tensors)\n"
     "  --log-every N      steps between progress lines when not on a terminal (default 50)\n"
     "  --quiet            print only the result\n"
-    "  --shard-optimizer  ZeRO-1: each process keeps the AdamW moments of its share\n"
-    "                     of the parameters only (saved as sharded tensors)\n"
     "  -h, --help         this help\n"
     "\n"
     "Under mpirun -np N (a build with MPI) N processes train data parallel: each\n"
@@ -69,8 +69,7 @@ typedef struct train_opts {
     double lr;
     const char *project_dir;
     const char *data;
-    bool resume, quiet;
-    bool shard_optimizer; /* ZeRO-1 over the processes */
+    bool resume, quiet, shard_optimizer;
 } train_opts;
 
 /* ---- the run's settings, saved with every checkpoint -------------------- */
@@ -439,9 +438,6 @@ static int trainer_setup(trainer *t) {
     groups[1].weight_decay = 0.0;
     if ((rc = ckpt_optimizer_set_groups(t->optim, 2, group_of, groups)) < 0)
         return lib_fail("optimizer", rc);
-    if (o->shard_optimizer &&
-        (rc = ckpt_optimizer_set_shard(t->optim, t->dist.comm ? t->dist.comm : ckpt_comm_self())) < 0)
-        return lib_fail("optimizer", rc);
 
     /* the data loader: shuffled every epoch, prefetched by worker threads */
     if ((rc = ckpt_memory_dataset(&t->dataset, t->train_rows, t->ntrain, sizeof(digits_sample))) < 0)
@@ -463,6 +459,9 @@ static int trainer_setup(trainer *t) {
         .comm = t->dist.comm,
     };
     if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return lib_fail("accelerator", rc);
+    if (o->shard_optimizer &&
+        (rc = ckpt_optimizer_set_shard(t->optim, t->dist.comm ? t->dist.comm : ckpt_comm_self())) < 0)
+        return lib_fail("--shard-optimizer", rc);
     if ((rc = ckpt_prepare_dataloader(t->acc, t->loader)) < 0) return lib_fail("prepare", rc);
     int64_t per_epoch = ckpt_dataloader_num_batches(t->loader);
     if (per_epoch <= 0) {

@@ -74,7 +74,7 @@ struct ckpt_accelerator {
 void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, char *buf, size_t cap);
 /* The name of this process's shard file of the object whose file is
  * `file`: "<stem>-<rank+1>-of-<size>.safetensors", 5 digits each. */
-void ckpt__acc_shard_name(const char *file, int rank, int size, char *buf, size_t cap);
+int ckpt__acc_shard_name(const char *file, int rank, int size, char *buf, size_t cap);
 /* Whether name is a shard file "<stem>-DDDDD-of-DDDDD.safetensors"; if so
  * and stem is not NULL, whether its stem is exactly stem (the object's file
  * name without ".safetensors"). */

@@ -10,6 +10,7 @@
 #include "accel/accel.h"
 #include "base/error.h"
 #include "base/io.h"
+#include "format/shard.h"
 #include "train/dataloader.h"
 
 const char *const ckpt__kind_stem[K_COUNT] = {"model",      "optimizer", "scheduler",
@@ -251,31 +252,27 @@ void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, cha
 
 #define SAFETENSORS_EXT ".safetensors"
 
-void ckpt__acc_shard_name(const char *file, int rank, int size, char *buf, size_t cap) {
+/* The object's file name without ".safetensors": the stem of its shards. */
+static size_t stem_len(const char *file) {
     size_t n = strlen(file), k = strlen(SAFETENSORS_EXT);
-    if (n >= k && strcmp(file + n - k, SAFETENSORS_EXT) == 0) n -= k;
-    snprintf(buf, cap, "%.*s-%05d-of-%05d" SAFETENSORS_EXT, (int)n, file, rank + 1, size);
+    return n >= k && strcmp(file + n - k, SAFETENSORS_EXT) == 0 ? n - k : n;
 }
 
-static bool digits5(const char *s) {
-    for (int i = 0; i < 5; i++)
-        if (s[i] < '0' || s[i] > '9') return false;
-    return true;
+int ckpt__acc_shard_name(const char *file, int rank, int size, char *buf, size_t cap) {
+    char stem[128];
+    size_t n = stem_len(file);
+    if (n >= sizeof stem) return ckpt__err(CKPT_EINVAL, "%s: name too long for a shard file", file);
+    memcpy(stem, file, n);
+    stem[n] = '\0';
+    return ckpt__shard_file_name(buf, cap, stem, rank, size);
 }
 
 bool ckpt__acc_is_shard_of(const char *name, const char *stem_file) {
-    /* "<stem>-DDDDD-of-DDDDD.safetensors": 19 characters after the stem */
-    static const size_t tail = 1 + 5 + 4 + 5 + sizeof SAFETENSORS_EXT - 1;
-    size_t n = strlen(name);
-    if (n <= tail) return false;
-    const char *t = name + n - tail;
-    if (t[0] != '-' || !digits5(t + 1) || memcmp(t + 6, "-of-", 4) != 0 || !digits5(t + 10) ||
-        strcmp(t + 15, SAFETENSORS_EXT) != 0)
-        return false;
+    size_t n = 0;
+    int index = 0, count = 0;
+    if (!ckpt__shard_file_parse(name, &n, &index, &count)) return false;
     if (!stem_file) return true;
-    size_t s = strlen(stem_file), k = strlen(SAFETENSORS_EXT);
-    if (s >= k && strcmp(stem_file + s - k, SAFETENSORS_EXT) == 0) s -= k;
-    return s == n - tail && memcmp(name, stem_file, s) == 0;
+    return n == stem_len(stem_file) && memcmp(name, stem_file, n) == 0;
 }
 
 ckpt_acc_obj *ckpt__acc_plan_objects(ckpt_accelerator *acc, int *n) {

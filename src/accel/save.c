@@ -263,9 +263,9 @@ static int write_files(save_op *op) {
         if (o->kind == K_RNG || op->committer)
             rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false);
         if (rc == 0 && ckpt__writer_has_shards(op->writers[i])) {
-            char shard[128];
-            ckpt__acc_shard_name(name, c->rank, c->size, shard, sizeof shard);
-            rc = write_file(op, op->writers[i], shard, ckpt__kind_name[o->kind], true);
+            char shard[160];
+            rc = ckpt__acc_shard_name(name, c->rank, c->size, shard, sizeof shard);
+            if (rc == 0) rc = write_file(op, op->writers[i], shard, ckpt__kind_name[o->kind], true);
         }
         if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
     }
@@ -295,8 +295,6 @@ static int gather_records(save_op *op, const char *json, size_t len) {
             if (op->all.files[i].rank < 0 || op->all.files[i].rank >= c->size)
                 rc = ckpt__err(CKPT_EINVAL, "save_state: %s: rank %d outside [0, %d)",
                                op->all.files[i].name, op->all.files[i].rank, c->size);
-        /* The ranks' chunks of each sharded tensor must tile it exactly. */
-        if (rc == 0) rc = ckpt__manifest_check_chunks(&op->all, CKPT_EINVAL, "save_state");
     }
     free(all);
     free(lens);
@@ -312,10 +310,13 @@ static int commit(save_op *op) {
     m->iteration = op->automatic ? op->number + 1 : acc->iteration;
     m->process_index = acc->process_index;
     m->num_processes = acc->num_processes;
+    /* The ranks' chunks of each sharded tensor must tile it exactly. */
+    int rc = ckpt__manifest_check_chunks(m, CKPT_EINVAL, "save_state");
+    if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
     /* The manifest is the commit record: written last, after every file of
      * every rank is durable, so a folder with a valid manifest is a complete
      * checkpoint. */
-    int rc = ckpt__manifest_write(m, op->tmp);
+    rc = ckpt__manifest_write(m, op->tmp);
     if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
     struct stat tmp_st, tgt_st;
     bool existed = lstat(op->target, &tgt_st) == 0;

@@ -203,7 +203,7 @@ int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_
         memcpy(dst, src, (size_t)bits / 8);
         return CKPT_OK;
     }
-    int64_t lo[CKPT_MAX_NDIM], ext[CKPT_MAX_NDIM];
+    int64_t lo[CKPT_MAX_NDIM] = {0}, ext[CKPT_MAX_NDIM] = {0}; /* (zeroed: -O2 cannot see ndim > 0) */
     for (int d = 0; d < ndim; d++) {
         int64_t a = src_off[d] > dst_off[d] ? src_off[d] : dst_off[d];
         int64_t se = src_off[d] + src_shape[d], de = dst_off[d] + dst_shape[d];

@@ -1,23 +1,9 @@
-/* shard_pending.c — placeholders for the sharded-tensor writer and reader
- * until they land: weak, so the real definitions replace them. Nothing puts
- * shard entries yet, so a writer never has any. */
+/* shard_pending.c — a placeholder for the sharded optimizer (ZeRO-1) until
+ * it lands: weak, so the real definition replaces it. */
 #include "base/error.h"
 #include "format/statedict.h"
 
-__attribute__((weak)) bool ckpt__writer_has_shards(const ckpt_writer *w) {
-    (void)w;
-    return false;
-}
-
-__attribute__((weak)) int ckpt__writer_write_shards_new(ckpt_writer *w, const char *path,
-                                                        ckpt_file_digest *d) {
-    (void)w, (void)d;
-    return ckpt__err(CKPT_EUNSUPPORTED, "%s: sharded tensors are not supported yet", path);
-}
-
-__attribute__((weak)) int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len,
-                                                    const char *name, const char *const *keys,
-                                                    const ckpt_chunk *chunks, int64_t n) {
-    (void)r, (void)buf, (void)len, (void)keys, (void)chunks, (void)n;
-    return ckpt__err(CKPT_EUNSUPPORTED, "%s: sharded tensors are not supported yet", name);
+__attribute__((weak)) int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm) {
+    (void)o, (void)comm;
+    return ckpt__err(CKPT_EUNSUPPORTED, "optimizer_set_shard: the sharded optimizer is not built yet");
 }

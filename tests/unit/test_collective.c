@@ -347,6 +347,114 @@ static void test_collective_save_busy_on_rank_0_is_busy_on_every_rank(void **st)
     free(cdir);
 }
 
+/* ---- sharded tensors ------------------------------------------------------------ */
+
+/* Rank r owns rows 2r, 2r+1 of a [2P, 3] tensor. */
+typedef struct rows {
+    int rank;
+    bool overlap; /* rank 2 claims rank 1's rows */
+    float v[2][3];
+} rows;
+
+static int rows_sd(void *self, ckpt_writer *w) {
+    rows *x = self;
+    int first = x->overlap && x->rank == 2 ? 2 : 2 * x->rank;
+    int64_t global[2] = {2 * P, 3}, off[2] = {first, 0}, local[2] = {2, 3};
+    CKPT_TRY(ckpt_write_i64(w, "ranks", P));
+    return ckpt_write_tensor_shard(w, "table", CKPT_F32, 2, global, off, local, x->v);
+}
+static int rows_load(void *self, ckpt_reader *r) {
+    rows *x = self;
+    int64_t global[2] = {2 * P, 3}, off[2] = {2 * x->rank, 0}, local[2] = {2, 3};
+    return ckpt_read_tensor_shard(r, "table", CKPT_F32, 2, global, off, local, x->v);
+}
+static const ckpt_stateful_ops rows_ops = {.state_dict = rows_sd, .load_state_dict = rows_load};
+
+static void save_shards(const ckpt_comm *c, void *arg) {
+    scen *s = arg;
+    rank_state st;
+    rows x = {.rank = c->rank};
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 3; j++) x.v[i][j] = (float)(100 * c->rank + 10 * i + j);
+    int rc = rank_setup(&st, c, s);
+    if (rc == 0) rc = ckpt_register_for_checkpointing(st.acc, &rows_ops, &x);
+    if (rc == 0) rc = ckpt_save_state(st.acc, NULL);
+    memset(x.v, 0, sizeof x.v);
+    if (rc == 0) rc = ckpt_load_state(st.acc, NULL);
+    s->w[c->rank][0] = x.v[0][0];
+    s->w[c->rank][1] = x.v[1][2];
+    record(s, c->rank, rc, st.acc);
+    rank_free(&st);
+}
+
+static void save_overlapping_shards(const ckpt_comm *c, void *arg) {
+    scen *s = arg;
+    rank_state st;
+    rows x = {.rank = c->rank, .overlap = true};
+    int rc = rank_setup(&st, c, s);
+    if (rc == 0) rc = ckpt_register_for_checkpointing(st.acc, &rows_ops, &x);
+    if (rc == 0) rc = ckpt_save_state(st.acc, NULL);
+    record(s, c->rank, rc, st.acc);
+    rank_free(&st);
+}
+
+static void test_collective_save_of_chunks_that_overlap_fails_on_every_rank(void **st) {
+    (void)st;
+    scen s = {.proj = tu_dir(), .fail_rank = -1};
+    tc_run(P, save_overlapping_shards, &s);
+    assert_same_outcome(&s, CKPT_EINVAL, "rank 0: save_state: ");
+    tu_assert_contains(s.msg[0], "table");
+    char *cdir = tu_pathf("%s/checkpoints", s.proj);
+    int64_t *nums = NULL, count = 0;
+    assert_int_equal(ckpt__list_numbers(cdir, &nums, &count), 0);
+    assert_int_equal(count, 0);
+    free(nums);
+    assert_int_equal(tu_count_hidden_tmp(cdir), 0);
+    free(cdir);
+}
+
+static void test_collective_save_writes_each_ranks_shard_file_and_load_reads_it(void **st) {
+    (void)st;
+    scen s = {.proj = tu_dir(), .fail_rank = -1};
+    tc_run(P, save_shards, &s);
+    assert_same_outcome(&s, 0, NULL);
+    for (int r = 0; r < P; r++) { /* each rank read its rows back */
+        assert_true(s.w[r][0] == (float)(100 * r));
+        assert_true(s.w[r][1] == (float)(100 * r + 12));
+    }
+    char *dir = ckpt_dir(s.proj, 0);
+    ckpt_manifest m;
+    assert_int_equal(ckpt__manifest_read(dir, &m), 0);
+    /* the replicated part once, by rank 0 */
+    const ckpt_manifest_file *f = ckpt__manifest_find(&m, "custom_checkpoint_1.safetensors");
+    assert_non_null(f);
+    assert_int_equal(f->rank, 0);
+    assert_int_equal(f->ntensors, 0);
+    for (int r = 0; r < P; r++) {
+        char name[96];
+        snprintf(name, sizeof name, "custom_checkpoint_1-%05d-of-%05d.safetensors", r + 1, P);
+        f = ckpt__manifest_find(&m, name);
+        assert_non_null(f);
+        assert_int_equal(f->rank, r);
+        assert_string_equal(f->kind, "custom");
+        /* the file holds exactly rank r's rows */
+        char *path = tu_pathf("%s/%s", dir, name);
+        ckpt_reader *rd = NULL;
+        assert_int_equal(ckpt_reader_open(&rd, path), 0);
+        assert_int_equal(ckpt_reader_count(rd), 1);
+        const void *p = NULL;
+        ckpt_entry_info info;
+        assert_int_equal(ckpt_reader_entry(rd, 0, &info), 0);
+        assert_int_equal(ckpt_reader_tensor_view(rd, info.key, &p, &info), 0);
+        assert_int_equal(info.nbytes, 6 * sizeof(float));
+        assert_true(((const float *)p)[5] == (float)(100 * r + 12));
+        ckpt_reader_free(rd);
+        free(path);
+    }
+    ckpt__manifest_clear(&m);
+    free(dir);
+}
+
 /* ---- the agreement itself ------------------------------------------------------ */
 
 static bool fatal(int rc) { return rc != CKPT_ECORRUPT; }
@@ -448,6 +556,10 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_collective_load_falls_back_on_every_rank_past_one_ranks_corrupt_file,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_collective_save_busy_on_rank_0_is_busy_on_every_rank,
+                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_collective_save_writes_each_ranks_shard_file_and_load_reads_it,
+                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_collective_save_of_chunks_that_overlap_fails_on_every_rank,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_agree_names_the_lowest_failing_rank_or_the_preferred_failure,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
