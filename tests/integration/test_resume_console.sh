@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # After a resume, ckpt train prints the very lines the uninterrupted run
-# printed: the loss shown averages the steps since the last --log-every
-# multiple, and that window is saved with the checkpoint (here the resume is
-# from step 20, in the middle of the window 15..21).
+# printed: the loss shown averages the steps since the previous line, and a
+# resumed run takes the losses from before the resume from the metrics log
+# (here the resume is from step 20, in the middle of the window 15..21).
 source "$(dirname "$0")/common.bash"
 
 args=("$CKPT_BIN" train --epochs 1 --save-every 10 --total-limit 0 --log-every 7)
