@@ -109,7 +109,7 @@ static int object_index(const char *file, const char *stem) {
     size_t n = strlen(stem);
     if (strncmp(file, stem, n) != 0) return -1;
     if (strcmp(file + n, ".safetensors") == 0) return 0;
-    int k;
+    int k = 0;
     char tail[32];
     if (file[n] == '_' && sscanf(file + n + 1, "%d%31s", &k, tail) == 2 && k > 0 &&
         strcmp(tail, ".safetensors") == 0)
@@ -130,7 +130,7 @@ static int write_shard(exp_ctx *c, ckpt_reader *r, int64_t from, int64_t to, con
     int rc = 0;
     for (int64_t i = from; i < to && rc == 0; i++) {
         ckpt_entry_info e;
-        const void *data;
+        const void *data = NULL;
         rc = ckpt_reader_entry(r, i, &e);
         if (rc == 0) rc = ckpt_reader_tensor_view(r, e.key, &data, NULL);
         if (rc == 0) rc = ckpt_write_tensor(w, e.key, e.dtype, e.ndim, e.shape, data);
@@ -160,7 +160,7 @@ static int write_text(exp_ctx *c, const char *name, const char *text) {
 }
 
 static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard) {
-    ckpt_reader *r;
+    ckpt_reader *r = NULL;
     CKPT_TRY(open_state(c, file, &r));
     int64_t n = ckpt_reader_count(r);
     char stem[64], name[128];
@@ -236,7 +236,7 @@ static int count_groups(const ckpt_reader *r) {
 }
 
 static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_reader *sched) {
-    ckpt_reader *r;
+    ckpt_reader *r = NULL;
     CKPT_TRY(open_state(c, file, &r));
     char kind[16];
     int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
@@ -255,7 +255,7 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
     int64_t idx = 0;
     for (int g = 0; g < ngroups && rc == 0; g++) {
         ckpt_entry_info pe;
-        const void *pv;
+        const void *pv = NULL;
         snprintf(key, sizeof key, "param_groups.%d.params", g);
         rc = ckpt_reader_tensor_view(r, key, &pv, &pe);
         if (rc == 0 && (pe.dtype != CKPT_I64 || pe.ndim != 1)) rc = ckpt__err(CKPT_ECORRUPT, "%s: %s is not I64 [n]", file, key);
@@ -271,19 +271,19 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
             rc = get_f64(r, key, &momentum, file);
         }
         for (int64_t j = 0; j < (rc == 0 ? pe.shape[0] : 0) && rc == 0; j++) {
-            int64_t i;
+            int64_t i = 0;
             memcpy(&i, (const char *)pv + 8 * j, 8);
             if (i != idx) {
                 rc = ckpt__err(CKPT_ECORRUPT, "%s: parameter %" PRId64 " of group %d is %" PRId64, file, j, g, i);
                 break;
             }
             idx++;
-            const void *sv;
+            const void *sv = NULL;
             ckpt_entry_info se;
             snprintf(key, sizeof key, "state.%" PRId64 ".step", i);
             rc = ckpt_reader_tensor_view(r, key, &sv, &se);
             if (rc < 0) break;
-            float step;
+            float step = 0;
             memcpy(&step, sv, 4);
             if (step == 0.0f) continue; /* never stepped: PyTorch has no state yet */
             rc = ckpt_torch_put_int(w, i);
@@ -315,8 +315,8 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
     if (rc == 0) rc = ckpt_torch_begin_list(w);
     idx = 0;
     for (int g = 0; g < ngroups && rc == 0; g++) {
-        double lr, wd, v;
-        int64_t iv;
+        double lr = 0, wd = 0, v = 0;
+        int64_t iv = 0;
 #define GK(name) (snprintf(key, sizeof key, "param_groups.%d.%s", g, name), key)
         rc = ckpt_torch_begin_dict(w, false);
         if (rc == 0) rc = get_f64(r, GK("lr"), &lr, file);
@@ -372,7 +372,7 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
         /* a scheduler sets initial_lr in every group it drives */
         char bk[64];
         snprintf(bk, sizeof bk, "base_lrs.%d", g);
-        double base;
+        double base = 0;
         if (rc == 0 && sched && ckpt_read_f64((ckpt_reader *)sched, bk, &base) == 0)
             rc = put_key_f64(w, "initial_lr", base);
         if (rc == 0) rc = ckpt_torch_end(w);
@@ -395,7 +395,7 @@ static int put_lr_list(ckpt_torch_writer *w, const ckpt_reader *r, const char *n
     CKPT_TRY(ckpt_torch_begin_list(w));
     for (int g = 0; g < n; g++) {
         char key[64];
-        double v;
+        double v = 0;
         snprintf(key, sizeof key, "%s.%d", name, g);
         CKPT_TRY(get_f64(r, key, &v, file));
         CKPT_TRY(ckpt_torch_put_float(w, v));
@@ -420,8 +420,8 @@ static int export_scheduler(exp_ctx *c, const char *file, int k, ckpt_reader *r)
                          "the scheduler (--weights-only) or use another schedule", file);
     if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "exponentiallr") && strcmp(kind, "cosineannealinglr"))
         return ckpt__err(CKPT_EUNSUPPORTED, "%s: scheduler kind '%s'", file, kind);
-    int64_t last_epoch, step_count, iv;
-    double v;
+    int64_t last_epoch = 0, step_count = 0, iv = 0;
+    double v = 0;
     CKPT_TRY(get_i64(r, "last_epoch", &last_epoch, file));
     CKPT_TRY(get_i64(r, "_step_count", &step_count, file));
     ckpt_torch_writer *w = NULL;
@@ -475,10 +475,10 @@ static int export_scheduler(exp_ctx *c, const char *file, int k, ckpt_reader *r)
 }
 
 static int export_scaler(exp_ctx *c, const char *file) {
-    ckpt_reader *r;
+    ckpt_reader *r = NULL;
     CKPT_TRY(open_state(c, file, &r));
-    double scale, gf, bf;
-    int64_t gi, gt;
+    double scale = 0, gf = 0, bf = 0;
+    int64_t gi = 0, gt = 0;
     CKPT_TRY(get_f64(r, "scale", &scale, file));
     CKPT_TRY(get_f64(r, "growth_factor", &gf, file));
     CKPT_TRY(get_f64(r, "backoff_factor", &bf, file));
@@ -504,23 +504,23 @@ static int export_all(exp_ctx *c, const ckpt_export_options *o) {
     const ckpt_manifest *m = &c->m;
     for (int64_t i = 0; i < m->nfiles; i++) {
         const ckpt_manifest_file *f = &m->files[i];
-        int k;
+        int k = 0;
         if (!strcmp(f->kind, "model") && (k = object_index(f->name, "model")) >= 0)
             CKPT_TRY(export_model(c, f->name, k, o->max_shard_size));
     }
     if (o->weights_only) return CKPT_OK;
     for (int64_t i = 0; i < m->nfiles; i++) {
         const ckpt_manifest_file *f = &m->files[i];
-        int k;
+        int k = 0;
         if (!strcmp(f->kind, "scheduler") && (k = object_index(f->name, "scheduler")) >= 0) {
-            ckpt_reader *r;
+            ckpt_reader *r = NULL;
             CKPT_TRY(open_state(c, f->name, &r));
             CKPT_TRY(export_scheduler(c, f->name, k, r));
         }
     }
     for (int64_t i = 0; i < m->nfiles; i++) {
         const ckpt_manifest_file *f = &m->files[i];
-        int k;
+        int k = 0;
         if (!strcmp(f->kind, "optimizer") && (k = object_index(f->name, "optimizer")) >= 0) {
             /* its scheduler (the same index) gives the groups' initial_lr */
             char sname[64];

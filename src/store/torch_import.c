@@ -64,7 +64,7 @@ static int open_torch(imp *x, const char *path, const ckpt_torch_value **root) {
     void *g = ckpt__realloc(x->tfiles, (size_t)(x->ntf + 1) * sizeof *x->tfiles);
     if (!g) return ckpt__err_nomem("import");
     x->tfiles = g;
-    ckpt_torch_file *f;
+    ckpt_torch_file *f = NULL;
     CKPT_TRY(ckpt_torch_open(&f, path));
     x->tfiles[x->ntf++] = f;
     *root = ckpt_torch_root(f);
@@ -113,7 +113,7 @@ static int add_param(imp *x, const char *name, ckpt_dtype dt, int ndim, const in
 }
 
 static int model_from_torch(imp *x, const char *path) {
-    const ckpt_torch_value *root;
+    const ckpt_torch_value *root = NULL;
     CKPT_TRY(open_torch(x, path, &root));
     for (int64_t i = 0; i < root->n; i++) {
         const ckpt_torch_value *k = root->items[2 * i], *v = root->items[2 * i + 1];
@@ -130,12 +130,12 @@ static int model_from_torch(imp *x, const char *path) {
 }
 
 static int model_from_safetensors(imp *x, const char *path) {
-    ckpt_reader *r;
+    ckpt_reader *r = NULL;
     CKPT_TRY(open_st(x, path, &r));
     int64_t n = ckpt_reader_count(r);
     for (int64_t i = 0; i < n; i++) {
         ckpt_entry_info e;
-        const void *data;
+        const void *data = NULL;
         CKPT_TRY(ckpt_reader_entry(r, i, &e));
         if (e.kind != CKPT_ENTRY_TENSOR) continue;
         CKPT_TRY(ckpt_reader_tensor_view(r, e.key, &data, NULL));
@@ -148,7 +148,7 @@ static int model_from_safetensors(imp *x, const char *path) {
 static int model_from_index(imp *x, const char *dir, const char *index) {
     char *path = ckpt__path_join(dir, index), *text = NULL;
     if (!path) return ckpt__err_nomem("import");
-    size_t len;
+    size_t len = 0;
     int rc = ckpt__read_small_file(path, 64u << 20, &text, &len);
     json_error_t je;
     json_t *root = rc == 0 ? json_loadb(text, len, 0, &je) : NULL;
@@ -247,7 +247,7 @@ static int number(const ckpt_torch_value *v, double *out) {
     case CKPT_TORCH_BOOL: *out = v->b; return 0;
     case CKPT_TORCH_TENSOR:
         if (v->ndim == 0 && v->dtype == CKPT_F32) {
-            float f;
+            float f = 0;
             memcpy(&f, v->data, 4);
             *out = f;
             return 0;
@@ -303,8 +303,8 @@ static int state_tensor(imp *x, const char *file, int64_t i, const ckpt_torch_va
         return ckpt_write_tensor(x->optim, key, CKPT_F32, t->ndim, t->shape, t->data);
     }
     /* not stepped yet: zeros of the parameter's shape */
-    int ndim;
-    const int64_t *shape;
+    int ndim = 0;
+    const int64_t *shape = NULL;
     if (like) {
         ndim = like->ndim;
         shape = like->shape;
@@ -315,7 +315,7 @@ static int state_tensor(imp *x, const char *file, int64_t i, const ckpt_torch_va
         return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: parameter %" PRId64 " has no state and "
                          "the model does not say its shape", file, i);
     }
-    uint64_t nb;
+    uint64_t nb = 0;
     CKPT_TRY(ckpt_tensor_nbytes(CKPT_F32, ndim, shape, &nb));
     void *z = keep(x, ckpt__calloc(1, nb ? (size_t)nb : 1));
     if (!z) return ckpt__err_nomem("import");
@@ -323,7 +323,7 @@ static int state_tensor(imp *x, const char *file, int64_t i, const ckpt_torch_va
 }
 
 static int import_optimizer(imp *x, const char *path) {
-    const ckpt_torch_value *root;
+    const ckpt_torch_value *root = NULL;
     CKPT_TRY(open_torch(x, path, &root));
     const ckpt_torch_value *state = ckpt_torch_dict_get(root, "state");
     const ckpt_torch_value *groups = ckpt_torch_dict_get(root, "param_groups");
@@ -366,7 +366,7 @@ static int import_optimizer(imp *x, const char *path) {
         const ckpt_torch_value *params = ckpt_torch_dict_get(gr, "params");
         if (!params || params->kind != CKPT_TORCH_LIST)
             return ckpt__err(CKPT_ECORRUPT, "import: %s has no 'params' list", what);
-        double lr, wd, maxi, v;
+        double lr = 0, wd = 0, maxi = 0, v = 0;
 #define GK(name) (snprintf(key, sizeof key, "param_groups.%" PRId64 ".%s", g, name), key)
         CKPT_TRY(get_num(gr, "lr", &lr, true, 0, what));
         CKPT_TRY(get_num(gr, "weight_decay", &wd, false, 0, what));
@@ -384,7 +384,7 @@ static int import_optimizer(imp *x, const char *path) {
             CKPT_TRY(ckpt_write_i64(x->optim, GK("nesterov"), v != 0));
         } else {
             const ckpt_torch_value *b = ckpt_torch_dict_get(gr, "betas");
-            double b1, b2;
+            double b1 = 0, b2 = 0;
             if (!b || (b->kind != CKPT_TORCH_TUPLE && b->kind != CKPT_TORCH_LIST) || b->n != 2 ||
                 number(b->items[0], &b1) < 0 || number(b->items[1], &b2) < 0)
                 return ckpt__err(CKPT_ECORRUPT, "import: %s: 'betas' is not a pair of numbers", what);
@@ -450,7 +450,7 @@ static int lr_list(imp *x, const ckpt_torch_value *root, const char *name, const
         return ckpt__err(CKPT_ECORRUPT, "import: %s: '%s' is not a list", path, name);
     char key[64];
     for (int64_t g = 0; g < l->n; g++) {
-        double v;
+        double v = 0;
         if (number(l->items[g], &v) < 0)
             return ckpt__err(CKPT_ECORRUPT, "import: %s: %s[%" PRId64 "] is not a number", path, name, g);
         snprintf(key, sizeof key, "%s.%" PRId64, name, g);
@@ -461,7 +461,7 @@ static int lr_list(imp *x, const ckpt_torch_value *root, const char *name, const
 }
 
 static int import_scheduler(imp *x, const char *path) {
-    const ckpt_torch_value *root;
+    const ckpt_torch_value *root = NULL;
     CKPT_TRY(open_torch(x, path, &root));
     const char *kind = x->o.scheduler;
     const ckpt_torch_value *lambdas = ckpt_torch_dict_get(root, "lr_lambdas");
@@ -486,14 +486,14 @@ static int import_scheduler(imp *x, const char *path) {
         return ckpt__err(CKPT_EUNSUPPORTED, "import: scheduler kind '%s' (steplr, exponentiallr, "
                          "cosineannealinglr, warmup_cosine, warmup_linear, constant)", kind);
     CKPT_TRY(ckpt_writer_new(&x->sched));
-    int64_t le, sc, iv;
-    double v;
+    int64_t le = 0, sc = 0, iv = 0;
+    double v = 0;
     CKPT_TRY(ckpt_write_str(x->sched, "kind", kind));
     CKPT_TRY(get_int(root, "last_epoch", &le, path));
     CKPT_TRY(get_int(root, "_step_count", &sc, path));
     CKPT_TRY(ckpt_write_i64(x->sched, "last_epoch", le));
     CKPT_TRY(ckpt_write_i64(x->sched, "_step_count", sc));
-    int nb, nl;
+    int nb = 0, nl = 0;
     CKPT_TRY(lr_list(x, root, "base_lrs", path, &nb));
     CKPT_TRY(lr_list(x, root, "_last_lr", path, &nl));
     if (nb != nl || (x->opt_groups && nb != x->opt_groups))
@@ -529,11 +529,11 @@ static int import_scheduler(imp *x, const char *path) {
 }
 
 static int import_scaler(imp *x, const char *path) {
-    const ckpt_torch_value *root;
+    const ckpt_torch_value *root = NULL;
     CKPT_TRY(open_torch(x, path, &root));
     if (root->n == 0) return CKPT_OK; /* a disabled GradScaler saves {} */
-    double scale, gf, bf;
-    int64_t gi, gt;
+    double scale = 0, gf = 0, bf = 0;
+    int64_t gi = 0, gt = 0;
     CKPT_TRY(get_num(root, "scale", &scale, true, 0, path));
     CKPT_TRY(get_num(root, "growth_factor", &gf, true, 0, path));
     CKPT_TRY(get_num(root, "backoff_factor", &bf, true, 0, path));

@@ -172,7 +172,7 @@ bool ckpt__pkl_utf8_ok(const uint8_t *s, size_t n) {
             i++;
             continue;
         }
-        size_t len;
+        size_t len = 0;
         uint32_t cp, min;
         if (c >= 0xc2 && c <= 0xdf) len = 2, cp = c & 0x1f, min = 0x80;
         else if (c >= 0xe0 && c <= 0xef) len = 3, cp = c & 0x0f, min = 0x800;
@@ -237,7 +237,7 @@ static int memo_put(vm *m, uint64_t idx) {
     /* writers number memo entries from 0 and each put costs at least two
      * bytes, so an index as large as the pickle is not a real one */
     if (idx >= m->n) return bad(m, "memo index %" PRIu64 " too large", idx);
-    ckpt_pkl_node *t;
+    ckpt_pkl_node *t = NULL;
     CKPT_TRY(top(m, &t, "BINPUT"));
     if (idx >= m->memo_cap) {
         size_t cap = m->memo_cap ? m->memo_cap : 64;
@@ -391,7 +391,7 @@ static int rebuild_tensor(vm *m, const ckpt_torch_value *args) {
     bool contiguous = true;
     uint64_t expect = 1;
     for (int d = nd_ - 1; d >= 0; d--) {
-        uint64_t span;
+        uint64_t span = 0;
         if (__builtin_mul_overflow((uint64_t)(nd->v.shape[d] - 1), (uint64_t)stride[d], &span) ||
             __builtin_add_overflow(last, span, &last))
             return bad(m, "tensor extent overflows");
@@ -435,7 +435,7 @@ static bool hashable(const ckpt_pkl_node *k) {
 }
 
 static int reduce(vm *m) {
-    ckpt_pkl_node *args, *fn;
+    ckpt_pkl_node *args = NULL, *fn = NULL;
     CKPT_TRY(pop(m, &args, "REDUCE"));
     CKPT_TRY(pop(m, &fn, "REDUCE"));
     if (fn->ikind != IK_GLOBAL)
@@ -518,8 +518,8 @@ static int run(vm *m) {
     for (;;) {
         if (m->pos >= m->n) return bad(m, "pickle ends without STOP");
         uint8_t op = m->p[m->pos++];
-        ckpt_pkl_node *a, *b;
-        size_t first;
+        ckpt_pkl_node *a = NULL, *b = NULL;
+        size_t first = 0;
         switch (op) {
         case 0x80: /* PROTO */
             CKPT_TRY(need(m, 1, "PROTO"));
@@ -854,7 +854,7 @@ void ckpt__pkl_int(ckpt_pkl_buf *b, int64_t v) {
 }
 
 void ckpt__pkl_float(ckpt_pkl_buf *b, double v) {
-    uint64_t u;
+    uint64_t u = 0;
     memcpy(&u, &v, 8);
     uint8_t x[9];
     x[0] = 'G';

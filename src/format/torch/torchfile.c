@@ -90,7 +90,7 @@ static int parse(ckpt_torch_file *f) {
     snprintf(rec, sizeof rec, "%sversion", f->prefix);
     const ckpt_zip_record *vr = ckpt__zip_find(&f->zip, rec);
     if (!vr) return ckpt__err(CKPT_ECORRUPT, "%s: no %s record", f->name, rec);
-    const uint8_t *vd;
+    const uint8_t *vd = NULL;
     CKPT_TRY(ckpt__zip_read(&f->zip, vr, &vd));
     int64_t version = 0;
     uint64_t k = 0;
@@ -101,7 +101,7 @@ static int parse(ckpt_torch_file *f) {
     if (version < 1 || version > 10)
         return ckpt__err(CKPT_EUNSUPPORTED, "%s: archive format version %" PRId64 " (1 to 10 are read)",
                          f->name, version);
-    const uint8_t *pd;
+    const uint8_t *pd = NULL;
     CKPT_TRY(ckpt__zip_read(&f->zip, pkl, &pd));
     f->arena.gather_limit = n + (64u << 20);
     return ckpt__unpickle(&f->arena, pd, (size_t)pkl->usize, f->name, storage_cb, f, &f->root);
@@ -207,7 +207,7 @@ static int flatten(flat *fl, const ckpt_torch_value *v, size_t klen, int depth) 
     for (int64_t i = 0; i < v->n; i++) {
         char part[64];
         const char *name = part;
-        size_t plen;
+        size_t plen = 0;
         if (dict) {
             const ckpt_torch_value *k = v->items[2 * i];
             if (k->kind == CKPT_TORCH_STR) {
@@ -403,7 +403,7 @@ int ckpt_torch_put_tensor(ckpt_torch_writer *w, ckpt_dtype dt, int ndim, const i
     if (!cls)
         return ckpt__err(CKPT_EUNSUPPORTED, "torch writer: PyTorch has no storage for dtype %s",
                          ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "(invalid)");
-    uint64_t nbytes;
+    uint64_t nbytes = 0;
     if (ckpt_tensor_nbytes(dt, ndim, shape, &nbytes) < 0) {
         w->err = CKPT_EINVAL;
         return ckpt__err_prefix(CKPT_EINVAL, "torch writer");

@@ -159,7 +159,7 @@ int ckpt__zip_open(ckpt_zip *z, const uint8_t *data, uint64_t size, const char *
     z->data = data;
     z->size = size;
     z->name = name ? name : "zip";
-    uint64_t ep;
+    uint64_t ep = 0;
     int rc = find_end(z, &ep);
     if (rc < 0) return rc;
     const uint8_t *e = data + ep;
