@@ -170,7 +170,7 @@ const ckpt_torch_value *ckpt_torch_dict_get(const ckpt_torch_value *d, const cha
 
 /* Shared containers are visited once per path; a file whose paths multiply
  * (a list of the same list of the same list...) stops here. */
-#define FLATTEN_MAX_VISITS (1u << 24)
+#define FLATTEN_MAX_VISITS (1u << 22)
 
 typedef struct flat {
     ckpt_writer *w;
