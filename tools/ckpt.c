@@ -1,5 +1,5 @@
 /* ckpt — the command-line tool: train (the demo), ls, inspect, verify, diff,
- * prune. It uses only the public API in ckpt.h. */
+ * prune, export, import. It uses only the public API in ckpt.h. */
 #include <errno.h>
 #include <math.h>
 #include <stdarg.h>
@@ -22,6 +22,8 @@ static const char usage_text[] =
     "  verify    check every file of a checkpoint (or of all of a project's) against its manifest\n"
     "  diff      compare two checkpoints (or two .safetensors files) tensor by tensor\n"
     "  prune     remove all but the newest N checkpoints of a project\n"
+    "  export    write a checkpoint as a folder PyTorch / Accelerate loads as is\n"
+    "  import    make a checkpoint from a PyTorch, Accelerate or Hugging Face folder or file\n"
     "\n"
     "options:\n"
     "  -h, --help     this help ('ckpt <command> --help' for a command's)\n"
@@ -106,6 +108,7 @@ typedef struct command {
 static const command commands[] = {
     {"train", cli_train}, {"ls", cli_ls},     {"inspect", cli_inspect},
     {"verify", cli_verify}, {"diff", cli_diff}, {"prune", cli_prune},
+    {"export", cli_export}, {"import", cli_import},
 };
 
 int main(int argc, char **argv) {

@@ -63,5 +63,7 @@ int cli_inspect(int argc, char **argv);
 int cli_verify(int argc, char **argv);
 int cli_diff(int argc, char **argv);
 int cli_prune(int argc, char **argv);
+int cli_export(int argc, char **argv);
+int cli_import(int argc, char **argv);
 
 #endif
