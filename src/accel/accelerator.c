@@ -70,6 +70,7 @@ struct ckpt_accelerator {
     int64_t step;
     char *last_dir;
     ckpt_hook_handle *hooks[2];
+    ckpt_lock project_lock; /* held from the first save or load until free */
 };
 
 /* ---- lifecycle ------------------------------------------------------------ */
@@ -92,6 +93,7 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
         return ckpt__err(CKPT_EINVAL, "accelerator_new: project_dir is empty");
     ckpt_accelerator *acc = ckpt__calloc(1, sizeof *acc);
     if (!acc) return ckpt__err_nomem("accelerator");
+    acc->project_lock.fd = -1;
     acc->automatic_checkpoint_naming = cfg->automatic_checkpoint_naming;
     acc->total_limit = cfg->total_limit;
     acc->iteration = cfg->iteration;
@@ -123,6 +125,7 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
             h = next;
         }
     }
+    ckpt__lock_release(&acc->project_lock);
     free(acc->objs);
     free(acc->project_dir);
     free(acc->logging_dir);
@@ -282,6 +285,36 @@ static int run_hooks(ckpt_accelerator *acc, int which, const char *dir, const ch
     return 0;
 }
 
+/* ---- the project lock -------------------------------------------------------- */
+
+/* One run per project: the first save or load takes the project lock and
+ * keeps it until the accelerator is freed, so a second run is refused at its
+ * first call rather than failing a later save. A load takes it only if the
+ * checkpoints folder exists (a load creates nothing). */
+static int own_project(ckpt_accelerator *acc, bool create, const char *what) {
+    if (!acc->project_dir || acc->project_lock.fd >= 0) return 0;
+    char *dir = ckpt__checkpoints_dir(acc->project_dir);
+    char *lp = dir ? ckpt__path_join(dir, ".lock") : NULL;
+    int rc = 0;
+    struct stat st;
+    if (!lp) rc = ckpt__err_nomem("lock path");
+    else if (create) rc = ckpt__mkdirs(dir);
+    else if (stat(dir, &st) != 0) goto out;
+    if (rc == 0) rc = ckpt__lock_acquire(&acc->project_lock, lp);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "%s", what);
+out:
+    free(lp);
+    free(dir);
+    return rc;
+}
+
+/* Whether lock_path is the lock file this accelerator already holds. */
+static bool holds_lock_file(const ckpt_accelerator *acc, const char *lock_path) {
+    struct stat a, b;
+    return acc->project_lock.fd >= 0 && stat(lock_path, &a) == 0 &&
+           fstat(acc->project_lock.fd, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
 /* ---- saving ---------------------------------------------------------------- */
 
 static void obj_file_name(const ckpt_accelerator *acc, const acc_obj *o, char *buf, size_t cap) {
@@ -428,6 +461,7 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
         return ckpt__err(CKPT_EINVAL,
                          "save_state: automatic checkpoint naming needs a project_dir");
     if (!automatic && !output_dir[0]) return ckpt__err(CKPT_EINVAL, "save_state: output_dir is empty");
+    CKPT_TRY(own_project(acc, true, "save_state"));
 
     char *parent = NULL, *base = NULL, *target = NULL, *tmp = NULL, *lockp = NULL, *tname = NULL;
     acc_obj *plan = NULL;
@@ -458,7 +492,7 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
         rc = ckpt__err_nomem("lock path");
         goto out;
     }
-    rc = ckpt__lock_acquire(&lk, lockp);
+    if (!holds_lock_file(acc, lockp)) rc = ckpt__lock_acquire(&lk, lockp);
     if (rc < 0) {
         rc = ckpt__err_prefix(rc, "save_state");
         goto out;
@@ -697,6 +731,8 @@ out:
 
 int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "load_state: acc is NULL");
+    if (input_dir && !input_dir[0]) return ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
+    CKPT_TRY(own_project(acc, false, "load_state"));
     ckpt_checkpoint_open c;
     memset(&c, 0, sizeof c);
     char *dir = NULL;
