@@ -634,6 +634,7 @@ static void expect_load_fails(const char *dir, int ncounters, void (*tweak)(coun
                               const char *needle) {
     ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
     counter cs[3];
+    memset(cs, 0, sizeof cs); /* compared whole below, unused ones and padding too */
     for (int i = 0; i < ncounters; i++) {
         counter_set(&cs[i], 50 + 10 * i);
         if (tweak && i == 1) tweak(&cs[i]);
