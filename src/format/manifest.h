@@ -24,6 +24,8 @@ typedef struct ckpt_manifest_file {
     int64_t ntensors;
     char **tensor_keys;
     uint64_t *tensor_xxh3;
+    ckpt_chunk *chunks;    /* NULL, or (a shard file) one per tensor: where it sits */
+    int rank;              /* the process that wrote the file; 0 for one process */
 } ckpt_manifest_file;
 
 typedef struct ckpt_manifest {
@@ -79,5 +81,13 @@ void ckpt__checkpoint_close(ckpt_checkpoint_open *c);
  * many bytes (default 64 MiB). Tests set 0 to exercise the threaded path on
  * small checkpoints; returns the previous value. */
 uint64_t ckpt__set_parallel_check_bytes(uint64_t bytes);
+
+/* The file entries of m as one JSON text (*out malloc'd, *len bytes), and
+ * back: appended to m from such a text (hostile-input rules as for the
+ * manifest; `what` names it). How each rank's file records reach the rank
+ * that writes the manifest. */
+int ckpt__manifest_files_to_json(const ckpt_manifest *m, char **out, size_t *len);
+int ckpt__manifest_files_from_json(ckpt_manifest *m, const char *text, size_t len,
+                                   const char *what);
 
 #endif
