@@ -315,6 +315,15 @@ typedef struct ckpt_comm {
     void (*destroy)(void *ctx);
 } ckpt_comm;
 
+/* For communicator implementations: sets this thread's message (printf
+ * format) and returns code, so a collective can `return ckpt_set_error(
+ * CKPT_EIO, "allgather: %s", why);` and the caller's ckpt_errmsg names it. */
+CKPT_API int ckpt_set_error(int code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
 /* A communicator of one process (rank 0 of 1): static, never freed. */
 CKPT_API const ckpt_comm *ckpt_comm_self(void);
 /* Calls c->destroy(c->ctx) and frees c; for communicators made by a ckpt
@@ -659,7 +668,12 @@ CKPT_API int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed);
  * folder always wins; an existing checkpoint there is replaced atomically.
  * Atomic: on any failure the previous state on disk is intact and nothing
  * partial is visible. Removes the oldest automatic checkpoints beyond
- * total_limit only after the new one is committed. */
+ * total_limit only after the new one is committed.
+ * With a comm of several processes it is collective (every rank calls it
+ * with the same arguments): rank 0 writes the replicated objects and commits
+ * only once every rank has written and fsynced its own files (its random
+ * state, its shards); every rank returns the same status, and the message of
+ * a failure names the rank ("rank 2: ..."). docs/DISTRIBUTED.md. */
 CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
 /* Loads everything registered. input_dir NULL: the newest complete checkpoint
  * that verifies, falling back (with a warning) to older ones. Transactional:
@@ -668,7 +682,11 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * of it matches. The one exception: a custom object without check_state_dict
  * whose load_state_dict refuses a value; the objects loaded before it are then
  * already changed and the error says "state partially loaded". Restores the
- * step counter and the automatic numbering. */
+ * step counter and the automatic numbering.
+ * With a comm of several processes it is collective: every rank loads the
+ * same checkpoint (a candidate any rank finds corrupt is skipped by all), and
+ * nothing is applied on any rank unless every rank's checks pass; every rank
+ * returns the same status and message. */
 CKPT_API int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir);
 /* The folder of the last save or load; "" if none. View valid until the next
  * save/load or free. */
@@ -682,7 +700,8 @@ CKPT_API int64_t ckpt_accelerator_iteration(const ckpt_accelerator *acc);
 /* Hooks, as Accelerate's register_save_state_pre_hook /
  * register_load_state_pre_hook: called at the start of every save (with the
  * final folder) or load (with the folder being loaded). A non-zero return
- * aborts the save/load with that code. */
+ * aborts the save/load with that code. With several processes they run on
+ * every rank, with the same folder; one rank's failure fails all. */
 typedef int (*ckpt_state_hook_fn)(void *user, ckpt_accelerator *acc, const char *dir);
 typedef struct ckpt_hook_handle ckpt_hook_handle;
 /* *handle (may be NULL) receives a handle whose removal stops the hook. */

@@ -3,6 +3,7 @@
 #define CKPT_TOOLS_CLI_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* Exit codes (docs/CLI.md). */
@@ -33,6 +34,27 @@ void cli_json_string(const char *s);
 
 /* Human-readable byte count ("1.5 MiB") into buf. */
 const char *cli_human_bytes(uint64_t n, char *buf, int cap);
+
+/* ---- many processes (cli_dist.c) ---- */
+struct ckpt_comm;
+typedef struct cli_dist {
+    const struct ckpt_comm *comm; /* NULL: one process */
+    struct ckpt_comm *owned;
+    int rank, size;
+    bool mpi; /* MPI_Init was called */
+} cli_dist;
+/* The rank cli_error tags its messages with ("ckpt: [rank r] ..."); -1 for
+ * one process. */
+extern int cli_rank;
+/* Under mpirun (and built with MPI): MPI_Init and a communicator over
+ * MPI_COMM_WORLD; otherwise one process. Returns an exit code. */
+int cli_dist_init(cli_dist *d);
+void cli_dist_finish(cli_dist *d);
+/* Elementwise maximum of n values over every rank, in place. */
+int cli_dist_max(const cli_dist *d, int64_t *v, int n);
+/* buf (n floats) becomes the mean over every rank's buf, summed in rank
+ * order so that it is reproducible; scratch holds size * n floats. */
+int cli_dist_average(const cli_dist *d, float *buf, size_t n, float *scratch);
 
 /* Subcommands: argv[0] is the subcommand's name. Each returns an exit code. */
 int cli_train(int argc, char **argv);
