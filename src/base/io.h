@@ -99,10 +99,12 @@ void ckpt__io_set_recorder(ckpt_io_record_fn fn, void *user);
  * that the power-loss simulator catches a missing fsync. Never set outside
  * tests. */
 enum {
-    CKPT_IO_SKIP_FILE_FSYNC = 1 << 0,   /* ckpt__ostream_finish does not fsync */
-    CKPT_IO_SKIP_PUBLISH_FSYNC = 1 << 1 /* ckpt__publish_dir does not fsync the parent */
+    CKPT_IO_SKIP_FILE_FSYNC = 1 << 0,    /* ckpt__ostream_finish does not fsync */
+    CKPT_IO_SKIP_PUBLISH_FSYNC = 1 << 1, /* ckpt__publish_dir does not fsync the parent */
+    CKPT_IO_SKIP_EVERY_FSYNC = 1 << 2    /* no fsync at all (scratch files in tests) */
 };
 void ckpt__io_set_unsafe(unsigned mask);
+unsigned ckpt__io_unsafe(void);
 
 /* ---- the write stream --------------------------------------------------- */
 typedef struct ckpt_ostream {
