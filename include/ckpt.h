@@ -622,8 +622,17 @@ typedef enum ckpt_log_level { CKPT_LOG_INFO = 0, CKPT_LOG_WARNING = 1 } ckpt_log
  * folder removed). Default: "ckpt: warning: <msg>" on stderr. */
 typedef void (*ckpt_log_fn)(void *user, ckpt_log_level level, const char *msg);
 
-/* Copies *cfg (and its strings). Does not touch the disk. */
+/* Copies *cfg (and its strings). Does not touch the disk.
+ * One run per project: with a project_dir, the first ckpt_save_state or
+ * ckpt_load_state takes the project lock (flock on
+ * <project_dir>/checkpoints/.lock, which records the owner's pid and host)
+ * and the accelerator holds it until ckpt_accelerator_free. Another
+ * accelerator, in this process or another, is refused at its first save or
+ * load with CKPT_EBUSY naming the owner's pid and host. A load takes the lock
+ * only if <project_dir>/checkpoints exists. The kernel drops the lock when
+ * the owner dies, even by SIGKILL: a stale lock file is no obstacle. */
 CKPT_API int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg);
+/* Releases the project lock, if held. */
 CKPT_API void ckpt_accelerator_free(ckpt_accelerator *acc);
 CKPT_API void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user);
 CKPT_API int ckpt_accelerator_process_index(const ckpt_accelerator *acc);
@@ -747,7 +756,9 @@ CKPT_API int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_check
  * with ckpt_reader_free. */
 CKPT_API int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader **out);
 /* Removes all but the newest `keep` automatic checkpoints (under the project
- * lock). *removed (may be NULL) gets how many went. */
+ * lock). *removed (may be NULL) gets how many went. CKPT_EBUSY, naming the
+ * owner's pid and host, while a run (an accelerator not yet freed) owns the
+ * project. ckpt_checkpoint_list and ckpt_checkpoint_verify take no lock. */
 CKPT_API int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed);
 
 /* ------------------------------------------------------------------------ */

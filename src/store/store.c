@@ -124,26 +124,34 @@ int ckpt__lock_acquire(ckpt_lock *lk, const char *lock_path) {
     if (fd < 0) return ckpt__err_os(errno, "lock file %s", lock_path);
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
         int e = errno;
-        char holder[32] = "";
+        char holder[320] = "";
         ssize_t got = pread(fd, holder, sizeof holder - 1, 0);
         close(fd);
         if (e == EWOULDBLOCK) {
-            if (got > 0) {
-                holder[got] = '\0';
-                holder[strcspn(holder, "\n")] = '\0';
+            /* The holder wrote "<pid> <host>\n" when it took the lock. */
+            long pid = 0;
+            char host[256] = "";
+            if (got > 0) holder[got] = '\0';
+            if (got > 0 && sscanf(holder, "%ld %255s", &pid, host) == 2 && pid > 0)
                 return ckpt__err(CKPT_EBUSY,
-                                 "%s is locked by another process (pid %s) saving into this folder",
-                                 lock_path, holder);
-            }
-            return ckpt__err(CKPT_EBUSY, "%s is locked by another process saving into this folder",
+                                 "%s is held by another process (pid %ld on host %s) that saves "
+                                 "into or loads from this folder",
+                                 lock_path, pid, host);
+            return ckpt__err(CKPT_EBUSY,
+                             "%s is held by another process that saves into or loads from this "
+                             "folder",
                              lock_path);
         }
         return ckpt__err_os(e, "lock %s", lock_path);
     }
-    /* The holder's pid only makes the busy message more useful: best effort. */
-    char pid[32];
-    int n = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
-    if (ftruncate(fd, 0) == 0 && pwrite(fd, pid, (size_t)n, 0) < 0) {
+    /* Who holds it only makes the busy message more useful: best effort. */
+    char host[256];
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "unknown");
+    host[sizeof host - 1] = '\0';
+    char line[320];
+    int n = snprintf(line, sizeof line, "%ld %s\n", (long)getpid(), host);
+    if (n > 0 && (size_t)n < sizeof line && ckpt__os_ftruncate(fd, 0) == 0 &&
+        ckpt__os_pwrite(fd, line, (size_t)n, 0) < 0) {
         /* ignored: informational only */
     }
     lk->fd = fd;
