@@ -521,7 +521,8 @@ typedef struct ckpt_project_config {
     const char *project_dir;          /* checkpoints go to <project_dir>/checkpoints/checkpoint_<n> */
     const char *logging_dir;          /* NULL: <project_dir>/logs */
     bool automatic_checkpoint_naming;
-    int total_limit;                  /* keep at most this many automatic checkpoints; 0 = all */
+    int total_limit;                  /* keep this many valid automatic checkpoints; 0 = all
+                                         (the rule of ckpt_checkpoint_prune) */
     int64_t iteration;                /* number of the next automatic checkpoint */
     bool save_on_each_node;           /* multi-node: each node's main process writes (later) */
     int process_index;                /* 0 unless several processes (MPI later) */

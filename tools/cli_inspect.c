@@ -18,7 +18,8 @@ static const char inspect_help[] =
     "\n"
     "PATH is a checkpoint folder or one .safetensors file. Shows the manifest (step,\n"
     "iteration, creation time, files) and, for every object (state file), its\n"
-    "tensors with dtype, shape and bytes and its scalar entries with their values.\n"
+    "tensors with dtype, shape and bytes and its scalar entries with their values\n"
+    "(floats as the shortest decimal that reads back to the same bits).\n"
     "\n"
     "  --json   one JSON document instead of text\n";
 
@@ -27,13 +28,17 @@ static const char diff_help[] =
     "\n"
     "Compares two checkpoint folders (every state file) or two .safetensors files,\n"
     "entry by entry: tensors by dtype, shape and value (max absolute difference,\n"
-    "elements that differ), scalar entries by value, and the manifests' step and\n"
-    "number of processes.\n"
+    "elements that differ, the first differing pair), scalar entries by value, and\n"
+    "the manifests' step and number of processes. A project folder stands for its\n"
+    "newest valid checkpoint (printed as 'A: <checkpoint>'). Anything else (an\n"
+    "empty folder, a folder without checkpoint.json, another kind of file) is a\n"
+    "usage error.\n"
     "Creation times, checkpoint numbers and library versions are not compared.\n"
     "\n"
     "  --atol X   values within X of each other count as equal (default 0: bit for bit)\n"
     "\n"
-    "Exit 0 if equal, 1 if they differ, 3 if a file cannot be read.\n";
+    "Exit 0 if equal, 1 if they differ, 2 if A or B is not a checkpoint, a project\n"
+    "or a state file, 3 if a file cannot be read or a project has no valid checkpoint.\n";
 
 static bool is_dir(const char *path) {
     struct stat st;

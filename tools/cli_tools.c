@@ -254,13 +254,11 @@ int cli_verify(int argc, char **argv) {
     int64_t bad = 0;
     for (int64_t i = 0; i < n; i++) bad += !verify_one(list[i].path);
     free(list);
+    if (n == 0) printf("no checkpoints in %s\n", path);
+    else printf("%lld of %lld checkpoints verified%s\n", (long long)(n - bad), (long long)n,
+                bad ? "; see above for the failures" : "");
     print_leftovers(path, false);
-    if (n == 0) {
-        printf("no checkpoints in %s\n", path);
-        return CLI_DIFFER;
-    }
-    printf("%lld of %lld checkpoints verified%s\n", (long long)(n - bad), (long long)n,
-           bad ? "; see above for the failures" : "");
+    if (n == 0) return CLI_DIFFER;
     return bad ? CLI_DIFFER : CLI_OK;
 }
 
@@ -277,7 +275,8 @@ static void prune_report(void *user, const char *path, ckpt_prune_reason reason,
     const char *verb = pl->dry_run ? "would remove" : "removing";
     switch (reason) {
     case CKPT_PRUNE_OLD:
-        if (why) printf("%s %s  (older than the newest %lld valid; it fails verification too: %s)\n",
+        if (pl->keep == 0) printf("%s %s  (--keep 0: every checkpoint goes)\n", verb, path);
+        else if (why) printf("%s %s  (older than the newest %lld valid; it fails verification too: %s)\n",
                         verb, path, (long long)pl->keep, why);
         else printf("%s %s  (valid, older than the newest %lld valid)\n", verb, path,
                     (long long)pl->keep);
