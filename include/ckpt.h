@@ -165,6 +165,32 @@ CKPT_API int ckpt_read_str(ckpt_reader *r, const char *key, char *buf, size_t ca
 /* Copies up to cap bytes; *n = the entry's length (CKPT_EINVAL if > cap). */
 CKPT_API int ckpt_read_bytes(ckpt_reader *r, const char *key, void *buf, size_t cap, size_t *n);
 
+/* --- sharded tensors (a tensor split across processes) -------------------- */
+
+/* Adds this process's chunk of a tensor whose whole ("global") shape is
+ * global_shape: the chunk starts at offsets[d] in every dimension d and has
+ * local_shape (offsets[d] + local_shape[d] <= global_shape[d]). data holds the
+ * chunk's elements row-major (borrowed like ckpt_write_tensor's). In a
+ * checkpoint every process writes its chunks into its own file
+ * <object>-<r+1>-of-<P>.safetensors (5 digits each, as Hugging Face names
+ * shards) and the manifest records every chunk, so any process count can
+ * read any slice back (ckpt_read_tensor_shard). The chunks of all processes
+ * must cover the tensor exactly (no holes, no overlap), else the save fails
+ * with CKPT_EINVAL naming the key. CKPT_EINVAL for bounds or a sub-byte
+ * dtype whose chunk is not whole bytes. */
+CKPT_API int ckpt_write_tensor_shard(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                                     const int64_t *global_shape, const int64_t *offsets,
+                                     const int64_t *local_shape, const void *data);
+/* Reads the slice [offsets, offsets + local_shape) of the sharded tensor key
+ * (global_shape and dtype must match the saved ones exactly, else
+ * CKPT_EMISMATCH) into dst (room for exactly the slice), assembled from every
+ * saved chunk that overlaps it, whatever process count saved it. A tensor
+ * saved with ckpt_write_tensor can be read this way too (one chunk), and a
+ * sharded one with ckpt_read_tensor (the whole tensor). */
+CKPT_API int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                                    const int64_t *global_shape, const int64_t *offsets,
+                                    const int64_t *local_shape, void *dst);
+
 /* --- standalone state-dict files (one safetensors file each) ------------- */
 
 /* A writer that collects entries in memory (tensor data borrowed). */
@@ -252,6 +278,57 @@ typedef struct ckpt_stateful_ops {
      * before the load. Returns 0 or the error load_state_dict would return. */
     int (*check_state_dict)(void *self, ckpt_reader *r);
 } ckpt_stateful_ops;
+
+/* ------------------------------------------------------------------------ */
+/* Communicators: many processes                                             */
+/* ------------------------------------------------------------------------ */
+
+/* What a checkpoint needs from a process group. The core library has no MPI
+ * dependency: libckpt_mpi fills this struct from an MPI communicator
+ * (ckpt_mpi.h), and users of another launcher (NCCL, gloo, their own) fill
+ * it themselves. Every function is collective: all ranks call it, in the
+ * same order. Each returns 0 or a negative ckpt_status (setting a message). */
+typedef enum ckpt_reduce_op { CKPT_REDUCE_MIN = 0, CKPT_REDUCE_MAX = 1, CKPT_REDUCE_SUM = 2 } ckpt_reduce_op;
+
+typedef struct ckpt_comm {
+    int rank;       /* 0..size-1 */
+    int size;       /* number of processes, >= 1 */
+    int local_rank; /* rank among the processes of this node */
+    int local_size;
+    int node;       /* index of this node, 0..num_nodes-1 */
+    int num_nodes;
+    void *ctx;      /* the implementation's state, passed to every function */
+    int (*barrier)(void *ctx);
+    /* n bytes at buf from root to every rank. */
+    int (*bcast)(void *ctx, void *buf, size_t n, int root);
+    /* Every rank sends n bytes (n may differ between ranks); at root, *out
+     * gets every rank's bytes back to back in rank order (malloc'd: the
+     * caller free()s it) and lens[r] the byte count of rank r (lens has size
+     * entries). Elsewhere out and lens are not used. */
+    int (*gather)(void *ctx, const void *buf, size_t n, void **out, size_t *lens, int root);
+    /* Every rank sends lens[rank] bytes; every rank receives all of them back
+     * to back in rank order into out (sum of lens bytes). */
+    int (*allgather)(void *ctx, const void *buf, void *out, const size_t *lens);
+    /* Elementwise over n values, in place, on every rank. */
+    int (*allreduce_i64)(void *ctx, int64_t *v, int n, ckpt_reduce_op op);
+    /* Releases ctx (may be NULL); called by ckpt_comm_free. */
+    void (*destroy)(void *ctx);
+} ckpt_comm;
+
+/* For communicator implementations: sets this thread's message (printf
+ * format) and returns code, so a collective can `return ckpt_set_error(
+ * CKPT_EIO, "allgather: %s", why);` and the caller's ckpt_errmsg names it. */
+CKPT_API int ckpt_set_error(int code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+/* A communicator of one process (rank 0 of 1): static, never freed. */
+CKPT_API const ckpt_comm *ckpt_comm_self(void);
+/* Calls c->destroy(c->ctx) and frees c; for communicators made by a ckpt
+ * constructor (ckpt_comm_mpi). NULL is a no-op. */
+CKPT_API void ckpt_comm_free(ckpt_comm *c);
 
 /* ------------------------------------------------------------------------ */
 /* Random numbers: Philox4x32-10                                             */
@@ -373,6 +450,15 @@ CKPT_API int ckpt_optimizer_step(ckpt_optimizer *o);
 /* Sets every gradient to zero. */
 CKPT_API void ckpt_optimizer_zero_grad(ckpt_optimizer *o);
 CKPT_API const ckpt_stateful_ops *ckpt_optimizer_ops(void);
+/* ZeRO-1: from now on o keeps its state (momentum, Adam moments) only for
+ * this rank's contiguous share of the flattened optimized parameters, and
+ * ckpt_optimizer_step is collective over comm (borrowed until o is freed):
+ * each rank updates its share from the (already averaged) gradients, then
+ * the ranks exchange the updated values so every rank holds all parameters.
+ * The state is saved as sharded tensors under PyTorch's keys, so a
+ * checkpoint saved by P ranks loads on any other count (and unsharded).
+ * Only before the first step. See docs/DISTRIBUTED.md. */
+CKPT_API int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm);
 
 /* ------------------------------------------------------------------------ */
 /* Learning-rate schedulers (drive every group of one optimizer)             */
@@ -525,8 +611,11 @@ typedef struct ckpt_project_config {
                                          (the rule of ckpt_checkpoint_prune) */
     int64_t iteration;                /* number of the next automatic checkpoint */
     bool save_on_each_node;           /* multi-node: each node's main process writes (later) */
-    int process_index;                /* 0 unless several processes (MPI later) */
-    int num_processes;                /* 0 or 1 = one */
+    int process_index;                /* without comm: this process's index (recorded only) */
+    int num_processes;                /* without comm: 0 or 1 = one */
+    const ckpt_comm *comm;            /* NULL: one process; else borrowed until free: saves
+                                         and loads are collective over it, and
+                                         process_index/num_processes come from it */
 } ckpt_project_config;
 
 typedef enum ckpt_log_level { CKPT_LOG_INFO = 0, CKPT_LOG_WARNING = 1 } ckpt_log_level;
@@ -571,7 +660,12 @@ CKPT_API int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed);
  * folder always wins; an existing checkpoint there is replaced atomically.
  * Atomic: on any failure the previous state on disk is intact and nothing
  * partial is visible. Removes the oldest automatic checkpoints beyond
- * total_limit only after the new one is committed. */
+ * total_limit only after the new one is committed.
+ * With a comm of several processes it is collective (every rank calls it
+ * with the same arguments): rank 0 writes the replicated objects and commits
+ * only once every rank has written and fsynced its own files (its random
+ * state, its shards); every rank returns the same status, and the message of
+ * a failure names the rank ("rank 2: ..."). docs/DISTRIBUTED.md. */
 CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
 /* Loads everything registered. input_dir NULL: the newest complete checkpoint
  * that verifies, falling back (with a warning) to older ones. Transactional:
@@ -580,7 +674,11 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * of it matches. The one exception: a custom object without check_state_dict
  * whose load_state_dict refuses a value; the objects loaded before it are then
  * already changed and the error says "state partially loaded". Restores the
- * step counter and the automatic numbering. */
+ * step counter and the automatic numbering.
+ * With a comm of several processes it is collective: every rank loads the
+ * same checkpoint (a candidate any rank finds corrupt is skipped by all), and
+ * nothing is applied on any rank unless every rank's checks pass; every rank
+ * returns the same status and message. */
 CKPT_API int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir);
 /* The folder of the last save or load; "" if none. View valid until the next
  * save/load or free. */
@@ -594,7 +692,8 @@ CKPT_API int64_t ckpt_accelerator_iteration(const ckpt_accelerator *acc);
 /* Hooks, as Accelerate's register_save_state_pre_hook /
  * register_load_state_pre_hook: called at the start of every save (with the
  * final folder) or load (with the folder being loaded). A non-zero return
- * aborts the save/load with that code. */
+ * aborts the save/load with that code. With several processes they run on
+ * every rank, with the same folder; one rank's failure fails all. */
 typedef int (*ckpt_state_hook_fn)(void *user, ckpt_accelerator *acc, const char *dir);
 typedef struct ckpt_hook_handle ckpt_hook_handle;
 /* *handle (may be NULL) receives a handle whose removal stops the hook. */
@@ -641,6 +740,15 @@ CKPT_API int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_
  * their status (deep verification if deep). *out is malloc'd; free() it. */
 CKPT_API int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
                                   int64_t *count);
+/* Opens one object of the checkpoint folder dir as a reader: file names its
+ * file ("optimizer.safetensors"), and every shard file of it the manifest
+ * lists (optimizer-<i>-of-<P>.safetensors) is attached, so sharded tensors
+ * read whole (ckpt_read_tensor) or in any slice (ckpt_read_tensor_shard)
+ * whatever process count saved them. Each file is checked against the
+ * manifest (size and XXH3-64) first. CKPT_ENOENT if the manifest lists no
+ * such object, CKPT_ECORRUPT for a bad file or chunk table. *out is freed
+ * with ckpt_reader_free. */
+CKPT_API int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader **out);
 /* Removes old automatic checkpoints of <project_dir>/checkpoints so that the
  * newest `keep` VALID ones remain (complete and deep-verified; partial and
  * corrupt folders do not count toward keep), and removes leftover temporary

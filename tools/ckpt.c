@@ -36,7 +36,8 @@ static const char usage_text[] =
 void cli_error(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    fputs("ckpt: ", stderr);
+    if (cli_rank >= 0) fprintf(stderr, "ckpt: [rank %d] ", cli_rank);
+    else fputs("ckpt: ", stderr);
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     va_end(ap);

@@ -3,6 +3,7 @@
 #define CKPT_TOOLS_CLI_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* Exit codes (docs/CLI.md). */
@@ -54,6 +55,27 @@ cli_kind cli_classify(const char *path);
  * expected (`expected`, e.g. "a checkpoint, a project or a state file"),
  * with advice for a PyTorch file. Returns CLI_USAGE. */
 int cli_wrong_kind(const char *cmd, const char *path, cli_kind kind, const char *expected);
+
+/* ---- many processes (cli_dist.c) ---- */
+struct ckpt_comm;
+typedef struct cli_dist {
+    const struct ckpt_comm *comm; /* NULL: one process */
+    struct ckpt_comm *owned;
+    int rank, size;
+    bool mpi; /* MPI_Init was called */
+} cli_dist;
+/* The rank cli_error tags its messages with ("ckpt: [rank r] ..."); -1 for
+ * one process. */
+extern int cli_rank;
+/* Under mpirun (and built with MPI): MPI_Init and a communicator over
+ * MPI_COMM_WORLD; otherwise one process. Returns an exit code. */
+int cli_dist_init(cli_dist *d);
+void cli_dist_finish(cli_dist *d);
+/* Elementwise maximum of n values over every rank, in place. */
+int cli_dist_max(const cli_dist *d, int64_t *v, int n);
+/* buf (n floats) becomes the mean over every rank's buf, summed in rank
+ * order so that it is reproducible; scratch holds size * n floats. */
+int cli_dist_average(const cli_dist *d, float *buf, size_t n, float *scratch);
 
 /* Subcommands: argv[0] is the subcommand's name. Each returns an exit code. */
 int cli_train(int argc, char **argv);

@@ -157,10 +157,11 @@ int cli_ls(int argc, char **argv) {
         }
         if (json) {
             printf("%s{\"number\":%lld,\"step\":%lld,\"iteration\":%lld,\"created_unix\":%lld,"
-                   "\"bytes\":%llu,\"files\":%d,\"status\":\"%s\",\"path\":",
+                   "\"bytes\":%llu,\"files\":%d,\"num_processes\":%d,\"status\":\"%s\","
+                   "\"path\":",
                    i ? "," : "", (long long)c->number, (long long)c->step, (long long)c->iteration,
                    (long long)c->created_unix, (unsigned long long)c->total_bytes, c->num_files,
-                   status_name(c->status));
+                   c->num_processes, status_name(c->status));
             cli_json_string(c->path);
             if (*reason) {
                 printf(",\"error\":");
@@ -174,10 +175,12 @@ int cli_ls(int argc, char **argv) {
             char num[24];
             if (c->number < 0) snprintf(num, sizeof num, "-");
             else snprintf(num, sizeof num, "%lld", (long long)c->number);
-            printf("%-8s %10s  %-19s  %10s  %-8s  %s\n", num, stepbuf,
+            printf("%-8s %10s  %-19s  %10s  %-8s  %s", num, stepbuf,
                    c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : when,
                    c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : size, status_name(c->status),
                    c->path);
+            if (c->num_processes > 1) printf("  (%d processes)", c->num_processes);
+            putchar('\n');
             if (*reason) printf("         %s\n", reason);
         }
     }
@@ -202,8 +205,10 @@ static bool verify_one(const char *dir) {
     int rc = ckpt_checkpoint_verify(dir, true, &info);
     if (rc == CKPT_OK) {
         char size[32];
-        printf("ok       %s  (step %lld, %d files, %s)\n", dir, (long long)info.step,
-               info.num_files, cli_human_bytes(info.total_bytes, size, sizeof size));
+        char procs[48] = "";
+        if (info.num_processes > 1) snprintf(procs, sizeof procs, ", %d processes", info.num_processes);
+        printf("ok       %s  (step %lld, %d files, %s%s)\n", dir, (long long)info.step,
+               info.num_files, cli_human_bytes(info.total_bytes, size, sizeof size), procs);
         return true;
     }
     const char *msg = *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc);

@@ -50,9 +50,15 @@ static const char train_help[] =
     "  --data FILE        the data set (default: the project's data/digits.csv.gz,\n"
     "                     or $CKPT_DATA)\n"
     "  --resume           continue from the newest complete checkpoint in DIR\n"
+    "  --shard-optimizer  ZeRO-1: each process keeps the AdamW moments of its share\n"
+    "                     of the parameters (saved as sharded tensors)\n"
     "  --log-every N      steps between progress lines when not on a terminal (default 50)\n"
     "  --quiet            print only the result\n"
     "  -h, --help         this help\n"
+    "\n"
+    "Under mpirun -np N (a build with MPI) N processes train data parallel: each\n"
+    "takes --batch-size samples of every global batch, gradients are averaged in rank\n"
+    "order (reproducible), and saves and loads are collective (docs/DISTRIBUTED.md).\n"
     "\n"
     "The epochs, batch size, learning rate and seed of a resumed run must be those\n"
     "of the run that saved the checkpoint. Metrics: DIR/logs/metrics.jsonl, one\n"
@@ -63,7 +69,7 @@ typedef struct train_opts {
     double lr;
     const char *project_dir;
     const char *data;
-    bool resume, quiet;
+    bool resume, quiet, shard_optimizer;
 } train_opts;
 
 /* ---- the run's settings, saved with every checkpoint -------------------- */
@@ -104,8 +110,19 @@ static const ckpt_stateful_ops run_config_ops = {
     .load_state_dict = run_config_load_state_dict,
 };
 
-static bool run_config_check(const run_config *saved, const run_config *now) {
+/* saved_procs/now_procs: the process counts of the saving and this run; the
+ * global batch (--batch-size x processes) is what must stay the same. */
+static bool run_config_check(const run_config *saved, const run_config *now, int saved_procs,
+                             int now_procs) {
     bool ok = true;
+    if (saved->batch_size * saved_procs != now->batch_size * now_procs) {
+        cli_error("resume: the checkpoint was trained with a global batch of %lld (%d x "
+                  "--batch-size %lld), this run has %lld (%d x %lld)",
+                  (long long)(saved->batch_size * saved_procs), saved_procs,
+                  (long long)saved->batch_size, (long long)(now->batch_size * now_procs), now_procs,
+                  (long long)now->batch_size);
+        ok = false;
+    }
 #define CHECK_I64(field, opt)                                                                      \
     if (saved->field != now->field) {                                                              \
         cli_error("resume: the checkpoint was trained with " opt " %lld, this run has %lld",       \
@@ -113,7 +130,6 @@ static bool run_config_check(const run_config *saved, const run_config *now) {
         ok = false;                                                                                \
     }
     CHECK_I64(epochs, "--epochs")
-    CHECK_I64(batch_size, "--batch-size")
     CHECK_I64(seed, "--seed")
     CHECK_I64(train_rows, "a training set of rows")
     CHECK_I64(hidden, "hidden width")
@@ -248,7 +264,7 @@ static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x
 
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
     enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
-           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET };
+           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
@@ -262,6 +278,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"resume", no_argument, NULL, O_RESUME},
         {"log-every", required_argument, NULL, O_LOG_EVERY},
         {"quiet", no_argument, NULL, O_QUIET},
+        {"shard-optimizer", no_argument, NULL, O_SHARD_OPTIM},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -287,6 +304,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_RESUME: o->resume = true; break;
         case O_LOG_EVERY: ok = cli_parse_i64(a, 1, INT64_MAX, &o->log_every); break;
         case O_QUIET: o->quiet = true; break;
+        case O_SHARD_OPTIM: o->shard_optimizer = true; break;
         case 'h': fputs(train_help, stdout); return -1;
         case ':': return cli_usage_error("train", "option '%s' needs a value", argv[optind - 1]);
         default: return cli_usage_error("train", "unknown option '%s'", argv[optind - 1]);
@@ -318,6 +336,12 @@ typedef struct trainer {
     run_config config, saved_config;
     FILE *metrics;
     bool tty; /* a progress bar is being redrawn on stdout */
+    /* many processes: data parallel over dist.comm (cli_dist.c) */
+    cli_dist dist;
+    bool speak;       /* this process prints and writes metrics (rank 0) */
+    float *exchange;  /* every gradient, then the loss and the stop flag */
+    float *scratch;   /* every rank's exchange */
+    size_t nexchange;
 } trainer;
 
 static void trainer_free(trainer *t) {
@@ -333,6 +357,8 @@ static void trainer_free(trainer *t) {
     free(t->pred);
     free(t->rows);
     free(t->train_rows);
+    free(t->exchange);
+    free(t->scratch);
     if (t->metrics) fclose(t->metrics);
 }
 
@@ -423,6 +449,20 @@ static int trainer_setup(trainer *t) {
     dc.drop_last = true;
     dc.num_workers = (int)o->workers;
     if ((rc = ckpt_dataloader_new(&t->loader, &t->dataset, &dc)) < 0) return lib_fail("data loader", rc);
+
+    /* the accelerator first: preparing the loader shards it over the
+     * processes, which sets the number of steps an epoch */
+    ckpt_project_config pc = {
+        .project_dir = o->project_dir,
+        .automatic_checkpoint_naming = true,
+        .total_limit = (int)o->total_limit,
+        .comm = t->dist.comm,
+    };
+    if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return lib_fail("accelerator", rc);
+    if (o->shard_optimizer &&
+        (rc = ckpt_optimizer_set_shard(t->optim, t->dist.comm ? t->dist.comm : ckpt_comm_self())) < 0)
+        return lib_fail("--shard-optimizer", rc);
+    if ((rc = ckpt_prepare_dataloader(t->acc, t->loader)) < 0) return lib_fail("prepare", rc);
     int64_t per_epoch = ckpt_dataloader_num_batches(t->loader);
     if (per_epoch <= 0) {
         cli_error("data loader: no batches in an epoch");
@@ -436,16 +476,9 @@ static int trainer_setup(trainer *t) {
     if ((rc = ckpt_grad_scaler_new(&t->scaler, 1024.0, 2.0, 0.5, 100)) < 0)
         return lib_fail("grad scaler", rc);
 
-    ckpt_project_config pc = {
-        .project_dir = o->project_dir,
-        .automatic_checkpoint_naming = true,
-        .total_limit = (int)o->total_limit,
-    };
-    if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return lib_fail("accelerator", rc);
     if ((rc = ckpt_prepare_model(t->acc, t->model)) < 0 ||
         (rc = ckpt_prepare_optimizer(t->acc, t->optim)) < 0 ||
         (rc = ckpt_prepare_scheduler(t->acc, t->sched)) < 0 ||
-        (rc = ckpt_prepare_dataloader(t->acc, t->loader)) < 0 ||
         (rc = ckpt_prepare_scaler(t->acc, t->scaler)) < 0)
         return lib_fail("prepare", rc);
     t->config = (run_config){.epochs = o->epochs, .batch_size = o->batch_size, .seed = o->seed,
@@ -457,8 +490,64 @@ static int trainer_setup(trainer *t) {
     /* weights come from the seeded default generator; dropout draws from it
      * too, so its saved state carries the rest of the run's randomness */
     if ((rc = ckpt_set_seed(t->acc, (uint64_t)o->seed)) < 0) return lib_fail("seed", rc);
-    mlp_init_params(&t->net, ckpt_accelerator_rng(t->acc));
+    if (t->dist.rank == 0) {
+        mlp_init_params(&t->net, ckpt_accelerator_rng(t->acc));
+    } else {
+        /* every rank starts from rank 0's weights: the same draws, from
+         * rank 0's stream, without touching this rank's own generator */
+        ckpt_rng g;
+        ckpt_rng_seed_stream(&g, (uint64_t)o->seed, 0);
+        mlp_init_params(&t->net, &g);
+    }
+
+    if (t->dist.size > 1) {
+        size_t n = 2; /* the loss and the stop flag */
+        for (int i = 0; i < 2 * MLP_LAYERS; i++) {
+            int64_t shape[2] = {1, 1};
+            int nd = mlp_param_shape(&t->net, i, shape);
+            n += (size_t)(nd == 2 ? shape[0] * shape[1] : shape[0]);
+        }
+        t->nexchange = n;
+        t->exchange = malloc(n * sizeof *t->exchange);
+        t->scratch = malloc((size_t)t->dist.size * n * sizeof *t->scratch);
+        if (!t->exchange || !t->scratch) {
+            cli_error("out of memory");
+            return CLI_RUNTIME;
+        }
+    }
     return CLI_OK;
+}
+
+static size_t param_count(const mlp *net, int i) {
+    int64_t shape[2] = {1, 1};
+    int nd = mlp_param_shape(net, i, shape);
+    return (size_t)(nd == 2 ? shape[0] * shape[1] : shape[0]);
+}
+
+/* Data parallel: every rank's gradients and loss become their mean over the
+ * ranks (each rank's loss is the mean over its equal share of the global
+ * batch, so this is the gradient of the global batch's mean loss), and
+ * *stop says whether any rank was asked to stop. */
+static int exchange(trainer *t, float *loss, bool *stop) {
+    size_t k = 0;
+    for (int i = 0; i < 2 * MLP_LAYERS; i++) {
+        size_t n = param_count(&t->net, i);
+        memcpy(t->exchange + k, mlp_param_grad(&t->net, i), n * sizeof(float));
+        k += n;
+    }
+    t->exchange[k] = *loss;
+    t->exchange[k + 1] = stop_signal ? 1.0f : 0.0f;
+    int rc = cli_dist_average(&t->dist, t->exchange, t->nexchange, t->scratch);
+    if (rc < 0) return rc;
+    k = 0;
+    for (int i = 0; i < 2 * MLP_LAYERS; i++) {
+        size_t n = param_count(&t->net, i);
+        memcpy(mlp_param_grad(&t->net, i), t->exchange + k, n * sizeof(float));
+        k += n;
+    }
+    *loss = t->exchange[k];
+    *stop = t->exchange[k + 1] > 0.0f;
+    return CKPT_OK;
 }
 
 /* Whether the project has a complete checkpoint to resume from. */
@@ -473,6 +562,7 @@ static bool has_checkpoint(const char *project_dir) {
 }
 
 static int save(trainer *t, int64_t step) {
+    /* collective over the ranks: each returns the same status and message */
     int rc = ckpt_save_state(t->acc, NULL);
     if (rc < 0) {
         const char *msg = ckpt_errmsg();
@@ -501,33 +591,51 @@ int cli_train(int argc, char **argv) {
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
 
-    int status = trainer_setup(&t);
+    int status = cli_dist_init(&t.dist);
+    if (status != CLI_OK) goto done;
+    t.speak = t.dist.rank == 0;
+    status = trainer_setup(&t);
     if (status != CLI_OK) goto done;
 
     int64_t step = 0, saved_step = -1;
     int64_t per_epoch = ckpt_dataloader_num_batches(t.loader);
     int64_t total = per_epoch * o->epochs;
     bool resumed = false;
+    /* the ranks agree on whether there is one to resume from */
+    int64_t has = has_checkpoint(o->project_dir);
+    if ((rc = cli_dist_max(&t.dist, &has, 1)) < 0) {
+        status = lib_fail("MPI", rc);
+        goto done;
+    }
     if (o->resume) {
-        if (has_checkpoint(o->project_dir)) {
+        if (has) {
             if ((rc = ckpt_load_state(t.acc, NULL)) < 0) {
                 status = lib_fail("resume", rc);
                 goto done;
             }
-            if (!run_config_check(&t.saved_config, &t.config)) {
+            ckpt_checkpoint_info saved_info;
+            memset(&saved_info, 0, sizeof saved_info);
+            (void)ckpt_checkpoint_verify(ckpt_accelerator_last_dir(t.acc), false, &saved_info);
+            int saved_procs = saved_info.num_processes > 0 ? saved_info.num_processes : 1;
+            if (!run_config_check(&t.saved_config, &t.config, saved_procs,
+                                  t.dist.size > 0 ? t.dist.size : 1)) {
                 status = CLI_USAGE;
                 goto done;
             }
             step = ckpt_accelerator_step(t.acc);
             saved_step = step;
             resumed = true;
-            if (!o->quiet)
+            /* with many ranks each says where it resumed: they all agree */
+            if (!o->quiet && t.dist.size > 1)
+                printf("[rank %d] resumed from %s at step %lld\n", t.dist.rank,
+                       ckpt_accelerator_last_dir(t.acc), (long long)step);
+            else if (!o->quiet)
                 printf("resumed from %s at step %lld\n", ckpt_accelerator_last_dir(t.acc),
                        (long long)step);
-        } else if (!o->quiet) {
+        } else if (!o->quiet && t.speak) {
             printf("no checkpoint in %s yet: starting from step 0\n", o->project_dir);
         }
-    } else if (has_checkpoint(o->project_dir)) {
+    } else if (has) {
         cli_error("%s already has checkpoints: pass --resume to continue that run, or choose "
                   "another --project-dir",
                   o->project_dir);
@@ -542,14 +650,19 @@ int cli_train(int argc, char **argv) {
         goto done;
     }
     snprintf(metrics_path, sizeof metrics_path, "%s/metrics.jsonl", logdir);
-    if (make_dirs(logdir) != 0 || !(t.metrics = metrics_open(metrics_path, resumed, step))) {
+    if (t.speak && (make_dirs(logdir) != 0 || !(t.metrics = metrics_open(metrics_path, resumed, step)))) {
         cli_error("%s: %s", metrics_path, strerror(errno));
         status = CLI_RUNTIME;
         goto done;
     }
 
-    bool tty = t.tty = !o->quiet && isatty(STDOUT_FILENO);
-    if (!o->quiet)
+    bool quiet = o->quiet || !t.speak;
+    bool tty = t.tty = !quiet && isatty(STDOUT_FILENO);
+    if (!quiet && t.dist.size > 1)
+        printf("data parallel on %d processes: each takes %lld samples of every global batch of "
+               "%lld\n",
+               t.dist.size, (long long)o->batch_size, (long long)o->batch_size * t.dist.size);
+    if (!quiet)
         printf("training %lld steps (%lld epochs of %lld batches of %lld), %lld training rows, "
                "%lld test rows\n",
                (long long)total, (long long)o->epochs, (long long)per_epoch,
@@ -558,7 +671,9 @@ int cli_train(int argc, char **argv) {
     ckpt_rng *rng = ckpt_accelerator_rng(t.acc);
     double t0 = now_seconds(), last_draw = 0.0, window_loss = 0.0;
     int64_t start_step = step, window_n = 0;
-    while (step < total && !stop_signal) {
+    /* one process stops at the signal; many at the step they agree on */
+    bool stop = false;
+    while (step < total && !(t.dist.size > 1 ? stop : stop_signal != 0)) {
         ckpt_batch b;
         rc = ckpt_dataloader_next(t.loader, &b);
         if (rc < 0) {
@@ -581,6 +696,10 @@ int cli_train(int argc, char **argv) {
         ckpt_optimizer_zero_grad(t.optim);
         float loss = mlp_forward(&t.net, t.x, t.y, B, DROPOUT, rng);
         mlp_backward(&t.net, t.y, (float)scale);
+        if (t.dist.size > 1 && (rc = exchange(&t, &loss, &stop)) < 0) {
+            status = lib_fail("gradient exchange", rc);
+            goto done;
+        }
         if ((rc = ckpt_grad_scaler_step(t.scaler, t.optim, NULL)) < 0 ||
             (rc = ckpt_grad_scaler_update(t.scaler)) < 0) {
             status = lib_fail("optimizer step", rc);
@@ -593,10 +712,12 @@ int cli_train(int argc, char **argv) {
         step++;
         ckpt_accelerator_set_step(t.acc, step);
 
-        fprintf(t.metrics, "{\"step\":%lld,\"epoch\":%lld,\"loss\":%.9g,\"lr\":%.17g,\"scale\":%.17g}\n",
-                (long long)step, (long long)b.epoch, (double)loss, lr, scale);
+        if (t.metrics)
+            fprintf(t.metrics,
+                    "{\"step\":%lld,\"epoch\":%lld,\"loss\":%.9g,\"lr\":%.17g,\"scale\":%.17g}\n",
+                    (long long)step, (long long)b.epoch, (double)loss, lr, scale);
         /* flushed every step so the log can be followed while the run goes */
-        if (fflush(t.metrics) != 0) {
+        if (t.metrics && fflush(t.metrics) != 0) {
             cli_error("%s: %s", metrics_path, strerror(errno));
             status = CLI_RUNTIME;
             goto done;
@@ -621,7 +742,7 @@ int cli_train(int argc, char **argv) {
                    "########################", width - filled, "", (long long)step,
                    (long long)total, (double)loss, rate, eta);
             fflush(stdout);
-        } else if (!tty && !o->quiet && (step % o->log_every == 0 || step == total)) {
+        } else if (!tty && !quiet && (step % o->log_every == 0 || step == total)) {
             printf("epoch %lld step %lld/%lld loss %.4f lr %.3g scale %g %.1f it/s\n",
                    (long long)b.epoch + 1, (long long)step, (long long)total,
                    window_loss / (double)window_n, lr, scale, rate);
@@ -632,20 +753,23 @@ int cli_train(int argc, char **argv) {
     }
     if (tty) putchar('\n');
 
-    if (stop_signal && step < total) {
+    if ((t.dist.size > 1 ? stop : stop_signal != 0) && step < total) {
         if (saved_step != step && (status = save(&t, step)) != CLI_OK) goto done;
-        printf("preempted at step %lld, checkpoint saved: %s\n", (long long)step,
-               ckpt_accelerator_last_dir(t.acc));
+        if (t.speak)
+            printf("preempted at step %lld, checkpoint saved: %s\n", (long long)step,
+                   ckpt_accelerator_last_dir(t.acc));
         status = CLI_OK;
         goto done;
     }
     int64_t correct = evaluate(&t.net, t.test_rows, t.ntest, t.x, t.y, t.pred);
-    if (!o->quiet) printf("final checkpoint: %s\n", ckpt_accelerator_last_dir(t.acc));
-    printf("test accuracy: %.2f%% (%lld/%lld)\n", 100.0 * (double)correct / (double)t.ntest,
+    if (!quiet) printf("final checkpoint: %s\n", ckpt_accelerator_last_dir(t.acc));
+    if (t.speak)
+        printf("test accuracy: %.2f%% (%lld/%lld)\n", 100.0 * (double)correct / (double)t.ntest,
            (long long)correct, (long long)t.ntest);
     status = CLI_OK;
 
 done:
     trainer_free(&t);
+    cli_dist_finish(&t.dist);
     return status;
 }

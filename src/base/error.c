@@ -35,6 +35,14 @@ const char *ckpt_errmsg(void) { return tls_msg; }
 
 void ckpt_clear_error(void) { tls_msg[0] = '\0'; }
 
+int ckpt_set_error(int code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(tls_msg, sizeof tls_msg, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
 int ckpt__status_from_errno(int errnum) {
     switch (errnum) {
     case ENOSPC:

@@ -81,7 +81,7 @@ static int errno_from_name(const char *s) {
 
 /* CKPT_FAULT="<kinds>:<n>:<errno name>[:persist]". A malformed value is
  * reported on stderr once and ignored: it only ever comes from a test. */
-static void fault_from_env(void) {
+static void fault_parse_env(void) {
     const char *v = getenv("CKPT_FAULT");
     if (!v || !*v) return;
     char buf[128];
@@ -108,6 +108,25 @@ static void fault_from_env(void) {
     return;
 bad:
     fprintf(stderr, "ckpt: warning: ignoring malformed CKPT_FAULT=\"%s\"\n", v);
+}
+
+/* With CKPT_FAULT_RANK set, the fault waits for ckpt__fault_env_rank. */
+static void fault_from_env(void) {
+    const char *r = getenv("CKPT_FAULT_RANK");
+    if (!r || !*r) fault_parse_env();
+}
+
+void ckpt__fault_env_rank(int rank) {
+    pthread_once(&fault_env_once, fault_from_env);
+    const char *r = getenv("CKPT_FAULT_RANK");
+    if (!r || !*r) return;
+    char *end = NULL;
+    long want = strtol(r, &end, 10);
+    if (end == r || *end != '\0' || want < 0) {
+        fprintf(stderr, "ckpt: warning: ignoring malformed CKPT_FAULT_RANK=\"%s\"\n", r);
+        return;
+    }
+    if (want == rank) fault_parse_env();
 }
 
 void ckpt__fault_arm(unsigned mask, uint64_t n, int errnum, bool persist) {

@@ -30,6 +30,11 @@ enum {
  * "write:3:ENOSPC") arms it at the first I/O call of a process, so tools and
  * end-to-end tests can inject faults through the public API. */
 void ckpt__fault_arm(unsigned mask, uint64_t n, int errnum, bool persist);
+/* Many processes: with CKPT_FAULT_RANK=<r> in the environment as well,
+ * CKPT_FAULT is not armed at the first I/O call but here, and only in the
+ * process whose rank is r (the accelerator calls this with its
+ * communicator's rank), so a test can fail one rank of a job. */
+void ckpt__fault_env_rank(int rank);
 void ckpt__fault_disarm(void);
 /* Calls of the armed kinds made since arming (to find the range of N). */
 uint64_t ckpt__fault_count(void);

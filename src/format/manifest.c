@@ -14,6 +14,7 @@
 #include <time.h>
 
 #include "base/error.h"
+#include "format/shard.h"
 
 void ckpt__manifest_init(ckpt_manifest *m) {
     memset(m, 0, sizeof *m);
@@ -28,6 +29,7 @@ static void file_clear(ckpt_manifest_file *f) {
     for (int64_t i = 0; i < f->ntensors; i++) free(f->tensor_keys[i]);
     free(f->tensor_keys);
     free(f->tensor_xxh3);
+    free(f->chunks);
     memset(f, 0, sizeof *f);
 }
 
@@ -73,6 +75,11 @@ int ckpt__manifest_add(ckpt_manifest *m, const char *name, const char *kind,
         }
         f->tensor_xxh3[i] = d->tensor_xxh3[i];
         f->ntensors = i + 1;
+    }
+    if (rc == 0 && d->tensor_chunk) {
+        f->chunks = ckpt__malloc((size_t)(d->ntensors ? d->ntensors : 1) * sizeof *f->chunks);
+        if (!f->chunks) rc = ckpt__err_nomem("manifest chunks");
+        else if (d->ntensors) memcpy(f->chunks, d->tensor_chunk, (size_t)d->ntensors * sizeof *f->chunks);
     }
     if (rc < 0) {
         file_clear(f);
@@ -137,8 +144,81 @@ static int manifest_sum(const char *text, size_t len, const char *digits, uint64
     return CKPT_OK;
 }
 
-static json_t *build_json(const ckpt_manifest *m) {
+/* A shard file's chunk records: {"<key>": {"dtype": "F32", "global_shape":
+ * [..], "offsets": [..], "shape": [..]}, ...}, one per tensor. */
+static json_t *shape_json(int ndim, const int64_t *v) {
+    json_t *a = json_array();
+    for (int d = 0; a && d < ndim; d++)
+        if (json_array_append_new(a, json_integer(v[d])) != 0) {
+            json_decref(a);
+            return NULL;
+        }
+    return a;
+}
+
+static json_t *chunks_json(const ckpt_manifest_file *f) {
+    json_t *jc = json_object();
+    if (!jc) return NULL;
+    for (int64_t t = 0; t < f->ntensors; t++) {
+        const ckpt_chunk *c = &f->chunks[t];
+        json_t *o = json_object();
+        if (!o || json_object_set_new(jc, f->tensor_keys[t], o) != 0) goto nomem;
+        JSET(o, "dtype", json_string(ckpt_dtype_name(c->dtype)));
+        JSET(o, "global_shape", shape_json(c->ndim, c->global_shape));
+        JSET(o, "offsets", shape_json(c->ndim, c->offsets));
+        JSET(o, "shape", shape_json(c->ndim, c->shape));
+    }
+    return jc;
+nomem:
+    json_decref(jc);
+    return NULL;
+}
+
+/* One file's entry. "rank" only when not 0, so a one-process manifest reads
+ * as it always did. */
+static json_t *file_json(const ckpt_manifest_file *f) {
     char hex[17];
+    json_t *jf = json_object();
+    if (!jf) return NULL;
+    JSET(jf, "name", json_string(f->name));
+    JSET(jf, "kind", json_string(f->kind));
+    if (f->rank != 0) JSET(jf, "rank", json_integer(f->rank));
+    JSET(jf, "size", json_integer((json_int_t)f->size));
+    hex64(f->xxh3, hex);
+    JSET(jf, "xxh3", json_string(hex));
+    json_t *jt = json_object();
+    if (!jt) goto nomem;
+    JSET(jf, "tensors", jt);
+    for (int64_t t = 0; t < f->ntensors; t++) {
+        hex64(f->tensor_xxh3[t], hex);
+        JSET(jt, f->tensor_keys[t], json_string(hex));
+    }
+    if (f->chunks) {
+        json_t *jc = chunks_json(f);
+        if (!jc) goto nomem;
+        JSET(jf, "chunks", jc);
+    }
+    return jf;
+nomem:
+    json_decref(jf);
+    return NULL;
+}
+
+/* Every file's entry, in order. */
+static json_t *files_json(const ckpt_manifest *m) {
+    json_t *files = json_array();
+    if (!files) return NULL;
+    for (int64_t i = 0; i < m->nfiles; i++) {
+        json_t *jf = file_json(&m->files[i]);
+        if (!jf || json_array_append_new(files, jf) != 0) {
+            json_decref(files);
+            return NULL;
+        }
+    }
+    return files;
+}
+
+static json_t *build_json(const ckpt_manifest *m) {
     json_t *root = json_object();
     if (!root) return NULL;
     JSET(root, "format", json_string("ckpt"));
@@ -150,26 +230,9 @@ static json_t *build_json(const ckpt_manifest *m) {
     JSET(root, "num_processes", json_integer(m->num_processes));
     JSET(root, "created_unix", json_integer(m->created_unix));
     JSET(root, "created", json_string(m->created));
-    json_t *files = json_array();
+    json_t *files = files_json(m);
     if (!files) goto nomem;
     JSET(root, "files", files);
-    for (int64_t i = 0; i < m->nfiles; i++) {
-        const ckpt_manifest_file *f = &m->files[i];
-        json_t *jf = json_object();
-        if (!jf || json_array_append_new(files, jf) != 0) goto nomem;
-        JSET(jf, "name", json_string(f->name));
-        JSET(jf, "kind", json_string(f->kind));
-        JSET(jf, "size", json_integer((json_int_t)f->size));
-        hex64(f->xxh3, hex);
-        JSET(jf, "xxh3", json_string(hex));
-        json_t *jt = json_object();
-        if (!jt) goto nomem;
-        JSET(jf, "tensors", jt);
-        for (int64_t t = 0; t < f->ntensors; t++) {
-            hex64(f->tensor_xxh3[t], hex);
-            JSET(jt, f->tensor_keys[t], json_string(hex));
-        }
-    }
     JSET(root, MANIFEST_SUM_KEY, json_string(MANIFEST_SUM_ZERO));
     return root;
 nomem:
@@ -300,6 +363,81 @@ static bool plain_name(const char *s, size_t len) {
     return strcmp(s, CKPT_MANIFEST_NAME) != 0;
 }
 
+/* A JSON array of ndim non-negative integers. */
+static int parse_dims(json_t *a, const char *field, int *ndim, int64_t *out, const char *where,
+                      const char *key) {
+    if (!json_is_array(a))
+        return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%.128s': \"%s\" must be an array", where,
+                         key, field);
+    size_t n = json_array_size(a);
+    if (n > CKPT_MAX_NDIM || (*ndim >= 0 && (int)n != *ndim))
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: chunk of '%.128s': \"%s\" has %zu dimensions, expected %d (at most %d)",
+                         where, key, field, n, *ndim < 0 ? (int)n : *ndim, CKPT_MAX_NDIM);
+    for (size_t d = 0; d < n; d++) {
+        json_t *v = json_array_get(a, d);
+        if (!json_is_integer(v) || json_integer_value(v) < 0)
+            return ckpt__err(CKPT_ECORRUPT,
+                             "%s: chunk of '%.128s': \"%s\"[%zu] must be a non-negative integer",
+                             where, key, field, d);
+        out[d] = (int64_t)json_integer_value(v);
+    }
+    *ndim = (int)n;
+    return CKPT_OK;
+}
+
+/* A shard file's "chunks": exactly one record per tensor of its "tensors",
+ * each within its tensor's bounds. Whether the chunks of every file tile
+ * their tensors is checked once all files are read. */
+static int parse_chunks(json_t *jc, ckpt_manifest_file *f, const ckpt_manifest *m,
+                        const char *where) {
+    if (!json_is_object(jc))
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"chunks\" must be an object", where);
+    int index = 0, count = 0;
+    if (!ckpt__shard_file_parse(f->name, NULL, &index, &count))
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: has \"chunks\" but is not named as a shard file "
+                         "(<name>-<i>-of-<n>.safetensors)",
+                         where);
+    if (count != m->num_processes || index != f->rank + 1)
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: shard %d of %d, but the manifest says rank %d of %d processes", where,
+                         index, count, f->rank, m->num_processes);
+    if ((int64_t)json_object_size(jc) != f->ntensors)
+        return ckpt__err(CKPT_ECORRUPT, "%s: %zu chunk records for %" PRId64 " tensors", where,
+                         json_object_size(jc), f->ntensors);
+    f->chunks = ckpt__calloc((size_t)(f->ntensors ? f->ntensors : 1), sizeof *f->chunks);
+    if (!f->chunks) return ckpt__err_nomem("manifest chunks");
+    for (int64_t t = 0; t < f->ntensors; t++) {
+        const char *key = f->tensor_keys[t];
+        json_t *o = json_object_get(jc, key);
+        if (!json_is_object(o))
+            return ckpt__err(CKPT_ECORRUPT, "%s: tensor '%.128s' has no chunk record", where, key);
+        const char *field;
+        json_t *fv;
+        json_object_foreach(o, field, fv) {
+            if (strcmp(field, "dtype") && strcmp(field, "global_shape") &&
+                strcmp(field, "offsets") && strcmp(field, "shape"))
+                return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%.128s': unknown field \"%.64s\"",
+                                 where, key, field);
+        }
+        ckpt_chunk *c = &f->chunks[t];
+        json_t *jd = json_object_get(o, "dtype");
+        if (!json_is_string(jd) ||
+            ckpt_dtype_from_name(json_string_value(jd), &c->dtype) != CKPT_OK)
+            return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%.128s': \"dtype\" is missing or unknown",
+                             where, key);
+        c->ndim = -1;
+        CKPT_TRY(parse_dims(json_object_get(o, "global_shape"), "global_shape", &c->ndim,
+                            c->global_shape, where, key));
+        CKPT_TRY(parse_dims(json_object_get(o, "offsets"), "offsets", &c->ndim, c->offsets, where,
+                            key));
+        CKPT_TRY(parse_dims(json_object_get(o, "shape"), "shape", &c->ndim, c->shape, where, key));
+        CKPT_TRY(ckpt__chunk_check(c, CKPT_ECORRUPT, where, key, NULL));
+    }
+    return CKPT_OK;
+}
+
 static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *what) {
     char where[4400];
     snprintf(where, sizeof where, "%s: files[%" PRId64 "]", what, idx);
@@ -313,7 +451,8 @@ static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *wha
     CKPT_TRY(get_str(jf, "kind", true, &kind, &klen, where));
     if (klen == 0 || klen > 64)
         return ckpt__err(CKPT_ECORRUPT, "%s: \"kind\" must be 1..64 characters", where);
-    int64_t size = 0;
+    int64_t size = 0, rank = 0;
+    CKPT_TRY(get_int(jf, "rank", false, 0, m->num_processes - 1, &rank, where));
     CKPT_TRY(get_int(jf, "size", true, 0, INT64_MAX, &size, where));
     CKPT_TRY(get_str(jf, "xxh3", true, &hex, &hlen, where));
     uint64_t digest;
@@ -329,6 +468,7 @@ static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *wha
     f->kind = ckpt__strdup(kind);
     f->size = (uint64_t)size;
     f->xxh3 = digest;
+    f->rank = (int)rank;
     if (!f->name || !f->kind) return ckpt__err_nomem("manifest");
     size_t nt = jt ? json_object_size(jt) : 0;
     CKPT_TRY(alloc_tensors(f, (int64_t)nt));
@@ -349,6 +489,8 @@ static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *wha
             f->ntensors++;
         }
     }
+    json_t *jc = json_object_get(jf, "chunks");
+    if (jc) CKPT_TRY(parse_chunks(jc, f, m, where));
     return 0;
 }
 
@@ -405,7 +547,8 @@ static int parse_root(json_t *root, const char *what, ckpt_manifest *m) {
         return ckpt__err(CKPT_ECORRUPT, "%s: \"files\" must be an array", what);
     for (size_t i = 0; i < json_array_size(files); i++)
         CKPT_TRY(parse_file(json_array_get(files, i), (int64_t)i, m, what));
-    return check_unique_names(m, what);
+    CKPT_TRY(check_unique_names(m, what));
+    return ckpt__manifest_check_chunks(m, CKPT_ECORRUPT, what);
 }
 
 /* After the structure and the format version: a newer format may checksum
@@ -451,6 +594,106 @@ int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_ma
         free(m->files);
         m->files = NULL;
         m->nfiles = m->cap = 0;
+    }
+    return rc;
+}
+
+/* ---- chunk sets across files ------------------------------------------------ */
+
+typedef struct chunk_item {
+    const char *file; /* the shard file's name; its stem groups objects */
+    size_t stem_len;
+    const char *key;
+    const ckpt_chunk *c;
+} chunk_item;
+
+static int cmp_chunk_item(const void *a, const void *b) {
+    const chunk_item *x = a, *y = b;
+    size_t n = x->stem_len < y->stem_len ? x->stem_len : y->stem_len;
+    int s = memcmp(x->file, y->file, n);
+    if (s) return s;
+    if (x->stem_len != y->stem_len) return x->stem_len < y->stem_len ? -1 : 1;
+    return strcmp(x->key, y->key);
+}
+
+int ckpt__manifest_check_chunks(const ckpt_manifest *m, int code, const char *what) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < m->nfiles; i++)
+        if (m->files[i].chunks) total += m->files[i].ntensors;
+    if (total == 0) return CKPT_OK;
+    chunk_item *v = ckpt__calloc((size_t)total, sizeof *v);
+    ckpt_chunk_ref *refs = ckpt__calloc((size_t)total, sizeof *refs);
+    int rc = CKPT_OK;
+    if (!v || !refs) {
+        rc = ckpt__err_nomem("manifest chunks");
+        goto out;
+    }
+    int64_t k = 0;
+    for (int64_t i = 0; i < m->nfiles; i++) {
+        const ckpt_manifest_file *f = &m->files[i];
+        if (!f->chunks) continue;
+        size_t stem = 0;
+        if (!ckpt__shard_file_parse(f->name, &stem, NULL, NULL)) {
+            rc = ckpt__err(code, "%s: %s has chunks but is not named as a shard file", what, f->name);
+            goto out;
+        }
+        for (int64_t t = 0; t < f->ntensors; t++)
+            v[k++] = (chunk_item){f->name, stem, f->tensor_keys[t], &f->chunks[t]};
+    }
+    qsort(v, (size_t)total, sizeof *v, cmp_chunk_item);
+    for (int64_t i = 0; i < total && rc == CKPT_OK;) {
+        int64_t j = i;
+        while (j < total && cmp_chunk_item(&v[i], &v[j]) == 0) {
+            refs[j - i] = (ckpt_chunk_ref){v[j].c, v[j].file};
+            j++;
+        }
+        char obj[300];
+        snprintf(obj, sizeof obj, "%s: %.*s", what, (int)v[i].stem_len, v[i].file);
+        rc = ckpt__chunks_cover(refs, j - i, code, obj, v[i].key);
+        i = j;
+    }
+out:
+    free(v);
+    free(refs);
+    return rc;
+}
+
+/* ---- file records between processes ------------------------------------ */
+
+int ckpt__manifest_files_to_json(const ckpt_manifest *m, char **out, size_t *len) {
+    *out = NULL;
+    *len = 0;
+    json_t *files = files_json(m);
+    if (!files) return ckpt__err_nomem("file records JSON");
+    char *text = json_dumps(files, JSON_COMPACT | JSON_PRESERVE_ORDER);
+    json_decref(files);
+    if (!text) return ckpt__err_nomem("file records JSON text");
+    *out = text;
+    *len = strlen(text);
+    return CKPT_OK;
+}
+
+int ckpt__manifest_files_from_json(ckpt_manifest *m, const char *text, size_t len,
+                                   const char *what) {
+    if (len > CKPT_MANIFEST_MAX_BYTES)
+        return ckpt__err(CKPT_ECORRUPT, "%s: %zu bytes, more than the %u a manifest may have", what,
+                         len, CKPT_MANIFEST_MAX_BYTES);
+    json_error_t jerr;
+    json_t *files = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
+    if (!files)
+        return ckpt__err(CKPT_ECORRUPT, "%s: invalid JSON at line %d, column %d: %s", what,
+                         jerr.line, jerr.column, jerr.text);
+    int64_t before = m->nfiles;
+    int rc = json_is_array(files) ? CKPT_OK
+                                  : ckpt__err(CKPT_ECORRUPT, "%s: file records must be an array", what);
+    for (size_t i = 0; rc == 0 && i < json_array_size(files); i++)
+        rc = parse_file(json_array_get(files, i), (int64_t)i, m, what);
+    json_decref(files);
+    if (rc == 0) rc = check_unique_names(m, what);
+    if (rc < 0) {
+        /* Keep the message; m holds what it held before. */
+        for (int64_t i = before; i < m->nfiles; i++) file_clear(&m->files[i]);
+        m->nfiles = before;
     }
     return rc;
 }
@@ -587,6 +830,7 @@ typedef struct check_job {
     const char *dir;
     const ckpt_manifest *m;
     bool deep;
+    const bool *shallow; /* NULL, or per file: only check the size */
     ckpt_mapped *maps; /* NULL: map, hash and unmap each file */
     const int64_t *idx;
     int64_t n;
@@ -604,7 +848,8 @@ static void run_check_job(check_job *j) {
         memset(&tmp, 0, sizeof tmp);
         ckpt_mapped *mp = j->maps ? &j->maps[i] : &tmp;
         bool mapped = false;
-        int rc = check_one(j->dir, &j->m->files[i], j->deep, mp, &mapped);
+        bool deep = j->deep && !(j->shallow && j->shallow[i]);
+        int rc = check_one(j->dir, &j->m->files[i], deep, mp, &mapped);
         if (mapped && !j->maps) unmap_if(&tmp);
         if (rc < 0) {
             j->failed = i;
@@ -647,19 +892,22 @@ uint64_t ckpt__set_parallel_check_bytes(uint64_t bytes) {
  * verified load's time, so with two or more large files it is split over
  * two threads, balanced by size. The error reported is the one of the
  * lowest-numbered failing file, as a sequential check would report. */
-static int check_files(const char *dir, const ckpt_manifest *m, bool deep, ckpt_mapped *maps) {
+static int check_files(const char *dir, const ckpt_manifest *m, bool deep, const bool *shallow,
+                       ckpt_mapped *maps) {
     int64_t n = m->nfiles;
     if (n == 0) return CKPT_OK;
     int64_t *idx = ckpt__calloc((size_t)n * 2, sizeof *idx);
     if (!idx) return ckpt__err_nomem("checkpoint check");
     uint64_t total = 0;
-    for (int64_t i = 0; i < n; i++) total += m->files[i].size;
+    for (int64_t i = 0; i < n; i++)
+        if (!shallow || !shallow[i]) total += m->files[i].size;
     check_job job[2];
     memset(job, 0, sizeof job);
     for (int w = 0; w < 2; w++) {
         job[w].dir = dir;
         job[w].m = m;
         job[w].deep = deep;
+        job[w].shallow = shallow;
         job[w].maps = maps;
         job[w].idx = idx + (size_t)w * (size_t)n;
         job[w].failed = -1; /* a job that never runs has not failed */
@@ -703,6 +951,12 @@ static int check_files(const char *dir, const ckpt_manifest *m, bool deep, ckpt_
 }
 
 int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_checkpoint_open *c) {
+    return ckpt__checkpoint_open_some(dir, deep, keep_maps, NULL, NULL, c);
+}
+
+int ckpt__checkpoint_open_some(const char *dir, bool deep, bool keep_maps,
+                               bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
+                               ckpt_checkpoint_open *c) {
     memset(c, 0, sizeof *c);
     int rc = ckpt__manifest_read(dir, &c->m);
     if (rc < 0) {
@@ -722,7 +976,17 @@ int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_check
         }
     }
     for (int64_t i = 0; i < c->m.nfiles; i++) c->total_bytes += c->m.files[i].size;
-    rc = check_files(dir, &c->m, deep, c->maps);
+    bool *shallow = NULL;
+    if (want) {
+        shallow = ckpt__calloc((size_t)(c->m.nfiles ? c->m.nfiles : 1), sizeof *shallow);
+        if (!shallow) {
+            ckpt__checkpoint_close(c);
+            return ckpt__err_nomem("checkpoint check");
+        }
+        for (int64_t i = 0; i < c->m.nfiles; i++) shallow[i] = !want(&c->m.files[i], ctx);
+    }
+    rc = check_files(dir, &c->m, deep, shallow, c->maps);
+    free(shallow);
     if (rc == 0) rc = check_unlisted(dir, &c->m);
     if (rc < 0) {
         /* Keep the manifest (callers report what could be read); drop maps. */

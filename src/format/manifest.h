@@ -24,6 +24,8 @@ typedef struct ckpt_manifest_file {
     int64_t ntensors;
     char **tensor_keys;
     uint64_t *tensor_xxh3;
+    ckpt_chunk *chunks;    /* NULL, or (a shard file) one per tensor: where it sits */
+    int rank;              /* the process that wrote the file; 0 for one process */
 } ckpt_manifest_file;
 
 typedef struct ckpt_manifest {
@@ -76,9 +78,31 @@ typedef struct ckpt_checkpoint_open {
  * If keep_maps, the files stay mapped in c->maps (deep only). */
 int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_checkpoint_open *c);
 void ckpt__checkpoint_close(ckpt_checkpoint_open *c);
+/* The same, but only the files for which want(f, ctx) is true are hashed
+ * and mapped; the others are checked for presence and size only (their
+ * maps stay zeroed). How each of many processes verifies just the files it
+ * reads. want NULL: every file. */
+int ckpt__checkpoint_open_some(const char *dir, bool deep, bool keep_maps,
+                               bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
+                               ckpt_checkpoint_open *c);
 /* Deep checks hash the files on two threads once they hold at least this
  * many bytes (default 64 MiB). Tests set 0 to exercise the threaded path on
  * small checkpoints; returns the previous value. */
 uint64_t ckpt__set_parallel_check_bytes(uint64_t bytes);
+
+/* Whether the chunks recorded by m's shard files tile every sharded tensor
+ * exactly (per object, i.e. per shard-file stem, and key): consistent dtype
+ * and global shape, within bounds, no overlap, no hole. Fails with `code`
+ * (CKPT_ECORRUPT when parsing, CKPT_EINVAL before a save commits) naming
+ * `what`, the object, the key and the files at fault. */
+int ckpt__manifest_check_chunks(const ckpt_manifest *m, int code, const char *what);
+
+/* The file entries of m as one JSON text (*out malloc'd, *len bytes), and
+ * back: appended to m from such a text (hostile-input rules as for the
+ * manifest; `what` names it). How each rank's file records reach the rank
+ * that writes the manifest. */
+int ckpt__manifest_files_to_json(const ckpt_manifest *m, char **out, size_t *len);
+int ckpt__manifest_files_from_json(ckpt_manifest *m, const char *text, size_t len,
+                                   const char *what);
 
 #endif

@@ -18,6 +18,7 @@
 #include "base/error.h"
 #include "base/io.h"
 #include "format/safetensors.h"
+#include "format/shard.h"
 #include "format/statedict.h"
 
 /* Version of the __metadata__["ckpt"] document. */
@@ -153,6 +154,12 @@ typedef struct entry {
     double f64;
     char *str;             /* writer: owned copy; reader: view into the doc */
     uint8_t *bytes;        /* owned (both sides) */
+    /* Sharded tensors: shape/nbytes above are the whole tensor's. */
+    bool shard;                        /* writer: added with ckpt_write_tensor_shard */
+    int64_t coff[CKPT_MAX_NDIM];       /* writer: this chunk's offsets */
+    int64_t cshape[CKPT_MAX_NDIM];     /* writer: this chunk's shape */
+    uint64_t cbytes;                   /* writer: this chunk's bytes */
+    int64_t sk;                        /* reader: 1 + index into r->skeys, or 0 */
 } entry;
 
 const char *ckpt_entry_kind_name(ckpt_entry_kind kind) {
@@ -296,6 +303,65 @@ int ckpt_write_tensor(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
     return CKPT_OK;
 }
 
+int ckpt_write_tensor_shard(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                            const int64_t *global_shape, const int64_t *offsets,
+                            const int64_t *local_shape, const void *data) {
+    const char *k = key ? key : "(null)";
+    if (ndim > 0 && (!global_shape || !offsets || !local_shape))
+        return ckpt__err(CKPT_EINVAL, "state dict: sharded tensor '%s': a shape or offsets is NULL",
+                         k);
+    if (ndim < 0 || ndim > CKPT_MAX_NDIM)
+        return ckpt__err(CKPT_EINVAL, "state dict: sharded tensor '%s': ndim %d outside 0..%d", k,
+                         ndim, CKPT_MAX_NDIM);
+    ckpt_chunk c;
+    memset(&c, 0, sizeof c);
+    c.dtype = dt;
+    c.ndim = ndim;
+    for (int d = 0; d < ndim; d++) {
+        c.global_shape[d] = global_shape[d];
+        c.offsets[d] = offsets[d];
+        c.shape[d] = local_shape[d];
+    }
+    uint64_t cb = 0, gb = 0;
+    CKPT_TRY(ckpt__chunk_check(&c, CKPT_EINVAL, "state dict", k, &cb));
+    CKPT_TRY(ckpt_tensor_nbytes(dt, ndim, global_shape, &gb));
+    if (w && !w->schema && !data && cb)
+        return ckpt__err(CKPT_EINVAL,
+                         "state dict: sharded tensor '%s': data is NULL for %" PRIu64 " bytes", k,
+                         cb);
+    if (w && (w->tensor_bytes + cb >= ((uint64_t)1 << 63)))
+        return ckpt__err(CKPT_EINVAL, "state dict: tensor '%s': total tensor bytes reach 2^63", k);
+    entry *e = NULL;
+    CKPT_TRY(writer_add(w, key, CKPT_ENTRY_TENSOR, &e));
+    e->dtype = dt;
+    e->ndim = ndim;
+    for (int d = 0; d < ndim; d++) {
+        e->shape[d] = global_shape[d];
+        e->coff[d] = offsets[d];
+        e->cshape[d] = local_shape[d];
+    }
+    e->nbytes = gb;
+    e->cbytes = cb;
+    e->shard = true;
+    e->data = w->schema ? NULL : data;
+    w->tensor_bytes += cb;
+    w->count++;
+    return CKPT_OK;
+}
+
+bool ckpt__writer_has_shards(const ckpt_writer *w) {
+    for (int64_t i = 0; w && i < w->count; i++)
+        if (w->entries[i].shard) return true;
+    return false;
+}
+
+/* Whether a shard entry's chunk is the whole tensor. */
+static bool shard_is_whole(const entry *e) {
+    for (int d = 0; d < e->ndim; d++)
+        if (e->coff[d] != 0 || e->cshape[d] != e->shape[d]) return false;
+    return true;
+}
+
 int ckpt_write_i64(ckpt_writer *w, const char *key, int64_t v) {
     entry *e = NULL;
     CKPT_TRY(writer_add(w, key, CKPT_ENTRY_I64, &e));
@@ -415,7 +481,13 @@ typedef struct save_ctx {
     int64_t nt;
     const char *doc;
     ckpt_st_written *res;
+    ckpt_chunk *chunks; /* SAVE_SHARDS: each out's chunk record */
 } save_ctx;
+
+/* What a save writes: a standalone file (sharded entries only if their chunk
+ * is the whole tensor), a checkpoint's object file (no sharded entries), or
+ * a checkpoint's shard file (only the sharded entries). */
+typedef enum save_mode { SAVE_STANDALONE, SAVE_PLAIN, SAVE_SHARDS } save_mode;
 
 static int fill_file(ckpt_ostream *s, void *ctx) {
     save_ctx *c = ctx;
@@ -432,11 +504,12 @@ void ckpt__file_digest_free(ckpt_file_digest *d) {
     free(d->tensor_xxh3);
     free(d->tensor_offset);
     free(d->tensor_nbytes);
+    free(d->tensor_chunk);
     digest_clear(d);
 }
 
 /* Prepares the tensor list and document for a save. */
-static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c) {
+static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c, save_mode mode) {
     memset(c, 0, sizeof *c);
     if (!w) return ckpt__err(CKPT_EINVAL, "save: writer is NULL");
     if (!path) return ckpt__err(CKPT_EINVAL, "save: path is NULL");
@@ -444,18 +517,44 @@ static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c) {
         return ckpt__err(CKPT_EINVAL, "%s: a schema writer records no data and cannot be saved", path);
     c->w = w;
     int64_t nt = 0;
-    for (int64_t i = 0; i < w->count; i++) nt += w->entries[i].kind == CKPT_ENTRY_TENSOR;
+    for (int64_t i = 0; i < w->count; i++) {
+        const entry *e = &w->entries[i];
+        if (e->kind != CKPT_ENTRY_TENSOR) continue;
+        if (mode == SAVE_STANDALONE && e->shard && !shard_is_whole(e))
+            return ckpt__err(CKPT_EINVAL,
+                             "%s: tensor '%s' is one chunk of a sharded tensor; only a "
+                             "checkpoint (ckpt_save_state) saves chunks, a standalone file "
+                             "only a chunk that is the whole tensor",
+                             path, e->key);
+        if (mode == SAVE_PLAIN && e->shard) continue;
+        if (mode == SAVE_SHARDS && !e->shard) continue;
+        nt++;
+    }
     c->outs = ckpt__calloc(nt ? (size_t)nt : 1, sizeof *c->outs);
     c->res = ckpt__calloc(nt ? (size_t)nt : 1, sizeof *c->res);
-    if (!c->outs || !c->res) return ckpt__err_nomem("save");
+    if (mode == SAVE_SHARDS) c->chunks = ckpt__calloc(nt ? (size_t)nt : 1, sizeof *c->chunks);
+    if (!c->outs || !c->res || (mode == SAVE_SHARDS && !c->chunks)) return ckpt__err_nomem("save");
     int64_t k = 0;
     for (int64_t i = 0; i < w->count; i++) {
         const entry *e = &w->entries[i];
         if (e->kind != CKPT_ENTRY_TENSOR) continue;
-        c->outs[k] = (ckpt_st_out){e->key, e->dtype, e->ndim, e->shape, e->data, e->nbytes};
+        if (mode == SAVE_PLAIN && e->shard) continue;
+        if (mode == SAVE_SHARDS && !e->shard) continue;
+        if (mode == SAVE_SHARDS) {
+            c->outs[k] = (ckpt_st_out){e->key, e->dtype, e->ndim, e->cshape, e->data, e->cbytes};
+            ckpt_chunk *ch = &c->chunks[k];
+            ch->dtype = e->dtype;
+            ch->ndim = e->ndim;
+            memcpy(ch->global_shape, e->shape, sizeof ch->global_shape);
+            memcpy(ch->offsets, e->coff, sizeof ch->offsets);
+            memcpy(ch->shape, e->cshape, sizeof ch->shape);
+        } else {
+            c->outs[k] = (ckpt_st_out){e->key, e->dtype, e->ndim, e->shape, e->data, e->nbytes};
+        }
         k++;
     }
     c->nt = nt;
+    if (mode == SAVE_SHARDS) return CKPT_OK; /* shard files carry tensors only */
     char *doc = NULL;
     int rc = build_doc(w, &doc);
     if (rc) return ckpt__err_prefix(rc, "%s", path);
@@ -466,6 +565,7 @@ static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c) {
 static void save_release(save_ctx *c) {
     free(c->outs);
     free(c->res);
+    free(c->chunks);
     free((char *)c->doc);
     memset(c, 0, sizeof *c);
 }
@@ -477,7 +577,9 @@ static int fill_digest(const save_ctx *c, uint64_t size, uint64_t xxh, ckpt_file
     d->tensor_xxh3 = ckpt__calloc(n, sizeof *d->tensor_xxh3);
     d->tensor_offset = ckpt__calloc(n, sizeof *d->tensor_offset);
     d->tensor_nbytes = ckpt__calloc(n, sizeof *d->tensor_nbytes);
-    if (!d->tensor_keys || !d->tensor_xxh3 || !d->tensor_offset || !d->tensor_nbytes) {
+    if (c->chunks) d->tensor_chunk = ckpt__calloc(n, sizeof *d->tensor_chunk);
+    if (!d->tensor_keys || !d->tensor_xxh3 || !d->tensor_offset || !d->tensor_nbytes ||
+        (c->chunks && !d->tensor_chunk)) {
         ckpt__file_digest_free(d);
         return ckpt__err_nomem("file digest");
     }
@@ -492,6 +594,7 @@ static int fill_digest(const save_ctx *c, uint64_t size, uint64_t xxh, ckpt_file
         d->tensor_xxh3[p] = c->res[i].xxh3;
         d->tensor_offset[p] = c->res[i].offset;
         d->tensor_nbytes[p] = c->outs[i].nbytes;
+        if (c->chunks) d->tensor_chunk[p] = c->chunks[i];
     }
     d->size = size;
     d->xxh3 = xxh;
@@ -501,7 +604,7 @@ static int fill_digest(const save_ctx *c, uint64_t size, uint64_t xxh, ckpt_file
 int ckpt__writer_save_digest(ckpt_writer *w, const char *path, ckpt_file_digest *d) {
     if (d) digest_clear(d);
     save_ctx c;
-    int rc = save_prepare(w, path, &c);
+    int rc = save_prepare(w, path, &c, SAVE_STANDALONE);
     uint64_t size = 0, xxh = 0;
     if (!rc) rc = ckpt__publish_file(path, fill_file, &c, &xxh, &size);
     if (!rc && d) rc = fill_digest(&c, size, xxh, d);
@@ -513,10 +616,10 @@ int ckpt_writer_save(ckpt_writer *w, const char *path) {
     return ckpt__writer_save_digest(w, path, NULL);
 }
 
-int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d) {
+static int write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d, save_mode mode) {
     if (d) digest_clear(d);
     save_ctx c;
-    int rc = save_prepare(w, path, &c);
+    int rc = save_prepare(w, path, &c, mode);
     uint64_t size = 0, xxh = 0;
     if (!rc) {
         ckpt_ostream s;
@@ -534,7 +637,29 @@ int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d
     return rc;
 }
 
+int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d) {
+    return write_new(w, path, d, SAVE_PLAIN);
+}
+
+int ckpt__writer_write_shards_new(ckpt_writer *w, const char *path, ckpt_file_digest *d) {
+    return write_new(w, path, d, SAVE_SHARDS);
+}
+
 /* ---- reader ------------------------------------------------------------- */
+
+/* One saved chunk of a sharded key, in an attached shard file. */
+typedef struct shard_chunk {
+    ckpt_chunk c;
+    const uint8_t *data; /* into the attached buffer (borrowed) */
+    const char *file;    /* r->shard_files[...] */
+} shard_chunk;
+
+/* A sharded key: every chunk attached so far. */
+typedef struct shard_key {
+    char *key; /* owned; the entry's key points here */
+    shard_chunk *chunks;
+    int64_t n, cap;
+} shard_key;
 
 struct ckpt_reader {
     char *name;          /* for messages (owned) */
@@ -546,8 +671,14 @@ struct ckpt_reader {
     ckpt_st_header hdr;
     json_t *doc;         /* parsed __metadata__["ckpt"] (owned) or NULL */
     entry *entries;
-    int64_t count;
+    int64_t count, ecap;
     key_index index;
+    shard_key *skeys;    /* sharded keys (ckpt__reader_attach_shard) */
+    int64_t nskeys, skcap;
+    char **shard_files;  /* names of the attached files (owned) */
+    int64_t nshard_files, sfcap;
+    ckpt_mapped *maps;   /* files the reader owns (ckpt__reader_adopt_map) */
+    int64_t nmaps, mapcap;
 };
 
 void ckpt__reader_set_name(ckpt_reader *r, const char *name) {
@@ -562,6 +693,15 @@ void ckpt_reader_free(ckpt_reader *r) {
     if (!r) return;
     for (int64_t i = 0; i < r->count; i++) free(r->entries[i].bytes);
     free(r->entries);
+    for (int64_t i = 0; i < r->nskeys; i++) {
+        free(r->skeys[i].key);
+        free(r->skeys[i].chunks);
+    }
+    free(r->skeys);
+    for (int64_t i = 0; i < r->nshard_files; i++) free(r->shard_files[i]);
+    free(r->shard_files);
+    for (int64_t i = 0; i < r->nmaps; i++) ckpt__unmap(&r->maps[i]);
+    free(r->maps);
     key_index_free(&r->index);
     json_decref(r->doc);
     ckpt__st_header_free(&r->hdr);
@@ -707,6 +847,7 @@ static int reader_build(ckpt_reader *r) {
     size_t total = (size_t)r->hdr.ntensors + nscalar;
     r->entries = ckpt__calloc(total ? total : 1, sizeof *r->entries);
     if (!r->entries) return ckpt__err_nomem("reader entries");
+    r->ecap = total ? (int64_t)total : 1;
     for (int64_t i = 0; i < r->hdr.ntensors; i++) {
         const ckpt_st_tensor *t = &r->hdr.tensors[i];
         entry *e = &r->entries[r->count];
@@ -855,29 +996,309 @@ static int find_tensor(const ckpt_reader *r, const char *key, const entry **out)
     return CKPT_OK;
 }
 
-int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
-                            ckpt_entry_info *info) {
-    const entry *e = NULL;
-    CKPT_TRY(find_tensor(r, key, &e));
-    if (!data) return ckpt__err(CKPT_EINVAL, "tensor view: data is NULL");
+/* Maps a file reader's file, once: loads that copy into caller buffers
+ * never need it. */
+static int reader_map(ckpt_reader *r) {
     if (!r->mem && r->fd >= 0 && r->file_size > 0) {
-        /* Map lazily: loads that copy into caller buffers never need it. */
         void *p = mmap(NULL, (size_t)r->file_size, PROT_READ, MAP_PRIVATE, r->fd, 0);
         if (p == MAP_FAILED) return ckpt__err_os(errno, "%s: mmap", r->name);
         r->map = p;
         r->map_len = (size_t)r->file_size;
         r->mem = p;
     }
+    return CKPT_OK;
+}
+
+/* The chunks of sharded key k must tile the tensor exactly. Checked at
+ * every use rather than at attach time: only once every shard file is
+ * attached is the set complete. */
+static int shard_key_check(const ckpt_reader *r, const shard_key *k) {
+    ckpt_chunk_ref *v = ckpt__calloc((size_t)(k->n ? k->n : 1), sizeof *v);
+    if (!v) return ckpt__err_nomem("shard check");
+    for (int64_t i = 0; i < k->n; i++) v[i] = (ckpt_chunk_ref){&k->chunks[i].c, k->chunks[i].file};
+    int rc = ckpt__chunks_cover(v, k->n, CKPT_ECORRUPT, r->name, k->key);
+    free(v);
+    return rc;
+}
+
+int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
+                            ckpt_entry_info *info) {
+    const entry *e = NULL;
+    CKPT_TRY(find_tensor(r, key, &e));
+    if (!data) return ckpt__err(CKPT_EINVAL, "tensor view: data is NULL");
     static const uint8_t empty = 0;
+    if (e->sk) {
+        /* A view needs the tensor in one piece: one chunk that is all of it. */
+        const shard_key *k = &r->skeys[e->sk - 1];
+        CKPT_TRY(shard_key_check(r, k));
+        const shard_chunk *whole = NULL;
+        for (int64_t i = 0; i < k->n; i++) {
+            bool all = true;
+            for (int d = 0; all && d < e->ndim; d++) all = k->chunks[i].c.shape[d] == e->shape[d];
+            if (all) whole = &k->chunks[i];
+        }
+        if (!whole && e->nbytes)
+            return ckpt__err(CKPT_EUNSUPPORTED,
+                             "%s: tensor '%s' is saved in %" PRId64
+                             " chunks; read it with ckpt_read_tensor (no view)",
+                             r->name, key, k->n);
+        *data = whole && whole->data ? (const void *)whole->data : (const void *)&empty;
+        if (info) entry_info(e, info);
+        return CKPT_OK;
+    }
+    CKPT_TRY(reader_map(r));
     *data = r->mem ? (const void *)(r->mem + e->offset) : (const void *)&empty;
     if (info) entry_info(e, info);
     return CKPT_OK;
+}
+
+int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                           const int64_t *global_shape, const int64_t *offsets,
+                           const int64_t *local_shape, void *dst) {
+    const entry *e = NULL;
+    CKPT_TRY(find_tensor(r, key, &e));
+    char a[200], b[200];
+    if (ndim < 0 || ndim > CKPT_MAX_NDIM || (ndim > 0 && (!global_shape || !offsets || !local_shape)))
+        return ckpt__err(CKPT_EINVAL, "%s: key '%s': invalid slice asked (ndim %d)", r->name, key,
+                         ndim);
+    if (dt != e->dtype)
+        return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': dtype %s in file, %s asked", r->name, key,
+                         ckpt_dtype_name(e->dtype),
+                         ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "(invalid)");
+    bool same = ndim == e->ndim;
+    for (int d = 0; same && d < ndim; d++) same = global_shape[d] == e->shape[d];
+    if (!same)
+        return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': global shape %s in file, %s asked", r->name,
+                         key, ckpt__shape_str(a, sizeof a, e->ndim, e->shape),
+                         ckpt__shape_str(b, sizeof b, ndim, global_shape));
+    ckpt_chunk q;
+    memset(&q, 0, sizeof q);
+    q.dtype = dt;
+    q.ndim = ndim;
+    for (int d = 0; d < ndim; d++) {
+        q.global_shape[d] = global_shape[d];
+        q.offsets[d] = offsets[d];
+        q.shape[d] = local_shape[d];
+    }
+    uint64_t qbytes = 0;
+    int rc = ckpt__chunk_check(&q, CKPT_EINVAL, r->name, key, &qbytes);
+    if (rc) return rc;
+    if (qbytes == 0) return CKPT_OK;
+    if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
+    if (!e->sk) {
+        bool whole = true;
+        for (int d = 0; whole && d < ndim; d++) whole = offsets[d] == 0 && local_shape[d] == e->shape[d];
+        if (whole) return ckpt_read_tensor(r, key, dt, ndim, global_shape, dst);
+        CKPT_TRY(reader_map(r));
+        static const int64_t zero[CKPT_MAX_NDIM];
+        rc = ckpt__box_copy(dt, ndim, zero, e->shape, r->mem + e->offset, offsets, local_shape, dst);
+        if (rc) return ckpt__err_prefix(rc, "%s: key '%s'", r->name, key);
+        return CKPT_OK;
+    }
+    const shard_key *k = &r->skeys[e->sk - 1];
+    CKPT_TRY(shard_key_check(r, k));
+    for (int64_t i = 0; i < k->n; i++) {
+        const shard_chunk *c = &k->chunks[i];
+        if (!c->data) continue; /* an empty chunk */
+        rc = ckpt__box_copy(dt, ndim, c->c.offsets, c->c.shape, c->data, offsets, local_shape, dst);
+        if (rc) return ckpt__err_prefix(rc, "%s: key '%s'", c->file, key);
+    }
+    return CKPT_OK;
+}
+
+static int grow(void **p, int64_t *cap, int64_t need, size_t elem) {
+    if (need <= *cap) return CKPT_OK;
+    int64_t nc = *cap ? *cap : 4;
+    while (nc < need) nc *= 2;
+    void *np = ckpt__realloc(*p, (size_t)nc * elem);
+    if (!np) return ckpt__err_nomem("reader shards");
+    *p = np;
+    *cap = nc;
+    return CKPT_OK;
+}
+
+int ckpt__reader_adopt_map(ckpt_reader *r, ckpt_mapped *m) {
+    CKPT_TRY(grow((void **)&r->maps, &r->mapcap, r->nmaps + 1, sizeof *r->maps));
+    r->maps[r->nmaps++] = *m;
+    memset(m, 0, sizeof *m);
+    return CKPT_OK;
+}
+
+int ckpt__reader_new_empty(ckpt_reader **out, const char *name) {
+    if (!out) return ckpt__err(CKPT_EINVAL, "reader: out is NULL");
+    *out = NULL;
+    ckpt_reader *r = NULL;
+    CKPT_TRY(reader_alloc(&r, name));
+    r->entries = ckpt__calloc(1, sizeof *r->entries);
+    if (!r->entries) {
+        ckpt_reader_free(r);
+        return ckpt__err_nomem("reader entries");
+    }
+    r->ecap = 1;
+    *out = r;
+    return CKPT_OK;
+}
+
+/* Finds the tensor named key among a parsed header's tensors (linear: shard
+ * files hold a handful of tensors, and the index is built per call). */
+static int attach_index(const ckpt_st_header *h, key_index *ix) {
+    for (int64_t i = 0; i < h->ntensors; i++) {
+        int rc = key_index_put(ix, h->tensors[i].name, i, NULL);
+        if (rc == CKPT_ENOMEM) return ckpt__err_nomem("shard attach");
+        /* duplicates were rejected by the parser */
+    }
+    return CKPT_OK;
+}
+
+
+int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const char *name,
+                              const char *const *keys, const ckpt_chunk *chunks, int64_t n) {
+    if (!r || (!buf && len) || (n > 0 && (!keys || !chunks)) || n < 0)
+        return ckpt__err(CKPT_EINVAL, "attach shard: invalid argument");
+    if (!name) name = "(shard)";
+    char a[200], b[200];
+    ckpt_st_header h;
+    memset(&h, 0, sizeof h);
+    key_index ix;
+    memset(&ix, 0, sizeof ix);
+    int64_t *where = NULL;
+    char *fname = NULL;
+    uint64_t hl = 0;
+    int rc = ckpt__st_header_len(buf, len, name, &hl);
+    if (!rc) rc = ckpt__st_parse((const uint8_t *)buf + 8, hl, len, name, &h);
+    if (!rc) rc = attach_index(&h, &ix);
+    if (rc) goto out;
+    if (h.ntensors != n) {
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %" PRId64 " tensors in the file, %" PRId64
+                       " chunks listed for it",
+                       name, h.ntensors, n);
+        goto out;
+    }
+    where = ckpt__calloc((size_t)(n ? n : 1), sizeof *where);
+    fname = ckpt__strdup(name);
+    if (!where || !fname) {
+        rc = ckpt__err_nomem("shard attach");
+        goto out;
+    }
+    /* Check everything first, so a failure leaves r as it was. */
+    for (int64_t i = 0; i < n && !rc; i++) {
+        const char *key = keys[i];
+        if (!key || ckpt__check_key(key, name) != CKPT_OK) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk %" PRId64 " has an invalid key", name, i);
+            break;
+        }
+        rc = ckpt__chunk_check(&chunks[i], CKPT_ECORRUPT, name, key, NULL);
+        if (rc) break;
+        int64_t t = key_index_get(&ix, key);
+        if (t < 0) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s' is not in the file", name, key);
+            break;
+        }
+        const ckpt_st_tensor *ft = &h.tensors[t];
+        bool same = ft->dtype == chunks[i].dtype && ft->ndim == chunks[i].ndim;
+        for (int d = 0; same && d < ft->ndim; d++) same = ft->shape[d] == chunks[i].shape[d];
+        if (!same) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s': %s %s in the file, %s %s listed",
+                           name, key, ckpt_dtype_name(ft->dtype),
+                           ckpt__shape_str(a, sizeof a, ft->ndim, ft->shape),
+                           ckpt_dtype_name(chunks[i].dtype),
+                           ckpt__shape_str(b, sizeof b, chunks[i].ndim, chunks[i].shape));
+            break;
+        }
+        if (where[t]) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s' is listed twice", name, key);
+            break;
+        }
+        where[t] = i + 1;
+        const entry *e = reader_get(r, key);
+        if (e && !e->sk) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: '%s' is both a sharded tensor and a plain entry of %s",
+                           name, key, r->name);
+            break;
+        }
+        if (e) {
+            const ckpt_chunk *c0 = &r->skeys[e->sk - 1].chunks[0].c;
+            bool agree = c0->dtype == chunks[i].dtype && c0->ndim == chunks[i].ndim;
+            for (int d = 0; agree && d < c0->ndim; d++)
+                agree = c0->global_shape[d] == chunks[i].global_shape[d];
+            if (!agree) {
+                rc = ckpt__err(CKPT_ECORRUPT,
+                               "%s: chunk of '%s' is of a %s %s tensor, %s says %s %s", name, key,
+                               ckpt_dtype_name(chunks[i].dtype),
+                               ckpt__shape_str(a, sizeof a, chunks[i].ndim, chunks[i].global_shape),
+                               r->skeys[e->sk - 1].chunks[0].file, ckpt_dtype_name(c0->dtype),
+                               ckpt__shape_str(b, sizeof b, c0->ndim, c0->global_shape));
+                break;
+            }
+        }
+    }
+    if (rc) goto out;
+    /* Reserve room, then apply (nothing can fail after this). */
+    rc = grow((void **)&r->shard_files, &r->sfcap, r->nshard_files + 1, sizeof *r->shard_files);
+    if (!rc) rc = grow((void **)&r->entries, &r->ecap, r->count + n, sizeof *r->entries);
+    if (!rc) rc = grow((void **)&r->skeys, &r->skcap, r->nskeys + n, sizeof *r->skeys);
+    if (rc) goto out;
+    r->shard_files[r->nshard_files++] = fname;
+    for (int64_t i = 0; i < n; i++) {
+        const ckpt_st_tensor *ft = &h.tensors[key_index_get(&ix, keys[i])];
+        const entry *e = reader_get(r, keys[i]);
+        shard_key *k;
+        if (e) {
+            k = &r->skeys[e->sk - 1];
+        } else {
+            k = &r->skeys[r->nskeys];
+            memset(k, 0, sizeof *k);
+            k->key = ckpt__strdup(keys[i]);
+            if (!k->key) {
+                rc = ckpt__err_nomem("shard attach");
+                goto out_applied;
+            }
+            entry *ne = &r->entries[r->count];
+            memset(ne, 0, sizeof *ne);
+            ne->key = k->key;
+            ne->kind = CKPT_ENTRY_TENSOR;
+            ne->dtype = chunks[i].dtype;
+            ne->ndim = chunks[i].ndim;
+            memcpy(ne->shape, chunks[i].global_shape, sizeof ne->shape);
+            (void)ckpt_tensor_nbytes(ne->dtype, ne->ndim, ne->shape, &ne->nbytes);
+            ne->sk = r->nskeys + 1;
+            r->nskeys++;
+            if (key_index_put(&r->index, k->key, r->count, NULL) != CKPT_OK) {
+                rc = ckpt__err_nomem("shard attach");
+                goto out_applied;
+            }
+            r->count++;
+        }
+        rc = grow((void **)&k->chunks, &k->cap, k->n + 1, sizeof *k->chunks);
+        if (rc) goto out_applied;
+        shard_chunk *sc = &k->chunks[k->n++];
+        sc->c = chunks[i];
+        sc->data = ft->end > ft->begin ? (const uint8_t *)buf + h.data_start + ft->begin : NULL;
+        sc->file = fname;
+    }
+    fname = NULL;
+    goto out;
+out_applied:
+    /* Only an allocation failed; r holds some of the file's chunks: the
+     * caller frees it (documented). */
+    fname = NULL;
+out:
+    free(fname);
+    free(where);
+    key_index_free(&ix);
+    ckpt__st_header_free(&h);
+    return rc;
 }
 
 int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
                      const int64_t *shape, void *dst) {
     const entry *e = NULL;
     CKPT_TRY(find_tensor(r, key, &e));
+    if (e->sk) {
+        /* The whole of a sharded tensor: assembled from its chunks. */
+        static const int64_t zero[CKPT_MAX_NDIM];
+        return ckpt_read_tensor_shard(r, key, dt, ndim, shape, zero, shape, dst);
+    }
     char a[200], b[200];
     if (dt != e->dtype)
         return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': dtype %s in file, %s asked", r->name, key,
@@ -974,6 +1395,7 @@ int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const ch
             return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': shape %s in file, %s in memory", what,
                              m->key, ckpt__shape_str(a, sizeof a, f->ndim, f->shape),
                              ckpt__shape_str(b, sizeof b, m->ndim, m->shape));
+        if (f->sk) CKPT_TRY(shard_key_check(r, &r->skeys[f->sk - 1]));
     }
     for (int64_t i = 0; i < r->count; i++) {
         const entry *f = &r->entries[i];

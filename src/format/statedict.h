@@ -6,6 +6,17 @@
 #include "ckpt.h"
 #include "base/io.h"
 
+/* Where one saved chunk of a sharded tensor sits in the whole tensor
+ * (ckpt_write_tensor_shard): the box [offsets, offsets + shape) of a tensor
+ * of global_shape. */
+typedef struct ckpt_chunk {
+    ckpt_dtype dtype;
+    int ndim;
+    int64_t global_shape[CKPT_MAX_NDIM];
+    int64_t offsets[CKPT_MAX_NDIM];
+    int64_t shape[CKPT_MAX_NDIM];
+} ckpt_chunk;
+
 /* Digest of one written state file: whole-file size and XXH3-64, and each
  * tensor's XXH3-64 (so verify can name the tensor that went bad). */
 typedef struct ckpt_file_digest {
@@ -16,6 +27,7 @@ typedef struct ckpt_file_digest {
     uint64_t *tensor_xxh3;   /* owned */
     uint64_t *tensor_offset; /* owned: absolute file offset of each tensor's data */
     uint64_t *tensor_nbytes; /* owned */
+    struct ckpt_chunk *tensor_chunk; /* owned; NULL, or (a shard file) one per tensor */
 } ckpt_file_digest;
 void ckpt__file_digest_free(ckpt_file_digest *d);
 
@@ -36,5 +48,22 @@ int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const ch
 void ckpt__reader_set_name(ckpt_reader *r, const char *name);
 /* Key validation shared by writer and model: CKPT_EINVAL naming `what`. */
 int ckpt__check_key(const char *key, const char *what);
+
+/* ---- sharded entries (many processes) ------------------------------------ */
+/* Whether w holds entries added with ckpt_write_tensor_shard. Such entries
+ * are never part of the file ckpt__writer_write_new / ckpt_writer_save write;
+ * they go to this process's shard file. */
+bool ckpt__writer_has_shards(const ckpt_writer *w);
+/* Writes only w's shard entries to path (create + fsync, no rename, like
+ * ckpt__writer_write_new): one safetensors tensor per chunk. d->tensor_chunk
+ * gets each tensor's chunk record (for the manifest). */
+int ckpt__writer_write_shards_new(ckpt_writer *w, const char *path, ckpt_file_digest *d);
+/* Makes the chunks of one shard file readable through r (ckpt_read_tensor_shard,
+ * ckpt_read_tensor of the whole tensor, entry listing, schema checks):
+ * buf/len are the file's bytes (borrowed until r is freed), name is used in
+ * messages, and keys[i]/chunks[i] (i < n; copied) come from the manifest and
+ * are checked against the file's own header. */
+int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const char *name,
+                              const char *const *keys, const ckpt_chunk *chunks, int64_t n);
 
 #endif

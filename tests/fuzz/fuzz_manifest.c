@@ -10,6 +10,7 @@
 
 #include "ckpt.h"
 #include "format/manifest.h"
+#include "format/shard.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -54,7 +55,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             sink += f->tensor_xxh3[t] + tl;
         }
         sink += f->size ^ f->xxh3;
+        /* Chunk records lie within their tensors, and the sets tile them. */
+        for (int64_t t = 0; f->chunks && t < f->ntensors; t++)
+            if (ckpt__chunk_check(&f->chunks[t], CKPT_ECORRUPT, "fuzz", f->tensor_keys[t], NULL))
+                abort();
     }
+    if (ckpt__manifest_check_chunks(&m, CKPT_ECORRUPT, "fuzz") != CKPT_OK) abort();
     (void)sink;
     ckpt__manifest_clear(&m);
     if (m.nfiles != 0 || m.files != NULL) abort();

@@ -6,7 +6,10 @@
 # against it three ways: pkg-config + shared library, pkg-config --static
 # (fully static binary), and a CMake project using find_package(ckpt).
 # Also checks that libckpt.so exports nothing but the public ckpt_* API and
-# that no internal header is installed.
+# that no internal header is installed. With MPI: libckpt_mpi is installed
+# too, an MPI program is built against it (pkg-config ckpt_mpi, CMake
+# ckpt::ckpt_mpi) and run on two processes, and libckpt itself has no MPI in
+# it (ldd, nm).
 source "$(dirname "$0")/common.bash" # $WORK, fail, has
 
 : "${CKPT_SOURCE_DIR:?set CKPT_SOURCE_DIR to the source folder}"
@@ -29,13 +32,16 @@ run() {
 # --- a separate Release build, installed elsewhere than configured -----------
 run configure.log cmake -S "$CKPT_SOURCE_DIR" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DCKPT_BUILD_TESTS=OFF -DCKPT_SANITIZE=OFF -DCMAKE_INSTALL_PREFIX=/nonexistent/ckpt-prefix
-run build.log cmake --build "$BUILD" -j "$JOBS" --target ckpt ckpt_static ckpt_cli
+HAVE_MPI=${CKPT_HAVE_MPI:-0}
+targets=(ckpt ckpt_static ckpt_cli)
+[ "$HAVE_MPI" = 1 ] && targets+=(ckpt_mpi ckpt_mpi_static)
+run build.log cmake --build "$BUILD" -j "$JOBS" --target "${targets[@]}"
 run install.log cmake --install "$BUILD" --prefix "$PREFIX"
 
 LIBDIR=$(ls -d "$PREFIX"/lib*/ | head -n1)
 LIBDIR=${LIBDIR%/}
 [ -f "$PREFIX/include/ckpt.h" ] || fail "ckpt.h not installed"
-extra=$(cd "$PREFIX/include" && ls | grep -vx 'ckpt.h' || true)
+extra=$(cd "$PREFIX/include" && ls | grep -vxE 'ckpt.h|ckpt_mpi.h' || true)
 [ -z "$extra" ] || fail "internal headers installed: $extra"
 for f in libckpt.so libckpt.a pkgconfig/ckpt.pc cmake/ckpt/ckptConfig.cmake \
          cmake/ckpt/ckptConfigVersion.cmake cmake/ckpt/ckptTargets.cmake; do
@@ -55,6 +61,17 @@ nm -D --defined-only "$LIBDIR/libckpt.so" | awk '{print $NF}' >"$WORK/exports"
 grep -qx 'ckpt_save_state' "$WORK/exports" || fail "ckpt_save_state is not exported"
 leaked=$(grep -v '^ckpt_' "$WORK/exports" | grep -vxE '_init|_fini|_edata|_end|__bss_start' || true)
 [ -z "$leaked" ] || fail "libckpt.so exports non-API symbols: $(echo $leaked)"
+
+# --- the core library has no MPI in it -----------------------------------------
+if ldd "$LIBDIR/libckpt.so" | has -i 'mpi\|open-pal\|open-rte'; then
+    fail "libckpt.so depends on MPI: $(ldd "$LIBDIR/libckpt.so" | grep -i mpi)"
+fi
+if nm -D --undefined-only "$LIBDIR/libckpt.so" | has 'MPI_'; then
+    fail "libckpt.so calls MPI"
+fi
+if nm "$LIBDIR/libckpt.a" 2>/dev/null | has ' U P\?MPI_'; then
+    fail "libckpt.a calls MPI"
+fi
 
 # --- the user's program ------------------------------------------------------
 mkdir -p "$WORK/app"
@@ -156,5 +173,84 @@ if ldd "$WORK/cmake-app/build/app_cmake_static" | has libckpt.so; then
     fail "app_cmake_static links libckpt.so"
 fi
 run_app cmake-static "$WORK/cmake-app/build/app_cmake_static"
+
+# --- an MPI program: libckpt_mpi ------------------------------------------------
+if [ "$HAVE_MPI" = 1 ]; then
+    for f in libckpt_mpi.so libckpt_mpi.a pkgconfig/ckpt_mpi.pc cmake/ckpt/ckptMpiTargets.cmake; do
+        [ -e "$LIBDIR/$f" ] || fail "$LIBDIR/$f not installed"
+    done
+    [ -f "$PREFIX/include/ckpt_mpi.h" ] || fail "ckpt_mpi.h not installed"
+    nm -D --defined-only "$LIBDIR/libckpt_mpi.so" | awk '{print $NF}' >"$WORK/mpi_exports"
+    leaked=$(grep -vx 'ckpt_comm_mpi' "$WORK/mpi_exports" | grep -vxE '_init|_fini|_edata|_end|__bss_start' || true)
+    [ -z "$leaked" ] || fail "libckpt_mpi.so exports more than ckpt_comm_mpi: $(echo $leaked)"
+    cat >"$WORK/app/app_mpi.c" <<'EOF'
+/* Every rank saves one collective checkpoint (the model once, a random
+ * state each), loads it back, and rank 0 says ok. */
+#include <ckpt_mpi.h>
+#include <stdio.h>
+#include <string.h>
+
+#define CHECK(call)                                                        \
+    do {                                                                   \
+        if ((call) < 0) {                                                  \
+            fprintf(stderr, "app_mpi: %s: %s\n", #call, ckpt_errmsg());    \
+            MPI_Abort(MPI_COMM_WORLD, 1);                                  \
+        }                                                                  \
+    } while (0)
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    ckpt_comm *comm = NULL;
+    CHECK(ckpt_comm_mpi(&comm, MPI_COMM_WORLD));
+    float w[4] = {1, 2, 3, 4};
+    ckpt_model *m = NULL;
+    ckpt_accelerator *acc = NULL;
+    CHECK(ckpt_model_new(&m));
+    CHECK(ckpt_model_add_param(m, "w", CKPT_F32, 1, (int64_t[]){4}, w, NULL));
+    ckpt_project_config cfg = {.project_dir = argv[1], .automatic_checkpoint_naming = true,
+                               .comm = comm};
+    CHECK(ckpt_accelerator_new(&acc, &cfg));
+    CHECK(ckpt_prepare_model(acc, m));
+    CHECK(ckpt_save_state(acc, NULL));
+    memset(w, 0, sizeof w);
+    CHECK(ckpt_load_state(acc, NULL));
+    int ok = w[3] == 4 && ckpt_accelerator_num_processes(acc) == comm->size;
+    if (comm->rank == 0) printf(ok ? "ok %d\n" : "bad %d\n", comm->size);
+    ckpt_accelerator_free(acc);
+    ckpt_model_free(m);
+    ckpt_comm_free(comm);
+    MPI_Finalize();
+    return ok ? 0 : 1;
+}
+EOF
+    export PKG_CONFIG_PATH=$LIBDIR/pkgconfig
+    # shellcheck disable=SC2046
+    run cc-mpi.log "$CC" -std=c11 -Wall -Werror -o "$WORK/app/app_mpi" "$WORK/app/app_mpi.c" \
+        $(pkg-config --cflags --libs ckpt_mpi)
+    unset PKG_CONFIG_PATH
+    mkdir -p "$WORK/cmake-mpi"
+    cat >"$WORK/cmake-mpi/CMakeLists.txt" <<EOF
+cmake_minimum_required(VERSION 3.16)
+project(ckpt_mpi_user C)
+find_package(ckpt $want_version REQUIRED)
+add_executable(app_mpi_cmake "$WORK/app/app_mpi.c")
+target_link_libraries(app_mpi_cmake PRIVATE ckpt::ckpt_mpi)
+EOF
+    run cmake-mpi-configure.log cmake -S "$WORK/cmake-mpi" -B "$WORK/cmake-mpi/build" \
+        -DCMAKE_PREFIX_PATH="$PREFIX" -DCMAKE_BUILD_TYPE=Release
+    run cmake-mpi-build.log cmake --build "$WORK/cmake-mpi/build" -j "$JOBS"
+    if command -v mpirun >/dev/null 2>&1; then
+        export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+        export OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1 OMPI_MCA_mpi_yield_when_idle=1
+        for app in "$WORK/app/app_mpi" "$WORK/cmake-mpi/build/app_mpi_cmake"; do
+            proj=$WORK/mpi-$(basename "$app")
+            LD_LIBRARY_PATH=$LIBDIR run mpi-run.log mpirun --oversubscribe -np 2 "$app" "$proj"
+            grep -qx "ok 2" "$WORK/mpi-run.log" || fail "$app: $(cat "$WORK/mpi-run.log")"
+            ls "$proj/checkpoints/checkpoint_0" | has random_states_1.safetensors ||
+                fail "$app: rank 1 wrote no random state"
+        done
+    fi
+    echo "install: libckpt_mpi built against with pkg-config and CMake, ran on 2 processes"
+fi
 
 echo "install: shared, static and CMake consumers built and ran against $PREFIX"

@@ -1,0 +1,749 @@
+"""ckpt_torch: ckpt checkpoints from Python, with or without PyTorch.
+
+    import ckpt_torch
+    ckpt_torch.verify("runs/digits/checkpoints/checkpoint_4")
+    ckpt_torch.load(ckpt_torch.latest("runs/digits"), model=net, optimizer=opt,
+                    scheduler=sched, scaler=scaler)
+    ckpt_torch.save("runs/torch/checkpoints/checkpoint_0", model=net, optimizer=opt,
+                    scheduler=sched, scaler=scaler, step=100)
+
+verify() checks a checkpoint folder exactly as the C library does before a
+load; load() puts its state into torch objects (or returns it as numpy
+arrays and plain dicts when there are none); save() writes a folder the C
+library's ckpt_load_state resumes, byte for byte in the C writer's layout.
+Nothing is unpickled: safetensors and JSON only. See docs/PYTORCH.md."""
+import collections
+import math
+import os
+import warnings
+
+import numpy as np
+
+from ._format import (BusyError, CkptError, CorruptError, LIBRARY_VERSION, MismatchError,
+                      NotFoundError, RawTensor, StateFile, UnsupportedError, checkpoint_number,
+                      list_numbers, read_state_file, verify_folder, write_checkpoint)
+
+__version__ = LIBRARY_VERSION
+__all__ = ["verify", "latest", "load", "load_state_dict", "save", "WarmupCosine", "WarmupLinear",
+           "Constant", "CkptError", "CorruptError", "UnsupportedError", "MismatchError",
+           "NotFoundError", "BusyError", "RawTensor"]
+
+try:  # torch is optional: without it load() returns numpy arrays
+    import torch
+except ImportError:  # pragma: no cover - exercised on machines without torch
+    torch = None
+
+
+# ---- verify, latest, single files -------------------------------------------
+
+def verify(dir):
+    """Checks the checkpoint folder `dir` as ckpt_load_state does before it
+    loads anything: the manifest (strict JSON, format version, its own
+    manifest_xxh3), every listed file's size and XXH3-64 (naming the tensor
+    whose digest differs when the file still parses), and no unlisted
+    .safetensors file. Returns the manifest as a dict; raises CorruptError,
+    UnsupportedError (a newer format) or NotFoundError naming the file."""
+    m, _ = verify_folder(dir)
+    return m
+
+
+def latest(project_dir):
+    """The newest checkpoint of a project that verifies: the highest
+    <project_dir>/checkpoints/checkpoint_<n> whose verify() passes, skipping
+    (with a warning) the ones that do not, as ckpt_load_state(acc, NULL)
+    does. NotFoundError if there is none; CorruptError listing every reason
+    if none is valid."""
+    cdir = os.path.join(project_dir, "checkpoints")
+    nums = list_numbers(cdir)
+    if not nums:
+        raise NotFoundError(2, "load_state: no checkpoint in %s" % cdir)
+    why = []
+    for n in reversed(nums):
+        d = os.path.join(cdir, "checkpoint_%d" % n)
+        try:
+            verify_folder(d)
+            return d
+        except (CorruptError, UnsupportedError, NotFoundError) as e:
+            warnings.warn("skipping %s: %s%s" % (d, e, "; falling back to an older checkpoint"
+                                                 if n != nums[0] else ""), stacklevel=2)
+            why.append(str(e))
+    raise CorruptError("load_state: no valid checkpoint in %s: %s" % (cdir, "; ".join(why)))
+
+
+def load_state_dict(path, as_torch=False):
+    """One state file (any .safetensors file, every rule of the format
+    checked) as a flat dict in the file's terms: tensors (numpy arrays,
+    RawTensor for dtypes numpy lacks, or torch tensors with as_torch=True)
+    in file order, then the non-tensor entries in the order they were
+    written (int for i64, float for f64, str, bytes)."""
+    flat = read_state_file(path).flat()
+    if as_torch:
+        _need_torch("load_state_dict(as_torch=True)")
+        flat = {k: _to_torch(v) if isinstance(v, (np.ndarray, RawTensor)) else v
+                for k, v in flat.items()}
+    return flat
+
+
+# ---- tensors between numpy, torch and the file ------------------------------
+
+def _need_torch(what):
+    if torch is None:
+        raise ImportError("%s needs PyTorch (python3-torch)" % what)
+
+
+_TORCH_RAW = {"bfloat16": "BF16", "float8_e5m2": "F8_E5M2", "float8_e4m3fn": "F8_E4M3",
+              "float8_e8m0fnu": "F8_E8M0", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+              "float8_e5m2fnuz": "F8_E5M2FNUZ"}
+
+
+def _from_torch(t):
+    """A torch tensor as a numpy array (or RawTensor) for the file."""
+    t = t.detach().cpu().contiguous()
+    name = str(t.dtype).replace("torch.", "")
+    if name in _TORCH_RAW:
+        view = t.view(torch.int16 if t.element_size() == 2 else torch.uint8)
+        return RawTensor(_TORCH_RAW[name], tuple(t.shape), view.numpy().tobytes())
+    return t.numpy().copy()
+
+
+def _to_torch(v):
+    if isinstance(v, RawTensor):
+        tname = {b: a for a, b in _TORCH_RAW.items()}.get(v.dtype)
+        tdt = getattr(torch, tname, None) if tname else None
+        if tdt is None:
+            raise UnsupportedError("a %s tensor has no torch dtype in this torch version" % v.dtype)
+        if not v.data:
+            return torch.empty(v.shape, dtype=tdt)
+        return torch.frombuffer(bytearray(v.data), dtype=tdt).reshape(v.shape)
+    try:
+        return torch.from_numpy(np.array(v, copy=True))
+    except TypeError:
+        raise UnsupportedError("a %s tensor has no torch dtype in this torch version"
+                               % _dtype_name(v)) from None
+
+
+def _to_np(v):
+    if torch is not None and isinstance(v, torch.Tensor):
+        return _from_torch(v)
+    if isinstance(v, (np.ndarray, RawTensor)):
+        return v
+    return v
+
+
+def _dtype_name(v):
+    if isinstance(v, RawTensor):
+        return v.dtype
+    from ._format import dtype_of_array
+    return dtype_of_array(v)
+
+
+# ---- learning-rate lambdas the C library knows --------------------------------
+
+class _Schedule:
+    """A LambdaLR lambda whose schedule the C library has (transformers'
+    get_*_schedule_with_warmup, computed in the same order of operations),
+    so that save() can name it and load() can check it."""
+    kind = None
+
+    def __init__(self, warmup, total=0):
+        self.warmup, self.total = int(warmup), int(total)
+
+    def __eq__(self, other):
+        return (type(self) is type(other) and self.warmup == other.warmup and
+                self.total == other.total)
+
+    def __repr__(self):
+        return "%s(%d, %d)" % (type(self).__name__, self.warmup, self.total)
+
+
+class WarmupCosine(_Schedule):
+    """Linear warmup over `warmup` steps, then half a cosine to 0 at `total`
+    (transformers' get_cosine_schedule_with_warmup; C: ckpt_warmup_cosine_new)."""
+    kind = "warmup_cosine"
+
+    def __call__(self, step):
+        if step < self.warmup:
+            return float(step) / float(max(1, self.warmup))
+        progress = float(step - self.warmup) / float(max(1, self.total - self.warmup))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+
+class WarmupLinear(_Schedule):
+    """Linear warmup, then linear decay to 0 at `total`
+    (get_linear_schedule_with_warmup; C: ckpt_warmup_linear_new)."""
+    kind = "warmup_linear"
+
+    def __call__(self, step):
+        if step < self.warmup:
+            return float(step) / float(max(1, self.warmup))
+        return max(0.0, float(self.total - step) / float(max(1, self.total - self.warmup)))
+
+
+class Constant(_Schedule):
+    """Linear warmup, then constant (get_constant_schedule_with_warmup;
+    C: ckpt_constant_new)."""
+    kind = "constant"
+
+    def __init__(self, warmup=0):
+        super().__init__(warmup, 0)
+
+    def __call__(self, step):
+        if step < self.warmup:
+            return float(step) / float(max(1, self.warmup))
+        return 1.0
+
+
+_SCHEDULES = {c.kind: c for c in (WarmupCosine, WarmupLinear, Constant)}
+
+
+# ---- flat (file) <-> torch-style state dicts ------------------------------------
+
+_OPT_BUFFERS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+
+
+def _flat_get(flat, key, types, what):
+    if key not in flat:
+        raise MismatchError("%s: the state dict has no '%s'" % (what, key))
+    v = flat[key]
+    if not isinstance(v, types) or isinstance(v, bool):
+        raise MismatchError("%s: '%s' has the wrong type (%s)" % (what, key, type(v).__name__))
+    return v
+
+
+def _count(flat, fmt):
+    n = 0
+    while fmt % n in flat:
+        n += 1
+    return n
+
+
+def optimizer_from_flat(flat, what="optimizer.safetensors"):
+    """(kind, torch-style nested state dict) from an optimizer file's flat
+    dict: {'state': {i: {...}}, 'param_groups': [{..., 'params': [...]}]}."""
+    kind = _flat_get(flat, "kind", str, what)
+    if kind not in ("sgd", "adam", "adamw"):
+        raise UnsupportedError("%s: optimizer kind '%s' is not sgd, adam or adamw" % (what, kind))
+    groups = []
+    for g in range(_count(flat, "param_groups.%d.lr")):
+        p = "param_groups.%d." % g
+        grp = {"lr": float(_flat_get(flat, p + "lr", (float, int), what)),
+               "weight_decay": float(_flat_get(flat, p + "weight_decay", (float, int), what))}
+        if kind == "sgd":
+            grp["momentum"] = float(_flat_get(flat, p + "momentum", (float, int), what))
+            grp["dampening"] = float(_flat_get(flat, p + "dampening", (float, int), what))
+            grp["nesterov"] = bool(_flat_get(flat, p + "nesterov", int, what))
+        else:
+            grp["betas"] = (float(_flat_get(flat, p + "betas.0", (float, int), what)),
+                            float(_flat_get(flat, p + "betas.1", (float, int), what)))
+            grp["eps"] = float(_flat_get(flat, p + "eps", (float, int), what))
+            grp["amsgrad"] = bool(_flat_get(flat, p + "amsgrad", int, what))
+        grp["maximize"] = bool(_flat_get(flat, p + "maximize", int, what))
+        params = _flat_get(flat, p + "params", np.ndarray, what)
+        if params.dtype != np.int64 or params.ndim != 1:
+            raise CorruptError("%s: %sparams: expected an I64 vector" % (what, p))
+        grp["params"] = [int(i) for i in params]
+        groups.append(grp)
+    state = {}
+    for i in range(_count(flat, "state.%d.step")):
+        step = _flat_get(flat, "state.%d.step" % i, np.ndarray, what)
+        if step.dtype != np.float32 or step.shape != ():
+            raise CorruptError("%s: state.%d.step: expected an F32 scalar" % (what, i))
+        s = {"step": step}
+        for b in _OPT_BUFFERS:
+            k = "state.%d.%s" % (i, b)
+            if k in flat:
+                s[b] = flat[k]
+        state[i] = s
+    return kind, {"state": state, "param_groups": groups}
+
+
+def _optim_kind(opt):
+    if isinstance(opt, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(opt, torch.optim.Adam):
+        decoupled = any(g.get("decoupled_weight_decay") for g in opt.param_groups)
+        return "adamw" if decoupled else "adam"
+    if isinstance(opt, torch.optim.SGD):
+        return "sgd"
+    raise UnsupportedError("optimizer: %s is not supported (SGD, Adam and AdamW are)"
+                           % type(opt).__name__)
+
+
+def optimizer_to_flat(opt):
+    """The flat state dict the C library writes for a torch SGD, Adam or
+    AdamW: keys, order and zero-filled buffers exactly as src/train/optim.c."""
+    kind = _optim_kind(opt)
+    sd = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    indices = [i for g in sd["param_groups"] for i in g["params"]]
+    by_index = dict(zip(indices, params))
+    flat = {"kind": kind}
+    group_of = {}
+    for g, grp in enumerate(sd["param_groups"]):
+        for i in grp["params"]:
+            group_of[i] = grp
+    for i in sorted(by_index):
+        p = by_index[i]
+        if p.dtype != torch.float32:
+            raise UnsupportedError("optimizer: parameter %d is %s; the C optimizers take float32"
+                                   % (i, p.dtype))
+        st = sd["state"].get(i, {})
+        grp = group_of[i]
+        zeros = np.zeros(tuple(p.shape), dtype=np.float32)
+
+        def buf(name):
+            v = st.get(name)
+            if v is None:
+                return zeros
+            a = _from_torch(v) if isinstance(v, torch.Tensor) else np.asarray(v)
+            return np.array(a, dtype=np.float32, order="C").reshape(tuple(p.shape))
+        if kind == "sgd":
+            has_buf = st.get("momentum_buffer") is not None
+            step = float(st["step"]) if "step" in st else (1.0 if has_buf else 0.0)
+            if has_buf and step == 0:
+                step = 1.0
+            if not has_buf:
+                step = 0.0
+        else:
+            step = float(st["step"]) if "step" in st else 0.0
+        flat["state.%d.step" % i] = np.array(step, dtype=np.float32)
+        if kind == "sgd":
+            if grp["momentum"] != 0:
+                flat["state.%d.momentum_buffer" % i] = buf("momentum_buffer")
+        else:
+            flat["state.%d.exp_avg" % i] = buf("exp_avg")
+            flat["state.%d.exp_avg_sq" % i] = buf("exp_avg_sq")
+            if grp.get("amsgrad"):
+                flat["state.%d.max_exp_avg_sq" % i] = buf("max_exp_avg_sq")
+    for g, grp in enumerate(sd["param_groups"]):
+        p = "param_groups.%d." % g
+        flat[p + "lr"] = float(grp["lr"])
+        flat[p + "weight_decay"] = float(grp["weight_decay"])
+        flat[p + "maximize"] = int(bool(grp.get("maximize", False)))
+        if kind == "sgd":
+            flat[p + "momentum"] = float(grp["momentum"])
+            flat[p + "dampening"] = float(grp["dampening"])
+            flat[p + "nesterov"] = int(bool(grp["nesterov"]))
+        else:
+            flat[p + "betas.0"] = float(grp["betas"][0])
+            flat[p + "betas.1"] = float(grp["betas"][1])
+            flat[p + "eps"] = float(grp["eps"])
+            flat[p + "amsgrad"] = int(bool(grp.get("amsgrad", False)))
+        flat[p + "params"] = np.array(grp["params"], dtype=np.int64)
+    return flat
+
+
+_SCHED_CLASSES = (("StepLR", "steplr"), ("MultiStepLR", "multisteplr"),
+                  ("ExponentialLR", "exponentiallr"), ("CosineAnnealingLR", "cosineannealinglr"))
+
+
+def _sched_kind(s):
+    L = torch.optim.lr_scheduler
+    for cls, kind in _SCHED_CLASSES:
+        if type(s) is getattr(L, cls):
+            return kind, None
+    if type(s) is L.LambdaLR:
+        lams = s.lr_lambdas
+        if lams and all(isinstance(f, _Schedule) for f in lams) and all(f == lams[0] for f in lams):
+            return lams[0].kind, lams[0]
+        raise UnsupportedError(
+            "scheduler: a LambdaLR with its own lambda; use ckpt_torch.WarmupCosine, WarmupLinear "
+            "or Constant (the schedules the C library has), the same for every group")
+    raise UnsupportedError("scheduler: %s is not supported (StepLR, MultiStepLR, ExponentialLR, "
+                           "CosineAnnealingLR, LambdaLR with a ckpt_torch schedule)" % type(s).__name__)
+
+
+def scheduler_to_flat(s):
+    """The flat state dict src/train/sched.c writes for a torch scheduler."""
+    kind, lam = _sched_kind(s)
+    sd = s.state_dict()
+    flat = {"kind": kind, "last_epoch": int(sd["last_epoch"]), "_step_count": int(sd["_step_count"])}
+    last = sd.get("_last_lr") or [g["lr"] for g in s.optimizer.param_groups]
+    for g, base in enumerate(sd["base_lrs"]):
+        flat["base_lrs.%d" % g] = float(base)
+        flat["_last_lr.%d" % g] = float(last[g])
+    if kind == "steplr":
+        flat["step_size"] = int(sd["step_size"])
+        flat["gamma"] = float(sd["gamma"])
+    elif kind == "multisteplr":
+        flat["milestones"] = np.array(sorted(collections.Counter(sd["milestones"]).elements()),
+                                      dtype=np.int64)
+        flat["gamma"] = float(sd["gamma"])
+    elif kind == "exponentiallr":
+        flat["gamma"] = float(sd["gamma"])
+    elif kind == "cosineannealinglr":
+        flat["T_max"] = int(sd["T_max"])
+        flat["eta_min"] = float(sd["eta_min"])
+    elif kind in ("warmup_cosine", "warmup_linear"):
+        flat["warmup"], flat["total"] = lam.warmup, lam.total
+    else:
+        flat["warmup"] = lam.warmup
+    return flat
+
+
+def scheduler_from_flat(flat, what="scheduler.safetensors"):
+    """(kind, schedule parameters, torch-style scheduler state dict)."""
+    kind = _flat_get(flat, "kind", str, what)
+    sd = {"last_epoch": _flat_get(flat, "last_epoch", int, what),
+          "_step_count": _flat_get(flat, "_step_count", int, what)}
+    n = _count(flat, "base_lrs.%d")
+    sd["base_lrs"] = [float(_flat_get(flat, "base_lrs.%d" % g, (float, int), what)) for g in range(n)]
+    sd["_last_lr"] = [float(_flat_get(flat, "_last_lr.%d" % g, (float, int), what)) for g in range(n)]
+    lam = None
+    if kind == "steplr":
+        sd["step_size"] = _flat_get(flat, "step_size", int, what)
+        sd["gamma"] = float(_flat_get(flat, "gamma", (float, int), what))
+    elif kind == "multisteplr":
+        ms = _flat_get(flat, "milestones", np.ndarray, what)
+        sd["milestones"] = collections.Counter(int(x) for x in ms.reshape(-1))
+        sd["gamma"] = float(_flat_get(flat, "gamma", (float, int), what))
+    elif kind == "exponentiallr":
+        sd["gamma"] = float(_flat_get(flat, "gamma", (float, int), what))
+    elif kind == "cosineannealinglr":
+        sd["T_max"] = _flat_get(flat, "T_max", int, what)
+        sd["eta_min"] = float(_flat_get(flat, "eta_min", (float, int), what))
+    elif kind in _SCHEDULES:
+        warmup = _flat_get(flat, "warmup", int, what)
+        total = _flat_get(flat, "total", int, what) if kind != "constant" else 0
+        lam = WarmupCosine(warmup, total) if kind == "warmup_cosine" else \
+            WarmupLinear(warmup, total) if kind == "warmup_linear" else Constant(warmup)
+        sd["lr_lambdas"] = [None] * n
+    else:
+        raise UnsupportedError("%s: scheduler kind '%s' is unknown" % (what, kind))
+    return kind, lam, sd
+
+
+_SCALER_KEYS = (("scale", float), ("growth_factor", float), ("backoff_factor", float),
+                ("growth_interval", int), ("_growth_tracker", int))
+
+
+def scaler_to_flat(sc):
+    """The flat state dict src/train/scaler.c writes, from a torch GradScaler
+    or its state_dict() (a dict with the same five keys)."""
+    if isinstance(sc, dict):
+        sd = sc
+    else:
+        sd = sc.state_dict()
+        if not sd:
+            raise UnsupportedError(
+                "scaler: this GradScaler is disabled (torch without CUDA) and holds no state; "
+                "pass its state as a dict: scale, growth_factor, backoff_factor, growth_interval, "
+                "_growth_tracker")
+    out = {}
+    for k, t in _SCALER_KEYS:
+        if k not in sd:
+            raise ValueError("scaler: the state has no '%s'" % k)
+        out[k] = t(sd[k])
+    return out
+
+
+def scaler_from_flat(flat, what="scaler.safetensors"):
+    return {k: t(_flat_get(flat, k, (float, int) if t is float else int, what))
+            for k, t in _SCALER_KEYS}
+
+
+# ---- load ----------------------------------------------------------------------
+
+_STEMS = ("model", "optimizer", "scheduler", "dataloader", "scaler")
+
+
+def _file_name(stem, i):
+    return "%s.safetensors" % stem if i == 0 else "%s_%d.safetensors" % (stem, i)
+
+
+def _as_list(x):
+    if x is None:
+        return []
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _tensorize(obj, as_torch):
+    """numpy arrays (and RawTensor) in a nested state dict as torch tensors."""
+    if not as_torch:
+        return obj
+    if isinstance(obj, (np.ndarray, RawTensor)):
+        try:
+            return _to_torch(obj)
+        except UnsupportedError:
+            return obj  # U32 and the like in an older torch: kept as numpy
+    if isinstance(obj, dict) and not isinstance(obj, collections.Counter):
+        return {k: _tensorize(v, as_torch) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_tensorize(v, as_torch) for v in obj]
+    return obj
+
+
+def _check_model(module, flat, name):
+    """The model's schema against the file, as the C loader checks it: same
+    keys, dtypes and shapes, nothing but tensors."""
+    mine = module.state_dict()
+    extra = [k for k in flat if k not in mine]
+    missing = [k for k in mine if k not in flat]
+    if missing:
+        raise MismatchError("%s: the file has no tensor '%s' (the model has it)" % (name, missing[0]))
+    if extra:
+        raise MismatchError("%s: the file has '%s', which the model does not have" % (name, extra[0]))
+    for k, t in mine.items():
+        v = flat[k]
+        if not isinstance(v, (np.ndarray, RawTensor)):
+            raise MismatchError("%s: '%s' is not a tensor in the file" % (name, k))
+        fd, md = _dtype_name(v), _dtype_name(_from_torch(t.reshape(-1)[:0]))
+        fs, ms = tuple(v.shape), tuple(t.shape)
+        if fd != md or fs != ms:
+            raise MismatchError("%s: tensor '%s': file has %s %s, the model has %s %s"
+                                % (name, k, fd, list(fs), md, list(ms)))
+
+
+def _merge_optimizer(opt, kind, nested, name):
+    """The optimizer's own state_dict() with the file's values: every
+    param_groups field this torch version has is kept, the file's
+    hyper-parameters and state replace the rest."""
+    mine_kind = _optim_kind(opt)
+    if mine_kind != kind:
+        raise MismatchError("%s: the state dict is for a%s %s optimizer, this one is %s"
+                            % (name, "n" if kind[0] == "a" else "", kind, mine_kind))
+    cur = opt.state_dict()
+    if len(cur["param_groups"]) != len(nested["param_groups"]):
+        raise MismatchError("%s: the file has %d parameter groups, the optimizer %d"
+                            % (name, len(nested["param_groups"]), len(cur["param_groups"])))
+    params = {}
+    for g, (mg, fg) in enumerate(zip(opt.param_groups, nested["param_groups"])):
+        cg = cur["param_groups"][g]
+        if list(cg["params"]) != fg["params"]:
+            raise MismatchError("%s: param_groups.%d.params: file %s, optimizer %s"
+                                % (name, g, fg["params"], list(cg["params"])))
+        for i, p in zip(cg["params"], mg["params"]):
+            params[i] = p
+    if set(nested["state"]) != set(params):
+        raise MismatchError("%s: the file has state for %d parameters, the optimizer has %d"
+                            % (name, len(nested["state"]), len(params)))
+    groups = []
+    for cg, fg in zip(cur["param_groups"], nested["param_groups"]):
+        ng = dict(cg)
+        ng.update({k: v for k, v in fg.items() if k != "params"})
+        groups.append(ng)
+    state = {}
+    for i, s in nested["state"].items():
+        p = params[i]
+        st = {}
+        for b in _OPT_BUFFERS:
+            if b in s:
+                if tuple(s[b].shape) != tuple(p.shape) or s[b].dtype != np.float32:
+                    raise MismatchError("%s: state.%d.%s: file has %s %s, the parameter is %s"
+                                        % (name, i, b, s[b].dtype, list(s[b].shape), list(p.shape)))
+        if kind == "sgd":
+            step = float(s["step"])
+            if "momentum_buffer" in s:
+                st["momentum_buffer"] = _to_torch(s["momentum_buffer"]) if step > 0 else None
+            st["step"] = _to_torch(s["step"])
+        else:
+            for b in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if b in s:
+                    st[b] = _to_torch(s[b])
+            st["step"] = _to_torch(s["step"])
+        state[i] = st
+    return {"state": state, "param_groups": groups}
+
+
+def _merge_scheduler(sched, kind, lam, sd, name):
+    mine, mine_lam = _sched_kind(sched)
+    if mine != kind:
+        raise MismatchError("%s: the state dict is for a %s scheduler, this one is %s"
+                            % (name, kind, mine))
+    if lam is not None and mine_lam != lam:
+        raise MismatchError("%s: the file's schedule is %r, this scheduler's is %r"
+                            % (name, lam, mine_lam))
+    cur = sched.state_dict()
+    if len(cur["base_lrs"]) != len(sd["base_lrs"]):
+        raise MismatchError("%s: the file has %d groups, the scheduler %d"
+                            % (name, len(sd["base_lrs"]), len(cur["base_lrs"])))
+    cur.update(sd)
+    return cur
+
+
+def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, project_dir=None,
+         as_torch=None):
+    """Loads the checkpoint folder `dir` (or, with dir=None, the newest valid
+    checkpoint of project_dir, see latest()).
+
+    The folder is verified first (verify()), every state file is parsed
+    with every rule of the format, and every given object is checked against
+    its file (model: the same keys, dtypes and shapes; optimizer: the same
+    kind, groups and parameter indices; scheduler: the same kind and
+    schedule) before any of them is changed. Then:
+      model      (nn.Module, or a list for model.safetensors, model_1, ...)
+                 .load_state_dict of the file's tensors;
+      optimizer  (torch SGD, Adam, AdamW, or a list) .load_state_dict with
+                 the nested structure rebuilt from the flattened keys;
+      scheduler  (StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, or
+                 LambdaLR with a ckpt_torch schedule) .load_state_dict;
+      scaler     (GradScaler) .load_state_dict; a disabled GradScaler (torch
+                 without CUDA) holds no state: it is left alone, with a warning.
+
+    Returns a dict: 'dir', 'step', 'iteration', 'manifest', one entry per
+    state file keyed by its stem ('model', 'optimizer', 'scheduler',
+    'scaler', 'dataloader', 'random_states_0', 'custom_checkpoint_0', ...)
+    holding its state in PyTorch's structure (the optimizer nested, the
+    scheduler as lr_scheduler's dict, the scaler as GradScaler's), and
+    'files': every file's flat dict as stored. Tensors are torch tensors
+    when torch is importable (as_torch=None) or as_torch=True, else numpy
+    arrays."""
+    if dir is None:
+        if project_dir is None:
+            raise ValueError("load: give a checkpoint folder or project_dir")
+        dir = latest(project_dir)
+    m, datas = verify_folder(dir, keep_data=True)
+    if as_torch is None:
+        as_torch = torch is not None
+    if as_torch or model is not None or optimizer is not None or scheduler is not None or \
+            scaler is not None:
+        _need_torch("load into torch objects")
+    kinds = {f["name"]: f["kind"] for f in m["files"]}
+    flats = {}
+    for f in m["files"]:
+        flats[f["name"]] = StateFile(os.path.join(dir, f["name"]), datas[f["name"]]).flat()
+    datas.clear()
+
+    def file_for(stem, i):
+        name = _file_name(stem, i)
+        if name not in flats:
+            raise MismatchError("load: %s: checkpoint has no %s (for %s %d)" % (dir, name, stem, i))
+        if kinds[name] != stem:
+            raise MismatchError("load: %s: %s holds a %s, expected a %s" % (dir, name, kinds[name], stem))
+        return name
+
+    # every check before any change
+    plan = []
+    for i, mod in enumerate(_as_list(model)):
+        name = file_for("model", i)
+        _check_model(mod, flats[name], name)
+        plan.append(("model", mod, name, None))
+    for i, opt in enumerate(_as_list(optimizer)):
+        name = file_for("optimizer", i)
+        kind, nested = optimizer_from_flat(flats[name], name)
+        plan.append(("optimizer", opt, name, _merge_optimizer(opt, kind, nested, name)))
+    for i, sch in enumerate(_as_list(scheduler)):
+        name = file_for("scheduler", i)
+        kind, lam, sd = scheduler_from_flat(flats[name], name)
+        plan.append(("scheduler", sch, name, _merge_scheduler(sch, kind, lam, sd, name)))
+    for i, sc in enumerate(_as_list(scaler)):
+        name = file_for("scaler", i)
+        plan.append(("scaler", sc, name, scaler_from_flat(flats[name], name)))
+
+    for what, obj, name, sd in plan:
+        if what == "model":
+            obj.load_state_dict({k: _to_torch(v) for k, v in flats[name].items()}, strict=True)
+        elif what == "scaler":
+            if obj.is_enabled():
+                obj.load_state_dict(sd)
+            else:
+                warnings.warn("%s: the GradScaler is disabled (no CUDA) and takes no state; "
+                              "its state is in the result's 'scaler'" % name, stacklevel=2)
+        else:
+            obj.load_state_dict(sd)
+
+    out = {"dir": dir, "step": m["step"], "iteration": m["iteration"], "manifest": m,
+           "files": flats}
+    for name, flat in flats.items():
+        stem = name[:-len(".safetensors")]
+        kind = kinds[name]
+        if kind == "model":
+            val = dict(flat)
+        elif kind == "optimizer":
+            val = optimizer_from_flat(flat, name)[1]
+        elif kind == "scheduler":
+            val = scheduler_from_flat(flat, name)[2]
+        elif kind == "scaler":
+            val = scaler_from_flat(flat, name)
+        else:
+            val = dict(flat)
+        out[stem] = _tensorize(val, as_torch)
+    return out
+
+
+# ---- save ----------------------------------------------------------------------
+
+def _model_flat(x):
+    if torch is not None and isinstance(x, torch.nn.Module):
+        x = x.state_dict()
+    out = {}
+    for k, v in x.items():
+        if torch is not None and isinstance(v, torch.Tensor):
+            out[k] = _from_torch(v)
+        elif isinstance(v, (np.ndarray, RawTensor)):
+            out[k] = v
+        else:
+            raise TypeError("model: '%s' is a %s, not a tensor" % (k, type(v).__name__))
+    return out
+
+
+def _is_flat(x):
+    return isinstance(x, dict) and "kind" in x and "state" not in x
+
+
+def _plain_flat(x):
+    """A flat state dict given by the caller, torch tensors made numpy."""
+    return {k: _to_np(v) for k, v in x.items()}
+
+
+def fresh_random_states(seed=0, process_index=0):
+    """The state of the accelerator's Philox generator right after
+    ckpt_set_seed(seed): what save() writes when no random_states is given."""
+    return {"key": np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], dtype=np.uint32),
+            "counter": np.array([0, 0, process_index & 0xFFFFFFFF, process_index >> 32],
+                                dtype=np.uint32),
+            "block": np.zeros(4, dtype=np.uint32),
+            "pos": 4, "has_normal": 0, "normal": 0.0}
+
+
+def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *, iteration=None,
+         dataloader=None, custom=None, random_states=None, seed=0, warn=None):
+    """Writes a ckpt checkpoint folder `dir` that the C library's
+    ckpt_load_state (and `ckpt verify`, `ckpt inspect`) accepts, in exactly
+    the layout and metadata document the C writer produces.
+
+      model       nn.Module or a dict of tensors (a list: model, model_1, ...)
+      optimizer   torch SGD, Adam or AdamW, or a flat dict as load_state_dict()
+                  returns it (a list for several)
+      scheduler   StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR or a
+                  LambdaLR whose lambdas are ckpt_torch.WarmupCosine /
+                  WarmupLinear / Constant, or a flat dict
+      scaler      GradScaler, or its state dict (the five GradScaler keys)
+      step        the manifest's step (ckpt_accelerator_step after a load)
+      dataloader, custom, random_states
+                  flat dicts (as load_state_dict() returns) for the C objects
+                  PyTorch has no counterpart of: the data loader's position,
+                  custom objects (custom_checkpoint_<i>), and the
+                  accelerator's Philox generator; without random_states a
+                  fresh generator seeded with `seed` is written, since every
+                  C load expects random_states_0.safetensors.
+      iteration   the manifest's iteration; default n + 1 for a folder named
+                  checkpoint_<n>, else 0.
+
+    As ckpt_save_state with an explicit folder: the lock of the folder, a
+    hidden temporary folder beside it, every file fsynced, the manifest
+    (with its self-checksum) written last, the folder fsynced and renamed
+    into place; a folder already holding a checkpoint is exchanged
+    atomically; a non-empty folder without a manifest is never replaced.
+    Returns the manifest written."""
+    files = []
+    for i, x in enumerate(_as_list(model)):
+        files.append((_file_name("model", i), "model", _model_flat(x)))
+    for i, x in enumerate(_as_list(optimizer)):
+        flat = _plain_flat(x) if _is_flat(x) else optimizer_to_flat(x)
+        files.append((_file_name("optimizer", i), "optimizer", flat))
+    for i, x in enumerate(_as_list(scheduler)):
+        flat = _plain_flat(x) if _is_flat(x) else scheduler_to_flat(x)
+        files.append((_file_name("scheduler", i), "scheduler", flat))
+    for i, x in enumerate(_as_list(dataloader)):
+        files.append((_file_name("dataloader", i), "dataloader", _plain_flat(x)))
+    for i, x in enumerate(_as_list(scaler)):
+        files.append((_file_name("scaler", i), "scaler", scaler_to_flat(x)))
+    for i, x in enumerate(_as_list(custom)):
+        files.append(("custom_checkpoint_%d.safetensors" % i, "custom", _plain_flat(x)))
+    rs = fresh_random_states(seed) if random_states is None else _plain_flat(random_states)
+    files.append(("random_states_0.safetensors", "random_states", rs))
+    if iteration is None:
+        n = checkpoint_number(os.path.basename(os.path.abspath(dir)))
+        iteration = 0 if n is None else n + 1
+    return write_checkpoint(dir, files, step, iteration, warn=warn)

@@ -1,0 +1,995 @@
+"""The ckpt file formats in pure Python: safetensors state files with the
+__metadata__["ckpt"] document (docs/FORMAT.md), the checkpoint.json manifest
+with its self-checksum, folder verification and the atomic folder publish
+(docs/CHECKPOINTS.md). Files are hostile input: every rule the C library
+enforces is enforced here, and a violation raises an error naming the file,
+tensor or key. numpy is the only dependency besides XXH3-64 (python3-xxhash)."""
+import base64
+import errno
+import fcntl
+import json
+import math
+import os
+import re
+import stat
+import struct
+import time
+
+import numpy as np
+
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - reported when a checksum is needed
+    xxhash = None
+
+LIBRARY_VERSION = "0.1.0"
+FORMAT_VERSION = 1
+DOC_VERSION = 1
+MANIFEST_NAME = "checkpoint.json"
+MANIFEST_MAX_BYTES = 16 << 20
+ST_MAX_HEADER = 100_000_000
+MAX_NDIM = 16
+MAX_KEY = 1024
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+_SUM_KEY = "manifest_xxh3"
+_SUM_PREFIX = b'"manifest_xxh3": "'
+
+
+# ---- errors ---------------------------------------------------------------
+
+class CkptError(Exception):
+    """Base of every error this module raises about a checkpoint."""
+
+
+class CorruptError(CkptError):
+    """A file breaks a rule of the format or differs from its checksum
+    (CKPT_ECORRUPT in C)."""
+
+
+class UnsupportedError(CkptError):
+    """A newer format version or something the library cannot represent
+    (CKPT_EUNSUPPORTED)."""
+
+
+class MismatchError(CkptError):
+    """The checkpoint does not fit the objects it is loaded into: another
+    optimizer kind, other keys, dtypes, shapes or group counts
+    (CKPT_EMISMATCH)."""
+
+
+class NotFoundError(CkptError, FileNotFoundError):
+    """No checkpoint where one was asked for (CKPT_ENOENT)."""
+
+
+class BusyError(CkptError):
+    """Another process holds the save lock (CKPT_EBUSY)."""
+
+
+def xxh3_64(data):
+    if xxhash is None:
+        raise ImportError("ckpt_torch needs XXH3-64: install Debian's python3-xxhash")
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _hex(v):
+    return "%016x" % v
+
+
+# ---- dtypes -----------------------------------------------------------------
+
+# dtype name -> (bits per element, numpy dtype or None when numpy has none)
+DTYPES = {
+    "BOOL": (8, np.dtype(np.bool_)), "U8": (8, np.dtype("<u1")), "I8": (8, np.dtype("<i1")),
+    "F8_E5M2": (8, None), "F8_E4M3": (8, None), "F8_E8M0": (8, None),
+    "F8_E4M3FNUZ": (8, None), "F8_E5M2FNUZ": (8, None),
+    "I16": (16, np.dtype("<i2")), "U16": (16, np.dtype("<u2")), "F16": (16, np.dtype("<f2")),
+    "BF16": (16, None),
+    "I32": (32, np.dtype("<i4")), "U32": (32, np.dtype("<u4")), "F32": (32, np.dtype("<f4")),
+    "F64": (64, np.dtype("<f8")), "I64": (64, np.dtype("<i8")), "U64": (64, np.dtype("<u8")),
+    "C64": (64, np.dtype("<c8")),
+    "F4": (4, None), "F6_E2M3": (6, None), "F6_E3M2": (6, None),
+}
+_NP_TO_DTYPE = {v[1]: k for k, v in DTYPES.items() if v[1] is not None}
+
+
+def dtype_of_array(a):
+    """The safetensors dtype of a numpy array (either byte order)."""
+    dt = a.dtype
+    if dt.byteorder == ">":
+        dt = dt.newbyteorder("<")
+    name = _NP_TO_DTYPE.get(dt)
+    if name is None:
+        raise UnsupportedError("numpy dtype %s has no safetensors dtype" % a.dtype)
+    return name
+
+
+def _nbytes(dtype, shape):
+    bits = DTYPES[dtype][0]
+    n = 1
+    for d in shape:
+        n *= d
+    total = n * bits
+    if total % 8:
+        return None
+    return total // 8
+
+
+class RawTensor:
+    """A tensor whose dtype numpy cannot hold (BF16, the F8/F6/F4 kinds):
+    its dtype name, shape and little-endian bytes, kept as they are."""
+
+    __slots__ = ("dtype", "shape", "data")
+
+    def __init__(self, dtype, shape, data):
+        if dtype not in DTYPES:
+            raise ValueError("unknown dtype %r" % dtype)
+        self.dtype, self.shape, self.data = dtype, tuple(shape), bytes(data)
+
+    def __eq__(self, other):
+        return (isinstance(other, RawTensor) and (self.dtype, self.shape, self.data) ==
+                (other.dtype, other.shape, other.data))
+
+    def __repr__(self):
+        return "RawTensor(%s, %s, %d bytes)" % (self.dtype, list(self.shape), len(self.data))
+
+
+# ---- keys and JSON ----------------------------------------------------------
+
+def check_key(key, what):
+    """The key rules of ckpt.h: 1..1024 bytes of UTF-8, no C0/DEL/C1 control
+    character, not __metadata__."""
+    if not isinstance(key, str):
+        raise ValueError("%s: key %r is not a string" % (what, key))
+    try:
+        b = key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("%s: key is not valid UTF-8" % what) from None
+    if not b:
+        raise ValueError("%s: key is empty" % what)
+    if len(b) > MAX_KEY:
+        raise ValueError("%s: key '%s...' is %d bytes, longer than %d" % (what, key[:40], len(b), MAX_KEY))
+    for i, ch in enumerate(key):
+        c = ord(ch)
+        if c < 0x20 or 0x7F <= c <= 0x9F:
+            raise ValueError("%s: key %r contains a control character" % (what, key))
+    if key == "__metadata__":
+        raise ValueError("%s: key '__metadata__' is reserved by the file format" % what)
+
+
+def _key_ok(key):
+    try:
+        check_key(key, "")
+        return True
+    except ValueError:
+        return False
+
+
+class _Dup(Exception):
+    pass
+
+
+def _pairs_no_dup(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _Dup(k)
+        d[k] = v
+    return d
+
+
+def _no_constant(name):
+    raise ValueError("%s is not JSON" % name)
+
+
+_decoder = json.JSONDecoder(object_pairs_hook=_pairs_no_dup, parse_constant=_no_constant)
+
+
+def _loads_strict(text, allow_trailing=False):
+    """JSON as jansson reads it with JSON_REJECT_DUPLICATES: no duplicate key
+    at any level, no NaN/Infinity literals, integers within int64. Returns
+    (value, end) when allow_trailing, else the value."""
+    try:
+        i = 0
+        while i < len(text) and text[i] in " \t\r\n":
+            i += 1
+        v, end = _decoder.raw_decode(text, i)
+    except _Dup as e:
+        raise ValueError("duplicate object key '%s'" % e.args[0]) from None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(str(e)) from None
+    _check_ints(v)
+    if allow_trailing:
+        return v, end
+    rest = text[end:]
+    if rest.strip(" \t\r\n"):
+        raise ValueError("end of file expected at position %d" % end)
+    return v
+
+
+def _check_ints(v):
+    """What jansson refuses and Python's json accepts: integers beyond
+    int64, infinite reals, NUL characters in strings."""
+    stack = [v]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            if any("\0" in k for k in x):
+                raise ValueError("\\u0000 is not allowed without JSON_ALLOW_NUL")
+            stack.extend(x.values())
+        elif isinstance(x, str):
+            if "\0" in x:
+                raise ValueError("\\u0000 is not allowed without JSON_ALLOW_NUL")
+        elif isinstance(x, list):
+            stack.extend(x)
+        elif isinstance(x, int) and not isinstance(x, bool):
+            if not INT64_MIN <= x <= INT64_MAX:
+                raise ValueError("too big integer %d" % x)
+        elif isinstance(x, float) and not math.isfinite(x):
+            raise ValueError("real number overflow")
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_ESC = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def jstr(s):
+    """A JSON string exactly as jansson writes it (UTF-8 kept, control
+    characters as \\u00XX in upper case)."""
+    out = ['"']
+    for ch in s:
+        e = _ESC.get(ch)
+        if e is not None:
+            out.append(e)
+        elif ord(ch) < 0x20:
+            out.append("\\u%04X" % ord(ch))
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def jreal(x):
+    """A double as jansson writes it with JSON_REAL_PRECISION(17): %.17g,
+    '.0' added to integral values, no '+' and no leading zeros in the
+    exponent. Every finite double survives bit for bit."""
+    s = "%.17g" % x
+    if "." not in s and "e" not in s:
+        s += ".0"
+    if "e" in s:
+        mant, exp = s.split("e")
+        sign = "-" if exp.startswith("-") else ""
+        exp = exp.lstrip("+-").lstrip("0") or "0"
+        s = mant + "e" + sign + exp
+    return s
+
+
+# ---- state files: reading ---------------------------------------------------
+
+def _b64decode_strict(s, where):
+    if len(s) % 4 or not re.fullmatch(r"[A-Za-z0-9+/]*={0,2}", s):
+        raise CorruptError("%s: invalid base64" % where)
+    try:
+        raw = base64.b64decode(s, validate=True)
+    except ValueError:
+        raise CorruptError("%s: invalid base64" % where) from None
+    if base64.b64encode(raw).decode("ascii") != s:
+        raise CorruptError("%s: invalid base64 (unused bits are not zero)" % where)
+    return raw
+
+
+class StateFile:
+    """A parsed, fully validated state file: its tensors (name -> dtype,
+    shape, begin, end relative to the data buffer), its entries in document
+    order and the file's bytes."""
+
+    def __init__(self, name, data):
+        self.name = name
+        self.data = data
+        self.tensors = {}   # name -> (dtype, shape, abs_begin, abs_end), file order
+        self.entries = {}   # key -> (type, value), document order
+        self.metadata = None
+        self._parse()
+
+    def _parse(self):
+        name, data = self.name, self.data
+        size = len(data)
+        if size < 8:
+            raise CorruptError("%s: file is shorter than 8 bytes (%d bytes)" % (name, size))
+        n = struct.unpack_from("<Q", data, 0)[0]
+        if n > ST_MAX_HEADER:
+            raise CorruptError("%s: header length %d exceeds the %d-byte limit" % (name, n, ST_MAX_HEADER))
+        if 8 + n > size:
+            raise CorruptError("%s: header extends past end of file (8 + %d bytes, file has %d)"
+                               % (name, n, size))
+        raw = bytes(data[8:8 + n])
+        if n == 0 or raw[:1] != b"{":
+            raise CorruptError("%s: header does not start with '{'" % name)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorruptError("%s: header is not valid JSON: invalid UTF-8 (at byte %d)"
+                               % (name, e.start)) from None
+        try:
+            root, end = _loads_strict(text, allow_trailing=True)
+        except ValueError as e:
+            raise CorruptError("%s: header is not valid JSON: %s" % (name, e)) from None
+        if not isinstance(root, dict):
+            raise CorruptError("%s: header is not a JSON object" % name)
+        tail = text[end:]
+        for i, ch in enumerate(tail):
+            if ch != " ":
+                off = 8 + len(text[:end + i].encode("utf-8"))
+                raise CorruptError("%s: header padding contains byte 0x%02x at offset %d "
+                                   "(padding other than spaces)" % (name, ord(ch) & 0xFF, off))
+        meta = root.get("__metadata__")
+        if meta is not None or "__metadata__" in root:
+            if not isinstance(meta, dict):
+                raise CorruptError("%s: __metadata__ is not a JSON object" % name)
+            for k, v in meta.items():
+                if not isinstance(v, str):
+                    raise CorruptError("%s: __metadata__ value for '%s' is not a string" % (name, k))
+            self.metadata = meta
+        items = []
+        for key, v in root.items():
+            if key == "__metadata__":
+                continue
+            items.append(self._parse_tensor(key, v))
+        items.sort(key=lambda t: (t[3], t[4], t[0].encode("utf-8")))
+        prev_end, prev_name = 0, None
+        for key, dtype, shape, b, e in items:
+            if b > prev_end:
+                if prev_name is None:
+                    raise CorruptError("%s: tensor '%s': data_offsets [%d, %d] leave a hole: the "
+                                       "first tensor must begin at 0" % (name, key, b, e))
+                raise CorruptError("%s: tensor '%s': data_offsets [%d, %d] leave a hole after the "
+                                   "previous tensor '%s' (ends at %d)"
+                                   % (name, key, b, e, prev_name, prev_end))
+            if b < prev_end:
+                raise CorruptError("%s: tensor '%s': data_offsets [%d, %d] overlap the previous "
+                                   "tensor (ends at %d)" % (name, key, b, e, prev_end))
+            prev_end, prev_name = e, key
+        expect = 8 + n + prev_end
+        if expect < size:
+            raise CorruptError("%s: trailing bytes: file has %d bytes, tensors end at %d"
+                               % (name, size, expect))
+        if expect > size:
+            raise CorruptError("%s: tensor data extends past end of file: tensors end at %d, "
+                               "file has %d bytes" % (name, expect, size))
+        for key, dtype, shape, b, e in items:
+            self.tensors[key] = (dtype, shape, 8 + n + b, 8 + n + e)
+        if self.metadata is not None and "ckpt" in self.metadata:
+            self._parse_doc(self.metadata["ckpt"])
+
+    def _parse_tensor(self, key, v):
+        name = self.name
+        if not isinstance(v, dict):
+            raise CorruptError("%s: tensor '%s': entry is not a JSON object" % (name, key))
+        for f in ("dtype", "shape", "data_offsets"):
+            if f not in v:
+                raise CorruptError("%s: tensor '%s': missing %s" % (name, key, f))
+        for f in v:
+            if f not in ("dtype", "shape", "data_offsets"):
+                raise CorruptError("%s: tensor '%s': unknown field '%s'" % (name, key, f))
+        dt = v["dtype"]
+        if not isinstance(dt, str):
+            raise CorruptError("%s: tensor '%s': dtype is not a string" % (name, key))
+        if dt not in DTYPES:
+            raise CorruptError("%s: tensor '%s': unknown dtype '%s'" % (name, key, dt))
+        shape = v["shape"]
+        if not isinstance(shape, list):
+            raise CorruptError("%s: tensor '%s': shape is not an array" % (name, key))
+        if len(shape) > MAX_NDIM:
+            raise CorruptError("%s: tensor '%s': %d dimensions, at most %d supported"
+                               % (name, key, len(shape), MAX_NDIM))
+        for i, d in enumerate(shape):
+            if not _is_int(d) or d < 0:
+                raise CorruptError("%s: tensor '%s': shape dimension %d is not a non-negative integer"
+                                   % (name, key, i))
+        offs = v["data_offsets"]
+        if not isinstance(offs, list) or len(offs) != 2:
+            raise CorruptError("%s: tensor '%s': data_offsets is not a [BEGIN, END] pair" % (name, key))
+        b, e = offs
+        if not (_is_int(b) and _is_int(e) and b >= 0 and e >= 0):
+            raise CorruptError("%s: tensor '%s': data_offsets are not non-negative integers" % (name, key))
+        if e < b:
+            raise CorruptError("%s: tensor '%s': data_offsets [%d, %d]: END < BEGIN" % (name, key, b, e))
+        need = _nbytes(dt, shape)
+        if need is None:
+            raise CorruptError("%s: tensor '%s': %s shape %s: elements x %d bits is not a whole "
+                               "number of bytes" % (name, key, dt, shape, DTYPES[dt][0]))
+        if need >= 1 << 64:
+            raise CorruptError("%s: tensor '%s': shape %s x element size overflows" % (name, key, shape))
+        if e - b != need:
+            raise CorruptError("%s: tensor '%s': data_offsets [%d, %d] hold %d bytes, %s shape %s "
+                               "needs %d" % (name, key, b, e, e - b, dt, shape, need))
+        return (key, dt, tuple(shape), b, e)
+
+    def _doc_err(self, msg):
+        return CorruptError("%s: __metadata__ 'ckpt': %s" % (self.name, msg))
+
+    def _parse_doc(self, text):
+        if "\0" in text:
+            raise CorruptError("%s: __metadata__ 'ckpt' is not valid JSON: NUL character" % self.name)
+        try:
+            doc = _loads_strict(text)
+        except ValueError as e:
+            raise CorruptError("%s: __metadata__ 'ckpt' is not valid JSON: %s" % (self.name, e)) from None
+        if not isinstance(doc, dict):
+            raise self._doc_err("not a JSON object")
+        for f in doc:
+            if f not in ("version", "entries"):
+                raise self._doc_err("unknown field '%s'" % f)
+        ver = doc.get("version")
+        if not _is_int(ver):
+            raise self._doc_err("version is missing or not an integer")
+        if ver > DOC_VERSION:
+            raise UnsupportedError("%s: __metadata__ 'ckpt': version %d is newer than this library "
+                                   "supports (%d)" % (self.name, ver, DOC_VERSION))
+        if ver < 1:
+            raise self._doc_err("version is not a positive integer")
+        arr = doc.get("entries")
+        if not isinstance(arr, list):
+            raise self._doc_err("entries is missing or not an array")
+        for idx, o in enumerate(arr):
+            if not isinstance(o, dict):
+                raise self._doc_err("entries[%d] is not an object" % idx)
+            for f in o:
+                if f not in ("key", "type", "value"):
+                    raise self._doc_err("entries[%d]: unknown field '%s'" % (idx, f))
+            key, typ = o.get("key"), o.get("type")
+            if not isinstance(key, str):
+                raise self._doc_err("entries[%d]: key is missing or not a string" % idx)
+            if not isinstance(typ, str):
+                raise self._doc_err("entries[%d]: type is missing or not a string" % idx)
+            if "value" not in o:
+                raise self._doc_err("entries[%d]: value is missing" % idx)
+            if "\0" in key or not _key_ok(key):
+                raise self._doc_err("entries[%d]: invalid key '%s'" % (idx, key))
+            v = o["value"]
+            if typ == "i64":
+                if not _is_int(v):
+                    raise self._doc_err("entry '%s': i64 value is not an integer" % key)
+                val = int(v)
+            elif typ == "f64":
+                if isinstance(v, float):
+                    val = v
+                elif _is_int(v):
+                    val = float(v)
+                elif isinstance(v, str):
+                    if v not in ("nan", "inf", "-inf"):
+                        raise self._doc_err("entry '%s': f64 value '%s' is not a number, \"nan\", "
+                                            "\"inf\" or \"-inf\"" % (key, v))
+                    val = float(v)
+                else:
+                    raise self._doc_err("entry '%s': f64 value is not a number" % key)
+            elif typ == "str":
+                if not isinstance(v, str):
+                    raise self._doc_err("entry '%s': str value is not a string" % key)
+                if "\0" in v:
+                    raise self._doc_err("entry '%s': str value contains a NUL character" % key)
+                val = v
+            elif typ == "bytes":
+                if not isinstance(v, str):
+                    raise self._doc_err("entry '%s': bytes value is not a string" % key)
+                val = _b64decode_strict(v, "%s: __metadata__ 'ckpt': entry '%s'" % (self.name, key))
+            else:
+                raise self._doc_err("entry '%s': unknown type '%s'" % (key, typ))
+            if key in self.tensors or key in self.entries:
+                other = "tensor" if key in self.tensors else self.entries[key][0]
+                raise CorruptError("%s: duplicate key '%s' (%s and %s)" % (self.name, key, other, typ))
+            self.entries[key] = (typ, val)
+
+    def tensor_bytes(self, key):
+        dtype, shape, b, e = self.tensors[key]
+        return memoryview(self.data)[b:e]
+
+    def array(self, key):
+        """A tensor as a numpy array (a copy), or a RawTensor for dtypes
+        numpy lacks."""
+        dtype, shape, b, e = self.tensors[key]
+        npdt = DTYPES[dtype][1]
+        if npdt is None:
+            return RawTensor(dtype, shape, self.data[b:e])
+        return np.frombuffer(self.data, dtype=npdt, count=(e - b) // npdt.itemsize,
+                             offset=b).reshape(shape).copy()
+
+    def flat(self):
+        """Every entry: tensors (numpy arrays or RawTensor) in file order,
+        then scalars in document order (int, float, str, bytes)."""
+        out = {k: self.array(k) for k in self.tensors}
+        for k, (_t, v) in self.entries.items():
+            out[k] = v
+        return out
+
+
+def read_state_file(path, name=None):
+    with open(path, "rb") as f:
+        data = f.read()
+    return StateFile(name or path, data)
+
+
+# ---- state files: writing ---------------------------------------------------
+
+def _entry_of(key, v):
+    """(kind, payload) for one value of a flat state dict."""
+    if isinstance(v, RawTensor):
+        return "tensor", (v.dtype, v.shape, v.data)
+    if isinstance(v, np.ndarray):
+        dt = dtype_of_array(v)
+        a = v.astype(DTYPES[dt][1], order="C", copy=False)  # keeps 0-d arrays 0-d
+        if a.ndim > MAX_NDIM:
+            raise ValueError("state dict: tensor '%s' has %d dimensions, at most %d" % (key, a.ndim, MAX_NDIM))
+        return "tensor", (dt, tuple(int(d) for d in a.shape), a.tobytes())
+    if isinstance(v, (bool, np.bool_)):
+        return "i64", int(v)
+    if isinstance(v, (int, np.integer)):
+        iv = int(v)
+        if not INT64_MIN <= iv <= INT64_MAX:
+            raise ValueError("state dict: '%s': %d does not fit in 64 bits" % (key, iv))
+        return "i64", iv
+    if isinstance(v, (float, np.floating)):
+        return "f64", float(v)
+    if isinstance(v, str):
+        if "\0" in v:
+            raise ValueError("state dict: string '%s' contains a NUL character" % key)
+        return "str", v
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return "bytes", bytes(v)
+    raise TypeError("state dict: '%s': cannot store a %s" % (key, type(v).__name__))
+
+
+def _align(dtype):
+    bits = DTYPES[dtype][0]
+    return bits // 8 if bits >= 8 else 1
+
+
+def encode_state(flat, what="state dict"):
+    """The bytes of one state file for a flat state dict (key -> numpy
+    array / RawTensor / int / float / str / bytes), laid out exactly as the C
+    writer lays it out. Returns (bytes, [(tensor name, xxh3)] in file order)."""
+    tensors, doc = [], []
+    for key, v in flat.items():
+        check_key(key, what)
+        kind, payload = _entry_of(key, v)
+        if kind == "tensor":
+            tensors.append((key, payload))
+        else:
+            doc.append((key, kind, payload))
+    tensors.sort(key=lambda t: (-_align(t[1][0]), t[0].encode("utf-8")))
+    parts = []
+    for key, kind, val in doc:
+        if kind == "i64":
+            vs = str(val)
+        elif kind == "f64":
+            if math.isnan(val):
+                vs = '"nan"'
+            elif math.isinf(val):
+                vs = '"inf"' if val > 0 else '"-inf"'
+            else:
+                vs = jreal(val)
+        elif kind == "str":
+            vs = jstr(val)
+        else:
+            vs = jstr(base64.b64encode(val).decode("ascii"))
+        parts.append('{"key":%s,"type":"%s","value":%s}' % (jstr(key), kind, vs))
+    doc_text = '{"version":%d,"entries":[%s]}' % (DOC_VERSION, ",".join(parts))
+    hdr = ['{"__metadata__":{"format":"pt","ckpt":%s}' % jstr(doc_text)]
+    off = 0
+    for key, (dt, shape, data) in tensors:
+        hdr.append(',%s:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}'
+                   % (jstr(key), dt, ",".join(str(d) for d in shape), off, off + len(data)))
+        off += len(data)
+    hdr.append("}")
+    htext = "".join(hdr).encode("utf-8")
+    padded = (8 + len(htext) + 7) // 8 * 8 - 8
+    out = [struct.pack("<Q", padded), htext, b" " * (padded - len(htext))]
+    digests = []
+    for key, (dt, shape, data) in tensors:
+        out.append(data)
+        digests.append((key, xxh3_64(data)))
+    return b"".join(out), digests
+
+
+# ---- the manifest -----------------------------------------------------------
+
+def manifest_text(m):
+    """checkpoint.json exactly as the C library writes it (jansson,
+    two-space indent), its manifest_xxh3 filled in."""
+    L = ["{"]
+    top = [("format", jstr("ckpt")), ("format_version", str(m["format_version"])),
+           ("library_version", jstr(m["library_version"])), ("iteration", str(m["iteration"])),
+           ("step", str(m["step"])), ("process_index", str(m["process_index"])),
+           ("num_processes", str(m["num_processes"])), ("created_unix", str(m["created_unix"])),
+           ("created", jstr(m["created"]))]
+    for k, v in top:
+        L.append('  "%s": %s,' % (k, v))
+    if not m["files"]:
+        L.append('  "files": [],')
+    else:
+        L.append('  "files": [')
+        for i, f in enumerate(m["files"]):
+            L.append("    {")
+            L.append('      "name": %s,' % jstr(f["name"]))
+            L.append('      "kind": %s,' % jstr(f["kind"]))
+            L.append('      "size": %d,' % f["size"])
+            L.append('      "xxh3": "%s",' % f["xxh3"])
+            ts = list(f["tensors"].items())
+            if not ts:
+                L.append('      "tensors": {}')
+            else:
+                L.append('      "tensors": {')
+                for j, (k, h) in enumerate(ts):
+                    L.append('        %s: "%s"%s' % (jstr(k), h, "," if j + 1 < len(ts) else ""))
+                L.append("      }")
+            L.append("    }" + ("," if i + 1 < len(m["files"]) else ""))
+        L.append("  ],")
+    L.append('  "%s": "%s"' % (_SUM_KEY, "0" * 16))
+    L.append("}")
+    text = ("\n".join(L) + "\n").encode("utf-8")
+    pos = _find_sum_digits(text)
+    assert pos is not None
+    digest = _hex(xxh3_64(text)).encode("ascii")
+    return text[:pos] + digest + text[pos + 16:]
+
+
+def _find_sum_digits(text):
+    """Where the 16 digits of manifest_xxh3 are: the one occurrence of the
+    member's bytes followed by 16 characters and a quote, else None."""
+    found, start = None, 0
+    plen = len(_SUM_PREFIX)
+    while True:
+        q = text.find(_SUM_PREFIX, start)
+        if q < 0 or q + plen + 17 > len(text):
+            break
+        if found is not None:
+            return None
+        found = q + plen
+        start = q + 1
+    if found is not None and text[found + 16:found + 17] != b'"':
+        return None
+    return found
+
+
+def _plain_name(s):
+    b = s.encode("utf-8")
+    if not b or len(b) > 255 or s[0] == "." or ".." in s:
+        return False
+    if any(c in "/\\" or ord(c) < 0x20 or ord(c) == 0x7F for c in s):
+        return False
+    return s != MANIFEST_NAME
+
+
+def _m_int(root, key, required, lo, hi, what):
+    if key not in root:
+        if not required:
+            return None
+        raise CorruptError('%s: "%s" is missing' % (what, key))
+    v = root[key]
+    if not _is_int(v):
+        raise CorruptError('%s: "%s" must be an integer' % (what, key))
+    if v < lo or v > hi:
+        raise CorruptError('%s: "%s" is %d, expected %d..%d' % (what, key, v, lo, hi))
+    return v
+
+
+def _m_str(root, key, required, what):
+    if key not in root:
+        if not required:
+            return None
+        raise CorruptError('%s: "%s" is missing' % (what, key))
+    v = root[key]
+    if not isinstance(v, str):
+        raise CorruptError('%s: "%s" must be a string' % (what, key))
+    if "\0" in v:
+        raise CorruptError('%s: "%s" contains a NUL character' % (what, key))
+    return v
+
+
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+
+
+def parse_manifest(text, what):
+    """Parses and checks checkpoint.json bytes as the C library does:
+    structure, format version, then the self-checksum. Returns a dict."""
+    if len(text) > MANIFEST_MAX_BYTES:
+        raise CorruptError("%s: %d bytes, more than the %d a manifest may have"
+                           % (what, len(text), MANIFEST_MAX_BYTES))
+    try:
+        root = _loads_strict(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptError("%s: invalid JSON: %s" % (what, e)) from None
+    if not isinstance(root, dict):
+        raise CorruptError("%s: not a JSON object" % what)
+    fmt = _m_str(root, "format", True, what)
+    if fmt != "ckpt":
+        raise CorruptError('%s: "format" is "%s", expected "ckpt"' % (what, fmt[:32]))
+    ver = _m_int(root, "format_version", True, 1, 2**31 - 1, what)
+    if ver > FORMAT_VERSION:
+        raise UnsupportedError("%s: checkpoint format version %d is newer than this library's "
+                               "(%d); upgrade ckpt" % (what, ver, FORMAT_VERSION))
+    m = {"format_version": ver}
+    m["library_version"] = _m_str(root, "library_version", True, what)
+    m["iteration"] = _m_int(root, "iteration", True, 0, INT64_MAX, what)
+    m["step"] = _m_int(root, "step", True, INT64_MIN, INT64_MAX, what)
+    m["num_processes"] = _m_int(root, "num_processes", True, 1, 1 << 24, what)
+    pi = _m_int(root, "process_index", False, 0, m["num_processes"] - 1, what)
+    m["process_index"] = 0 if pi is None else pi
+    m["created_unix"] = _m_int(root, "created_unix", False, INT64_MIN, INT64_MAX, what) or 0
+    m["created"] = _m_str(root, "created", False, what) or ""
+    files = root.get("files")
+    if not isinstance(files, list):
+        raise CorruptError('%s: "files" must be an array' % what)
+    m["files"] = []
+    for i, jf in enumerate(files):
+        where = "%s: files[%d]" % (what, i)
+        if not isinstance(jf, dict):
+            raise CorruptError("%s: must be an object" % where)
+        name = _m_str(jf, "name", True, where)
+        if not _plain_name(name):
+            raise CorruptError('%s: name "%s" is not a plain file name' % (where, name[:64]))
+        where = "%s: %s" % (what, name)
+        kind = _m_str(jf, "kind", True, where)
+        if not 1 <= len(kind.encode("utf-8")) <= 64:
+            raise CorruptError('%s: "kind" must be 1..64 characters' % where)
+        size = _m_int(jf, "size", True, 0, INT64_MAX, where)
+        hx = _m_str(jf, "xxh3", True, where)
+        if not _HEX16.fullmatch(hx):
+            raise CorruptError('%s: "xxh3" must be 16 lowercase hex digits' % where)
+        jt = jf.get("tensors")
+        if "tensors" in jf and not isinstance(jt, dict):
+            raise CorruptError('%s: "tensors" must be an object' % where)
+        tensors = {}
+        for k, v in (jt or {}).items():
+            if not k or len(k.encode("utf-8")) > MAX_KEY:
+                raise CorruptError("%s: a tensor key is empty or too long" % where)
+            if not isinstance(v, str) or not _HEX16.fullmatch(v):
+                raise CorruptError("%s: tensor '%s': digest must be 16 lowercase hex digits"
+                                   % (where, k[:128]))
+            tensors[k] = v
+        m["files"].append({"name": name, "kind": kind, "size": size, "xxh3": hx, "tensors": tensors})
+    seen = set()
+    for f in sorted(m["files"], key=lambda f: f["name"].encode("utf-8")):
+        if f["name"] in seen:
+            raise CorruptError('%s: file "%s" is listed twice' % (what, f["name"]))
+        seen.add(f["name"])
+    # the self-checksum, after the structure and the version
+    want = root.get(_SUM_KEY)
+    if want is None and _SUM_KEY not in root:
+        raise CorruptError('%s: "%s" is missing' % (what, _SUM_KEY))
+    if not isinstance(want, str) or not _HEX16.fullmatch(want):
+        raise CorruptError('%s: "%s" must be 16 hex digits' % (what, _SUM_KEY))
+    pos = _find_sum_digits(text)
+    if pos is None or text[pos:pos + 16] != want.encode("ascii"):
+        raise CorruptError('%s: "%s" must appear exactly once, as written' % (what, _SUM_KEY))
+    got = _hex(xxh3_64(text[:pos] + b"0" * 16 + text[pos + 16:]))
+    if got != want:
+        raise CorruptError("%s: checksum mismatch: the manifest was changed after it was written "
+                           "(%s in the file, %s computed)" % (what, want, got))
+    return m
+
+
+def read_manifest(dir):
+    if not os.path.exists(dir):
+        raise NotFoundError(errno.ENOENT, "%s: No such file or directory" % dir)
+    if not os.path.isdir(dir):
+        raise CkptError("%s: not a folder" % dir)
+    path = os.path.join(dir, MANIFEST_NAME)
+    if not os.path.lexists(path):
+        raise CorruptError("%s: not a complete checkpoint: no manifest %s (an interrupted save?)"
+                           % (dir, MANIFEST_NAME))
+    with open(path, "rb") as f:
+        text = f.read(MANIFEST_MAX_BYTES + 1)
+    return parse_manifest(text, path)
+
+
+def _name_mismatch(dir, f, data):
+    try:
+        sf = StateFile(f["name"], data)
+    except CkptError:
+        raise CorruptError("%s: %s: checksum mismatch and the file does not parse"
+                           % (dir, f["name"])) from None
+    for k, h in f["tensors"].items():
+        if k not in sf.tensors:
+            raise CorruptError("%s: %s: tensor '%s': missing (checksum mismatch)" % (dir, f["name"], k))
+        if _hex(xxh3_64(sf.tensor_bytes(k))) != h:
+            raise CorruptError("%s: %s: tensor '%s': checksum mismatch" % (dir, f["name"], k))
+    raise CorruptError("%s: %s: checksum mismatch in the header or metadata (tensor data intact)"
+                       % (dir, f["name"]))
+
+
+def verify_folder(dir, keep_data=False):
+    """Checks a checkpoint folder as ckpt_load_state does before loading:
+    the manifest, every listed file's existence, size and XXH3-64 (naming
+    the tensor that changed when the file still parses), and no unlisted
+    .safetensors file. Returns (manifest, {name: bytes} if keep_data)."""
+    m = read_manifest(dir)
+    datas = {}
+    for f in m["files"]:
+        path = os.path.join(dir, f["name"])
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            raise CorruptError("%s: %s is listed in the manifest but missing" % (dir, f["name"])) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptError("%s: %s is not a regular file" % (dir, f["name"]))
+        if st.st_size != f["size"]:
+            raise CorruptError("%s: %s: size %d bytes, the manifest says %d%s"
+                               % (dir, f["name"], st.st_size, f["size"],
+                                  " (truncated)" if st.st_size < f["size"] else ""))
+        with open(path, "rb") as fh:
+            data = fh.read()
+        if len(data) != f["size"]:
+            raise CorruptError("%s: %s: size %d bytes, the manifest says %d"
+                               % (dir, f["name"], len(data), f["size"]))
+        if _hex(xxh3_64(data)) != f["xxh3"]:
+            _name_mismatch(dir, f, data)
+        if keep_data:
+            datas[f["name"]] = data
+    listed = {f["name"] for f in m["files"]}
+    for e in sorted(os.listdir(dir)):
+        if e.endswith(".safetensors") and not e.startswith(".") and e not in listed:
+            raise CorruptError("%s: %s is not listed in the manifest" % (dir, e))
+    return m, datas
+
+
+# ---- checkpoint folders -----------------------------------------------------
+
+_NUM = re.compile(r"checkpoint_(0|[1-9][0-9]{0,17})")
+
+
+def checkpoint_number(name):
+    """n for a folder named checkpoint_<n> (1..18 digits, no leading zero),
+    else None: the C library's rule."""
+    mm = _NUM.fullmatch(name)
+    return int(mm.group(1)) if mm else None
+
+
+def list_numbers(cdir):
+    try:
+        names = os.listdir(cdir)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in names:
+        k = checkpoint_number(n)
+        if k is not None and os.path.isdir(os.path.join(cdir, n)) and \
+                not os.path.islink(os.path.join(cdir, n)):
+            out.append(k)
+    return sorted(out)
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path, data):
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view[: 64 << 20])
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(path):
+    import shutil
+    shutil.rmtree(path, ignore_errors=False)
+
+
+def _rename_exchange(a, b):
+    """renameat2(RENAME_EXCHANGE) through libc; False if unavailable."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        e = ctypes.get_errno()
+        if e in (errno.ENOSYS, errno.EINVAL):
+            return False
+        raise OSError(e, "rename %s <-> %s: %s" % (a, b, os.strerror(e)))
+    return True
+
+
+def _lock_path(parent, base):
+    if checkpoint_number(base) is not None:
+        return os.path.join(parent, ".lock")
+    return os.path.join(parent, "." + base + ".lock")
+
+
+_LEFTOVER = re.compile(r"\.(?P<base>.+)\.(tmp\.[0-9]{1,20}|old\.[0-9]{1,20}(\.[0-9]{1,20})?)")
+
+
+def write_checkpoint(dir, files, step, iteration, warn=None):
+    """Publishes a checkpoint folder as ckpt_save_state does for an explicit
+    folder: lock, leftover cleanup, a hidden temporary folder beside it,
+    every file written and fsynced, the manifest last, folder fsyncs, then an
+    atomic rename (an exchange if dir already holds a checkpoint).
+    files: [(file name, kind, flat state dict)] in the C library's order."""
+    dir = os.path.abspath(dir)
+    parent, base = os.path.split(dir.rstrip("/"))
+    if not base or base.startswith("."):
+        raise ValueError("save: %s: not a usable folder name" % dir)
+    os.makedirs(parent, exist_ok=True)
+    lockp = _lock_path(parent, base)
+    lfd = os.open(lockp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = ""
+            try:
+                holder = os.pread(lfd, 32, 0).decode("ascii", "replace").strip()
+            except OSError:
+                pass
+            raise BusyError("save: %s is locked by another process%s"
+                            % (lockp, " (pid %s)" % holder if holder else "")) from None
+        os.ftruncate(lfd, 0)
+        os.pwrite(lfd, ("%d\n" % os.getpid()).encode(), 0)
+        numbered = checkpoint_number(base) is not None
+        for e in os.listdir(parent):
+            mm = _LEFTOVER.fullmatch(e)
+            if not mm:
+                continue
+            if (numbered and checkpoint_number(mm.group("base")) is not None) or mm.group("base") == base:
+                if warn:
+                    warn("removing %s left by an interrupted save" % os.path.join(parent, e))
+                _remove_tree(os.path.join(parent, e))
+        existed = os.path.lexists(dir)
+        if existed:
+            if not os.path.isdir(dir) or os.path.islink(dir):
+                raise FileExistsError(errno.EEXIST, "save: %s exists and is not a folder" % dir)
+            if os.listdir(dir) and not os.path.exists(os.path.join(dir, MANIFEST_NAME)):
+                raise FileExistsError(errno.EEXIST, "save: %s exists, is not empty and holds no "
+                                      "checkpoint; not replacing it" % dir)
+        tmp = os.path.join(parent, ".%s.tmp.%d" % (base, os.getpid()))
+        os.mkdir(tmp, 0o755)
+        try:
+            now = int(time.time())
+            m = {"format_version": FORMAT_VERSION, "library_version": LIBRARY_VERSION,
+                 "iteration": int(iteration), "step": int(step), "process_index": 0,
+                 "num_processes": 1, "created_unix": now,
+                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "files": []}
+            for name, kind, flat in files:
+                data, digests = encode_state(flat, name)
+                _write_file(os.path.join(tmp, name), data)
+                m["files"].append({"name": name, "kind": kind, "size": len(data),
+                                   "xxh3": _hex(xxh3_64(data)),
+                                   "tensors": {k: _hex(h) for k, h in digests}})
+            _write_file(os.path.join(tmp, MANIFEST_NAME), manifest_text(m))
+            _fsync_dir(tmp)
+            if existed and os.listdir(dir):
+                if _rename_exchange(tmp, dir):
+                    _fsync_dir(parent)
+                    _remove_tree(tmp)  # now the old checkpoint
+                    tmp = None
+                else:
+                    old = os.path.join(parent, ".%s.old.%d" % (base, os.getpid()))
+                    os.rename(dir, old)
+                    os.rename(tmp, dir)
+                    tmp = None
+                    _fsync_dir(parent)
+                    _remove_tree(old)
+            else:
+                os.rename(tmp, dir)
+                tmp = None
+                _fsync_dir(parent)
+        finally:
+            if tmp is not None and os.path.lexists(tmp):
+                _remove_tree(tmp)
+    finally:
+        os.close(lfd)
+    return m

@@ -1,0 +1,113 @@
+/* accel.h — the accelerator's internals shared by its files: the registry of
+ * saved objects and hooks (accelerator.c), the save phases (save.c), the
+ * load phases (load.c) and the collectives they agree through
+ * (collective.c). One process is the case of a one-rank communicator: the
+ * phases are the same, the collectives trivial. */
+#ifndef CKPT_ACCEL_H
+#define CKPT_ACCEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ckpt.h"
+#include "store/store.h"
+
+/* The kinds of saved objects, in the order their files are written. */
+enum {
+    K_MODEL,
+    K_OPTIMIZER,
+    K_SCHEDULER,
+    K_DATALOADER,
+    K_SCALER,
+    K_CUSTOM,
+    K_RNG,
+    K_COUNT
+};
+/* File name stem, manifest "kind", and the noun used in messages. */
+extern const char *const ckpt__kind_stem[K_COUNT];
+extern const char *const ckpt__kind_name[K_COUNT];
+extern const char *const ckpt__kind_noun[K_COUNT];
+
+typedef struct ckpt_acc_obj {
+    int kind;
+    int index; /* k-th of its kind */
+    const ckpt_stateful_ops *ops;
+    void *self;
+} ckpt_acc_obj;
+
+enum { HOOK_SAVE = 0, HOOK_LOAD = 1 };
+
+struct ckpt_hook_handle {
+    ckpt_accelerator *acc;
+    int which;
+    ckpt_state_hook_fn fn;
+    void *user;
+    ckpt_hook_handle *prev, *next;
+};
+
+struct ckpt_accelerator {
+    char *project_dir;
+    char *logging_dir;
+    bool automatic_checkpoint_naming;
+    int total_limit;
+    int64_t iteration;
+    bool save_on_each_node;
+    int process_index; /* names this process's files (random_states_<i>) */
+    int num_processes;
+    /* The process group saves and loads agree over: the config's comm, or
+     * the one-process communicator. rank is comm->rank: rank 0 plans and
+     * commits. Without a config comm, process_index is only recorded. */
+    const ckpt_comm *comm;
+    ckpt_logger log;
+    ckpt_acc_obj *objs;
+    int nobjs, cap;
+    int count[K_COUNT];
+    ckpt_rng rng;
+    int64_t step;
+    char *last_dir;
+    ckpt_hook_handle *hooks[2];
+};
+
+/* The file an object's state goes to: "model.safetensors",
+ * "custom_checkpoint_2.safetensors", "random_states_<process_index>...". */
+void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, char *buf, size_t cap);
+/* The name of this process's shard file of the object whose file is
+ * `file`: "<stem>-<rank+1>-of-<size>.safetensors", 5 digits each. */
+int ckpt__acc_shard_name(const char *file, int rank, int size, char *buf, size_t cap);
+/* Whether name is a shard file "<stem>-DDDDD-of-DDDDD.safetensors"; if so
+ * and stem is not NULL, whether its stem is exactly stem (the object's file
+ * name without ".safetensors"). */
+bool ckpt__acc_is_shard_of(const char *name, const char *stem_file);
+/* Every saved object in file order, the accelerator's generator last. *n
+ * entries in a ckpt__malloc'd array; NULL if out of memory. */
+ckpt_acc_obj *ckpt__acc_plan_objects(ckpt_accelerator *acc, int *n);
+/* Runs the save (HOOK_SAVE) or load hooks in registration order; the first
+ * failure stops them, with a message naming dir and `what`. */
+int ckpt__acc_run_hooks(ckpt_accelerator *acc, int which, const char *dir, const char *what);
+
+/* ---- collectives (collective.c) ------------------------------------------ */
+/* All are collective over c: every rank calls them in the same order. With
+ * one rank they do nothing and keep the message as it is. */
+
+/* Every rank passes its own status rc (its message in ckpt_errmsg()); every
+ * rank returns the same status and holds the same message: 0 if every rc
+ * was 0; else the status of the lowest failing rank, message "rank <r>:
+ * <its message>" (plus how many other ranks failed). If prefer is not NULL,
+ * a failing rank whose status satisfies prefer is reported before the
+ * others. A failure of the communicator itself is returned as is (CKPT_EIO
+ * naming it) and may differ between ranks. */
+int ckpt__coll_agree(const ckpt_comm *c, int rc, bool (*prefer)(int rc));
+/* Rank 0's status and message reach every rank: rank 0 passes rc, the
+ * others anything; all return rank 0's rc, and on failure every rank's
+ * message is "rank 0: <rank 0's message>". */
+int ckpt__coll_share(const ckpt_comm *c, int rc);
+/* Rank 0's n bytes at *buf reach every rank: elsewhere *buf gets a
+ * ckpt__malloc'd copy (free() it; one extra NUL byte after the data) and *n
+ * its length. */
+int ckpt__coll_bcast_bytes(const ckpt_comm *c, char **buf, size_t *n);
+/* Checks a user-supplied communicator: rank/size in range, every function
+ * set. CKPT_EINVAL naming what is wrong. */
+int ckpt__comm_check(const ckpt_comm *c, const char *what);
+
+#endif

@@ -1,0 +1,136 @@
+/* collective.c — how the ranks of a save or load reach one outcome: every
+ * rank returns the same status and the same message, which names the rank
+ * that failed. Built on the few functions of a ckpt_comm. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "accel/accel.h"
+#include "base/error.h"
+
+/* One rank's outcome as it travels: status, then its message (cut short). */
+#define REC_BYTES 2048
+#define REC_MSG (REC_BYTES - 8)
+
+static void rec_pack(char *rec, int rc) {
+    int32_t v = rc;
+    memset(rec, 0, REC_BYTES);
+    memcpy(rec, &v, sizeof v);
+    snprintf(rec + 8, REC_MSG, "%s", rc < 0 ? ckpt_errmsg() : "");
+}
+
+static int rec_status(const char *rec) {
+    int32_t v;
+    memcpy(&v, rec, sizeof v);
+    return v;
+}
+
+static int comm_failed(int rc, const char *what) {
+    if (rc >= 0) rc = CKPT_EIO;
+    return ckpt__err_prefix(rc, "communicator: %s", what);
+}
+
+int ckpt__coll_agree(const ckpt_comm *c, int rc, bool (*prefer)(int rc)) {
+    if (rc > 0) rc = CKPT_EINVAL;
+    if (c->size <= 1) return rc;
+    /* The common case costs one small reduction; only a failure moves the
+     * messages. */
+    int64_t failed = rc < 0;
+    int crc = c->allreduce_i64(c->ctx, &failed, 1, CKPT_REDUCE_MAX);
+    if (crc < 0) return comm_failed(crc, "allreduce");
+    if (!failed) return CKPT_OK;
+    size_t p = (size_t)c->size;
+    char *mine = malloc(REC_BYTES);
+    char *all = malloc(p * REC_BYTES);
+    size_t *lens = malloc(p * sizeof *lens);
+    if (!mine || !all || !lens) {
+        free(mine), free(all), free(lens);
+        return ckpt__err_nomem("agreement");
+    }
+    rec_pack(mine, rc);
+    for (size_t r = 0; r < p; r++) lens[r] = REC_BYTES;
+    crc = c->allgather(c->ctx, mine, all, lens);
+    if (crc < 0) {
+        free(mine), free(all), free(lens);
+        return comm_failed(crc, "allgather");
+    }
+    int pick = -1, nfailed = 0;
+    for (int pass = prefer ? 0 : 1; pass < 2 && pick < 0; pass++)
+        for (size_t r = 0; r < p && pick < 0; r++) {
+            int s = rec_status(all + r * REC_BYTES);
+            if (s < 0 && (pass == 1 || prefer(s))) pick = (int)r;
+        }
+    for (size_t r = 0; r < p; r++) nfailed += rec_status(all + r * REC_BYTES) < 0;
+    if (pick < 0) { /* only if the records disagree with the reduction */
+        free(mine), free(all), free(lens);
+        return ckpt__err(CKPT_EIO, "communicator: a rank reported a failure but sent no status");
+    }
+    const char *rec = all + (size_t)pick * REC_BYTES;
+    int status = rec_status(rec);
+    char msg[REC_MSG];
+    memcpy(msg, rec + 8, REC_MSG);
+    msg[REC_MSG - 1] = '\0';
+    if (nfailed > 1)
+        ckpt__err(status, "rank %d: %s (%d other rank%s failed too)", pick, msg, nfailed - 1,
+                  nfailed - 1 == 1 ? "" : "s");
+    else
+        ckpt__err(status, "rank %d: %s", pick, msg);
+    free(mine), free(all), free(lens);
+    return status;
+}
+
+int ckpt__coll_share(const ckpt_comm *c, int rc) {
+    if (rc > 0) rc = CKPT_EINVAL;
+    if (c->size <= 1) return rc;
+    char *rec = malloc(REC_BYTES);
+    if (!rec) return ckpt__err_nomem("agreement");
+    if (c->rank == 0) rec_pack(rec, rc);
+    int crc = c->bcast(c->ctx, rec, REC_BYTES, 0);
+    if (crc < 0) {
+        free(rec);
+        return comm_failed(crc, "bcast");
+    }
+    int status = rec_status(rec);
+    if (status < 0) {
+        rec[REC_BYTES - 1] = '\0';
+        ckpt__err(status, "rank 0: %s", rec + 8);
+    }
+    free(rec);
+    return status;
+}
+
+int ckpt__coll_bcast_bytes(const ckpt_comm *c, char **buf, size_t *n) {
+    if (c->size <= 1) return CKPT_OK;
+    uint64_t len = c->rank == 0 ? (uint64_t)*n : 0;
+    int crc = c->bcast(c->ctx, &len, sizeof len, 0);
+    if (crc < 0) return comm_failed(crc, "bcast");
+    if (len > SIZE_MAX - 1) return ckpt__err(CKPT_EINVAL, "communicator: bcast of %" PRIu64 " bytes", len);
+    char *p = c->rank == 0 ? *buf : malloc((size_t)len + 1);
+    if (!p) return ckpt__err_nomem("bcast");
+    if (len) {
+        crc = c->bcast(c->ctx, p, (size_t)len, 0);
+        if (crc < 0) {
+            if (c->rank != 0) free(p);
+            return comm_failed(crc, "bcast");
+        }
+    }
+    if (c->rank != 0) {
+        p[len] = '\0';
+        *buf = p;
+        *n = (size_t)len;
+    }
+    return CKPT_OK;
+}
+
+int ckpt__comm_check(const ckpt_comm *c, const char *what) {
+    if (c->size < 1)
+        return ckpt__err(CKPT_EINVAL, "%s: comm size is %d, expected >= 1", what, c->size);
+    if (c->rank < 0 || c->rank >= c->size)
+        return ckpt__err(CKPT_EINVAL, "%s: comm rank %d outside [0, %d)", what, c->rank, c->size);
+    if (!c->barrier || !c->bcast || !c->gather || !c->allgather || !c->allreduce_i64)
+        return ckpt__err(CKPT_EINVAL, "%s: comm is missing a function (barrier, bcast, gather, "
+                                      "allgather and allreduce_i64 are all needed)",
+                         what);
+    return CKPT_OK;
+}

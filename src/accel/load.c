@@ -1,0 +1,328 @@
+/* load.c — ckpt_load_state as explicit phases, the mirror of save.c, the
+ * same for one process and for many:
+ *
+ *   choose   rank 0 lists the candidates, newest first; for each, every rank
+ *            verifies what it will read (the manifest, the replicated and
+ *            shard files, its own per-process file) and all agree: the first
+ *            candidate every rank accepts is taken, a corrupt one is skipped
+ *            by all ranks alike
+ *   check    every rank matches its objects with the files, checks every
+ *            schema and value (check_state_dict), changing nothing
+ *   agree    nothing is applied anywhere unless every rank's checks passed
+ *   apply    every rank loads its objects
+ *
+ * Every rank returns the same status and message. */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ckpt.h"
+#include "accel/accel.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "format/manifest.h"
+#include "format/statedict.h"
+#include "store/store.h"
+#include "train/rng.h"
+
+typedef struct load_op {
+    ckpt_accelerator *acc;
+    const ckpt_comm *comm;
+    char *dir;
+    ckpt_checkpoint_open c;
+    ckpt_acc_obj *objs;
+    int nobjs;
+    ckpt_reader **readers;
+    /* The checkpoint was saved by another number of processes: this rank's
+     * generator is derived from rank 0's (docs/DISTRIBUTED.md, "Reshard"). */
+    bool rng_reshard;
+    ckpt_rng_reshard rr;
+} load_op;
+
+/* ---- choose ---------------------------------------------------------------- */
+
+/* What a rank of many reads, so hashes and maps: every file but the other
+ * ranks' per-process files (those are only checked for presence and size).
+ * Shard files are all read: which chunks a rank needs depends on how its
+ * objects ask, and reading them all keeps one rule for any process count. */
+static bool rank_reads(const ckpt_manifest_file *f, void *ctx) {
+    const ckpt_accelerator *acc = ctx;
+    if (strcmp(f->kind, ckpt__kind_name[K_RNG]) != 0) return true;
+    /* Rank 0's generator is what every rank continues from when the
+     * checkpoint was saved by another number of processes. */
+    if (strcmp(f->name, "random_states_0.safetensors") == 0) return true;
+    char mine[96];
+    ckpt_acc_obj rng = {K_RNG, 0, NULL, NULL};
+    ckpt__acc_file_name(acc, &rng, mine, sizeof mine);
+    return strcmp(f->name, mine) == 0;
+}
+
+static int open_checkpoint(load_op *op, const char *dir) {
+    bool many = op->comm->size > 1;
+    return ckpt__checkpoint_open_some(dir, true, true, many ? rank_reads : NULL, op->acc, &op->c);
+}
+
+/* A bad checkpoint, skipped for an older one; anything else (memory, I/O on
+ * some rank) must not silently load an older state. */
+static bool can_fall_back(int rc) {
+    return rc == CKPT_ECORRUPT || rc == CKPT_EUNSUPPORTED || rc == CKPT_ENOENT;
+}
+static bool is_fatal(int rc) { return !can_fall_back(rc); }
+
+/* Rank 0's list of checkpoint numbers, ascending, on every rank. */
+static int list_candidates(load_op *op, const char *cdir, int64_t **nums, int64_t *count) {
+    const ckpt_comm *c = op->comm;
+    int rc = 0;
+    if (c->rank == 0) {
+        rc = ckpt__list_numbers(cdir, nums, count);
+        if (rc == 0 && *count == 0)
+            rc = ckpt__err(CKPT_ENOENT, "load_state: no checkpoint in %s", cdir);
+    }
+    if (c->size <= 1) return rc;
+    rc = ckpt__coll_share(c, rc);
+    if (rc < 0) return rc;
+    char *blob = (char *)*nums;
+    size_t n = c->rank == 0 ? (size_t)*count * sizeof **nums : 0;
+    CKPT_TRY(ckpt__coll_bcast_bytes(c, &blob, &n));
+    if (c->rank != 0) {
+        *nums = (int64_t *)(void *)blob;
+        *count = (int64_t)(n / sizeof **nums);
+    }
+    return CKPT_OK;
+}
+
+static int choose_latest(load_op *op) {
+    ckpt_accelerator *acc = op->acc;
+    if (!acc->project_dir)
+        return ckpt__err(CKPT_EINVAL, "load_state: no input folder given and no project_dir");
+    char *cdir = ckpt__checkpoints_dir(acc->project_dir);
+    if (!cdir) return ckpt__err_nomem("load path");
+    int64_t *nums = NULL, count = 0;
+    int rc = list_candidates(op, cdir, &nums, &count);
+    /* Why each newer checkpoint was skipped, for the final message. */
+    char why[1536] = "";
+    for (int64_t i = count - 1; rc == 0 && i >= 0; i--) {
+        char name[48];
+        snprintf(name, sizeof name, "checkpoint_%" PRId64, nums[i]);
+        op->dir = ckpt__path_join(cdir, name);
+        int orc = op->dir ? open_checkpoint(op, op->dir) : ckpt__err_nomem("load path");
+        orc = ckpt__coll_agree(op->comm, orc, is_fatal);
+        if (orc == 0) break;
+        if (!can_fall_back(orc)) {
+            rc = ckpt__err_prefix(orc, "load_state");
+            break;
+        }
+        if (op->comm->rank == 0)
+            ckpt__log(&acc->log, CKPT_LOG_WARNING, "skipping %s: %s%s", op->dir, ckpt_errmsg(),
+                      i > 0 ? "; falling back to an older checkpoint" : "");
+        size_t used = strlen(why);
+        snprintf(why + used, sizeof why - used, "%s%s", used ? "; " : "", ckpt_errmsg());
+        ckpt__checkpoint_close(&op->c);
+        free(op->dir);
+        op->dir = NULL;
+        if (i == 0) rc = ckpt__err(CKPT_ECORRUPT, "load_state: no valid checkpoint in %s: %s", cdir, why);
+    }
+    free(nums);
+    free(cdir);
+    return rc;
+}
+
+/* ---- check ----------------------------------------------------------------- */
+
+static void plural(char *buf, size_t cap, int n, const char *noun) {
+    snprintf(buf, cap, "%d %s%s", n, noun, n == 1 ? "" : "s");
+}
+
+/* The checkpoint holds one file for each registered object of each kind
+ * (shard files and per-process files aside). */
+static int check_counts(const load_op *op) {
+    const ckpt_accelerator *acc = op->acc;
+    const ckpt_manifest *m = &op->c.m;
+    int have[K_COUNT] = {0};
+    for (int64_t i = 0; i < m->nfiles; i++) {
+        if (ckpt__acc_is_shard_of(m->files[i].name, NULL)) continue;
+        for (int k = 0; k < K_COUNT; k++)
+            if (strcmp(m->files[i].kind, ckpt__kind_name[k]) == 0) have[k]++;
+    }
+    for (int k = 0; k < K_RNG; k++) {
+        if (have[k] == acc->count[k]) continue;
+        char a[64];
+        plural(a, sizeof a, have[k], ckpt__kind_noun[k]);
+        return ckpt__err(CKPT_EMISMATCH, "load_state: %s: checkpoint has %s, %d %s registered",
+                         op->dir, a, acc->count[k], acc->count[k] == 1 ? "is" : "are");
+    }
+    return CKPT_OK;
+}
+
+/* Makes every shard file of the object whose file is `name` readable
+ * through r, with the chunks the manifest records. */
+static int attach_shards(const load_op *op, ckpt_reader *r, const char *name, const char *kind) {
+    const ckpt_manifest *m = &op->c.m;
+    for (int64_t j = 0; j < m->nfiles; j++) {
+        const ckpt_manifest_file *f = &m->files[j];
+        if (!ckpt__acc_is_shard_of(f->name, name)) continue;
+        if (strcmp(f->kind, kind) != 0)
+            return ckpt__err(CKPT_ECORRUPT, "%s: %s holds a %s, expected a %s", op->dir, f->name,
+                             f->kind, kind);
+        if (!f->chunks && f->ntensors > 0)
+            return ckpt__err(CKPT_ECORRUPT, "%s: %s: the manifest records no chunks for it",
+                             op->dir, f->name);
+        const ckpt_mapped *mp = &op->c.maps[j];
+        CKPT_TRY(ckpt__reader_attach_shard(r, mp->data, (size_t)mp->size, f->name,
+                                           (const char *const *)f->tensor_keys, f->chunks,
+                                           f->ntensors));
+    }
+    return CKPT_OK;
+}
+
+/* One object's reader over its file (and its shard files), and its schema
+ * checked against them. */
+static int open_object(load_op *op, int i) {
+    ckpt_acc_obj *o = &op->objs[i];
+    const ckpt_manifest *m = &op->c.m;
+    char name[96];
+    if (o->kind == K_RNG && op->rng_reshard) {
+        op->rr = (ckpt_rng_reshard){.target = o->self, .rank = op->acc->process_index};
+        o->ops = ckpt__rng_reshard_ops();
+        o->self = &op->rr;
+        snprintf(name, sizeof name, "%s_0.safetensors", ckpt__kind_stem[K_RNG]);
+    } else {
+        ckpt__acc_file_name(op->acc, o, name, sizeof name);
+    }
+    int64_t idx = -1;
+    for (int64_t j = 0; j < m->nfiles; j++)
+        if (strcmp(m->files[j].name, name) == 0) idx = j;
+    if (idx < 0)
+        return ckpt__err(CKPT_EMISMATCH, "load_state: %s: checkpoint has no %s (for %s %d)", op->dir,
+                         name, ckpt__kind_noun[o->kind], o->index);
+    if (strcmp(m->files[idx].kind, ckpt__kind_name[o->kind]) != 0)
+        return ckpt__err(CKPT_EMISMATCH, "load_state: %s: %s holds a %s, expected a %s", op->dir,
+                         name, m->files[idx].kind, ckpt__kind_name[o->kind]);
+    const ckpt_mapped *mp = &op->c.maps[idx];
+    int rc = ckpt_reader_open_memory(&op->readers[i], mp->data, (size_t)mp->size, name);
+    if (rc == 0) rc = attach_shards(op, op->readers[i], name, ckpt__kind_name[o->kind]);
+    if (rc < 0) return ckpt__err_prefix(rc, "load_state: %s", op->dir);
+    ckpt_writer *schema = NULL;
+    CKPT_TRY(ckpt_writer_new_schema(&schema));
+    rc = o->ops->state_dict(o->self, schema);
+    if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "state_dict returned %d", rc);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "%s: state_dict", name);
+    else rc = ckpt__schema_check(schema, op->readers[i], name);
+    ckpt_writer_free(schema);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "load_state: %s", op->dir);
+    return rc;
+}
+
+/* Matches the registered objects with the checkpoint's files, checks every
+ * object's schema against its file, then every value through the objects'
+ * check_state_dict; changes nothing. */
+static int check(load_op *op) {
+    CKPT_TRY(check_counts(op));
+    int saved_np = op->c.m.num_processes > 0 ? op->c.m.num_processes : 1;
+    op->rng_reshard = saved_np != op->acc->num_processes;
+    if (op->rng_reshard && op->comm->rank == 0)
+        ckpt__log(&op->acc->log, CKPT_LOG_WARNING,
+                  "%s was saved by %d process%s and is loaded by %d: random generators continue "
+                  "from rank 0's by the documented derivation, not as the saved processes' "
+                  "would have (docs/DISTRIBUTED.md, \"Reshard\")",
+                  op->dir, saved_np, saved_np == 1 ? "" : "es", op->acc->num_processes);
+    op->objs = ckpt__acc_plan_objects(op->acc, &op->nobjs);
+    op->readers = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->readers);
+    if (!op->objs || !op->readers) return ckpt__err_nomem("load plan");
+    for (int i = 0; i < op->nobjs; i++) CKPT_TRY(open_object(op, i));
+    /* Every schema matches: now every value, still changing nothing. Each
+     * check sees the objects as they were before the load. */
+    for (int i = 0; i < op->nobjs; i++) {
+        const ckpt_acc_obj *o = &op->objs[i];
+        if (!o->ops->check_state_dict) continue;
+        int rc = o->ops->check_state_dict(o->self, op->readers[i]);
+        if (rc == 0) continue;
+        if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "check_state_dict returned %d", rc);
+        char name[96];
+        ckpt__acc_file_name(op->acc, o, name, sizeof name);
+        return ckpt__err_prefix(rc, "load_state: %s: %s", op->dir, name);
+    }
+    return CKPT_OK;
+}
+
+/* ---- apply ----------------------------------------------------------------- */
+
+static int apply(load_op *op) {
+    ckpt_accelerator *acc = op->acc;
+    const ckpt_manifest *m = &op->c.m;
+    /* Allocated before anything is applied: past this point only an
+     * object's own load_state_dict can fail. */
+    char *last = ckpt__strdup(op->dir);
+    if (!last) return ckpt__err_nomem("last_dir");
+    /* The built-in objects' load_state_dict is their check (passed above)
+     * plus the commit, so a failure past this point is a value refused by a
+     * custom object without check_state_dict (documented in CHECKPOINTS.md);
+     * the objects before it are already loaded. */
+    for (int i = 0; i < op->nobjs; i++) {
+        const ckpt_acc_obj *o = &op->objs[i];
+        int rc = o->ops->load_state_dict(o->self, op->readers[i]);
+        if (rc != 0) {
+            if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "load_state_dict returned %d", rc);
+            char name[96];
+            ckpt__acc_file_name(acc, o, name, sizeof name);
+            free(last);
+            return ckpt__err_prefix(rc, "load_state: %s: %s (state partially loaded: %d of %d "
+                                        "objects were loaded before this one)",
+                                    op->dir, name, i, op->nobjs);
+        }
+    }
+    acc->step = m->step;
+    int64_t next = m->iteration;
+    {
+        const char *dir = op->dir;
+        char base[256];
+        size_t len = strlen(dir);
+        while (len > 1 && dir[len - 1] == '/') len--;
+        size_t s = len;
+        while (s > 0 && dir[s - 1] != '/') s--;
+        int64_t num;
+        if (len - s < sizeof base) {
+            memcpy(base, dir + s, len - s);
+            base[len - s] = '\0';
+            if (ckpt__parse_checkpoint_name(base, &num) && num + 1 > next) next = num + 1;
+        }
+    }
+    if (next > acc->iteration) acc->iteration = next;
+    free(acc->last_dir);
+    acc->last_dir = last;
+    return CKPT_OK;
+}
+
+int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "load_state: acc is NULL");
+    load_op op;
+    memset(&op, 0, sizeof op);
+    op.acc = acc;
+    op.comm = acc->comm;
+    int rc = 0;
+    /* choose */
+    if (input_dir) {
+        if (!input_dir[0]) rc = ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
+        else if (!(op.dir = ckpt__strdup(input_dir))) rc = ckpt__err_nomem("load path");
+        else if ((rc = open_checkpoint(&op, op.dir)) < 0) rc = ckpt__err_prefix(rc, "load_state");
+        rc = ckpt__coll_agree(op.comm, rc, NULL);
+    } else {
+        rc = choose_latest(&op);
+    }
+    if (rc < 0) goto out;
+    /* check, agree */
+    rc = ckpt__acc_run_hooks(acc, HOOK_LOAD, op.dir, "load_state");
+    if (rc == 0) rc = check(&op);
+    rc = ckpt__coll_agree(op.comm, rc, NULL);
+    /* apply */
+    if (rc == 0) rc = ckpt__coll_agree(op.comm, apply(&op), NULL);
+out:
+    if (op.readers)
+        for (int i = 0; i < op.nobjs; i++) ckpt_reader_free(op.readers[i]);
+    free(op.readers);
+    free(op.objs);
+    ckpt__checkpoint_close(&op.c);
+    free(op.dir);
+    return rc;
+}

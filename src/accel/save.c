@@ -1,0 +1,446 @@
+/* save.c — ckpt_save_state as explicit phases, the same for one process and
+ * for many:
+ *
+ *   plan      rank 0 takes the project lock, picks the number and the
+ *             temporary folder, and tells every rank (or why it cannot)
+ *   snapshot  every rank runs every object's state_dict (and the hooks)
+ *   write     rank 0 writes the replicated objects, every rank its own
+ *             random state and its shard of every sharded object, each file
+ *             fsynced, its digest recorded
+ *   agree     every rank's status, then its file records, reach rank 0
+ *   commit    rank 0 writes the manifest last, renames, fsyncs; only if
+ *             every rank succeeded
+ *   rotate    rank 0 applies total_limit, after the commit
+ *
+ * and at the end every rank returns the same status and message. With one
+ * process the communicator is the one-process one and every collective is
+ * a no-op, so this is exactly the single-process save. */
+#include <dirent.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "ckpt.h"
+#include "accel/accel.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "format/manifest.h"
+#include "format/statedict.h"
+#include "store/store.h"
+
+typedef struct save_op {
+    ckpt_accelerator *acc;
+    const ckpt_comm *comm;
+    bool automatic;
+    bool committer; /* rank 0: plans, commits, rotates */
+    /* plan: made by rank 0, known to every rank */
+    char *parent, *base, *target, *tmp, *tname, *lockp;
+    int64_t number;
+    ckpt_lock lk;
+    bool tmp_made;
+    /* snapshot */
+    ckpt_acc_obj *objs;
+    int nobjs;
+    ckpt_writer **writers;
+    /* write: this rank's files; agree + commit: every rank's (rank 0) */
+    ckpt_manifest mine;
+    ckpt_manifest all;
+} save_op;
+
+/* ---- plan ------------------------------------------------------------------ */
+
+/* Splits an explicit output folder into parent and final component (both
+ * malloc'd), ignoring trailing slashes. */
+static int split_dir(const char *path, char **parent, char **base) {
+    *parent = *base = NULL;
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--;
+    size_t s = n;
+    while (s > 0 && path[s - 1] != '/') s--;
+    if (n == s || (n - s == 1 && path[s] == '.') || (n - s == 2 && path[s] == '.' && path[s + 1] == '.'))
+        return ckpt__err(CKPT_EINVAL, "save_state: %s: not a folder name a checkpoint can be saved as",
+                         path);
+    *base = ckpt__malloc(n - s + 1);
+    if (s == 0) *parent = ckpt__strdup(".");
+    else {
+        size_t pl = s > 1 ? s - 1 : 1; /* "/x": the parent is "/" */
+        *parent = ckpt__malloc(pl + 1);
+        if (*parent) {
+            memcpy(*parent, path, pl);
+            (*parent)[pl] = '\0';
+        }
+    }
+    if (!*base || !*parent) {
+        free(*base);
+        free(*parent);
+        *base = *parent = NULL;
+        return ckpt__err_nomem("save path");
+    }
+    memcpy(*base, path + s, n - s);
+    (*base)[n - s] = '\0';
+    return 0;
+}
+
+/* An explicit folder that exists may only be replaced if it is a checkpoint
+ * (or empty): never delete a user's unrelated files. */
+static int check_replaceable(const char *target) {
+    struct stat st;
+    if (lstat(target, &st) != 0) {
+        if (errno == ENOENT) return 0;
+        return ckpt__err_os(errno, "save_state: %s", target);
+    }
+    if (!S_ISDIR(st.st_mode))
+        return ckpt__err(CKPT_EEXIST, "save_state: %s exists and is not a folder", target);
+    char *mp = ckpt__path_join(target, CKPT_MANIFEST_NAME);
+    if (!mp) return ckpt__err_nomem("save path");
+    bool has_manifest = lstat(mp, &st) == 0;
+    free(mp);
+    if (has_manifest) return 0;
+    DIR *d = opendir(target);
+    if (!d) return ckpt__err_os(errno, "save_state: %s", target);
+    struct dirent *e;
+    bool empty = true;
+    while ((e = readdir(d)) != NULL)
+        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0) empty = false;
+    closedir(d);
+    if (!empty)
+        return ckpt__err(CKPT_EEXIST,
+                         "save_state: %s exists, is not empty and is not a checkpoint (no "
+                         CKPT_MANIFEST_NAME "); refusing to replace it",
+                         target);
+    return 0;
+}
+
+/* publish_dir failed. If the new folder was already moved into place (the
+ * failure was the final folder fsync), take it back out, so that a failed
+ * save never leaves its checkpoint visible: the caller was told it failed. */
+static void undo_publish(ckpt_accelerator *acc, const char *tmp, const char *target,
+                         const struct stat *ours, bool existed, bool *tmp_made) {
+    struct stat st;
+    if (lstat(target, &st) != 0 || st.st_dev != ours->st_dev || st.st_ino != ours->st_ino) return;
+    char saved[2048];
+    snprintf(saved, sizeof saved, "%s", ckpt_errmsg());
+    if (!existed) {
+        if (ckpt__remove_tree(target) < 0)
+            ckpt__log(&acc->log, CKPT_LOG_WARNING, "could not remove %s after a failed save: %s",
+                      target, ckpt_errmsg());
+        *tmp_made = false;
+    } else if (ckpt__os_exchange(tmp, target) != 0) {
+        /* tmp holds the old checkpoint now: keep it as a hidden leftover. */
+        *tmp_made = false;
+        ckpt__log(&acc->log, CKPT_LOG_WARNING,
+                  "%s holds the new checkpoint although the save failed; the old one is in %s",
+                  target, tmp);
+    }
+    ckpt__err(CKPT_EIO, "%s", saved); /* the message of the failure, not of the undo */
+}
+
+/* Rank 0's part of the plan: everything up to an empty temporary folder. */
+static int plan_local(save_op *op, const char *output_dir) {
+    ckpt_accelerator *acc = op->acc;
+    int rc;
+    if (op->automatic) {
+        op->parent = ckpt__checkpoints_dir(acc->project_dir);
+        if (!op->parent) return ckpt__err_nomem("save path");
+    } else {
+        CKPT_TRY(split_dir(output_dir, &op->parent, &op->base));
+    }
+    rc = ckpt__mkdirs(op->parent);
+    if (rc < 0) return ckpt__err_prefix(rc, "save_state");
+    op->lockp = ckpt__lock_path(op->parent, op->automatic ? "checkpoint_0" : op->base);
+    if (!op->lockp) return ckpt__err_nomem("lock path");
+    rc = ckpt__lock_acquire(&op->lk, op->lockp);
+    if (rc < 0) return ckpt__err_prefix(rc, "save_state");
+    int64_t n;
+    bool numbered = op->automatic || ckpt__parse_checkpoint_name(op->base, &n);
+    CKPT_TRY(ckpt__remove_leftovers(op->parent, numbered ? NULL : op->base, &acc->log));
+    if (op->automatic) {
+        int64_t *nums = NULL, count = 0;
+        rc = ckpt__list_numbers(op->parent, &nums, &count);
+        if (rc < 0) return ckpt__err_prefix(rc, "save_state");
+        op->number = acc->iteration;
+        if (count > 0 && nums[count - 1] + 1 > op->number) op->number = nums[count - 1] + 1;
+        free(nums);
+        op->base = ckpt__malloc(48);
+        if (!op->base) return ckpt__err_nomem("save path");
+        snprintf(op->base, 48, "checkpoint_%" PRId64, op->number);
+    }
+    op->target = ckpt__path_join(op->parent, op->base);
+    op->tname = ckpt__temp_name(op->base);
+    if (!op->target || !op->tname || !(op->tmp = ckpt__path_join(op->parent, op->tname)))
+        return ckpt__err_nomem("save path");
+    if (!op->automatic) CKPT_TRY(check_replaceable(op->target));
+    if (ckpt__os_mkdir(op->tmp, 0755) != 0)
+        return ckpt__err_os(errno, "save_state: %s: create temporary folder", op->tmp);
+    op->tmp_made = true;
+    return CKPT_OK;
+}
+
+/* The plan as it travels: the number, then target and tmp, NUL-terminated. */
+static int plan_share(save_op *op) {
+    const ckpt_comm *c = op->comm;
+    if (c->size <= 1) return CKPT_OK;
+    char *blob = NULL;
+    size_t n = 0;
+    if (c->rank == 0) {
+        size_t nt = strlen(op->target), np = strlen(op->tmp);
+        n = 24 + nt + 1 + np + 1;
+        blob = ckpt__malloc(n);
+        if (!blob) return ckpt__err_nomem("save plan");
+        memset(blob, 0, 24);
+        snprintf(blob, 24, "%" PRId64, op->number);
+        memcpy(blob + 24, op->target, nt + 1);
+        memcpy(blob + 24 + nt + 1, op->tmp, np + 1);
+    }
+    int rc = ckpt__coll_bcast_bytes(c, &blob, &n);
+    if (rc == 0 && c->rank != 0) {
+        /* From rank 0 of this job, but still checked: three strings. */
+        const char *t = blob + 24, *end = blob + n;
+        const char *p = n > 24 ? memchr(t, '\0', (size_t)(end - t)) : NULL;
+        if (!p || !memchr(p + 1, '\0', (size_t)(end - p - 1)) || !memchr(blob, '\0', 24)) {
+            rc = ckpt__err(CKPT_EINVAL, "save_state: rank 0 sent a malformed plan");
+        } else {
+            op->number = strtoll(blob, NULL, 10);
+            op->target = ckpt__strdup(t);
+            op->tmp = ckpt__strdup(p + 1);
+            if (!op->target || !op->tmp) rc = ckpt__err_nomem("save plan");
+        }
+    }
+    free(blob);
+    return rc;
+}
+
+/* ---- snapshot and write ------------------------------------------------- */
+
+static int snapshot(save_op *op) {
+    ckpt_accelerator *acc = op->acc;
+    op->objs = ckpt__acc_plan_objects(acc, &op->nobjs);
+    if (!op->objs) return ckpt__err_nomem("save plan");
+    op->writers = ckpt__calloc((size_t)op->nobjs, sizeof *op->writers);
+    if (!op->writers) return ckpt__err_nomem("save plan");
+    for (int i = 0; i < op->nobjs; i++) {
+        const ckpt_acc_obj *o = &op->objs[i];
+        char name[96];
+        ckpt__acc_file_name(acc, o, name, sizeof name);
+        CKPT_TRY(ckpt_writer_new(&op->writers[i]));
+        int rc = o->ops->state_dict(o->self, op->writers[i]);
+        if (rc != 0) {
+            if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "state_dict returned %d", rc);
+            rc = ckpt__err_prefix(rc, "%s: state_dict", name);
+            return ckpt__err_prefix(rc, "save_state: %s", op->target);
+        }
+    }
+    return CKPT_OK;
+}
+
+/* Writes one file of the op's rank into the temporary folder and records
+ * it in op->mine. */
+static int write_file(save_op *op, ckpt_writer *w, const char *name, const char *kind, bool shards) {
+    char *path = ckpt__path_join(op->tmp, name);
+    if (!path) return ckpt__err_nomem("save path");
+    ckpt_file_digest d;
+    memset(&d, 0, sizeof d);
+    int rc = shards ? ckpt__writer_write_shards_new(w, path, &d) : ckpt__writer_write_new(w, path, &d);
+    if (rc == 0) rc = ckpt__manifest_add(&op->mine, name, kind, &d);
+    if (rc == 0) op->mine.files[op->mine.nfiles - 1].rank = op->comm->rank;
+    ckpt__file_digest_free(&d);
+    free(path);
+    return rc;
+}
+
+/* Who writes what: rank 0 the replicated objects, every rank its random
+ * state and, for an object that put sharded tensors, its own shard file. */
+static int write_files(save_op *op) {
+    const ckpt_comm *c = op->comm;
+    for (int i = 0; i < op->nobjs; i++) {
+        const ckpt_acc_obj *o = &op->objs[i];
+        char name[96];
+        ckpt__acc_file_name(op->acc, o, name, sizeof name);
+        int rc = 0;
+        if (o->kind == K_RNG || op->committer)
+            rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false);
+        if (rc == 0 && ckpt__writer_has_shards(op->writers[i])) {
+            char shard[160];
+            rc = ckpt__acc_shard_name(name, c->rank, c->size, shard, sizeof shard);
+            if (rc == 0) rc = write_file(op, op->writers[i], shard, ckpt__kind_name[o->kind], true);
+        }
+        if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
+    }
+    return CKPT_OK;
+}
+
+/* ---- agree ----------------------------------------------------------------- */
+
+/* Every rank's file records reach rank 0, in rank order, into op->all. */
+static int gather_records(save_op *op, const char *json, size_t len) {
+    const ckpt_comm *c = op->comm;
+    size_t *lens = op->committer ? ckpt__calloc((size_t)c->size, sizeof *lens) : NULL;
+    if (op->committer && !lens) return ckpt__err_nomem("file records");
+    void *all = NULL;
+    int rc = c->gather(c->ctx, json, len, &all, lens, 0);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "communicator: gather");
+    if (rc == 0 && op->committer) {
+        op->all.num_processes = c->size;
+        size_t off = 0;
+        for (int r = 0; r < c->size && rc == 0; r++) {
+            char what[64];
+            snprintf(what, sizeof what, "save_state: file records of rank %d", r);
+            rc = ckpt__manifest_files_from_json(&op->all, (const char *)all + off, lens[r], what);
+            off += lens[r];
+        }
+        for (int64_t i = 0; rc == 0 && i < op->all.nfiles; i++)
+            if (op->all.files[i].rank < 0 || op->all.files[i].rank >= c->size)
+                rc = ckpt__err(CKPT_EINVAL, "save_state: %s: rank %d outside [0, %d)",
+                               op->all.files[i].name, op->all.files[i].rank, c->size);
+    }
+    free(all);
+    free(lens);
+    return rc;
+}
+
+/* ---- commit and rotate (rank 0) ------------------------------------------- */
+
+static int commit(save_op *op) {
+    ckpt_accelerator *acc = op->acc;
+    ckpt_manifest *m = &op->all;
+    m->step = acc->step;
+    m->iteration = op->automatic ? op->number + 1 : acc->iteration;
+    m->process_index = acc->process_index;
+    m->num_processes = acc->num_processes;
+    /* The ranks' chunks of each sharded tensor must tile it exactly. */
+    int rc = ckpt__manifest_check_chunks(m, CKPT_EINVAL, "save_state");
+    if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
+    /* The manifest is the commit record: written last, after every file of
+     * every rank is durable, so a folder with a valid manifest is a complete
+     * checkpoint. */
+    rc = ckpt__manifest_write(m, op->tmp);
+    if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
+    struct stat tmp_st, tgt_st;
+    bool existed = lstat(op->target, &tgt_st) == 0;
+    if (stat(op->tmp, &tmp_st) != 0) return ckpt__err_os(errno, "save_state: %s", op->tmp);
+    rc = ckpt__publish_dir(op->tmp, op->target, !op->automatic);
+    if (rc < 0) {
+        rc = ckpt__err_prefix(rc, "save_state");
+        undo_publish(acc, op->tmp, op->target, &tmp_st, existed, &op->tmp_made);
+        return rc;
+    }
+    op->tmp_made = false;
+    return CKPT_OK;
+}
+
+/* Rotation only after the commit: the newest checkpoint is never at risk. A
+ * failure here leaves an extra old checkpoint, not a failed save. */
+static void rotate(save_op *op) {
+    ckpt_accelerator *acc = op->acc;
+    if (!op->automatic || acc->total_limit <= 0) return;
+    int64_t removed = 0;
+    if (ckpt__rotate(op->parent, acc->total_limit, &acc->log, &removed) < 0)
+        ckpt__log(&acc->log, CKPT_LOG_WARNING, "total_limit rotation: %s", ckpt_errmsg());
+}
+
+/* Rank 0, before the ranks learn the outcome: a failed save's temporary
+ * folder goes (every rank has stopped writing into it), then the lock. */
+static void release(save_op *op) {
+    if (op->tmp_made && ckpt__remove_tree(op->tmp) < 0)
+        ckpt__log(&op->acc->log, CKPT_LOG_WARNING, "could not remove %s after a failed save",
+                  op->tmp);
+    op->tmp_made = false;
+    ckpt__lock_release(&op->lk);
+}
+
+static void save_op_free(save_op *op) {
+    if (op->writers)
+        for (int i = 0; i < op->nobjs; i++) ckpt_writer_free(op->writers[i]);
+    free(op->writers);
+    free(op->objs);
+    ckpt__manifest_clear(&op->mine);
+    ckpt__manifest_clear(&op->all);
+    free(op->parent);
+    free(op->base);
+    free(op->target);
+    free(op->tmp);
+    free(op->tname);
+    free(op->lockp);
+}
+
+static int check_args(const ckpt_accelerator *acc, const char *output_dir) {
+    bool automatic = output_dir == NULL;
+    if (automatic && !acc->automatic_checkpoint_naming)
+        return ckpt__err(CKPT_EINVAL, "save_state: no output folder given and "
+                                      "automatic_checkpoint_naming is off");
+    if (automatic && !acc->project_dir)
+        return ckpt__err(CKPT_EINVAL,
+                         "save_state: automatic checkpoint naming needs a project_dir");
+    if (!automatic && !output_dir[0]) return ckpt__err(CKPT_EINVAL, "save_state: output_dir is empty");
+    return CKPT_OK;
+}
+
+int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "save_state: acc is NULL");
+    const ckpt_comm *c = acc->comm;
+    save_op op;
+    memset(&op, 0, sizeof op);
+    op.acc = acc;
+    op.comm = c;
+    op.automatic = output_dir == NULL;
+    op.committer = c->rank == 0;
+    op.number = -1;
+    op.lk.fd = -1;
+    ckpt__manifest_init(&op.mine);
+    ckpt__manifest_init(&op.all);
+    char *json = NULL;
+    size_t jlen = 0;
+
+    /* A rank whose own checks fail still takes part in every collective
+     * below, and reports its failure at the agreement. */
+    int rc = check_args(acc, output_dir);
+    if (c->size <= 1 && rc < 0) goto out;
+    /* plan */
+    if (op.committer && rc == 0) rc = plan_local(&op, output_dir);
+    if (c->size > 1) {
+        int prc = ckpt__coll_share(c, op.committer ? rc : CKPT_OK);
+        if (prc < 0) {
+            rc = prc;
+            goto out;
+        }
+        int src = plan_share(&op);
+        if (rc == 0) rc = src;
+    } else if (rc < 0) {
+        goto out;
+    }
+    /* snapshot, write */
+    if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op.target, "save_state");
+    if (rc == 0) rc = snapshot(&op);
+    if (rc == 0) rc = write_files(&op);
+    if (rc == 0 && c->size > 1) rc = ckpt__manifest_files_to_json(&op.mine, &json, &jlen);
+    /* agree */
+    rc = ckpt__coll_agree(c, rc, NULL);
+    if (rc == 0) {
+        if (c->size > 1) {
+            rc = gather_records(&op, json, jlen);
+        } else {
+            op.all = op.mine;
+            ckpt__manifest_init(&op.mine);
+        }
+        /* commit, rotate */
+        if (rc == 0 && op.committer) rc = commit(&op);
+        if (rc == 0 && op.committer) rotate(&op);
+        if (op.committer) release(&op);
+        rc = ckpt__coll_share(c, rc);
+    }
+    if (rc == 0) {
+        /* Committed, on every rank. */
+        if (op.automatic) acc->iteration = op.number + 1;
+        free(acc->last_dir);
+        acc->last_dir = op.target;
+        op.target = NULL;
+    }
+out:
+    if (op.committer) release(&op);
+    free(json);
+    save_op_free(&op);
+    return rc;
+}

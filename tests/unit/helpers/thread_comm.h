@@ -1,0 +1,15 @@
+/* thread_comm.h — a ckpt_comm whose ranks are threads of one process, so the
+ * collective save/load protocol runs under the sanitizers without mpirun.
+ * Every collective is a pair of barriers around shared slots. */
+#ifndef CKPT_THREAD_COMM_H
+#define CKPT_THREAD_COMM_H
+
+#include "ckpt.h"
+
+/* Runs fn(comm, arg) on p threads at once, thread r with a communicator of
+ * rank r of p (node 0, all local); returns when every thread has returned.
+ * fn must not call cmocka assertions (they long-jump across threads):
+ * record results in arg and check them afterwards. */
+void tc_run(int p, void (*fn)(const ckpt_comm *comm, void *arg), void *arg);
+
+#endif
