@@ -607,7 +607,8 @@ typedef struct ckpt_project_config {
     const char *project_dir;          /* checkpoints go to <project_dir>/checkpoints/checkpoint_<n> */
     const char *logging_dir;          /* NULL: <project_dir>/logs */
     bool automatic_checkpoint_naming;
-    int total_limit;                  /* keep at most this many automatic checkpoints; 0 = all */
+    int total_limit;                  /* keep this many valid automatic checkpoints; 0 = all
+                                         (the rule of ckpt_checkpoint_prune) */
     int64_t iteration;                /* number of the next automatic checkpoint */
     bool save_on_each_node;           /* multi-node: each node's main process writes (later) */
     int process_index;                /* without comm: this process's index (recorded only) */
@@ -719,7 +720,7 @@ CKPT_API void ckpt_hook_remove(ckpt_hook_handle *handle);
 
 typedef enum ckpt_checkpoint_status {
     CKPT_CHECKPOINT_COMPLETE = 0, /* manifest valid, every file matches */
-    CKPT_CHECKPOINT_PARTIAL = 1,  /* no manifest (an interrupted save) */
+    CKPT_CHECKPOINT_PARTIAL = 1,  /* no manifest: not a checkpoint (CKPT_ENOENT) */
     CKPT_CHECKPOINT_CORRUPT = 2   /* manifest or a file fails verification */
 } ckpt_checkpoint_status;
 
@@ -739,8 +740,10 @@ typedef struct ckpt_checkpoint_info {
 
 /* Reads dir's manifest and, if deep, verifies every file's size and
  * checksum. Returns CKPT_OK when the checkpoint is complete and valid;
- * otherwise the error (ckpt_errmsg names the file) with info->status set.
- * info is filled as far as could be read. */
+ * otherwise the error (ckpt_errmsg names the file) with info->status set:
+ * CKPT_ENOENT for a folder without a manifest (PARTIAL: not a checkpoint),
+ * CKPT_ECORRUPT for a bad manifest or file. info is filled as far as could
+ * be read. */
 CKPT_API int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *info);
 /* Lists <project_dir>/checkpoints/checkpoint_<n> folders, ascending n, with
  * their status (deep verification if deep). *out is malloc'd; free() it. */
@@ -755,11 +758,67 @@ CKPT_API int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_check
  * such object, CKPT_ECORRUPT for a bad file or chunk table. *out is freed
  * with ckpt_reader_free. */
 CKPT_API int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader **out);
-/* Removes all but the newest `keep` automatic checkpoints (under the project
- * lock). *removed (may be NULL) gets how many went. CKPT_EBUSY, naming the
- * owner's pid and host, while a run (an accelerator not yet freed) owns the
- * project. ckpt_checkpoint_list and ckpt_checkpoint_verify take no lock. */
+/* Removes old automatic checkpoints of <project_dir>/checkpoints so that the
+ * newest `keep` VALID ones remain (complete and deep-verified; partial and
+ * corrupt folders do not count toward keep), and removes leftover temporary
+ * folders of interrupted saves. The rule (the same as total_limit rotation
+ * after each save):
+ *   - the newest valid checkpoint is never removed (keep >= 1);
+ *   - valid checkpoints older than the newest `keep` valid ones go;
+ *   - partial or corrupt ones older than the newest valid checkpoint go
+ *     (nothing could fall back to them before it); newer ones stay, as the
+ *     evidence of what went wrong; with no valid checkpoint nothing goes;
+ *   - a checkpoint of a newer format version (CKPT_EUNSUPPORTED) stays;
+ *   - keep == 0 removes every checkpoint, valid or not.
+ * Runs under the project lock: CKPT_EBUSY (nothing removed), naming the
+ * owner's pid and host, while a save holds it or a run (an accelerator not
+ * yet freed) owns the project. ckpt_checkpoint_list and
+ * ckpt_checkpoint_verify take no lock. *removed (may be NULL) gets how many checkpoints went.
+ * Equivalent to ckpt_checkpoint_prune_ex with only keep set. */
 CKPT_API int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed);
+
+/* Why a prune removes a folder. */
+typedef enum ckpt_prune_reason {
+    CKPT_PRUNE_OLD = 0,      /* a checkpoint older than the newest `keep` valid ones */
+    CKPT_PRUNE_INVALID = 1,  /* partial or corrupt, older than the newest valid checkpoint */
+    CKPT_PRUNE_LEFTOVER = 2  /* a temporary folder an interrupted save or rotation left */
+} ckpt_prune_reason;
+
+/* Called once for each folder a prune removes (in a dry run: would remove),
+ * before it goes. `why` is the verification error of an invalid checkpoint
+ * (and of an old one that fails verification), else NULL; both strings are
+ * valid only during the call. */
+typedef void (*ckpt_prune_fn)(void *user, const char *path, ckpt_prune_reason reason,
+                              const char *why);
+
+typedef struct ckpt_prune_options {
+    int keep;             /* valid checkpoints to keep (>= 0; 0 removes them all) */
+    bool dry_run;         /* decide and report, remove nothing, take no lock; leftovers of a
+                             process that is still running are not reported */
+    ckpt_prune_fn report; /* may be NULL */
+    void *user;           /* passed to report */
+} ckpt_prune_options;
+
+/* ckpt_checkpoint_prune with options (rule above). Leftovers are removed
+ * (reported) first, then checkpoints, oldest first. *removed (may be NULL)
+ * gets how many checkpoints went (would go, in a dry run); leftovers are
+ * only reported. */
+CKPT_API int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *opts,
+                                      int64_t *removed);
+
+/* A hidden temporary folder in <project_dir>/checkpoints that a save or a
+ * rotation left (".checkpoint_<n>.tmp.<pid>", ".checkpoint_<n>.old.<pid>"). */
+typedef struct ckpt_leftover_info {
+    char path[4096];
+    int64_t pid;  /* the pid in its name, -1 if none */
+    bool running; /* a process with that pid runs: possibly a save in progress */
+} ckpt_leftover_info;
+
+/* Lists the leftover temporary folders of a project, sorted by path. The
+ * next save, or ckpt_checkpoint_prune, removes them. *out is malloc'd;
+ * free() it. A project without a checkpoints folder has none. */
+CKPT_API int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_info **out,
+                                       int64_t *count);
 
 /* ------------------------------------------------------------------------ */
 /* PyTorch files (torch.save) and the PyTorch / Hugging Face bridge          */
