@@ -3,6 +3,7 @@
 #   make test     sanitizer build (build-test/) and every test
 #   make demo     the main job: train, kill -9, resume, compare
 #   make bench    benchmarks (bench/README.md)
+#   make valgrind unit tests and a CLI run under valgrind memcheck (build-valgrind/)
 #   make install  install into PREFIX (default /usr/local)
 PREFIX ?= /usr/local
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
@@ -11,7 +12,7 @@ CMAKE ?= cmake
 # the build would come wrapped in "Entering/Leaving directory" messages.
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all setup build build-test test demo bench install clean fuzz
+.PHONY: all setup build build-test test demo bench install clean fuzz valgrind
 
 all: build
 
@@ -47,5 +48,11 @@ fuzz:
 	@$(CMAKE) -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug -DCKPT_FUZZ=ON >/dev/null
 	@$(CMAKE) --build build-fuzz -j $(JOBS)
 
+valgrind:
+	@bash scripts/setup valgrind
+	@$(CMAKE) -S . -B build-valgrind -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=OFF >/dev/null
+	@$(CMAKE) --build build-valgrind -j $(JOBS)
+	@bash scripts/valgrind build-valgrind
+
 clean:
-	rm -rf build build-test build-fuzz
+	rm -rf build build-test build-fuzz build-valgrind

@@ -72,6 +72,7 @@ struct ckpt_accelerator {
     bool load_failed;
     int load_failed_code;
     char *load_failed_msg; /* may be NULL (no memory to copy it) */
+    ckpt_lock project_lock; /* rank 0: held from the first save or load until free */
 };
 
 /* The file an object's state goes to: "model.safetensors",
@@ -87,6 +88,15 @@ bool ckpt__acc_is_shard_of(const char *name, const char *stem_file);
 /* Every saved object in file order, the accelerator's generator last. *n
  * entries in a ckpt__malloc'd array; NULL if out of memory. */
 ckpt_acc_obj *ckpt__acc_plan_objects(ckpt_accelerator *acc, int *n);
+/* One run per project: the first save or load (rank 0's) takes the project
+ * lock, <project_dir>/checkpoints/.lock, and keeps it until the accelerator
+ * is freed, so a second run is refused at its first call (CKPT_EBUSY naming
+ * the owner), not at a later save. create: make the checkpoints folder (a
+ * save); else (a load) take the lock only if the folder exists. No-op
+ * without a project_dir or when already held. */
+int ckpt__acc_own_project(ckpt_accelerator *acc, bool create, const char *what);
+/* Whether lock_path is the lock file acc already holds. */
+bool ckpt__acc_holds_lock_file(const ckpt_accelerator *acc, const char *lock_path);
 /* Runs the hooks of one kind (HOOK_*) in registration order, each with the
  * thread's message cleared first. Pre-hooks: the first failure stops them and
  * is returned, with a message naming dir, `what` and the hook's own message

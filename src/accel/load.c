@@ -107,9 +107,8 @@ static void warn_skipped(ckpt_accelerator *acc, const char *dir, const char *msg
               msg, older ? "; falling back to an older checkpoint" : "");
 }
 
-/* An explicit folder: CKPT_ENOENT if it does not exist (no checkpoint: a
- * fresh start), else it must open as a checkpoint; a file that vanishes
- * while it is read makes it corrupt, not absent. */
+/* An explicit folder: CKPT_ENOENT if it does not exist or is not a
+ * checkpoint (no manifest): there is no checkpoint, a fresh start. */
 static int choose_folder(load_op *op, const char *input_dir) {
     if (!input_dir[0]) return ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
     struct stat st;
@@ -117,7 +116,6 @@ static int choose_folder(load_op *op, const char *input_dir) {
         return ckpt__err(CKPT_ENOENT, "load_state: %s: no such checkpoint folder", input_dir);
     if (!(op->dir = ckpt__strdup(input_dir))) return ckpt__err_nomem("load path");
     int rc = open_checkpoint(op, op->dir);
-    if (rc == CKPT_ENOENT) rc = CKPT_ECORRUPT;
     if (rc < 0) rc = ckpt__err_prefix(rc, "load_state");
     return rc;
 }
@@ -352,11 +350,14 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     memset(&op, 0, sizeof op);
     op.acc = acc;
     op.comm = acc->comm;
-    int rc = 0;
+    /* One run per project: rank 0 owns it from the first save or load on. */
+    int rc = op.comm->rank == 0 ? ckpt__acc_own_project(acc, false, "load_state") : 0;
+    rc = ckpt__coll_agree(op.comm, rc, NULL);
+    if (rc < 0) goto out;
     /* choose */
     if (input_dir) {
         rc = ckpt__coll_agree(op.comm, choose_folder(&op, input_dir), NULL);
-        op.nothing = rc == CKPT_ENOENT; /* only choose_folder's missing folder */
+        op.nothing = rc == CKPT_ENOENT; /* no such folder, or not a checkpoint */
     } else {
         rc = choose_latest(&op);
     }

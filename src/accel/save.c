@@ -147,6 +147,18 @@ static void undo_publish(ckpt_accelerator *acc, const char *tmp, const char *tar
 static int plan_local(save_op *op, const char *output_dir) {
     ckpt_accelerator *acc = op->acc;
     int rc;
+    CKPT_TRY(ckpt__acc_own_project(acc, true, "save_state"));
+    /* After a failed load (see ckpt.h); checked after the project lock so
+     * that a project another run owns still says so (CKPT_EBUSY). Rank 0
+     * decides for all: every rank's load ended alike. */
+    if (acc->load_failed)
+        return ckpt__err(CKPT_EINVAL,
+                         "save_state: refused: the last load_state of this accelerator failed "
+                         "(%s: %s); saving now could replace or rotate away the checkpoints it "
+                         "could not load. Fix the cause and load again, or call "
+                         "ckpt_accelerator_start_over to start this run over deliberately",
+                         ckpt__status_name(acc->load_failed_code),
+                         acc->load_failed_msg ? acc->load_failed_msg : "(message lost)");
     if (op->automatic) {
         op->parent = ckpt__checkpoints_dir(acc->project_dir);
         if (!op->parent) return ckpt__err_nomem("save path");
@@ -157,7 +169,8 @@ static int plan_local(save_op *op, const char *output_dir) {
     if (rc < 0) return ckpt__err_prefix(rc, "save_state");
     op->lockp = ckpt__lock_path(op->parent, op->automatic ? "checkpoint_0" : op->base);
     if (!op->lockp) return ckpt__err_nomem("lock path");
-    rc = ckpt__lock_acquire(&op->lk, op->lockp);
+    /* The project lock, held since the first save or load, covers it. */
+    if (!ckpt__acc_holds_lock_file(acc, op->lockp)) rc = ckpt__lock_acquire(&op->lk, op->lockp);
     if (rc < 0) return ckpt__err_prefix(rc, "save_state");
     int64_t n;
     bool numbered = op->automatic || ckpt__parse_checkpoint_name(op->base, &n);
@@ -502,14 +515,6 @@ static void save_op_free(save_op *op) {
 
 static int check_args(const ckpt_accelerator *acc, const char *output_dir) {
     bool automatic = output_dir == NULL;
-    if (acc->load_failed)
-        return ckpt__err(CKPT_EINVAL,
-                         "save_state: refused: the last load_state of this accelerator failed "
-                         "(%s: %s); saving now could replace or rotate away the checkpoints it "
-                         "could not load. Fix the cause and load again, or call "
-                         "ckpt_accelerator_start_over to start this run over deliberately",
-                         ckpt__status_name(acc->load_failed_code),
-                         acc->load_failed_msg ? acc->load_failed_msg : "(message lost)");
     if (automatic && !acc->automatic_checkpoint_naming)
         return ckpt__err(CKPT_EINVAL, "save_state: no output folder given and "
                                       "automatic_checkpoint_naming is off");
