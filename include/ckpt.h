@@ -751,9 +751,8 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * does not exist or is not a checkpoint (no checkpoint.json; an explicit save
  * never replaces such a folder unless it is empty). It is the one failure
  * that is a fresh start, and the one that leaves saves allowed. Every other
- * failure (a corrupt or partial
- * checkpoint, CKPT_EMISMATCH after a change of configuration, I/O, a hook)
- * makes this accelerator's saves refuse until a load succeeds or the caller
+ * failure (a corrupt or partial checkpoint, CKPT_EMISMATCH after a change of
+ * configuration, I/O, a hook) makes this accelerator's saves refuse until a load succeeds or the caller
  * calls ckpt_accelerator_start_over (a save into a project another run
  * owns still fails with CKPT_EBUSY first). The resume idiom:
  *     int rc = ckpt_load_state(acc, NULL);
