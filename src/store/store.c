@@ -284,9 +284,11 @@ typedef struct rotation {
     int64_t removed;
 } rotation;
 
-/* Hides checkpoint folder `name` of dir (one atomic rename), then deletes
- * it: a crash midway leaves a hidden leftover that the next save or prune
- * removes, never a visible half-deleted checkpoint. */
+/* Hides checkpoint folder `name` of dir (one atomic rename), makes the
+ * rename durable (folder fsync), then deletes it: a crash or power cut
+ * midway leaves a hidden leftover that the next save or prune removes, never
+ * a visible half-deleted checkpoint. Without the fsync a power cut could
+ * undo the rename but keep some of the deletions. */
 static int remove_checkpoint(const char *dir, const char *name, const ckpt_logger *lg) {
     char hidden[96];
     snprintf(hidden, sizeof hidden, ".%s.old.%ld", name, (long)getpid());
@@ -297,6 +299,8 @@ static int remove_checkpoint(const char *dir, const char *name, const ckpt_logge
         rc = ckpt__err_nomem("rotation path");
     } else if (ckpt__os_rename(p, h) != 0) {
         rc = ckpt__err_os(errno, "removing old checkpoint %s", p);
+    } else if (ckpt__fsync_dir(dir) < 0) {
+        ckpt__log(lg, CKPT_LOG_WARNING, "left %s hidden, not deleted: %s", h, ckpt_errmsg());
     } else if (ckpt__remove_tree(h) < 0) {
         ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s: %s", h, ckpt_errmsg());
     }
