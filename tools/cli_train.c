@@ -43,7 +43,7 @@ static const char train_help[] =
     "  --lr X             peak learning rate (default 0.002)\n"
     "  --seed N           seed of weights, data order and dropout (default 1)\n"
     "  --save-every N     steps between checkpoints (default 50; 0 = only at the end)\n"
-    "  --total-limit N    keep this many checkpoints (default 3; 0 = all)\n"
+    "  --total-limit N    keep the newest N valid checkpoints (default 3; 0 = all)\n"
     "  --workers N        data loader prefetch threads (default 2)\n"
     "  --project-dir DIR  checkpoints in DIR/checkpoints, metrics in DIR/logs\n"
     "                     (default runs/digits)\n"
