@@ -71,6 +71,7 @@ nomem:
 
 void ckpt_accelerator_free(ckpt_accelerator *acc) {
     if (!acc) return;
+    ckpt__async_free(acc); /* a pending save ends first */
     for (int w = 0; w < 2; w++) {
         ckpt_hook_handle *h = acc->hooks[w];
         while (h) {

@@ -273,6 +273,9 @@ static int apply(load_op *op) {
 
 int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "load_state: acc is NULL");
+    /* A pending asynchronous save ends first (its failure, if any, is kept
+     * for the next wait or save). */
+    ckpt__async_settle(acc, false);
     load_op op;
     memset(&op, 0, sizeof op);
     op.acc = acc;
