@@ -357,7 +357,7 @@ static int commit(save_op *op) {
     if (stat(op->tmp, &tmp_st) != 0) return ckpt__err_os(errno, "save_state: %s", op->tmp);
     rc = ckpt__publish_dir(op->tmp, op->target, !op->automatic);
     if (rc < 0) {
-        rc = ckpt__err_prefix(rc, "save_state");
+        rc = ckpt__err_prefix(rc, "save_state: %s", op->target);
         undo_publish(&op->log, op->tmp, op->target, &tmp_st, existed, &op->tmp_made);
         return rc;
     }
