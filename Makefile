@@ -3,12 +3,13 @@
 #   make test     sanitizer build (build-test/) and every test
 #   make demo     the main job: train, kill -9, resume, compare
 #   make bench    benchmarks (bench/README.md)
+#   make tsan     ThreadSanitizer build (build-tsan/) and the threaded tests
 #   make install  install into PREFIX (default /usr/local)
 PREFIX ?= /usr/local
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE ?= cmake
 
-.PHONY: all setup build build-test test demo bench install clean fuzz
+.PHONY: all setup build build-test test demo bench install clean fuzz tsan
 
 all: build
 
@@ -36,6 +37,13 @@ bench: build
 	@bash scripts/setup all
 	@bash bench/run build
 
+# The tests that run threads (background saves, thread ranks, loader workers).
+tsan:
+	@bash scripts/setup test
+	@$(CMAKE) -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCKPT_TSAN=ON >/dev/null
+	@$(CMAKE) --build build-tsan -j $(JOBS)
+	@cd build-tsan && ctest --output-on-failure -j $(JOBS) -R 'unit\.test_(async|collective|dataloader|io)$$'
+
 install: build
 	@$(CMAKE) --install build --prefix $(PREFIX)
 
@@ -45,4 +53,4 @@ fuzz:
 	@$(CMAKE) --build build-fuzz -j $(JOBS)
 
 clean:
-	rm -rf build build-test build-fuzz
+	rm -rf build build-test build-fuzz build-tsan
