@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "ckpt.h"
+#include "base/io.h"
 #include "store/store.h"
 
 /* The kinds of saved objects, in the order their files are written. */
@@ -70,6 +71,9 @@ struct ckpt_accelerator {
     /* Asynchronous saves (async.c): NULL until the first one. */
     struct ckpt_async *async;
     uint64_t async_staging_limit; /* 0: no limit */
+    /* One reusable buffer area: an asynchronous save's staging, then a
+     * load's read buffers (never both at once: a load waits for the save). */
+    ckpt_arena arena;
 };
 
 /* The file an object's state goes to: "model.safetensors",

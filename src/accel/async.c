@@ -39,8 +39,6 @@ typedef struct ckpt_async {
     int64_t iteration_before;
     int failed;          /* a settled failure not yet returned */
     char failed_msg[MSG_CAP];
-    uint8_t *stage;      /* the staging area, reused from save to save */
-    uint64_t stage_cap;
 } ckpt_async;
 
 /* ---- the background thread --------------------------------------------------- */
@@ -129,6 +127,7 @@ int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
         }
         ckpt__save_apply(op);
         ckpt__save_op_free(op);
+        ckpt__arena_idle(&acc->arena);
     }
     if (report && as->failed < 0) {
         int rc = ckpt__err(as->failed, "%s", as->failed_msg);
@@ -138,22 +137,9 @@ int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
     return CKPT_OK;
 }
 
-/* Room for n staged bytes: the area only grows, and is not touched while a
- * save is pending (this runs after the settle). */
-static int stage_reserve(ckpt_async *as, uint64_t n) {
-    if (n <= as->stage_cap) return CKPT_OK;
-    if (n > SIZE_MAX) return ckpt__err_nomem("staging area");
-    free(as->stage);
-    as->stage_cap = 0;
-    as->stage = ckpt__malloc((size_t)n);
-    if (!as->stage) return ckpt__err_nomem("staging area");
-    as->stage_cap = n;
-    return CKPT_OK;
-}
-
 /* Copies what fits under the limit (whole files, in object order) into the
  * staging area; every other file this rank writes is written now. */
-static int stage(ckpt_accelerator *acc, ckpt_async *as, ckpt_save_op *op) {
+static int stage(ckpt_accelerator *acc, ckpt_save_op *op) {
     int n = ckpt__save_nobjs(op);
     uint64_t limit = acc->async_staging_limit, total = 0;
     bool *staged = ckpt__calloc((size_t)(n ? n : 1), sizeof *staged);
@@ -165,10 +151,11 @@ static int stage(ckpt_accelerator *acc, ckpt_async *as, ckpt_save_op *op) {
         staged[i] = true;
         total += b;
     }
-    int rc = stage_reserve(as, total);
+    /* Reused from save to save (and shared with loads, which wait first). */
+    int rc = ckpt__arena_reserve(&acc->arena, total);
     uint64_t off = 0;
     for (int i = 0; rc == 0 && i < n; i++) {
-        if (staged[i]) off += ckpt__writer_stage(ckpt__save_writer(op, i), as->stage + off);
+        if (staged[i]) off += ckpt__writer_stage(ckpt__save_writer(op, i), acc->arena.p + off);
         else if (ckpt__save_writes(op, i)) rc = ckpt__save_write(op, i);
     }
     free(staged);
@@ -185,7 +172,7 @@ int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir) {
     int rc = ckpt__save_start(acc, output_dir, &op);
     if (!op) return rc;
     rc = ckpt__save_agree_snapshot(op);
-    if (rc == 0) rc = stage(acc, as, op);
+    if (rc == 0) rc = stage(acc, op);
     if (rc == 0) rc = start_thread(as);
     if (rc < 0 && acc->comm->size <= 1) {
         /* Nothing handed over: ends here, as a synchronous save would. */
@@ -240,7 +227,6 @@ void ckpt__async_free(ckpt_accelerator *acc) {
     }
     pthread_cond_destroy(&as->cv);
     pthread_mutex_destroy(&as->mu);
-    free(as->stage);
     free(as);
     acc->async = NULL;
 }

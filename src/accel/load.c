@@ -52,7 +52,9 @@ static bool rank_reads(const ckpt_manifest_file *f, void *ctx) {
 
 static int open_checkpoint(load_op *op, const char *dir) {
     bool many = op->comm->size > 1;
-    return ckpt__checkpoint_open_some(dir, true, true, many ? rank_reads : NULL, op->acc, &op->c);
+    /* Read once, hashed on the way, into the accelerator's reusable area. */
+    return ckpt__checkpoint_open_into(dir, many ? rank_reads : NULL, op->acc, &op->acc->arena,
+                                      &op->c);
 }
 
 /* A bad checkpoint, skipped for an older one; anything else (memory, I/O on
@@ -303,6 +305,7 @@ out:
     free(op.readers);
     free(op.objs);
     ckpt__checkpoint_close(&op.c);
+    ckpt__arena_idle(&acc->arena);
     free(op.dir);
     return rc;
 }

@@ -747,3 +747,99 @@ out:
 }
 
 uint64_t ckpt__xxh3(const void *p, size_t n) { return XXH3_64bits(p, n); }
+
+/* ---- reads that hash on the way --------------------------------------------- */
+
+/* Small enough to stay in a core's L2 cache between the read and the hash,
+ * large enough that the calls cost nothing next to the copy. */
+#define HASH_PIECE ((size_t)1 << 20)
+
+int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
+                      uint64_t *digest) {
+    size_t align = _Alignof(XXH3_state_t) > 64 ? _Alignof(XXH3_state_t) : 64;
+    void *mem = ckpt__malloc(sizeof(XXH3_state_t) + align + (dst ? 0 : HASH_PIECE));
+    if (!mem) return ckpt__err_nomem(what);
+    uintptr_t a = ((uintptr_t)mem + align - 1) & ~(uintptr_t)(align - 1);
+    XXH3_state_t *h = (XXH3_state_t *)a;
+    uint8_t *scratch = (uint8_t *)(h + 1);
+    XXH3_INITSTATE(h);
+    XXH3_64bits_reset(h);
+    int rc = CKPT_OK;
+    int fd = ckpt__os_open(path, O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) {
+        rc = ckpt__err_os(errno, "%s: open", what);
+        free(mem);
+        return rc;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        rc = ckpt__err_os(errno, "%s: stat", what);
+    } else if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size != size) {
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %lld bytes, the manifest says %llu", what,
+                       (long long)st.st_size, (unsigned long long)size);
+    } else {
+        /* The kernel reads ahead further for a file read from start to end. */
+        (void)posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+        uint64_t off = 0;
+        while (off < size) {
+            size_t want = size - off < HASH_PIECE ? (size_t)(size - off) : HASH_PIECE;
+            uint8_t *p = dst ? dst + off : scratch;
+            size_t got = 0;
+            while (got < want) {
+                ssize_t r = ckpt__os_pread(fd, p + got, want - got, off + got);
+                if (r < 0) {
+                    rc = ckpt__err_os(errno, "%s: read", what);
+                    break;
+                }
+                if (r == 0) {
+                    rc = ckpt__err(CKPT_ECORRUPT, "%s: ends at byte %llu, the manifest says %llu",
+                                   what, (unsigned long long)(off + got), (unsigned long long)size);
+                    break;
+                }
+                got += (size_t)r;
+            }
+            if (rc < 0) break;
+            XXH3_64bits_update(h, p, want);
+            off += want;
+        }
+    }
+    close(fd);
+    if (rc == 0 && digest) *digest = XXH3_64bits_digest(h);
+    free(mem);
+    return rc;
+}
+
+/* ---- reusable memory ------------------------------------------------------------ */
+
+int ckpt__arena_reserve(ckpt_arena *a, uint64_t n) {
+    if (n <= a->cap) return CKPT_OK;
+    ckpt__arena_free(a);
+    if (n > (uint64_t)SIZE_MAX / 2) return ckpt__err_nomem("buffer area");
+    /* Whole 2 MiB pages, so the kernel can back it with huge pages. */
+    uint64_t len = (n + ((uint64_t)2 << 20) - 1) & ~(((uint64_t)2 << 20) - 1);
+    void *probe = ckpt__malloc(1); /* the allocation-failure sweep counts this area too */
+    if (!probe) return ckpt__err_nomem("buffer area");
+    free(probe);
+    void *p = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return ckpt__err_nomem("buffer area");
+#ifdef MADV_HUGEPAGE
+    (void)madvise(p, (size_t)len, MADV_HUGEPAGE);
+#endif
+    a->p = p;
+    a->cap = len;
+    return CKPT_OK;
+}
+
+void ckpt__arena_idle(ckpt_arena *a) {
+#ifdef MADV_FREE
+    if (a->p) (void)madvise(a->p, (size_t)a->cap, MADV_FREE);
+#else
+    (void)a;
+#endif
+}
+
+void ckpt__arena_free(ckpt_arena *a) {
+    if (a->p) munmap(a->p, (size_t)a->cap);
+    a->p = NULL;
+    a->cap = 0;
+}

@@ -135,8 +135,14 @@ static int64_t load_fresh(const char *project, const char *dir) {
     return v;
 }
 
-static char *cp_dir(const char *project, int n) {
-    return tu_pathf("%s/checkpoints/checkpoint_%d", project, n);
+/* "<project>/checkpoints/checkpoint_<n>" in one of a few static buffers
+ * (the tests use at most two at once). */
+static const char *cp_dir(const char *project, int n) {
+    static char bufs[4][4200];
+    static int next;
+    char *b = bufs[next++ % 4];
+    snprintf(b, sizeof bufs[0], "%s/checkpoints/checkpoint_%d", project, n);
+    return b;
 }
 
 /* Every visible checkpoint verifies; n of them; no temporary folder left. */
