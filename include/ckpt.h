@@ -789,6 +789,15 @@ CKPT_API int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_
  * their status (deep verification if deep). *out is malloc'd; free() it. */
 CKPT_API int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
                                   int64_t *count);
+/* Opens one object of the checkpoint folder dir as a reader: file names its
+ * file ("optimizer.safetensors"), and every shard file of it the manifest
+ * lists (optimizer-<i>-of-<P>.safetensors) is attached, so sharded tensors
+ * read whole (ckpt_read_tensor) or in any slice (ckpt_read_tensor_shard)
+ * whatever process count saved them. Each file is checked against the
+ * manifest (size and XXH3-64) first. CKPT_ENOENT if the manifest lists no
+ * such object, CKPT_ECORRUPT for a bad file or chunk table. *out is freed
+ * with ckpt_reader_free. */
+CKPT_API int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader **out);
 /* Removes all but the newest `keep` automatic checkpoints (under the project
  * lock). *removed (may be NULL) gets how many went. */
 CKPT_API int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed);

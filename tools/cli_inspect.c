@@ -71,6 +71,35 @@ static void print_shape(const ckpt_entry_info *e) {
     putchar(']');
 }
 
+/* "<object>-DDDDD-of-DDDDD.safetensors": one process's shard file. */
+static bool is_shard_file(const char *name) {
+    static const char tail[] = "-00000-of-00000.safetensors";
+    size_t n = strlen(name), k = sizeof tail - 1;
+    if (n <= k) return false;
+    const char *t = name + n - k;
+    for (size_t i = 0; i < k; i++) {
+        bool digit = tail[i] == '0';
+        if (digit ? (t[i] < '0' || t[i] > '9') : t[i] != tail[i]) return false;
+    }
+    return true;
+}
+
+/* A state file; inside a checkpoint folder an object's file is opened with
+ * its shard files, so sharded tensors read whole. */
+static int open_state(const char *path, ckpt_reader **r) {
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    char dir[4096], manifest[4200];
+    snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
+    snprintf(manifest, sizeof manifest, "%s/checkpoint.json", dir);
+    struct stat st;
+    if (!is_shard_file(base) && stat(manifest, &st) == 0) {
+        int rc = ckpt_checkpoint_open_object(dir, base, r);
+        if (rc != CKPT_ENOENT) return rc;
+    }
+    return ckpt_reader_open(r, path);
+}
+
 static int lib_error(const char *what, int rc) {
     cli_error("%s: %s", what, *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc));
     return CLI_RUNTIME;
@@ -145,7 +174,7 @@ static int print_entry(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
 
 static int inspect_file(const char *path, const char *label, bool json, bool first) {
     ckpt_reader *r = NULL;
-    int rc = ckpt_reader_open(&r, path);
+    int rc = open_state(path, &r);
     if (rc < 0) return lib_error("inspect", rc);
     int64_t n = ckpt_reader_count(r);
     uint64_t tensor_bytes = 0;
@@ -164,8 +193,9 @@ static int inspect_file(const char *path, const char *label, bool json, bool fir
                (unsigned long long)tensor_bytes);
     } else {
         char size[32];
-        printf("%s: %lld entries, %lld tensors (%s)\n", label, (long long)n, (long long)ntensors,
-               cli_human_bytes(tensor_bytes, size, sizeof size));
+        printf("%s: %lld entries, %lld tensors (%s)%s\n", label, (long long)n, (long long)ntensors,
+               cli_human_bytes(tensor_bytes, size, sizeof size),
+               is_shard_file(label) ? ", one process's chunks of sharded tensors" : "");
     }
     for (int64_t i = 0; i < n && rc == CKPT_OK; i++) {
         ckpt_entry_info e;
@@ -327,6 +357,22 @@ static void report(diff_ctx *d, const char *file, const char *key, const char *f
     d->differences++;
 }
 
+static void diff_tensor_bytes(diff_ctx *d, const char *file, const ckpt_entry_info *ea,
+                              const void *pa, const void *pb);
+
+/* A tensor's bytes: a view, or (a tensor saved in chunks by several
+ * processes) assembled into *own (free it). */
+static bool tensor_bytes(ckpt_reader *r, const ckpt_entry_info *e, const void **p, void **own) {
+    ckpt_entry_info info;
+    int rc = ckpt_reader_tensor_view(r, e->key, p, &info);
+    if (rc != CKPT_EUNSUPPORTED) return rc == CKPT_OK;
+    *own = malloc(e->nbytes ? (size_t)e->nbytes : 1);
+    if (!*own) return false;
+    if (ckpt_read_tensor(r, e->key, e->dtype, e->ndim, e->shape, *own) < 0) return false;
+    *p = *own;
+    return true;
+}
+
 static void diff_tensor(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_reader *rb,
                         const ckpt_entry_info *ea, const ckpt_entry_info *eb) {
     d->tensors++;
@@ -342,12 +388,21 @@ static void diff_tensor(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_rea
         return;
     }
     const void *pa = NULL, *pb = NULL;
-    ckpt_entry_info ia, ib;
-    if (ckpt_reader_tensor_view(ra, ea->key, &pa, &ia) < 0 ||
-        ckpt_reader_tensor_view(rb, eb->key, &pb, &ib) < 0) {
+    void *own[2] = {NULL, NULL};
+    if (!tensor_bytes(ra, ea, &pa, &own[0]) || !tensor_bytes(rb, eb, &pb, &own[1])) {
         report(d, file, ea->key, "cannot read: %s", ckpt_errmsg());
+        free(own[0]);
+        free(own[1]);
         return;
     }
+    diff_tensor_bytes(d, file, ea, pa, pb);
+    free(own[0]);
+    free(own[1]);
+}
+
+/* Compares the bytes of two tensors of the same dtype and shape. */
+static void diff_tensor_bytes(diff_ctx *d, const char *file, const ckpt_entry_info *ea,
+                              const void *pa, const void *pb) {
     if (ea->nbytes == 0 || !memcmp(pa, pb, ea->nbytes)) return;
 
     int64_t numel = 1;
@@ -432,9 +487,9 @@ static void diff_scalar(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_rea
 /* Compares two state files; CLI_RUNTIME if one cannot be opened. */
 static int diff_files(diff_ctx *d, const char *pa, const char *pb, const char *label) {
     ckpt_reader *ra = NULL, *rb = NULL;
-    int rc = ckpt_reader_open(&ra, pa);
+    int rc = open_state(pa, &ra);
     if (rc < 0) return lib_error("diff", rc);
-    if ((rc = ckpt_reader_open(&rb, pb)) < 0) {
+    if ((rc = open_state(pb, &rb)) < 0) {
         ckpt_reader_free(ra);
         return lib_error("diff", rc);
     }
@@ -475,10 +530,11 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
             printf("checkpoint.json: step: %lld vs %lld\n", (long long)ia.step, (long long)ib.step);
             d->differences++;
         }
-        if (ia.num_processes != ib.num_processes) {
-            printf("checkpoint.json: num_processes: %d vs %d\n", ia.num_processes, ib.num_processes);
-            d->differences++;
-        }
+        if (ia.num_processes != ib.num_processes)
+            /* Not a difference by itself: sharded tensors are compared whole. */
+            printf("checkpoint.json: num_processes: %d vs %d (sharded tensors compared "
+                   "assembled)\n",
+                   ia.num_processes, ib.num_processes);
     }
 
     struct dirent **na = NULL, **nb = NULL;
@@ -496,6 +552,15 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
     int status = CLI_OK, i = 0, j = 0;
     /* both lists are sorted: walk them together */
     while (status == CLI_OK && (i < ca || j < cb)) {
+        /* Shard files are read with their object's file. */
+        if (i < ca && is_shard_file(na[i]->d_name)) {
+            i++;
+            continue;
+        }
+        if (j < cb && is_shard_file(nb[j]->d_name)) {
+            j++;
+            continue;
+        }
         int c = i >= ca ? 1 : j >= cb ? -1 : strcmp(na[i]->d_name, nb[j]->d_name);
         if (c < 0) {
             printf("%s: only in A\n", na[i++]->d_name);

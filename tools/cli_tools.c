@@ -114,10 +114,11 @@ int cli_ls(int argc, char **argv) {
         }
         if (json) {
             printf("%s{\"number\":%lld,\"step\":%lld,\"iteration\":%lld,\"created_unix\":%lld,"
-                   "\"bytes\":%llu,\"files\":%d,\"status\":\"%s\",\"path\":",
+                   "\"bytes\":%llu,\"files\":%d,\"num_processes\":%d,\"status\":\"%s\","
+                   "\"path\":",
                    i ? "," : "", (long long)c->number, (long long)c->step, (long long)c->iteration,
                    (long long)c->created_unix, (unsigned long long)c->total_bytes, c->num_files,
-                   status_name(c->status));
+                   c->num_processes, status_name(c->status));
             cli_json_string(c->path);
             if (*reason) {
                 printf(",\"error\":");
@@ -128,10 +129,12 @@ int cli_ls(int argc, char **argv) {
             char stepbuf[32];
             if (c->status == CKPT_CHECKPOINT_PARTIAL) snprintf(stepbuf, sizeof stepbuf, "-");
             else snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)c->step);
-            printf("%-8lld %10s  %-19s  %10s  %-8s  %s\n", (long long)c->number, stepbuf,
+            printf("%-8lld %10s  %-19s  %10s  %-8s  %s", (long long)c->number, stepbuf,
                    c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : when,
                    c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : size, status_name(c->status),
                    c->path);
+            if (c->num_processes > 1) printf("  (%d processes)", c->num_processes);
+            putchar('\n');
             if (*reason) printf("         %s\n", reason);
         }
     }
@@ -154,8 +157,10 @@ static bool verify_one(const char *dir) {
     int rc = ckpt_checkpoint_verify(dir, true, &info);
     if (rc == CKPT_OK) {
         char size[32];
-        printf("ok       %s  (step %lld, %d files, %s)\n", dir, (long long)info.step,
-               info.num_files, cli_human_bytes(info.total_bytes, size, sizeof size));
+        char procs[48] = "";
+        if (info.num_processes > 1) snprintf(procs, sizeof procs, ", %d processes", info.num_processes);
+        printf("ok       %s  (step %lld, %d files, %s%s)\n", dir, (long long)info.step,
+               info.num_files, cli_human_bytes(info.total_bytes, size, sizeof size), procs);
         return true;
     }
     const char *msg = *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc);

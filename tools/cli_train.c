@@ -112,8 +112,19 @@ static const ckpt_stateful_ops run_config_ops = {
     .load_state_dict = run_config_load_state_dict,
 };
 
-static bool run_config_check(const run_config *saved, const run_config *now) {
+/* saved_procs/now_procs: the process counts of the saving and this run; the
+ * global batch (--batch-size x processes) is what must stay the same. */
+static bool run_config_check(const run_config *saved, const run_config *now, int saved_procs,
+                             int now_procs) {
     bool ok = true;
+    if (saved->batch_size * saved_procs != now->batch_size * now_procs) {
+        cli_error("resume: the checkpoint was trained with a global batch of %lld (%d x "
+                  "--batch-size %lld), this run has %lld (%d x %lld)",
+                  (long long)(saved->batch_size * saved_procs), saved_procs,
+                  (long long)saved->batch_size, (long long)(now->batch_size * now_procs), now_procs,
+                  (long long)now->batch_size);
+        ok = false;
+    }
 #define CHECK_I64(field, opt)                                                                      \
     if (saved->field != now->field) {                                                              \
         cli_error("resume: the checkpoint was trained with " opt " %lld, this run has %lld",       \
@@ -121,7 +132,6 @@ static bool run_config_check(const run_config *saved, const run_config *now) {
         ok = false;                                                                                \
     }
     CHECK_I64(epochs, "--epochs")
-    CHECK_I64(batch_size, "--batch-size")
     CHECK_I64(seed, "--seed")
     CHECK_I64(train_rows, "a training set of rows")
     CHECK_I64(hidden, "hidden width")
@@ -623,7 +633,12 @@ int cli_train(int argc, char **argv) {
                 status = lib_fail("resume", rc);
                 goto done;
             }
-            if (!run_config_check(&t.saved_config, &t.config)) {
+            ckpt_checkpoint_info saved_info;
+            memset(&saved_info, 0, sizeof saved_info);
+            (void)ckpt_checkpoint_verify(ckpt_accelerator_last_dir(t.acc), false, &saved_info);
+            int saved_procs = saved_info.num_processes > 0 ? saved_info.num_processes : 1;
+            if (!run_config_check(&t.saved_config, &t.config, saved_procs,
+                                  t.dist.size > 0 ? t.dist.size : 1)) {
                 status = CLI_USAGE;
                 goto done;
             }

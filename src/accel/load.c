@@ -24,6 +24,7 @@
 #include "format/manifest.h"
 #include "format/statedict.h"
 #include "store/store.h"
+#include "train/rng.h"
 
 typedef struct load_op {
     ckpt_accelerator *acc;
@@ -33,6 +34,10 @@ typedef struct load_op {
     ckpt_acc_obj *objs;
     int nobjs;
     ckpt_reader **readers;
+    /* The checkpoint was saved by another number of processes: this rank's
+     * generator is derived from rank 0's (docs/DISTRIBUTED.md, "Reshard"). */
+    bool rng_reshard;
+    ckpt_rng_reshard rr;
 } load_op;
 
 /* ---- choose ---------------------------------------------------------------- */
@@ -44,6 +49,9 @@ typedef struct load_op {
 static bool rank_reads(const ckpt_manifest_file *f, void *ctx) {
     const ckpt_accelerator *acc = ctx;
     if (strcmp(f->kind, ckpt__kind_name[K_RNG]) != 0) return true;
+    /* Rank 0's generator is what every rank continues from when the
+     * checkpoint was saved by another number of processes. */
+    if (strcmp(f->name, "random_states_0.safetensors") == 0) return true;
     char mine[96];
     ckpt_acc_obj rng = {K_RNG, 0, NULL, NULL};
     ckpt__acc_file_name(acc, &rng, mine, sizeof mine);
@@ -173,10 +181,17 @@ static int attach_shards(const load_op *op, ckpt_reader *r, const char *name, co
 /* One object's reader over its file (and its shard files), and its schema
  * checked against them. */
 static int open_object(load_op *op, int i) {
-    const ckpt_acc_obj *o = &op->objs[i];
+    ckpt_acc_obj *o = &op->objs[i];
     const ckpt_manifest *m = &op->c.m;
     char name[96];
-    ckpt__acc_file_name(op->acc, o, name, sizeof name);
+    if (o->kind == K_RNG && op->rng_reshard) {
+        op->rr = (ckpt_rng_reshard){.target = o->self, .rank = op->acc->process_index};
+        o->ops = ckpt__rng_reshard_ops();
+        o->self = &op->rr;
+        snprintf(name, sizeof name, "%s_0.safetensors", ckpt__kind_stem[K_RNG]);
+    } else {
+        ckpt__acc_file_name(op->acc, o, name, sizeof name);
+    }
     int64_t idx = -1;
     for (int64_t j = 0; j < m->nfiles; j++)
         if (strcmp(m->files[j].name, name) == 0) idx = j;
@@ -206,6 +221,14 @@ static int open_object(load_op *op, int i) {
  * check_state_dict; changes nothing. */
 static int check(load_op *op) {
     CKPT_TRY(check_counts(op));
+    int saved_np = op->c.m.num_processes > 0 ? op->c.m.num_processes : 1;
+    op->rng_reshard = saved_np != op->acc->num_processes;
+    if (op->rng_reshard && op->comm->rank == 0)
+        ckpt__log(&op->acc->log, CKPT_LOG_WARNING,
+                  "%s was saved by %d process%s and is loaded by %d: random generators continue "
+                  "from rank 0's by the documented derivation, not as the saved processes' "
+                  "would have (docs/DISTRIBUTED.md, \"Reshard\")",
+                  op->dir, saved_np, saved_np == 1 ? "" : "es", op->acc->num_processes);
     op->objs = ckpt__acc_plan_objects(op->acc, &op->nobjs);
     op->readers = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->readers);
     if (!op->objs || !op->readers) return ckpt__err_nomem("load plan");

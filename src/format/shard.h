@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "ckpt.h"
+#include "base/io.h"
 #include "format/statedict.h"
 
 /* Checks one chunk record on its own: a valid dtype, 0 <= ndim <=
@@ -54,5 +55,9 @@ bool ckpt__shard_file_parse(const char *name, size_t *stem_len, int *index, int 
 /* A reader with no entries, for an object whose state is only sharded
  * tensors (ckpt__reader_attach_shard adds them). name is copied. */
 int ckpt__reader_new_empty(ckpt_reader **out, const char *name);
+
+/* r takes over the mapped file *m (unmapped when r is freed; *m is zeroed),
+ * so it can borrow the bytes for ckpt__reader_attach_shard. */
+int ckpt__reader_adopt_map(ckpt_reader *r, ckpt_mapped *m);
 
 #endif

@@ -707,6 +707,8 @@ struct ckpt_reader {
     int64_t nskeys, skcap;
     char **shard_files;  /* names of the attached files (owned) */
     int64_t nshard_files, sfcap;
+    ckpt_mapped *maps;   /* files the reader owns (ckpt__reader_adopt_map) */
+    int64_t nmaps, mapcap;
 };
 
 void ckpt__reader_set_name(ckpt_reader *r, const char *name) {
@@ -728,6 +730,8 @@ void ckpt_reader_free(ckpt_reader *r) {
     free(r->skeys);
     for (int64_t i = 0; i < r->nshard_files; i++) free(r->shard_files[i]);
     free(r->shard_files);
+    for (int64_t i = 0; i < r->nmaps; i++) ckpt__unmap(&r->maps[i]);
+    free(r->maps);
     key_index_free(&r->index);
     json_decref(r->doc);
     ckpt__st_header_free(&r->hdr);
@@ -1132,6 +1136,24 @@ int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int n
     return CKPT_OK;
 }
 
+static int grow(void **p, int64_t *cap, int64_t need, size_t elem) {
+    if (need <= *cap) return CKPT_OK;
+    int64_t nc = *cap ? *cap : 4;
+    while (nc < need) nc *= 2;
+    void *np = ckpt__realloc(*p, (size_t)nc * elem);
+    if (!np) return ckpt__err_nomem("reader shards");
+    *p = np;
+    *cap = nc;
+    return CKPT_OK;
+}
+
+int ckpt__reader_adopt_map(ckpt_reader *r, ckpt_mapped *m) {
+    CKPT_TRY(grow((void **)&r->maps, &r->mapcap, r->nmaps + 1, sizeof *r->maps));
+    r->maps[r->nmaps++] = *m;
+    memset(m, 0, sizeof *m);
+    return CKPT_OK;
+}
+
 int ckpt__reader_new_empty(ckpt_reader **out, const char *name) {
     if (!out) return ckpt__err(CKPT_EINVAL, "reader: out is NULL");
     *out = NULL;
@@ -1158,16 +1180,6 @@ static int attach_index(const ckpt_st_header *h, key_index *ix) {
     return CKPT_OK;
 }
 
-static int grow(void **p, int64_t *cap, int64_t need, size_t elem) {
-    if (need <= *cap) return CKPT_OK;
-    int64_t nc = *cap ? *cap : 4;
-    while (nc < need) nc *= 2;
-    void *np = ckpt__realloc(*p, (size_t)nc * elem);
-    if (!np) return ckpt__err_nomem("reader shards");
-    *p = np;
-    *cap = nc;
-    return CKPT_OK;
-}
 
 int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const char *name,
                               const char *const *keys, const ckpt_chunk *chunks, int64_t n) {

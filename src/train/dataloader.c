@@ -621,6 +621,28 @@ typedef struct dl_state {
     int64_t seed, epoch, pos;
 } dl_state;
 
+/* A global batch saved as bs x np must be the global batch now (b x p),
+ * else CKPT_EMISMATCH saying what would make it so. */
+static int check_global_batch(int64_t bs, int64_t np, int64_t b, int64_t p) {
+    if (bs * np == b * p) return CKPT_OK;
+    int64_t g = bs * np;
+    char hint[160];
+    if (g % p == 0)
+        snprintf(hint, sizeof hint, "use batch_size %lld on %lld process%s", (long long)(g / p),
+                 (long long)p, p == 1 ? "" : "es");
+    else if (g % b == 0)
+        snprintf(hint, sizeof hint, "run %lld processes with batch_size %lld", (long long)(g / b),
+                 (long long)b);
+    else
+        snprintf(hint, sizeof hint, "no batch_size on %lld processes gives %lld", (long long)p,
+                 (long long)g);
+    return ckpt__err(CKPT_EMISMATCH,
+                     "dataloader: saved with %lld process%s x batch %lld = global batch %lld; now "
+                     "%lld x %lld = %lld: %s (the position counts global batches)",
+                     (long long)np, np == 1 ? "" : "es", (long long)bs, (long long)g, (long long)p,
+                     (long long)b, (long long)(b * p), hint);
+}
+
 /* Reads and checks a saved state against dl; changes nothing. */
 static int read_state(const ckpt_dataloader *dl, ckpt_reader *r, dl_state *st) {
     int64_t seed, epoch, pos, n, bs, shuffle, drop_last, even, np, pi;
@@ -635,15 +657,22 @@ static int read_state(const ckpt_dataloader *dl, ckpt_reader *r, dl_state *st) {
     CKPT_TRY(read_key(r, "num_processes", &np));
     CKPT_TRY(read_key(r, "process_index", &pi));
     /* Everything the order depends on must be the same, or the saved
-     * position would name other samples. The process index may differ: the
-     * position counts global batches, the same for every process. */
+     * position would name other samples. The position counts global batches
+     * (batch_size x num_processes samples each, the same for every process),
+     * so the process index may differ, and so may the process count as long
+     * as the global batch stays the same: the loader then continues at the
+     * same global sample. */
     CKPT_TRY(must_match("dataset_length", n, dl->n));
-    CKPT_TRY(must_match("batch_size", bs, dl->cfg.batch_size));
     CKPT_TRY(must_match("shuffle", shuffle, dl->cfg.shuffle ? 1 : 0));
     CKPT_TRY(must_match("drop_last", drop_last, dl->cfg.drop_last ? 1 : 0));
     CKPT_TRY(must_match("even_batches", even, dl->cfg.even_batches ? 1 : 0));
-    CKPT_TRY(must_match("num_processes", np, dl->cfg.num_processes));
-    if (pi < 0 || pi >= np)
+    int64_t snp = np > 1 ? np : 1;
+    if (np < 0 || np > INT_MAX || bs < 1 || bs > INT64_MAX / snp)
+        return ckpt__err(CKPT_ECORRUPT,
+                         "dataloader: batch_size %lld x num_processes %lld is not a valid shard",
+                         (long long)bs, (long long)np);
+    CKPT_TRY(check_global_batch(bs, snp, dl->cfg.batch_size, nprocs(&dl->cfg)));
+    if (pi < 0 || pi >= snp)
         return ckpt__err(CKPT_ECORRUPT, "dataloader: process_index: expected 0..%lld, got %lld",
                          (long long)np - 1, (long long)pi);
     if (epoch < 0)

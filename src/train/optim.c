@@ -39,6 +39,11 @@ typedef struct opt_param {
     float *exp_avg_sq;
     float *max_exp_avg_sq;
     float *momentum_buffer;
+    /* ZeRO-1: this rank updates and keeps state for elements [lo, hi) only
+     * (whole rows); unsharded, and for parameters that are never split
+     * (scalars, empty tensors), lo = 0 and hi = numel. */
+    bool sharded;
+    int64_t lo, hi;
 } opt_param;
 
 struct ckpt_optimizer {
@@ -50,6 +55,11 @@ struct ckpt_optimizer {
     ckpt_optim_options *opts;
     int64_t *group_start; /* ngroups + 1 offsets into p */
     int64_t *param_index; /* 0..np-1, the data of the param_groups.<g>.params tensors */
+    const ckpt_comm *comm; /* ZeRO-1 (ckpt_optimizer_set_shard), or NULL */
+    int64_t *rank_start;   /* comm->size + 1 cuts of the flattened sharded parameters */
+    float *exchange;       /* every rank's updated values, flat (rank_start) */
+    float *send;           /* this rank's updated values (never aliases exchange) */
+    size_t *exchange_lens; /* bytes each rank contributes */
 };
 
 static const char *kind_name(ckpt_optim_kind k) {
@@ -133,12 +143,13 @@ static int alloc_state(const ckpt_optimizer *o, opt_param *p, int64_t n,
     for (int64_t i = 0; i < n; i++) {
         const ckpt_optim_options *g = &opts[p[i].group];
         bool ok = true;
+        int64_t own = p[i].hi - p[i].lo; /* the whole parameter unless sharded */
         if (needs_moments(o)) {
-            ok = ok && (p[i].exp_avg = zeros(p[i].numel)) != NULL;
-            ok = ok && (p[i].exp_avg_sq = zeros(p[i].numel)) != NULL;
+            ok = ok && (p[i].exp_avg = zeros(own)) != NULL;
+            ok = ok && (p[i].exp_avg_sq = zeros(own)) != NULL;
         }
-        if (needs_max(o, g)) ok = ok && (p[i].max_exp_avg_sq = zeros(p[i].numel)) != NULL;
-        if (needs_momentum(o, g)) ok = ok && (p[i].momentum_buffer = zeros(p[i].numel)) != NULL;
+        if (needs_max(o, g)) ok = ok && (p[i].max_exp_avg_sq = zeros(own)) != NULL;
+        if (needs_momentum(o, g)) ok = ok && (p[i].momentum_buffer = zeros(own)) != NULL;
         if (!ok) return ckpt__err_nomem("optimizer state");
     }
     return CKPT_OK;
@@ -150,6 +161,10 @@ void ckpt_optimizer_free(ckpt_optimizer *o) {
     free(o->opts);
     free(o->group_start);
     free(o->param_index);
+    free(o->rank_start);
+    free(o->exchange);
+    free(o->send);
+    free(o->exchange_lens);
     free(o);
 }
 
@@ -200,6 +215,7 @@ int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m
         p->numel = info.numel;
         p->data = info.data;
         p->grad = info.grad;
+        p->hi = p->numel;
         o->param_index[i] = i;
     }
     int rc = alloc_state(o, o->p, np, o->opts);
@@ -246,6 +262,149 @@ static bool has_stepped(const ckpt_optimizer *o) {
     for (int64_t i = 0; i < o->np; i++)
         if (o->p[i].step != 0) return true;
     return false;
+}
+
+/* ---- ZeRO-1 ------------------------------------------------------------- */
+
+/* Parameters that take part in the split: at least one dimension and one
+ * element. Scalars and empty tensors are updated by every rank in full. */
+static bool splittable(const opt_param *p) { return p->ndim >= 1 && p->numel > 0; }
+
+/* Elements per row (dimension 0) of p: the granularity of a cut. */
+static int64_t row_size(const opt_param *p) { return p->numel / p->shape[0]; }
+
+/* The split (docs/DISTRIBUTED.md, "ZeRO-1"): the splittable parameters, in
+ * state order, form one flat range of N elements. Rank r's nominal share
+ * starts at floor(r * N / P); a start that falls inside a parameter moves to
+ * the nearest row boundary of that parameter (ties: the lower one). So each
+ * rank owns a contiguous range, and its part of each parameter is a run of
+ * whole rows: one box chunk [row0, 0, ...] + [nrows, shape[1], ...]. Sets
+ * every p[i].sharded/lo/hi and *cuts_out (size + 1 flat offsets). */
+static int shard_layout(const ckpt_comm *c, opt_param *p, int64_t np, int64_t **cuts_out) {
+    int P = c->size;
+    int64_t *cuts = ckpt__calloc((size_t)P + 1, sizeof *cuts);
+    if (!cuts) return ckpt__err_nomem("optimizer shards");
+    uint64_t total = 0;
+    for (int64_t i = 0; i < np; i++)
+        if (splittable(&p[i])) total += (uint64_t)p[i].numel;
+    for (int r = 0; r <= P; r++) {
+        uint64_t b = (uint64_t)(((unsigned __int128)total * (unsigned)r) / (unsigned)P);
+        /* Snap b to a row boundary of the parameter it falls in. */
+        uint64_t s = 0;
+        for (int64_t i = 0; i < np; i++) {
+            if (!splittable(&p[i])) continue;
+            uint64_t n = (uint64_t)p[i].numel;
+            if (b > s && b < s + n) {
+                uint64_t row = (uint64_t)row_size(&p[i]);
+                uint64_t k = (b - s) / row, rem = (b - s) % row;
+                if (rem * 2 > row) k++;
+                b = s + k * row;
+                break;
+            }
+            s += n;
+        }
+        cuts[r] = (int64_t)b;
+    }
+    uint64_t s = 0;
+    for (int64_t i = 0; i < np; i++) {
+        opt_param *q = &p[i];
+        q->sharded = splittable(q);
+        q->lo = 0;
+        q->hi = q->numel;
+        if (!q->sharded) continue;
+        int64_t a = cuts[c->rank], b = cuts[c->rank + 1];
+        int64_t lo = a - (int64_t)s, hi = b - (int64_t)s;
+        if (lo < 0) lo = 0;
+        if (hi > q->numel) hi = q->numel;
+        if (hi < lo) hi = lo = 0;
+        q->lo = lo;
+        q->hi = hi;
+        s += (uint64_t)q->numel;
+    }
+    *cuts_out = cuts;
+    return CKPT_OK;
+}
+
+static int exchange_alloc(ckpt_optimizer *o);
+
+int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm) {
+    if (!o || !comm) return ckpt__err(CKPT_EINVAL, "optimizer_set_shard: NULL argument");
+    if (comm->size < 1 || comm->rank < 0 || comm->rank >= comm->size || !comm->allgather)
+        return ckpt__err(CKPT_EINVAL,
+                         "optimizer_set_shard: communicator of rank %d of %d (or without "
+                         "allgather)",
+                         comm->rank, comm->size);
+    if (has_stepped(o))
+        return ckpt__err(CKPT_EINVAL, "optimizer_set_shard: only before the first step");
+    int64_t *cuts = NULL;
+    opt_param *p = ckpt__calloc((size_t)o->np, sizeof *p);
+    size_t *lens = ckpt__calloc((size_t)comm->size, sizeof *lens);
+    if (!p || !lens) {
+        free(p);
+        free(lens);
+        return ckpt__err_nomem("optimizer shards");
+    }
+    for (int64_t i = 0; i < o->np; i++) {
+        p[i] = o->p[i];
+        p[i].exp_avg = p[i].exp_avg_sq = p[i].max_exp_avg_sq = p[i].momentum_buffer = NULL;
+    }
+    int rc = shard_layout(comm, p, o->np, &cuts);
+    if (rc == 0) rc = alloc_state(o, p, o->np, o->opts);
+    if (rc < 0) {
+        free_params(p, o->np);
+        free(cuts);
+        free(lens);
+        return rc;
+    }
+    free_params(o->p, o->np);
+    free(o->rank_start);
+    free(o->exchange_lens);
+    o->p = p;
+    o->comm = comm;
+    o->rank_start = cuts;
+    o->exchange_lens = lens;
+    return exchange_alloc(o);
+}
+
+/* (Re)allocates the exchange buffers for the current cuts. */
+static int exchange_alloc(ckpt_optimizer *o) {
+    const ckpt_comm *c = o->comm;
+    int64_t total = o->rank_start[c->size];
+    int64_t own = o->rank_start[c->rank + 1] - o->rank_start[c->rank];
+    free(o->exchange);
+    free(o->send);
+    o->exchange = ckpt__malloc((size_t)(total ? total : 1) * sizeof(float));
+    o->send = ckpt__malloc((size_t)(own ? own : 1) * sizeof(float));
+    if (!o->exchange || !o->send) return ckpt__err_nomem("optimizer exchange buffer");
+    for (int r = 0; r < c->size; r++)
+        o->exchange_lens[r] = (size_t)(o->rank_start[r + 1] - o->rank_start[r]) * sizeof(float);
+    return CKPT_OK;
+}
+
+/* After each rank updated its share: every rank gets every share's new
+ * values (one allgather of the flat range, in rank order). */
+static int exchange_shares(ckpt_optimizer *o) {
+    const ckpt_comm *c = o->comm;
+    int64_t total = o->rank_start[c->size];
+    float *ex = o->exchange;
+    float *mine = o->send;
+    if (!ex || !mine) return ckpt__err(CKPT_ENOMEM, "optimizer step: no exchange buffer");
+    for (int64_t i = 0; i < o->np; i++) {
+        const opt_param *p = &o->p[i];
+        if (!p->sharded || p->hi == p->lo) continue;
+        memcpy(mine, p->data + p->lo, (size_t)(p->hi - p->lo) * sizeof(float));
+        mine += p->hi - p->lo;
+    }
+    int rc = c->allgather(c->ctx, o->send, ex, o->exchange_lens);
+    if (rc < 0) return ckpt__err_prefix(rc, "optimizer step: exchanging updated parameters");
+    int64_t s = 0;
+    for (int64_t i = 0; i < o->np && total > 0; i++) {
+        opt_param *p = &o->p[i];
+        if (!p->sharded) continue;
+        memcpy(p->data, ex + s, (size_t)p->numel * sizeof(float));
+        s += p->numel;
+    }
+    return CKPT_OK;
 }
 
 int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_of,
@@ -304,12 +463,16 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
         p[k].numel = info.numel;
         p[k].data = info.data;
         p[k].grad = info.grad;
+        p[k].hi = p[k].numel;
         p[k].group = g;
         index[k] = k;
     }
     free(count);
-    int rc = alloc_state(o, p, np, nopts);
+    int64_t *cuts = NULL;
+    int rc = o->comm ? shard_layout(o->comm, p, np, &cuts) : CKPT_OK;
+    if (rc == 0) rc = alloc_state(o, p, np, nopts);
     if (rc < 0) {
+        free(cuts);
         free_params(p, np);
         free(nopts);
         free(start);
@@ -326,6 +489,11 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
     o->ngroups = ngroups;
     o->group_start = start;
     o->param_index = index;
+    if (o->comm) {
+        free(o->rank_start);
+        o->rank_start = cuts;
+        return exchange_alloc(o);
+    }
     return CKPT_OK;
 }
 
@@ -491,6 +659,7 @@ static const adam_fn *adam_kernels(void) { return adam_generic; }
 #endif
 
 static void adam_update(opt_param *prm, const ckpt_optim_options *o, bool decoupled) {
+    /* Only this rank's elements [lo, hi); the state buffers hold just those. */
     prm->step += 1.0f;
     double step = prm->step;
     double bc1 = 1.0 - pow(o->beta1, step);
@@ -508,8 +677,9 @@ static void adam_update(opt_param *prm, const ckpt_optim_options *o, bool decoup
     c.neg_step_size = (float)-(o->lr / bc1);
     bool l2 = !decoupled && o->weight_decay != 0;
     int variant = (decoupled ? 4 : l2 ? 2 : 0) + (o->amsgrad ? 1 : 0);
-    adam_kernels()[variant](prm->data, prm->grad, prm->exp_avg, prm->exp_avg_sq,
-                            prm->max_exp_avg_sq, prm->numel, &c);
+    if (prm->hi == prm->lo) return;
+    adam_kernels()[variant](prm->data + prm->lo, prm->grad + prm->lo, prm->exp_avg, prm->exp_avg_sq,
+                            prm->max_exp_avg_sq, prm->hi - prm->lo, &c);
 }
 
 int ckpt_optimizer_step(ckpt_optimizer *o) {
@@ -524,12 +694,15 @@ int ckpt_optimizer_step(ckpt_optimizer *o) {
         opt_param *p = &o->p[i];
         const ckpt_optim_options *g = &o->opts[p->group];
         if (o->kind == CKPT_OPTIM_SGD) {
-            sgd_update(p->data, p->grad, p->momentum_buffer, p->numel, g, p->step == 0);
+            if (p->hi > p->lo)
+                sgd_update(p->data + p->lo, p->grad + p->lo, p->momentum_buffer, p->hi - p->lo, g,
+                           p->step == 0);
             p->step += 1.0f;
         } else {
             adam_update(p, g, o->kind == CKPT_OPTIM_ADAMW);
         }
     }
+    if (o->comm && o->comm->size > 1) return exchange_shares(o);
     return CKPT_OK;
 }
 
@@ -595,6 +768,39 @@ static int state_buffers(const opt_param *p, const char *names[4], float *bufs[4
     return n;
 }
 
+/* This rank's part [lo, hi) of a sharded parameter as a box: whole rows. */
+static void share_box(const opt_param *p, int64_t *off, int64_t *local) {
+    int64_t row = row_size(p);
+    for (int d = 0; d < p->ndim; d++) {
+        off[d] = 0;
+        local[d] = p->shape[d];
+    }
+    off[0] = p->lo / row;
+    local[0] = (p->hi - p->lo) / row;
+}
+
+/* Writes one state buffer: a chunk of the whole tensor when sharded (every
+ * rank writes one, empty if it owns no row of the parameter, so every rank's
+ * state dict has the same keys), else the tensor. */
+static int write_state(const ckpt_optimizer *o, ckpt_writer *w, const char *k, const opt_param *p,
+                       const float *buf) {
+    if (!o->comm || !p->sharded) return ckpt_write_tensor(w, k, CKPT_F32, p->ndim, p->shape, buf);
+    int64_t off[CKPT_MAX_NDIM], local[CKPT_MAX_NDIM];
+    share_box(p, off, local);
+    return ckpt_write_tensor_shard(w, k, CKPT_F32, p->ndim, p->shape, off, local, buf);
+}
+
+/* Reads one state buffer: this rank's slice when sharded, from however
+ * many chunks (or a whole tensor) the file has. */
+static int read_state(const ckpt_optimizer *o, ckpt_reader *r, const char *k, const opt_param *p,
+                      float *buf) {
+    if (!o->comm || !p->sharded) return ckpt_read_tensor(r, k, CKPT_F32, p->ndim, p->shape, buf);
+    if (p->hi == p->lo) return CKPT_OK;
+    int64_t off[CKPT_MAX_NDIM], local[CKPT_MAX_NDIM];
+    share_box(p, off, local);
+    return ckpt_read_tensor_shard(r, k, CKPT_F32, p->ndim, p->shape, off, local, buf);
+}
+
 static int optimizer_state_dict(void *self, ckpt_writer *w) {
     const ckpt_optimizer *o = self;
     char k[KEY_CAP];
@@ -607,7 +813,7 @@ static int optimizer_state_dict(void *self, ckpt_writer *w) {
         float *bufs[4];
         for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
-            CKPT_TRY(ckpt_write_tensor(w, k, CKPT_F32, p->ndim, p->shape, bufs[j]));
+            CKPT_TRY(write_state(o, w, k, p, bufs[j]));
         }
     }
     for (int g = 0; g < o->ngroups; g++) CKPT_TRY(write_group(o, w, g));
@@ -766,7 +972,7 @@ static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
         CKPT_TRY(read_step(r, i, &step));
         for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
-            CKPT_TRY(ckpt_read_tensor(r, k, CKPT_F32, p->ndim, p->shape, bufs[j]));
+            CKPT_TRY(read_state(o, r, k, p, bufs[j]));
         }
         p->step = step;
     }

@@ -6,6 +6,7 @@
 
 #include "ckpt.h"
 #include "base/error.h"
+#include "train/rng.h"
 
 #define PHILOX_M0 0xD2511F53u
 #define PHILOX_M1 0xCD9E8D57u
@@ -150,3 +151,40 @@ static const ckpt_stateful_ops rng_ops = {rng_state_dict, rng_load_state_dict,
                                           rng_check_state_dict};
 
 const ckpt_stateful_ops *ckpt_rng_ops(void) { return &rng_ops; }
+
+/* ---- another process count ------------------------------------------------ */
+
+void ckpt__rng_reshard(const ckpt_rng *saved0, int rank, ckpt_rng *out) {
+    *out = *saved0;
+    if (rank == 0) return;
+    uint64_t stream = (uint64_t)saved0->counter[2] | (uint64_t)saved0->counter[3] << 32;
+    stream += (uint64_t)rank;
+    out->counter[2] = (uint32_t)stream;
+    out->counter[3] = (uint32_t)(stream >> 32);
+    memset(out->block, 0, sizeof out->block);
+    out->pos = 4;
+    out->has_normal = 0;
+    out->normal = 0;
+}
+
+static int reshard_state_dict(void *self, ckpt_writer *w) {
+    return rng_state_dict(((ckpt_rng_reshard *)self)->target, w);
+}
+
+static int reshard_check(void *self, ckpt_reader *r) {
+    (void)self;
+    ckpt_rng n;
+    return rng_read(r, &n);
+}
+
+static int reshard_load(void *self, ckpt_reader *r) {
+    ckpt_rng_reshard *x = self;
+    ckpt_rng n;
+    CKPT_TRY(rng_read(r, &n));
+    ckpt__rng_reshard(&n, x->rank, x->target);
+    return CKPT_OK;
+}
+
+static const ckpt_stateful_ops reshard_ops = {reshard_state_dict, reshard_load, reshard_check};
+
+const ckpt_stateful_ops *ckpt__rng_reshard_ops(void) { return &reshard_ops; }

@@ -19,6 +19,7 @@
 #include "base/error.h"
 #include "format/manifest.h"
 #include "store/store.h"
+#include "train/rng.h"
 #include "helpers/testutil.h"
 #include "helpers/thread_comm.h"
 
@@ -195,6 +196,69 @@ static void test_collective_load_restores_every_rank_with_its_own_random_state(v
     }
     assert_int_not_equal(s.draw[0], s.draw[1]); /* each rank has a stream of its own */
     assert_int_not_equal(s.draw[1], s.draw[2]);
+}
+
+/* ---- another process count ---------------------------------------------- */
+
+/* Saved by P ranks, loaded by q: every rank loads, rank 0 continues its
+ * saved generator exactly and rank r the documented derivation of it. */
+typedef struct reshard_scen {
+    const char *proj;
+    int rc[8];
+    ckpt_rng saved0; /* rank 0's generator right after the save */
+    uint32_t draw[8];
+    int warnings;    /* on rank 0 */
+} reshard_scen;
+
+static void count_warnings(void *user, ckpt_log_level level, const char *msg) {
+    if (level == CKPT_LOG_WARNING && strstr(msg, "random generators continue")) (*(int *)user)++;
+}
+
+static void reshard_save(const ckpt_comm *c, void *arg) {
+    reshard_scen *s = arg;
+    scen sc = {.proj = s->proj, .fail_rank = -1};
+    rank_state st;
+    int rc = rank_setup(&st, c, &sc);
+    if (rc == 0) rc = ckpt_save_state(st.acc, NULL);
+    if (c->rank == 0) s->saved0 = *ckpt_accelerator_rng(st.acc);
+    s->rc[c->rank] = rc;
+    rank_free(&st);
+}
+
+static void reshard_load(const ckpt_comm *c, void *arg) {
+    reshard_scen *s = arg;
+    scen sc = {.proj = s->proj, .fail_rank = -1};
+    rank_state st;
+    int rc = rank_setup(&st, c, &sc);
+    if (c->rank == 0) ckpt_accelerator_set_log(st.acc, count_warnings, &s->warnings);
+    if (rc == 0) rc = ckpt_load_state(st.acc, NULL);
+    s->draw[c->rank] = ckpt_rng_u32(ckpt_accelerator_rng(st.acc));
+    s->rc[c->rank] = rc;
+    rank_free(&st);
+}
+
+static void test_collective_load_on_another_process_count_derives_every_ranks_generator(void **st) {
+    (void)st;
+    for (int q = 1; q <= 4; q++) {
+        if (q == P) continue;
+        char *proj = tu_pathf("%s/q%d", tu_dir(), q);
+        reshard_scen s = {.proj = proj};
+        tc_run(P, reshard_save, &s);
+        for (int r = 0; r < P; r++) assert_int_equal(s.rc[r], 0);
+        tc_run(q, reshard_load, &s);
+        for (int r = 0; r < q; r++) {
+            if (s.rc[r] != 0) fprintf(stderr, "q=%d rank %d: %s\n", q, r, ckpt_errmsg());
+            assert_int_equal(s.rc[r], 0);
+            ckpt_rng want;
+            ckpt__rng_reshard(&s.saved0, r, &want);
+            assert_int_equal(s.draw[r], ckpt_rng_u32(&want));
+        }
+        ckpt_rng same = s.saved0; /* rank 0 continues exactly */
+        assert_int_equal(s.draw[0], ckpt_rng_u32(&same));
+        if (q > 1) assert_int_not_equal(s.draw[0], s.draw[1]);
+        assert_int_equal(s.warnings, 1); /* said once, by rank 0 */
+        free(proj);
+    }
 }
 
 /* ---- a failure on one rank --------------------------------------------------- */
@@ -564,6 +628,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_agree_names_the_lowest_failing_rank_or_the_preferred_failure,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test(test_file_records_travel_as_json_and_are_checked_on_arrival),
+        cmocka_unit_test_setup_teardown(test_collective_load_on_another_process_count_derives_every_ranks_generator,
+                                        tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

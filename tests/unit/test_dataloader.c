@@ -676,11 +676,15 @@ static void test_check_state_dict_refuses_what_load_refuses_and_changes_nothing(
         const char *needle;
     } cases[] = {
         {17, 4, false, NULL, 0, CKPT_EMISMATCH, "dataset_length: saved 16, this loader has 17"},
-        {16, 8, false, NULL, 0, CKPT_EMISMATCH, "batch_size: saved 4, this loader has 8"},
+        {16, 8, false, NULL, 0, CKPT_EMISMATCH,
+         "saved with 1 process x batch 4 = global batch 4; now 1 x 8 = 8: use batch_size 4 on 1 "
+         "process"},
         {16, 4, true, NULL, 0, CKPT_EMISMATCH, "shuffle"},
         {16, 4, false, "batches_yielded", 99, CKPT_ECORRUPT, "batches_yielded: expected 0..4, got 99"},
         {16, 4, false, "epoch", -1, CKPT_ECORRUPT, "epoch: expected >= 0, got -1"},
-        {16, 4, false, "num_processes", 2, CKPT_EMISMATCH, "num_processes"},
+        {16, 4, false, "num_processes", 2, CKPT_EMISMATCH,
+         "saved with 2 processes x batch 4 = global batch 8; now 1 x 4 = 4: use batch_size 8 on 1 "
+         "process"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         counting ci;
@@ -1007,8 +1011,65 @@ static void test_allocation_failures_are_clean_enomem(void **state) {
     assert_true(failures > 3);
 }
 
+/* Saved on 2 processes with batch 4 (global batch 8), resumed on 4 with
+ * batch 2 and on 1 with batch 8: the same global batches follow, in
+ * order; on 4 processes with batch 4 a clear mismatch says what to use. */
+static void test_resume_on_another_process_count_with_the_same_global_batch(void **state) {
+    (void)state;
+    counting c;
+    counting_init(&c, 61);
+    /* What 2 processes take: 3 batches each, then the state of rank 0. */
+    ckpt_dataloader *two[2];
+    for (int r = 0; r < 2; r++) {
+        two[r] = make_loader(&c, 4, true, 9, 0);
+        assert_int_equal(ckpt__dataloader_set_shard(two[r], 2, r), CKPT_OK);
+        trace t = {0};
+        run(two[r], 0, 3, &t);
+        free(t.v);
+    }
+    ckpt_reader *r = save_and_open(two[1]);
+    /* The global batches 3.. of the epoch as 2 processes see them. */
+    int64_t want[64], nwant = 0;
+    for (int k = 0; k < 2; k++) {
+        ckpt_batch b[2];
+        for (int q = 0; q < 2; q++) assert_int_equal(ckpt_dataloader_next(two[q], &b[q]), 1);
+        for (int q = 0; q < 2; q++)
+            for (int64_t i = 0; i < b[q].size; i++) want[nwant++] = b[q].indices[i];
+    }
+    for (int q = 0; q < 2; q++) ckpt_dataloader_free(two[q]);
+    const int qs[2] = {4, 1};
+    const int64_t bs[2] = {2, 8};
+    for (int v = 0; v < 2; v++) {
+        ckpt_dataloader *dl[4];
+        for (int q = 0; q < qs[v]; q++) {
+            dl[q] = make_loader(&c, bs[v], true, 9, 0);
+            if (qs[v] > 1) assert_int_equal(ckpt__dataloader_set_shard(dl[q], qs[v], q), CKPT_OK);
+            assert_int_equal(ckpt_dataloader_ops()->load_state_dict(dl[q], r), CKPT_OK);
+        }
+        int64_t got[64], ngot = 0;
+        for (int k = 0; k < 2; k++)
+            for (int q = 0; q < qs[v]; q++) {
+                ckpt_batch b;
+                assert_int_equal(ckpt_dataloader_next(dl[q], &b), 1);
+                assert_int_equal(b.index, 3 + k);
+                for (int64_t i = 0; i < b.size; i++) got[ngot++] = b.indices[i];
+            }
+        assert_int_equal(ngot, nwant);
+        assert_memory_equal(got, want, sizeof(int64_t) * (size_t)nwant);
+        for (int q = 0; q < qs[v]; q++) ckpt_dataloader_free(dl[q]);
+    }
+    ckpt_dataloader *bad = make_loader(&c, 4, true, 9, 0);
+    assert_int_equal(ckpt__dataloader_set_shard(bad, 4, 0), CKPT_OK);
+    assert_int_equal(ckpt_dataloader_ops()->load_state_dict(bad, r), CKPT_EMISMATCH);
+    tu_assert_contains(ckpt_errmsg(), "saved with 2 processes x batch 4 = global batch 8; now 4 x 4 "
+                                      "= 16: use batch_size 2 on 4 processes");
+    ckpt_dataloader_free(bad);
+    ckpt_reader_free(r);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_resume_on_another_process_count_with_the_same_global_batch),
         cmocka_unit_test(test_skip_first_two_batches_of_range16_yields_last_two),
         cmocka_unit_test(test_skip_keeps_epoch_and_next_epoch_starts_from_first_batch),
         cmocka_unit_test(test_end_of_epoch_flag_only_on_last_batch_on_both_passes),

@@ -11,6 +11,7 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
+#include "train/rng.h"
 #include "helpers/testutil.h"
 
 /* Saves g's state dict to a file and loads it into *to. */
@@ -276,8 +277,43 @@ static void test_state_dict_has_exactly_the_documented_keys(void **state) {
     ckpt_writer_free(w);
 }
 
+/* Another process count: rank 0 continues exactly; rank r draws what stream
+ * r of rank 0's key gives from rank 0's block position, different from
+ * every other rank's draws and from rank 0's own. */
+static void test_reshard_derivation(void **state) {
+    (void)state;
+    ckpt_rng g0, g0b;
+    ckpt_rng_seed_stream(&g0, 1234, 0);
+    for (int i = 0; i < 13; i++) (void)ckpt_rng_u32(&g0);
+    (void)ckpt_rng_normal(&g0);
+    g0b = g0;
+    ckpt_rng out[3];
+    for (int r = 0; r < 3; r++) ckpt__rng_reshard(&g0, r, &out[r]);
+    assert_memory_equal(&out[0], &g0, sizeof g0);
+    assert_true(ckpt_rng_normal(&out[0]) == ckpt_rng_normal(&g0b));
+    /* Rank 2 = a fresh stream 2 moved to rank 0's block. */
+    ckpt_rng want;
+    ckpt_rng_seed_stream(&want, 1234, 2);
+    want.counter[0] = g0.counter[0];
+    want.counter[1] = g0.counter[1];
+    for (int i = 0; i < 8; i++) assert_int_equal(ckpt_rng_u32(&out[2]), ckpt_rng_u32(&want));
+    uint32_t a = ckpt_rng_u32(&out[1]), b = ckpt_rng_u32(&g0b);
+    assert_true(a != b);
+    /* The same through the stateful object a load uses. */
+    char *path = tu_pathf("%s/rs0.safetensors", tu_dir());
+    tu_save_state(ckpt_rng_ops(), &g0, path);
+    ckpt_rng target;
+    memset(&target, 0, sizeof target);
+    ckpt_rng_reshard x = {&target, 1};
+    assert_int_equal(tu_load_state(ckpt__rng_reshard_ops(), &x, path), CKPT_OK);
+    ckpt__rng_reshard(&g0, 1, &want);
+    assert_memory_equal(&target, &want, sizeof want);
+    free(path);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_reshard_derivation, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test(test_philox_matches_random123_known_answers),
         cmocka_unit_test(test_u32_stream_is_philox_of_successive_counters),
         cmocka_unit_test(test_distinct_seeds_and_streams_differ),

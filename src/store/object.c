@@ -1,0 +1,102 @@
+/* object.c — one object of a checkpoint folder as one reader: its file plus
+ * every shard file of it the manifest lists, each checked against the
+ * manifest, so tools see sharded tensors whole whatever process count saved
+ * them. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "base/error.h"
+#include "base/io.h"
+#include "format/manifest.h"
+#include "format/shard.h"
+#include "format/statedict.h"
+
+/* Maps dir/f->name and checks its size and XXH3-64 against the manifest. */
+static int map_checked(const char *dir, const ckpt_manifest_file *f, ckpt_mapped *mp) {
+    size_t n = strlen(dir) + strlen(f->name) + 2;
+    char *path = ckpt__malloc(n);
+    if (!path) return ckpt__err_nomem("checkpoint path");
+    snprintf(path, n, "%s/%s", dir, f->name);
+    int rc = ckpt__map_file(path, mp);
+    free(path);
+    if (rc < 0) return rc;
+    if (mp->size != f->size || ckpt__xxh3(mp->data, (size_t)mp->size) != f->xxh3) {
+        ckpt__unmap(mp);
+        return ckpt__err(CKPT_ECORRUPT, "%s: %s does not match the manifest (size or checksum)",
+                         dir, f->name);
+    }
+    return CKPT_OK;
+}
+
+int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader **out) {
+    if (!out) return ckpt__err(CKPT_EINVAL, "checkpoint_open_object: out is NULL");
+    *out = NULL;
+    if (!dir || !file) return ckpt__err(CKPT_EINVAL, "checkpoint_open_object: NULL argument");
+    ckpt_manifest m;
+    CKPT_TRY(ckpt__manifest_read(dir, &m));
+    int rc = CKPT_OK;
+    ckpt_reader *r = NULL;
+    const ckpt_manifest_file *base = ckpt__manifest_find(&m, file);
+    size_t stem = strlen(file);
+    if (stem > 12 && strcmp(file + stem - 12, ".safetensors") == 0) stem -= 12;
+    if (ckpt__shard_file_parse(file, NULL, NULL, NULL)) {
+        rc = ckpt__err(CKPT_EINVAL, "%s: %s is one process's shard file: open its object", dir,
+                       file);
+        goto out;
+    }
+    int64_t nshards = 0;
+    for (int64_t i = 0; i < m.nfiles; i++) {
+        size_t sl = 0;
+        if (ckpt__shard_file_parse(m.files[i].name, &sl, NULL, NULL) && sl == stem &&
+            memcmp(m.files[i].name, file, stem) == 0)
+            nshards++;
+    }
+    if (!base && nshards == 0) {
+        rc = ckpt__err(CKPT_ENOENT, "%s: the manifest lists no %s", dir, file);
+        goto out;
+    }
+    if (base) {
+        ckpt_mapped mp;
+        memset(&mp, 0, sizeof mp);
+        rc = map_checked(dir, base, &mp);
+        if (rc == 0) rc = ckpt_reader_open_memory(&r, mp.data, (size_t)mp.size, file);
+        if (rc == 0) rc = ckpt__reader_adopt_map(r, &mp);
+        if (rc < 0 && mp.data) ckpt__unmap(&mp);
+    } else {
+        rc = ckpt__reader_new_empty(&r, file);
+    }
+    for (int64_t i = 0; rc == 0 && i < m.nfiles; i++) {
+        const ckpt_manifest_file *f = &m.files[i];
+        size_t sl = 0;
+        if (!ckpt__shard_file_parse(f->name, &sl, NULL, NULL) || sl != stem ||
+            memcmp(f->name, file, stem) != 0)
+            continue;
+        if (!f->chunks && f->ntensors > 0) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: the manifest records no chunks for it", dir,
+                           f->name);
+            break;
+        }
+        ckpt_mapped mp;
+        memset(&mp, 0, sizeof mp);
+        rc = map_checked(dir, f, &mp);
+        if (rc < 0) break;
+        const uint8_t *data = mp.data;
+        size_t len = (size_t)mp.size;
+        rc = ckpt__reader_adopt_map(r, &mp);
+        if (rc < 0) {
+            ckpt__unmap(&mp);
+            break;
+        }
+        rc = ckpt__reader_attach_shard(r, data, len, f->name, (const char *const *)f->tensor_keys,
+                                       f->chunks, f->ntensors);
+    }
+out:
+    ckpt__manifest_clear(&m);
+    if (rc < 0) {
+        ckpt_reader_free(r);
+        return rc;
+    }
+    *out = r;
+    return CKPT_OK;
+}
