@@ -726,6 +726,10 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * whose load_state_dict refuses a value; the objects loaded before it are then
  * already changed and the error says "state partially loaded". Restores the
  * step counter and the automatic numbering.
+ * Each file is read once (pread, hashed piece by piece as it is read) into a
+ * buffer area the accelerator keeps and reuses for the next load and for
+ * asynchronous saves: it costs the size of the files this process reads
+ * until ckpt_accelerator_free.
  * With a comm of several processes it is collective: every rank loads the
  * same checkpoint (a candidate any rank finds corrupt is skipped by all), and
  * nothing is applied on any rank unless every rank's checks pass; every rank

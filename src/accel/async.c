@@ -127,7 +127,6 @@ int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
         }
         ckpt__save_apply(op);
         ckpt__save_op_free(op);
-        ckpt__arena_idle(&acc->arena);
     }
     if (report && as->failed < 0) {
         int rc = ckpt__err(as->failed, "%s", as->failed_msg);

@@ -328,7 +328,6 @@ out:
     free(op.readers);
     free(op.objs);
     ckpt__checkpoint_close(&op.c);
-    ckpt__arena_idle(&acc->arena);
     free(op.dir);
     return rc;
 }

@@ -118,8 +118,9 @@ typedef struct ckpt_mapped {
 int ckpt__map_file(const char *path, ckpt_mapped *m);
 void ckpt__unmap(ckpt_mapped *m);
 /* Reads the file at path, which must hold exactly size bytes, with pread in
- * pieces, hashing each piece (XXH3-64) right after reading it, while it is
- * still in the CPU cache: the checksum rides on the read. Into dst (size
+ * 8 MiB pieces, hashing each piece (XXH3-64) right after reading it, while
+ * it is still in the CPU cache (and while the next piece is read ahead): the
+ * checksum rides on the read. Into dst (size
  * bytes) if not NULL, else through a small scratch piece (verification
  * only). *digest gets the file's XXH3-64. A file of another size, or one
  * that ends early, is CKPT_ECORRUPT naming what (e.g. "dir: name"). */
@@ -127,8 +128,8 @@ int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t
                       uint64_t *digest);
 
 /* A memory area reused from call to call (an asynchronous save's staging,
- * a verified load's read buffers): anonymous pages (huge pages where the
- * kernel gives them), grown when asked for more, never shrunk; its pages
+ * a verified load's read buffers): anonymous pages, grown when asked for
+ * more, never shrunk; its pages
  * touched once stay mapped, so the next use takes no page faults. */
 typedef struct ckpt_arena {
     uint8_t *p;
@@ -136,9 +137,6 @@ typedef struct ckpt_arena {
 } ckpt_arena;
 /* At least n bytes at a->p (the old contents are not kept when it grows). */
 int ckpt__arena_reserve(ckpt_arena *a, uint64_t n);
-/* The contents are no longer needed: the kernel may take the pages back
- * under memory pressure (MADV_FREE); the area stays usable as is. */
-void ckpt__arena_idle(ckpt_arena *a);
 void ckpt__arena_free(ckpt_arena *a);
 
 /* Reads a whole small file (<= max bytes) into a NUL-terminated heap buffer. */
