@@ -813,6 +813,39 @@ int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t
     return rc;
 }
 
+int ckpt__map_if_cached(const char *path, uint64_t size, ckpt_mapped *m) {
+    memset(m, 0, sizeof *m);
+    if (size == 0 || size > (uint64_t)SIZE_MAX) return 0;
+    int fd = ckpt__os_open(path, O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) return ckpt__err_os(errno, "%s: open", path);
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size != size) {
+        close(fd);
+        return 0; /* the read path says what is wrong */
+    }
+    void *p = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return 0;
+    long pg = sysconf(_SC_PAGESIZE);
+    size_t npages = ((size_t)size + (size_t)pg - 1) / (size_t)pg;
+    unsigned char *vec = malloc(npages);
+    bool all = vec && mincore(p, (size_t)size, vec) == 0;
+    for (size_t i = 0; all && i < npages; i++) all = (vec[i] & 1) != 0;
+    free(vec);
+    if (!all) {
+        munmap(p, (size_t)size);
+        return 0;
+    }
+#ifdef MADV_POPULATE_READ
+    (void)madvise(p, (size_t)size, MADV_POPULATE_READ);
+#endif
+    m->data = p;
+    m->size = size;
+    m->map_base = p;
+    m->map_len = (size_t)size;
+    return 1;
+}
+
 /* ---- reusable memory ------------------------------------------------------------ */
 
 int ckpt__arena_reserve(ckpt_arena *a, uint64_t n) {

@@ -127,6 +127,12 @@ void ckpt__unmap(ckpt_mapped *m);
 int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
                       uint64_t *digest);
 
+/* If every page of the file at path is in the page cache: maps it (as
+ * ckpt__map_file, its page tables filled at once, no fault per page) and
+ * returns 1; 0 (nothing mapped) if some page would come from the disk or
+ * the check is not possible; negative on error. */
+int ckpt__map_if_cached(const char *path, uint64_t size, ckpt_mapped *m);
+
 /* A memory area reused from call to call (an asynchronous save's staging,
  * a verified load's read buffers): anonymous pages, grown when asked for
  * more, never shrunk; its pages

@@ -797,6 +797,9 @@ void ckpt__checkpoint_close(ckpt_checkpoint_open *c) {
 }
 
 static const uint8_t empty_file[1];
+static _Atomic bool use_cached_maps = true;
+
+bool ckpt__set_cached_maps(bool on) { return atomic_exchange(&use_cached_maps, on); }
 
 /* A deep check reads the file with pread, hashing each piece as it arrives
  * (no mmap, no second pass): into dst (the file's slot of the read buffers)
@@ -821,7 +824,17 @@ static int check_one(const char *dir, const ckpt_manifest_file *f, bool deep, ck
         char what[1024];
         snprintf(what, sizeof what, "%s: %s", dir, f->name);
         uint64_t h = 0;
-        rc = ckpt__read_hashed(path, what, f->size, f->size ? dst : NULL, &h);
+        /* Kept bytes already all in the page cache: hash them in place and
+         * let the readers use that mapping (no copy into the buffers). */
+        int cached = dst && atomic_load(&use_cached_maps) ? ckpt__map_if_cached(path, f->size, mp) : 0;
+        if (cached > 0) {
+            h = ckpt__xxh3(mp->data, (size_t)mp->size);
+            dst = NULL;
+        } else if (cached < 0) {
+            rc = cached;
+        } else {
+            rc = ckpt__read_hashed(path, what, f->size, f->size ? dst : NULL, &h);
+        }
         if (rc == 0 && dst) {
             mp->data = f->size ? dst : empty_file; /* borrowed from the read buffers */
             mp->size = f->size;
@@ -830,7 +843,7 @@ static int check_one(const char *dir, const ckpt_manifest_file *f, bool deep, ck
             /* Which tensor went bad, from the bytes (mapped for this only). */
             ckpt_mapped tmp;
             memset(&tmp, 0, sizeof tmp);
-            if (dst) rc = name_mismatch(dir, f, mp);
+            if (mp->data) rc = name_mismatch(dir, f, mp);
             else if ((rc = ckpt__map_file(path, &tmp)) == 0) {
                 rc = name_mismatch(dir, f, &tmp);
                 ckpt__unmap(&tmp);

@@ -21,6 +21,7 @@
 #include "ckpt.h"
 #include "base/error.h"
 #include "base/io.h"
+#include "format/manifest.h"
 #include "store/store.h"
 #include "helpers/testutil.h"
 #include "helpers/thread_comm.h"
@@ -464,6 +465,51 @@ static void test_past_the_staging_limit_files_are_written_at_the_call(void **st)
     tu_tmpdir_free(t);
 }
 
+/* ---- the verified load's two ways of reading ------------------------------- */
+
+/* Files read into the buffers (pread, hashed piece by piece) or, all in the
+ * page cache, hashed in place: the same values, the same refusal of a
+ * flipped byte naming the tensor, the same fallback. */
+static void load_both_ways(bool cached) {
+    bool before = ckpt__set_cached_maps(cached);
+    char *t = tu_tmpdir_new("async");
+    run r;
+    run_open(&r, t, NULL);
+    run_set(&r, 1);
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
+    run_set(&r, 2);
+    assert_int_equal(ckpt_save_state_async(r.acc, NULL), 0);
+    assert_int_equal(ckpt_save_wait(r.acc), 0);
+    run_set(&r, 3);
+    assert_int_equal(ckpt_load_state(r.acc, NULL), 0);
+    assert_int_equal(r.c.value, 2);
+    assert_true(run_consistent(&r));
+    /* a flipped byte in the middle of the counter's tensor of checkpoint_1 */
+    char *f = tu_pathf("%s/custom_checkpoint_0.safetensors", cp_dir(t, 1));
+    tu_flip_byte(f, tu_file_size(f) / 2);
+    tu_expect_error(ckpt_load_state(r.acc, cp_dir(t, 1)), CKPT_ECORRUPT, "tensor 'w': checksum mismatch");
+    assert_int_equal(r.c.value, 2); /* nothing changed */
+    assert_true(run_consistent(&r));
+    assert_int_equal(ckpt_load_state(r.acc, NULL), 0); /* falls back to checkpoint_0 */
+    assert_int_equal(r.c.value, 1);
+    assert_true(run_consistent(&r));
+    assert_int_equal(r.log.warnings, 1);
+    free(f);
+    run_close(&r);
+    tu_tmpdir_free(t);
+    ckpt__set_cached_maps(before);
+}
+
+static void test_load_through_the_hashed_read(void **st) {
+    (void)st;
+    load_both_ways(false);
+}
+
+static void test_load_through_cached_pages(void **st) {
+    (void)st;
+    load_both_ways(true);
+}
+
 /* ---- several processes (threads as ranks) ---------------------------------- */
 
 #define P 3
@@ -597,6 +643,8 @@ int main(void) {
         cmocka_unit_test(test_every_background_io_call_failing_eio_reaches_the_wait),
         cmocka_unit_test(test_the_next_save_returns_a_background_failure),
         cmocka_unit_test(test_past_the_staging_limit_files_are_written_at_the_call),
+        cmocka_unit_test(test_load_through_the_hashed_read),
+        cmocka_unit_test(test_load_through_cached_pages),
         cmocka_unit_test(test_several_processes_commit_in_the_callers_thread),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
