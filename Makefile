@@ -4,12 +4,13 @@
 #   make demo     the main job: train, kill -9, resume, compare
 #   make bench    benchmarks (bench/README.md)
 #   make tsan     ThreadSanitizer build (build-tsan/) and the threaded tests
+#   make valgrind unit tests and a CLI run under valgrind memcheck (build-valgrind/)
 #   make install  install into PREFIX (default /usr/local)
 PREFIX ?= /usr/local
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE ?= cmake
 
-.PHONY: all setup build build-test test demo bench install clean fuzz tsan
+.PHONY: all setup build build-test test demo bench install clean fuzz tsan valgrind
 
 all: build
 
@@ -52,5 +53,11 @@ fuzz:
 	@$(CMAKE) -S . -B build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_BUILD_TYPE=Debug -DCKPT_FUZZ=ON >/dev/null
 	@$(CMAKE) --build build-fuzz -j $(JOBS)
 
+valgrind:
+	@bash scripts/setup valgrind
+	@$(CMAKE) -S . -B build-valgrind -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=OFF >/dev/null
+	@$(CMAKE) --build build-valgrind -j $(JOBS)
+	@bash scripts/valgrind build-valgrind
+
 clean:
-	rm -rf build build-test build-fuzz build-tsan
+	rm -rf build build-test build-fuzz build-tsan build-valgrind

@@ -607,7 +607,8 @@ typedef struct ckpt_project_config {
     const char *project_dir;          /* checkpoints go to <project_dir>/checkpoints/checkpoint_<n> */
     const char *logging_dir;          /* NULL: <project_dir>/logs */
     bool automatic_checkpoint_naming;
-    int total_limit;                  /* keep at most this many automatic checkpoints; 0 = all */
+    int total_limit;                  /* keep this many valid automatic checkpoints; 0 = all
+                                         (the rule of ckpt_checkpoint_prune) */
     int64_t iteration;                /* number of the next automatic checkpoint */
     bool save_on_each_node;           /* multi-node: each node's main process writes (later) */
     int process_index;                /* without comm: this process's index (recorded only) */
@@ -630,8 +631,17 @@ typedef enum ckpt_log_level {
  * other than the one that calls ckpt. */
 typedef void (*ckpt_log_fn)(void *user, ckpt_log_level level, const char *msg);
 
-/* Copies *cfg (and its strings). Does not touch the disk. */
+/* Copies *cfg (and its strings). Does not touch the disk.
+ * One run per project: with a project_dir, the first ckpt_save_state or
+ * ckpt_load_state takes the project lock (flock on
+ * <project_dir>/checkpoints/.lock, which records the owner's pid and host)
+ * and the accelerator holds it until ckpt_accelerator_free. Another
+ * accelerator, in this process or another, is refused at its first save or
+ * load with CKPT_EBUSY naming the owner's pid and host. A load takes the lock
+ * only if <project_dir>/checkpoints exists. The kernel drops the lock when
+ * the owner dies, even by SIGKILL: a stale lock file is no obstacle. */
 CKPT_API int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg);
+/* Releases the project lock, if held. */
 CKPT_API void ckpt_accelerator_free(ckpt_accelerator *acc);
 CKPT_API void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user);
 CKPT_API int ckpt_accelerator_process_index(const ckpt_accelerator *acc);
@@ -766,7 +776,7 @@ CKPT_API void ckpt_hook_remove(ckpt_hook_handle *handle);
 
 typedef enum ckpt_checkpoint_status {
     CKPT_CHECKPOINT_COMPLETE = 0, /* manifest valid, every file matches */
-    CKPT_CHECKPOINT_PARTIAL = 1,  /* no manifest (an interrupted save) */
+    CKPT_CHECKPOINT_PARTIAL = 1,  /* no manifest: not a checkpoint (CKPT_ENOENT) */
     CKPT_CHECKPOINT_CORRUPT = 2   /* manifest or a file fails verification */
 } ckpt_checkpoint_status;
 
@@ -786,8 +796,10 @@ typedef struct ckpt_checkpoint_info {
 
 /* Reads dir's manifest and, if deep, verifies every file's size and
  * checksum. Returns CKPT_OK when the checkpoint is complete and valid;
- * otherwise the error (ckpt_errmsg names the file) with info->status set.
- * info is filled as far as could be read. */
+ * otherwise the error (ckpt_errmsg names the file) with info->status set:
+ * CKPT_ENOENT for a folder without a manifest (PARTIAL: not a checkpoint),
+ * CKPT_ECORRUPT for a bad manifest or file. info is filled as far as could
+ * be read. */
 CKPT_API int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *info);
 /* Lists <project_dir>/checkpoints/checkpoint_<n> folders, ascending n, with
  * their status (deep verification if deep). *out is malloc'd; free() it. */
@@ -802,9 +814,234 @@ CKPT_API int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_check
  * such object, CKPT_ECORRUPT for a bad file or chunk table. *out is freed
  * with ckpt_reader_free. */
 CKPT_API int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader **out);
-/* Removes all but the newest `keep` automatic checkpoints (under the project
- * lock). *removed (may be NULL) gets how many went. */
+/* Removes old automatic checkpoints of <project_dir>/checkpoints so that the
+ * newest `keep` VALID ones remain (complete and deep-verified; partial and
+ * corrupt folders do not count toward keep), and removes leftover temporary
+ * folders of interrupted saves. The rule (the same as total_limit rotation
+ * after each save):
+ *   - the newest valid checkpoint is never removed (keep >= 1);
+ *   - valid checkpoints older than the newest `keep` valid ones go;
+ *   - partial or corrupt ones older than the newest valid checkpoint go
+ *     (nothing could fall back to them before it); newer ones stay, as the
+ *     evidence of what went wrong; with no valid checkpoint nothing goes;
+ *   - a checkpoint of a newer format version (CKPT_EUNSUPPORTED) stays;
+ *   - keep == 0 removes every checkpoint, valid or not.
+ * Runs under the project lock: CKPT_EBUSY (nothing removed), naming the
+ * owner's pid and host, while a save holds it or a run (an accelerator not
+ * yet freed) owns the project. ckpt_checkpoint_list and
+ * ckpt_checkpoint_verify take no lock. *removed (may be NULL) gets how many checkpoints went.
+ * Equivalent to ckpt_checkpoint_prune_ex with only keep set. */
 CKPT_API int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed);
+
+/* Why a prune removes a folder. */
+typedef enum ckpt_prune_reason {
+    CKPT_PRUNE_OLD = 0,      /* a checkpoint older than the newest `keep` valid ones */
+    CKPT_PRUNE_INVALID = 1,  /* partial or corrupt, older than the newest valid checkpoint */
+    CKPT_PRUNE_LEFTOVER = 2  /* a temporary folder an interrupted save or rotation left */
+} ckpt_prune_reason;
+
+/* Called once for each folder a prune removes (in a dry run: would remove),
+ * before it goes. `why` is the verification error of an invalid checkpoint
+ * (and of an old one that fails verification), else NULL; both strings are
+ * valid only during the call. */
+typedef void (*ckpt_prune_fn)(void *user, const char *path, ckpt_prune_reason reason,
+                              const char *why);
+
+typedef struct ckpt_prune_options {
+    int keep;             /* valid checkpoints to keep (>= 0; 0 removes them all) */
+    bool dry_run;         /* decide and report, remove nothing, take no lock; leftovers of a
+                             process that is still running are not reported */
+    ckpt_prune_fn report; /* may be NULL */
+    void *user;           /* passed to report */
+} ckpt_prune_options;
+
+/* ckpt_checkpoint_prune with options (rule above). Leftovers are removed
+ * (reported) first, then checkpoints, oldest first. *removed (may be NULL)
+ * gets how many checkpoints went (would go, in a dry run); leftovers are
+ * only reported. */
+CKPT_API int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *opts,
+                                      int64_t *removed);
+
+/* A hidden temporary folder in <project_dir>/checkpoints that a save or a
+ * rotation left (".checkpoint_<n>.tmp.<pid>", ".checkpoint_<n>.old.<pid>"). */
+typedef struct ckpt_leftover_info {
+    char path[4096];
+    int64_t pid;  /* the pid in its name, -1 if none */
+    bool running; /* a process with that pid runs: possibly a save in progress */
+} ckpt_leftover_info;
+
+/* Lists the leftover temporary folders of a project, sorted by path. The
+ * next save, or ckpt_checkpoint_prune, removes them. *out is malloc'd;
+ * free() it. A project without a checkpoints folder has none. */
+CKPT_API int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_info **out,
+                                       int64_t *count);
+
+/* ------------------------------------------------------------------------ */
+/* PyTorch files (torch.save) and the PyTorch / Hugging Face bridge          */
+/* ------------------------------------------------------------------------ */
+
+/* A torch.save file is a zip archive holding a pickle (data.pkl) and one
+ * record per tensor storage (docs/PYTORCH.md). The reader runs the pickle on
+ * an allow-list machine that knows only what a state dict needs: dicts
+ * (OrderedDict too), lists, tuples, sets, None, bools, ints (to 64 bits),
+ * floats, strings, bytes, and tensors rebuilt by
+ * torch._utils._rebuild_tensor_v2 / _rebuild_parameter from storages of
+ * dtype F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL. Any other global, callable
+ * or opcode is CKPT_EUNSUPPORTED naming it; nothing in a file can make the
+ * reader run code. Malformed input (bad zip records, overlapping records, a
+ * storage shorter than a tensor claims, containers that contain themselves,
+ * nesting deeper than CKPT_TORCH_MAX_DEPTH...) is CKPT_ECORRUPT. Files of the
+ * legacy format (PyTorch < 1.6) are CKPT_EUNSUPPORTED with a message saying
+ * how to re-save them. */
+
+/* Deepest nesting of containers a torch file may have. */
+#define CKPT_TORCH_MAX_DEPTH 256
+
+typedef enum ckpt_torch_kind {
+    CKPT_TORCH_NONE = 1,
+    CKPT_TORCH_BOOL = 2,
+    CKPT_TORCH_INT = 3,
+    CKPT_TORCH_FLOAT = 4,
+    CKPT_TORCH_STR = 5,
+    CKPT_TORCH_BYTES = 6,
+    CKPT_TORCH_TUPLE = 7,
+    CKPT_TORCH_LIST = 8,
+    CKPT_TORCH_SET = 9,
+    CKPT_TORCH_DICT = 10,
+    CKPT_TORCH_TENSOR = 11
+} ckpt_torch_kind;
+
+/* "none", "bool", "int", "float", "str", "bytes", "tuple", "list", "set",
+ * "dict", "tensor"; NULL for an invalid value. Static. */
+CKPT_API const char *ckpt_torch_kind_name(ckpt_torch_kind kind);
+
+/* One value of the tree a torch file holds. Read-only views, valid until the
+ * file is closed. A value may be reachable from several places (the pickle's
+ * memo shares objects, as PyTorch does for tied weights), never from itself. */
+typedef struct ckpt_torch_value {
+    ckpt_torch_kind kind;
+    bool b;                 /* BOOL */
+    int64_t i;              /* INT */
+    double f;               /* FLOAT */
+    const char *s;          /* STR: UTF-8, NUL-terminated; BYTES: len bytes */
+    size_t len;             /* STR, BYTES: bytes (without the NUL) */
+    int64_t n;              /* TUPLE, LIST, SET: items; DICT: key/value pairs */
+    struct ckpt_torch_value *const *items; /* DICT: 2n, key then value, in file order */
+    bool ordered;           /* DICT: a collections.OrderedDict */
+    /* TENSOR: contiguous row-major data (a view into the file when the
+     * tensor is contiguous in its storage, else a copy owned by the file) */
+    ckpt_dtype dtype;
+    int ndim;
+    int64_t shape[CKPT_MAX_NDIM];
+    uint64_t nbytes;
+    const void *data;
+    bool requires_grad;
+    bool parameter;         /* rebuilt as an nn.Parameter */
+} ckpt_torch_value;
+
+typedef struct ckpt_torch_file ckpt_torch_file;
+
+/* Opens, checks and unpickles a whole torch.save file (mapped read-only). */
+CKPT_API int ckpt_torch_open(ckpt_torch_file **out, const char *path);
+/* The same over a caller's buffer, borrowed until the file is closed. name is
+ * used in messages. */
+CKPT_API int ckpt_torch_open_memory(ckpt_torch_file **out, const void *buf, size_t len,
+                                    const char *name);
+CKPT_API void ckpt_torch_close(ckpt_torch_file *f);
+/* The object torch.save was given. View valid until the file is closed. */
+CKPT_API const ckpt_torch_value *ckpt_torch_root(const ckpt_torch_file *f);
+/* The value under a string key of a dict; NULL if dict is not a dict or has
+ * no such key. */
+CKPT_API const ckpt_torch_value *ckpt_torch_dict_get(const ckpt_torch_value *dict,
+                                                     const char *key);
+/* Adds v to w as a flat state dict: nested dicts, lists and tuples become
+ * dotted keys ("state.0.exp_avg", "param_groups.0.betas.1") under prefix
+ * (NULL or "" for none); tensors become tensors (data borrowed from the file,
+ * which must stay open until w is saved or freed), ints and bools i64,
+ * floats f64, strings str, bytes bytes. None and empty containers add
+ * nothing. CKPT_EUNSUPPORTED for a set or a dict key that is not a string or
+ * an int; key rules as ckpt_write_*. */
+CKPT_API int ckpt_torch_flatten(const ckpt_torch_value *v, const char *prefix, ckpt_writer *w);
+
+/* Writes torch.save files: build one object with begin/put/end calls (a dict
+ * takes key, value, key, value...; keys are strings, ints, bools, floats or
+ * None), then save. The file holds STORED zip records with 64-byte aligned
+ * data and real CRC-32s and a protocol-2 pickle using only the opcodes and
+ * globals torch.load(..., weights_only=True) accepts (PyTorch 1.13 to 2.x).
+ * A misuse (a value where a key must be, end without begin, save of an
+ * unfinished object...) is CKPT_EINVAL and spoils the writer for saving. */
+typedef struct ckpt_torch_writer ckpt_torch_writer;
+
+CKPT_API int ckpt_torch_writer_new(ckpt_torch_writer **out);
+CKPT_API void ckpt_torch_writer_free(ckpt_torch_writer *w);
+/* ordered: a collections.OrderedDict (what module.state_dict() returns). */
+CKPT_API int ckpt_torch_begin_dict(ckpt_torch_writer *w, bool ordered);
+CKPT_API int ckpt_torch_begin_list(ckpt_torch_writer *w);
+CKPT_API int ckpt_torch_begin_tuple(ckpt_torch_writer *w);
+/* Ends the innermost open dict, list or tuple. */
+CKPT_API int ckpt_torch_end(ckpt_torch_writer *w);
+CKPT_API int ckpt_torch_put_none(ckpt_torch_writer *w);
+CKPT_API int ckpt_torch_put_bool(ckpt_torch_writer *w, bool v);
+CKPT_API int ckpt_torch_put_int(ckpt_torch_writer *w, int64_t v);
+CKPT_API int ckpt_torch_put_float(ckpt_torch_writer *w, double v);
+/* Copies v (valid UTF-8). */
+CKPT_API int ckpt_torch_put_str(ckpt_torch_writer *w, const char *v);
+/* A tensor in its own storage. Copies shape; borrows data until the writer is
+ * saved or freed. dtype: one of the ten above (else CKPT_EUNSUPPORTED). */
+CKPT_API int ckpt_torch_put_tensor(ckpt_torch_writer *w, ckpt_dtype dt, int ndim,
+                                   const int64_t *shape, const void *data);
+/* Writes the file crash-safely (temporary file, fsync, rename, folder
+ * fsync). The archive's folder is the file name's stem, as torch.save names
+ * it. The writer can be saved again or freed. */
+CKPT_API int ckpt_torch_writer_save(ckpt_torch_writer *w, const char *path);
+
+/* --- checkpoint <-> PyTorch / Hugging Face folders ------------------------ */
+
+typedef struct ckpt_export_options {
+    bool weights_only;        /* only the model(s): for inference and the Hub */
+    uint64_t max_shard_size;  /* 0: one model.safetensors; else HF shards
+                                 (model-00001-of-0000N.safetensors) of at most
+                                 this many bytes (a larger tensor gets a shard
+                                 of its own) + model.safetensors.index.json */
+} ckpt_export_options;
+
+/* Writes an Accelerate-style folder PyTorch loads as is from a complete
+ * checkpoint (verified first): model.safetensors (model_<k> for the k-th
+ * model), optimizer.bin / scheduler.bin (torch.optim and lr_scheduler
+ * state_dict() structures of PyTorch 1.13 and later), scaler.pt (a
+ * GradScaler state dict) and README.md saying what does not carry over.
+ * Crash-safe: out_dir appears complete or not at all; an existing out_dir is
+ * CKPT_EEXIST. opt may be NULL (defaults). A scheduler PyTorch cannot load
+ * with weights_only (multisteplr: a collections.Counter) is CKPT_EUNSUPPORTED. */
+CKPT_API int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir,
+                               const ckpt_export_options *opt);
+
+typedef struct ckpt_import_options {
+    ckpt_optim_kind optimizer; /* 0: from the file; needed for Adam vs AdamW
+                                  state with weight decay (the file cannot say) */
+    const char *scheduler;     /* NULL: from the file; else a scheduler kind
+                                  (docs/TRAINING.md), needed for a LambdaLR */
+    int64_t warmup, total;     /* the LambdaLR schedule's steps, when the file
+                                  does not carry them; -1: not given */
+    int64_t step;              /* the checkpoint's step; -1: the optimizer's */
+    uint64_t seed;             /* seed of random_states_0 (torch's generator
+                                  state does not carry over) */
+} ckpt_import_options;
+
+/* warmup, total and step -1; the rest 0. */
+CKPT_API ckpt_import_options ckpt_import_defaults(void);
+
+/* Makes a ckpt checkpoint at checkpoint_dir (crash-safely; an existing
+ * folder is CKPT_EEXIST) from src: an Accelerate folder (model.safetensors or
+ * pytorch_model.bin, sharded or not, optimizer.bin, scheduler.bin,
+ * scaler.pt), a folder of Hugging Face weights, or one file (a torch.save'd
+ * state dict or a .safetensors file). The checkpoint has model.safetensors,
+ * optimizer / scheduler / scaler files where src has them, and
+ * random_states_0 seeded with opt->seed; a program that prepares the same
+ * objects (parameters in PyTorch's parameters() order) loads it with
+ * ckpt_load_state. opt may be NULL (defaults). */
+CKPT_API int ckpt_import_torch(const char *src, const char *checkpoint_dir,
+                               const ckpt_import_options *opt);
 
 #ifdef __cplusplus
 }

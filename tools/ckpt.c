@@ -1,11 +1,14 @@
 /* ckpt — the command-line tool: train (the demo), ls, inspect, verify, diff,
- * prune. It uses only the public API in ckpt.h. */
+ * prune, export, import. It uses only the public API in ckpt.h. */
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "ckpt.h"
 #include "cli.h"
@@ -17,11 +20,13 @@ static const char usage_text[] =
     "\n"
     "commands:\n"
     "  train     train the demo MLP on handwritten digits, with checkpoints and --resume\n"
-    "  ls        list a project's checkpoints with their status\n"
+    "  ls        list a project's checkpoints (or one checkpoint) with their status\n"
     "  inspect   show the objects, tensors and values in a checkpoint or .safetensors file\n"
     "  verify    check every file of a checkpoint (or of all of a project's) against its manifest\n"
-    "  diff      compare two checkpoints (or two .safetensors files) tensor by tensor\n"
-    "  prune     remove all but the newest N checkpoints of a project\n"
+    "  diff      compare two checkpoints, projects or .safetensors files tensor by tensor\n"
+    "  prune     keep a project's newest N valid checkpoints, remove older ones and leftovers\n"
+    "  export    write a checkpoint as a folder PyTorch / Accelerate loads as is\n"
+    "  import    make a checkpoint from a PyTorch, Accelerate or Hugging Face folder or file\n"
     "\n"
     "options:\n"
     "  -h, --help     this help ('ckpt <command> --help' for a command's)\n"
@@ -98,6 +103,78 @@ const char *cli_human_bytes(uint64_t n, char *buf, int cap) {
     return buf;
 }
 
+static const char *shortest(double v, bool single, char *buf, int cap) {
+    if (isnan(v)) snprintf(buf, (size_t)cap, "nan");
+    else if (isinf(v)) snprintf(buf, (size_t)cap, v < 0 ? "-inf" : "inf");
+    else {
+        for (int prec = 1; prec <= 17; prec++) {
+            snprintf(buf, (size_t)cap, "%.*g", prec, v);
+            if (single ? strtof(buf, NULL) == (float)v : strtod(buf, NULL) == v) {
+                if (v != 0 || signbit(strtod(buf, NULL)) == signbit(v)) return buf;
+            }
+        }
+        snprintf(buf, (size_t)cap, "%.17g", v);
+    }
+    return buf;
+}
+
+const char *cli_format_double(double v, char *buf, int cap) { return shortest(v, false, buf, cap); }
+const char *cli_format_float(float v, char *buf, int cap) { return shortest(v, true, buf, cap); }
+
+cli_kind cli_classify(const char *path) {
+    struct stat st;
+    if (stat(path, &st) != 0) return CLI_KIND_MISSING;
+    if (S_ISDIR(st.st_mode)) {
+        char sub[PATH_MAX];
+        snprintf(sub, sizeof sub, "%s/checkpoint.json", path);
+        if (access(sub, F_OK) == 0) return CLI_KIND_CHECKPOINT;
+        snprintf(sub, sizeof sub, "%s/checkpoints", path);
+        struct stat cs;
+        if (stat(sub, &cs) == 0 && S_ISDIR(cs.st_mode)) return CLI_KIND_PROJECT;
+        return CLI_KIND_FOLDER;
+    }
+    unsigned char head[9] = {0};
+    size_t got = 0;
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        got = fread(head, 1, sizeof head, f);
+        fclose(f);
+    }
+    if (got >= 4 && !memcmp(head, "PK\x03\x04", 4)) return CLI_KIND_TORCH_ZIP;
+    size_t n = strlen(path);
+    if (n > 12 && !strcmp(path + n - 12, ".safetensors")) return CLI_KIND_STATE_FILE;
+    /* safetensors: an 8-byte little-endian header length, then '{' */
+    if (got == 9 && head[8] == '{') {
+        uint64_t len = 0;
+        for (int i = 7; i >= 0; i--) len = len << 8 | head[i];
+        if (len >= 2 && len <= (uint64_t)st.st_size - 8) return CLI_KIND_STATE_FILE;
+    }
+    return CLI_KIND_OTHER_FILE;
+}
+
+int cli_wrong_kind(const char *cmd, const char *path, cli_kind kind, const char *expected) {
+    switch (kind) {
+    case CLI_KIND_TORCH_ZIP:
+        return cli_usage_error(
+            cmd,
+            "%s is a PyTorch file (a zip archive, as torch.save writes), not safetensors; "
+            "expected %s. To convert a state dict of tensors, in Python: "
+            "from safetensors.torch import save_file; save_file(torch.load('%s'), 'out.safetensors')",
+            path, expected, path);
+    case CLI_KIND_FOLDER:
+        return cli_usage_error(cmd,
+                               "%s is not a checkpoint (no checkpoint.json) nor a project (no "
+                               "checkpoints folder); expected %s",
+                               path, expected);
+    case CLI_KIND_PROJECT:
+        return cli_usage_error(cmd, "%s is a project folder; expected %s (see 'ckpt ls %s')", path,
+                               expected, path);
+    default:
+        return cli_usage_error(cmd, "%s is not a checkpoint, a project or a safetensors file; "
+                               "expected %s", path, expected);
+    }
+}
+
 typedef struct command {
     const char *name;
     int (*run)(int argc, char **argv);
@@ -106,6 +183,7 @@ typedef struct command {
 static const command commands[] = {
     {"train", cli_train}, {"ls", cli_ls},     {"inspect", cli_inspect},
     {"verify", cli_verify}, {"diff", cli_diff}, {"prune", cli_prune},
+    {"export", cli_export}, {"import", cli_import},
 };
 
 int main(int argc, char **argv) {

@@ -35,6 +35,27 @@ void cli_json_string(const char *s);
 /* Human-readable byte count ("1.5 MiB") into buf. */
 const char *cli_human_bytes(uint64_t n, char *buf, int cap);
 
+/* Shortest decimal that reads back (strtod / strtof) to exactly v: "0.1",
+ * "1e+21", "-0", "inf", "nan". Returns buf. */
+const char *cli_format_double(double v, char *buf, int cap);
+const char *cli_format_float(float v, char *buf, int cap);
+
+/* What a path on the command line is. */
+typedef enum cli_kind {
+    CLI_KIND_MISSING,    /* cannot be stat'ed (errno says why) */
+    CLI_KIND_CHECKPOINT, /* a folder with a checkpoint.json */
+    CLI_KIND_PROJECT,    /* a folder with a checkpoints folder and no checkpoint.json */
+    CLI_KIND_FOLDER,     /* any other folder */
+    CLI_KIND_STATE_FILE, /* a file named *.safetensors or that starts like one */
+    CLI_KIND_TORCH_ZIP,  /* a zip archive (PK\3\4): what torch.save writes */
+    CLI_KIND_OTHER_FILE  /* any other file */
+} cli_kind;
+cli_kind cli_classify(const char *path);
+/* The usage error for a path of the wrong kind, naming it and what was
+ * expected (`expected`, e.g. "a checkpoint, a project or a state file"),
+ * with advice for a PyTorch file. Returns CLI_USAGE. */
+int cli_wrong_kind(const char *cmd, const char *path, cli_kind kind, const char *expected);
+
 /* ---- many processes (cli_dist.c) ---- */
 struct ckpt_comm;
 typedef struct cli_dist {
@@ -63,5 +84,7 @@ int cli_inspect(int argc, char **argv);
 int cli_verify(int argc, char **argv);
 int cli_diff(int argc, char **argv);
 int cli_prune(int argc, char **argv);
+int cli_export(int argc, char **argv);
+int cli_import(int argc, char **argv);
 
 #endif

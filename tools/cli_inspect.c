@@ -18,7 +18,8 @@ static const char inspect_help[] =
     "\n"
     "PATH is a checkpoint folder or one .safetensors file. Shows the manifest (step,\n"
     "iteration, creation time, files) and, for every object (state file), its\n"
-    "tensors with dtype, shape and bytes and its scalar entries with their values.\n"
+    "tensors with dtype, shape and bytes and its scalar entries with their values\n"
+    "(floats as the shortest decimal that reads back to the same bits).\n"
     "\n"
     "  --json   one JSON document instead of text\n";
 
@@ -27,13 +28,17 @@ static const char diff_help[] =
     "\n"
     "Compares two checkpoint folders (every state file) or two .safetensors files,\n"
     "entry by entry: tensors by dtype, shape and value (max absolute difference,\n"
-    "elements that differ), scalar entries by value, and the manifests' step and\n"
-    "number of processes.\n"
+    "elements that differ, the first differing pair), scalar entries by value, and\n"
+    "the manifests' step and number of processes. A project folder stands for its\n"
+    "newest valid checkpoint (printed as 'A: <checkpoint>'). Anything else (an\n"
+    "empty folder, a folder without checkpoint.json, another kind of file) is a\n"
+    "usage error.\n"
     "Creation times, checkpoint numbers and library versions are not compared.\n"
     "\n"
     "  --atol X   values within X of each other count as equal (default 0: bit for bit)\n"
     "\n"
-    "Exit 0 if equal, 1 if they differ, 3 if a file cannot be read.\n";
+    "Exit 0 if equal, 1 if they differ, 2 if A or B is not a checkpoint, a project\n"
+    "or a state file, 3 if a file cannot be read or a project has no valid checkpoint.\n";
 
 static bool is_dir(const char *path) {
     struct stat st;
@@ -139,8 +144,10 @@ static int print_entry(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
     case CKPT_ENTRY_F64: {
         double v = 0;
         rc = ckpt_read_f64(r, e->key, &v);
-        if (json && !isfinite(v)) printf(",\"value\":\"%g\"}", v); /* JSON has no inf/nan */
-        else printf(json ? ",\"value\":%.17g}" : "= %.17g\n", v);
+        char num[40];
+        cli_format_double(v, num, sizeof num);
+        if (json && !isfinite(v)) printf(",\"value\":\"%s\"}", num); /* JSON has no inf/nan */
+        else printf(json ? ",\"value\":%s}" : "= %s\n", num);
         break;
     }
     case CKPT_ENTRY_STR: {
@@ -235,11 +242,26 @@ int cli_inspect(int argc, char **argv) {
     }
     if (!path) return cli_usage_error("inspect", "missing PATH");
 
+    cli_kind kind = cli_classify(path);
+    if (kind == CLI_KIND_TORCH_ZIP || kind == CLI_KIND_OTHER_FILE || kind == CLI_KIND_PROJECT)
+        return cli_wrong_kind("inspect", path, kind, "a checkpoint folder or a .safetensors file");
     if (!is_dir(path)) {
         if (json) printf("{\"path\":"), cli_json_string(path), printf(",\"objects\":[");
         int st = inspect_file(path, path, json, true);
         if (st == CLI_OK && json) printf("]}\n");
         return st;
+    }
+
+    struct dirent **names = NULL;
+    int n = list_state_files(path, &names);
+    if (n < 0) {
+        cli_error("inspect: %s: %s", path, strerror(errno));
+        return CLI_RUNTIME;
+    }
+    if (kind == CLI_KIND_FOLDER && n == 0) {
+        /* no manifest and no state file: nothing inspect can look into */
+        free_names(names, n);
+        return cli_wrong_kind("inspect", path, kind, "a checkpoint folder or a .safetensors file");
     }
 
     ckpt_checkpoint_info info;
@@ -276,15 +298,8 @@ int cli_inspect(int argc, char **argv) {
                cli_human_bytes(info.total_bytes, size, sizeof size), info.num_processes,
                info.num_processes == 1 ? "" : "es", info.format_version, info.library_version);
     } else {
-        printf("checkpoint %s\n  manifest: %s\n", path, vmsg);
-    }
-
-    struct dirent **names = NULL;
-    int n = list_state_files(path, &names);
-    if (n < 0) {
-        if (json) printf("]}\n");
-        cli_error("inspect: %s: %s", path, strerror(errno));
-        return CLI_RUNTIME;
+        printf("%s %s\n  manifest: %s\n", kind == CLI_KIND_CHECKPOINT ? "checkpoint" : "folder", path,
+               vmsg);
     }
     int status = CLI_OK;
     for (int i = 0; i < n && status == CLI_OK; i++) {
@@ -337,6 +352,49 @@ static bool element_value(ckpt_dtype dt, const unsigned char *p, int64_t i, doub
     case CKPT_BOOL: *out = p[i]; return true;
     default: return false;
     }
+}
+
+/* Element i of an integer tensor, exactly: signed ones in *s, unsigned in
+ * *u. False for other dtypes. */
+static bool element_int(ckpt_dtype dt, const unsigned char *p, int64_t i, bool *is_signed,
+                        int64_t *s, uint64_t *u) {
+    union { int64_t i64; uint64_t u64; int32_t i32; uint32_t u32; int16_t i16; uint16_t u16; } v;
+    *is_signed = true;
+    switch (dt) {
+    case CKPT_I64: memcpy(&v.i64, p + 8 * i, 8); *s = v.i64; return true;
+    case CKPT_I32: memcpy(&v.i32, p + 4 * i, 4); *s = v.i32; return true;
+    case CKPT_I16: memcpy(&v.i16, p + 2 * i, 2); *s = v.i16; return true;
+    case CKPT_I8: *s = (int8_t)p[i]; return true;
+    default: break;
+    }
+    *is_signed = false;
+    switch (dt) {
+    case CKPT_U64: memcpy(&v.u64, p + 8 * i, 8); *u = v.u64; return true;
+    case CKPT_U32: memcpy(&v.u32, p + 4 * i, 4); *u = v.u32; return true;
+    case CKPT_U16: memcpy(&v.u16, p + 2 * i, 2); *u = v.u16; return true;
+    case CKPT_U8:
+    case CKPT_BOOL: *u = p[i]; return true;
+    default: return false;
+    }
+}
+
+/* Element i as text: integers as integers, floats as the shortest decimal
+ * that reads back to the same value of the tensor's type. */
+static const char *element_text(ckpt_dtype dt, const unsigned char *p, int64_t i, char *buf, int cap) {
+    bool sg;
+    int64_t sv;
+    uint64_t uv;
+    double d = 0;
+    if (element_int(dt, p, i, &sg, &sv, &uv)) {
+        if (sg) snprintf(buf, (size_t)cap, "%lld", (long long)sv);
+        else snprintf(buf, (size_t)cap, "%llu", (unsigned long long)uv);
+    } else if (element_value(dt, p, i, &d)) {
+        if (dt == CKPT_F64) cli_format_double(d, buf, cap);
+        else cli_format_float((float)d, buf, cap);
+    } else {
+        snprintf(buf, (size_t)cap, "?");
+    }
+    return buf;
 }
 
 typedef struct diff_ctx {
@@ -417,24 +475,44 @@ static void diff_tensor_bytes(diff_ctx *d, const char *file, const ckpt_entry_in
         return;
     }
     double maxabs = 0.0;
+    uint64_t maxint = 0; /* integer tensors: the exact largest difference */
     int64_t ndiff = 0, first = -1;
     size_t esz = (size_t)(ckpt_dtype_bits(ea->dtype) / 8);
+    bool sg, integer = element_int(ea->dtype, pa, 0, &sg, &(int64_t){0}, &(uint64_t){0});
     for (int64_t i = 0; i < numel; i++) {
         if (!memcmp((const char *)pa + (size_t)i * esz, (const char *)pb + (size_t)i * esz, esz))
             continue;
-        element_value(ea->dtype, pa, i, &a);
-        element_value(ea->dtype, pb, i, &b);
-        double diff = fabs(a - b);
-        if (isnan(diff)) diff = INFINITY;
-        if (diff > maxabs) maxabs = diff;
+        double diff;
+        if (integer) {
+            int64_t sa = 0, sb = 0;
+            uint64_t ua = 0, ub = 0, du;
+            element_int(ea->dtype, pa, i, &sg, &sa, &ua);
+            element_int(ea->dtype, pb, i, &sg, &sb, &ub);
+            if (sg) du = sa > sb ? (uint64_t)sa - (uint64_t)sb : (uint64_t)sb - (uint64_t)sa;
+            else du = ua > ub ? ua - ub : ub - ua;
+            if (du > maxint) maxint = du;
+            diff = (double)du;
+        } else {
+            element_value(ea->dtype, pa, i, &a);
+            element_value(ea->dtype, pb, i, &b);
+            diff = fabs(a - b);
+            if (isnan(diff)) diff = INFINITY;
+            if (diff > maxabs) maxabs = diff;
+        }
         if (diff > d->atol || d->atol == 0.0) {
             ndiff++;
             if (first < 0) first = i;
         }
     }
     if (ndiff == 0) return;
-    report(d, file, ea->key, "max |a-b| = %.9g, %lld of %lld elements differ (first at flat index %lld)",
-           maxabs, (long long)ndiff, (long long)numel, (long long)first);
+    char maxs[40], va[40], vb[40];
+    if (integer) snprintf(maxs, sizeof maxs, "%llu", (unsigned long long)maxint);
+    else cli_format_double(maxabs, maxs, sizeof maxs);
+    report(d, file, ea->key,
+           "max |a-b| = %s, %lld of %lld elements differ (first at flat index %lld: %s vs %s)", maxs,
+           (long long)ndiff, (long long)numel, (long long)first,
+           element_text(ea->dtype, pa, first, va, sizeof va),
+           element_text(ea->dtype, pb, first, vb, sizeof vb));
 }
 
 static void diff_scalar(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_reader *rb,
@@ -457,7 +535,10 @@ static void diff_scalar(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_rea
         ckpt_read_f64(ra, ea->key, &a);
         ckpt_read_f64(rb, eb->key, &b);
         bool same = !memcmp(&a, &b, sizeof a) || (d->atol > 0 && fabs(a - b) <= d->atol);
-        if (!same) report(d, file, ea->key, "%.17g vs %.17g (|a-b| = %.3g)", a, b, fabs(a - b));
+        char sa[40], sb[40];
+        if (!same)
+            report(d, file, ea->key, "%s vs %s (|a-b| = %.3g)", cli_format_double(a, sa, sizeof sa),
+                   cli_format_double(b, sb, sizeof sb), fabs(a - b));
         break;
     }
     case CKPT_ENTRY_STR:
@@ -582,6 +663,28 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
     return status;
 }
 
+/* The newest checkpoint of a project that deep-verifies, into out. */
+static int newest_valid(const char *project, char *out, size_t cap, int64_t *step) {
+    ckpt_checkpoint_info *list = NULL;
+    int64_t n = 0;
+    int rc = ckpt_checkpoint_list(project, true, &list, &n);
+    if (rc < 0) return lib_error("diff", rc);
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (list[i].status == CKPT_CHECKPOINT_COMPLETE) best = i;
+    if (best >= 0) {
+        snprintf(out, cap, "%s", list[best].path);
+        *step = list[best].step;
+    }
+    free(list);
+    if (best < 0) {
+        cli_error("diff: project %s has no valid checkpoint (%lld checkpoint folder%s; see 'ckpt ls %s')",
+                  project, (long long)n, n == 1 ? "" : "s", project);
+        return CLI_RUNTIME;
+    }
+    return CLI_OK;
+}
+
 int cli_diff(int argc, char **argv) {
     diff_ctx d = {0};
     const char *paths[2];
@@ -605,9 +708,39 @@ int cli_diff(int argc, char **argv) {
         }
     }
     if (npaths != 2) return cli_usage_error("diff", "needs two paths, A and B");
-    bool da = is_dir(paths[0]), db = is_dir(paths[1]);
-    if (da != db) return cli_usage_error("diff", "A and B must both be checkpoint folders or both files");
-    int status = da ? diff_dirs(&d, paths[0], paths[1]) : diff_files(&d, paths[0], paths[1], "file");
+    /* Each side is a checkpoint, a project (its newest valid checkpoint) or
+     * a state file; anything else would compare nothing and call it equal. */
+    static const char expected[] = "a checkpoint folder, a project folder or a .safetensors file";
+    char resolved[2][4096];
+    const char *use[2];
+    bool dir[2];
+    for (int k = 0; k < 2; k++) {
+        const char *p = paths[k];
+        cli_kind kind = cli_classify(p);
+        use[k] = p;
+        dir[k] = kind == CLI_KIND_CHECKPOINT || kind == CLI_KIND_PROJECT;
+        switch (kind) {
+        case CLI_KIND_MISSING:
+            cli_error("diff: %s: %s", p, strerror(errno));
+            return CLI_RUNTIME;
+        case CLI_KIND_CHECKPOINT:
+        case CLI_KIND_STATE_FILE: break;
+        case CLI_KIND_PROJECT: {
+            int64_t step = 0;
+            int st = newest_valid(p, resolved[k], sizeof resolved[k], &step);
+            if (st != CLI_OK) return st;
+            use[k] = resolved[k];
+            break;
+        }
+        default: return cli_wrong_kind("diff", p, kind, expected);
+        }
+    }
+    if (dir[0] != dir[1])
+        return cli_usage_error("diff", "A and B must both be checkpoints (or projects) or both files");
+    for (int k = 0; k < 2; k++)
+        if (use[k] != paths[k])
+            printf("%c: %s (the newest valid checkpoint of %s)\n", "AB"[k], use[k], paths[k]);
+    int status = dir[0] ? diff_dirs(&d, use[0], use[1]) : diff_files(&d, use[0], use[1], "file");
     if (status != CLI_OK) return status;
     if (d.differences) {
         printf("%lld difference%s\n", (long long)d.differences, d.differences == 1 ? "" : "s");

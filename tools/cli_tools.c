@@ -14,11 +14,13 @@
 #include "cli.h"
 
 static const char ls_help[] =
-    "usage: ckpt ls [--fast] [--json] PROJECT_DIR\n"
+    "usage: ckpt ls [--fast] [--json] PROJECT_DIR|CHECKPOINT_DIR\n"
     "\n"
-    "Lists PROJECT_DIR/checkpoints/checkpoint_<n>: number, step, creation time (UTC),\n"
-    "size and status: complete, partial (no manifest: an interrupted save) or corrupt\n"
-    "(the manifest or a file fails verification; the reason follows).\n"
+    "Lists PROJECT_DIR/checkpoints/checkpoint_<n> (or the one checkpoint folder given):\n"
+    "number, step, creation time (UTC), size and status: complete, partial (no\n"
+    "manifest: not a checkpoint) or corrupt (the manifest or a file fails\n"
+    "verification; the reason follows). Then any leftover temporary folders of\n"
+    "interrupted saves ('ckpt prune' removes them).\n"
     "\n"
     "  --fast   check manifests only, not every file's checksum\n"
     "  --json   one JSON document instead of a table\n";
@@ -33,10 +35,17 @@ static const char verify_help[] =
     "is good, 1 if something fails verification, 3 if PATH cannot be read.\n";
 
 static const char prune_help[] =
-    "usage: ckpt prune PROJECT_DIR --keep N\n"
+    "usage: ckpt prune PROJECT_DIR --keep N [--dry-run] [--force]\n"
     "\n"
-    "Removes all but the newest N automatic checkpoints of PROJECT_DIR (under the\n"
-    "project's lock, so never during another process's save).\n";
+    "Keeps the newest N valid (complete, deep-verified) checkpoints of PROJECT_DIR and\n"
+    "removes the older ones; partial or corrupt checkpoints do not count toward N.\n"
+    "The newest valid checkpoint is never removed (N >= 1). Partial or corrupt ones\n"
+    "older than the newest valid checkpoint are removed, newer ones are kept. Leftover\n"
+    "temporary folders of interrupted saves are removed too. Runs under the project's\n"
+    "lock: while a save holds it, nothing is removed.\n"
+    "\n"
+    "  --dry-run  print what would be removed and why; remove nothing\n"
+    "  --force    needed with --keep 0, which removes every checkpoint\n";
 
 static const char *status_name(ckpt_checkpoint_status s) {
     switch (s) {
@@ -80,6 +89,31 @@ static int parse_simple(int argc, char **argv, const char *help, const char *fla
     return 0;
 }
 
+/* Prints the project's leftover temporary folders (if any) after a table. */
+static void print_leftovers(const char *project, bool json) {
+    ckpt_leftover_info *lo = NULL;
+    int64_t n = 0;
+    if (ckpt_checkpoint_leftovers(project, &lo, &n) < 0) n = 0;
+    if (json) printf(",\"leftovers\":[");
+    for (int64_t i = 0; i < n; i++) {
+        if (json) {
+            printf("%s{\"path\":", i ? "," : "");
+            cli_json_string(lo[i].path);
+            printf(",\"pid\":%lld,\"running\":%s}", (long long)lo[i].pid,
+                   lo[i].running ? "true" : "false");
+        } else if (lo[i].running) {
+            printf("in use   %s  (process %lld is running: a save in progress?)\n", lo[i].path,
+                   (long long)lo[i].pid);
+        } else {
+            printf("leftover %s  (temporary folder of an interrupted save; 'ckpt prune %s --keep N'"
+                   " removes it)\n",
+                   lo[i].path, project);
+        }
+    }
+    if (json) putchar(']');
+    free(lo);
+}
+
 /* ---- ls ------------------------------------------------------------------ */
 
 int cli_ls(int argc, char **argv) {
@@ -90,8 +124,17 @@ int cli_ls(int argc, char **argv) {
 
     ckpt_checkpoint_info *list = NULL;
     int64_t n = 0;
-    rc = ckpt_checkpoint_list(dir, !fast, &list, &n);
-    if (rc < 0) {
+    bool single = cli_classify(dir) == CLI_KIND_CHECKPOINT;
+    if (single) {
+        /* a checkpoint folder: list that one */
+        list = calloc(1, sizeof *list);
+        if (!list) {
+            cli_error("ls: out of memory");
+            return CLI_RUNTIME;
+        }
+        (void)ckpt_checkpoint_verify(dir, !fast, list);
+        n = 1;
+    } else if ((rc = ckpt_checkpoint_list(dir, !fast, &list, &n)) < 0) {
         cli_error("ls: %s", *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc));
         return CLI_RUNTIME;
     }
@@ -129,7 +172,10 @@ int cli_ls(int argc, char **argv) {
             char stepbuf[32];
             if (c->status == CKPT_CHECKPOINT_PARTIAL) snprintf(stepbuf, sizeof stepbuf, "-");
             else snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)c->step);
-            printf("%-8lld %10s  %-19s  %10s  %-8s  %s", (long long)c->number, stepbuf,
+            char num[24];
+            if (c->number < 0) snprintf(num, sizeof num, "-");
+            else snprintf(num, sizeof num, "%lld", (long long)c->number);
+            printf("%-8s %10s  %-19s  %10s  %-8s  %s", num, stepbuf,
                    c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : when,
                    c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : size, status_name(c->status),
                    c->path);
@@ -138,7 +184,9 @@ int cli_ls(int argc, char **argv) {
             if (*reason) printf("         %s\n", reason);
         }
     }
-    if (json) printf("]}\n");
+    if (json) putchar(']');
+    if (!single) print_leftovers(dir, json);
+    if (json) printf("}\n");
     free(list);
     return CLI_OK;
 }
@@ -179,6 +227,9 @@ int cli_verify(int argc, char **argv) {
         return CLI_RUNTIME;
     }
     if (!S_ISDIR(st.st_mode)) {
+        cli_kind kind = cli_classify(path);
+        if (kind == CLI_KIND_TORCH_ZIP)
+            return cli_wrong_kind("verify", path, kind, "a checkpoint, a project or a .safetensors file");
         /* one state file: everything but a checksum can be checked */
         ckpt_reader *r = NULL;
         rc = ckpt_reader_open(&r, path);
@@ -208,20 +259,48 @@ int cli_verify(int argc, char **argv) {
     int64_t bad = 0;
     for (int64_t i = 0; i < n; i++) bad += !verify_one(list[i].path);
     free(list);
-    if (n == 0) {
-        printf("no checkpoints in %s\n", path);
-        return CLI_DIFFER;
-    }
-    printf("%lld of %lld checkpoints verified%s\n", (long long)(n - bad), (long long)n,
-           bad ? "; see above for the failures" : "");
+    if (n == 0) printf("no checkpoints in %s\n", path);
+    else printf("%lld of %lld checkpoints verified%s\n", (long long)(n - bad), (long long)n,
+                bad ? "; see above for the failures" : "");
+    print_leftovers(path, false);
+    if (n == 0) return CLI_DIFFER;
     return bad ? CLI_DIFFER : CLI_OK;
 }
 
 /* ---- prune --------------------------------------------------------------- */
 
+typedef struct prune_log {
+    bool dry_run;
+    int64_t keep;
+    int64_t leftovers;
+} prune_log;
+
+static void prune_report(void *user, const char *path, ckpt_prune_reason reason, const char *why) {
+    prune_log *pl = user;
+    const char *verb = pl->dry_run ? "would remove" : "removing";
+    switch (reason) {
+    case CKPT_PRUNE_OLD:
+        if (pl->keep == 0) printf("%s %s  (--keep 0: every checkpoint goes)\n", verb, path);
+        else if (why) printf("%s %s  (older than the newest %lld valid; it fails verification too: %s)\n",
+                        verb, path, (long long)pl->keep, why);
+        else printf("%s %s  (valid, older than the newest %lld valid)\n", verb, path,
+                    (long long)pl->keep);
+        break;
+    case CKPT_PRUNE_INVALID:
+        printf("%s %s  (not valid, older than the newest valid checkpoint: %s)\n", verb, path,
+               why ? why : "fails verification");
+        break;
+    case CKPT_PRUNE_LEFTOVER:
+        printf("%s %s  (temporary folder of an interrupted save)\n", verb, path);
+        pl->leftovers++;
+        break;
+    }
+}
+
 int cli_prune(int argc, char **argv) {
     const char *dir = NULL;
     int64_t keep = -1;
+    bool dry_run = false, force = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -232,6 +311,10 @@ int cli_prune(int argc, char **argv) {
             if (!v) return cli_usage_error("prune", "--keep needs a value");
             if (!cli_parse_i64(v, 0, INT32_MAX, &keep))
                 return cli_usage_error("prune", "bad value for --keep: '%s'", v);
+        } else if (!strcmp(a, "--dry-run")) {
+            dry_run = true;
+        } else if (!strcmp(a, "--force")) {
+            force = true;
         } else if (a[0] == '-' && a[1]) {
             return cli_usage_error("prune", "unknown option '%s'", a);
         } else if (dir) {
@@ -242,13 +325,24 @@ int cli_prune(int argc, char **argv) {
     }
     if (!dir) return cli_usage_error("prune", "missing PROJECT_DIR");
     if (keep < 0) return cli_usage_error("prune", "missing --keep N");
+    if (keep == 0 && !force && !dry_run)
+        return cli_usage_error("prune", "--keep 0 removes every checkpoint, the valid ones too; "
+                                        "add --force if that is what you want");
+    cli_kind kind = cli_classify(dir);
+    if (kind == CLI_KIND_CHECKPOINT)
+        return cli_usage_error("prune", "%s is a checkpoint folder; expected the project folder "
+                                        "that holds its checkpoints folder", dir);
+    prune_log pl = {.dry_run = dry_run, .keep = keep};
+    ckpt_prune_options o = {.keep = (int)keep, .dry_run = dry_run, .report = prune_report, .user = &pl};
     int64_t removed = 0;
-    int rc = ckpt_checkpoint_prune(dir, (int)keep, &removed);
+    int rc = ckpt_checkpoint_prune_ex(dir, &o, &removed);
     if (rc < 0) {
-        cli_error("prune: %s", *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc));
+        cli_error("prune: %s%s", *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc),
+                  rc == CKPT_EBUSY ? "; nothing removed, try again when the save is done" : "");
         return CLI_RUNTIME;
     }
-    printf("removed %lld checkpoint%s from %s, kept the newest %lld\n", (long long)removed,
-           removed == 1 ? "" : "s", dir, (long long)keep);
+    printf("%s %lld checkpoint%s and %lld leftover folder%s from %s, kept the newest %lld valid\n",
+           dry_run ? "would remove" : "removed", (long long)removed, removed == 1 ? "" : "s",
+           (long long)pl.leftovers, pl.leftovers == 1 ? "" : "s", dir, (long long)keep);
     return CLI_OK;
 }

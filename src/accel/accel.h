@@ -74,6 +74,7 @@ struct ckpt_accelerator {
     /* One reusable buffer area: an asynchronous save's staging, then a
      * load's read buffers (never both at once: a load waits for the save). */
     ckpt_arena arena;
+    ckpt_lock project_lock; /* rank 0: held from the first save or load until free */
 };
 
 /* The file an object's state goes to: "model.safetensors",
@@ -89,6 +90,15 @@ bool ckpt__acc_is_shard_of(const char *name, const char *stem_file);
 /* Every saved object in file order, the accelerator's generator last. *n
  * entries in a ckpt__malloc'd array; NULL if out of memory. */
 ckpt_acc_obj *ckpt__acc_plan_objects(ckpt_accelerator *acc, int *n);
+/* One run per project: the first save or load (rank 0's) takes the project
+ * lock, <project_dir>/checkpoints/.lock, and keeps it until the accelerator
+ * is freed, so a second run is refused at its first call (CKPT_EBUSY naming
+ * the owner), not at a later save. create: make the checkpoints folder (a
+ * save); else (a load) take the lock only if the folder exists. No-op
+ * without a project_dir or when already held. */
+int ckpt__acc_own_project(ckpt_accelerator *acc, bool create, const char *what);
+/* Whether lock_path is the lock file acc already holds. */
+bool ckpt__acc_holds_lock_file(const ckpt_accelerator *acc, const char *lock_path);
 /* Runs the save (HOOK_SAVE) or load hooks in registration order; the first
  * failure stops them, with a message naming dir and `what`. */
 int ckpt__acc_run_hooks(ckpt_accelerator *acc, int which, const char *dir, const char *what);

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "ckpt.h"
 #include "accel/accel.h"
@@ -47,6 +48,7 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
         return ckpt__err(CKPT_EINVAL, "accelerator_new: project_dir is empty");
     ckpt_accelerator *acc = ckpt__calloc(1, sizeof *acc);
     if (!acc) return ckpt__err_nomem("accelerator");
+    acc->project_lock.fd = -1;
     acc->automatic_checkpoint_naming = cfg->automatic_checkpoint_naming;
     acc->total_limit = cfg->total_limit;
     acc->iteration = cfg->iteration;
@@ -81,11 +83,37 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
             h = next;
         }
     }
+    ckpt__lock_release(&acc->project_lock);
     free(acc->objs);
     free(acc->project_dir);
     free(acc->logging_dir);
     free(acc->last_dir);
     free(acc);
+}
+
+/* ---- the project lock -------------------------------------------------------- */
+
+int ckpt__acc_own_project(ckpt_accelerator *acc, bool create, const char *what) {
+    if (!acc->project_dir || acc->project_lock.fd >= 0) return 0;
+    char *dir = ckpt__checkpoints_dir(acc->project_dir);
+    char *lp = dir ? ckpt__path_join(dir, ".lock") : NULL;
+    int rc = 0;
+    struct stat st;
+    if (!lp) rc = ckpt__err_nomem("lock path");
+    else if (create) rc = ckpt__mkdirs(dir);
+    else if (stat(dir, &st) != 0) goto out; /* nothing to own yet; a load creates nothing */
+    if (rc == 0) rc = ckpt__lock_acquire(&acc->project_lock, lp);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "%s", what);
+out:
+    free(lp);
+    free(dir);
+    return rc;
+}
+
+bool ckpt__acc_holds_lock_file(const ckpt_accelerator *acc, const char *lock_path) {
+    struct stat a, b;
+    return acc->project_lock.fd >= 0 && stat(lock_path, &a) == 0 &&
+           fstat(acc->project_lock.fd, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
 }
 
 void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user) {

@@ -305,7 +305,10 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     memset(&op, 0, sizeof op);
     op.acc = acc;
     op.comm = acc->comm;
-    int rc = 0;
+    /* One run per project: rank 0 owns it from the first save or load on. */
+    int rc = op.comm->rank == 0 ? ckpt__acc_own_project(acc, false, "load_state") : 0;
+    rc = ckpt__coll_agree(op.comm, rc, NULL);
+    if (rc < 0) goto out;
     /* choose */
     if (input_dir) {
         if (!input_dir[0]) rc = ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");

@@ -160,6 +160,7 @@ static void undo_publish(const ckpt_logger *lg, const char *tmp, const char *tar
 static int plan_local(save_op *op, const char *output_dir) {
     ckpt_accelerator *acc = op->acc;
     int rc;
+    CKPT_TRY(ckpt__acc_own_project(acc, true, "save_state"));
     if (op->automatic) {
         op->parent = ckpt__checkpoints_dir(acc->project_dir);
         if (!op->parent) return ckpt__err_nomem("save path");
@@ -170,7 +171,8 @@ static int plan_local(save_op *op, const char *output_dir) {
     if (rc < 0) return ckpt__err_prefix(rc, "save_state");
     op->lockp = ckpt__lock_path(op->parent, op->automatic ? "checkpoint_0" : op->base);
     if (!op->lockp) return ckpt__err_nomem("lock path");
-    rc = ckpt__lock_acquire(&op->lk, op->lockp);
+    /* The project lock, held since the first save or load, covers it. */
+    if (!ckpt__acc_holds_lock_file(acc, op->lockp)) rc = ckpt__lock_acquire(&op->lk, op->lockp);
     if (rc < 0) return ckpt__err_prefix(rc, "save_state");
     int64_t n;
     bool numbered = op->automatic || ckpt__parse_checkpoint_name(op->base, &n);

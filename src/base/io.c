@@ -177,6 +177,38 @@ static bool fault_hit(unsigned kind) {
     return fail;
 }
 
+/* ---- crash recording ----------------------------------------------------- */
+
+static _Atomic(ckpt_io_record_fn) rec_fn;
+static void *_Atomic rec_user;
+static _Atomic unsigned io_unsafe;
+
+void ckpt__io_set_recorder(ckpt_io_record_fn fn, void *user) {
+    atomic_store_explicit(&rec_user, user, memory_order_relaxed);
+    atomic_store_explicit(&rec_fn, fn, memory_order_release);
+}
+
+void ckpt__io_set_unsafe(unsigned mask) { io_unsafe = mask; }
+unsigned ckpt__io_unsafe(void) { return io_unsafe; }
+
+static bool recording(void) {
+    return atomic_load_explicit(&rec_fn, memory_order_relaxed) != NULL;
+}
+
+static void record(ckpt_io_op op, int fd, int flags, const char *path, const char *path2,
+                   uint64_t offset, const void *data, size_t len) {
+    ckpt_io_record_fn fn = atomic_load_explicit(&rec_fn, memory_order_acquire);
+    if (!fn) return;
+    ckpt_io_event ev = {op, fd, flags, path, path2, offset, data, len};
+    fn(atomic_load_explicit(&rec_user, memory_order_relaxed), &ev);
+}
+
+/* The position a write just ended at tells where it started. */
+static void record_write(int fd, const void *p, size_t w) {
+    off_t end = lseek(fd, 0, SEEK_CUR);
+    record(CKPT_IO_WRITE, fd, 0, NULL, NULL, end < 0 ? 0 : (uint64_t)end - w, p, w);
+}
+
 /* ---- OS wrappers -------------------------------------------------------- */
 
 int ckpt__os_open(const char *path, int flags, mode_t mode) {
@@ -187,6 +219,7 @@ int ckpt__os_open(const char *path, int flags, mode_t mode) {
         }
         int fd = open(path, flags | O_CLOEXEC, mode);
         if (fd < 0 && errno == EINTR) continue;
+        if (fd >= 0 && recording()) record(CKPT_IO_OPEN, fd, flags, path, NULL, 0, NULL, 0);
         return fd;
     }
 }
@@ -199,6 +232,23 @@ int ckpt__os_openat(int dirfd, const char *path, int flags, mode_t mode) {
         }
         int fd = openat(dirfd, path, flags | O_CLOEXEC, mode);
         if (fd < 0 && errno == EINTR) continue;
+        if (fd >= 0 && recording()) {
+            /* The recorder knows paths, not folder descriptors. */
+            char link[64], full[4096];
+            ssize_t k = -1;
+            if (path[0] != '/' && dirfd != AT_FDCWD) {
+                snprintf(link, sizeof link, "/proc/self/fd/%d", dirfd);
+                k = readlink(link, full, sizeof full - 1);
+            }
+            if (k > 0 && (size_t)k + strlen(path) + 2 <= sizeof full) {
+                full[k] = '\0';
+                strcat(full, "/");
+                strcat(full, path);
+                record(CKPT_IO_OPEN, fd, flags, full, NULL, 0, NULL, 0);
+            } else {
+                record(CKPT_IO_OPEN, fd, flags, path, NULL, 0, NULL, 0);
+            }
+        }
         return fd;
     }
 }
@@ -213,6 +263,7 @@ ssize_t ckpt__os_write(int fd, const void *p, size_t n) {
         }
         ssize_t w = write(fd, p, n);
         if (w < 0 && errno == EINTR) continue;
+        if (w > 0 && recording()) record_write(fd, p, (size_t)w);
         return w;
     }
 }
@@ -234,6 +285,7 @@ ssize_t ckpt__os_pread(int fd, void *p, size_t n, uint64_t off) {
 }
 
 int ckpt__os_fsync(int fd) {
+    if (io_unsafe & CKPT_IO_SKIP_EVERY_FSYNC) return 0;
     for (;;) {
         if (fault_hit(CKPT_FAULT_FSYNC)) {
             if (errno == EINTR) continue;
@@ -241,13 +293,21 @@ int ckpt__os_fsync(int fd) {
         }
         int r = fsync(fd);
         if (r < 0 && errno == EINTR) continue;
+        if (r == 0 && recording()) record(CKPT_IO_FSYNC, fd, 0, NULL, NULL, 0, NULL, 0);
         return r;
     }
 }
 
+/* rename without fault injection: the undo steps of error paths. */
+static int os_rename_raw(const char *from, const char *to) {
+    int r = rename(from, to);
+    if (r == 0 && recording()) record(CKPT_IO_RENAME, -1, 0, from, to, 0, NULL, 0);
+    return r;
+}
+
 int ckpt__os_rename(const char *from, const char *to) {
     if (fault_hit(CKPT_FAULT_RENAME)) return -1;
-    return rename(from, to);
+    return os_rename_raw(from, to);
 }
 
 static int sys_renameat2(const char *a, const char *b, unsigned flags) {
@@ -264,7 +324,9 @@ static int sys_renameat2(const char *a, const char *b, unsigned flags) {
 
 int ckpt__os_exchange(const char *a, const char *b) {
     if (fault_hit(CKPT_FAULT_RENAME)) return -1;
-    return sys_renameat2(a, b, RENAME_EXCHANGE);
+    int r = sys_renameat2(a, b, RENAME_EXCHANGE);
+    if (r == 0 && recording()) record(CKPT_IO_EXCHANGE, -1, 0, a, b, 0, NULL, 0);
+    return r;
 }
 
 /* rename that refuses to replace an existing target; falls back to a check
@@ -272,18 +334,65 @@ int ckpt__os_exchange(const char *a, const char *b) {
 static int os_rename_noreplace(const char *from, const char *to) {
     if (fault_hit(CKPT_FAULT_RENAME)) return -1;
     int r = sys_renameat2(from, to, RENAME_NOREPLACE);
+    if (r == 0 && recording()) record(CKPT_IO_RENAME, -1, 0, from, to, 0, NULL, 0);
     if (r == 0 || (errno != EINVAL && errno != ENOSYS && errno != ENOTSUP)) return r;
     struct stat st;
     if (lstat(to, &st) == 0) {
         errno = EEXIST;
         return -1;
     }
-    return rename(from, to);
+    return os_rename_raw(from, to);
 }
 
 int ckpt__os_mkdir(const char *path, mode_t mode) {
     if (fault_hit(CKPT_FAULT_MKDIR)) return -1;
-    return mkdir(path, mode);
+    int r = mkdir(path, mode);
+    if (r == 0 && recording()) record(CKPT_IO_MKDIR, -1, 0, path, NULL, 0, NULL, 0);
+    return r;
+}
+
+ssize_t ckpt__os_pwrite(int fd, const void *p, size_t n, uint64_t off) {
+    if (off > (uint64_t)INT64_MAX) {
+        errno = EINVAL;
+        return -1;
+    }
+    for (;;) {
+        ssize_t w = pwrite(fd, p, n, (off_t)off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w > 0 && recording()) record(CKPT_IO_WRITE, fd, 0, NULL, NULL, off, p, (size_t)w);
+        return w;
+    }
+}
+
+int ckpt__os_ftruncate(int fd, uint64_t len) {
+    if (len > (uint64_t)INT64_MAX) {
+        errno = EINVAL;
+        return -1;
+    }
+    for (;;) {
+        int r = ftruncate(fd, (off_t)len);
+        if (r < 0 && errno == EINTR) continue;
+        if (r == 0 && recording()) record(CKPT_IO_TRUNCATE, fd, 0, NULL, NULL, len, NULL, 0);
+        return r;
+    }
+}
+
+int ckpt__os_unlink(const char *path) {
+    int r = unlink(path);
+    if (r == 0 && recording()) record(CKPT_IO_UNLINK, -1, 0, path, NULL, 0, NULL, 0);
+    return r;
+}
+
+int ckpt__os_rmdir(const char *path) {
+    int r = rmdir(path);
+    if (r == 0 && recording()) record(CKPT_IO_RMDIR, -1, 0, path, NULL, 0, NULL, 0);
+    return r;
+}
+
+int ckpt__os_link(const char *from, const char *to) {
+    int r = link(from, to);
+    if (r == 0 && recording()) record(CKPT_IO_LINK, -1, 0, from, to, 0, NULL, 0);
+    return r;
 }
 
 /* ---- the write stream --------------------------------------------------- */
@@ -374,14 +483,15 @@ uint64_t ckpt__ostream_part_digest(const ckpt_ostream *s) {
 int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
     if (s->fd < 0 && !s->path) return ckpt__err(CKPT_EINVAL, "write stream: not open");
     int rc = s->err;
-    if (!rc && ckpt__os_fsync(s->fd) < 0) rc = ckpt__err_os(errno, "%s: fsync", s->path);
+    if (!rc && !(io_unsafe & CKPT_IO_SKIP_FILE_FSYNC) && ckpt__os_fsync(s->fd) < 0)
+        rc = ckpt__err_os(errno, "%s: fsync", s->path);
     if (s->fd >= 0) {
         /* A failing close can report a delayed write error (NFS): count it. */
         if (close(s->fd) < 0 && !rc) rc = ckpt__err_os(errno, "%s: close", s->path);
         s->fd = -1;
     }
     if (rc) {
-        unlink(s->path);
+        ckpt__os_unlink(s->path);
         ostream_release(s);
         return rc;
     }
@@ -394,7 +504,7 @@ int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
 void ckpt__ostream_abort(ckpt_ostream *s) {
     if (!s) return;
     if (s->fd >= 0) close(s->fd);
-    if (s->path) unlink(s->path);
+    if (s->path) ckpt__os_unlink(s->path);
     ostream_release(s);
 }
 
@@ -483,30 +593,30 @@ int ckpt__publish_file(const char *path, ckpt_fill_fn fill, void *ctx, uint64_t 
     /* Keep a hard link to the file being replaced, so that if the folder
      * fsync after the rename fails we can put it back: the caller is told
      * "failed" and finds the old bytes, not an undurable new file. */
-    if (link(path, old) == 0) have_old = true;
+    if (ckpt__os_link(path, old) == 0) have_old = true;
     if (ckpt__os_rename(tmp, path) < 0) {
         rc = ckpt__err_os(errno, "%s: rename temporary file into place", path);
-        unlink(tmp);
-        if (have_old) unlink(old);
+        ckpt__os_unlink(tmp);
+        if (have_old) ckpt__os_unlink(old);
         goto out;
     }
     rc = ckpt__fsync_dir(dir);
     if (rc) {
         if (have_old)
-            rename(old, path);
+            os_rename_raw(old, path);
         else
-            unlink(path);
+            ckpt__os_unlink(path);
         rc = ckpt__err_prefix(rc, "%s", path);
         goto out;
     }
-    if (have_old) unlink(old);
+    if (have_old) ckpt__os_unlink(old);
     if (digest) *digest = d;
     if (size) *size = sz;
     goto out;
 fail_prefix:
     /* Messages from the stream name the temporary file; say what it was for. */
     rc = ckpt__err_prefix(rc, "%s", path);
-    if (tmp) unlink(tmp);
+    if (tmp) ckpt__os_unlink(tmp);
 out:
     free(tmp);
     free(old);
@@ -552,7 +662,7 @@ int ckpt__publish_dir(const char *tmp_dir, const char *final, bool replace) {
     }
     if (ckpt__os_exchange(tmp_dir, final) == 0) {
         /* tmp_dir now holds the old checkpoint: make the swap durable first. */
-        rc = ckpt__fsync_dir(parent);
+        rc = (io_unsafe & CKPT_IO_SKIP_PUBLISH_FSYNC) ? CKPT_OK : ckpt__fsync_dir(parent);
         if (rc) goto out;
         if (ckpt__remove_tree(tmp_dir) != CKPT_OK) ckpt_clear_error(); /* a hidden leftover */
         goto out;
@@ -577,7 +687,7 @@ int ckpt__publish_dir(const char *tmp_dir, const char *final, bool replace) {
         }
         if (ckpt__os_rename(tmp_dir, final) < 0) {
             rc = ckpt__err_os(errno, "%s: rename %s into place", final, tmp_dir);
-            rename(aside, final);
+            os_rename_raw(aside, final);
             free(aside);
             goto out;
         }
@@ -587,7 +697,7 @@ int ckpt__publish_dir(const char *tmp_dir, const char *final, bool replace) {
         goto out;
     }
 synced:
-    rc = ckpt__fsync_dir(parent);
+    rc = (io_unsafe & CKPT_IO_SKIP_PUBLISH_FSYNC) ? CKPT_OK : ckpt__fsync_dir(parent);
 out:
     free(parent);
     return rc;
@@ -627,7 +737,7 @@ int ckpt__mkdirs(const char *path) {
 static int remove_one(const char *path, const struct stat *st, int type, struct FTW *ftw) {
     (void)st;
     (void)ftw;
-    int r = (type == FTW_DP) ? rmdir(path) : unlink(path);
+    int r = (type == FTW_DP) ? ckpt__os_rmdir(path) : ckpt__os_unlink(path);
     if (r < 0 && errno != ENOENT) {
         ckpt__err_os(errno, "%s: remove", path);
         return 1;
@@ -642,7 +752,7 @@ int ckpt__remove_tree(const char *path) {
         return ckpt__err_os(errno, "%s: stat", path);
     }
     if (!S_ISDIR(st.st_mode)) {
-        if (unlink(path) < 0) return ckpt__err_os(errno, "%s: remove", path);
+        if (ckpt__os_unlink(path) < 0) return ckpt__err_os(errno, "%s: remove", path);
         return CKPT_OK;
     }
     /* FTW_PHYS: never follow a symlink out of the tree we own. */

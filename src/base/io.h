@@ -55,6 +55,56 @@ int ckpt__os_rename(const char *from, const char *to);
 /* renameat2(RENAME_EXCHANGE): swaps two existing paths atomically. */
 int ckpt__os_exchange(const char *a, const char *b);
 int ckpt__os_mkdir(const char *path, mode_t mode);
+/* Not fault-injected (they run on cleanup paths too), but recorded. */
+ssize_t ckpt__os_pwrite(int fd, const void *p, size_t n, uint64_t off);
+int ckpt__os_ftruncate(int fd, uint64_t len);
+int ckpt__os_unlink(const char *path);
+int ckpt__os_rmdir(const char *path);
+int ckpt__os_link(const char *from, const char *to);
+
+/* ---- crash recording (tests only) --------------------------------------- */
+/* Every successful mutating call above (and every open, so a recorder can
+ * map descriptors to files) is reported to the recorder, if one is set,
+ * after it returned. The power-loss simulator (tests/crashsim) rebuilds from
+ * this record every state a power cut could leave. With no recorder set the
+ * cost is one predictable branch per call. */
+typedef enum ckpt_io_op {
+    CKPT_IO_OPEN,     /* path, flags, fd (the result) */
+    CKPT_IO_WRITE,    /* fd, offset, data, len */
+    CKPT_IO_TRUNCATE, /* fd, offset (the new length) */
+    CKPT_IO_FSYNC,    /* fd (a file or a folder) */
+    CKPT_IO_MKDIR,    /* path */
+    CKPT_IO_RENAME,   /* path -> path2 (replacing path2 if it exists) */
+    CKPT_IO_EXCHANGE, /* path <-> path2 */
+    CKPT_IO_LINK,     /* path2 becomes a new name of path */
+    CKPT_IO_UNLINK,   /* path */
+    CKPT_IO_RMDIR     /* path */
+} ckpt_io_op;
+typedef struct ckpt_io_event {
+    ckpt_io_op op;
+    int fd;
+    int flags;
+    const char *path;
+    const char *path2;
+    uint64_t offset;
+    const void *data; /* valid only during the call */
+    size_t len;
+} ckpt_io_event;
+typedef void (*ckpt_io_record_fn)(void *user, const ckpt_io_event *ev);
+/* Sets (fn non-NULL) or clears the recorder. Calls from any thread are
+ * reported; the recorder serialises them itself. */
+void ckpt__io_set_recorder(ckpt_io_record_fn fn, void *user);
+
+/* Test-only switches that deliberately break durability, so a test can show
+ * that the power-loss simulator catches a missing fsync. Never set outside
+ * tests. */
+enum {
+    CKPT_IO_SKIP_FILE_FSYNC = 1 << 0,    /* ckpt__ostream_finish does not fsync */
+    CKPT_IO_SKIP_PUBLISH_FSYNC = 1 << 1, /* ckpt__publish_dir does not fsync the parent */
+    CKPT_IO_SKIP_EVERY_FSYNC = 1 << 2    /* no fsync at all (scratch files in tests) */
+};
+void ckpt__io_set_unsafe(unsigned mask);
+unsigned ckpt__io_unsafe(void);
 
 /* ---- the write stream --------------------------------------------------- */
 typedef struct ckpt_ostream {

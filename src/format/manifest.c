@@ -714,10 +714,7 @@ int ckpt__manifest_read(const char *dir, ckpt_manifest *m) {
     if (!path) return ckpt__err_nomem("manifest path");
     if (stat(path, &st) != 0 && errno == ENOENT) {
         free(path);
-        return ckpt__err(CKPT_ECORRUPT,
-                         "%s: not a complete checkpoint: no manifest " CKPT_MANIFEST_NAME
-                         " (an interrupted save?)",
-                         dir);
+        return ckpt__err(CKPT_ENOENT, "%s: not a checkpoint (no " CKPT_MANIFEST_NAME ")", dir);
     }
     char *text = NULL;
     size_t len = 0;

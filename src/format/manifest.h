@@ -56,8 +56,9 @@ int ckpt__manifest_write(ckpt_manifest *m, const char *dir);
 /* Parses a manifest text; `what` names it in messages. CKPT_ECORRUPT for
  * anything malformed, CKPT_EUNSUPPORTED for a newer format version. */
 int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_manifest *m);
-/* Reads and parses <dir>/checkpoint.json. A missing manifest is
- * CKPT_ECORRUPT "... not a complete checkpoint"; a missing dir CKPT_ENOENT. */
+/* Reads and parses <dir>/checkpoint.json. A folder without one is not a
+ * checkpoint: CKPT_ENOENT "... not a checkpoint (no checkpoint.json)"; a
+ * missing dir CKPT_ENOENT too. */
 int ckpt__manifest_read(const char *dir, ckpt_manifest *m);
 
 /* An opened, verified checkpoint folder: its manifest and every listed file

@@ -6,11 +6,13 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -125,26 +127,34 @@ int ckpt__lock_acquire(ckpt_lock *lk, const char *lock_path) {
     if (fd < 0) return ckpt__err_os(errno, "lock file %s", lock_path);
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
         int e = errno;
-        char holder[32] = "";
+        char holder[320] = "";
         ssize_t got = pread(fd, holder, sizeof holder - 1, 0);
         close(fd);
         if (e == EWOULDBLOCK) {
-            if (got > 0) {
-                holder[got] = '\0';
-                holder[strcspn(holder, "\n")] = '\0';
+            /* The holder wrote "<pid> <host>\n" when it took the lock. */
+            long pid = 0;
+            char host[256] = "";
+            if (got > 0) holder[got] = '\0';
+            if (got > 0 && sscanf(holder, "%ld %255s", &pid, host) == 2 && pid > 0)
                 return ckpt__err(CKPT_EBUSY,
-                                 "%s is locked by another process (pid %s) saving into this folder",
-                                 lock_path, holder);
-            }
-            return ckpt__err(CKPT_EBUSY, "%s is locked by another process saving into this folder",
+                                 "%s is held by another process (pid %ld on host %s) that saves "
+                                 "into or loads from this folder",
+                                 lock_path, pid, host);
+            return ckpt__err(CKPT_EBUSY,
+                             "%s is held by another process that saves into or loads from this "
+                             "folder",
                              lock_path);
         }
         return ckpt__err_os(e, "lock %s", lock_path);
     }
-    /* The holder's pid only makes the busy message more useful: best effort. */
-    char pid[32];
-    int n = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
-    if (ftruncate(fd, 0) == 0 && pwrite(fd, pid, (size_t)n, 0) < 0) {
+    /* Who holds it only makes the busy message more useful: best effort. */
+    char host[256];
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "unknown");
+    host[sizeof host - 1] = '\0';
+    char line[320];
+    int n = snprintf(line, sizeof line, "%ld %s\n", (long)getpid(), host);
+    if (n > 0 && (size_t)n < sizeof line && ckpt__os_ftruncate(fd, 0) == 0 &&
+        ckpt__os_pwrite(fd, line, (size_t)n, 0) < 0) {
         /* ignored: informational only */
     }
     lk->fd = fd;
@@ -229,39 +239,159 @@ int ckpt__remove_leftovers(const char *dir, const char *base, const ckpt_logger 
     return rc;
 }
 
-int ckpt__rotate(const char *dir, int64_t keep, const ckpt_logger *lg, int64_t *removed) {
-    if (removed) *removed = 0;
+/* The pid in a leftover's name: the digits after ".tmp." or ".old.". */
+static int64_t leftover_pid(const char *name) {
+    const char *s = strstr(name, ".tmp.");
+    if (!s) s = strstr(name, ".old.");
+    if (!s) return -1;
+    int64_t v = 0;
+    for (s += 5; *s >= '0' && *s <= '9'; s++) {
+        if (v > INT32_MAX) return -1;
+        v = v * 10 + (*s - '0');
+    }
+    return v;
+}
+
+static bool process_running(int64_t pid) {
+    if (pid <= 0 || pid > INT32_MAX) return false;
+    return kill((pid_t)pid, 0) == 0 || errno == EPERM;
+}
+
+/* Calls fn for every leftover folder (".checkpoint_<n>.tmp.<pid>" and the
+ * like) in dir; a missing dir has none. Stops at fn's first error. */
+typedef int (*leftover_fn)(void *user, const char *dir, const char *name);
+static int each_leftover(const char *dir, leftover_fn fn, void *user) {
+    DIR *d = opendir(dir);
+    if (!d) {
+        if (errno == ENOENT) return 0;
+        return ckpt__err_os(errno, "%s", dir);
+    }
+    int rc = 0;
+    struct dirent *e;
+    while (rc == 0 && (e = readdir(d)) != NULL)
+        if (is_leftover(e->d_name, NULL) && is_dir_at(d, e->d_name)) rc = fn(user, dir, e->d_name);
+    closedir(d);
+    return rc;
+}
+
+/* What a rotation or prune is asked to do. */
+typedef struct rotation {
+    int64_t keep;
+    bool dry_run;
+    bool verify_all; /* also verify the folders beyond keep (to say why each goes) */
+    ckpt_prune_fn report;
+    void *user;
+    const ckpt_logger *lg; /* NULL: no warnings (the report says it) */
+    int64_t removed;
+} rotation;
+
+/* Hides checkpoint folder `name` of dir (one atomic rename), makes the
+ * rename durable (folder fsync), then deletes it: a crash or power cut
+ * midway leaves a hidden leftover that the next save or prune removes, never
+ * a visible half-deleted checkpoint. Without the fsync a power cut could
+ * undo the rename but keep some of the deletions. */
+static int remove_checkpoint(const char *dir, const char *name, const ckpt_logger *lg) {
+    char hidden[96];
+    snprintf(hidden, sizeof hidden, ".%s.old.%ld", name, (long)getpid());
+    char *p = ckpt__path_join(dir, name);
+    char *h = ckpt__path_join(dir, hidden);
+    int rc = 0;
+    if (!p || !h) {
+        rc = ckpt__err_nomem("rotation path");
+    } else if (ckpt__os_rename(p, h) != 0) {
+        rc = ckpt__err_os(errno, "removing old checkpoint %s", p);
+    } else if (ckpt__fsync_dir(dir) < 0) {
+        ckpt__log(lg, CKPT_LOG_WARNING, "left %s hidden, not deleted: %s", h, ckpt_errmsg());
+    } else if (ckpt__remove_tree(h) < 0) {
+        ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s: %s", h, ckpt_errmsg());
+    }
+    free(p);
+    free(h);
+    return rc;
+}
+
+/* One checkpoint folder's fate. */
+typedef struct verdict {
+    bool remove;
+    ckpt_prune_reason reason;
+    char *why; /* malloc'd verification message of an invalid one, or NULL */
+} verdict;
+
+/* Counts only complete, deep-verified checkpoints toward keep, newest
+ * first. Removes the valid ones beyond keep, and partial or corrupt ones
+ * older than the newest valid checkpoint (nothing can fall back to them
+ * before that one); keeps those newer than it (the evidence of what went
+ * wrong) and those of a newer format. With no valid checkpoint nothing
+ * goes. keep 0 removes every checkpoint. A failure to verify that says
+ * nothing about the folder (memory, I/O) stops before anything is removed. */
+static int rotate(const char *dir, rotation *r) {
     int64_t *nums = NULL, count = 0;
     CKPT_TRY(ckpt__list_numbers(dir, &nums, &count));
+    verdict *v = count ? ckpt__calloc((size_t)count, sizeof *v) : NULL;
+    if (count && !v) {
+        free(nums);
+        return ckpt__err_nomem("rotation plan");
+    }
     int rc = 0;
-    for (int64_t i = 0; i + keep < count; i++) {
+    int64_t kept = 0;
+    for (int64_t i = count - 1; i >= 0 && rc == 0; i--) {
+        bool beyond = kept >= r->keep;
+        if (beyond) {
+            v[i].remove = true;
+            v[i].reason = CKPT_PRUNE_OLD;
+            if (!r->verify_all) continue;
+        }
         char name[48];
         snprintf(name, sizeof name, "checkpoint_%" PRId64, nums[i]);
-        char hidden[96];
-        snprintf(hidden, sizeof hidden, ".%s.old.%ld", name, (long)getpid());
         char *p = ckpt__path_join(dir, name);
-        char *h = ckpt__path_join(dir, hidden);
-        if (!p || !h) {
-            free(p);
-            free(h);
+        if (!p) {
             rc = ckpt__err_nomem("rotation path");
             break;
         }
-        /* Hide it first (one atomic rename), then delete: a crash midway
-         * leaves a hidden leftover the next save removes, never a visible
-         * half-deleted checkpoint. */
-        if (ckpt__os_rename(p, h) != 0) {
-            rc = ckpt__err_os(errno, "removing old checkpoint %s", p);
-        } else {
-            if (removed) (*removed)++;
-            if (ckpt__remove_tree(h) < 0)
-                ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s: %s", h, ckpt_errmsg());
-        }
+        ckpt_checkpoint_info info;
+        int vrc = ckpt_checkpoint_verify(p, true, &info);
         free(p);
-        free(h);
-        if (rc < 0) break;
+        if (vrc == 0) {
+            if (!beyond) kept++;
+        } else if (vrc == CKPT_ECORRUPT || vrc == CKPT_ENOENT) {
+            v[i].why = ckpt__strdup(ckpt_errmsg());
+            if (kept > 0) {
+                v[i].remove = true;
+                v[i].reason = CKPT_PRUNE_INVALID;
+            }
+        } else if (vrc == CKPT_EUNSUPPORTED) {
+            v[i].remove = false; /* a newer library's: not ours to judge */
+        } else {
+            rc = ckpt__err_prefix(vrc, "rotation: verifying %s", name);
+        }
     }
+    for (int64_t i = 0; rc == 0 && i < count; i++) {
+        if (!v[i].remove) continue;
+        char name[48];
+        snprintf(name, sizeof name, "checkpoint_%" PRId64, nums[i]);
+        char *p = ckpt__path_join(dir, name);
+        if (!p) {
+            rc = ckpt__err_nomem("rotation path");
+            break;
+        }
+        if (r->report) r->report(r->user, p, v[i].reason, v[i].why);
+        if (v[i].reason == CKPT_PRUNE_INVALID && r->lg && !r->dry_run)
+            ckpt__log(r->lg, CKPT_LOG_WARNING, "removing %s, older than the newest valid checkpoint: %s",
+                      p, v[i].why ? v[i].why : "invalid");
+        free(p);
+        if (!r->dry_run) rc = remove_checkpoint(dir, name, r->lg);
+        if (rc == 0) r->removed++;
+    }
+    for (int64_t i = 0; i < count; i++) free(v[i].why);
+    free(v);
     free(nums);
+    return rc;
+}
+
+int ckpt__rotate(const char *dir, int64_t keep, const ckpt_logger *lg, int64_t *removed) {
+    rotation r = {.keep = keep, .lg = lg};
+    int rc = rotate(dir, &r);
+    if (removed) *removed = r.removed;
     return rc;
 }
 
@@ -350,31 +480,114 @@ int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_inf
     return 0;
 }
 
-int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed) {
-    if (removed) *removed = 0;
-    if (!project_dir) return ckpt__err(CKPT_EINVAL, "checkpoint_prune: project_dir is NULL");
-    if (keep < 0) return ckpt__err(CKPT_EINVAL, "checkpoint_prune: keep is %d, expected >= 0", keep);
+/* <project_dir>/checkpoints, after checking project_dir is a folder; *dir
+ * NULL (and 0) when the project has no checkpoints folder. */
+static int project_checkpoints(const char *what, const char *project_dir, char **dir) {
+    *dir = NULL;
+    if (!project_dir) return ckpt__err(CKPT_EINVAL, "%s: project_dir is NULL", what);
     struct stat st;
     if (stat(project_dir, &st) != 0) return ckpt__err_os(errno, "project folder %s", project_dir);
-    char *dir = ckpt__checkpoints_dir(project_dir);
-    if (!dir) return ckpt__err_nomem("checkpoints path");
-    if (stat(dir, &st) != 0) {
-        int rc = errno == ENOENT ? 0 : ckpt__err_os(errno, "%s", dir);
-        free(dir);
+    if (!S_ISDIR(st.st_mode))
+        return ckpt__err(CKPT_EINVAL, "project folder %s is not a folder", project_dir);
+    char *d = ckpt__checkpoints_dir(project_dir);
+    if (!d) return ckpt__err_nomem("checkpoints path");
+    if (stat(d, &st) != 0) {
+        int rc = errno == ENOENT ? 0 : ckpt__err_os(errno, "%s", d);
+        free(d);
         return rc;
     }
-    char *lp = ckpt__path_join(dir, ".lock");
-    if (!lp) {
-        free(dir);
-        return ckpt__err_nomem("lock path");
+    *dir = d;
+    return 0;
+}
+
+typedef struct leftover_list {
+    ckpt_leftover_info *v;
+    int64_t n, cap;
+} leftover_list;
+
+static int collect_leftover(void *user, const char *dir, const char *name) {
+    leftover_list *l = user;
+    if (l->n == l->cap) {
+        int64_t cap = l->cap ? l->cap * 2 : 8;
+        ckpt_leftover_info *nv = ckpt__realloc(l->v, (size_t)cap * sizeof *nv);
+        if (!nv) return ckpt__err_nomem("leftover list");
+        l->v = nv;
+        l->cap = cap;
     }
-    ckpt_lock lk;
-    int rc = ckpt__lock_acquire(&lk, lp);
-    if (rc == 0) {
-        rc = ckpt__rotate(dir, keep, NULL, removed);
-        ckpt__lock_release(&lk);
+    ckpt_leftover_info *e = &l->v[l->n++];
+    memset(e, 0, sizeof *e);
+    snprintf(e->path, sizeof e->path, "%s/%s", dir, name);
+    e->pid = leftover_pid(name);
+    e->running = process_running(e->pid);
+    return 0;
+}
+
+static int cmp_leftover(const void *a, const void *b) {
+    return strcmp(((const ckpt_leftover_info *)a)->path, ((const ckpt_leftover_info *)b)->path);
+}
+
+int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_info **out, int64_t *count) {
+    if (out) *out = NULL;
+    if (count) *count = 0;
+    if (!out || !count) return ckpt__err(CKPT_EINVAL, "checkpoint_leftovers: NULL argument");
+    char *dir = NULL;
+    CKPT_TRY(project_checkpoints("checkpoint_leftovers", project_dir, &dir));
+    if (!dir) return 0;
+    leftover_list l = {0};
+    int rc = each_leftover(dir, collect_leftover, &l);
+    free(dir);
+    if (rc < 0) {
+        free(l.v);
+        return rc;
     }
-    free(lp);
+    if (l.n > 1) qsort(l.v, (size_t)l.n, sizeof *l.v, cmp_leftover);
+    *out = l.v;
+    *count = l.n;
+    return 0;
+}
+
+/* Under the project lock no save is under way, so every temporary folder
+ * is a leftover; a dry run (no lock) passes over those whose process still
+ * runs. */
+static int prune_leftover(void *user, const char *dir, const char *name) {
+    rotation *r = user;
+    if (r->dry_run && process_running(leftover_pid(name))) return 0;
+    char *p = ckpt__path_join(dir, name);
+    if (!p) return ckpt__err_nomem("leftover path");
+    if (r->report) r->report(r->user, p, CKPT_PRUNE_LEFTOVER, NULL);
+    int rc = r->dry_run ? 0 : ckpt__remove_tree(p);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "removing leftover %s", p);
+    free(p);
+    return rc;
+}
+
+int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *opts,
+                             int64_t *removed) {
+    if (removed) *removed = 0;
+    if (!opts) return ckpt__err(CKPT_EINVAL, "checkpoint_prune: opts is NULL");
+    if (opts->keep < 0)
+        return ckpt__err(CKPT_EINVAL, "checkpoint_prune: keep is %d, expected >= 0", opts->keep);
+    char *dir = NULL;
+    CKPT_TRY(project_checkpoints("checkpoint_prune", project_dir, &dir));
+    if (!dir) return 0;
+    rotation r = {.keep = opts->keep, .dry_run = opts->dry_run, .verify_all = true,
+                  .report = opts->report, .user = opts->user};
+    ckpt_lock lk = {.fd = -1};
+    int rc = 0;
+    if (!opts->dry_run) {
+        char *lp = ckpt__path_join(dir, ".lock");
+        rc = lp ? ckpt__lock_acquire(&lk, lp) : ckpt__err_nomem("lock path");
+        free(lp);
+    }
+    if (rc == 0) rc = each_leftover(dir, prune_leftover, &r);
+    if (rc == 0) rc = rotate(dir, &r);
+    ckpt__lock_release(&lk);
+    if (removed) *removed = r.removed;
     free(dir);
     return rc;
+}
+
+int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed) {
+    ckpt_prune_options o = {.keep = keep};
+    return ckpt_checkpoint_prune_ex(project_dir, &o, removed);
 }

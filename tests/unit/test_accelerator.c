@@ -552,15 +552,66 @@ static void test_checkpoint_list_and_prune(void **st) {
     assert_int_equal(lb.n, 1);
     tu_assert_contains(lb.last, "checkpoint_9");
     int64_t removed = 0;
+    /* The run owns its project until it is freed: prune waits for it. */
+    assert_int_equal(ckpt_checkpoint_prune(t, 2, &removed), CKPT_EBUSY);
+    tu_assert_errmsg_has("held by another process (pid ");
+    ckpt_accelerator_free(acc);
+    acc = NULL;
     assert_int_equal(ckpt_checkpoint_prune(t, 2, &removed), 0);
-    assert_int_equal(removed, 3);
+    /* Only valid checkpoints count toward keep; the partial one, newer than
+     * the newest valid, stays. */
+    assert_int_equal(removed, 2);
     assert_int_equal(ckpt_checkpoint_list(t, false, &infos, &n), 0);
-    assert_int_equal(n, 2);
-    assert_int_equal(infos[0].number, 3);
-    assert_int_equal(infos[1].number, 9);
+    assert_int_equal(n, 3);
+    assert_int_equal(infos[0].number, 2);
+    assert_int_equal(infos[1].number, 3);
+    assert_int_equal(infos[2].number, 9);
     free(infos);
     ckpt_accelerator_free(acc);
     free(p);
+    tu_tmpdir_free(t);
+}
+
+/* One run per project: the first save or load takes the project lock and
+ * the accelerator keeps it until freed; another one is refused at its first
+ * save or load with CKPT_EBUSY naming the owner's pid and host, while the
+ * read-only calls (list, verify) need no lock. */
+static void test_one_run_per_project(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("acc");
+    char host[256] = "";
+    assert_int_equal(gethostname(host, sizeof host), 0);
+    char *owner = tu_pathf("held by another process (pid %ld on host %s)", (long)getpid(), host);
+    ckpt_accelerator *a = new_acc(t, true, 0, NULL);
+    counter ca, cb;
+    register_counter(a, &ca, 1);
+    assert_int_equal(ckpt_save_state(a, NULL), 0);
+    ckpt_accelerator *b = new_acc(t, true, 0, NULL);
+    register_counter(b, &cb, 9);
+    tu_expect_error(ckpt_load_state(b, NULL), CKPT_EBUSY, owner);
+    tu_assert_errmsg_has("load_state: ");
+    tu_expect_error(ckpt_save_state(b, NULL), CKPT_EBUSY, owner);
+    assert_int_equal(cb.value, 9);
+    /* The owner keeps saving; readers need no lock. */
+    assert_int_equal(ckpt_save_state(a, NULL), 0);
+    ckpt_checkpoint_info *infos = NULL;
+    int64_t n = 0;
+    assert_int_equal(ckpt_checkpoint_list(t, true, &infos, &n), 0);
+    assert_int_equal(n, 2);
+    free(infos);
+    char *c0 = tu_pathf("%s/checkpoints/checkpoint_0", t);
+    assert_int_equal(ckpt_checkpoint_verify(c0, true, NULL), 0);
+    /* Freed: the next run owns it at its first call. */
+    ckpt_accelerator_free(a);
+    assert_int_equal(ckpt_load_state(b, NULL), 0);
+    assert_int_equal(cb.value, 1);
+    a = new_acc(t, true, 0, NULL);
+    register_counter(a, &ca, 1);
+    tu_expect_error(ckpt_save_state(a, NULL), CKPT_EBUSY, owner);
+    ckpt_accelerator_free(a);
+    ckpt_accelerator_free(b);
+    free(c0);
+    free(owner);
     tu_tmpdir_free(t);
 }
 
@@ -586,6 +637,7 @@ static void expect_load_fails(const char *dir, int ncounters, void (*tweak)(coun
                               const char *needle) {
     ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
     counter cs[3];
+    memset(cs, 0, sizeof cs); /* compared whole below, unused ones and padding too */
     for (int i = 0; i < ncounters; i++) {
         counter_set(&cs[i], 50 + 10 * i);
         if (tweak && i == 1) tweak(&cs[i]);
@@ -1075,9 +1127,9 @@ static void test_load_state_rejects_a_missing_manifest(void **st) {
     char *dir = save_two(t);
     char *f = tu_pathf("%s/checkpoint.json", dir);
     assert_int_equal(unlink(f), 0);
-    expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT, "no manifest checkpoint.json");
+    expect_load_fails(dir, 2, NULL, CKPT_ENOENT, "not a checkpoint (no checkpoint.json)");
     ckpt_checkpoint_info info;
-    assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), CKPT_ECORRUPT);
+    assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), CKPT_ENOENT);
     assert_int_equal(info.status, CKPT_CHECKPOINT_PARTIAL);
     free(f);
     free(dir);
@@ -1403,6 +1455,7 @@ int main(void) {
         cmocka_unit_test(test_explicit_save_refuses_to_replace_a_folder_that_is_not_a_checkpoint),
         cmocka_unit_test(test_manifest_lists_every_file_with_size_and_digest),
         cmocka_unit_test(test_checkpoint_list_and_prune),
+        cmocka_unit_test(test_one_run_per_project),
         cmocka_unit_test(test_load_state_rejects_shape_mismatch),
         cmocka_unit_test(test_load_state_rejects_dtype_mismatch),
         cmocka_unit_test(test_load_state_rejects_missing_key),

@@ -124,11 +124,24 @@ static bool run_consistent(const run *r) {
     return true;
 }
 
-/* Loads dir (NULL: the project's newest) with a fresh run; the value, or
+/* Loads dir (NULL: the project's newest complete checkpoint) with a fresh
+ * run that owns no project (the run under test owns it); the value, or
  * -1000 + the status. */
 static int64_t load_fresh(const char *project, const char *dir) {
+    char newest[4200] = "";
+    if (!dir) {
+        ckpt_checkpoint_info *infos = NULL;
+        int64_t count = 0;
+        assert_int_equal(ckpt_checkpoint_list(project, true, &infos, &count), 0);
+        for (int64_t i = 0; i < count; i++)
+            if (infos[i].status == CKPT_CHECKPOINT_COMPLETE)
+                snprintf(newest, sizeof newest, "%s", infos[i].path);
+        free(infos);
+        if (!newest[0]) return -1000 + CKPT_ENOENT;
+        dir = newest;
+    }
     run r;
-    run_open(&r, project, dir ? dir : NULL);
+    run_open(&r, NULL, dir);
     int rc = ckpt_load_state(r.acc, dir);
     int64_t v = rc == 0 ? r.c.value : -1000 + rc;
     if (rc == 0 && !run_consistent(&r)) fail_msg("loaded state of value %lld is inconsistent", (long long)v);
@@ -244,7 +257,8 @@ static void test_load_while_pending_loads_the_pending_checkpoint(void **st) {
     tu_tmpdir_free(t);
 }
 
-/* The number of I/O calls an asynchronous save + wait makes here. */
+/* The number of I/O calls an asynchronous save + wait makes here (the
+ * project lock already held: a save before it took it). */
 static uint64_t count_io_calls(run *r) {
     ckpt__fault_arm(CKPT_FAULT_ANY, UINT64_MAX, EIO, false);
     assert_int_equal(ckpt_save_state_async(r->acc, NULL), 0);
@@ -260,7 +274,8 @@ static void test_a_failed_pending_save_does_not_stop_a_load_and_reaches_the_wait
     run r;
     run_open(&r, t, NULL);
     run_set(&r, 1);
-    uint64_t calls = count_io_calls(&r); /* checkpoint_0 */
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0); /* checkpoint_0 */
+    uint64_t calls = count_io_calls(&r);               /* checkpoint_1 */
     run_set(&r, 2);
     /* The last call (the final folder fsync) is made by the background thread. */
     ckpt__fault_arm(CKPT_FAULT_ANY, calls, EIO, false);
@@ -268,16 +283,16 @@ static void test_a_failed_pending_save_does_not_stop_a_load_and_reaches_the_wait
     assert_int_equal(ckpt_load_state(r.acc, NULL), 0);
     assert_true(ckpt__fault_fired());
     ckpt__fault_disarm();
-    assert_int_equal(r.c.value, 1); /* checkpoint_1 was never committed */
+    assert_int_equal(r.c.value, 1); /* checkpoint_2 was never committed */
     assert_true(run_consistent(&r));
     assert_int_equal(r.log.errors, 1);
     ckpt_clear_error();
     assert_int_equal(ckpt_save_wait(r.acc), CKPT_EIO);
     tu_assert_contains(r.log.last_error, ckpt_errmsg());
-    tu_assert_errmsg_has("checkpoint_1");
+    tu_assert_errmsg_has("checkpoint_2");
     assert_int_equal(ckpt_save_wait(r.acc), 0); /* returned once */
-    assert_int_equal(ckpt_accelerator_iteration(r.acc), 1); /* the number is given back */
-    assert_checkpoints(t, 1);
+    assert_int_equal(ckpt_accelerator_iteration(r.acc), 2); /* the number is given back */
+    assert_checkpoints(t, 2);
     run_close(&r);
     tu_tmpdir_free(t);
 }
@@ -296,7 +311,8 @@ static void test_free_while_pending_commits_the_save(void **st) {
     /* and a failing one: logged at once, nothing visible */
     run_open(&r, t, NULL);
     run_set(&r, 7);
-    uint64_t calls = count_io_calls(&r); /* checkpoint_1 */
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0); /* checkpoint_1 */
+    uint64_t calls = count_io_calls(&r);               /* checkpoint_2 */
     ckpt__fault_arm(CKPT_FAULT_ANY, calls, ENOSPC, false);
     assert_int_equal(ckpt_save_state_async(r.acc, NULL), 0);
     ckpt_accelerator_free(r.acc);
@@ -304,9 +320,9 @@ static void test_free_while_pending_commits_the_save(void **st) {
     assert_true(ckpt__fault_fired());
     ckpt__fault_disarm();
     assert_int_equal(r.log.errors, 1);
-    tu_assert_contains(r.log.last_error, "checkpoint_2");
+    tu_assert_contains(r.log.last_error, "checkpoint_3");
     run_close(&r);
-    assert_checkpoints(t, 2);
+    assert_checkpoints(t, 3);
     assert_int_equal(load_fresh(t, NULL), 7);
     tu_tmpdir_free(t);
 }
@@ -412,19 +428,20 @@ static void test_the_next_save_returns_a_background_failure(void **st) {
     run r;
     run_open(&r, t, NULL);
     run_set(&r, 1);
-    uint64_t calls = count_io_calls(&r);
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0); /* checkpoint_0 */
+    uint64_t calls = count_io_calls(&r);               /* checkpoint_1 */
     ckpt__fault_arm(CKPT_FAULT_ANY, calls - 1, ENOSPC, false);
     run_set(&r, 2);
     assert_int_equal(ckpt_save_state_async(r.acc, NULL), 0);
     run_set(&r, 3);
-    tu_expect_error(ckpt_save_state_async(r.acc, NULL), CKPT_ENOSPC, "checkpoint_1");
+    tu_expect_error(ckpt_save_state_async(r.acc, NULL), CKPT_ENOSPC, "checkpoint_2");
     assert_true(ckpt__fault_fired());
     ckpt__fault_disarm();
-    assert_checkpoints(t, 1);
+    assert_checkpoints(t, 2);
     assert_int_equal(ckpt_save_state_async(r.acc, NULL), 0);
     assert_int_equal(ckpt_save_wait(r.acc), 0);
-    assert_string_equal(ckpt_accelerator_last_dir(r.acc), cp_dir(t, 1));
-    assert_checkpoints(t, 2);
+    assert_string_equal(ckpt_accelerator_last_dir(r.acc), cp_dir(t, 2));
+    assert_checkpoints(t, 3);
     assert_int_equal(load_fresh(t, NULL), 3);
     run_close(&r);
     tu_tmpdir_free(t);

@@ -62,6 +62,8 @@ typedef struct run {
     float w1[6], b1[3];
     ckpt_model *model;
     ckpt_accelerator *acc;
+    const char *project, *explicit_dir; /* as opened */
+    int limit;
 } run;
 
 static void quiet(void *user, ckpt_log_level level, const char *msg) {
@@ -80,6 +82,9 @@ static void run_set(run *r, int64_t v) {
 /* Returns 0 or the failing call's status (usable in a child process). */
 static int run_open(run *r, const char *project, int limit, const char *explicit_dir) {
     memset(r, 0, sizeof *r);
+    r->project = project;
+    r->explicit_dir = explicit_dir;
+    r->limit = limit;
     ckpt_project_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.project_dir = explicit_dir ? NULL : project;
@@ -100,6 +105,16 @@ static int run_open(run *r, const char *project, int limit, const char *explicit
 static void run_close(run *r) {
     ckpt_accelerator_free(r->acc);
     ckpt_model_free(r->model);
+}
+
+/* One run per project: a fresh run can load only once r is freed, so r
+ * ends and starts again with the same objects (its values are set anew by
+ * the next run_set). */
+static void run_reopen(run *r) {
+    const char *project = r->project, *explicit_dir = r->explicit_dir;
+    int limit = r->limit;
+    run_close(r);
+    assert_int_equal(run_open(r, project, limit, explicit_dir), 0);
 }
 
 /* The loaded state is exactly what run_set(v) makes, for v = the step. */
@@ -183,6 +198,7 @@ static int run_fault_sweep(run *r, const fault_sweep *fs, int64_t *latest) {
              * a rotation left for later): the new checkpoint is committed. */
             *latest = v;
         }
+        run_reopen(r);
         assert_int_equal(load_fresh(fs->project, fs->save_dir), *latest);
         if (fs->project) assert_all_complete(fs->project);
     }
@@ -209,6 +225,7 @@ static void fault_every_call_of_automatic_saves(int errnum, bool persist) {
     run_set(&r, 5000);
     assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
     assert_int_equal(tu_count_hidden_tmp(cd), 0);
+    run_reopen(&r);
     assert_int_equal(load_fresh(t, NULL), 5000);
     run_close(&r);
     tu_tmpdir_free(t);

@@ -443,7 +443,12 @@ static void test_fault_env_variable_arms_the_hook(void **state) {
 int main(int argc, char **argv) {
     (void)argc;
     if (getenv("CKPT_TEST_CHILD")) return child_main();
-    self_exe = "/proc/self/exe";
+    /* The resolved path, not /proc/self/exe: under valgrind that names
+     * valgrind's own tool binary. */
+    static char exe[4096];
+    ssize_t k = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (k > 0) exe[k] = '\0';
+    self_exe = k > 0 ? exe : "/proc/self/exe";
     (void)argv;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_ostream_writes_all_bytes_and_checksums_them, setup, teardown),

@@ -2,13 +2,17 @@
  * large enough. These tests force the threaded path on small checkpoints and
  * check that it finds every corrupted file, reports the same error as the
  * sequential check (the lowest-numbered bad file), and still lets a good
- * checkpoint load. */
+ * checkpoint load. Then the tools built on it: prune and total_limit
+ * rotation count only verified checkpoints. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -134,6 +138,110 @@ static void test_threaded_check_reports_the_first_bad_file_like_the_sequential_o
     assert_true(fx.a[0] == 42.0f);
 }
 
+/* The number of checkpoint folders of the fixture's project and whether
+ * checkpoint_<n> is among them. */
+static bool has_checkpoint(int n) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/checkpoints/checkpoint_%d", tu_dir(), n);
+    struct stat st;
+    return stat(path, &st) == 0;
+}
+
+/* total_limit rotation counts only valid checkpoints: with the newest old
+ * one corrupt, the next save with total_limit 2 keeps the new one and the
+ * newest valid older one, and removes the corrupt one (older than the
+ * newest valid) and the oldest. Counting folders would keep the corrupt one
+ * and leave a single loadable checkpoint. */
+static void test_total_limit_rotation_counts_only_valid_checkpoints(void **state) {
+    (void)state;
+    for (int i = 0; i < 3; i++) save_one();
+    char path[4096];
+    snprintf(path, sizeof path, "%s/checkpoints/checkpoint_2/model.safetensors", tu_dir());
+    tu_flip_byte(path, -1);
+    ckpt_accelerator_free(fx.acc);
+    ckpt_project_config cfg = {.project_dir = tu_dir(), .automatic_checkpoint_naming = true,
+                               .total_limit = 2};
+    assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.m1), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.m2), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.m3), 0);
+    save_one(); /* checkpoint_3 */
+    assert_false(has_checkpoint(0));
+    assert_true(has_checkpoint(1));
+    assert_false(has_checkpoint(2));
+    assert_true(has_checkpoint(3));
+}
+
+typedef struct seen {
+    int n;
+    char paths[8][4096];
+    ckpt_prune_reason reasons[8];
+} seen;
+
+static void record(void *user, const char *path, ckpt_prune_reason reason, const char *why) {
+    seen *s = user;
+    (void)why;
+    if (s->n < 8) {
+        snprintf(s->paths[s->n], sizeof s->paths[0], "%s", path);
+        s->reasons[s->n++] = reason;
+    }
+}
+
+/* prune never removes the newest valid checkpoint, keeps invalid ones newer
+ * than it, reports (and in a dry run only reports) what goes and why, and
+ * removes a leftover temporary folder. */
+static void test_prune_counts_only_valid_checkpoints(void **state) {
+    (void)state;
+    for (int i = 0; i < 3; i++) save_one();
+    char path[4096];
+    snprintf(path, sizeof path, "%s/checkpoints/checkpoint_2/model.safetensors", tu_dir());
+    tu_flip_byte(path, -1);
+    snprintf(path, sizeof path, "%s/checkpoints/checkpoint_0/checkpoint.json", tu_dir());
+    assert_int_equal(unlink(path), 0); /* checkpoint_0: partial */
+    snprintf(path, sizeof path, "%s/checkpoints/.checkpoint_5.tmp.999999999", tu_dir());
+    assert_int_equal(mkdir(path, 0755), 0);
+
+    ckpt_leftover_info *lo = NULL;
+    int64_t nlo = 0;
+    assert_int_equal(ckpt_checkpoint_leftovers(tu_dir(), &lo, &nlo), 0);
+    assert_int_equal(nlo, 1);
+    assert_string_equal(lo[0].path, path);
+    assert_int_equal(lo[0].pid, 999999999);
+    free(lo);
+
+    seen s = {0};
+    ckpt_prune_options o = {.keep = 1, .dry_run = true, .report = record, .user = &s};
+    int64_t removed = -1;
+    assert_int_equal(ckpt_checkpoint_prune_ex(tu_dir(), &o, &removed), 0);
+    assert_int_equal(removed, 1);
+    assert_int_equal(s.n, 2);
+    assert_int_equal(s.reasons[0], CKPT_PRUNE_LEFTOVER);
+    tu_assert_contains(s.paths[1], "checkpoint_0");
+    assert_int_equal(s.reasons[1], CKPT_PRUNE_INVALID);
+    assert_true(has_checkpoint(0)); /* a dry run removes nothing */
+
+    memset(&s, 0, sizeof s);
+    o.dry_run = false;
+    /* The run that saved owns the project until it is freed (a dry run
+     * takes no lock; a real prune does). */
+    ckpt_accelerator_free(fx.acc);
+    fx.acc = NULL;
+    assert_int_equal(ckpt_checkpoint_prune_ex(tu_dir(), &o, &removed), 0);
+    assert_int_equal(removed, 1);
+    assert_int_equal(s.n, 2);
+    assert_false(has_checkpoint(0));
+    assert_true(has_checkpoint(1)); /* the newest valid */
+    assert_true(has_checkpoint(2)); /* corrupt, newer than the newest valid */
+    assert_int_equal(ckpt_checkpoint_leftovers(tu_dir(), &lo, &nlo), 0);
+    assert_int_equal(nlo, 0);
+    free(lo);
+    /* keep 0 removes them all */
+    assert_int_equal(ckpt_checkpoint_prune(tu_dir(), 0, &removed), 0);
+    assert_int_equal(removed, 2);
+    assert_false(has_checkpoint(1));
+    assert_false(has_checkpoint(2));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_threaded_check_accepts_a_good_checkpoint_and_loads_it,
@@ -144,6 +252,9 @@ int main(void) {
                                         setup, teardown),
         cmocka_unit_test_setup_teardown(
             test_threaded_check_reports_the_first_bad_file_like_the_sequential_one, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_total_limit_rotation_counts_only_valid_checkpoints,
+                                        setup, teardown),
+        cmocka_unit_test_setup_teardown(test_prune_counts_only_valid_checkpoints, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

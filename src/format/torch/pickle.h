@@ -1,0 +1,56 @@
+/* pickle.h — the allow-list unpickler behind torch files, and the pickle
+ * emitter of the torch writer. */
+#ifndef CKPT_TORCH_PICKLE_H
+#define CKPT_TORCH_PICKLE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ckpt.h"
+
+/* Every node the unpickler makes lives in one arena, freed at once. */
+typedef struct ckpt_pkl_node ckpt_pkl_node;
+typedef struct ckpt_pkl_arena {
+    ckpt_pkl_node *head;
+    uint64_t gathered;      /* bytes copied for non-contiguous tensors */
+    uint64_t gather_limit;  /* most such bytes allowed */
+} ckpt_pkl_arena;
+void ckpt__pkl_arena_free(ckpt_pkl_arena *a);
+
+/* Resolves a persistent storage id: the record of storage `key` holding
+ * numel elements of dt. Returns its bytes (exactly numel * element size) or
+ * an error naming the problem. */
+typedef int (*ckpt_pkl_storage_fn)(void *ctx, const char *key, ckpt_dtype dt, int64_t numel,
+                                   const uint8_t **data);
+
+/* Runs the pickle p[0..n) on the allow-list machine and checks the result
+ * (no internal objects left in it, no cycles, depth, duplicate dict keys).
+ * *root is a view valid until the arena is freed. name is for messages. */
+int ckpt__unpickle(ckpt_pkl_arena *a, const uint8_t *p, size_t n, const char *name,
+                   ckpt_pkl_storage_fn storage, void *ctx, const ckpt_torch_value **root);
+
+/* The storage class name of a dtype ("FloatStorage"), NULL if torch has none. */
+const char *ckpt__pkl_storage_name(ckpt_dtype dt);
+
+/* Strict UTF-8 (no overlong forms, surrogates or code points past U+10FFFF). */
+bool ckpt__pkl_utf8_ok(const uint8_t *s, size_t n);
+
+/* ---- emitting ---- */
+typedef struct ckpt_pkl_buf {
+    uint8_t *p;
+    size_t n, cap;
+    int err; /* sticky */
+} ckpt_pkl_buf;
+void ckpt__pkl_byte(ckpt_pkl_buf *b, uint8_t op);
+void ckpt__pkl_bytes(ckpt_pkl_buf *b, const void *p, size_t n);
+/* The shortest of BININT1, BININT2, BININT, LONG1. */
+void ckpt__pkl_int(ckpt_pkl_buf *b, int64_t v);
+void ckpt__pkl_float(ckpt_pkl_buf *b, double v);
+/* BINUNICODE */
+void ckpt__pkl_str(ckpt_pkl_buf *b, const char *s, size_t n);
+/* GLOBAL "module\nname\n" */
+void ckpt__pkl_global(ckpt_pkl_buf *b, const char *module, const char *name);
+void ckpt__pkl_buf_free(ckpt_pkl_buf *b);
+
+#endif

@@ -1,0 +1,583 @@
+/* torch_export.c — ckpt_export_torch: a complete checkpoint as the folder
+ * Accelerate's save_state writes, in the exact structures of PyTorch's
+ * state_dict()s (docs/PYTORCH.md has the mapping). Written into a temporary
+ * folder and published whole. */
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "base/error.h"
+#include "base/io.h"
+#include "format/manifest.h"
+#include "format/statedict.h"
+#include "store/store.h"
+
+static const char readme_text[] =
+    "# PyTorch export of a ckpt checkpoint\n"
+    "\n"
+    "Written by `ckpt export`. The files are what Hugging Face Accelerate's\n"
+    "`save_state` writes and load into PyTorch objects as they are:\n"
+    "\n"
+    "- `model.safetensors` (or `model-0000k-of-0000N.safetensors` shards and\n"
+    "  `model.safetensors.index.json`): `model.load_state_dict(...)`\n"
+    "- `optimizer.bin`: `optimizer.load_state_dict(torch.load(..., weights_only=True))`\n"
+    "  for `torch.optim.SGD`, `Adam` or `AdamW` built over the same parameters, in\n"
+    "  the same groups, in the same order\n"
+    "- `scheduler.bin`: the matching `torch.optim.lr_scheduler` state dict\n"
+    "  (warmup schedules are `LambdaLR`; build yours with the same lambda)\n"
+    "- `scaler.pt`: `GradScaler.load_state_dict(...)`\n"
+    "\n"
+    "What does not carry over:\n"
+    "\n"
+    "- random numbers: ckpt draws from Philox4x32-10 generators, PyTorch from its\n"
+    "  own; dropout masks and data order after the resume differ from what the C\n"
+    "  run would have drawn.\n"
+    "- data order: the data loader's position (epoch, batches yielded, shuffle\n"
+    "  seed) has no PyTorch counterpart; skip the batches yourself\n"
+    "  (`accelerator.skip_first_batches`).\n"
+    "- custom objects registered with `ckpt_register_for_checkpointing`.\n"
+    "\n"
+    "Loading these files never needs `weights_only=False`.\n";
+
+/* ---- small helpers ------------------------------------------------------- */
+
+typedef struct exp_ctx {
+    const char *src;
+    char *tmp;
+    ckpt_manifest m;
+    ckpt_reader **readers;
+    int nreaders;
+} exp_ctx;
+
+static int open_state(exp_ctx *c, const char *file, ckpt_reader **out) {
+    char *p = ckpt__path_join(c->src, file);
+    if (!p) return ckpt__err_nomem("export");
+    void *grown = ckpt__realloc(c->readers, (size_t)(c->nreaders + 1) * sizeof *c->readers);
+    if (!grown) {
+        free(p);
+        return ckpt__err_nomem("export");
+    }
+    c->readers = grown;
+    int rc = ckpt_reader_open(out, p);
+    free(p);
+    if (rc == 0) c->readers[c->nreaders++] = *out;
+    return rc;
+}
+
+static bool has(const ckpt_reader *r, const char *key) { return ckpt_reader_find(r, key, NULL) == 0; }
+
+static int get_f64(const ckpt_reader *r, const char *key, double *v, const char *file) {
+    int rc = ckpt_read_f64((ckpt_reader *)r, key, v);
+    return rc < 0 ? ckpt__err_prefix(rc, "%s", file) : rc;
+}
+static int get_i64(const ckpt_reader *r, const char *key, int64_t *v, const char *file) {
+    int rc = ckpt_read_i64((ckpt_reader *)r, key, v);
+    return rc < 0 ? ckpt__err_prefix(rc, "%s", file) : rc;
+}
+
+static int put_key_f64(ckpt_torch_writer *w, const char *key, double v) {
+    CKPT_TRY(ckpt_torch_put_str(w, key));
+    return ckpt_torch_put_float(w, v);
+}
+static int put_key_i64(ckpt_torch_writer *w, const char *key, int64_t v) {
+    CKPT_TRY(ckpt_torch_put_str(w, key));
+    return ckpt_torch_put_int(w, v);
+}
+static int put_key_bool(ckpt_torch_writer *w, const char *key, bool v) {
+    CKPT_TRY(ckpt_torch_put_str(w, key));
+    return ckpt_torch_put_bool(w, v);
+}
+static int put_key_none(ckpt_torch_writer *w, const char *key) {
+    CKPT_TRY(ckpt_torch_put_str(w, key));
+    return ckpt_torch_put_none(w);
+}
+
+static int save_torch(exp_ctx *c, ckpt_torch_writer *w, const char *name) {
+    char *p = ckpt__path_join(c->tmp, name);
+    if (!p) return ckpt__err_nomem("export");
+    int rc = ckpt_torch_writer_save(w, p);
+    free(p);
+    return rc;
+}
+
+/* The k-th object of a kind is <stem>.safetensors or <stem>_<k>.safetensors. */
+static int object_index(const char *file, const char *stem) {
+    size_t n = strlen(stem);
+    if (strncmp(file, stem, n) != 0) return -1;
+    if (strcmp(file + n, ".safetensors") == 0) return 0;
+    int k = 0;
+    char tail[32];
+    if (file[n] == '_' && sscanf(file + n + 1, "%d%31s", &k, tail) == 2 && k > 0 &&
+        strcmp(tail, ".safetensors") == 0)
+        return k;
+    return -1;
+}
+
+static void out_name(char *buf, size_t cap, const char *stem, int k, const char *ext) {
+    if (k == 0) snprintf(buf, cap, "%s%s", stem, ext);
+    else snprintf(buf, cap, "%s_%d%s", stem, k, ext);
+}
+
+/* ---- model ---------------------------------------------------------------- */
+
+static int write_shard(exp_ctx *c, ckpt_reader *r, int64_t from, int64_t to, const char *name) {
+    ckpt_writer *w = NULL;
+    CKPT_TRY(ckpt_writer_new(&w));
+    int rc = 0;
+    for (int64_t i = from; i < to && rc == 0; i++) {
+        ckpt_entry_info e;
+        const void *data = NULL;
+        rc = ckpt_reader_entry(r, i, &e);
+        if (rc == 0) rc = ckpt_reader_tensor_view(r, e.key, &data, NULL);
+        if (rc == 0) rc = ckpt_write_tensor(w, e.key, e.dtype, e.ndim, e.shape, data);
+    }
+    char *p = rc == 0 ? ckpt__path_join(c->tmp, name) : NULL;
+    if (rc == 0 && !p) rc = ckpt__err_nomem("export");
+    if (rc == 0) rc = ckpt__writer_write_new(w, p, NULL);
+    free(p);
+    ckpt_writer_free(w);
+    return rc;
+}
+
+typedef struct json_fill {
+    const char *text;
+} json_fill;
+static int fill_text(ckpt_ostream *s, void *ctx) {
+    const json_fill *j = ctx;
+    return ckpt__ostream_write(s, j->text, strlen(j->text));
+}
+static int write_text(exp_ctx *c, const char *name, const char *text) {
+    char *p = ckpt__path_join(c->tmp, name);
+    if (!p) return ckpt__err_nomem("export");
+    json_fill j = {text};
+    int rc = ckpt__publish_file(p, fill_text, &j, NULL, NULL);
+    free(p);
+    return rc;
+}
+
+static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard) {
+    ckpt_reader *r = NULL;
+    CKPT_TRY(open_state(c, file, &r));
+    int64_t n = ckpt_reader_count(r);
+    char stem[64], name[128];
+    out_name(stem, sizeof stem, "model", k, "");
+    for (int64_t i = 0; i < n; i++) {
+        ckpt_entry_info e;
+        CKPT_TRY(ckpt_reader_entry(r, i, &e));
+        if (e.kind != CKPT_ENTRY_TENSOR)
+            return ckpt__err(CKPT_ECORRUPT, "%s: entry '%s' is not a tensor", file, e.key);
+    }
+    uint64_t total = 0;
+    int64_t nshards = 0;
+    /* greedy, in file order, as transformers' shard_checkpoint does */
+    int64_t *starts = ckpt__calloc((size_t)n + 2, sizeof *starts);
+    if (!starts) return ckpt__err_nomem("export");
+    uint64_t cur = 0;
+    for (int64_t i = 0; i < n; i++) {
+        ckpt_entry_info e;
+        ckpt_reader_entry(r, i, &e);
+        total += e.nbytes;
+        if (i == 0 || (max_shard && cur > 0 && cur + e.nbytes > max_shard)) {
+            starts[nshards++] = i;
+            cur = 0;
+        }
+        cur += e.nbytes;
+    }
+    if (nshards == 0) starts[nshards++] = 0;
+    starts[nshards] = n;
+    int rc = 0;
+    if (!max_shard || nshards == 1) {
+        snprintf(name, sizeof name, "%s.safetensors", stem);
+        rc = write_shard(c, r, 0, n, name);
+        free(starts);
+        return rc;
+    }
+    json_t *root = json_object(), *map = json_object(), *meta = json_object();
+    if (!root || !map || !meta) rc = ckpt__err_nomem("export index");
+    for (int64_t s = 0; s < nshards && rc == 0; s++) {
+        snprintf(name, sizeof name, "%s-%05" PRId64 "-of-%05" PRId64 ".safetensors", stem, s + 1, nshards);
+        rc = write_shard(c, r, starts[s], starts[s + 1], name);
+        for (int64_t i = starts[s]; i < starts[s + 1] && rc == 0; i++) {
+            ckpt_entry_info e;
+            ckpt_reader_entry(r, i, &e);
+            if (json_object_set_new(map, e.key, json_string(name)) != 0) rc = ckpt__err_nomem("export index");
+        }
+    }
+    free(starts);
+    if (rc == 0) {
+        json_object_set_new(meta, "total_size", json_integer((json_int_t)total));
+        json_object_set(root, "metadata", meta);
+        json_object_set(root, "weight_map", map);
+        char *text = json_dumps(root, JSON_INDENT(2) | JSON_SORT_KEYS);
+        if (!text) rc = ckpt__err_nomem("export index");
+        snprintf(name, sizeof name, "%s.safetensors.index.json", stem);
+        if (rc == 0) rc = write_text(c, name, text);
+        free(text);
+    }
+    json_decref(root);
+    json_decref(map);
+    json_decref(meta);
+    return rc;
+}
+
+/* ---- optimizer -------------------------------------------------------------- */
+
+static int count_groups(const ckpt_reader *r) {
+    int g = 0;
+    char key[64];
+    for (;; g++) {
+        snprintf(key, sizeof key, "param_groups.%d.params", g);
+        if (!has(r, key)) return g;
+    }
+}
+
+static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_reader *sched) {
+    ckpt_reader *r = NULL;
+    CKPT_TRY(open_state(c, file, &r));
+    char kind[16];
+    int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
+    if (rc < 0) return ckpt__err_prefix(rc, "%s", file);
+    bool sgd = !strcmp(kind, "sgd"), adam = !strcmp(kind, "adam"), adamw = !strcmp(kind, "adamw");
+    if (!sgd && !adam && !adamw)
+        return ckpt__err(CKPT_EUNSUPPORTED, "%s: optimizer kind '%s'", file, kind);
+    int ngroups = count_groups(r);
+    ckpt_torch_writer *w = NULL;
+    CKPT_TRY(ckpt_torch_writer_new(&w));
+    char key[128];
+    /* state: only parameters that have been stepped, as PyTorch keeps it */
+    rc = ckpt_torch_begin_dict(w, false);
+    if (rc == 0) rc = ckpt_torch_put_str(w, "state");
+    if (rc == 0) rc = ckpt_torch_begin_dict(w, false);
+    int64_t idx = 0;
+    for (int g = 0; g < ngroups && rc == 0; g++) {
+        ckpt_entry_info pe;
+        const void *pv = NULL;
+        snprintf(key, sizeof key, "param_groups.%d.params", g);
+        rc = ckpt_reader_tensor_view(r, key, &pv, &pe);
+        if (rc == 0 && (pe.dtype != CKPT_I64 || pe.ndim != 1)) rc = ckpt__err(CKPT_ECORRUPT, "%s: %s is not I64 [n]", file, key);
+        double amsgrad = 0, momentum = 0;
+        int64_t ams = 0;
+        if (rc == 0 && !sgd) {
+            snprintf(key, sizeof key, "param_groups.%d.amsgrad", g);
+            rc = get_i64(r, key, &ams, file);
+            amsgrad = (double)ams;
+        }
+        if (rc == 0 && sgd) {
+            snprintf(key, sizeof key, "param_groups.%d.momentum", g);
+            rc = get_f64(r, key, &momentum, file);
+        }
+        for (int64_t j = 0; j < (rc == 0 ? pe.shape[0] : 0) && rc == 0; j++) {
+            int64_t i = 0;
+            memcpy(&i, (const char *)pv + 8 * j, 8);
+            if (i != idx) {
+                rc = ckpt__err(CKPT_ECORRUPT, "%s: parameter %" PRId64 " of group %d is %" PRId64, file, j, g, i);
+                break;
+            }
+            idx++;
+            const void *sv = NULL;
+            ckpt_entry_info se;
+            snprintf(key, sizeof key, "state.%" PRId64 ".step", i);
+            rc = ckpt_reader_tensor_view(r, key, &sv, &se);
+            if (rc < 0) break;
+            float step = 0;
+            memcpy(&step, sv, 4);
+            if (step == 0.0f) continue; /* never stepped: PyTorch has no state yet */
+            rc = ckpt_torch_put_int(w, i);
+            if (rc == 0) rc = ckpt_torch_begin_dict(w, false);
+            static const char *const adam_bufs[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+            if (sgd) {
+                rc = ckpt_torch_put_str(w, "momentum_buffer");
+                if (rc == 0 && momentum == 0.0) rc = ckpt_torch_put_none(w);
+                else if (rc == 0) {
+                    snprintf(key, sizeof key, "state.%" PRId64 ".momentum_buffer", i);
+                    rc = ckpt_reader_tensor_view(r, key, &sv, &se);
+                    if (rc == 0) rc = ckpt_torch_put_tensor(w, se.dtype, se.ndim, se.shape, sv);
+                }
+            } else {
+                rc = ckpt_torch_put_str(w, "step");
+                if (rc == 0) rc = ckpt_torch_put_tensor(w, CKPT_F32, 0, NULL, sv);
+                for (int b = 0; b < (amsgrad != 0 ? 3 : 2) && rc == 0; b++) {
+                    snprintf(key, sizeof key, "state.%" PRId64 ".%s", i, adam_bufs[b]);
+                    rc = ckpt_reader_tensor_view(r, key, &sv, &se);
+                    if (rc == 0) rc = ckpt_torch_put_str(w, adam_bufs[b]);
+                    if (rc == 0) rc = ckpt_torch_put_tensor(w, se.dtype, se.ndim, se.shape, sv);
+                }
+            }
+            if (rc == 0) rc = ckpt_torch_end(w);
+        }
+    }
+    if (rc == 0) rc = ckpt_torch_end(w);
+    if (rc == 0) rc = ckpt_torch_put_str(w, "param_groups");
+    if (rc == 0) rc = ckpt_torch_begin_list(w);
+    idx = 0;
+    for (int g = 0; g < ngroups && rc == 0; g++) {
+        double lr = 0, wd = 0, v = 0;
+        int64_t iv = 0;
+#define GK(name) (snprintf(key, sizeof key, "param_groups.%d.%s", g, name), key)
+        rc = ckpt_torch_begin_dict(w, false);
+        if (rc == 0) rc = get_f64(r, GK("lr"), &lr, file);
+        if (rc == 0) rc = get_f64(r, GK("weight_decay"), &wd, file);
+        if (rc == 0) rc = put_key_f64(w, "lr", lr);
+        if (sgd) {
+            if (rc == 0) rc = get_f64(r, GK("momentum"), &v, file);
+            if (rc == 0) rc = put_key_f64(w, "momentum", v);
+            if (rc == 0) rc = get_f64(r, GK("dampening"), &v, file);
+            if (rc == 0) rc = put_key_f64(w, "dampening", v);
+            if (rc == 0) rc = put_key_f64(w, "weight_decay", wd);
+            if (rc == 0) rc = get_i64(r, GK("nesterov"), &iv, file);
+            if (rc == 0) rc = put_key_bool(w, "nesterov", iv != 0);
+            if (rc == 0) rc = get_i64(r, GK("maximize"), &iv, file);
+            if (rc == 0) rc = put_key_bool(w, "maximize", iv != 0);
+            if (rc == 0) rc = put_key_none(w, "foreach");
+            if (rc == 0) rc = put_key_bool(w, "differentiable", false);
+        } else {
+            double b1 = 0, b2 = 0, eps = 0;
+            int64_t ams = 0, maxi = 0;
+            if (rc == 0) rc = get_f64(r, GK("betas.0"), &b1, file);
+            if (rc == 0) rc = get_f64(r, GK("betas.1"), &b2, file);
+            if (rc == 0) rc = get_f64(r, GK("eps"), &eps, file);
+            if (rc == 0) rc = get_i64(r, GK("amsgrad"), &ams, file);
+            if (rc == 0) rc = get_i64(r, GK("maximize"), &maxi, file);
+            if (rc == 0) rc = ckpt_torch_put_str(w, "betas");
+            if (rc == 0) rc = ckpt_torch_begin_tuple(w);
+            if (rc == 0) rc = ckpt_torch_put_float(w, b1);
+            if (rc == 0) rc = ckpt_torch_put_float(w, b2);
+            if (rc == 0) rc = ckpt_torch_end(w);
+            if (rc == 0) rc = put_key_f64(w, "eps", eps);
+            if (rc == 0) rc = put_key_f64(w, "weight_decay", wd);
+            if (rc == 0) rc = put_key_bool(w, "amsgrad", ams != 0);
+            /* the field order of each class's defaults in PyTorch 1.13 */
+            if (adam) {
+                if (rc == 0) rc = put_key_bool(w, "maximize", maxi != 0);
+                if (rc == 0) rc = put_key_none(w, "foreach");
+                if (rc == 0) rc = put_key_bool(w, "capturable", false);
+                if (rc == 0) rc = put_key_bool(w, "differentiable", false);
+                if (rc == 0) rc = put_key_bool(w, "fused", false);
+            } else {
+                if (rc == 0) rc = put_key_none(w, "foreach");
+                if (rc == 0) rc = put_key_bool(w, "maximize", maxi != 0);
+                if (rc == 0) rc = put_key_bool(w, "capturable", false);
+            }
+        }
+        ckpt_entry_info pe;
+        if (rc == 0) rc = ckpt_reader_find(r, GK("params"), &pe);
+        if (rc == 0) rc = ckpt_torch_put_str(w, "params");
+        if (rc == 0) rc = ckpt_torch_begin_list(w);
+        for (int64_t j = 0; j < (rc == 0 ? pe.shape[0] : 0) && rc == 0; j++) rc = ckpt_torch_put_int(w, idx++);
+        if (rc == 0) rc = ckpt_torch_end(w);
+        /* a scheduler sets initial_lr in every group it drives */
+        char bk[64];
+        snprintf(bk, sizeof bk, "base_lrs.%d", g);
+        double base = 0;
+        if (rc == 0 && sched && ckpt_read_f64((ckpt_reader *)sched, bk, &base) == 0)
+            rc = put_key_f64(w, "initial_lr", base);
+        if (rc == 0) rc = ckpt_torch_end(w);
+#undef GK
+    }
+    if (rc == 0) rc = ckpt_torch_end(w);
+    if (rc == 0) rc = ckpt_torch_end(w);
+    char name[64];
+    out_name(name, sizeof name, "optimizer", k, ".bin");
+    if (rc == 0) rc = save_torch(c, w, name);
+    ckpt_torch_writer_free(w);
+    return rc < 0 ? ckpt__err_prefix(rc, "export %s", file) : rc;
+}
+
+/* ---- scheduler --------------------------------------------------------------- */
+
+static int put_lr_list(ckpt_torch_writer *w, const ckpt_reader *r, const char *name, int n,
+                       const char *file) {
+    CKPT_TRY(ckpt_torch_put_str(w, name));
+    CKPT_TRY(ckpt_torch_begin_list(w));
+    for (int g = 0; g < n; g++) {
+        char key[64];
+        double v = 0;
+        snprintf(key, sizeof key, "%s.%d", name, g);
+        CKPT_TRY(get_f64(r, key, &v, file));
+        CKPT_TRY(ckpt_torch_put_float(w, v));
+    }
+    return ckpt_torch_end(w);
+}
+
+static int export_scheduler(exp_ctx *c, const char *file, int k, ckpt_reader *r) {
+    char kind[32];
+    int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
+    if (rc < 0) return ckpt__err_prefix(rc, "%s", file);
+    int n = 0;
+    char key[64];
+    for (;; n++) {
+        snprintf(key, sizeof key, "base_lrs.%d", n);
+        if (!has(r, key)) break;
+    }
+    bool lambda = !strcmp(kind, "warmup_cosine") || !strcmp(kind, "warmup_linear") || !strcmp(kind, "constant");
+    if (!strcmp(kind, "multisteplr"))
+        return ckpt__err(CKPT_EUNSUPPORTED, "%s: a MultiStepLR's state holds a collections.Counter, "
+                         "which torch.load(weights_only=True) refuses; export it without "
+                         "the scheduler (--weights-only) or use another schedule", file);
+    if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "exponentiallr") && strcmp(kind, "cosineannealinglr"))
+        return ckpt__err(CKPT_EUNSUPPORTED, "%s: scheduler kind '%s'", file, kind);
+    int64_t last_epoch = 0, step_count = 0, iv = 0;
+    double v = 0;
+    CKPT_TRY(get_i64(r, "last_epoch", &last_epoch, file));
+    CKPT_TRY(get_i64(r, "_step_count", &step_count, file));
+    ckpt_torch_writer *w = NULL;
+    CKPT_TRY(ckpt_torch_writer_new(&w));
+    rc = ckpt_torch_begin_dict(w, false);
+    /* each class's own fields first, as in its __dict__ */
+    if (rc == 0 && !strcmp(kind, "steplr")) {
+        rc = get_i64(r, "step_size", &iv, file);
+        if (rc == 0) rc = put_key_i64(w, "step_size", iv);
+        if (rc == 0) rc = get_f64(r, "gamma", &v, file);
+        if (rc == 0) rc = put_key_f64(w, "gamma", v);
+    } else if (rc == 0 && !strcmp(kind, "exponentiallr")) {
+        rc = get_f64(r, "gamma", &v, file);
+        if (rc == 0) rc = put_key_f64(w, "gamma", v);
+    } else if (rc == 0 && !strcmp(kind, "cosineannealinglr")) {
+        rc = get_i64(r, "T_max", &iv, file);
+        if (rc == 0) rc = put_key_i64(w, "T_max", iv);
+        if (rc == 0) rc = get_f64(r, "eta_min", &v, file);
+        if (rc == 0) rc = put_key_f64(w, "eta_min", v);
+    }
+    if (rc == 0) rc = put_lr_list(w, r, "base_lrs", n, file);
+    if (rc == 0) rc = put_key_i64(w, "last_epoch", last_epoch);
+    if (rc == 0) rc = put_key_bool(w, "verbose", false);
+    if (rc == 0) rc = put_key_i64(w, "_step_count", step_count);
+    if (rc == 0) rc = put_key_bool(w, "_get_lr_called_within_step", false);
+    if (rc == 0) rc = put_lr_list(w, r, "_last_lr", n, file);
+    if (rc == 0 && lambda) {
+        /* LambdaLR keeps the __dict__ of callable objects here; ours carry
+         * the schedule in transformers' keyword names, so a load keeps the
+         * user's own lambdas and an import gets the schedule back */
+        int64_t warmup = 0, total = 0;
+        rc = get_i64(r, "warmup", &warmup, file);
+        if (rc == 0 && strcmp(kind, "constant")) rc = get_i64(r, "total", &total, file);
+        if (rc == 0) rc = ckpt_torch_put_str(w, "lr_lambdas");
+        if (rc == 0) rc = ckpt_torch_begin_list(w);
+        for (int g = 0; g < n && rc == 0; g++) {
+            rc = ckpt_torch_begin_dict(w, false);
+            if (rc == 0) rc = put_key_i64(w, "num_warmup_steps", warmup);
+            if (rc == 0 && strcmp(kind, "constant")) rc = put_key_i64(w, "num_training_steps", total);
+            if (rc == 0 && !strcmp(kind, "warmup_cosine")) rc = put_key_f64(w, "num_cycles", 0.5);
+            if (rc == 0) rc = ckpt_torch_end(w);
+        }
+        if (rc == 0) rc = ckpt_torch_end(w);
+    }
+    if (rc == 0) rc = ckpt_torch_end(w);
+    char name[64];
+    out_name(name, sizeof name, "scheduler", k, ".bin");
+    if (rc == 0) rc = save_torch(c, w, name);
+    ckpt_torch_writer_free(w);
+    return rc < 0 ? ckpt__err_prefix(rc, "export %s", file) : rc;
+}
+
+static int export_scaler(exp_ctx *c, const char *file) {
+    ckpt_reader *r = NULL;
+    CKPT_TRY(open_state(c, file, &r));
+    double scale = 0, gf = 0, bf = 0;
+    int64_t gi = 0, gt = 0;
+    CKPT_TRY(get_f64(r, "scale", &scale, file));
+    CKPT_TRY(get_f64(r, "growth_factor", &gf, file));
+    CKPT_TRY(get_f64(r, "backoff_factor", &bf, file));
+    CKPT_TRY(get_i64(r, "growth_interval", &gi, file));
+    CKPT_TRY(get_i64(r, "_growth_tracker", &gt, file));
+    ckpt_torch_writer *w = NULL;
+    CKPT_TRY(ckpt_torch_writer_new(&w));
+    int rc = ckpt_torch_begin_dict(w, false);
+    if (rc == 0) rc = put_key_f64(w, "scale", scale);
+    if (rc == 0) rc = put_key_f64(w, "growth_factor", gf);
+    if (rc == 0) rc = put_key_f64(w, "backoff_factor", bf);
+    if (rc == 0) rc = put_key_i64(w, "growth_interval", gi);
+    if (rc == 0) rc = put_key_i64(w, "_growth_tracker", gt);
+    if (rc == 0) rc = ckpt_torch_end(w);
+    if (rc == 0) rc = save_torch(c, w, "scaler.pt");
+    ckpt_torch_writer_free(w);
+    return rc;
+}
+
+/* ---- the whole folder ---------------------------------------------------------- */
+
+static int export_all(exp_ctx *c, const ckpt_export_options *o) {
+    const ckpt_manifest *m = &c->m;
+    for (int64_t i = 0; i < m->nfiles; i++) {
+        const ckpt_manifest_file *f = &m->files[i];
+        int k = 0;
+        if (!strcmp(f->kind, "model") && (k = object_index(f->name, "model")) >= 0)
+            CKPT_TRY(export_model(c, f->name, k, o->max_shard_size));
+    }
+    if (o->weights_only) return CKPT_OK;
+    for (int64_t i = 0; i < m->nfiles; i++) {
+        const ckpt_manifest_file *f = &m->files[i];
+        int k = 0;
+        if (!strcmp(f->kind, "scheduler") && (k = object_index(f->name, "scheduler")) >= 0) {
+            ckpt_reader *r = NULL;
+            CKPT_TRY(open_state(c, f->name, &r));
+            CKPT_TRY(export_scheduler(c, f->name, k, r));
+        }
+    }
+    for (int64_t i = 0; i < m->nfiles; i++) {
+        const ckpt_manifest_file *f = &m->files[i];
+        int k = 0;
+        if (!strcmp(f->kind, "optimizer") && (k = object_index(f->name, "optimizer")) >= 0) {
+            /* its scheduler (the same index) gives the groups' initial_lr */
+            char sname[64];
+            out_name(sname, sizeof sname, "scheduler", k, ".safetensors");
+            ckpt_reader *sched = NULL;
+            if (ckpt__manifest_find(m, sname)) CKPT_TRY(open_state(c, sname, &sched));
+            CKPT_TRY(export_optimizer(c, f->name, k, sched));
+        } else if (!strcmp(f->kind, "scaler")) {
+            CKPT_TRY(export_scaler(c, f->name));
+        }
+    }
+    return CKPT_OK;
+}
+
+int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir, const ckpt_export_options *opt) {
+    if (!checkpoint_dir || !out_dir) return ckpt__err(CKPT_EINVAL, "export: NULL argument");
+    ckpt_export_options o = {0};
+    if (opt) o = *opt;
+    ckpt_checkpoint_info info;
+    int rc = ckpt_checkpoint_verify(checkpoint_dir, true, &info);
+    if (rc < 0) return ckpt__err_prefix(rc, "export");
+    struct stat st;
+    if (lstat(out_dir, &st) == 0)
+        return ckpt__err(CKPT_EEXIST, "export: %s already exists", out_dir);
+    exp_ctx c = {.src = checkpoint_dir};
+    ckpt__manifest_init(&c.m);
+    rc = ckpt__manifest_read(checkpoint_dir, &c.m);
+    /* the temporary folder beside out_dir */
+    char *parent = NULL, *base = NULL, *tname = NULL;
+    if (rc == 0) {
+        size_t n = strlen(out_dir);
+        while (n > 1 && out_dir[n - 1] == '/') n--;
+        size_t s = n;
+        while (s > 0 && out_dir[s - 1] != '/') s--;
+        parent = s ? strndup(out_dir, s) : strdup(".");
+        base = strndup(out_dir + s, n - s);
+        if (!parent || !base) rc = ckpt__err_nomem("export");
+    }
+    if (rc == 0 && (!(tname = ckpt__temp_name(base)) || !(c.tmp = ckpt__path_join(parent, tname))))
+        rc = ckpt__err_nomem("export");
+    bool made = false;
+    if (rc == 0) {
+        if (ckpt__mkdirs(parent) < 0) rc = ckpt__err_prefix(CKPT_EIO, "export");
+        else if (ckpt__os_mkdir(c.tmp, 0755) != 0) rc = ckpt__err_os(errno, "export: %s", c.tmp);
+        else made = true;
+    }
+    if (rc == 0) rc = export_all(&c, &o);
+    if (rc == 0) rc = write_text(&c, "README.md", readme_text);
+    for (int i = 0; i < c.nreaders; i++) ckpt_reader_free(c.readers[i]);
+    free(c.readers);
+    if (rc == 0) rc = ckpt__publish_dir(c.tmp, out_dir, false);
+    if (rc < 0 && made) ckpt__remove_tree(c.tmp);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "export %s", checkpoint_dir);
+    ckpt__manifest_clear(&c.m);
+    free(parent);
+    free(base);
+    free(tname);
+    free(c.tmp);
+    return rc;
+}

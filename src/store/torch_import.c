@@ -1,0 +1,651 @@
+/* torch_import.c — ckpt_import_torch: a ckpt checkpoint from an Accelerate
+ * folder, Hugging Face weights (single or sharded, safetensors or
+ * pytorch_model.bin) or one torch.save'd state dict. PyTorch's nested state
+ * dicts become the flat keys of docs/TRAINING.md; files are read with the
+ * allow-list unpickler only. The checkpoint is committed as a save is: files
+ * in a temporary folder, manifest last, one rename. */
+#include <errno.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "base/error.h"
+#include "base/io.h"
+#include "format/manifest.h"
+#include "format/statedict.h"
+#include "store/store.h"
+
+typedef struct mparam {
+    char *name;
+    int ndim;
+    int64_t shape[CKPT_MAX_NDIM];
+} mparam;
+
+typedef struct imp {
+    ckpt_import_options o;
+    ckpt_torch_file **tfiles;
+    int ntf;
+    ckpt_reader **readers;
+    int nrd;
+    void **bufs;
+    int nbufs;
+    mparam *params;
+    int64_t nparams;
+    ckpt_writer *model, *optim, *sched, *scaler, *rng;
+    int opt_groups;
+    int64_t opt_step; /* largest Adam step; -1 if none */
+    ckpt_rng gen;
+} imp;
+
+static ckpt_import_options defaults(void) {
+    ckpt_import_options o = {0};
+    o.warmup = o.total = o.step = -1;
+    return o;
+}
+
+ckpt_import_options ckpt_import_defaults(void) { return defaults(); }
+
+static void *keep(imp *x, void *p) {
+    if (!p) return NULL;
+    void *g = ckpt__realloc(x->bufs, (size_t)(x->nbufs + 1) * sizeof *x->bufs);
+    if (!g) {
+        free(p);
+        return NULL;
+    }
+    x->bufs = g;
+    x->bufs[x->nbufs++] = p;
+    return p;
+}
+
+static int open_torch(imp *x, const char *path, const ckpt_torch_value **root) {
+    void *g = ckpt__realloc(x->tfiles, (size_t)(x->ntf + 1) * sizeof *x->tfiles);
+    if (!g) return ckpt__err_nomem("import");
+    x->tfiles = g;
+    ckpt_torch_file *f = NULL;
+    CKPT_TRY(ckpt_torch_open(&f, path));
+    x->tfiles[x->ntf++] = f;
+    *root = ckpt_torch_root(f);
+    if ((*root)->kind != CKPT_TORCH_DICT)
+        return ckpt__err(CKPT_EUNSUPPORTED, "import: %s holds a %s, not a state dict", path,
+                         ckpt_torch_kind_name((*root)->kind));
+    return CKPT_OK;
+}
+
+static int open_st(imp *x, const char *path, ckpt_reader **r) {
+    void *g = ckpt__realloc(x->readers, (size_t)(x->nrd + 1) * sizeof *x->readers);
+    if (!g) return ckpt__err_nomem("import");
+    x->readers = g;
+    CKPT_TRY(ckpt_reader_open(r, path));
+    x->readers[x->nrd++] = *r;
+    return CKPT_OK;
+}
+
+static bool exists(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+static bool ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && strcmp(s + n - k, suffix) == 0;
+}
+
+/* ---- the model ------------------------------------------------------------- */
+
+static int add_param(imp *x, const char *name, ckpt_dtype dt, int ndim, const int64_t *shape,
+                     const void *data, const char *file) {
+    int rc = ckpt_write_tensor(x->model, name, dt, ndim, shape, data);
+    if (rc < 0) return ckpt__err_prefix(rc, "import: %s", file);
+    void *g = ckpt__realloc(x->params, (size_t)(x->nparams + 1) * sizeof *x->params);
+    if (!g) return ckpt__err_nomem("import");
+    x->params = g;
+    mparam *p = &x->params[x->nparams];
+    memset(p, 0, sizeof *p);
+    p->name = ckpt__strdup(name);
+    if (!p->name) return ckpt__err_nomem("import");
+    p->ndim = ndim;
+    if (ndim) memcpy(p->shape, shape, (size_t)ndim * sizeof *shape);
+    x->nparams++;
+    return CKPT_OK;
+}
+
+static int model_from_torch(imp *x, const char *path) {
+    const ckpt_torch_value *root = NULL;
+    CKPT_TRY(open_torch(x, path, &root));
+    for (int64_t i = 0; i < root->n; i++) {
+        const ckpt_torch_value *k = root->items[2 * i], *v = root->items[2 * i + 1];
+        if (k->kind != CKPT_TORCH_STR)
+            return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: a key of kind %s in a model state dict",
+                             path, ckpt_torch_kind_name(k->kind));
+        if (v->kind != CKPT_TORCH_TENSOR)
+            return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: '%s' is a %s, not a tensor (not a "
+                             "model state dict; an Accelerate folder keeps the optimizer in "
+                             "optimizer.bin)", path, k->s, ckpt_torch_kind_name(v->kind));
+        CKPT_TRY(add_param(x, k->s, v->dtype, v->ndim, v->shape, v->data, path));
+    }
+    return CKPT_OK;
+}
+
+static int model_from_safetensors(imp *x, const char *path) {
+    ckpt_reader *r = NULL;
+    CKPT_TRY(open_st(x, path, &r));
+    int64_t n = ckpt_reader_count(r);
+    for (int64_t i = 0; i < n; i++) {
+        ckpt_entry_info e;
+        const void *data = NULL;
+        CKPT_TRY(ckpt_reader_entry(r, i, &e));
+        if (e.kind != CKPT_ENTRY_TENSOR) continue;
+        CKPT_TRY(ckpt_reader_tensor_view(r, e.key, &data, NULL));
+        CKPT_TRY(add_param(x, e.key, e.dtype, e.ndim, e.shape, data, path));
+    }
+    return CKPT_OK;
+}
+
+/* An HF index: {"metadata": ..., "weight_map": {tensor: shard file}}. */
+static int model_from_index(imp *x, const char *dir, const char *index) {
+    char *path = ckpt__path_join(dir, index), *text = NULL;
+    if (!path) return ckpt__err_nomem("import");
+    size_t len = 0;
+    int rc = ckpt__read_small_file(path, 64u << 20, &text, &len);
+    json_error_t je;
+    json_t *root = rc == 0 ? json_loadb(text, len, 0, &je) : NULL;
+    json_t *map = root ? json_object_get(root, "weight_map") : NULL;
+    if (rc == 0 && !json_is_object(map))
+        rc = ckpt__err(CKPT_ECORRUPT, "import: %s: no weight_map object", path);
+    const char **shards = NULL;
+    size_t nshards = 0;
+    const char *key;
+    json_t *val;
+    if (rc == 0) {
+        shards = ckpt__calloc(json_object_size(map) + 1, sizeof *shards);
+        if (!shards) rc = ckpt__err_nomem("import");
+    }
+    json_object_foreach(map, key, val) {
+        if (rc < 0) break;
+        const char *s = json_string_value(val);
+        if (!s || !*s || strchr(s, '/') || !strcmp(s, "..") || !strcmp(s, ".")) {
+            rc = ckpt__err(CKPT_ECORRUPT, "import: %s: '%s' maps to a bad file name", path, key);
+            break;
+        }
+        size_t k = 0;
+        while (k < nshards && strcmp(shards[k], s)) k++;
+        if (k == nshards) shards[nshards++] = s;
+    }
+    int64_t before = x->nparams;
+    for (size_t k = 0; k < nshards && rc == 0; k++) {
+        char *sp = ckpt__path_join(dir, shards[k]);
+        if (!sp) rc = ckpt__err_nomem("import");
+        else if (ends_with(sp, ".safetensors")) rc = model_from_safetensors(x, sp);
+        else rc = model_from_torch(x, sp);
+        free(sp);
+    }
+    if (rc == 0 && (size_t)(x->nparams - before) != json_object_size(map))
+        rc = ckpt__err(CKPT_ECORRUPT, "import: %s lists %zu tensors, its shards hold %" PRId64, path,
+                       json_object_size(map), x->nparams - before);
+    /* the index's order is the model's (the shards' own order is by name) */
+    if (rc == 0) {
+        int64_t pos = before;
+        json_object_foreach(map, key, val) {
+            for (int64_t j = pos; j < x->nparams; j++) {
+                if (!strcmp(x->params[j].name, key)) {
+                    mparam t = x->params[pos];
+                    x->params[pos] = x->params[j];
+                    x->params[j] = t;
+                    break;
+                }
+            }
+            pos++;
+        }
+    }
+    free(shards);
+    json_decref(root);
+    free(text);
+    free(path);
+    return rc;
+}
+
+static int import_model(imp *x, const char *src, bool dir) {
+    if (!dir) {
+        if (ends_with(src, ".safetensors")) return model_from_safetensors(x, src);
+        if (ends_with(src, ".index.json")) {
+            const char *slash = strrchr(src, '/');
+            char *d = slash ? strndup(src, (size_t)(slash - src)) : strdup(".");
+            if (!d) return ckpt__err_nomem("import");
+            int rc = model_from_index(x, d, slash ? slash + 1 : src);
+            free(d);
+            return rc;
+        }
+        return model_from_torch(x, src);
+    }
+    static const char *const names[] = {"model.safetensors.index.json", "model.safetensors",
+                                        "pytorch_model.bin.index.json", "pytorch_model.bin"};
+    for (int i = 0; i < 4; i++) {
+        char *p = ckpt__path_join(src, names[i]);
+        if (!p) return ckpt__err_nomem("import");
+        bool found = exists(p);
+        int rc = 0;
+        if (found) rc = i == 0 || i == 2 ? model_from_index(x, src, names[i])
+                        : i == 1        ? model_from_safetensors(x, p)
+                                        : model_from_torch(x, p);
+        free(p);
+        if (found) return rc;
+    }
+    return ckpt__err(CKPT_ENOENT, "import: %s has no model.safetensors, pytorch_model.bin or an "
+                     "index of their shards", src);
+}
+
+/* ---- values -------------------------------------------------------------------- */
+
+static int number(const ckpt_torch_value *v, double *out) {
+    if (!v) return -1;
+    switch (v->kind) {
+    case CKPT_TORCH_FLOAT: *out = v->f; return 0;
+    case CKPT_TORCH_INT: *out = (double)v->i; return 0;
+    case CKPT_TORCH_BOOL: *out = v->b; return 0;
+    case CKPT_TORCH_TENSOR:
+        if (v->ndim == 0 && v->dtype == CKPT_F32) {
+            float f = 0;
+            memcpy(&f, v->data, 4);
+            *out = f;
+            return 0;
+        }
+        if (v->ndim == 0 && v->dtype == CKPT_F64) {
+            memcpy(out, v->data, 8);
+            return 0;
+        }
+        return -1;
+    default: return -1;
+    }
+}
+
+static int get_num(const ckpt_torch_value *d, const char *key, double *out, bool required,
+                   double dflt, const char *what) {
+    const ckpt_torch_value *v = ckpt_torch_dict_get(d, key);
+    if (!v || v->kind == CKPT_TORCH_NONE) {
+        if (required) return ckpt__err(CKPT_ECORRUPT, "import: %s has no '%s'", what, key);
+        *out = dflt;
+        return CKPT_OK;
+    }
+    if (number(v, out) < 0)
+        return ckpt__err(CKPT_ECORRUPT, "import: %s: '%s' is a %s, not a number", what, key,
+                         ckpt_torch_kind_name(v->kind));
+    return CKPT_OK;
+}
+
+static int get_int(const ckpt_torch_value *d, const char *key, int64_t *out, const char *what) {
+    const ckpt_torch_value *v = ckpt_torch_dict_get(d, key);
+    if (!v || (v->kind != CKPT_TORCH_INT && v->kind != CKPT_TORCH_BOOL))
+        return ckpt__err(CKPT_ECORRUPT, "import: %s: '%s' missing or not an int", what, key);
+    *out = v->kind == CKPT_TORCH_INT ? v->i : v->b;
+    return CKPT_OK;
+}
+
+static const ckpt_torch_value *int_key(const ckpt_torch_value *d, int64_t i) {
+    if (!d || d->kind != CKPT_TORCH_DICT) return NULL;
+    for (int64_t k = 0; k < d->n; k++)
+        if (d->items[2 * k]->kind == CKPT_TORCH_INT && d->items[2 * k]->i == i) return d->items[2 * k + 1];
+    return NULL;
+}
+
+/* ---- optimizer ------------------------------------------------------------------- */
+
+static int state_tensor(imp *x, const char *file, int64_t i, const ckpt_torch_value *st,
+                        const char *name, const ckpt_torch_value *like, char *key, size_t cap) {
+    snprintf(key, cap, "state.%" PRId64 ".%s", i, name);
+    const ckpt_torch_value *t = ckpt_torch_dict_get(st, name);
+    if (t && t->kind == CKPT_TORCH_TENSOR) {
+        if (t->dtype != CKPT_F32)
+            return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: state %" PRId64 " '%s' is %s (ckpt's "
+                             "optimizers keep float32)", file, i, name, ckpt_dtype_name(t->dtype));
+        return ckpt_write_tensor(x->optim, key, CKPT_F32, t->ndim, t->shape, t->data);
+    }
+    /* not stepped yet: zeros of the parameter's shape */
+    int ndim = 0;
+    const int64_t *shape = NULL;
+    if (like) {
+        ndim = like->ndim;
+        shape = like->shape;
+    } else if (x->nparams > i) {
+        ndim = x->params[i].ndim;
+        shape = x->params[i].shape;
+    } else {
+        return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: parameter %" PRId64 " has no state and "
+                         "the model does not say its shape", file, i);
+    }
+    uint64_t nb = 0;
+    CKPT_TRY(ckpt_tensor_nbytes(CKPT_F32, ndim, shape, &nb));
+    void *z = keep(x, ckpt__calloc(1, nb ? (size_t)nb : 1));
+    if (!z) return ckpt__err_nomem("import");
+    return ckpt_write_tensor(x->optim, key, CKPT_F32, ndim, shape, z);
+}
+
+static int import_optimizer(imp *x, const char *path) {
+    const ckpt_torch_value *root = NULL;
+    CKPT_TRY(open_torch(x, path, &root));
+    const ckpt_torch_value *state = ckpt_torch_dict_get(root, "state");
+    const ckpt_torch_value *groups = ckpt_torch_dict_get(root, "param_groups");
+    if (!state || state->kind != CKPT_TORCH_DICT || !groups || groups->kind != CKPT_TORCH_LIST ||
+        groups->n == 0)
+        return ckpt__err(CKPT_ECORRUPT, "import: %s: not an optimizer state dict (no 'state' dict "
+                         "and 'param_groups' list)", path);
+    ckpt_optim_kind kind = x->o.optimizer;
+    if (!kind) {
+        const ckpt_torch_value *g0 = groups->items[0];
+        if (ckpt_torch_dict_get(g0, "momentum") && ckpt_torch_dict_get(g0, "nesterov")) kind = CKPT_OPTIM_SGD;
+        else if (ckpt_torch_dict_get(g0, "betas")) {
+            /* Adam and AdamW keep the same fields; without weight decay they
+             * compute the same thing */
+            bool decay = false;
+            for (int64_t g = 0; g < groups->n; g++) {
+                double wd = 0;
+                CKPT_TRY(get_num(groups->items[g], "weight_decay", &wd, false, 0, path));
+                if (wd != 0) decay = true;
+            }
+            if (decay)
+                return ckpt__err(CKPT_EINVAL, "import: %s: Adam or AdamW state with weight decay "
+                                 "(the file cannot say which); give the optimizer kind "
+                                 "(--optimizer adam|adamw)", path);
+            kind = CKPT_OPTIM_ADAM;
+        } else {
+            return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: an optimizer other than SGD, Adam or "
+                             "AdamW", path);
+        }
+    }
+    bool sgd = kind == CKPT_OPTIM_SGD;
+    CKPT_TRY(ckpt_writer_new(&x->optim));
+    CKPT_TRY(ckpt_write_str(x->optim, "kind", sgd ? "sgd" : kind == CKPT_OPTIM_ADAM ? "adam" : "adamw"));
+    char key[160], what[200];
+    int64_t idx = 0;
+    for (int64_t g = 0; g < groups->n; g++) {
+        const ckpt_torch_value *gr = groups->items[g];
+        snprintf(what, sizeof what, "%s: param_groups[%" PRId64 "]", path, g);
+        if (gr->kind != CKPT_TORCH_DICT) return ckpt__err(CKPT_ECORRUPT, "import: %s is not a dict", what);
+        const ckpt_torch_value *params = ckpt_torch_dict_get(gr, "params");
+        if (!params || params->kind != CKPT_TORCH_LIST)
+            return ckpt__err(CKPT_ECORRUPT, "import: %s has no 'params' list", what);
+        double lr = 0, wd = 0, maxi = 0, v = 0;
+#define GK(name) (snprintf(key, sizeof key, "param_groups.%" PRId64 ".%s", g, name), key)
+        CKPT_TRY(get_num(gr, "lr", &lr, true, 0, what));
+        CKPT_TRY(get_num(gr, "weight_decay", &wd, false, 0, what));
+        CKPT_TRY(get_num(gr, "maximize", &maxi, false, 0, what));
+        CKPT_TRY(ckpt_write_f64(x->optim, GK("lr"), lr));
+        CKPT_TRY(ckpt_write_f64(x->optim, GK("weight_decay"), wd));
+        CKPT_TRY(ckpt_write_i64(x->optim, GK("maximize"), maxi != 0));
+        double momentum = 0, amsgrad = 0;
+        if (sgd) {
+            CKPT_TRY(get_num(gr, "momentum", &momentum, false, 0, what));
+            CKPT_TRY(ckpt_write_f64(x->optim, GK("momentum"), momentum));
+            CKPT_TRY(get_num(gr, "dampening", &v, false, 0, what));
+            CKPT_TRY(ckpt_write_f64(x->optim, GK("dampening"), v));
+            CKPT_TRY(get_num(gr, "nesterov", &v, false, 0, what));
+            CKPT_TRY(ckpt_write_i64(x->optim, GK("nesterov"), v != 0));
+        } else {
+            const ckpt_torch_value *b = ckpt_torch_dict_get(gr, "betas");
+            double b1 = 0, b2 = 0;
+            if (!b || (b->kind != CKPT_TORCH_TUPLE && b->kind != CKPT_TORCH_LIST) || b->n != 2 ||
+                number(b->items[0], &b1) < 0 || number(b->items[1], &b2) < 0)
+                return ckpt__err(CKPT_ECORRUPT, "import: %s: 'betas' is not a pair of numbers", what);
+            CKPT_TRY(ckpt_write_f64(x->optim, GK("betas.0"), b1));
+            CKPT_TRY(ckpt_write_f64(x->optim, GK("betas.1"), b2));
+            CKPT_TRY(get_num(gr, "eps", &v, true, 0, what));
+            CKPT_TRY(ckpt_write_f64(x->optim, GK("eps"), v));
+            CKPT_TRY(get_num(gr, "amsgrad", &amsgrad, false, 0, what));
+            CKPT_TRY(ckpt_write_i64(x->optim, GK("amsgrad"), amsgrad != 0));
+        }
+        int64_t *ids = keep(x, ckpt__calloc(params->n ? (size_t)params->n : 1, sizeof *ids));
+        if (!ids) return ckpt__err_nomem("import");
+        for (int64_t j = 0; j < params->n; j++) {
+            const ckpt_torch_value *p = params->items[j];
+            if (p->kind != CKPT_TORCH_INT || p->i != idx)
+                return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: params[%" PRId64 "] is not %" PRId64
+                                 " (ckpt numbers parameters group by group, in order)", what, j, idx);
+            ids[j] = idx;
+            const ckpt_torch_value *st = int_key(state, idx);
+            if (st && st->kind != CKPT_TORCH_DICT)
+                return ckpt__err(CKPT_ECORRUPT, "import: %s: state %" PRId64 " is not a dict", path, idx);
+            float *step = keep(x, ckpt__calloc(1, sizeof *step));
+            if (!step) return ckpt__err_nomem("import");
+            if (sgd) {
+                *step = st ? 1.0f : 0.0f; /* PyTorch's SGD keeps no count; ckpt needs "stepped" */
+                if (momentum != 0) {
+                    const ckpt_torch_value *mb = ckpt_torch_dict_get(st, "momentum_buffer");
+                    if (mb && mb->kind == CKPT_TORCH_NONE) *step = 0.0f;
+                    CKPT_TRY(state_tensor(x, path, idx, st, "momentum_buffer", NULL, key, sizeof key));
+                }
+            } else {
+                double s = 0;
+                if (st) CKPT_TRY(get_num(st, "step", &s, true, 0, path));
+                *step = (float)s;
+                if (s > (double)x->opt_step) x->opt_step = (int64_t)s;
+                const ckpt_torch_value *like = ckpt_torch_dict_get(st, "exp_avg");
+                if (like && like->kind != CKPT_TORCH_TENSOR) like = NULL;
+                CKPT_TRY(state_tensor(x, path, idx, st, "exp_avg", like, key, sizeof key));
+                CKPT_TRY(state_tensor(x, path, idx, st, "exp_avg_sq", like, key, sizeof key));
+                if (amsgrad != 0)
+                    CKPT_TRY(state_tensor(x, path, idx, st, "max_exp_avg_sq", like, key, sizeof key));
+            }
+            snprintf(key, sizeof key, "state.%" PRId64 ".step", idx);
+            CKPT_TRY(ckpt_write_tensor(x->optim, key, CKPT_F32, 0, NULL, step));
+            idx++;
+        }
+        int64_t n = params->n;
+        CKPT_TRY(ckpt_write_tensor(x->optim, GK("params"), CKPT_I64, 1, &n, ids));
+#undef GK
+    }
+    if (state->n > idx)
+        return ckpt__err(CKPT_ECORRUPT, "import: %s: state for %" PRId64 " parameters, the groups "
+                         "hold %" PRId64, path, state->n, idx);
+    x->opt_groups = (int)groups->n;
+    return CKPT_OK;
+}
+
+/* ---- scheduler, scaler ------------------------------------------------------------ */
+
+static int lr_list(imp *x, const ckpt_torch_value *root, const char *name, const char *path, int *n) {
+    const ckpt_torch_value *l = ckpt_torch_dict_get(root, name);
+    if (!l || l->kind != CKPT_TORCH_LIST)
+        return ckpt__err(CKPT_ECORRUPT, "import: %s: '%s' is not a list", path, name);
+    char key[64];
+    for (int64_t g = 0; g < l->n; g++) {
+        double v = 0;
+        if (number(l->items[g], &v) < 0)
+            return ckpt__err(CKPT_ECORRUPT, "import: %s: %s[%" PRId64 "] is not a number", path, name, g);
+        snprintf(key, sizeof key, "%s.%" PRId64, name, g);
+        CKPT_TRY(ckpt_write_f64(x->sched, key, v));
+    }
+    *n = (int)l->n;
+    return CKPT_OK;
+}
+
+static int import_scheduler(imp *x, const char *path) {
+    const ckpt_torch_value *root = NULL;
+    CKPT_TRY(open_torch(x, path, &root));
+    const char *kind = x->o.scheduler;
+    const ckpt_torch_value *lambdas = ckpt_torch_dict_get(root, "lr_lambdas");
+    const ckpt_torch_value *l0 = lambdas && lambdas->kind == CKPT_TORCH_LIST && lambdas->n ? lambdas->items[0] : NULL;
+    if (l0 && l0->kind != CKPT_TORCH_DICT) l0 = NULL;
+    if (!kind) {
+        if (lambdas) {
+            if (l0 && ckpt_torch_dict_get(l0, "num_cycles")) kind = "warmup_cosine";
+            else if (l0 && ckpt_torch_dict_get(l0, "num_training_steps")) kind = "warmup_linear";
+            else if (l0 && ckpt_torch_dict_get(l0, "num_warmup_steps")) kind = "constant";
+            else
+                return ckpt__err(CKPT_EINVAL, "import: %s: a LambdaLR whose lambdas the file does "
+                                 "not describe; give the schedule (--scheduler warmup_cosine|"
+                                 "warmup_linear|constant --warmup N --total N)", path);
+        } else if (ckpt_torch_dict_get(root, "step_size")) kind = "steplr";
+        else if (ckpt_torch_dict_get(root, "T_max")) kind = "cosineannealinglr";
+        else if (ckpt_torch_dict_get(root, "gamma")) kind = "exponentiallr";
+        else return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: a scheduler ckpt does not know", path);
+    }
+    bool lambda = !strcmp(kind, "warmup_cosine") || !strcmp(kind, "warmup_linear") || !strcmp(kind, "constant");
+    if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "cosineannealinglr") && strcmp(kind, "exponentiallr"))
+        return ckpt__err(CKPT_EUNSUPPORTED, "import: scheduler kind '%s' (steplr, exponentiallr, "
+                         "cosineannealinglr, warmup_cosine, warmup_linear, constant)", kind);
+    CKPT_TRY(ckpt_writer_new(&x->sched));
+    int64_t le = 0, sc = 0, iv = 0;
+    double v = 0;
+    CKPT_TRY(ckpt_write_str(x->sched, "kind", kind));
+    CKPT_TRY(get_int(root, "last_epoch", &le, path));
+    CKPT_TRY(get_int(root, "_step_count", &sc, path));
+    CKPT_TRY(ckpt_write_i64(x->sched, "last_epoch", le));
+    CKPT_TRY(ckpt_write_i64(x->sched, "_step_count", sc));
+    int nb = 0, nl = 0;
+    CKPT_TRY(lr_list(x, root, "base_lrs", path, &nb));
+    CKPT_TRY(lr_list(x, root, "_last_lr", path, &nl));
+    if (nb != nl || (x->opt_groups && nb != x->opt_groups))
+        return ckpt__err(CKPT_EMISMATCH, "import: %s: %d base_lrs, %d _last_lr, the optimizer has %d "
+                         "groups", path, nb, nl, x->opt_groups);
+    if (!strcmp(kind, "steplr")) {
+        CKPT_TRY(get_int(root, "step_size", &iv, path));
+        CKPT_TRY(ckpt_write_i64(x->sched, "step_size", iv));
+    }
+    if (!strcmp(kind, "steplr") || !strcmp(kind, "exponentiallr")) {
+        CKPT_TRY(get_num(root, "gamma", &v, true, 0, path));
+        CKPT_TRY(ckpt_write_f64(x->sched, "gamma", v));
+    }
+    if (!strcmp(kind, "cosineannealinglr")) {
+        CKPT_TRY(get_int(root, "T_max", &iv, path));
+        CKPT_TRY(ckpt_write_i64(x->sched, "T_max", iv));
+        CKPT_TRY(get_num(root, "eta_min", &v, true, 0, path));
+        CKPT_TRY(ckpt_write_f64(x->sched, "eta_min", v));
+    }
+    if (lambda) {
+        int64_t warmup = x->o.warmup, total = x->o.total;
+        if (warmup < 0 && l0 && ckpt_torch_dict_get(l0, "num_warmup_steps"))
+            CKPT_TRY(get_int(l0, "num_warmup_steps", &warmup, path));
+        if (total < 0 && l0 && ckpt_torch_dict_get(l0, "num_training_steps"))
+            CKPT_TRY(get_int(l0, "num_training_steps", &total, path));
+        if (warmup < 0 || (total < 0 && strcmp(kind, "constant")))
+            return ckpt__err(CKPT_EINVAL, "import: %s: the %s schedule's warmup and total steps are "
+                             "not in the file; give them (--warmup N --total N)", path, kind);
+        CKPT_TRY(ckpt_write_i64(x->sched, "warmup", warmup));
+        if (strcmp(kind, "constant")) CKPT_TRY(ckpt_write_i64(x->sched, "total", total));
+    }
+    return CKPT_OK;
+}
+
+static int import_scaler(imp *x, const char *path) {
+    const ckpt_torch_value *root = NULL;
+    CKPT_TRY(open_torch(x, path, &root));
+    if (root->n == 0) return CKPT_OK; /* a disabled GradScaler saves {} */
+    double scale = 0, gf = 0, bf = 0;
+    int64_t gi = 0, gt = 0;
+    CKPT_TRY(get_num(root, "scale", &scale, true, 0, path));
+    CKPT_TRY(get_num(root, "growth_factor", &gf, true, 0, path));
+    CKPT_TRY(get_num(root, "backoff_factor", &bf, true, 0, path));
+    CKPT_TRY(get_int(root, "growth_interval", &gi, path));
+    CKPT_TRY(get_int(root, "_growth_tracker", &gt, path));
+    CKPT_TRY(ckpt_writer_new(&x->scaler));
+    CKPT_TRY(ckpt_write_f64(x->scaler, "scale", scale));
+    CKPT_TRY(ckpt_write_f64(x->scaler, "growth_factor", gf));
+    CKPT_TRY(ckpt_write_f64(x->scaler, "backoff_factor", bf));
+    CKPT_TRY(ckpt_write_i64(x->scaler, "growth_interval", gi));
+    return ckpt_write_i64(x->scaler, "_growth_tracker", gt);
+}
+
+/* ---- the checkpoint ------------------------------------------------------------------ */
+
+static int write_obj(ckpt_writer *w, const char *tmp, const char *name, const char *kind,
+                     ckpt_manifest *m) {
+    if (!w) return CKPT_OK;
+    char *p = ckpt__path_join(tmp, name);
+    if (!p) return ckpt__err_nomem("import");
+    ckpt_file_digest d;
+    memset(&d, 0, sizeof d);
+    int rc = ckpt__writer_write_new(w, p, &d);
+    if (rc == 0) rc = ckpt__manifest_add(m, name, kind, &d);
+    ckpt__file_digest_free(&d);
+    free(p);
+    return rc;
+}
+
+static int import_sources(imp *x, const char *src) {
+    struct stat st;
+    if (stat(src, &st) != 0) return ckpt__err_os(errno, "import: %s", src);
+    bool dir = S_ISDIR(st.st_mode);
+    CKPT_TRY(ckpt_writer_new(&x->model));
+    CKPT_TRY(import_model(x, src, dir));
+    if (dir) {
+        static const char *const files[] = {"optimizer.bin", "scheduler.bin", "scaler.pt"};
+        int (*const fns[])(imp *, const char *) = {import_optimizer, import_scheduler, import_scaler};
+        for (int i = 0; i < 3; i++) {
+            char *p = ckpt__path_join(src, files[i]);
+            if (!p) return ckpt__err_nomem("import");
+            int rc = exists(p) ? fns[i](x, p) : 0;
+            free(p);
+            CKPT_TRY(rc);
+        }
+    }
+    CKPT_TRY(ckpt_writer_new(&x->rng));
+    ckpt_rng_seed_stream(&x->gen, x->o.seed, 0);
+    return ckpt_rng_ops()->state_dict(&x->gen, x->rng);
+}
+
+int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_import_options *opt) {
+    if (!src || !checkpoint_dir) return ckpt__err(CKPT_EINVAL, "import: NULL argument");
+    imp x;
+    memset(&x, 0, sizeof x);
+    x.o = opt ? *opt : defaults();
+    x.opt_step = -1;
+    struct stat st;
+    if (lstat(checkpoint_dir, &st) == 0)
+        return ckpt__err(CKPT_EEXIST, "import: %s already exists", checkpoint_dir);
+    int rc = import_sources(&x, src);
+    ckpt_manifest m;
+    ckpt__manifest_init(&m);
+    char *parent = NULL, *base = NULL, *tname = NULL, *tmp = NULL;
+    bool made = false;
+    if (rc == 0) {
+        size_t n = strlen(checkpoint_dir);
+        while (n > 1 && checkpoint_dir[n - 1] == '/') n--;
+        size_t s = n;
+        while (s > 0 && checkpoint_dir[s - 1] != '/') s--;
+        parent = s ? strndup(checkpoint_dir, s) : strdup(".");
+        base = strndup(checkpoint_dir + s, n - s);
+        if (!parent || !base || !(tname = ckpt__temp_name(base)) || !(tmp = ckpt__path_join(parent, tname)))
+            rc = ckpt__err_nomem("import");
+    }
+    if (rc == 0) rc = ckpt__mkdirs(parent);
+    if (rc == 0) {
+        if (ckpt__os_mkdir(tmp, 0755) != 0) rc = ckpt__err_os(errno, "import: %s", tmp);
+        else made = true;
+    }
+    if (rc == 0) rc = write_obj(x.model, tmp, "model.safetensors", "model", &m);
+    if (rc == 0) rc = write_obj(x.optim, tmp, "optimizer.safetensors", "optimizer", &m);
+    if (rc == 0) rc = write_obj(x.sched, tmp, "scheduler.safetensors", "scheduler", &m);
+    if (rc == 0) rc = write_obj(x.scaler, tmp, "scaler.safetensors", "scaler", &m);
+    if (rc == 0) rc = write_obj(x.rng, tmp, "random_states_0.safetensors", "random_states", &m);
+    if (rc == 0) {
+        m.step = x.o.step >= 0 ? x.o.step : x.opt_step > 0 ? x.opt_step : 0;
+        m.iteration = 0;
+        m.process_index = 0;
+        m.num_processes = 1;
+        rc = ckpt__manifest_write(&m, tmp);
+    }
+    if (rc == 0) rc = ckpt__publish_dir(tmp, checkpoint_dir, false);
+    if (rc < 0 && made) ckpt__remove_tree(tmp);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "import %s", src);
+    ckpt__manifest_clear(&m);
+    free(parent);
+    free(base);
+    free(tname);
+    free(tmp);
+    ckpt_writer_free(x.model);
+    ckpt_writer_free(x.optim);
+    ckpt_writer_free(x.sched);
+    ckpt_writer_free(x.scaler);
+    ckpt_writer_free(x.rng);
+    for (int i = 0; i < x.ntf; i++) ckpt_torch_close(x.tfiles[i]);
+    for (int i = 0; i < x.nrd; i++) ckpt_reader_free(x.readers[i]);
+    for (int i = 0; i < x.nbufs; i++) free(x.bufs[i]);
+    for (int64_t i = 0; i < x.nparams; i++) free(x.params[i].name);
+    free(x.tfiles);
+    free(x.readers);
+    free(x.bufs);
+    free(x.params);
+    return rc;
+}

@@ -1,0 +1,456 @@
+/* test_powerloss.c — power cuts, simulated: every mutating I/O call of an
+ * operation is recorded (tests/crashsim), and for every prefix of the record
+ * every state the file system may be in after a power cut there is rebuilt
+ * and checked (model: docs/CRASHSAFETY.md). Operations: an automatic save
+ * with total_limit rotation, a save that replaces an explicit checkpoint
+ * folder, and ckpt_checkpoint_prune. In every state:
+ *
+ *   - load_state finds the previous newest checkpoint or the new one, bit
+ *     for bit as saved (the new one once the operation had returned), and
+ *     never fails while a valid checkpoint exists;
+ *   - a next save succeeds, loads back exactly, and leaves no leftover.
+ *
+ * Then the same save with a deliberately removed fsync (a test-only switch
+ * in the I/O layer) must make the checker find violations: the check can
+ * fail. The seed is printed; CKPT_CRASHSIM_SEED replays one,
+ * CKPT_CRASHSIM_SAMPLES widens the sampling. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "ckpt.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "crashsim/crashsim.h"
+#include "format/statedict.h"
+#include "helpers/testutil.h"
+
+static uint64_t g_seed;
+
+/* ---- a small training run whose whole state is compared ---------------------- */
+
+#define NW 300 /* the files span several 512-byte sectors, so writes can tear */
+#define NB 20
+
+typedef struct counter {
+    int64_t value;
+    char note[40];
+} counter;
+
+static int counter_sd(void *self, ckpt_writer *w) {
+    counter *c = self;
+    CKPT_TRY(ckpt_write_i64(w, "value", c->value));
+    return ckpt_write_str(w, "note", c->note);
+}
+
+static int counter_load(void *self, ckpt_reader *r) {
+    counter *c = self;
+    counter t;
+    memset(&t, 0, sizeof t);
+    CKPT_TRY(ckpt_read_i64(r, "value", &t.value));
+    CKPT_TRY(ckpt_read_str(r, "note", t.note, sizeof t.note));
+    *c = t;
+    return 0;
+}
+
+static const ckpt_stateful_ops counter_ops = {.state_dict = counter_sd,
+                                              .load_state_dict = counter_load};
+
+typedef struct world {
+    float w[NW], b[NB], gw[NW], gb[NB];
+    ckpt_model *model;
+    ckpt_optimizer *opt;
+    counter c;
+    ckpt_accelerator *acc;
+    int warnings;
+} world;
+
+static void count_warning(void *user, ckpt_log_level level, const char *msg) {
+    (void)msg;
+    if (level == CKPT_LOG_WARNING) ((world *)user)->warnings++;
+}
+
+/* project NULL: no project, explicit folders only. */
+static world *world_new(const char *project, int total_limit) {
+    world *w = calloc(1, sizeof *w);
+    assert_non_null(w);
+    ckpt_project_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.project_dir = project;
+    cfg.automatic_checkpoint_naming = project != NULL;
+    cfg.total_limit = total_limit;
+    assert_int_equal(ckpt_accelerator_new(&w->acc, &cfg), 0);
+    ckpt_accelerator_set_log(w->acc, count_warning, w);
+    assert_int_equal(ckpt_model_new(&w->model), 0);
+    int64_t sw[2] = {15, 20}, sb[1] = {NB};
+    assert_int_equal(ckpt_model_add_param(w->model, "fc.weight", CKPT_F32, 2, sw, w->w, w->gw), 0);
+    assert_int_equal(ckpt_model_add_param(w->model, "fc.bias", CKPT_F32, 1, sb, w->b, w->gb), 0);
+    assert_int_equal(ckpt_adamw_new(&w->opt, w->model, 1e-2, 0.9, 0.999, 1e-8, 0.01), 0);
+    assert_int_equal(ckpt_prepare_model(w->acc, w->model), 0);
+    assert_int_equal(ckpt_prepare_optimizer(w->acc, w->opt), 0);
+    assert_int_equal(ckpt_register_for_checkpointing(w->acc, &counter_ops, &w->c), 0);
+    assert_int_equal(ckpt_set_seed(w->acc, 7), 0);
+    return w;
+}
+
+static void world_free(world *w) {
+    if (!w) return;
+    ckpt_accelerator_free(w->acc);
+    ckpt_optimizer_free(w->opt);
+    ckpt_model_free(w->model);
+    free(w);
+}
+
+/* Moves the run to version v: new parameters and gradients, one optimizer
+ * step, a step counter, some random draws. */
+static void world_set(world *w, int v) {
+    for (int i = 0; i < NW; i++) {
+        w->w[i] = (float)v * 0.5f + (float)i * 1e-3f;
+        w->gw[i] = (float)((i * 7 + v) % 13) * 0.01f - 0.06f;
+    }
+    for (int i = 0; i < NB; i++) {
+        w->b[i] = (float)v - (float)i;
+        w->gb[i] = (float)(i - v) * 0.02f;
+    }
+    assert_int_equal(ckpt_optimizer_step(w->opt), 0);
+    w->c.value = v;
+    snprintf(w->c.note, sizeof w->c.note, "version %d", v);
+    ckpt_accelerator_set_step(w->acc, 1000 + v);
+    for (int i = 0; i < v; i++) (void)ckpt_rng_u32(ckpt_accelerator_rng(w->acc));
+}
+
+/* Everything a load restores, as bytes: each object's state dict file, the
+ * generator's, and the step. */
+typedef struct snap {
+    char *bytes;
+    size_t n;
+} snap;
+
+static void snap_add(snap *s, const void *p, size_t n) {
+    s->bytes = realloc(s->bytes, s->n + n);
+    assert_non_null(s->bytes);
+    memcpy(s->bytes + s->n, p, n);
+    s->n += n;
+}
+
+static snap capture(world *w, const char *workdir) {
+    snap s = {NULL, 0};
+    const ckpt_stateful_ops *ops[4] = {ckpt_model_ops(), ckpt_optimizer_ops(), &counter_ops,
+                                       ckpt_rng_ops()};
+    void *self[4] = {w->model, w->opt, &w->c, ckpt_accelerator_rng(w->acc)};
+    char path[4200];
+    tu_path(path, sizeof path, workdir, "capture.safetensors");
+    /* Scratch files: written without fsync, which the checks would otherwise
+     * spend most of their time waiting for. */
+    unsigned saved = ckpt__io_unsafe();
+    ckpt__io_set_unsafe(saved | CKPT_IO_SKIP_EVERY_FSYNC);
+    for (int i = 0; i < 4; i++) {
+        ckpt_writer *wr = NULL;
+        assert_int_equal(ckpt_writer_new(&wr), 0);
+        assert_int_equal(ops[i]->state_dict(self[i], wr), 0);
+        unlink(path);
+        assert_int_equal(ckpt__writer_write_new(wr, path, NULL), 0);
+        ckpt_writer_free(wr);
+        size_t n = 0;
+        char *b = tu_read_file(path, &n);
+        snap_add(&s, &n, sizeof n);
+        snap_add(&s, b, n);
+        free(b);
+        unlink(path);
+    }
+    ckpt__io_set_unsafe(saved);
+    int64_t step = ckpt_accelerator_step(w->acc);
+    snap_add(&s, &step, sizeof step);
+    return s;
+}
+
+static bool snap_eq(const snap *a, const snap *b) {
+    return a->n == b->n && memcmp(a->bytes, b->bytes, a->n) == 0;
+}
+
+/* ---- the check of one crash state ---------------------------------------------- */
+
+/* OP_AUTOMATIC saves with total_limit rotation; OP_AUTOMATIC_PLAIN without
+ * (rotation fsyncs the checkpoints folder itself, which would hide a missing
+ * fsync of the publish). */
+typedef enum { OP_AUTOMATIC, OP_AUTOMATIC_PLAIN, OP_EXPLICIT, OP_PRUNE } op_kind;
+
+typedef struct check_ctx {
+    op_kind op;
+    int total_limit;
+    const char *workdir; /* outside every simulated folder */
+    snap before, after;  /* the newest checkpoint before / after the operation */
+    size_t fell_back;    /* states where the load warned (skipped a bad checkpoint) */
+} check_ctx;
+
+static int why_fail(char *why, size_t cap, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, cap, fmt, ap);
+    va_end(ap);
+    return 1;
+}
+
+static int check_state_unsynced(void *user, const char *root, const cs_crash *c, char *why,
+                              size_t cap) {
+    check_ctx *x = user;
+    bool explicit = x->op == OP_EXPLICIT;
+    char folder[4200], leftovers[4200];
+    tu_path(folder, sizeof folder, root, "out/run1");
+    tu_path(leftovers, sizeof leftovers, root, explicit ? "out" : "checkpoints");
+    const char *in = explicit ? folder : NULL;
+    int bad = 0;
+
+    world *w = world_new(explicit ? NULL : root, x->total_limit);
+    int rc = ckpt_load_state(w->acc, in);
+    if (rc != 0) {
+        bad = why_fail(why, cap, "load_state failed although a valid checkpoint existed: %s",
+                       ckpt_errmsg());
+        goto out;
+    }
+    if (w->warnings) x->fell_back++;
+    snap got = capture(w, x->workdir);
+    bool is_before = snap_eq(&got, &x->before), is_after = snap_eq(&got, &x->after);
+    free(got.bytes);
+    if (!is_before && !is_after) {
+        bad = why_fail(why, cap, "load_state loaded %s, equal to neither the previous newest "
+                                 "checkpoint nor the new one",
+                       ckpt_accelerator_last_dir(w->acc));
+        goto out;
+    }
+    if (c->complete && !is_after) {
+        bad = why_fail(why, cap, "the operation had returned, yet load_state loaded the "
+                                 "previous checkpoint (%s): the new one was not durable",
+                       ckpt_accelerator_last_dir(w->acc));
+        goto out;
+    }
+    /* Nothing left behind may stop the next save. */
+    world_set(w, 50);
+    snap next = capture(w, x->workdir);
+    rc = ckpt_save_state(w->acc, in);
+    world_free(w);
+    w = NULL;
+    if (rc != 0) {
+        free(next.bytes);
+        return why_fail(why, cap, "the next save failed: %s", ckpt_errmsg());
+    }
+    w = world_new(explicit ? NULL : root, x->total_limit);
+    rc = ckpt_load_state(w->acc, in);
+    snap again = rc == 0 ? capture(w, x->workdir) : (snap){NULL, 0};
+    if (rc != 0) bad = why_fail(why, cap, "loading the next save failed: %s", ckpt_errmsg());
+    else if (!snap_eq(&again, &next)) bad = why_fail(why, cap, "the next save loads differently");
+    else if (tu_count_hidden_tmp(leftovers) != 0)
+        bad = why_fail(why, cap, "a leftover temporary folder survived the next save in %s",
+                       leftovers);
+    free(next.bytes);
+    free(again.bytes);
+out:
+    world_free(w);
+    return bad;
+}
+
+/* The state under check is scratch: what is checked is what the library
+ * reads and whether the next save goes through, not that state's own
+ * durability, so the checks skip every fsync (they would spend most of
+ * their time waiting for the disk). */
+static int check_state(void *user, const char *root, const cs_crash *c, char *why, size_t cap) {
+    ckpt__io_set_unsafe(CKPT_IO_SKIP_EVERY_FSYNC);
+    int bad = check_state_unsynced(user, root, c, why, cap);
+    ckpt__io_set_unsafe(0);
+    return bad;
+}
+
+/* ---- running one operation under the simulator --------------------------------- */
+
+typedef struct sim_run {
+    cs_result res;
+    size_t events;
+    size_t fell_back;
+} sim_run;
+
+/* Builds the state before the operation in <t>/proj, records the operation,
+ * explores it. unsafe: the I/O layer's durability-breaking switches, set
+ * only while the operation runs. */
+static sim_run simulate(op_kind op, unsigned unsafe, bool verbose, int samples) {
+    char *t = tu_tmpdir_new("powerloss");
+    char root[4200], scratch[4200];
+    tu_path(root, sizeof root, t, "proj");
+    tu_path(scratch, sizeof scratch, t, "crash");
+    check_ctx x;
+    memset(&x, 0, sizeof x);
+    x.op = op;
+    x.workdir = t;
+    x.total_limit = op == OP_AUTOMATIC ? 2 : 0;
+    cs_sim *s = NULL;
+    world *w = NULL;
+    char folder[4200];
+    tu_path(folder, sizeof folder, root, "out/run1");
+    switch (op) {
+    case OP_AUTOMATIC: /* checkpoint_0, _1 exist; save _2, rotation removes _0 */
+    case OP_AUTOMATIC_PLAIN:
+        w = world_new(root, x.total_limit);
+        world_set(w, 1);
+        assert_int_equal(ckpt_save_state(w->acc, NULL), 0);
+        world_set(w, 2);
+        assert_int_equal(ckpt_save_state(w->acc, NULL), 0);
+        x.before = capture(w, t);
+        world_set(w, 3);
+        x.after = capture(w, t);
+        assert_int_equal(cs_start(&s, root), 0);
+        ckpt__io_set_unsafe(unsafe);
+        assert_int_equal(ckpt_save_state(w->acc, NULL), 0);
+        ckpt__io_set_unsafe(0);
+        break;
+    case OP_EXPLICIT: /* out/run1 holds a checkpoint; the save replaces it */
+        assert_int_equal(mkdir(root, 0755), 0);
+        w = world_new(NULL, 0);
+        world_set(w, 1);
+        assert_int_equal(ckpt_save_state(w->acc, folder), 0);
+        x.before = capture(w, t);
+        world_set(w, 2);
+        x.after = capture(w, t);
+        assert_int_equal(cs_start(&s, root), 0);
+        ckpt__io_set_unsafe(unsafe);
+        assert_int_equal(ckpt_save_state(w->acc, folder), 0);
+        ckpt__io_set_unsafe(0);
+        break;
+    case OP_PRUNE: { /* checkpoint_0.._2 exist; prune keeps the newest */
+        w = world_new(root, 0);
+        for (int v = 1; v <= 3; v++) {
+            world_set(w, v);
+            assert_int_equal(ckpt_save_state(w->acc, NULL), 0);
+        }
+        x.before = capture(w, t);
+        x.after = capture(w, t);
+        world_free(w); /* the run ends; prune needs the project lock */
+        w = NULL;
+        int64_t removed = 0;
+        assert_int_equal(cs_start(&s, root), 0);
+        ckpt__io_set_unsafe(unsafe);
+        assert_int_equal(ckpt_checkpoint_prune(root, 1, &removed), 0);
+        ckpt__io_set_unsafe(0);
+        assert_int_equal(removed, 2);
+        break;
+    }
+    }
+    /* The record must explain the folder exactly: no call bypassed the layer. */
+    assert_int_equal(cs_stop(s), 0);
+    world_free(w); /* releases the project lock for the checks */
+    if (verbose && getenv("CKPT_CRASHSIM_PRINT")) cs_print_record(s, stderr);
+    cs_options o = {.seed = g_seed, .verbose = verbose, .samples = samples,
+                    .exhaustive_max = samples ? samples : 0};
+    sim_run r;
+    memset(&r, 0, sizeof r);
+    assert_int_equal(cs_explore(s, scratch, &o, check_state, &x, &r.res), 0);
+    r.events = cs_event_count(s);
+    r.fell_back = x.fell_back;
+    cs_free(s);
+    free(x.before.bytes);
+    free(x.after.bytes);
+    tu_tmpdir_free(t);
+    return r;
+}
+
+static void report(const char *what, const sim_run *r) {
+    printf("power-loss: %-34s %3zu calls, %4zu crash points (%zu sampled), %5zu states built, "
+           "%4zu distinct checked, %zu with a fallback load, %zu violations (seed %llu)\n",
+           what, r->events, r->res.crash_points, r->res.sampled_points, r->res.generated,
+           r->res.checked, r->fell_back, r->res.violations, (unsigned long long)r->res.seed);
+    fflush(stdout);
+    if (r->res.violations) printf("power-loss:   first: %s\n", r->res.first_violation);
+}
+
+static void expect_safe(const char *what, op_kind op) {
+    sim_run r = simulate(op, 0, true, 0);
+    report(what, &r);
+    assert_true(r.res.checked > 20);
+    assert_int_equal(r.res.violations, 0);
+}
+
+static void test_powerloss_automatic_save_with_rotation(void **state) {
+    (void)state;
+    expect_safe("save with total_limit rotation:", OP_AUTOMATIC);
+}
+
+static void test_powerloss_save_replacing_explicit_folder(void **state) {
+    (void)state;
+    expect_safe("save replacing an explicit folder:", OP_EXPLICIT);
+}
+
+static void test_powerloss_prune(void **state) {
+    (void)state;
+    expect_safe("prune:", OP_PRUNE);
+}
+
+/* The checker can fail: without the fsync of each file before the
+ * manifest, or without the folder fsync after the rename, a power cut right
+ * after a successful save loses the new checkpoint, and the simulator must
+ * find such a state. (Fewer samples per crash point: the states that show
+ * it — nothing unsynced reached the disk — are always among them.) */
+static void test_powerloss_catches_missing_file_fsync(void **state) {
+    (void)state;
+    sim_run r = simulate(OP_AUTOMATIC, CKPT_IO_SKIP_FILE_FSYNC, false, 8);
+    report("save WITHOUT file fsync (must fail):", &r);
+    assert_true(r.res.violations > 0);
+    tu_assert_contains(r.res.first_violation, "load");
+}
+
+static void test_powerloss_catches_missing_publish_fsync(void **state) {
+    (void)state;
+    sim_run r = simulate(OP_AUTOMATIC_PLAIN, CKPT_IO_SKIP_PUBLISH_FSYNC, false, 8);
+    report("save WITHOUT folder fsync (must fail):", &r);
+    assert_true(r.res.violations > 0);
+    tu_assert_contains(r.res.first_violation, "previous checkpoint");
+    r = simulate(OP_EXPLICIT, CKPT_IO_SKIP_PUBLISH_FSYNC, false, 8);
+    report("replace WITHOUT folder fsync (must fail):", &r);
+    assert_true(r.res.violations > 0);
+}
+
+/* A change made behind the I/O layer's back is caught when recording stops:
+ * the record no longer explains the folder. */
+static void test_crashsim_detects_calls_that_bypass_the_layer(void **state) {
+    (void)state;
+    char *t = tu_tmpdir_new("powerloss");
+    char a[4200], b[4200];
+    tu_path(a, sizeof a, t, "a");
+    tu_path(b, sizeof b, t, "b");
+    tu_write_text(a, "old");
+    cs_sim *s = NULL;
+    assert_int_equal(cs_start(&s, t), 0);
+    assert_int_equal(rename(a, b), 0); /* not through ckpt__os_rename */
+    assert_int_not_equal(cs_stop(s), 0);
+    cs_free(s);
+    /* The same through the layer is explained. */
+    assert_int_equal(cs_start(&s, t), 0);
+    assert_int_equal(ckpt__os_rename(b, a), 0);
+    assert_int_equal(cs_stop(s), 0);
+    assert_int_equal(cs_event_count(s), 1);
+    cs_free(s);
+    tu_tmpdir_free(t);
+}
+
+int main(void) {
+    const char *e = getenv("CKPT_CRASHSIM_SEED");
+    g_seed = e && *e ? strtoull(e, NULL, 0) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)getpid();
+    if (!g_seed) g_seed = 1;
+    printf("power-loss: seed %llu (replay with CKPT_CRASHSIM_SEED=%llu)\n",
+           (unsigned long long)g_seed, (unsigned long long)g_seed);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_crashsim_detects_calls_that_bypass_the_layer),
+        cmocka_unit_test(test_powerloss_automatic_save_with_rotation),
+        cmocka_unit_test(test_powerloss_save_replacing_explicit_folder),
+        cmocka_unit_test(test_powerloss_prune),
+        cmocka_unit_test(test_powerloss_catches_missing_file_fsync),
+        cmocka_unit_test(test_powerloss_catches_missing_publish_fsync),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,163 @@
+/* cli_torch.c — ckpt export / ckpt import: the bridge to PyTorch and Hugging
+ * Face folders (the work is done by the library: ckpt_export_torch,
+ * ckpt_import_torch). */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ckpt.h"
+#include "cli.h"
+
+static const char export_help[] =
+    "usage: ckpt export [options] CHECKPOINT OUT\n"
+    "\n"
+    "Writes the checkpoint as a folder PyTorch and Hugging Face Accelerate load as\n"
+    "they are: model.safetensors, optimizer.bin, scheduler.bin, scaler.pt (the exact\n"
+    "structures of torch's state_dict()s, loadable with weights_only=True) and a\n"
+    "README.md saying what does not carry over. OUT must not exist; it appears\n"
+    "complete or not at all.\n"
+    "\n"
+    "options:\n"
+    "  --weights-only        only the model (for inference and the Hub)\n"
+    "  --max-shard-size N    split the model into Hugging Face shards of at most N\n"
+    "                        bytes (suffixes KB MB GB = 10^3.., KiB MiB GiB = 2^10..)\n"
+    "                        plus model.safetensors.index.json\n"
+    "  -h, --help            this help\n";
+
+static const char import_help[] =
+    "usage: ckpt import [options] SRC CHECKPOINT\n"
+    "\n"
+    "Makes a ckpt checkpoint from SRC: an Accelerate folder (model.safetensors or\n"
+    "pytorch_model.bin, sharded or not, optimizer.bin, scheduler.bin, scaler.pt),\n"
+    "a folder of Hugging Face weights, or one file (a torch.save'd state dict or a\n"
+    ".safetensors file). Pickles are read by an allow-list reader that never runs\n"
+    "code. CHECKPOINT must not exist.\n"
+    "\n"
+    "options:\n"
+    "  --optimizer KIND      sgd, adam or adamw (needed for Adam/AdamW state with\n"
+    "                        weight decay: the file cannot say which)\n"
+    "  --scheduler KIND      steplr, exponentiallr, cosineannealinglr, warmup_cosine,\n"
+    "                        warmup_linear or constant (needed for a LambdaLR)\n"
+    "  --warmup N, --total N the LambdaLR schedule's warmup and total steps\n"
+    "  --step N              the checkpoint's step (default: the optimizer's)\n"
+    "  --seed N              seed of the checkpoint's random generator (default 0)\n"
+    "  -h, --help            this help\n";
+
+static bool parse_size(const char *s, uint64_t *out) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || v <= 0) return false;
+    static const struct {
+        const char *suffix;
+        double mult;
+    } units[] = {{"", 1},         {"B", 1},          {"KB", 1e3},       {"MB", 1e6},
+                 {"GB", 1e9},     {"TB", 1e12},      {"KiB", 1024.0},   {"MiB", 1048576.0},
+                 {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        if (strcmp(end, units[i].suffix) == 0) {
+            double b = v * units[i].mult;
+            if (b < 1 || b > 1.8e19) return false;
+            *out = (uint64_t)b;
+            return true;
+        }
+    }
+    return false;
+}
+
+/* "--name VALUE" or "--name=VALUE"; NULL if a is not --name. */
+static const char *opt_value(const char *a, const char *name, int argc, char **argv, int *i,
+                             bool *missing) {
+    size_t n = strlen(name);
+    if (strncmp(a, name, n) != 0) return NULL;
+    if (a[n] == '=') return a + n + 1;
+    if (a[n] != '\0') return NULL;
+    if (*i + 1 < argc) return argv[++*i];
+    *missing = true;
+    return NULL;
+}
+
+int cli_export(int argc, char **argv) {
+    ckpt_export_options o = {0};
+    const char *paths[2];
+    int npaths = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        bool missing = false;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(export_help, stdout);
+            return CLI_OK;
+        } else if (!strcmp(a, "--weights-only")) {
+            o.weights_only = true;
+        } else if ((v = opt_value(a, "--max-shard-size", argc, argv, &i, &missing)) || missing) {
+            if (missing) return cli_usage_error("export", "--max-shard-size needs a value");
+            if (!parse_size(v, &o.max_shard_size))
+                return cli_usage_error("export", "bad size for --max-shard-size: '%s'", v);
+        } else if (a[0] == '-' && a[1]) {
+            return cli_usage_error("export", "unknown option '%s'", a);
+        } else if (npaths == 2) {
+            return cli_usage_error("export", "unexpected argument '%s'", a);
+        } else {
+            paths[npaths++] = a;
+        }
+    }
+    if (npaths != 2) return cli_usage_error("export", "needs CHECKPOINT and OUT");
+    if (ckpt_export_torch(paths[0], paths[1], &o) < 0) {
+        cli_error("%s", ckpt_errmsg());
+        return CLI_RUNTIME;
+    }
+    printf("exported %s to %s\n", paths[0], paths[1]);
+    return CLI_OK;
+}
+
+int cli_import(int argc, char **argv) {
+    ckpt_import_options o = ckpt_import_defaults();
+    const char *paths[2];
+    int npaths = 0;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v;
+        bool missing = false;
+        int64_t n;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(import_help, stdout);
+            return CLI_OK;
+        } else if ((v = opt_value(a, "--optimizer", argc, argv, &i, &missing)) || missing) {
+            if (missing) return cli_usage_error("import", "--optimizer needs a value");
+            if (!strcmp(v, "sgd")) o.optimizer = CKPT_OPTIM_SGD;
+            else if (!strcmp(v, "adam")) o.optimizer = CKPT_OPTIM_ADAM;
+            else if (!strcmp(v, "adamw")) o.optimizer = CKPT_OPTIM_ADAMW;
+            else return cli_usage_error("import", "--optimizer must be sgd, adam or adamw, not '%s'", v);
+        } else if ((v = opt_value(a, "--scheduler", argc, argv, &i, &missing)) || missing) {
+            if (missing) return cli_usage_error("import", "--scheduler needs a value");
+            o.scheduler = v;
+        } else if ((v = opt_value(a, "--warmup", argc, argv, &i, &missing)) || missing) {
+            if (missing || !cli_parse_i64(v, 0, INT64_MAX, &n))
+                return cli_usage_error("import", "--warmup needs a number >= 0");
+            o.warmup = n;
+        } else if ((v = opt_value(a, "--total", argc, argv, &i, &missing)) || missing) {
+            if (missing || !cli_parse_i64(v, 0, INT64_MAX, &n))
+                return cli_usage_error("import", "--total needs a number >= 0");
+            o.total = n;
+        } else if ((v = opt_value(a, "--step", argc, argv, &i, &missing)) || missing) {
+            if (missing || !cli_parse_i64(v, 0, INT64_MAX, &n))
+                return cli_usage_error("import", "--step needs a number >= 0");
+            o.step = n;
+        } else if ((v = opt_value(a, "--seed", argc, argv, &i, &missing)) || missing) {
+            if (missing || !cli_parse_i64(v, 0, INT64_MAX, &n))
+                return cli_usage_error("import", "--seed needs a number >= 0");
+            o.seed = (uint64_t)n;
+        } else if (a[0] == '-' && a[1]) {
+            return cli_usage_error("import", "unknown option '%s'", a);
+        } else if (npaths == 2) {
+            return cli_usage_error("import", "unexpected argument '%s'", a);
+        } else {
+            paths[npaths++] = a;
+        }
+    }
+    if (npaths != 2) return cli_usage_error("import", "needs SRC and CHECKPOINT");
+    if (ckpt_import_torch(paths[0], paths[1], &o) < 0) {
+        cli_error("%s", ckpt_errmsg());
+        return CLI_RUNTIME;
+    }
+    printf("imported %s into %s\n", paths[0], paths[1]);
+    return CLI_OK;
+}
