@@ -9,6 +9,9 @@
 PREFIX ?= /usr/local
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE ?= cmake
+# cmake --build runs make again below this one: without this, every line of
+# the build would come wrapped in "Entering/Leaving directory" messages.
+MAKEFLAGS += --no-print-directory
 
 .PHONY: all setup build build-test test demo bench install clean fuzz tsan valgrind
 

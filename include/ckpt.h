@@ -78,6 +78,19 @@ CKPT_API const char *ckpt_strerror(int code);
 CKPT_API const char *ckpt_errmsg(void);
 /* Clears this thread's message. */
 CKPT_API void ckpt_clear_error(void);
+/* Sets this thread's message (printf format; NULL clears it) and returns
+ * code, for user callbacks: return ckpt_set_error(CKPT_EINVAL, "lr %g", lr);
+ * The library clears the message before it calls a state_dict,
+ * load_state_dict, check_state_dict or hook, and reports the message the
+ * callback set; a callback that fails without one is reported as "<callback>
+ * returned CKPT_X". A callback that probes (ckpt_reader_find of a key that
+ * may be absent sets "no key ...") and then fails for another reason should
+ * set its own message. */
+CKPT_API int ckpt_set_error(int code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
 
 /* ------------------------------------------------------------------------ */
 /* Data types, named as safetensors names them                               */
@@ -315,14 +328,10 @@ typedef struct ckpt_comm {
     void (*destroy)(void *ctx);
 } ckpt_comm;
 
-/* For communicator implementations: sets this thread's message (printf
- * format) and returns code, so a collective can `return ckpt_set_error(
- * CKPT_EIO, "allgather: %s", why);` and the caller's ckpt_errmsg names it. */
-CKPT_API int ckpt_set_error(int code, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
+/* For communicator implementations: ckpt_set_error (see Errors above) sets
+ * this thread's message and returns the code, so a collective can `return
+ * ckpt_set_error(CKPT_EIO, "allgather: %s", why);` and the caller's
+ * ckpt_errmsg names it. */
 
 /* A communicator of one process (rank 0 of 1): static, never freed. */
 CKPT_API const ckpt_comm *ckpt_comm_self(void);
@@ -467,7 +476,20 @@ CKPT_API int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm);
 typedef struct ckpt_scheduler ckpt_scheduler;
 
 /* Each constructor sets the optimizer's learning rates to their values at
- * step 0, as PyTorch's do. Borrows o until the scheduler is freed. */
+ * step 0, as PyTorch's do. Borrows o until the scheduler is freed.
+ *
+ * Schedule parameters belong to the constructor. A scheduler's state dict
+ * holds its position (last_epoch, _step_count, base_lrs, _last_lr) and, for
+ * reference, the parameters it was built with (step_size, gamma, milestones,
+ * T_max, eta_min, warmup, total). Loading restores the position only: the
+ * parameters given to the constructor stay in force, whatever the file says,
+ * as with PyTorch's LambdaLR (whose lambda is not in its state dict; the
+ * warmup kinds are transformers' LambdaLR schedules). So a run resumed with a
+ * larger total continues on the longer schedule from the restored step, and
+ * one resumed with the same values continues exactly. (PyTorch's StepLR,
+ * MultiStepLR, ExponentialLR and CosineAnnealingLR would instead take the
+ * file's values silently.) The number of milestones is part of the schema: a
+ * file with another count is CKPT_EMISMATCH. */
 CKPT_API int ckpt_steplr_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t step_size, double gamma);
 CKPT_API int ckpt_multisteplr_new(ckpt_scheduler **out, ckpt_optimizer *o, int nmilestones,
                                   const int64_t *milestones, double gamma);
@@ -573,13 +595,28 @@ CKPT_API void ckpt_dataloader_free(ckpt_dataloader *dl);
 /* 1: a batch in *b; 0: the epoch ended (the next call starts the next epoch);
  * <0: an error (a failing get names the index). */
 CKPT_API int ckpt_dataloader_next(ckpt_dataloader *dl, ckpt_batch *b);
-/* Starts epoch `epoch` from its first batch. */
+/* Starts epoch `epoch` from its first batch, with one exception that keeps
+ * a resumed loop exact: after load_state_dict (ckpt_load_state) restored a
+ * position past the first batch of epoch e, and until the loader yields a
+ * batch or is repositioned (set_epoch to another epoch, skip, re-shard, another
+ * load), set_epoch(e) changes nothing: the next batch is the restored one.
+ * (A restored position at the very end of epoch e stays there too: the next
+ * call of ckpt_dataloader_next returns 0 and moves to epoch e + 1.) So the
+ * usual loop "for each epoch: set_epoch(epoch); while next..." resumes
+ * mid-epoch as if it had never stopped. Outside that window, set_epoch of the
+ * current epoch restarts it. CKPT_EINVAL for a negative epoch. */
 CKPT_API int ckpt_dataloader_set_epoch(ckpt_dataloader *dl, int64_t epoch);
 CKPT_API int64_t ckpt_dataloader_epoch(const ckpt_dataloader *dl);
 /* Batches (this process's) in one epoch. */
 CKPT_API int64_t ckpt_dataloader_num_batches(const ckpt_dataloader *dl);
 /* Skips the next num_batches batches of the current epoch without reading a
- * sample; CKPT_EINVAL past the epoch's end. Applies to this epoch only. */
+ * sample; CKPT_EINVAL past the epoch's end. Applies to this epoch only.
+ * Porting trap: ckpt_load_state already restores the mid-epoch position
+ * (unlike a PyTorch DataLoader, which Accelerate's skip_first_batches has to
+ * fast-forward). A skip right after a load that restored a position past the
+ * epoch's first batch (before any batch was yielded) still skips, on top of
+ * that position, and logs a warning saying so (see ckpt_dataloader_set_log);
+ * it would drop those batches from the resumed run. */
 CKPT_API int ckpt_skip_first_batches(ckpt_dataloader *dl, int64_t num_batches);
 /* State dict: seed, epoch, batches yielded this epoch, dataset length,
  * batch size, shuffle, drop_last, shard. Loading positions the loader at the
@@ -643,7 +680,13 @@ typedef void (*ckpt_log_fn)(void *user, ckpt_log_level level, const char *msg);
 CKPT_API int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg);
 /* Releases the project lock, if held. */
 CKPT_API void ckpt_accelerator_free(ckpt_accelerator *acc);
+/* Sets where the accelerator's warnings go (fn NULL: stderr), and those of
+ * every data loader prepared with it (now or later). */
 CKPT_API void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user);
+/* Sets where a data loader's warnings go (fn NULL, the default: "ckpt:
+ * warning: <msg>" on stderr). ckpt_prepare_dataloader and a later
+ * ckpt_accelerator_set_log replace it with the accelerator's. */
+CKPT_API void ckpt_dataloader_set_log(ckpt_dataloader *dl, ckpt_log_fn fn, void *user);
 CKPT_API int ckpt_accelerator_process_index(const ckpt_accelerator *acc);
 CKPT_API int ckpt_accelerator_num_processes(const ckpt_accelerator *acc);
 
@@ -673,25 +716,37 @@ CKPT_API ckpt_rng *ckpt_accelerator_rng(ckpt_accelerator *acc);
 CKPT_API int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed);
 
 /* Saves everything registered. output_dir NULL: the next automatic
- * checkpoint (needs automatic_checkpoint_naming and project_dir). An explicit
- * folder always wins; an existing checkpoint there is replaced atomically.
- * Atomic: on any failure the previous state on disk is intact and nothing
- * partial is visible. Removes the oldest automatic checkpoints beyond
- * total_limit only after the new one is committed.
+ * checkpoint (needs automatic_checkpoint_naming and project_dir; a load with
+ * input_dir NULL needs only project_dir, as it reads whatever checkpoints
+ * are there). An explicit folder always wins; an existing checkpoint there is
+ * replaced atomically, an existing folder that is neither empty nor a
+ * checkpoint never is (CKPT_EEXIST, checked again right before the new
+ * folder is published). Atomic: on any failure the previous state on disk is
+ * intact and nothing partial is visible. Removes the oldest automatic
+ * checkpoints beyond total_limit only after the new one is committed.
  * With a comm of several processes it is collective (every rank calls it
  * with the same arguments): rank 0 writes the replicated objects and commits
  * only once every rank has written and fsynced its own files (its random
  * state, its shards); every rank returns the same status, and the message of
- * a failure names the rank ("rank 2: ..."). docs/DISTRIBUTED.md. */
+ * a failure names the rank ("rank 2: ..."). docs/DISTRIBUTED.md.
+ *
+ * After a failed ckpt_load_state (any failure but CKPT_ENOENT, see there)
+ * every save of this accelerator, automatic or explicit, refuses with
+ * CKPT_EINVAL quoting the load's error, until a load succeeds or
+ * ckpt_accelerator_start_over is called. A run that could not load its
+ * checkpoint and carried on from scratch would otherwise rotate the finished
+ * run's checkpoints away, or replace its explicit "latest" folder; explicit
+ * saves are refused too because such a folder is usually the one the failed
+ * load read. */
 CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
 /* Asynchronous save: the same checkpoint as ckpt_save_state(acc, output_dir),
  * with the disk write taken off the caller's thread.
  * In the caller's thread, before it returns: any pending save is ended first
  * (as by ckpt_save_wait; if it failed, its error is returned and nothing else
  * is done), the checkpoint is planned (lock, number, temporary folder: two
- * asynchronous saves never get the same number), the save pre-hooks run,
- * every object's state_dict runs, and every tensor's bytes are copied into a
- * staging area. From then on the objects may change: what is saved is the
+ * asynchronous saves never get the same number), the save pre-hooks run
+ * (with the temporary folder, as for ckpt_save_state), every object's
+ * state_dict runs, and every tensor's bytes are copied into a staging area. From then on the objects may change: what is saved is the
  * state at the call. The background thread (one per accelerator, started by
  * the first call, joined by ckpt_accelerator_free) then writes and fsyncs
  * the files, commits the checkpoint and applies total_limit, exactly as
@@ -712,7 +767,8 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * not return its failure: it stays for the next wait or save; free only
  * logs it). ckpt_accelerator_iteration counts the pending save at once (and
  * goes back if it fails); ckpt_accelerator_last_dir names it once it has
- * been waited for.
+ * been waited for. The post-save hooks of a successful asynchronous save run
+ * when it is waited for, in the waiting thread (never in the background).
  * With a comm of several processes it is collective like ckpt_save_state:
  * the background thread only writes this rank's files; the agreement and
  * the commit run in the caller's thread at the next ckpt_save_wait / save /
@@ -729,13 +785,14 @@ CKPT_API int ckpt_save_wait(ckpt_accelerator *acc);
  * returns (so a limit below the state's size trades stall for memory). */
 CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uint64_t bytes);
 /* Loads everything registered. input_dir NULL: the newest complete checkpoint
- * that verifies, falling back (with a warning) to older ones. Transactional:
- * everything is checked first (manifest, files, every object's schema, then
- * every object's check_state_dict) and nothing in memory changes unless all
- * of it matches. The one exception: a custom object without check_state_dict
- * whose load_state_dict refuses a value; the objects loaded before it are then
- * already changed and the error says "state partially loaded". Restores the
- * step counter and the automatic numbering.
+ * that verifies in <project_dir>/checkpoints, falling back (with a warning)
+ * to older ones. Transactional: everything is checked first (manifest,
+ * files, every object's schema, then every object's check_state_dict) and
+ * nothing in memory changes unless all of it matches. The one exception: a
+ * custom object without check_state_dict whose load_state_dict refuses a
+ * value; the objects loaded before it are then already changed and the error
+ * says "state partially loaded". Restores the step counter and the automatic
+ * numbering.
  * Each file is read once (pread, hashed piece by piece as it is read) into a
  * buffer area the accelerator keeps and reuses for the next load and for
  * asynchronous saves: it costs the size of the files this process reads
@@ -743,8 +800,30 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * With a comm of several processes it is collective: every rank loads the
  * same checkpoint (a candidate any rank finds corrupt is skipped by all), and
  * nothing is applied on any rank unless every rank's checks pass; every rank
- * returns the same status and message. */
+ * returns the same status and message (so every rank's saves are refused or
+ * allowed alike after it).
+ *
+ * CKPT_ENOENT means exactly "there is no checkpoint": input_dir NULL and no
+ * checkpoint_<n> folder at all in the project, or an explicit input_dir that
+ * does not exist or is not a checkpoint (no checkpoint.json; an explicit save
+ * never replaces such a folder unless it is empty). It is the one failure
+ * that is a fresh start, and the one that leaves saves allowed. Every other
+ * failure (a corrupt or partial checkpoint, CKPT_EMISMATCH after a change of
+ * configuration, I/O, a hook) makes this accelerator's saves refuse until a load succeeds or the caller
+ * calls ckpt_accelerator_start_over (a save into a project another run
+ * owns still fails with CKPT_EBUSY first). The resume idiom:
+ *     int rc = ckpt_load_state(acc, NULL);
+ *     if (rc == CKPT_ENOENT) start from step 0;
+ *     else if (rc < 0) stop: print ckpt_errmsg() and exit;
+ * An accelerator that never called ckpt_load_state saves freely (automatic
+ * numbering continues after the highest existing checkpoint). */
 CKPT_API int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir);
+/* Says explicitly that this run starts over although its last
+ * ckpt_load_state failed: saves are allowed again (automatic numbering
+ * continues after the highest existing checkpoint, and total_limit rotation
+ * may then remove the old run's checkpoints). Changes nothing in memory.
+ * CKPT_EINVAL if acc is NULL. */
+CKPT_API int ckpt_accelerator_start_over(ckpt_accelerator *acc);
 /* The folder of the last save or load; "" if none. View valid until the next
  * save/load or free. */
 CKPT_API const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc);
@@ -755,10 +834,37 @@ CKPT_API void ckpt_accelerator_set_step(ckpt_accelerator *acc, int64_t step);
 CKPT_API int64_t ckpt_accelerator_iteration(const ckpt_accelerator *acc);
 
 /* Hooks, as Accelerate's register_save_state_pre_hook /
- * register_load_state_pre_hook: called at the start of every save (with the
- * final folder) or load (with the folder being loaded). A non-zero return
- * aborts the save/load with that code. With several processes they run on
- * every rank, with the same folder; one rank's failure fails all. */
+ * register_load_state_pre_hook, plus post hooks. Each kind runs in
+ * registration order; dir is a view valid during the call.
+ *
+ * Save pre-hook: called during every save, before the state files are
+ * written, with the TEMPORARY folder being written (it exists; it is
+ * hidden, ".<name>.tmp.<pid>" beside the final folder). Regular files the
+ * hook creates at the top of that folder become part of the checkpoint:
+ * listed in the manifest as kind "extra" with their size and XXH3-64,
+ * fsynced, published atomically with the rest, verified by
+ * ckpt_checkpoint_verify and ckpt_load_state (an extra file changed later
+ * makes the checkpoint corrupt), shown by ckpt_checkpoint_files and `ckpt
+ * inspect`. A name must be visible (no leading '.'), not checkpoint.json and
+ * not one of the state files' names; a subfolder, a symbolic link or any
+ * other entry fails the save with CKPT_EINVAL naming it (nothing is
+ * published). Write files the hook wants kept with the checkpoint there, and
+ * nothing else.
+ * Load pre-hook: called before the load's objects are checked, with the
+ * folder being loaded (already verified).
+ * A pre-hook's non-zero return aborts the save/load with that code (a value
+ * that is not a ckpt_status becomes CKPT_EINVAL) and the message it set with
+ * ckpt_set_error ("... returned CKPT_X" if none).
+ *
+ * Save post-hook: called after the checkpoint is committed (and any
+ * total_limit rotation), with the final folder. Load post-hook: called after
+ * a successful load, with the folder loaded. The save or load has succeeded
+ * by then and stays successful: a post-hook's non-zero return is logged as a
+ * warning (with its message) and the remaining post-hooks still run.
+ *
+ * With several processes every hook runs on every rank, with the same folder;
+ * one rank's pre-hook failure fails all. The files save pre-hooks of any rank
+ * leave in the temporary folder are listed by rank 0 when it commits. */
 typedef int (*ckpt_state_hook_fn)(void *user, ckpt_accelerator *acc, const char *dir);
 typedef struct ckpt_hook_handle ckpt_hook_handle;
 /* *handle (may be NULL) receives a handle whose removal stops the hook. */
@@ -766,6 +872,10 @@ CKPT_API int ckpt_register_save_state_pre_hook(ckpt_accelerator *acc, ckpt_state
                                                void *user, ckpt_hook_handle **handle);
 CKPT_API int ckpt_register_load_state_pre_hook(ckpt_accelerator *acc, ckpt_state_hook_fn fn,
                                                void *user, ckpt_hook_handle **handle);
+CKPT_API int ckpt_register_save_state_post_hook(ckpt_accelerator *acc, ckpt_state_hook_fn fn,
+                                                void *user, ckpt_hook_handle **handle);
+CKPT_API int ckpt_register_load_state_post_hook(ckpt_accelerator *acc, ckpt_state_hook_fn fn,
+                                                void *user, ckpt_hook_handle **handle);
 /* Removes the hook and frees the handle. NULL is a no-op. Handles left are
  * freed with the accelerator. */
 CKPT_API void ckpt_hook_remove(ckpt_hook_handle *handle);
@@ -801,6 +911,19 @@ typedef struct ckpt_checkpoint_info {
  * CKPT_ECORRUPT for a bad manifest or file. info is filled as far as could
  * be read. */
 CKPT_API int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *info);
+/* One file a checkpoint's manifest lists. */
+typedef struct ckpt_checkpoint_file {
+    char name[256];  /* plain file name inside the folder */
+    char kind[65];   /* "model", "optimizer", ..., "random_states", "extra" (a
+                        save pre-hook's file) */
+    uint64_t size;
+    uint64_t xxh3;   /* XXH3-64 of the whole file */
+} ckpt_checkpoint_file;
+/* The files dir's manifest lists, in manifest order (the manifest is read and
+ * parsed, the files are not checked: see ckpt_checkpoint_verify). *out is
+ * malloc'd (NULL when *count is 0); free() it. Same errors as a load's
+ * manifest read. */
+CKPT_API int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *count);
 /* Lists <project_dir>/checkpoints/checkpoint_<n> folders, ascending n, with
  * their status (deep verification if deep). *out is malloc'd; free() it. */
 CKPT_API int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_info **out,

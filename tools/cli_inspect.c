@@ -65,6 +65,33 @@ static void free_names(struct dirent **names, int n) {
     free(names);
 }
 
+/* The files a save pre-hook added (kind "extra" in the manifest). JSON: ends
+ * the objects array and adds "extra_files". */
+static void print_extra_files(const char *dir, bool json) {
+    ckpt_checkpoint_file *v = NULL;
+    int64_t n = 0;
+    if (ckpt_checkpoint_files(dir, &v, &n) < 0) n = 0;
+    int64_t shown = 0;
+    if (json) printf("],\"extra_files\":[");
+    for (int64_t i = 0; i < n; i++) {
+        if (strcmp(v[i].kind, "extra") != 0) continue;
+        if (json) {
+            printf("%s{\"name\":", shown ? "," : "");
+            cli_json_string(v[i].name);
+            printf(",\"size\":%llu,\"xxh3\":\"%016llx\"}", (unsigned long long)v[i].size,
+                   (unsigned long long)v[i].xxh3);
+        } else {
+            if (!shown) printf("\nextra files (added by a save pre-hook, verified with the rest):\n");
+            char size[32];
+            printf("  %s  %s  xxh3 %016llx\n", v[i].name,
+                   cli_human_bytes(v[i].size, size, sizeof size), (unsigned long long)v[i].xxh3);
+        }
+        shown++;
+    }
+    if (json) printf("]");
+    free(v);
+}
+
 static const char *kind_name(ckpt_entry_kind k) {
     const char *n = ckpt_entry_kind_name(k);
     return n ? n : "unknown";
@@ -309,7 +336,8 @@ int cli_inspect(int argc, char **argv) {
         status = inspect_file(file, names[i]->d_name, json, i == 0);
     }
     free_names(names, n);
-    if (status == CLI_OK && json) printf("]}\n");
+    if (status == CLI_OK) print_extra_files(path, json);
+    if (status == CLI_OK && json) printf("}\n");
     return status;
 }
 

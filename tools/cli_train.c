@@ -43,7 +43,7 @@ static const char train_help[] =
     "  --lr X             peak learning rate (default 0.002)\n"
     "  --seed N           seed of weights, data order and dropout (default 1)\n"
     "  --save-every N     steps between checkpoints (default 50; 0 = only at the end)\n"
-    "  --total-limit N    keep this many checkpoints (default 3; 0 = all)\n"
+    "  --total-limit N    keep the newest N valid checkpoints (default 3; 0 = all)\n"
     "  --workers N        data loader prefetch threads (default 2)\n"
     "  --project-dir DIR  checkpoints in DIR/checkpoints, metrics in DIR/logs\n"
     "                     (default runs/digits)\n"
@@ -144,6 +144,42 @@ static bool run_config_check(const run_config *saved, const run_config *now, int
     return ok;
 }
 
+/* ---- the recent losses ------------------------------------------------- */
+
+/* A progress line shows the mean loss of the steps since the previous line
+ * (the last --log-every steps; at most LOSS_RING). A resumed run refills the
+ * ring from the metrics log, which holds every step's loss exactly (%.9g of
+ * a float round-trips) and is cut back to the resumed step, so the first line
+ * after a resume averages the same losses, in the same order, as the
+ * uninterrupted run's line. Nothing of it is in the checkpoint: what is
+ * printed never changes what is saved. */
+#define LOSS_RING 1024
+typedef struct loss_history {
+    float loss[LOSS_RING]; /* step s's loss at (s - 1) % LOSS_RING */
+    int64_t steps;         /* the last step recorded */
+    int64_t known_from;    /* losses of steps known_from..steps are held */
+} loss_history;
+
+/* Records step's loss; steps come in order, a gap drops what came before. */
+static void loss_history_put(loss_history *h, int64_t step, float loss) {
+    if (step < 1) return;
+    if (step != h->steps + 1 || h->known_from < 1) h->known_from = step;
+    h->loss[(step - 1) % LOSS_RING] = loss;
+    h->steps = step;
+    if (h->steps - h->known_from + 1 > LOSS_RING) h->known_from = h->steps - LOSS_RING + 1;
+}
+
+/* The mean of the losses of the last n steps (as many of them as are held),
+ * summed oldest first. */
+static double loss_history_mean(const loss_history *h, int64_t n) {
+    if (h->known_from < 1) return 0.0;
+    if (n > h->steps - h->known_from + 1) n = h->steps - h->known_from + 1;
+    if (n <= 0) return 0.0;
+    double sum = 0.0;
+    for (int64_t s = h->steps - n + 1; s <= h->steps; s++) sum += h->loss[(s - 1) % LOSS_RING];
+    return sum / (double)n;
+}
+
 /* ---- small helpers ------------------------------------------------------ */
 
 static volatile sig_atomic_t stop_signal = 0;
@@ -204,7 +240,7 @@ static const char *find_data(char *buf, size_t cap) {
 /* Opens the metrics log for appending. On resume it first drops every line
  * past the resumed step (and a torn last line), so the log reads as if the
  * run had never stopped; a fresh run starts it empty. */
-static FILE *metrics_open(const char *path, bool resume, int64_t keep_upto) {
+static FILE *metrics_open(const char *path, bool resume, int64_t keep_upto, loss_history *losses) {
     if (!resume) return fopen(path, "w");
     FILE *in = fopen(path, "r");
     if (!in) return errno == ENOENT ? fopen(path, "w") : NULL;
@@ -227,6 +263,9 @@ static FILE *metrics_open(const char *path, bool resume, int64_t keep_upto) {
         if (line[len - 1] != '\n') break; /* torn by a kill mid-write */
         if (sscanf(line, "{\"step\":%lld", &step) != 1 || step > keep_upto) break;
         fputs(line, out);
+        const char *lp = strstr(line, "\"loss\":");
+        float loss;
+        if (lp && sscanf(lp, "\"loss\":%f", &loss) == 1) loss_history_put(losses, step, loss);
     }
     free(line);
     fclose(in);
@@ -338,6 +377,7 @@ typedef struct trainer {
     ckpt_dataloader *loader;
     ckpt_accelerator *acc;
     run_config config, saved_config;
+    loss_history losses;
     FILE *metrics;
     bool tty; /* a progress bar is being redrawn on stdout */
     /* many processes: data parallel over dist.comm (cli_dist.c) */
@@ -670,7 +710,7 @@ int cli_train(int argc, char **argv) {
         goto done;
     }
     snprintf(metrics_path, sizeof metrics_path, "%s/metrics.jsonl", logdir);
-    if (t.speak && (make_dirs(logdir) != 0 || !(t.metrics = metrics_open(metrics_path, resumed, step)))) {
+    if (t.speak && (make_dirs(logdir) != 0 || !(t.metrics = metrics_open(metrics_path, resumed, step, &t.losses)))) {
         cli_error("%s: %s", metrics_path, strerror(errno));
         status = CLI_RUNTIME;
         goto done;
@@ -689,8 +729,8 @@ int cli_train(int argc, char **argv) {
                (long long)o->batch_size, (long long)t.ntrain, (long long)t.ntest);
 
     ckpt_rng *rng = ckpt_accelerator_rng(t.acc);
-    double t0 = now_seconds(), last_draw = 0.0, window_loss = 0.0;
-    int64_t start_step = step, window_n = 0;
+    double t0 = now_seconds(), last_draw = 0.0;
+    int64_t start_step = step;
     /* one process stops at the signal; many at the step they agree on */
     bool stop = false;
     while (step < total && !(t.dist.size > 1 ? stop : stop_signal != 0)) {
@@ -742,8 +782,7 @@ int cli_train(int argc, char **argv) {
             status = CLI_RUNTIME;
             goto done;
         }
-        window_loss += loss;
-        window_n++;
+        loss_history_put(&t.losses, step, loss);
 
         if ((o->save_every > 0 && step % o->save_every == 0) || step == total) {
             if ((status = save(&t, step, step == total)) != CLI_OK) goto done;
@@ -765,10 +804,9 @@ int cli_train(int argc, char **argv) {
         } else if (!tty && !quiet && (step % o->log_every == 0 || step == total)) {
             printf("epoch %lld step %lld/%lld loss %.4f lr %.3g scale %g %.1f it/s\n",
                    (long long)b.epoch + 1, (long long)step, (long long)total,
-                   window_loss / (double)window_n, lr, scale, rate);
+                   loss_history_mean(&t.losses, step - (step - 1) / o->log_every * o->log_every),
+                   lr, scale, rate);
             fflush(stdout);
-            window_loss = 0.0;
-            window_n = 0;
         }
     }
     if (tty) putchar('\n');

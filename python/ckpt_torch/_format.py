@@ -778,8 +778,10 @@ def read_manifest(dir):
         raise CkptError("%s: not a folder" % dir)
     path = os.path.join(dir, MANIFEST_NAME)
     if not os.path.lexists(path):
-        raise CorruptError("%s: not a complete checkpoint: no manifest %s (an interrupted save?)"
-                           % (dir, MANIFEST_NAME))
+        # As the C library says it: a folder without a manifest is not a
+        # checkpoint (an interrupted save leaves a hidden temporary folder,
+        # never a visible one without its manifest).
+        raise NotFoundError(errno.ENOENT, "%s: not a checkpoint (no %s)" % (dir, MANIFEST_NAME))
     with open(path, "rb") as f:
         text = f.read(MANIFEST_MAX_BYTES + 1)
     return parse_manifest(text, path)

@@ -37,7 +37,7 @@ typedef struct ckpt_acc_obj {
     void *self;
 } ckpt_acc_obj;
 
-enum { HOOK_SAVE = 0, HOOK_LOAD = 1 };
+enum { HOOK_SAVE = 0, HOOK_LOAD = 1, HOOK_SAVE_POST = 2, HOOK_LOAD_POST = 3, HOOK_KINDS = 4 };
 
 struct ckpt_hook_handle {
     ckpt_accelerator *acc;
@@ -67,7 +67,12 @@ struct ckpt_accelerator {
     ckpt_rng rng;
     int64_t step;
     char *last_dir;
-    ckpt_hook_handle *hooks[2];
+    ckpt_hook_handle *hooks[HOOK_KINDS];
+    /* The last ckpt_load_state failed (other than "no checkpoint"): saves
+     * refuse until a load succeeds or ckpt_accelerator_start_over. */
+    bool load_failed;
+    int load_failed_code;
+    char *load_failed_msg; /* may be NULL (no memory to copy it) */
     /* Asynchronous saves (async.c): NULL until the first one. */
     struct ckpt_async *async;
     uint64_t async_staging_limit; /* 0: no limit */
@@ -99,8 +104,11 @@ ckpt_acc_obj *ckpt__acc_plan_objects(ckpt_accelerator *acc, int *n);
 int ckpt__acc_own_project(ckpt_accelerator *acc, bool create, const char *what);
 /* Whether lock_path is the lock file acc already holds. */
 bool ckpt__acc_holds_lock_file(const ckpt_accelerator *acc, const char *lock_path);
-/* Runs the save (HOOK_SAVE) or load hooks in registration order; the first
- * failure stops them, with a message naming dir and `what`. */
+/* Runs the hooks of one kind (HOOK_*) in registration order, each with the
+ * thread's message cleared first. Pre-hooks: the first failure stops them and
+ * is returned, with a message naming dir, `what` and the hook's own message
+ * (or the status it returned). Post-hooks: a failure is logged as a warning
+ * and the others still run; returns 0. */
 int ckpt__acc_run_hooks(ckpt_accelerator *acc, int which, const char *dir, const char *what);
 
 /* ---- the save phases (save.c) --------------------------------------------
@@ -135,6 +143,9 @@ int ckpt__save_finish(ckpt_save_op *op);
 /* After a successful finish, in the caller's thread: the accelerator's
  * numbering and last folder move on. Nothing on failure. */
 void ckpt__save_apply(ckpt_save_op *op);
+/* After apply, in the caller's thread: the post-save hooks (if the save
+ * succeeded). */
+void ckpt__save_post(ckpt_save_op *op);
 /* The automatic checkpoint's number; -1 for an explicit folder. */
 int64_t ckpt__save_number(const ckpt_save_op *op);
 /* The log callback as at the call. */

@@ -75,7 +75,7 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
     if (!acc) return;
     ckpt__async_free(acc); /* a pending save ends first */
     ckpt__arena_free(&acc->arena);
-    for (int w = 0; w < 2; w++) {
+    for (int w = 0; w < HOOK_KINDS; w++) {
         ckpt_hook_handle *h = acc->hooks[w];
         while (h) {
             ckpt_hook_handle *next = h->next;
@@ -88,6 +88,7 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
     free(acc->project_dir);
     free(acc->logging_dir);
     free(acc->last_dir);
+    free(acc->load_failed_msg);
     free(acc);
 }
 
@@ -120,6 +121,17 @@ void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user)
     if (!acc) return;
     acc->log.fn = fn;
     acc->log.user = user;
+    for (int i = 0; i < acc->nobjs; i++)
+        if (acc->objs[i].kind == K_DATALOADER) ckpt_dataloader_set_log(acc->objs[i].self, fn, user);
+}
+
+int ckpt_accelerator_start_over(ckpt_accelerator *acc) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "accelerator_start_over: acc is NULL");
+    acc->load_failed = false;
+    acc->load_failed_code = 0;
+    free(acc->load_failed_msg);
+    acc->load_failed_msg = NULL;
+    return CKPT_OK;
 }
 
 int ckpt_accelerator_process_index(const ckpt_accelerator *acc) { return acc ? acc->process_index : 0; }
@@ -189,7 +201,9 @@ int ckpt_prepare_dataloader(ckpt_accelerator *acc, ckpt_dataloader *dl) {
         if (acc->objs[i].self == dl)
             return ckpt__err(CKPT_EEXIST, "prepare_dataloader: this object is already registered");
     CKPT_TRY(ckpt__dataloader_set_shard(dl, acc->num_processes, acc->process_index));
-    return prepare_builtin(acc, K_DATALOADER, ckpt_dataloader_ops(), dl, "prepare_dataloader");
+    CKPT_TRY(prepare_builtin(acc, K_DATALOADER, ckpt_dataloader_ops(), dl, "prepare_dataloader"));
+    ckpt_dataloader_set_log(dl, acc->log.fn, acc->log.user);
+    return CKPT_OK;
 }
 int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs) {
     return prepare_builtin(acc, K_SCALER, ckpt_grad_scaler_ops(), gs,
@@ -243,6 +257,14 @@ int ckpt_register_load_state_pre_hook(ckpt_accelerator *acc, ckpt_state_hook_fn 
                                       ckpt_hook_handle **handle) {
     return add_hook(acc, HOOK_LOAD, fn, user, handle, "register_load_state_pre_hook");
 }
+int ckpt_register_save_state_post_hook(ckpt_accelerator *acc, ckpt_state_hook_fn fn, void *user,
+                                       ckpt_hook_handle **handle) {
+    return add_hook(acc, HOOK_SAVE_POST, fn, user, handle, "register_save_state_post_hook");
+}
+int ckpt_register_load_state_post_hook(ckpt_accelerator *acc, ckpt_state_hook_fn fn, void *user,
+                                       ckpt_hook_handle **handle) {
+    return add_hook(acc, HOOK_LOAD_POST, fn, user, handle, "register_load_state_post_hook");
+}
 
 void ckpt_hook_remove(ckpt_hook_handle *h) {
     if (!h) return;
@@ -252,19 +274,26 @@ void ckpt_hook_remove(ckpt_hook_handle *h) {
     free(h);
 }
 
+static const char *const hook_name[HOOK_KINDS] = {"save_state pre-hook", "load_state pre-hook",
+                                                  "save_state post-hook", "load_state post-hook"};
+
 int ckpt__acc_run_hooks(ckpt_accelerator *acc, int which, const char *dir, const char *what) {
     ckpt_hook_handle *h = acc->hooks[which];
+    bool post = which == HOOK_SAVE_POST || which == HOOK_LOAD_POST;
     while (h) {
         /* A hook may remove itself: take the next one first. */
         ckpt_hook_handle *next = h->next;
+        ckpt_clear_error();
         int r = h->fn(h->user, acc, dir);
         if (r != 0) {
-            int code = r < 0 && r >= CKPT_EUNSUPPORTED ? r : CKPT_EINVAL;
-            return ckpt__err(code, "%s: %s: a %s pre-hook failed (returned %d)", what, dir,
-                             which == HOOK_SAVE ? "save_state" : "load_state", r);
+            r = ckpt__callback_failed(r, "the hook");
+            r = ckpt__err_prefix(r, "%s: %s: a %s failed", what, dir, hook_name[which]);
+            if (!post) return r;
+            ckpt__log(&acc->log, CKPT_LOG_WARNING, "%s", ckpt_errmsg());
         }
         h = next;
     }
+    if (post) ckpt_clear_error();
     return 0;
 }
 

@@ -126,6 +126,7 @@ int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
             snprintf(as->failed_msg, sizeof as->failed_msg, "%s", ckpt_errmsg());
         }
         ckpt__save_apply(op);
+        ckpt__save_post(op); /* the post-save hooks run here, in the caller's thread */
         ckpt__save_op_free(op);
     }
     if (report && as->failed < 0) {
@@ -215,8 +216,9 @@ int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uint64_t byt
 void ckpt__async_free(ckpt_accelerator *acc) {
     ckpt_async *as = acc->async;
     if (!as) return;
-    /* A failure not yet returned was logged when it happened. */
-    ckpt__async_settle(acc, false);
+    /* A failure not yet returned was logged when it happened. (A post-save
+     * hook may have started another save.) */
+    while (as->pending) ckpt__async_settle(acc, false);
     if (as->started) {
         pthread_mutex_lock(&as->mu);
         as->quit = true;

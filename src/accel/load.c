@@ -10,12 +10,15 @@
  *            schema and value (check_state_dict), changing nothing
  *   agree    nothing is applied anywhere unless every rank's checks passed
  *   apply    every rank loads its objects
+ *   post     every rank runs the post-hooks
  *
  * Every rank returns the same status and message. */
+#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "ckpt.h"
 #include "accel/accel.h"
@@ -34,6 +37,7 @@ typedef struct load_op {
     ckpt_acc_obj *objs;
     int nobjs;
     ckpt_reader **readers;
+    bool nothing; /* there is no checkpoint at all: the CKPT_ENOENT of a fresh start */
     /* The checkpoint was saved by another number of processes: this rank's
      * generator is derived from rank 0's (docs/DISTRIBUTED.md, "Reshard"). */
     bool rng_reshard;
@@ -81,9 +85,11 @@ static int list_candidates(load_op *op, const char *cdir, int64_t **nums, int64_
         if (rc == 0 && *count == 0)
             rc = ckpt__err(CKPT_ENOENT, "load_state: no checkpoint in %s", cdir);
     }
-    if (c->size <= 1) return rc;
-    rc = ckpt__coll_share(c, rc);
-    if (rc < 0) return rc;
+    if (c->size > 1) rc = ckpt__coll_share(c, rc);
+    /* The one way this fails with CKPT_ENOENT (a missing folder lists as
+     * empty). */
+    if (rc == CKPT_ENOENT) op->nothing = true;
+    if (c->size <= 1 || rc < 0) return rc;
     char *blob = (char *)*nums;
     size_t n = c->rank == 0 ? (size_t)*count * sizeof **nums : 0;
     CKPT_TRY(ckpt__coll_bcast_bytes(c, &blob, &n));
@@ -92,6 +98,28 @@ static int list_candidates(load_op *op, const char *cdir, int64_t **nums, int64_
         *count = (int64_t)(n / sizeof **nums);
     }
     return CKPT_OK;
+}
+
+/* The warning for a checkpoint skipped by load_state(NULL): the message
+ * usually starts with the folder already. */
+static void warn_skipped(ckpt_accelerator *acc, const char *dir, const char *msg, bool older) {
+    size_t n = strlen(dir);
+    bool named = strncmp(msg, dir, n) == 0 && msg[n] == ':';
+    ckpt__log(&acc->log, CKPT_LOG_WARNING, "skipping %s%s%s%s", named ? "" : dir, named ? "" : ": ",
+              msg, older ? "; falling back to an older checkpoint" : "");
+}
+
+/* An explicit folder: CKPT_ENOENT if it does not exist or is not a
+ * checkpoint (no manifest): there is no checkpoint, a fresh start. */
+static int choose_folder(load_op *op, const char *input_dir) {
+    if (!input_dir[0]) return ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
+    struct stat st;
+    if (lstat(input_dir, &st) != 0 && errno == ENOENT)
+        return ckpt__err(CKPT_ENOENT, "load_state: %s: no such checkpoint folder", input_dir);
+    if (!(op->dir = ckpt__strdup(input_dir))) return ckpt__err_nomem("load path");
+    int rc = open_checkpoint(op, op->dir);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "load_state");
+    return rc;
 }
 
 static int choose_latest(load_op *op) {
@@ -115,9 +143,7 @@ static int choose_latest(load_op *op) {
             rc = ckpt__err_prefix(orc, "load_state");
             break;
         }
-        if (op->comm->rank == 0)
-            ckpt__log(&acc->log, CKPT_LOG_WARNING, "skipping %s: %s%s", op->dir, ckpt_errmsg(),
-                      i > 0 ? "; falling back to an older checkpoint" : "");
+        if (op->comm->rank == 0) warn_skipped(acc, op->dir, ckpt_errmsg(), i > 0);
         size_t used = strlen(why);
         snprintf(why + used, sizeof why - used, "%s%s", used ? "; " : "", ckpt_errmsg());
         ckpt__checkpoint_close(&op->c);
@@ -207,10 +233,15 @@ static int open_object(load_op *op, int i) {
     if (rc < 0) return ckpt__err_prefix(rc, "load_state: %s", op->dir);
     ckpt_writer *schema = NULL;
     CKPT_TRY(ckpt_writer_new_schema(&schema));
+    ckpt_clear_error();
     rc = o->ops->state_dict(o->self, schema);
-    if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "state_dict returned %d", rc);
-    if (rc < 0) rc = ckpt__err_prefix(rc, "%s: state_dict", name);
-    else rc = ckpt__schema_check(schema, op->readers[i], name);
+    if (rc != 0) {
+        bool own = ckpt_errmsg()[0] != '\0';
+        rc = ckpt__callback_failed(rc, "state_dict");
+        rc = ckpt__err_prefix(rc, own ? "%s: state_dict" : "%s", name);
+    } else {
+        rc = ckpt__schema_check(schema, op->readers[i], name);
+    }
     ckpt_writer_free(schema);
     if (rc < 0) rc = ckpt__err_prefix(rc, "load_state: %s", op->dir);
     return rc;
@@ -238,9 +269,10 @@ static int check(load_op *op) {
     for (int i = 0; i < op->nobjs; i++) {
         const ckpt_acc_obj *o = &op->objs[i];
         if (!o->ops->check_state_dict) continue;
+        ckpt_clear_error();
         int rc = o->ops->check_state_dict(o->self, op->readers[i]);
         if (rc == 0) continue;
-        if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "check_state_dict returned %d", rc);
+        rc = ckpt__callback_failed(rc, "check_state_dict");
         char name[96];
         ckpt__acc_file_name(op->acc, o, name, sizeof name);
         return ckpt__err_prefix(rc, "load_state: %s: %s", op->dir, name);
@@ -263,9 +295,10 @@ static int apply(load_op *op) {
      * the objects before it are already loaded. */
     for (int i = 0; i < op->nobjs; i++) {
         const ckpt_acc_obj *o = &op->objs[i];
+        ckpt_clear_error();
         int rc = o->ops->load_state_dict(o->self, op->readers[i]);
         if (rc != 0) {
-            if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "load_state_dict returned %d", rc);
+            rc = ckpt__callback_failed(rc, "load_state_dict");
             char name[96];
             ckpt__acc_file_name(acc, o, name, sizeof name);
             free(last);
@@ -296,6 +329,23 @@ static int apply(load_op *op) {
     return CKPT_OK;
 }
 
+/* After a load: a success lifts a refusal of saves; a failure other than
+ * "no checkpoint" sets one (see ckpt.h). Every rank holds the same status and
+ * message here, so every rank decides alike. */
+static int record_outcome(ckpt_accelerator *acc, int rc, bool nothing) {
+    if (rc == 0) return ckpt_accelerator_start_over(acc);
+    if (nothing) return rc;
+    /* CKPT_ENOENT is promised for "no checkpoint" only, so that a caller may
+     * take it for a fresh start: a key an object reads and the file lacks
+     * (or a hook's missing file) is a mismatch between checkpoint and run. */
+    if (rc == CKPT_ENOENT) rc = CKPT_EMISMATCH;
+    free(acc->load_failed_msg);
+    acc->load_failed_msg = ckpt__strdup(ckpt_errmsg());
+    acc->load_failed = true;
+    acc->load_failed_code = rc;
+    return rc;
+}
+
 int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "load_state: acc is NULL");
     /* A pending asynchronous save ends first (its failure, if any, is kept
@@ -311,10 +361,8 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     if (rc < 0) goto out;
     /* choose */
     if (input_dir) {
-        if (!input_dir[0]) rc = ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
-        else if (!(op.dir = ckpt__strdup(input_dir))) rc = ckpt__err_nomem("load path");
-        else if ((rc = open_checkpoint(&op, op.dir)) < 0) rc = ckpt__err_prefix(rc, "load_state");
-        rc = ckpt__coll_agree(op.comm, rc, NULL);
+        rc = ckpt__coll_agree(op.comm, choose_folder(&op, input_dir), NULL);
+        op.nothing = rc == CKPT_ENOENT; /* no such folder, or not a checkpoint */
     } else {
         rc = choose_latest(&op);
     }
@@ -325,7 +373,13 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     rc = ckpt__coll_agree(op.comm, rc, NULL);
     /* apply */
     if (rc == 0) rc = ckpt__coll_agree(op.comm, apply(&op), NULL);
+    /* post */
+    if (rc == 0) {
+        ckpt__checkpoint_close(&op.c); /* the post-hooks may rewrite the folder */
+        ckpt__acc_run_hooks(acc, HOOK_LOAD_POST, op.dir, "load_state");
+    }
 out:
+    rc = record_outcome(acc, rc, op.nothing);
     if (op.readers)
         for (int i = 0; i < op.nobjs; i++) ckpt_reader_free(op.readers[i]);
     free(op.readers);

@@ -3,14 +3,16 @@
  *
  *   plan      rank 0 takes the project lock, picks the number and the
  *             temporary folder, and tells every rank (or why it cannot)
- *   snapshot  every rank runs every object's state_dict (and the hooks)
+ *   snapshot  every rank runs the pre-hooks (with the temporary folder) and
+ *             every object's state_dict
  *   write     rank 0 writes the replicated objects, every rank its own
  *             random state and its shard of every sharded object, each file
  *             fsynced, its digest recorded
  *   agree     every rank's status, then its file records, reach rank 0
- *   commit    rank 0 writes the manifest last, renames, fsyncs; only if
- *             every rank succeeded
+ *   commit    rank 0 lists the files the pre-hooks left, writes the
+ *             manifest last, renames, fsyncs; only if every rank succeeded
  *   rotate    rank 0 applies total_limit, after the commit
+ *   post      every rank runs the post-hooks with the final folder
  *
  * and at the end every rank returns the same status and message. With one
  * process the communicator is the one-process one and every collective is
@@ -22,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "ckpt.h"
 #include "accel/accel.h"
@@ -65,6 +69,7 @@ struct ckpt_save_op {
     /* agree + commit: this rank's files, then every rank's (rank 0) */
     ckpt_manifest mine;
     ckpt_manifest all;
+    char *post_dir; /* the final folder for the post-hooks (a copy: they may save) */
 };
 typedef struct ckpt_save_op save_op;
 
@@ -161,6 +166,17 @@ static int plan_local(save_op *op, const char *output_dir) {
     ckpt_accelerator *acc = op->acc;
     int rc;
     CKPT_TRY(ckpt__acc_own_project(acc, true, "save_state"));
+    /* After a failed load (see ckpt.h); checked after the project lock so
+     * that a project another run owns still says so (CKPT_EBUSY). Rank 0
+     * decides for all: every rank's load ended alike. */
+    if (acc->load_failed)
+        return ckpt__err(CKPT_EINVAL,
+                         "save_state: refused: the last load_state of this accelerator failed "
+                         "(%s: %s); saving now could replace or rotate away the checkpoints it "
+                         "could not load. Fix the cause and load again, or call "
+                         "ckpt_accelerator_start_over to start this run over deliberately",
+                         ckpt__status_name(acc->load_failed_code),
+                         acc->load_failed_msg ? acc->load_failed_msg : "(message lost)");
     if (op->automatic) {
         op->parent = ckpt__checkpoints_dir(acc->project_dir);
         if (!op->parent) return ckpt__err_nomem("save path");
@@ -246,10 +262,12 @@ static int snapshot(save_op *op) {
         char name[96];
         ckpt__acc_file_name(acc, o, name, sizeof name);
         CKPT_TRY(ckpt_writer_new(&op->writers[i]));
+        ckpt_clear_error();
         int rc = o->ops->state_dict(o->self, op->writers[i]);
         if (rc != 0) {
-            if (rc > 0) rc = ckpt__err(CKPT_EINVAL, "state_dict returned %d", rc);
-            rc = ckpt__err_prefix(rc, "%s: state_dict", name);
+            bool own = ckpt_errmsg()[0] != '\0';
+            rc = ckpt__callback_failed(rc, "state_dict");
+            rc = ckpt__err_prefix(rc, own ? "%s: state_dict" : "%s", name);
             return ckpt__err_prefix(rc, "save_state: %s", op->target);
         }
     }
@@ -308,6 +326,127 @@ static int record_files(save_op *op) {
     return CKPT_OK;
 }
 
+/* ---- files a save pre-hook adds ------------------------------------------- */
+
+/* Whether this rank will write a file named name (its share of write_files). */
+static bool writes_name(const save_op *op, const char *name) {
+    for (int i = 0; i < op->nobjs; i++) {
+        const ckpt_acc_obj *o = &op->objs[i];
+        char own[96], shard[160];
+        ckpt__acc_file_name(op->acc, o, own, sizeof own);
+        if ((o->kind == K_RNG || op->committer) && strcmp(name, own) == 0) return true;
+        if (ckpt__writer_has_shards(op->writers[i]) &&
+            ckpt__acc_shard_name(own, op->comm->rank, op->comm->size, shard, sizeof shard) == 0 &&
+            strcmp(name, shard) == 0)
+            return true;
+    }
+    return false;
+}
+
+/* After this rank's pre-hooks: none of them took a name this rank is about
+ * to write (the write would fail on "File exists", a less useful message).
+ * Only this rank's own names: other ranks may already have written theirs. */
+static int check_hook_names(save_op *op) {
+    DIR *d = opendir(op->tmp);
+    if (!d) return ckpt__err_os(errno, "save_state: %s", op->tmp);
+    int rc = 0;
+    struct dirent *e;
+    while (rc == 0 && (e = readdir(d)) != NULL)
+        if (writes_name(op, e->d_name))
+            rc = ckpt__err(CKPT_EINVAL,
+                           "save_state: %s: a save pre-hook wrote '%s', which is the name of one "
+                           "of the checkpoint's state files",
+                           op->target, e->d_name);
+    closedir(d);
+    return rc;
+}
+
+/* Makes one pre-hook file durable and lists it: fsync, then size and
+ * XXH3-64 of what is on disk. */
+static int add_extra(save_op *op, const char *name) {
+    char *path = ckpt__path_join(op->tmp, name);
+    if (!path) return ckpt__err_nomem("save path");
+    int rc = 0;
+    int fd = ckpt__os_open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0);
+    if (fd < 0) rc = ckpt__err_os(errno, "save_state: %s", path);
+    else if (ckpt__os_fsync(fd) != 0) rc = ckpt__err_os(errno, "save_state: %s: fsync", path);
+    if (fd >= 0) close(fd);
+    ckpt_mapped mp;
+    memset(&mp, 0, sizeof mp);
+    if (rc == 0) rc = ckpt__map_file(path, &mp);
+    if (rc == 0) {
+        ckpt_file_digest d;
+        memset(&d, 0, sizeof d);
+        d.size = mp.size;
+        d.xxh3 = ckpt__xxh3(mp.data, (size_t)mp.size);
+        rc = ckpt__manifest_add(&op->all, name, "extra", &d);
+        ckpt__unmap(&mp);
+    }
+    free(path);
+    return rc;
+}
+
+static int cmp_name(const void *a, const void *b) {
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* Rank 0, at the commit: every entry of the temporary folder that no rank
+ * listed was left by a pre-hook. Only regular files with names a manifest
+ * can list are kept (listed as kind "extra", in name order); anything else
+ * fails the save, naming it: dropping a file the user meant to keep, or
+ * following a link out of the folder, would be worse. */
+static int add_extras(save_op *op) {
+    DIR *d = opendir(op->tmp);
+    if (!d) return ckpt__err_os(errno, "save_state: %s", op->tmp);
+    char **names = NULL;
+    int n = 0, cap = 0, rc = 0;
+    struct dirent *e;
+    while (rc == 0 && (e = readdir(d)) != NULL) {
+        const char *nm = e->d_name;
+        if (strcmp(nm, ".") == 0 || strcmp(nm, "..") == 0 || ckpt__manifest_find(&op->all, nm))
+            continue;
+        struct stat st;
+        if (fstatat(dirfd(d), nm, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+            rc = ckpt__err_os(errno, "save_state: %s/%s", op->tmp, nm);
+            break;
+        }
+        const char *why = NULL;
+        if (S_ISLNK(st.st_mode)) why = "is a symbolic link; only regular files are kept";
+        else if (S_ISDIR(st.st_mode))
+            why = "is a folder; only regular files at the top of the checkpoint folder are kept";
+        else if (!S_ISREG(st.st_mode)) why = "is not a regular file";
+        else if (strcmp(nm, CKPT_MANIFEST_NAME) == 0) why = "is the manifest's name";
+        else if (!ckpt__manifest_valid_name(nm))
+            why = "is not a name a checkpoint can list (hidden, \"..\", control characters or "
+                  "not UTF-8)";
+        if (why) {
+            rc = ckpt__err(CKPT_EINVAL, "save_state: %s: a save pre-hook wrote '%s', which %s",
+                           op->target, nm, why);
+            break;
+        }
+        if (n == cap) {
+            cap = cap ? cap * 2 : 8;
+            char **nn = ckpt__realloc(names, (size_t)cap * sizeof *nn);
+            if (!nn) {
+                rc = ckpt__err_nomem("save extras");
+                break;
+            }
+            names = nn;
+        }
+        if (!(names[n] = ckpt__strdup(nm))) {
+            rc = ckpt__err_nomem("save extras");
+            break;
+        }
+        n++;
+    }
+    closedir(d);
+    if (rc == 0 && n > 1) qsort(names, (size_t)n, sizeof *names, cmp_name);
+    for (int i = 0; rc == 0 && i < n; i++) rc = add_extra(op, names[i]);
+    for (int i = 0; i < n; i++) free(names[i]);
+    free(names);
+    return rc;
+}
+
 /* ---- agree ----------------------------------------------------------------- */
 
 /* Every rank's file records reach rank 0, in rank order, into op->all. */
@@ -349,11 +488,16 @@ static int commit(save_op *op) {
     /* The ranks' chunks of each sharded tensor must tile it exactly. */
     int rc = ckpt__manifest_check_chunks(m, CKPT_EINVAL, "save_state");
     if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
+    CKPT_TRY(add_extras(op));
     /* The manifest is the commit record: written last, after every file of
      * every rank is durable, so a folder with a valid manifest is a complete
      * checkpoint. */
     rc = ckpt__manifest_write(m, op->tmp);
     if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
+    /* The folder may have appeared (or changed) since the plan checked it,
+     * while the hooks ran and the files were written: a user's folder is
+     * never replaced. (Automatic names are published without replacing.) */
+    if (!op->automatic) CKPT_TRY(check_replaceable(op->target));
     struct stat tmp_st, tgt_st;
     bool existed = lstat(op->target, &tgt_st) == 0;
     if (stat(op->tmp, &tmp_st) != 0) return ckpt__err_os(errno, "save_state: %s", op->tmp);
@@ -405,6 +549,7 @@ void ckpt__save_op_free(save_op *op) {
     free(op->tmp);
     free(op->tname);
     free(op->lockp);
+    free(op->post_dir);
     free(op);
 }
 
@@ -456,9 +601,13 @@ int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **ou
     } else if (rc < 0) {
         return op->rc = rc;
     }
-    /* snapshot */
-    if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->target, "save_state");
+    /* snapshot. As Accelerate's, the pre-hooks get the folder being
+     * written, and what they leave there is saved with the checkpoint. */
+    if (rc == 0 && acc->hooks[HOOK_SAVE_POST] && !(op->post_dir = ckpt__strdup(op->target)))
+        rc = ckpt__err_nomem("save path");
+    if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->tmp, "save_state");
     if (rc == 0) rc = snapshot(op);
+    if (rc == 0) rc = check_hook_names(op);
     if (rc == 0) {
         op->slots = ckpt__calloc((size_t)op->nobjs * 2, sizeof *op->slots);
         op->written = ckpt__calloc((size_t)op->nobjs, sizeof *op->written);
@@ -537,6 +686,12 @@ void ckpt__save_apply(save_op *op) {
     op->target = NULL;
 }
 
+void ckpt__save_post(save_op *op) {
+    /* After the lock is released, so that a post-hook may save again. */
+    if (op->rc == 0 && op->post_dir)
+        ckpt__acc_run_hooks(op->acc, HOOK_SAVE_POST, op->post_dir, "save_state");
+}
+
 int64_t ckpt__save_number(const save_op *op) { return op->automatic ? op->number : -1; }
 const ckpt_logger *ckpt__save_logger(const save_op *op) { return &op->log; }
 
@@ -550,6 +705,7 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
     ckpt__save_write_all(op);
     rc = ckpt__save_finish(op);
     ckpt__save_apply(op);
+    ckpt__save_post(op);
     ckpt__save_op_free(op);
     return rc;
 }

@@ -35,14 +35,6 @@ const char *ckpt_errmsg(void) { return tls_msg; }
 
 void ckpt_clear_error(void) { tls_msg[0] = '\0'; }
 
-int ckpt_set_error(int code, const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(tls_msg, sizeof tls_msg, fmt, ap);
-    va_end(ap);
-    return code;
-}
-
 int ckpt__status_from_errno(int errnum) {
     switch (errnum) {
     case ENOSPC:
@@ -82,6 +74,18 @@ int ckpt__err_os(int errnum, const char *fmt, ...) {
     return ckpt__status_from_errno(errnum);
 }
 
+int ckpt_set_error(int code, const char *fmt, ...) {
+    if (!fmt) {
+        tls_msg[0] = '\0';
+        return code;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    vset(fmt, ap);
+    va_end(ap);
+    return code;
+}
+
 int ckpt__err_prefix(int code, const char *fmt, ...) {
     char old[ERRMSG_CAP];
     memcpy(old, tls_msg, sizeof old);
@@ -89,9 +93,36 @@ int ckpt__err_prefix(int code, const char *fmt, ...) {
     va_start(ap, fmt);
     vset(fmt, ap);
     va_end(ap);
+    /* No cause to append: say nothing rather than end on ": ". */
+    if (!old[0]) return code;
     size_t len = strlen(tls_msg);
     snprintf(tls_msg + len, sizeof tls_msg - len, ": %s", old);
     return code;
+}
+
+const char *ckpt__status_name(int code) {
+    switch (code) {
+    case CKPT_OK: return "CKPT_OK";
+    case CKPT_EINVAL: return "CKPT_EINVAL";
+    case CKPT_EIO: return "CKPT_EIO";
+    case CKPT_ENOSPC: return "CKPT_ENOSPC";
+    case CKPT_ENOENT: return "CKPT_ENOENT";
+    case CKPT_ECORRUPT: return "CKPT_ECORRUPT";
+    case CKPT_EMISMATCH: return "CKPT_EMISMATCH";
+    case CKPT_EEXIST: return "CKPT_EEXIST";
+    case CKPT_ENOMEM: return "CKPT_ENOMEM";
+    case CKPT_EBUSY: return "CKPT_EBUSY";
+    case CKPT_EUNSUPPORTED: return "CKPT_EUNSUPPORTED";
+    default: return NULL;
+    }
+}
+
+int ckpt__callback_failed(int rc, const char *fn) {
+    const char *name = ckpt__status_name(rc);
+    if (rc >= 0 || !name)
+        return ckpt__err(CKPT_EINVAL, "%s returned %d, which is not a ckpt_status", fn, rc);
+    if (!tls_msg[0]) return ckpt__err(rc, "%s returned %s", fn, name);
+    return rc;
 }
 
 const char *ckpt__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape) {

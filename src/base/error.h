@@ -22,8 +22,20 @@ int ckpt__err_os(int errnum, const char *fmt, ...) CKPT_PRINTF(2, 3);
 /* Maps an errno value to a status as above. */
 int ckpt__status_from_errno(int errnum);
 /* Prefixes the current message with "<prefix>: " (adding context on the way
- * up) and returns code unchanged. */
+ * up) and returns code unchanged. With no current message the result is the
+ * prefix alone. Callers call it right after the failure it explains; code
+ * that runs user callbacks clears the message first (ckpt_clear_error), so a
+ * message left by an earlier, unrelated call is never appended. */
 int ckpt__err_prefix(int code, const char *fmt, ...) CKPT_PRINTF(2, 3);
+/* "CKPT_EINVAL", ...; NULL for a value that is not a ckpt_status. Static. */
+const char *ckpt__status_name(int code);
+/* A user callback (state_dict, load_state_dict, check_state_dict, a hook)
+ * named fn returned rc != 0; call it with the thread's message cleared before
+ * the callback ran. Returns the status to report: rc itself if it is a
+ * negative ckpt_status (with the callback's own message, or "<fn> returned
+ * CKPT_X" if it set none); CKPT_EINVAL "<fn> returned <rc>, which is not a
+ * ckpt_status" for any other value. */
+int ckpt__callback_failed(int rc, const char *fn);
 /* Formats a shape as "[2,3]" ("[]" for a scalar) into buf, cut short if it
  * does not fit; returns buf. For messages. */
 const char *ckpt__shape_str(char *buf, size_t cap, int ndim, const int64_t *shape);

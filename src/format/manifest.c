@@ -363,6 +363,14 @@ static bool plain_name(const char *s, size_t len) {
     return strcmp(s, CKPT_MANIFEST_NAME) != 0;
 }
 
+bool ckpt__manifest_valid_name(const char *name) {
+    if (!plain_name(name, strlen(name))) return false;
+    json_t *j = json_string(name); /* NULL unless valid UTF-8 */
+    if (!j) return false;
+    json_decref(j);
+    return true;
+}
+
 /* A JSON array of ndim non-negative integers. */
 static int parse_dims(json_t *a, const char *field, int *ndim, int64_t *out, const char *where,
                       const char *key) {
@@ -729,6 +737,10 @@ int ckpt__manifest_read(const char *dir, ckpt_manifest *m) {
 
 /* The file's digest differs: say which tensor if the file still parses. */
 static int name_mismatch(const char *dir, const ckpt_manifest_file *f, const ckpt_mapped *mp) {
+    /* A save pre-hook's file is not a state file: nothing to parse. */
+    if (strcmp(f->kind, "extra") == 0)
+        return ckpt__err(CKPT_ECORRUPT, "%s: %s: checksum mismatch (a file a save pre-hook added)",
+                         dir, f->name);
     ckpt_reader *r = NULL;
     int rc = ckpt_reader_open_memory(&r, mp->data, (size_t)mp->size, f->name);
     if (rc < 0)
@@ -1065,4 +1077,36 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
         }
     }
     return rc;
+}
+
+int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *count) {
+    if (out) *out = NULL;
+    if (count) *count = 0;
+    if (!dir || !out || !count) return ckpt__err(CKPT_EINVAL, "checkpoint_files: NULL argument");
+    ckpt_manifest m;
+    ckpt__manifest_init(&m);
+    int rc = ckpt__manifest_read(dir, &m);
+    if (rc < 0) {
+        ckpt__manifest_clear(&m);
+        return rc;
+    }
+    ckpt_checkpoint_file *v = NULL;
+    if (m.nfiles > 0) {
+        v = ckpt__calloc((size_t)m.nfiles, sizeof *v);
+        if (!v) {
+            ckpt__manifest_clear(&m);
+            return ckpt__err_nomem("checkpoint files");
+        }
+    }
+    /* The parser bounds names to 255 bytes and kinds to 64. */
+    for (int64_t i = 0; i < m.nfiles; i++) {
+        snprintf(v[i].name, sizeof v[i].name, "%s", m.files[i].name);
+        snprintf(v[i].kind, sizeof v[i].kind, "%s", m.files[i].kind);
+        v[i].size = m.files[i].size;
+        v[i].xxh3 = m.files[i].xxh3;
+    }
+    *out = v;
+    *count = m.nfiles;
+    ckpt__manifest_clear(&m);
+    return CKPT_OK;
 }

@@ -48,6 +48,10 @@ void ckpt__manifest_clear(ckpt_manifest *m);
 /* Adds a file entry; copies name, kind and d's tensor keys and digests. */
 int ckpt__manifest_add(ckpt_manifest *m, const char *name, const char *kind,
                        const ckpt_file_digest *d);
+/* Whether name can be listed in a manifest: one visible path component
+ * (no '/', no leading '.', no "..", no control characters), at most 255
+ * bytes, valid UTF-8, not checkpoint.json. The parser refuses any other. */
+bool ckpt__manifest_valid_name(const char *name);
 const ckpt_manifest_file *ckpt__manifest_find(const ckpt_manifest *m, const char *name);
 
 /* Writes <dir>/checkpoint.json crash-safely (fsynced; the folder too). Fills

@@ -1015,6 +1015,12 @@ int ckpt_reader_find(const ckpt_reader *r, const char *key, ckpt_entry_info *inf
     return CKPT_OK;
 }
 
+bool ckpt__reader_has(const ckpt_reader *r, const char *key, ckpt_entry_info *info) {
+    const entry *e = r && key ? reader_get(r, key) : NULL;
+    if (e && info) entry_info(e, info);
+    return e != NULL;
+}
+
 static int find_tensor(const ckpt_reader *r, const char *key, const entry **out) {
     if (!r || !key) return ckpt__err(CKPT_EINVAL, "read tensor: NULL argument");
     const entry *e = reader_get(r, key);

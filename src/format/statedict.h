@@ -37,6 +37,9 @@ int ckpt__writer_save_digest(ckpt_writer *w, const char *path, ckpt_file_digest 
  * no rename: for files inside a checkpoint's temporary folder, which is
  * published as a whole. */
 int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d);
+/* Whether r has an entry named key (and its info if info is not NULL). A
+ * probe: sets no error message either way, unlike ckpt_reader_find. */
+bool ckpt__reader_has(const ckpt_reader *r, const char *key, ckpt_entry_info *info);
 /* Whether w is a schema writer. */
 bool ckpt__writer_is_schema(const ckpt_writer *w);
 /* Compares what a schema writer recorded with what reader r holds: the same

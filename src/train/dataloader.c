@@ -23,6 +23,7 @@
  */
 #include <limits.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -75,6 +76,12 @@ struct ckpt_dataloader {
     int64_t next_claim;   /* next stream number a worker takes */
     int64_t released;     /* stream batches the consumer has given back */
     int nbusy;            /* fills in flight */
+
+    /* A load restored a position past the epoch's first batch and nothing has
+     * been yielded or repositioned since (see set_epoch and skip). */
+    bool restored;
+    ckpt_log_fn log_fn;   /* NULL: stderr */
+    void *log_user;
 };
 
 /* ------------------------------------------------------------------------ */
@@ -486,6 +493,7 @@ int ckpt_dataloader_next(ckpt_dataloader *dl, ckpt_batch *b) {
          * prefetched batches across the boundary. */
         dl->epoch++;
         dl->pos = 0;
+        dl->restored = false;
         return 0;
     }
     int rc;
@@ -519,7 +527,30 @@ int ckpt_dataloader_next(ckpt_dataloader *dl, ckpt_batch *b) {
     dl->consumed++;
     dl->holding = true;
     dl->pos++;
+    dl->restored = false;
     return 1;
+}
+
+void ckpt_dataloader_set_log(ckpt_dataloader *dl, ckpt_log_fn fn, void *user) {
+    if (!dl) return;
+    dl->log_fn = fn;
+    dl->log_user = user;
+}
+
+static void dl_warn(const ckpt_dataloader *dl, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+static void dl_warn(const ckpt_dataloader *dl, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (dl->log_fn) dl->log_fn(dl->log_user, CKPT_LOG_WARNING, msg);
+    else fprintf(stderr, "ckpt: warning: %s\n", msg);
 }
 
 int ckpt_dataloader_set_epoch(ckpt_dataloader *dl, int64_t epoch) {
@@ -527,9 +558,11 @@ int ckpt_dataloader_set_epoch(ckpt_dataloader *dl, int64_t epoch) {
     if (epoch < 0)
         return ckpt__err(CKPT_EINVAL, "dataloader_set_epoch: epoch: expected >= 0, got %lld",
                          (long long)epoch);
-    /* Already there (the usual loop calls it after the end-of-epoch 0):
-     * keep the prefetched stream. */
-    if (epoch == dl->epoch && dl->pos == 0) return 0;
+    /* Already there (the usual loop calls it after the end-of-epoch 0), or
+     * at a position a load restored in this epoch (the resumed loop calls it
+     * before its first batch): keep the position and the prefetched stream. */
+    if (epoch == dl->epoch && (dl->pos == 0 || dl->restored)) return 0;
+    dl->restored = false;
     pipeline_pause(dl);
     dl->epoch = epoch;
     dl->pos = 0;
@@ -555,6 +588,16 @@ int ckpt_skip_first_batches(ckpt_dataloader *dl, int64_t num_batches) {
                          (long long)num_batches, (long long)dl->pos, (long long)dl->epoch,
                          (long long)dl->nb);
     if (num_batches == 0) return 0;
+    if (dl->restored) {
+        /* Accelerate's recipe (load, then skip_first_batches) would skip
+         * twice here: the load already resumed mid-epoch. */
+        dl_warn(dl,
+                "skip_first_batches: skipping %lld batches on top of the position restored by "
+                "load_state (batch %lld of epoch %lld): the load already resumed mid-epoch, so "
+                "these batches will not be trained on; skip only when the loader was not loaded",
+                (long long)num_batches, (long long)dl->pos, (long long)dl->epoch);
+        dl->restored = false;
+    }
     pipeline_pause(dl);
     dl->pos += num_batches;
     pipeline_resume(dl);
@@ -580,6 +623,7 @@ int ckpt__dataloader_set_shard(ckpt_dataloader *dl, int num_processes, int proce
     dl->cfg.process_index = process_index;
     compute_nb(dl); /* cannot fail: checked above */
     dl->pos = 0;
+    dl->restored = false;
     pipeline_resume(dl);
     return 0;
 }
@@ -703,6 +747,7 @@ static int dl_load_state_dict(void *self, ckpt_reader *r) {
     dl->cfg.seed = (uint64_t)st.seed;
     dl->epoch = st.epoch;
     dl->pos = st.pos;
+    dl->restored = st.pos > 0;
     pipeline_resume(dl);
     return 0;
 }

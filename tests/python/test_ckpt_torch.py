@@ -159,7 +159,7 @@ def check_damage(tmp, proj):
     expect_error(ckpt_torch.CorruptError, "extra.safetensors is not listed in the manifest",
                  ckpt_torch.verify, d)
     os.remove(os.path.join(bad, "checkpoint.json"))
-    expect_error(ckpt_torch.CorruptError, "no manifest", ckpt_torch.verify, d)
+    expect_error(ckpt_torch.NotFoundError, "not a checkpoint (no checkpoint.json)", ckpt_torch.verify, d)
     # latest() skips a damaged newest checkpoint, as ckpt_load_state does
     proj2 = os.path.join(tmp, "fallback")
     shutil.copytree(proj, proj2)

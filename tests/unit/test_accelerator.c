@@ -292,6 +292,7 @@ static void test_load_state_null_picks_the_newest_checkpoint(void **st) {
 typedef struct hook_log {
     int calls;
     char dir[4096];
+    bool existed; /* dir was a folder when the hook ran */
 } hook_log;
 
 static int record_hook(void *user, ckpt_accelerator *acc, const char *dir) {
@@ -299,6 +300,8 @@ static int record_hook(void *user, ckpt_accelerator *acc, const char *dir) {
     (void)acc;
     h->calls++;
     snprintf(h->dir, sizeof h->dir, "%s", dir);
+    struct stat sb;
+    h->existed = stat(dir, &sb) == 0 && S_ISDIR(sb.st_mode);
     return 0;
 }
 
@@ -315,23 +318,38 @@ static void test_save_and_load_hooks_run_and_stop_after_removal(void **st) {
     ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
     counter c;
     register_counter(acc, &c, 1);
-    hook_log sh = {0}, lh = {0};
-    ckpt_hook_handle *hs = NULL, *hl = NULL;
+    hook_log sh = {0}, lh = {0}, sp = {0}, lp = {0};
+    ckpt_hook_handle *hs = NULL, *hl = NULL, *hsp = NULL, *hlp = NULL;
     assert_int_equal(ckpt_register_save_state_pre_hook(acc, record_hook, &sh, &hs), 0);
     assert_int_equal(ckpt_register_load_state_pre_hook(acc, record_hook, &lh, &hl), 0);
+    assert_int_equal(ckpt_register_save_state_post_hook(acc, record_hook, &sp, &hsp), 0);
+    assert_int_equal(ckpt_register_load_state_post_hook(acc, record_hook, &lp, &hlp), 0);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
     char *c0 = tu_pathf("%s/checkpoints/checkpoint_0", t);
+    char *tmp0 = tu_pathf("%s/checkpoints/.checkpoint_0.tmp.%d", t, (int)getpid());
+    /* The pre-hook gets the temporary folder being written, which exists;
+     * the post-hook the final folder, after the commit. */
     assert_int_equal(sh.calls, 1);
-    assert_string_equal(sh.dir, c0);
+    assert_string_equal(sh.dir, tmp0);
+    assert_true(sh.existed);
+    assert_int_equal(sp.calls, 1);
+    assert_string_equal(sp.dir, c0);
+    assert_true(sp.existed);
     assert_int_equal(ckpt_load_state(acc, NULL), 0);
     assert_int_equal(lh.calls, 1);
     assert_string_equal(lh.dir, c0);
+    assert_int_equal(lp.calls, 1);
+    assert_string_equal(lp.dir, c0);
     ckpt_hook_remove(hs);
     ckpt_hook_remove(hl);
+    ckpt_hook_remove(hsp);
+    ckpt_hook_remove(hlp);
     assert_int_equal(ckpt_save_state(acc, NULL), 0);
     assert_int_equal(ckpt_load_state(acc, NULL), 0);
     assert_int_equal(sh.calls, 1);
     assert_int_equal(lh.calls, 1);
+    assert_int_equal(sp.calls, 1);
+    assert_int_equal(lp.calls, 1);
     /* A failing save hook aborts the save before anything is written. */
     ckpt_hook_handle *hf = NULL;
     assert_int_equal(ckpt_register_save_state_pre_hook(acc, failing_hook, NULL, &hf), 0);
@@ -342,9 +360,399 @@ static void test_save_and_load_hooks_run_and_stop_after_removal(void **st) {
     ckpt_hook_remove(hf);
     /* A handle never removed is freed with the accelerator (ASan checks). */
     assert_int_equal(ckpt_register_save_state_pre_hook(acc, record_hook, &sh, NULL), 0);
+    assert_int_equal(ckpt_register_load_state_post_hook(acc, record_hook, &sh, NULL), 0);
     free(cd);
+    free(tmp0);
     free(c0);
     ckpt_accelerator_free(acc);
+    tu_tmpdir_free(t);
+}
+
+/* ---- files a save pre-hook writes, post-hooks ---------------------------- */
+
+/* A save pre-hook that writes what its mode says into the folder it gets. */
+typedef struct writer_hook {
+    const char *mode;
+    const char *text;    /* contents of notes.txt */
+    const char *appear;  /* "folder": create this folder with a user's file in it */
+} writer_hook;
+
+static int writing_hook(void *user, ckpt_accelerator *acc, const char *dir) {
+    writer_hook *h = user;
+    (void)acc;
+    char p[4200];
+    if (h->appear) {
+        assert_int_equal(mkdir(h->appear, 0755), 0);
+        tu_write_text(tu_path(p, sizeof p, h->appear, "mine.txt"), "user data");
+    }
+    if (strcmp(h->mode, "notes") == 0) {
+        tu_write_text(tu_path(p, sizeof p, dir, "notes.txt"), h->text);
+        tu_write_text(tu_path(p, sizeof p, dir, "config.json"), "{\"hidden\": 256}");
+    } else if (strcmp(h->mode, "folder") == 0) {
+        assert_int_equal(mkdir(tu_path(p, sizeof p, dir, "tokenizer"), 0755), 0);
+    } else if (strcmp(h->mode, "link") == 0) {
+        assert_int_equal(symlink("/etc/hostname", tu_path(p, sizeof p, dir, "link.txt")), 0);
+    } else if (strcmp(h->mode, "hidden") == 0) {
+        tu_write_text(tu_path(p, sizeof p, dir, ".secret"), "x");
+    } else if (strcmp(h->mode, "manifest") == 0) {
+        tu_write_text(tu_path(p, sizeof p, dir, "checkpoint.json"), "{}");
+    } else if (strcmp(h->mode, "ours") == 0) {
+        tu_write_text(tu_path(p, sizeof p, dir, "custom_checkpoint_0.safetensors"), "x");
+    } else if (strcmp(h->mode, "dots") == 0) {
+        tu_write_text(tu_path(p, sizeof p, dir, "a..b"), "x");
+    }
+    return 0;
+}
+
+/* Finds name in dir's manifest; fails the test if absent. */
+static ckpt_checkpoint_file manifest_entry(const char *dir, const char *name) {
+    ckpt_checkpoint_file *v = NULL;
+    int64_t n = 0;
+    assert_int_equal(ckpt_checkpoint_files(dir, &v, &n), CKPT_OK);
+    ckpt_checkpoint_file found;
+    memset(&found, 0, sizeof found);
+    for (int64_t i = 0; i < n; i++)
+        if (strcmp(v[i].name, name) == 0) found = v[i];
+    free(v);
+    if (!found.name[0]) fail_msg("%s: %s is not in the manifest", dir, name);
+    return found;
+}
+
+static void test_files_a_save_pre_hook_writes_are_part_of_the_checkpoint(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("acc");
+    ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+    counter c;
+    register_counter(acc, &c, 7);
+    writer_hook wh = {"notes", "trained on shard 3\n", NULL};
+    assert_int_equal(ckpt_register_save_state_pre_hook(acc, writing_hook, &wh, NULL), 0);
+    char *explicit_dir = tu_pathf("%s/explicit", t);
+    assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    assert_int_equal(ckpt_save_state(acc, explicit_dir), 0);
+    char *c0 = tu_pathf("%s/checkpoints/checkpoint_0", t);
+    const char *dirs[2] = {c0, explicit_dir};
+    for (int i = 0; i < 2; i++) {
+        char p[4200];
+        tu_assert_file_text(tu_path(p, sizeof p, dirs[i], "notes.txt"), wh.text);
+        ckpt_checkpoint_file f = manifest_entry(dirs[i], "notes.txt");
+        assert_string_equal(f.kind, "extra");
+        assert_int_equal(f.size, strlen(wh.text));
+        assert_true(f.xxh3 == ckpt__xxh3(wh.text, strlen(wh.text)));
+        assert_string_equal(manifest_entry(dirs[i], "config.json").kind, "extra");
+        assert_string_equal(manifest_entry(dirs[i], "custom_checkpoint_0.safetensors").kind, "custom");
+        ckpt_checkpoint_info info;
+        assert_int_equal(ckpt_checkpoint_verify(dirs[i], true, &info), CKPT_OK);
+        assert_int_equal(info.num_files, 4); /* custom, random state, 2 extra */
+    }
+    assert_int_equal(tu_count_hidden_tmp(t), 0);
+    /* Loads verify them: a changed extra file makes the checkpoint corrupt. */
+    assert_int_equal(ckpt_load_state(acc, explicit_dir), CKPT_OK);
+    char *notes = tu_pathf("%s/notes.txt", explicit_dir);
+    tu_flip_byte(notes, 0);
+    ckpt_checkpoint_info info;
+    tu_expect_error(ckpt_checkpoint_verify(explicit_dir, true, &info), CKPT_ECORRUPT,
+                    "notes.txt: checksum mismatch");
+    tu_expect_error(ckpt_load_state(acc, explicit_dir), CKPT_ECORRUPT, "notes.txt: checksum mismatch");
+    ckpt_accelerator_free(acc);
+    free(notes);
+    free(c0);
+    free(explicit_dir);
+    tu_tmpdir_free(t);
+}
+
+static void test_a_save_pre_hook_may_write_only_plain_regular_files(void **st) {
+    (void)st;
+    static const struct {
+        const char *mode, *needle;
+    } cases[] = {
+        {"folder", "'tokenizer', which is a folder"},
+        {"link", "'link.txt', which is a symbolic link"},
+        {"hidden", "'.secret', which is not a name a checkpoint can list"},
+        {"dots", "'a..b', which is not a name a checkpoint can list"},
+        {"manifest", "'checkpoint.json', which is the manifest's name"},
+        {"ours", "'custom_checkpoint_0.safetensors', which is the name of one of the checkpoint's "
+                 "state files"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *t = tu_tmpdir_new("acc");
+        ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+        counter c;
+        register_counter(acc, &c, 1);
+        writer_hook wh = {cases[i].mode, NULL, NULL};
+        assert_int_equal(ckpt_register_save_state_pre_hook(acc, writing_hook, &wh, NULL), 0);
+        tu_expect_error(ckpt_save_state(acc, NULL), CKPT_EINVAL, cases[i].needle);
+        tu_assert_errmsg_has("a save pre-hook wrote");
+        char *cd = tu_pathf("%s/checkpoints", t);
+        assert_int_equal(count_visible(cd), 0);
+        assert_int_equal(tu_count_hidden_tmp(cd), 0);
+        free(cd);
+        ckpt_accelerator_free(acc);
+        tu_tmpdir_free(t);
+    }
+}
+
+static void test_an_explicit_save_never_replaces_a_folder_that_appeared_meanwhile(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("acc");
+    ckpt_accelerator *acc = new_acc(t, false, 0, NULL);
+    counter c;
+    register_counter(acc, &c, 1);
+    char *target = tu_pathf("%s/out", t);
+    writer_hook wh = {"none", NULL, target}; /* the folder appears while the save runs */
+    assert_int_equal(ckpt_register_save_state_pre_hook(acc, writing_hook, &wh, NULL), 0);
+    tu_expect_error(ckpt_save_state(acc, target), CKPT_EEXIST,
+                    "is not empty and is not a checkpoint");
+    char *mine = tu_pathf("%s/mine.txt", target);
+    tu_assert_file_text(mine, "user data");
+    assert_int_equal(count_visible(target), 1);
+    assert_int_equal(tu_count_hidden_tmp(t), 0);
+    ckpt_accelerator_free(acc);
+    free(mine);
+    free(target);
+    tu_tmpdir_free(t);
+}
+
+static int failing_post_hook(void *user, ckpt_accelerator *acc, const char *dir) {
+    (void)acc;
+    (void)dir;
+    int *calls = user;
+    (*calls)++;
+    return ckpt_set_error(CKPT_EIO, "upload to the archive failed");
+}
+
+static void test_a_failing_post_hook_is_a_warning_and_the_save_stands(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("acc");
+    logbuf lb = {0};
+    ckpt_accelerator *acc = new_acc(t, true, 0, &lb);
+    counter c;
+    register_counter(acc, &c, 1);
+    int calls = 0;
+    hook_log after = {0};
+    assert_int_equal(ckpt_register_save_state_post_hook(acc, failing_post_hook, &calls, NULL), 0);
+    assert_int_equal(ckpt_register_save_state_post_hook(acc, record_hook, &after, NULL), 0);
+    assert_int_equal(ckpt_register_load_state_post_hook(acc, failing_post_hook, &calls, NULL), 0);
+    assert_int_equal(ckpt_save_state(acc, NULL), CKPT_OK);
+    assert_int_equal(calls, 1);
+    assert_int_equal(after.calls, 1); /* the next post-hook still ran */
+    assert_int_equal(lb.n, 1);
+    char *c0 = tu_pathf("%s/checkpoints/checkpoint_0", t);
+    char want[4400];
+    snprintf(want, sizeof want,
+             "save_state: %s: a save_state post-hook failed: upload to the archive failed", c0);
+    assert_string_equal(lb.last, want);
+    ckpt_checkpoint_info info;
+    assert_int_equal(ckpt_checkpoint_verify(c0, true, &info), CKPT_OK);
+    assert_int_equal(ckpt_load_state(acc, NULL), CKPT_OK);
+    assert_int_equal(calls, 2);
+    assert_int_equal(lb.n, 2);
+    tu_assert_contains(lb.last, "a load_state post-hook failed: upload to the archive failed");
+    ckpt_accelerator_free(acc);
+    free(c0);
+    tu_tmpdir_free(t);
+}
+
+/* ---- after a failed load, saves refuse ----------------------------------- */
+
+/* Saves three automatic checkpoints of a counter with value 5 into t. */
+static void three_checkpoints(const char *t) {
+    ckpt_accelerator *acc = new_acc(t, true, 2, NULL);
+    counter c;
+    register_counter(acc, &c, 5);
+    for (int i = 0; i < 3; i++) assert_int_equal(ckpt_save_state(acc, NULL), 0);
+    ckpt_accelerator_free(acc);
+}
+
+static void test_saves_refuse_after_a_failed_load_until_start_over(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("acc");
+    three_checkpoints(t); /* checkpoint_1 and checkpoint_2 remain (total_limit 2) */
+    char *cd = tu_pathf("%s/checkpoints", t);
+    char *c1 = tu_pathf("%s/checkpoint_1", cd);
+    char *c2 = tu_pathf("%s/checkpoint_2", cd);
+    char *mine = tu_pathf("%s/mine", t);
+    /* The run's configuration changed: its counter's tensor has 3 elements. */
+    ckpt_accelerator *acc = new_acc(t, true, 2, NULL);
+    counter c;
+    register_counter(acc, &c, 1);
+    c.wlen = 3;
+    assert_int_equal(ckpt_load_state(acc, NULL), CKPT_EMISMATCH);
+    char load_msg[2048];
+    snprintf(load_msg, sizeof load_msg, "%s", ckpt_errmsg());
+    /* Automatic saves (which would rotate checkpoint_1 and 2 away) and
+     * explicit saves refuse, quoting the load's error. */
+    for (int i = 0; i < 2; i++) {
+        tu_expect_error(ckpt_save_state(acc, i ? mine : NULL), CKPT_EINVAL,
+                        "refused: the last load_state of this accelerator failed (CKPT_EMISMATCH: ");
+        tu_assert_errmsg_has(load_msg);
+        tu_assert_errmsg_has("ckpt_accelerator_start_over");
+    }
+    assert_int_equal(count_visible(cd), 2);
+    assert_true(tu_exists(c1) && tu_exists(c2) && !tu_exists(mine));
+    /* A load that succeeds lifts it. */
+    c.wlen = 4;
+    assert_int_equal(ckpt_load_state(acc, NULL), CKPT_OK);
+    assert_int_equal(c.value, 5);
+    assert_int_equal(ckpt_save_state(acc, NULL), CKPT_OK);
+    char *c3 = tu_pathf("%s/checkpoint_3", cd);
+    assert_string_equal(ckpt_accelerator_last_dir(acc), c3);
+    free(c3);
+    ckpt_accelerator_free(acc);
+
+    /* So does starting over, said explicitly. */
+    acc = new_acc(t, true, 2, NULL);
+    register_counter(acc, &c, 1);
+    c.wlen = 3;
+    assert_int_equal(ckpt_load_state(acc, c2), CKPT_EMISMATCH);
+    tu_expect_error(ckpt_save_state(acc, NULL), CKPT_EINVAL, "CKPT_EMISMATCH");
+    assert_int_equal(ckpt_accelerator_start_over(acc), CKPT_OK);
+    assert_int_equal(ckpt_accelerator_start_over(NULL), CKPT_EINVAL);
+    c.wlen = 4;
+    assert_int_equal(ckpt_save_state(acc, NULL), CKPT_OK);
+    ckpt_accelerator_free(acc);
+
+    /* Only corrupt checkpoints: refused as well. */
+    char *t2 = tu_tmpdir_new("acc");
+    three_checkpoints(t2);
+    for (int n = 1; n <= 2; n++) {
+        char *f = tu_pathf("%s/checkpoints/checkpoint_%d/custom_checkpoint_0.safetensors", t2, n);
+        tu_flip_byte(f, -2);
+        free(f);
+    }
+    acc = new_acc(t2, true, 2, NULL);
+    logbuf lb = {0};
+    ckpt_accelerator_set_log(acc, log_collect, &lb);
+    register_counter(acc, &c, 1);
+    assert_int_equal(ckpt_load_state(acc, NULL), CKPT_ECORRUPT);
+    tu_expect_error(ckpt_save_state(acc, NULL), CKPT_EINVAL, "(CKPT_ECORRUPT: load_state: no valid checkpoint");
+    ckpt_accelerator_free(acc);
+    tu_tmpdir_free(t2);
+    free(mine);
+    free(c2);
+    free(c1);
+    free(cd);
+    tu_tmpdir_free(t);
+}
+
+static void test_no_checkpoint_at_all_is_enoent_and_saves_stay_allowed(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("acc");
+    ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+    counter c;
+    register_counter(acc, &c, 1);
+    tu_expect_error(ckpt_load_state(acc, NULL), CKPT_ENOENT, "no checkpoint in");
+    assert_int_equal(ckpt_save_state(acc, NULL), CKPT_OK);
+    char *missing = tu_pathf("%s/not_there", t);
+    tu_expect_error(ckpt_load_state(acc, missing), CKPT_ENOENT, "no such checkpoint folder");
+    assert_int_equal(ckpt_save_state(acc, missing), CKPT_OK);
+    assert_int_equal(ckpt_save_state(acc, NULL), CKPT_OK);
+    ckpt_accelerator_free(acc);
+    free(missing);
+    tu_tmpdir_free(t);
+}
+
+/* load_state_dict reads a key its state_dict does not declare. */
+static int reads_an_undeclared_key(void *self, ckpt_reader *r) {
+    int64_t v;
+    CKPT_TRY(ckpt_read_i64(r, "undeclared", &v));
+    ((counter *)self)->value = v;
+    return 0;
+}
+
+static void test_a_missing_key_while_loading_is_a_mismatch_not_enoent(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("acc");
+    three_checkpoints(t);
+    ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+    counter c;
+    counter_set(&c, 1);
+    static const ckpt_stateful_ops ops = {.state_dict = counter_sd,
+                                          .load_state_dict = reads_an_undeclared_key};
+    assert_int_equal(ckpt_register_for_checkpointing(acc, &ops, &c), 0);
+    /* CKPT_ENOENT would read as "no checkpoint: start from scratch". */
+    tu_expect_error(ckpt_load_state(acc, NULL), CKPT_EMISMATCH, "no key 'undeclared'");
+    tu_expect_error(ckpt_save_state(acc, NULL), CKPT_EINVAL, "CKPT_EMISMATCH");
+    ckpt_accelerator_free(acc);
+    tu_tmpdir_free(t);
+}
+
+/* ---- messages about the error -------------------------------------------- */
+
+static int fails_silently(void *self, ckpt_reader *r) {
+    (void)self;
+    (void)r;
+    return CKPT_EINVAL;
+}
+
+static int refuses_silently(void *self, ckpt_reader *r) {
+    (void)self;
+    (void)r;
+    return CKPT_EMISMATCH;
+}
+
+static int refuses_with_a_reason(void *self, ckpt_reader *r) {
+    (void)self;
+    (void)r;
+    return ckpt_set_error(CKPT_EMISMATCH, "vocabulary: %d tokens saved, %d here", 50257, 32000);
+}
+
+static void test_callback_failures_are_named_without_stale_messages(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("acc");
+    /* A project with a model, an optimizer, a scheduler (whose load probes
+     * for a second group: "no key 'base_lrs.1'") and a custom object. */
+    float w[2] = {1, 2}, g[2] = {0, 0};
+    int64_t shape[1] = {2};
+    ckpt_model *m = NULL;
+    ckpt_optimizer *o = NULL;
+    ckpt_scheduler *s = NULL;
+    assert_int_equal(ckpt_model_new(&m), 0);
+    assert_int_equal(ckpt_model_add_param(m, "w", CKPT_F32, 1, shape, w, g), 0);
+    assert_int_equal(ckpt_sgd_new(&o, m, 0.1, 0, 0, false), 0);
+    assert_int_equal(ckpt_steplr_new(&s, o, 2, 0.5), 0);
+    counter c;
+    static const ckpt_stateful_ops silent_load = {.state_dict = counter_sd,
+                                                  .load_state_dict = fails_silently};
+    static const ckpt_stateful_ops silent_check = {.state_dict = counter_sd,
+                                                   .load_state_dict = counter_load,
+                                                   .check_state_dict = refuses_silently};
+    static const ckpt_stateful_ops reasoned_check = {.state_dict = counter_sd,
+                                                     .load_state_dict = counter_load,
+                                                     .check_state_dict = refuses_with_a_reason};
+    const ckpt_stateful_ops *ops[3] = {&silent_load, &silent_check, &reasoned_check};
+    const char *want[3] = {
+        "custom_checkpoint_0.safetensors (state partially loaded: 3 of 5 objects were loaded "
+        "before this one): load_state_dict returned CKPT_EINVAL",
+        "custom_checkpoint_0.safetensors: check_state_dict returned CKPT_EMISMATCH",
+        "custom_checkpoint_0.safetensors: vocabulary: 50257 tokens saved, 32000 here"};
+    int code[3] = {CKPT_EINVAL, CKPT_EMISMATCH, CKPT_EMISMATCH};
+    for (int i = 0; i < 3; i++) {
+        ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
+        assert_int_equal(ckpt_prepare_model(acc, m), 0);
+        assert_int_equal(ckpt_prepare_optimizer(acc, o), 0);
+        assert_int_equal(ckpt_prepare_scheduler(acc, s), 0);
+        counter_set(&c, 1);
+        assert_int_equal(ckpt_register_for_checkpointing(acc, ops[i], &c), 0);
+        if (i == 0) assert_int_equal(ckpt_save_state(acc, NULL), 0);
+        char *c0 = tu_pathf("%s/checkpoints/checkpoint_0", t);
+        assert_int_equal(ckpt_load_state(acc, NULL), code[i]);
+        char full[4400];
+        snprintf(full, sizeof full, "load_state: %s: %s", c0, want[i]);
+        assert_string_equal(ckpt_errmsg(), full);
+        free(c0);
+        ckpt_accelerator_free(acc);
+    }
+    /* A prefix with no cause to append is the prefix alone. */
+    ckpt_clear_error();
+    assert_int_equal(ckpt__err_prefix(CKPT_EIO, "save_state: %s", "x"), CKPT_EIO);
+    assert_string_equal(ckpt_errmsg(), "save_state: x");
+    assert_int_equal(ckpt_set_error(CKPT_EBUSY, "held by %d", 42), CKPT_EBUSY);
+    assert_string_equal(ckpt_errmsg(), "held by 42");
+    assert_int_equal(ckpt_set_error(CKPT_EIO, NULL), CKPT_EIO);
+    assert_string_equal(ckpt_errmsg(), "");
+    ckpt_scheduler_free(s);
+    ckpt_optimizer_free(o);
+    ckpt_model_free(m);
     tu_tmpdir_free(t);
 }
 
@@ -1233,6 +1641,13 @@ static void test_load_state_null_falls_back_past_a_corrupt_newest_checkpoint(voi
     assert_int_equal(lb.n, 1);
     tu_assert_contains(lb.last, "tensor 'w': checksum mismatch");
     tu_assert_contains(lb.last, "falling back");
+    /* The folder is named once, at the start. */
+    char *c1 = tu_pathf("%s/checkpoints/checkpoint_1", t);
+    char head[4400];
+    snprintf(head, sizeof head, "skipping %s: custom_checkpoint_0.safetensors: ", c1);
+    assert_int_equal(strncmp(lb.last, head, strlen(head)), 0);
+    if (strstr(lb.last + strlen(head), c1)) fail_msg("path repeated: %s", lb.last);
+    free(c1);
     /* With every checkpoint bad, the error lists why. */
     char *f0 = tu_pathf("%s/checkpoints/checkpoint_0/custom_checkpoint_0.safetensors", t);
     tu_truncate(f0, 10);
@@ -1447,6 +1862,14 @@ int main(void) {
         cmocka_unit_test(test_register_for_checkpointing_rejects_invalid_objects_naming_them),
         cmocka_unit_test(test_load_state_null_picks_the_newest_checkpoint),
         cmocka_unit_test(test_save_and_load_hooks_run_and_stop_after_removal),
+        cmocka_unit_test(test_files_a_save_pre_hook_writes_are_part_of_the_checkpoint),
+        cmocka_unit_test(test_a_save_pre_hook_may_write_only_plain_regular_files),
+        cmocka_unit_test(test_an_explicit_save_never_replaces_a_folder_that_appeared_meanwhile),
+        cmocka_unit_test(test_a_failing_post_hook_is_a_warning_and_the_save_stands),
+        cmocka_unit_test(test_saves_refuse_after_a_failed_load_until_start_over),
+        cmocka_unit_test(test_no_checkpoint_at_all_is_enoent_and_saves_stay_allowed),
+        cmocka_unit_test(test_a_missing_key_while_loading_is_a_mismatch_not_enoent),
+        cmocka_unit_test(test_callback_failures_are_named_without_stale_messages),
         cmocka_unit_test(test_save_state_null_without_automatic_naming_is_einval),
         cmocka_unit_test(test_new_run_numbers_after_existing_checkpoints),
         cmocka_unit_test(test_save_state_is_busy_while_another_holds_the_project_lock),

@@ -482,6 +482,57 @@ static void test_past_the_staging_limit_files_are_written_at_the_call(void **st)
     tu_tmpdir_free(t);
 }
 
+/* ---- hooks ------------------------------------------------------------------ */
+
+typedef struct hook_log {
+    int pre, post;
+    bool post_in_caller;
+    pthread_t caller;
+    char pre_dir[4200], post_dir[4200];
+} hook_log;
+
+static int pre_hook(void *user, ckpt_accelerator *acc, const char *dir) {
+    (void)acc;
+    hook_log *h = user;
+    h->pre++;
+    snprintf(h->pre_dir, sizeof h->pre_dir, "%s", dir);
+    return 0;
+}
+
+static int post_hook(void *user, ckpt_accelerator *acc, const char *dir) {
+    (void)acc;
+    hook_log *h = user;
+    h->post++;
+    h->post_in_caller = pthread_equal(pthread_self(), h->caller);
+    snprintf(h->post_dir, sizeof h->post_dir, "%s", dir);
+    return 0;
+}
+
+/* Pre-hooks at the call (with the temporary folder), post-hooks when the
+ * save is waited for, in the waiting thread, with the final folder. */
+static void test_hooks_run_at_the_call_and_at_the_wait(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("async");
+    run r;
+    run_open(&r, t, NULL);
+    hook_log h;
+    memset(&h, 0, sizeof h);
+    h.caller = pthread_self();
+    assert_int_equal(ckpt_register_save_state_pre_hook(r.acc, pre_hook, &h, NULL), 0);
+    assert_int_equal(ckpt_register_save_state_post_hook(r.acc, post_hook, &h, NULL), 0);
+    run_set(&r, 1);
+    assert_int_equal(ckpt_save_state_async(r.acc, NULL), 0);
+    assert_int_equal(h.pre, 1);
+    tu_assert_contains(h.pre_dir, "/checkpoints/.checkpoint_0.tmp");
+    assert_int_equal(h.post, 0);
+    assert_int_equal(ckpt_save_wait(r.acc), 0);
+    assert_int_equal(h.post, 1);
+    assert_true(h.post_in_caller);
+    assert_string_equal(h.post_dir, cp_dir(t, 0));
+    run_close(&r);
+    tu_tmpdir_free(t);
+}
+
 /* ---- the verified load's two ways of reading ------------------------------- */
 
 /* Files read into the buffers (pread, hashed piece by piece) or, all in the
@@ -660,6 +711,7 @@ int main(void) {
         cmocka_unit_test(test_every_background_io_call_failing_eio_reaches_the_wait),
         cmocka_unit_test(test_the_next_save_returns_a_background_failure),
         cmocka_unit_test(test_past_the_staging_limit_files_are_written_at_the_call),
+        cmocka_unit_test(test_hooks_run_at_the_call_and_at_the_wait),
         cmocka_unit_test(test_load_through_the_hashed_read),
         cmocka_unit_test(test_load_through_cached_pages),
         cmocka_unit_test(test_several_processes_commit_in_the_callers_thread),

@@ -762,6 +762,77 @@ static void test_state_saved_after_last_batch_resumes_with_end_signal(void **sta
     ckpt_dataloader_free(dl2);
 }
 
+/* Collects a loader's warnings. */
+typedef struct warnings {
+    int n;
+    char last[1024];
+} warnings;
+
+static void collect_warning(void *user, ckpt_log_level level, const char *msg) {
+    warnings *w = user;
+    assert_int_equal(level, CKPT_LOG_WARNING);
+    w->n++;
+    snprintf(w->last, sizeof w->last, "%s", msg);
+}
+
+/* The porting traps: after a load that restored batch 2 of epoch 0,
+ * set_epoch(0) keeps that position (the resumed loop's usual first call), and
+ * a skip warns that it skips on top of it. Outside that window set_epoch of
+ * the current epoch restarts it, and a skip is silent. */
+static void test_set_epoch_keeps_a_restored_position_and_skip_after_a_load_warns(void **state) {
+    (void)state;
+    for (int workers = 0; workers <= 2; workers += 2) {
+        counting c;
+        counting_init(&c, 16);
+        ckpt_dataloader *dl = make_loader(&c, 4, false, 0, workers);
+        expect_batch(dl, 0, 0, 0, 4, false);
+        expect_batch(dl, 0, 1, 4, 4, false);
+        ckpt_reader *r = save_and_open(dl);
+
+        ckpt_dataloader *dl2 = make_loader(&c, 4, false, 0, workers);
+        warnings w = {0};
+        ckpt_dataloader_set_log(dl2, collect_warning, &w);
+        assert_int_equal(ckpt_dataloader_ops()->load_state_dict(dl2, r), CKPT_OK);
+        assert_int_equal(ckpt_dataloader_set_epoch(dl2, 0), CKPT_OK);
+        assert_int_equal(ckpt_dataloader_set_epoch(dl2, 0), CKPT_OK);
+        expect_batch(dl2, 0, 2, 8, 4, false);
+        /* A batch was yielded: set_epoch(0) restarts the epoch again. */
+        assert_int_equal(ckpt_dataloader_set_epoch(dl2, 0), CKPT_OK);
+        expect_batch(dl2, 0, 0, 0, 4, false);
+        assert_int_equal(w.n, 0);
+
+        /* Load again, then skip: it skips (as asked) and says why it is
+         * probably a mistake; a second skip is not "after a load" any more. */
+        assert_int_equal(ckpt_dataloader_ops()->load_state_dict(dl2, r), CKPT_OK);
+        assert_int_equal(ckpt_skip_first_batches(dl2, 1), CKPT_OK);
+        assert_int_equal(w.n, 1);
+        tu_assert_contains(w.last, "skipping 1 batches on top of the position restored by "
+                                   "load_state (batch 2 of epoch 0)");
+        expect_batch(dl2, 0, 3, 12, 4, true);
+        assert_int_equal(ckpt_skip_first_batches(dl2, 0), CKPT_OK);
+        assert_int_equal(w.n, 1);
+
+        /* A skip on a loader that was never loaded is silent. */
+        assert_int_equal(ckpt_dataloader_set_epoch(dl2, 1), CKPT_OK);
+        assert_int_equal(ckpt_skip_first_batches(dl2, 2), CKPT_OK);
+        assert_int_equal(w.n, 1);
+        expect_batch(dl2, 1, 2, 8, 4, false);
+
+        /* Restored at the end of epoch 0: set_epoch(0) does not replay it. */
+        ckpt_reader_free(r);
+        expect_batch(dl, 0, 2, 8, 4, false);
+        expect_batch(dl, 0, 3, 12, 4, true);
+        r = save_and_open(dl);
+        assert_int_equal(ckpt_dataloader_ops()->load_state_dict(dl2, r), CKPT_OK);
+        assert_int_equal(ckpt_dataloader_set_epoch(dl2, 0), CKPT_OK);
+        expect_end(dl2);
+        expect_batch(dl2, 1, 0, 0, 4, false);
+        ckpt_reader_free(r);
+        ckpt_dataloader_free(dl);
+        ckpt_dataloader_free(dl2);
+    }
+}
+
 /* ======================================================================== */
 /* Collate and the memory dataset                                            */
 /* ======================================================================== */
@@ -1078,6 +1149,7 @@ int main(void) {
         cmocka_unit_test(test_drop_last_drops_the_short_batch),
         cmocka_unit_test(test_shuffle_is_a_permutation_that_depends_only_on_seed_and_epoch),
         cmocka_unit_test(test_set_epoch_restarts_at_first_batch_of_that_epoch),
+        cmocka_unit_test(test_set_epoch_keeps_a_restored_position_and_skip_after_a_load_warns),
         cmocka_unit_test(test_shuffled_resume_mid_epoch_matches_uninterrupted_run),
         cmocka_unit_test(test_shuffled_resume_matches_with_2_workers),
         cmocka_unit_test(test_shuffled_resume_matches_with_4_workers),

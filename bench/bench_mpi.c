@@ -1,0 +1,147 @@
+/* bench_mpi.c — save and load of a GPT-2-small-sized training state by P
+ * MPI processes, the same total bytes whatever P: the model (124,439,808
+ * fp32 parameters, HF transformers' shapes) is replicated and written once
+ * by rank 0; AdamW is sharded ZeRO-1 style (ckpt_optimizer_set_shard), so
+ * its moments (2x the model) are written 1/P by every rank. Run under
+ * `mpirun -np P` for P = 1, 2, 4; bench/run prints each P's times as ratios
+ * against P = 1 measured in the same run.
+ *
+ *   mpirun -np P bench_mpi FOLDER
+ *
+ * Prints one line on rank 0: "bench_mpi P=<p> bytes=<n> save=<s> load=<s>"
+ * (seconds, best of 3: a durable collective ckpt_save_state to the next
+ * automatic checkpoint, then a verified collective ckpt_load_state of it,
+ * page cache warm). FOLDER/mpi<p> is removed at the end. */
+#include <mpi.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "ckpt.h"
+#include "ckpt_mpi.h"
+
+#define D 768
+#define LAYERS 12
+#define VOCAB 50257
+#define CTX 1024
+#define MAXP (2 + 12 * LAYERS + 2)
+#define REPS 3
+
+static int rank_;
+
+static void die(const char *what) {
+    fprintf(stderr, "bench_mpi: rank %d: %s: %s\n", rank_, what, ckpt_errmsg());
+    MPI_Abort(MPI_COMM_WORLD, 1);
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static ckpt_model *model;
+static int64_t total_elems;
+
+static void add(const char *name, int ndim, int64_t a, int64_t b) {
+    int64_t numel = ndim == 1 ? a : a * b;
+    float *data = malloc((size_t)numel * sizeof *data);
+    float *grad = malloc((size_t)numel * sizeof *grad);
+    if (!data || !grad) die("out of memory");
+    for (int64_t i = 0; i < numel; i++) {
+        data[i] = (float)((i * 7 + total_elems) % 1000) * 1e-3f;
+        grad[i] = (float)((i * 13 + total_elems) % 997) * 1e-4f - 0.05f;
+    }
+    int64_t shape[2] = {a, b};
+    if (ckpt_model_add_param(model, name, CKPT_F32, ndim, shape, data, grad) < 0) die(name);
+    total_elems += numel;
+}
+
+static void gpt2_small(void) {
+    char n[64];
+    add("transformer.wte.weight", 2, VOCAB, D);
+    add("transformer.wpe.weight", 2, CTX, D);
+    for (int i = 0; i < LAYERS; i++) {
+#define L(suffix, ...) (snprintf(n, sizeof n, "transformer.h.%d." suffix, i), add(n, __VA_ARGS__))
+        L("ln_1.weight", 1, D, 0);
+        L("ln_1.bias", 1, D, 0);
+        L("attn.c_attn.weight", 2, D, 3 * D);
+        L("attn.c_attn.bias", 1, 3 * D, 0);
+        L("attn.c_proj.weight", 2, D, D);
+        L("attn.c_proj.bias", 1, D, 0);
+        L("ln_2.weight", 1, D, 0);
+        L("ln_2.bias", 1, D, 0);
+        L("mlp.c_fc.weight", 2, D, 4 * D);
+        L("mlp.c_fc.bias", 1, 4 * D, 0);
+        L("mlp.c_proj.weight", 2, 4 * D, D);
+        L("mlp.c_proj.bias", 1, D, 0);
+#undef L
+    }
+    add("transformer.ln_f.weight", 1, D, 0);
+    add("transformer.ln_f.bias", 1, D, 0);
+}
+
+int main(int argc, char **argv) {
+    MPI_Init(&argc, &argv);
+    if (argc != 2) {
+        fprintf(stderr, "usage: mpirun -np P bench_mpi FOLDER\n");
+        MPI_Abort(MPI_COMM_WORLD, 2);
+    }
+    ckpt_comm *comm = NULL;
+    if (ckpt_comm_mpi(&comm, MPI_COMM_WORLD) < 0) die("comm");
+    rank_ = comm->rank;
+    char project[4096];
+    snprintf(project, sizeof project, "%s/mpi%d", argv[1], comm->size);
+
+    if (ckpt_model_new(&model) < 0) die("model");
+    gpt2_small();
+    ckpt_optimizer *opt = NULL;
+    if (ckpt_adamw_new(&opt, model, 1e-4, 0.9, 0.999, 1e-8, 0.01) < 0) die("adamw");
+    if (ckpt_optimizer_set_shard(opt, comm) < 0) die("set_shard");
+    if (ckpt_optimizer_step(opt) < 0) die("step"); /* non-zero moments */
+
+    ckpt_project_config cfg = {.project_dir = project, .automatic_checkpoint_naming = true,
+                               .total_limit = 1, .comm = comm};
+    ckpt_accelerator *acc = NULL;
+    if (ckpt_accelerator_new(&acc, &cfg) < 0) die("accelerator");
+    if (ckpt_prepare_model(acc, model) < 0 || ckpt_prepare_optimizer(acc, opt) < 0) die("prepare");
+
+    double best_save = 1e30, best_load = 1e30;
+    for (int rep = 0; rep < REPS; rep++) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = now();
+        if (ckpt_save_state(acc, NULL) < 0) die("save");
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t1 = now();
+        if (ckpt_load_state(acc, NULL) < 0) die("load");
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t2 = now();
+        if (t1 - t0 < best_save) best_save = t1 - t0;
+        if (t2 - t1 < best_load) best_load = t2 - t1;
+    }
+    uint64_t bytes = (uint64_t)total_elems * 4u * 3u; /* weights + exp_avg + exp_avg_sq */
+    if (rank_ == 0)
+        printf("bench_mpi P=%d bytes=%llu save=%.3f load=%.3f\n", comm->size,
+               (unsigned long long)bytes, best_save, best_load);
+    ckpt_accelerator_free(acc);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (rank_ == 0) {
+        char cmd[4200];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", project);
+        if (system(cmd) != 0) fprintf(stderr, "bench_mpi: could not remove %s\n", project);
+    }
+    ckpt_optimizer_free(opt);
+    for (int64_t i = 0; i < ckpt_model_num_params(model); i++) {
+        ckpt_param_info pi;
+        if (ckpt_model_param(model, i, &pi) == 0) {
+            free(pi.data);
+            free(pi.grad);
+        }
+    }
+    ckpt_model_free(model);
+    ckpt_comm_free(comm);
+    MPI_Finalize();
+    return 0;
+}
