@@ -158,9 +158,10 @@ int cli_wrong_kind(const char *cmd, const char *path, cli_kind kind, const char 
         return cli_usage_error(
             cmd,
             "%s is a PyTorch file (a zip archive, as torch.save writes), not safetensors; "
-            "expected %s. To convert a state dict of tensors, in Python: "
+            "expected %s. 'ckpt import %s CHECKPOINT_DIR' converts it into a checkpoint; or, for "
+            "a state dict of tensors, in Python: "
             "from safetensors.torch import save_file; save_file(torch.load('%s'), 'out.safetensors')",
-            path, expected, path);
+            path, expected, path, path);
     case CLI_KIND_FOLDER:
         return cli_usage_error(cmd,
                                "%s is not a checkpoint (no checkpoint.json) nor a project (no "

@@ -76,6 +76,8 @@ run_rc 2 "$CKPT_BIN" inspect "$WORK/model.pt"
 grep -q "model.pt is a PyTorch file (a zip archive, as torch.save writes), not safetensors" "$WORK/err" \
     || fail "inspect: zip not recognised"
 grep -q "save_file(torch.load(" "$WORK/err" || fail "inspect: no advice for a zip"
+grep -q "'ckpt import $WORK/model.pt CHECKPOINT_DIR' converts it into a checkpoint" "$WORK/err" \
+    || fail "inspect: a zip does not point to ckpt import"
 run_rc 2 "$CKPT_BIN" inspect "$WORK/e1"
 run_rc 2 "$CKPT_BIN" inspect "$proj"
 grep -q "is a project folder" "$WORK/err" || fail "inspect: project"
