@@ -3,6 +3,7 @@
 #   make test     sanitizer build (build-test/) and every test
 #   make demo     the main job: train, kill -9, resume, compare
 #   make bench    benchmarks (bench/README.md)
+#   make tsan     ThreadSanitizer build (build-tsan/) and the threaded tests
 #   make valgrind unit tests and a CLI run under valgrind memcheck (build-valgrind/)
 #   make install  install into PREFIX (default /usr/local)
 PREFIX ?= /usr/local
@@ -12,7 +13,7 @@ CMAKE ?= cmake
 # the build would come wrapped in "Entering/Leaving directory" messages.
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all setup build build-test test demo bench install clean fuzz valgrind
+.PHONY: all setup build build-test test demo bench install clean fuzz tsan valgrind
 
 all: build
 
@@ -40,6 +41,13 @@ bench: build
 	@bash scripts/setup all
 	@bash bench/run build
 
+# The tests that run threads (background saves, thread ranks, loader workers).
+tsan:
+	@bash scripts/setup test
+	@$(CMAKE) -S . -B build-tsan -DCMAKE_BUILD_TYPE=Debug -DCKPT_TSAN=ON >/dev/null
+	@$(CMAKE) --build build-tsan -j $(JOBS)
+	@cd build-tsan && ctest --output-on-failure -j $(JOBS) -R 'unit\.test_(async|collective|dataloader|io)$$'
+
 install: build
 	@$(CMAKE) --install build --prefix $(PREFIX)
 
@@ -55,4 +63,4 @@ valgrind:
 	@bash scripts/valgrind build-valgrind
 
 clean:
-	rm -rf build build-test build-fuzz build-valgrind
+	rm -rf build build-test build-fuzz build-tsan build-valgrind

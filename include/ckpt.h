@@ -655,9 +655,17 @@ typedef struct ckpt_project_config {
                                          process_index/num_processes come from it */
 } ckpt_project_config;
 
-typedef enum ckpt_log_level { CKPT_LOG_INFO = 0, CKPT_LOG_WARNING = 1 } ckpt_log_level;
+typedef enum ckpt_log_level {
+    CKPT_LOG_INFO = 0,
+    CKPT_LOG_WARNING = 1,
+    CKPT_LOG_ERROR = 2 /* a background save failed (ckpt_save_state_async) */
+} ckpt_log_level;
 /* Receives warnings (a fallback to an older checkpoint, a leftover temporary
- * folder removed). Default: "ckpt: warning: <msg>" on stderr. */
+ * folder removed) and the failure of an asynchronous save the moment it
+ * happens. Default: "ckpt: warning: <msg>" / "ckpt: error: <msg>" on stderr.
+ * It may be called from the accelerator's background thread (an
+ * asynchronous save's failure), so it must be safe to call from a thread
+ * other than the one that calls ckpt. */
 typedef void (*ckpt_log_fn)(void *user, ckpt_log_level level, const char *msg);
 
 /* Copies *cfg (and its strings). Does not touch the disk.
@@ -731,6 +739,51 @@ CKPT_API int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed);
  * saves are refused too because such a folder is usually the one the failed
  * load read. */
 CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
+/* Asynchronous save: the same checkpoint as ckpt_save_state(acc, output_dir),
+ * with the disk write taken off the caller's thread.
+ * In the caller's thread, before it returns: any pending save is ended first
+ * (as by ckpt_save_wait; if it failed, its error is returned and nothing else
+ * is done), the checkpoint is planned (lock, number, temporary folder: two
+ * asynchronous saves never get the same number), the save pre-hooks run
+ * (with the temporary folder, as for ckpt_save_state), every object's
+ * state_dict runs, and every tensor's bytes are copied into a staging area. From then on the objects may change: what is saved is the
+ * state at the call. The background thread (one per accelerator, started by
+ * the first call, joined by ckpt_accelerator_free) then writes and fsyncs
+ * the files, commits the checkpoint and applies total_limit, exactly as
+ * ckpt_save_state would: same files, same atomicity (a failed or killed save
+ * leaves nothing partial and the previous checkpoints intact).
+ * Memory: the staging area costs the state's tensor bytes while a save is
+ * pending; it is allocated by the first call, kept and reused by the next
+ * ones, grown only when the state grows, and freed with the accelerator.
+ * ckpt_accelerator_set_async_staging_limit bounds it.
+ * Errors: a failure of the call itself (bad arguments, lock held, a
+ * state_dict failing, out of memory) is returned at once. A failure in the
+ * background (ENOSPC, EIO, ...) is sent to the log callback at once (from the
+ * background thread, level CKPT_LOG_ERROR) and returned, with its message in
+ * ckpt_errmsg() of the waiting thread, by the next ckpt_save_wait,
+ * ckpt_save_state or ckpt_save_state_async; it is returned once.
+ * A later ckpt_save_state / ckpt_save_state_async, ckpt_load_state and
+ * ckpt_accelerator_free first wait for the pending save (load and free do
+ * not return its failure: it stays for the next wait or save; free only
+ * logs it). ckpt_accelerator_iteration counts the pending save at once (and
+ * goes back if it fails); ckpt_accelerator_last_dir names it once it has
+ * been waited for. The post-save hooks of a successful asynchronous save run
+ * when it is waited for, in the waiting thread (never in the background).
+ * With a comm of several processes it is collective like ckpt_save_state:
+ * the background thread only writes this rank's files; the agreement and
+ * the commit run in the caller's thread at the next ckpt_save_wait / save /
+ * load / free, which are then collective too, so the communicator is only
+ * ever used from the caller's thread (MPI needs no thread support). */
+CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir);
+/* Ends the pending asynchronous save: waits for the background thread and
+ * returns the save's status (CKPT_OK when none is pending and no failure is
+ * waiting to be reported). Collective with several processes. */
+CKPT_API int ckpt_save_wait(ckpt_accelerator *acc);
+/* Bounds the staging area of asynchronous saves to bytes (0, the default:
+ * no bound). The call then stages whole files in save order while they fit
+ * and writes every other file itself, in the caller's thread, before it
+ * returns (so a limit below the state's size trades stall for memory). */
+CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uint64_t bytes);
 /* Loads everything registered. input_dir NULL: the newest complete checkpoint
  * that verifies in <project_dir>/checkpoints, falling back (with a warning)
  * to older ones. Transactional: everything is checked first (manifest,
@@ -740,6 +793,10 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * value; the objects loaded before it are then already changed and the error
  * says "state partially loaded". Restores the step counter and the automatic
  * numbering.
+ * Each file is read once (pread, hashed piece by piece as it is read) into a
+ * buffer area the accelerator keeps and reuses for the next load and for
+ * asynchronous saves: it costs the size of the files this process reads
+ * until ckpt_accelerator_free.
  * With a comm of several processes it is collective: every rank loads the
  * same checkpoint (a candidate any rank finds corrupt is skipped by all), and
  * nothing is applied on any rank unless every rank's checks pass; every rank

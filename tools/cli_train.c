@@ -50,6 +50,8 @@ static const char train_help[] =
     "  --data FILE        the data set (default: the project's data/digits.csv.gz,\n"
     "                     or $CKPT_DATA)\n"
     "  --resume           continue from the newest complete checkpoint in DIR\n"
+    "  --async            save in the background: the loop stalls only for the copy of\n"
+    "                     the state (ckpt_save_state_async); the last save is waited for\n"
     "  --shard-optimizer  ZeRO-1: each process keeps the AdamW moments of its share\n"
     "                     of the parameters (saved as sharded tensors)\n"
     "  --log-every N      steps between progress lines when not on a terminal (default 50)\n"
@@ -69,7 +71,7 @@ typedef struct train_opts {
     double lr;
     const char *project_dir;
     const char *data;
-    bool resume, quiet, shard_optimizer;
+    bool resume, quiet, shard_optimizer, async;
 } train_opts;
 
 /* ---- the run's settings, saved with every checkpoint -------------------- */
@@ -303,7 +305,7 @@ static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x
 
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
     enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
-           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM };
+           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM, O_ASYNC };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
@@ -318,6 +320,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"log-every", required_argument, NULL, O_LOG_EVERY},
         {"quiet", no_argument, NULL, O_QUIET},
         {"shard-optimizer", no_argument, NULL, O_SHARD_OPTIM},
+        {"async", no_argument, NULL, O_ASYNC},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -344,6 +347,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_LOG_EVERY: ok = cli_parse_i64(a, 1, INT64_MAX, &o->log_every); break;
         case O_QUIET: o->quiet = true; break;
         case O_SHARD_OPTIM: o->shard_optimizer = true; break;
+        case O_ASYNC: o->async = true; break;
         case 'h': fputs(train_help, stdout); return -1;
         case ':': return cli_usage_error("train", "option '%s' needs a value", argv[optind - 1]);
         default: return cli_usage_error("train", "unknown option '%s'", argv[optind - 1]);
@@ -382,6 +386,8 @@ typedef struct trainer {
     float *exchange;  /* every gradient, then the loss and the stop flag */
     float *scratch;   /* every rank's exchange */
     size_t nexchange;
+    double ckpt_seconds; /* spent inside checkpoint calls by the loop */
+    int64_t nsaves;
 } trainer;
 
 static void trainer_free(trainer *t) {
@@ -601,9 +607,14 @@ static bool has_checkpoint(const char *project_dir) {
     return any;
 }
 
-static int save(trainer *t, int64_t step) {
+/* last: the run ends after it, so an asynchronous save is waited for. */
+static int save(trainer *t, int64_t step, bool last) {
     /* collective over the ranks: each returns the same status and message */
-    int rc = ckpt_save_state(t->acc, NULL);
+    double t0 = now_seconds();
+    int rc = t->opt.async ? ckpt_save_state_async(t->acc, NULL) : ckpt_save_state(t->acc, NULL);
+    if (rc == 0 && t->opt.async && last) rc = ckpt_save_wait(t->acc);
+    t->ckpt_seconds += now_seconds() - t0;
+    t->nsaves++;
     if (rc < 0) {
         const char *msg = ckpt_errmsg();
         if (t->tty) putchar('\n'); /* end the progress bar's line first */
@@ -612,6 +623,15 @@ static int save(trainer *t, int64_t step) {
         return CLI_RUNTIME;
     }
     return CLI_OK;
+}
+
+/* How long the loop waited for checkpoints, against the whole loop. */
+static void report_ckpt_time(const trainer *t, double run_seconds, bool quiet) {
+    if (quiet || t->nsaves == 0) return;
+    double pct = run_seconds > 0 ? 100.0 * t->ckpt_seconds / run_seconds : 0.0;
+    printf("checkpoint time: %.2f s in %lld save%s (%.1f%% of the run%s)\n", t->ckpt_seconds,
+           (long long)t->nsaves, t->nsaves == 1 ? "" : "s", pct,
+           t->opt.async ? ", asynchronous" : "");
 }
 
 int cli_train(int argc, char **argv) {
@@ -765,7 +785,7 @@ int cli_train(int argc, char **argv) {
         loss_history_put(&t.losses, step, loss);
 
         if ((o->save_every > 0 && step % o->save_every == 0) || step == total) {
-            if ((status = save(&t, step)) != CLI_OK) goto done;
+            if ((status = save(&t, step, step == total)) != CLI_OK) goto done;
             saved_step = step;
         }
 
@@ -792,13 +812,19 @@ int cli_train(int argc, char **argv) {
     if (tty) putchar('\n');
 
     if ((t.dist.size > 1 ? stop : stop_signal != 0) && step < total) {
-        if (saved_step != step && (status = save(&t, step)) != CLI_OK) goto done;
+        if (saved_step != step && (status = save(&t, step, true)) != CLI_OK) goto done;
+        if (saved_step == step && t.opt.async && (rc = ckpt_save_wait(t.acc)) < 0) {
+            status = lib_fail("save", rc);
+            goto done;
+        }
+        report_ckpt_time(&t, now_seconds() - t0, quiet);
         if (t.speak)
             printf("preempted at step %lld, checkpoint saved: %s\n", (long long)step,
                    ckpt_accelerator_last_dir(t.acc));
         status = CLI_OK;
         goto done;
     }
+    report_ckpt_time(&t, now_seconds() - t0, quiet);
     int64_t correct = evaluate(&t.net, t.test_rows, t.ntest, t.x, t.y, t.pred);
     if (!quiet) printf("final checkpoint: %s\n", ckpt_accelerator_last_dir(t.acc));
     if (t.speak)

@@ -73,6 +73,8 @@ nomem:
 
 void ckpt_accelerator_free(ckpt_accelerator *acc) {
     if (!acc) return;
+    ckpt__async_free(acc); /* a pending save ends first */
+    ckpt__arena_free(&acc->arena);
     for (int w = 0; w < HOOK_KINDS; w++) {
         ckpt_hook_handle *h = acc->hooks[w];
         while (h) {

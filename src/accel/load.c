@@ -64,7 +64,9 @@ static bool rank_reads(const ckpt_manifest_file *f, void *ctx) {
 
 static int open_checkpoint(load_op *op, const char *dir) {
     bool many = op->comm->size > 1;
-    return ckpt__checkpoint_open_some(dir, true, true, many ? rank_reads : NULL, op->acc, &op->c);
+    /* Read once, hashed on the way, into the accelerator's reusable area. */
+    return ckpt__checkpoint_open_into(dir, many ? rank_reads : NULL, op->acc, &op->acc->arena,
+                                      &op->c);
 }
 
 /* A bad checkpoint, skipped for an older one; anything else (memory, I/O on
@@ -346,6 +348,9 @@ static int record_outcome(ckpt_accelerator *acc, int rc, bool nothing) {
 
 int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "load_state: acc is NULL");
+    /* A pending asynchronous save ends first (its failure, if any, is kept
+     * for the next wait or save). */
+    ckpt__async_settle(acc, false);
     load_op op;
     memset(&op, 0, sizeof op);
     op.acc = acc;

@@ -35,11 +35,25 @@
 #include "format/statedict.h"
 #include "store/store.h"
 
-typedef struct save_op {
+/* One file a rank wrote, kept in its object's slot so the manifest lists
+ * the files in object order whichever thread wrote them and when. */
+typedef struct save_slot {
+    bool has;
+    char name[160];
+    const char *kind;
+    ckpt_file_digest d;
+} save_slot;
+
+struct ckpt_save_op {
     ckpt_accelerator *acc;
     const ckpt_comm *comm;
+    ckpt_logger log;  /* the accelerator's, as at the call */
+    int64_t step;     /* the accelerator's step and numbering at the call */
+    int64_t iteration;
     bool automatic;
     bool committer; /* rank 0: plans, commits, rotates */
+    int rc;         /* this rank's status so far (0, or the first failure) */
+    bool ended;     /* the plan failed on rank 0 and every rank knows: no agreement */
     /* plan: made by rank 0, known to every rank */
     char *parent, *base, *target, *tmp, *tname, *lockp;
     int64_t number;
@@ -49,11 +63,15 @@ typedef struct save_op {
     ckpt_acc_obj *objs;
     int nobjs;
     ckpt_writer **writers;
-    /* write: this rank's files; agree + commit: every rank's (rank 0) */
+    /* write: two slots per object (its file, its shard file) */
+    save_slot *slots;
+    bool *written;
+    /* agree + commit: this rank's files, then every rank's (rank 0) */
     ckpt_manifest mine;
     ckpt_manifest all;
     char *post_dir; /* the final folder for the post-hooks (a copy: they may save) */
-} save_op;
+};
+typedef struct ckpt_save_op save_op;
 
 /* ---- plan ------------------------------------------------------------------ */
 
@@ -122,7 +140,7 @@ static int check_replaceable(const char *target) {
 /* publish_dir failed. If the new folder was already moved into place (the
  * failure was the final folder fsync), take it back out, so that a failed
  * save never leaves its checkpoint visible: the caller was told it failed. */
-static void undo_publish(ckpt_accelerator *acc, const char *tmp, const char *target,
+static void undo_publish(const ckpt_logger *lg, const char *tmp, const char *target,
                          const struct stat *ours, bool existed, bool *tmp_made) {
     struct stat st;
     if (lstat(target, &st) != 0 || st.st_dev != ours->st_dev || st.st_ino != ours->st_ino) return;
@@ -130,13 +148,13 @@ static void undo_publish(ckpt_accelerator *acc, const char *tmp, const char *tar
     snprintf(saved, sizeof saved, "%s", ckpt_errmsg());
     if (!existed) {
         if (ckpt__remove_tree(target) < 0)
-            ckpt__log(&acc->log, CKPT_LOG_WARNING, "could not remove %s after a failed save: %s",
+            ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s after a failed save: %s",
                       target, ckpt_errmsg());
         *tmp_made = false;
     } else if (ckpt__os_exchange(tmp, target) != 0) {
         /* tmp holds the old checkpoint now: keep it as a hidden leftover. */
         *tmp_made = false;
-        ckpt__log(&acc->log, CKPT_LOG_WARNING,
+        ckpt__log(lg, CKPT_LOG_WARNING,
                   "%s holds the new checkpoint although the save failed; the old one is in %s",
                   target, tmp);
     }
@@ -174,7 +192,7 @@ static int plan_local(save_op *op, const char *output_dir) {
     if (rc < 0) return ckpt__err_prefix(rc, "save_state");
     int64_t n;
     bool numbered = op->automatic || ckpt__parse_checkpoint_name(op->base, &n);
-    CKPT_TRY(ckpt__remove_leftovers(op->parent, numbered ? NULL : op->base, &acc->log));
+    CKPT_TRY(ckpt__remove_leftovers(op->parent, numbered ? NULL : op->base, &op->log));
     if (op->automatic) {
         int64_t *nums = NULL, count = 0;
         rc = ckpt__list_numbers(op->parent, &nums, &count);
@@ -256,38 +274,54 @@ static int snapshot(save_op *op) {
     return CKPT_OK;
 }
 
-/* Writes one file of the op's rank into the temporary folder and records
- * it in op->mine. */
-static int write_file(save_op *op, ckpt_writer *w, const char *name, const char *kind, bool shards) {
+/* Writes one file of the op's rank into the temporary folder, recording
+ * it in slot. */
+static int write_file(save_op *op, ckpt_writer *w, const char *name, const char *kind, bool shards,
+                      save_slot *slot) {
     char *path = ckpt__path_join(op->tmp, name);
     if (!path) return ckpt__err_nomem("save path");
-    ckpt_file_digest d;
-    memset(&d, 0, sizeof d);
-    int rc = shards ? ckpt__writer_write_shards_new(w, path, &d) : ckpt__writer_write_new(w, path, &d);
-    if (rc == 0) rc = ckpt__manifest_add(&op->mine, name, kind, &d);
-    if (rc == 0) op->mine.files[op->mine.nfiles - 1].rank = op->comm->rank;
-    ckpt__file_digest_free(&d);
+    ckpt__file_digest_free(&slot->d);
+    memset(&slot->d, 0, sizeof slot->d);
+    int rc = shards ? ckpt__writer_write_shards_new(w, path, &slot->d)
+                    : ckpt__writer_write_new(w, path, &slot->d);
+    if (rc == 0) {
+        slot->has = true;
+        slot->kind = kind;
+        snprintf(slot->name, sizeof slot->name, "%s", name);
+    }
     free(path);
     return rc;
 }
 
 /* Who writes what: rank 0 the replicated objects, every rank its random
  * state and, for an object that put sharded tensors, its own shard file. */
-static int write_files(save_op *op) {
+static int write_object(save_op *op, int i) {
     const ckpt_comm *c = op->comm;
-    for (int i = 0; i < op->nobjs; i++) {
-        const ckpt_acc_obj *o = &op->objs[i];
-        char name[96];
-        ckpt__acc_file_name(op->acc, o, name, sizeof name);
-        int rc = 0;
-        if (o->kind == K_RNG || op->committer)
-            rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false);
-        if (rc == 0 && ckpt__writer_has_shards(op->writers[i])) {
-            char shard[160];
-            rc = ckpt__acc_shard_name(name, c->rank, c->size, shard, sizeof shard);
-            if (rc == 0) rc = write_file(op, op->writers[i], shard, ckpt__kind_name[o->kind], true);
-        }
-        if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
+    const ckpt_acc_obj *o = &op->objs[i];
+    char name[96];
+    ckpt__acc_file_name(op->acc, o, name, sizeof name);
+    int rc = 0;
+    if (o->kind == K_RNG || op->committer)
+        rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false, &op->slots[2 * i]);
+    if (rc == 0 && ckpt__writer_has_shards(op->writers[i])) {
+        char shard[160];
+        rc = ckpt__acc_shard_name(name, c->rank, c->size, shard, sizeof shard);
+        if (rc == 0)
+            rc = write_file(op, op->writers[i], shard, ckpt__kind_name[o->kind], true,
+                            &op->slots[2 * i + 1]);
+    }
+    if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
+    op->written[i] = true;
+    return CKPT_OK;
+}
+
+/* This rank's files in object order, into op->mine. */
+static int record_files(save_op *op) {
+    for (int i = 0; i < 2 * op->nobjs; i++) {
+        const save_slot *sl = &op->slots[i];
+        if (!sl->has) continue;
+        CKPT_TRY(ckpt__manifest_add(&op->mine, sl->name, sl->kind, &sl->d));
+        op->mine.files[op->mine.nfiles - 1].rank = op->comm->rank;
     }
     return CKPT_OK;
 }
@@ -447,8 +481,8 @@ static int gather_records(save_op *op, const char *json, size_t len) {
 static int commit(save_op *op) {
     ckpt_accelerator *acc = op->acc;
     ckpt_manifest *m = &op->all;
-    m->step = acc->step;
-    m->iteration = op->automatic ? op->number + 1 : acc->iteration;
+    m->step = op->step;
+    m->iteration = op->automatic ? op->number + 1 : op->iteration;
     m->process_index = acc->process_index;
     m->num_processes = acc->num_processes;
     /* The ranks' chunks of each sharded tensor must tile it exactly. */
@@ -469,8 +503,8 @@ static int commit(save_op *op) {
     if (stat(op->tmp, &tmp_st) != 0) return ckpt__err_os(errno, "save_state: %s", op->tmp);
     rc = ckpt__publish_dir(op->tmp, op->target, !op->automatic);
     if (rc < 0) {
-        rc = ckpt__err_prefix(rc, "save_state");
-        undo_publish(acc, op->tmp, op->target, &tmp_st, existed, &op->tmp_made);
+        rc = ckpt__err_prefix(rc, "save_state: %s", op->target);
+        undo_publish(&op->log, op->tmp, op->target, &tmp_st, existed, &op->tmp_made);
         return rc;
     }
     op->tmp_made = false;
@@ -483,23 +517,28 @@ static void rotate(save_op *op) {
     ckpt_accelerator *acc = op->acc;
     if (!op->automatic || acc->total_limit <= 0) return;
     int64_t removed = 0;
-    if (ckpt__rotate(op->parent, acc->total_limit, &acc->log, &removed) < 0)
-        ckpt__log(&acc->log, CKPT_LOG_WARNING, "total_limit rotation: %s", ckpt_errmsg());
+    if (ckpt__rotate(op->parent, acc->total_limit, &op->log, &removed) < 0)
+        ckpt__log(&op->log, CKPT_LOG_WARNING, "total_limit rotation: %s", ckpt_errmsg());
 }
 
 /* Rank 0, before the ranks learn the outcome: a failed save's temporary
  * folder goes (every rank has stopped writing into it), then the lock. */
 static void release(save_op *op) {
     if (op->tmp_made && ckpt__remove_tree(op->tmp) < 0)
-        ckpt__log(&op->acc->log, CKPT_LOG_WARNING, "could not remove %s after a failed save",
+        ckpt__log(&op->log, CKPT_LOG_WARNING, "could not remove %s after a failed save",
                   op->tmp);
     op->tmp_made = false;
     ckpt__lock_release(&op->lk);
 }
 
-static void save_op_free(save_op *op) {
+void ckpt__save_op_free(save_op *op) {
+    if (!op) return;
     if (op->writers)
         for (int i = 0; i < op->nobjs; i++) ckpt_writer_free(op->writers[i]);
+    if (op->slots)
+        for (int i = 0; i < 2 * op->nobjs; i++) ckpt__file_digest_free(&op->slots[i].d);
+    free(op->slots);
+    free(op->written);
     free(op->writers);
     free(op->objs);
     ckpt__manifest_clear(&op->mine);
@@ -511,6 +550,7 @@ static void save_op_free(save_op *op) {
     free(op->tname);
     free(op->lockp);
     free(op->post_dir);
+    free(op);
 }
 
 static int check_args(const ckpt_accelerator *acc, const char *output_dir) {
@@ -525,75 +565,147 @@ static int check_args(const ckpt_accelerator *acc, const char *output_dir) {
     return CKPT_OK;
 }
 
-int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
-    if (!acc) return ckpt__err(CKPT_EINVAL, "save_state: acc is NULL");
+/* ---- the phases as the accelerator runs them -------------------------------- */
+
+int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **out) {
     const ckpt_comm *c = acc->comm;
-    save_op op;
-    memset(&op, 0, sizeof op);
-    op.acc = acc;
-    op.comm = c;
-    op.automatic = output_dir == NULL;
-    op.committer = c->rank == 0;
-    op.number = -1;
-    op.lk.fd = -1;
-    ckpt__manifest_init(&op.mine);
-    ckpt__manifest_init(&op.all);
-    char *json = NULL;
-    size_t jlen = 0;
+    save_op *op = ckpt__calloc(1, sizeof *op);
+    *out = op;
+    if (!op) return ckpt__err_nomem("save");
+    op->acc = acc;
+    op->comm = c;
+    op->log = acc->log;
+    op->step = acc->step;
+    op->iteration = acc->iteration;
+    op->automatic = output_dir == NULL;
+    op->committer = c->rank == 0;
+    op->number = -1;
+    op->lk.fd = -1;
+    ckpt__manifest_init(&op->mine);
+    ckpt__manifest_init(&op->all);
 
     /* A rank whose own checks fail still takes part in every collective
      * below, and reports its failure at the agreement. */
     int rc = check_args(acc, output_dir);
-    if (c->size <= 1 && rc < 0) goto out;
+    if (c->size <= 1 && rc < 0) return op->rc = rc; /* finish only releases */
     /* plan */
-    if (op.committer && rc == 0) rc = plan_local(&op, output_dir);
+    if (op->committer && rc == 0) rc = plan_local(op, output_dir);
     if (c->size > 1) {
-        int prc = ckpt__coll_share(c, op.committer ? rc : CKPT_OK);
-        if (prc < 0) {
-            rc = prc;
-            goto out;
+        int prc = ckpt__coll_share(c, op->committer ? rc : CKPT_OK);
+        if (prc < 0) { /* every rank knows: no agreement follows */
+            op->ended = true;
+            return op->rc = prc;
         }
-        int src = plan_share(&op);
+        int src = plan_share(op);
         if (rc == 0) rc = src;
     } else if (rc < 0) {
-        goto out;
+        return op->rc = rc;
     }
-    /* snapshot, write. As Accelerate's, the pre-hooks get the folder being
+    /* snapshot. As Accelerate's, the pre-hooks get the folder being
      * written, and what they leave there is saved with the checkpoint. */
-    if (rc == 0 && acc->hooks[HOOK_SAVE_POST] && !(op.post_dir = ckpt__strdup(op.target)))
+    if (rc == 0 && acc->hooks[HOOK_SAVE_POST] && !(op->post_dir = ckpt__strdup(op->target)))
         rc = ckpt__err_nomem("save path");
-    if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op.tmp, "save_state");
-    if (rc == 0) rc = snapshot(&op);
-    if (rc == 0) rc = check_hook_names(&op);
-    if (rc == 0) rc = write_files(&op);
-    if (rc == 0 && c->size > 1) rc = ckpt__manifest_files_to_json(&op.mine, &json, &jlen);
+    if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->tmp, "save_state");
+    if (rc == 0) rc = snapshot(op);
+    if (rc == 0) rc = check_hook_names(op);
+    if (rc == 0) {
+        op->slots = ckpt__calloc((size_t)op->nobjs * 2, sizeof *op->slots);
+        op->written = ckpt__calloc((size_t)op->nobjs, sizeof *op->written);
+        if (!op->slots || !op->written) rc = ckpt__err_nomem("save plan");
+    }
+    return op->rc = rc;
+}
+
+int ckpt__save_agree_snapshot(save_op *op) {
+    if (op->ended || op->comm->size <= 1) return op->rc;
+    op->rc = ckpt__coll_agree(op->comm, op->rc, NULL);
+    if (op->rc < 0) op->ended = true; /* every rank knows: finish only releases */
+    return op->rc;
+}
+
+bool ckpt__save_writes(const save_op *op, int i) {
+    return op->objs[i].kind == K_RNG || op->committer || ckpt__writer_has_shards(op->writers[i]);
+}
+
+int ckpt__save_nobjs(const save_op *op) { return op->nobjs; }
+ckpt_writer *ckpt__save_writer(save_op *op, int i) { return op->writers[i]; }
+
+int ckpt__save_write(save_op *op, int i) {
+    if (op->rc == 0 && !op->written[i]) op->rc = write_object(op, i);
+    return op->rc;
+}
+
+int ckpt__save_write_all(save_op *op) {
+    for (int i = 0; op->rc == 0 && i < op->nobjs; i++) ckpt__save_write(op, i);
+    return op->rc;
+}
+
+int ckpt__save_status(const save_op *op) { return op->rc; }
+void ckpt__save_fail(save_op *op, int rc) {
+    if (op->rc == 0) op->rc = rc;
+}
+
+int ckpt__save_finish(save_op *op) {
+    const ckpt_comm *c = op->comm;
+    char *json = NULL;
+    size_t jlen = 0;
+    int rc = op->rc;
+    if (op->ended) {
+        if (op->committer) release(op);
+        return rc;
+    }
+    if (rc == 0) rc = record_files(op);
+    if (rc == 0 && c->size > 1) rc = ckpt__manifest_files_to_json(&op->mine, &json, &jlen);
     /* agree */
     rc = ckpt__coll_agree(c, rc, NULL);
     if (rc == 0) {
         if (c->size > 1) {
-            rc = gather_records(&op, json, jlen);
+            rc = gather_records(op, json, jlen);
         } else {
-            op.all = op.mine;
-            ckpt__manifest_init(&op.mine);
+            op->all = op->mine;
+            ckpt__manifest_init(&op->mine);
         }
         /* commit, rotate */
-        if (rc == 0 && op.committer) rc = commit(&op);
-        if (rc == 0 && op.committer) rotate(&op);
-        if (op.committer) release(&op);
+        if (rc == 0 && op->committer) rc = commit(op);
+        if (rc == 0 && op->committer) rotate(op);
+        if (op->committer) release(op);
         rc = ckpt__coll_share(c, rc);
     }
-    if (rc == 0) {
-        /* Committed, on every rank. */
-        if (op.automatic) acc->iteration = op.number + 1;
-        free(acc->last_dir);
-        acc->last_dir = op.target;
-        op.target = NULL;
-    }
-out:
-    if (op.committer) release(&op);
-    /* After the lock is released, so that a post-hook may save again. */
-    if (rc == 0 && op.post_dir) ckpt__acc_run_hooks(acc, HOOK_SAVE_POST, op.post_dir, "save_state");
+    if (op->committer) release(op);
     free(json);
-    save_op_free(&op);
+    return op->rc = rc;
+}
+
+void ckpt__save_apply(save_op *op) {
+    ckpt_accelerator *acc = op->acc;
+    if (op->rc < 0) return;
+    /* Committed, on every rank. */
+    if (op->automatic && op->number + 1 > acc->iteration) acc->iteration = op->number + 1;
+    free(acc->last_dir);
+    acc->last_dir = op->target;
+    op->target = NULL;
+}
+
+void ckpt__save_post(save_op *op) {
+    /* After the lock is released, so that a post-hook may save again. */
+    if (op->rc == 0 && op->post_dir)
+        ckpt__acc_run_hooks(op->acc, HOOK_SAVE_POST, op->post_dir, "save_state");
+}
+
+int64_t ckpt__save_number(const save_op *op) { return op->automatic ? op->number : -1; }
+const ckpt_logger *ckpt__save_logger(const save_op *op) { return &op->log; }
+
+int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "save_state: acc is NULL");
+    /* A pending asynchronous save ends first; its failure is this call's. */
+    CKPT_TRY(ckpt__async_settle(acc, true));
+    save_op *op = NULL;
+    int rc = ckpt__save_start(acc, output_dir, &op);
+    if (!op) return rc;
+    ckpt__save_write_all(op);
+    rc = ckpt__save_finish(op);
+    ckpt__save_apply(op);
+    ckpt__save_post(op);
+    ckpt__save_op_free(op);
     return rc;
 }

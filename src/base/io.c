@@ -857,3 +857,127 @@ out:
 }
 
 uint64_t ckpt__xxh3(const void *p, size_t n) { return XXH3_64bits(p, n); }
+
+/* ---- reads that hash on the way --------------------------------------------- */
+
+/* Small enough to stay in the CPU cache between the read and the hash,
+ * large enough that a read from disk is one large request (a cold read in
+ * 1 MiB pieces ran at a third of the speed of 8 MiB ones). */
+#define HASH_PIECE ((size_t)8 << 20)
+
+int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
+                      uint64_t *digest) {
+    size_t align = _Alignof(XXH3_state_t) > 64 ? _Alignof(XXH3_state_t) : 64;
+    void *mem = ckpt__malloc(sizeof(XXH3_state_t) + align + (dst ? 0 : HASH_PIECE));
+    if (!mem) return ckpt__err_nomem(what);
+    uintptr_t a = ((uintptr_t)mem + align - 1) & ~(uintptr_t)(align - 1);
+    XXH3_state_t *h = (XXH3_state_t *)a;
+    uint8_t *scratch = (uint8_t *)(h + 1);
+    XXH3_INITSTATE(h);
+    XXH3_64bits_reset(h);
+    int rc = CKPT_OK;
+    int fd = ckpt__os_open(path, O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) {
+        rc = ckpt__err_os(errno, "%s: open", what);
+        free(mem);
+        return rc;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        rc = ckpt__err_os(errno, "%s: stat", what);
+    } else if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size != size) {
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %lld bytes, the manifest says %llu", what,
+                       (long long)st.st_size, (unsigned long long)size);
+    } else {
+        /* The kernel reads ahead further for a file read from start to end. */
+        (void)posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+        uint64_t off = 0;
+        while (off < size) {
+            size_t want = size - off < HASH_PIECE ? (size_t)(size - off) : HASH_PIECE;
+            uint8_t *p = dst ? dst + off : scratch;
+            size_t got = 0;
+            while (got < want) {
+                ssize_t r = ckpt__os_pread(fd, p + got, want - got, off + got);
+                if (r < 0) {
+                    rc = ckpt__err_os(errno, "%s: read", what);
+                    break;
+                }
+                if (r == 0) {
+                    rc = ckpt__err(CKPT_ECORRUPT, "%s: ends at byte %llu, the manifest says %llu",
+                                   what, (unsigned long long)(off + got), (unsigned long long)size);
+                    break;
+                }
+                got += (size_t)r;
+            }
+            if (rc < 0) break;
+            /* From disk: the next piece is on its way while this one is hashed. */
+            if (off + want < size)
+                (void)posix_fadvise(fd, (off_t)(off + want), (off_t)HASH_PIECE, POSIX_FADV_WILLNEED);
+            XXH3_64bits_update(h, p, want);
+            off += want;
+        }
+    }
+    close(fd);
+    if (rc == 0 && digest) *digest = XXH3_64bits_digest(h);
+    free(mem);
+    return rc;
+}
+
+int ckpt__map_if_cached(const char *path, uint64_t size, ckpt_mapped *m) {
+    memset(m, 0, sizeof *m);
+    if (size == 0 || size > (uint64_t)SIZE_MAX) return 0;
+    int fd = ckpt__os_open(path, O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) return ckpt__err_os(errno, "%s: open", path);
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size != size) {
+        close(fd);
+        return 0; /* the read path says what is wrong */
+    }
+    void *p = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) return 0;
+    long pg = sysconf(_SC_PAGESIZE);
+    size_t npages = ((size_t)size + (size_t)pg - 1) / (size_t)pg;
+    unsigned char *vec = malloc(npages);
+    bool all = vec && mincore(p, (size_t)size, vec) == 0;
+    for (size_t i = 0; all && i < npages; i++) all = (vec[i] & 1) != 0;
+    free(vec);
+    if (!all) {
+        munmap(p, (size_t)size);
+        return 0;
+    }
+#ifdef MADV_POPULATE_READ
+    (void)madvise(p, (size_t)size, MADV_POPULATE_READ);
+#endif
+    m->data = p;
+    m->size = size;
+    m->map_base = p;
+    m->map_len = (size_t)size;
+    return 1;
+}
+
+/* ---- reusable memory ------------------------------------------------------------ */
+
+int ckpt__arena_reserve(ckpt_arena *a, uint64_t n) {
+    if (n <= a->cap) return CKPT_OK;
+    ckpt__arena_free(a);
+    if (n > (uint64_t)SIZE_MAX / 2) return ckpt__err_nomem("buffer area");
+    /* Whole pages. (No MADV_HUGEPAGE: where the kernel defragments on
+     * demand, the first touch of a huge-page area can stall for seconds.) */
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    uint64_t len = (n + page - 1) / page * page;
+    void *probe = ckpt__malloc(1); /* the allocation-failure sweep counts this area too */
+    if (!probe) return ckpt__err_nomem("buffer area");
+    free(probe);
+    void *p = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return ckpt__err_nomem("buffer area");
+    a->p = p;
+    a->cap = len;
+    return CKPT_OK;
+}
+
+void ckpt__arena_free(ckpt_arena *a) {
+    if (a->p) munmap(a->p, (size_t)a->cap);
+    a->p = NULL;
+    a->cap = 0;
+}

@@ -167,6 +167,34 @@ typedef struct ckpt_mapped {
  * Messages name the path. */
 int ckpt__map_file(const char *path, ckpt_mapped *m);
 void ckpt__unmap(ckpt_mapped *m);
+/* Reads the file at path, which must hold exactly size bytes, with pread in
+ * 8 MiB pieces, hashing each piece (XXH3-64) right after reading it, while
+ * it is still in the CPU cache (and while the next piece is read ahead): the
+ * checksum rides on the read. Into dst (size
+ * bytes) if not NULL, else through a small scratch piece (verification
+ * only). *digest gets the file's XXH3-64. A file of another size, or one
+ * that ends early, is CKPT_ECORRUPT naming what (e.g. "dir: name"). */
+int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
+                      uint64_t *digest);
+
+/* If every page of the file at path is in the page cache: maps it (as
+ * ckpt__map_file, its page tables filled at once, no fault per page) and
+ * returns 1; 0 (nothing mapped) if some page would come from the disk or
+ * the check is not possible; negative on error. */
+int ckpt__map_if_cached(const char *path, uint64_t size, ckpt_mapped *m);
+
+/* A memory area reused from call to call (an asynchronous save's staging,
+ * a verified load's read buffers): anonymous pages, grown when asked for
+ * more, never shrunk; its pages
+ * touched once stay mapped, so the next use takes no page faults. */
+typedef struct ckpt_arena {
+    uint8_t *p;
+    uint64_t cap;
+} ckpt_arena;
+/* At least n bytes at a->p (the old contents are not kept when it grows). */
+int ckpt__arena_reserve(ckpt_arena *a, uint64_t n);
+void ckpt__arena_free(ckpt_arena *a);
+
 /* Reads a whole small file (<= max bytes) into a NUL-terminated heap buffer. */
 int ckpt__read_small_file(const char *path, uint64_t max, char **out, size_t *len);
 /* XXH3-64 of a buffer. */

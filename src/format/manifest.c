@@ -800,12 +800,21 @@ void ckpt__checkpoint_close(ckpt_checkpoint_open *c) {
         c->maps = NULL;
     }
     ckpt__manifest_clear(&c->m);
+    ckpt__arena_free(&c->own);
     c->total_bytes = 0;
     c->have_manifest = false;
 }
 
+static const uint8_t empty_file[1];
+static _Atomic bool use_cached_maps = true;
+
+bool ckpt__set_cached_maps(bool on) { return atomic_exchange(&use_cached_maps, on); }
+
+/* A deep check reads the file with pread, hashing each piece as it arrives
+ * (no mmap, no second pass): into dst (the file's slot of the read buffers)
+ * when its bytes are kept for the readers, else through a scratch piece. */
 static int check_one(const char *dir, const ckpt_manifest_file *f, bool deep, ckpt_mapped *mp,
-                     bool *mapped) {
+                     uint8_t *dst) {
     char *path = join(dir, f->name);
     if (!path) return ckpt__err_nomem("checkpoint path");
     struct stat st;
@@ -821,14 +830,33 @@ static int check_one(const char *dir, const ckpt_manifest_file *f, bool deep, ck
                        f->name, (long long)st.st_size, f->size,
                        (uint64_t)st.st_size < f->size ? " (truncated)" : "");
     } else if (deep) {
-        rc = ckpt__map_file(path, mp);
-        if (rc == 0) {
-            *mapped = true;
-            if (mp->size != f->size)
-                rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: size %" PRIu64 " bytes, the manifest says %" PRIu64,
-                               dir, f->name, mp->size, f->size);
-            else if (ckpt__xxh3(mp->data, (size_t)mp->size) != f->xxh3)
-                rc = name_mismatch(dir, f, mp);
+        char what[1024];
+        snprintf(what, sizeof what, "%s: %s", dir, f->name);
+        uint64_t h = 0;
+        /* Kept bytes already all in the page cache: hash them in place and
+         * let the readers use that mapping (no copy into the buffers). */
+        int cached = dst && atomic_load(&use_cached_maps) ? ckpt__map_if_cached(path, f->size, mp) : 0;
+        if (cached > 0) {
+            h = ckpt__xxh3(mp->data, (size_t)mp->size);
+            dst = NULL;
+        } else if (cached < 0) {
+            rc = cached;
+        } else {
+            rc = ckpt__read_hashed(path, what, f->size, f->size ? dst : NULL, &h);
+        }
+        if (rc == 0 && dst) {
+            mp->data = f->size ? dst : empty_file; /* borrowed from the read buffers */
+            mp->size = f->size;
+        }
+        if (rc == 0 && h != f->xxh3) {
+            /* Which tensor went bad, from the bytes (mapped for this only). */
+            ckpt_mapped tmp;
+            memset(&tmp, 0, sizeof tmp);
+            if (mp->data) rc = name_mismatch(dir, f, mp);
+            else if ((rc = ckpt__map_file(path, &tmp)) == 0) {
+                rc = name_mismatch(dir, f, &tmp);
+                ckpt__unmap(&tmp);
+            }
         }
     }
     free(path);
@@ -843,7 +871,8 @@ typedef struct check_job {
     const ckpt_manifest *m;
     bool deep;
     const bool *shallow; /* NULL, or per file: only check the size */
-    ckpt_mapped *maps; /* NULL: map, hash and unmap each file */
+    ckpt_mapped *maps; /* NULL: hash each file through a scratch piece */
+    uint8_t *const *dst; /* with maps: where each file's bytes go */
     const int64_t *idx;
     int64_t n;
     int64_t failed; /* index of the first failing file, or -1 */
@@ -859,10 +888,8 @@ static void run_check_job(check_job *j) {
         ckpt_mapped tmp;
         memset(&tmp, 0, sizeof tmp);
         ckpt_mapped *mp = j->maps ? &j->maps[i] : &tmp;
-        bool mapped = false;
         bool deep = j->deep && !(j->shallow && j->shallow[i]);
-        int rc = check_one(j->dir, &j->m->files[i], deep, mp, &mapped);
-        if (mapped && !j->maps) unmap_if(&tmp);
+        int rc = check_one(j->dir, &j->m->files[i], deep, mp, j->maps ? j->dst[i] : NULL);
         if (rc < 0) {
             j->failed = i;
             j->rc = rc;
@@ -905,7 +932,7 @@ uint64_t ckpt__set_parallel_check_bytes(uint64_t bytes) {
  * two threads, balanced by size. The error reported is the one of the
  * lowest-numbered failing file, as a sequential check would report. */
 static int check_files(const char *dir, const ckpt_manifest *m, bool deep, const bool *shallow,
-                       ckpt_mapped *maps) {
+                       ckpt_mapped *maps, uint8_t *const *dst) {
     int64_t n = m->nfiles;
     if (n == 0) return CKPT_OK;
     int64_t *idx = ckpt__calloc((size_t)n * 2, sizeof *idx);
@@ -921,6 +948,7 @@ static int check_files(const char *dir, const ckpt_manifest *m, bool deep, const
         job[w].deep = deep;
         job[w].shallow = shallow;
         job[w].maps = maps;
+        job[w].dst = dst;
         job[w].idx = idx + (size_t)w * (size_t)n;
         job[w].failed = -1; /* a job that never runs has not failed */
     }
@@ -962,13 +990,50 @@ static int check_files(const char *dir, const ckpt_manifest *m, bool deep, const
     return rc;
 }
 
+/* The files' places in the read buffers: each file a 64-byte aligned slot
+ * of the arena (the caller's, or c's own). */
+static int place_files(ckpt_checkpoint_open *c, const bool *shallow, ckpt_arena *arena,
+                       uint8_t ***dst) {
+    int64_t n = c->m.nfiles;
+    *dst = ckpt__calloc((size_t)(n ? n : 1), sizeof **dst);
+    if (!*dst) return ckpt__err_nomem("checkpoint buffers");
+    uint64_t total = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (!shallow || !shallow[i]) total += (c->m.files[i].size + 63) & ~(uint64_t)63;
+    if (!arena) arena = &c->own;
+    CKPT_TRY(ckpt__arena_reserve(arena, total));
+    uint64_t off = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (shallow && shallow[i]) continue;
+        (*dst)[i] = arena->p + off;
+        off += (c->m.files[i].size + 63) & ~(uint64_t)63;
+    }
+    return CKPT_OK;
+}
+
+static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
+                           bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
+                           ckpt_arena *arena, ckpt_checkpoint_open *c);
+
 int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_checkpoint_open *c) {
-    return ckpt__checkpoint_open_some(dir, deep, keep_maps, NULL, NULL, c);
+    return open_checkpoint(dir, deep, keep_maps, NULL, NULL, NULL, c);
 }
 
 int ckpt__checkpoint_open_some(const char *dir, bool deep, bool keep_maps,
                                bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
                                ckpt_checkpoint_open *c) {
+    return open_checkpoint(dir, deep, keep_maps, want, ctx, NULL, c);
+}
+
+int ckpt__checkpoint_open_into(const char *dir,
+                               bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
+                               ckpt_arena *arena, ckpt_checkpoint_open *c) {
+    return open_checkpoint(dir, true, true, want, ctx, arena, c);
+}
+
+static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
+                           bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
+                           ckpt_arena *arena, ckpt_checkpoint_open *c) {
     memset(c, 0, sizeof *c);
     int rc = ckpt__manifest_read(dir, &c->m);
     if (rc < 0) {
@@ -997,7 +1062,10 @@ int ckpt__checkpoint_open_some(const char *dir, bool deep, bool keep_maps,
         }
         for (int64_t i = 0; i < c->m.nfiles; i++) shallow[i] = !want(&c->m.files[i], ctx);
     }
-    rc = check_files(dir, &c->m, deep, shallow, c->maps);
+    uint8_t **dst = NULL;
+    if (c->maps) rc = place_files(c, shallow, arena, &dst);
+    if (rc == 0) rc = check_files(dir, &c->m, deep, shallow, c->maps, dst);
+    free(dst);
     free(shallow);
     if (rc == 0) rc = check_unlisted(dir, &c->m);
     if (rc < 0) {

@@ -69,7 +69,8 @@ int ckpt__manifest_read(const char *dir, ckpt_manifest *m);
  * mapped (maps[i] belongs to m.files[i]). */
 typedef struct ckpt_checkpoint_open {
     ckpt_manifest m;
-    ckpt_mapped *maps;
+    ckpt_mapped *maps; /* the files' bytes, in read buffers (not mappings) */
+    ckpt_arena own;    /* the read buffers, unless the caller lent an arena */
     uint64_t total_bytes;
     bool have_manifest; /* the manifest was read and parsed (m is valid) */
     bool no_manifest;   /* the folder exists but has no manifest */
@@ -79,7 +80,9 @@ typedef struct ckpt_checkpoint_open {
  * the listed size; if deep, its XXH3-64 matches too (on mismatch the message
  * names the tensor whose digest differs when the file still parses). A
  * .safetensors file the manifest does not list makes the folder corrupt.
- * If keep_maps, the files stay mapped in c->maps (deep only). */
+ * A deep check reads each file once with pread and hashes it piece by piece
+ * as it is read (several files on two threads). If keep_maps (deep only),
+ * the bytes read stay in c->maps, in buffers c owns until closed. */
 int ckpt__checkpoint_open(const char *dir, bool deep, bool keep_maps, ckpt_checkpoint_open *c);
 void ckpt__checkpoint_close(ckpt_checkpoint_open *c);
 /* The same, but only the files for which want(f, ctx) is true are hashed
@@ -89,6 +92,18 @@ void ckpt__checkpoint_close(ckpt_checkpoint_open *c);
 int ckpt__checkpoint_open_some(const char *dir, bool deep, bool keep_maps,
                                bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
                                ckpt_checkpoint_open *c);
+/* ckpt__checkpoint_open_some(dir, deep, keep_maps, want, ctx) with the
+ * files' bytes read into arena (reserved as needed, reused by the caller
+ * from load to load: no page faults after the first) instead of buffers of
+ * c's own. The arena must outlive c's use of c->maps. */
+int ckpt__checkpoint_open_into(const char *dir,
+                               bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
+                               ckpt_arena *arena, ckpt_checkpoint_open *c);
+/* Whether a kept file whose pages are all in the page cache is hashed and
+ * read in place through a mapping (default) rather than read into the
+ * buffers; tests turn it off to run the read path on warm files. Returns the
+ * previous value. */
+bool ckpt__set_cached_maps(bool on);
 /* Deep checks hash the files on two threads once they hold at least this
  * many bytes (default 64 MiB). Tests set 0 to exercise the threaded path on
  * small checkpoints; returns the previous value. */

@@ -355,6 +355,36 @@ bool ckpt__writer_has_shards(const ckpt_writer *w) {
     return false;
 }
 
+/* Staging (asynchronous saves): each tensor's bytes at a 64-byte boundary. */
+#define STAGE_ALIGN 64
+
+static uint64_t stage_size(const entry *e) {
+    if (e->kind != CKPT_ENTRY_TENSOR || !e->data) return 0;
+    return e->shard ? e->cbytes : e->nbytes;
+}
+
+uint64_t ckpt__writer_stage_bytes(const ckpt_writer *w) {
+    uint64_t n = 0;
+    for (int64_t i = 0; w && i < w->count; i++) {
+        uint64_t b = stage_size(&w->entries[i]);
+        if (b) n += (b + STAGE_ALIGN - 1) / STAGE_ALIGN * STAGE_ALIGN;
+    }
+    return n;
+}
+
+uint64_t ckpt__writer_stage(ckpt_writer *w, uint8_t *dst) {
+    uint64_t off = 0;
+    for (int64_t i = 0; w && i < w->count; i++) {
+        entry *e = &w->entries[i];
+        uint64_t b = stage_size(e);
+        if (!b) continue;
+        memcpy(dst + off, e->data, (size_t)b);
+        e->data = dst + off;
+        off += (b + STAGE_ALIGN - 1) / STAGE_ALIGN * STAGE_ALIGN;
+    }
+    return off;
+}
+
 /* Whether a shard entry's chunk is the whole tensor. */
 static bool shard_is_whole(const entry *e) {
     for (int d = 0; d < e->ndim; d++)

@@ -52,6 +52,16 @@ void ckpt__reader_set_name(ckpt_reader *r, const char *name);
 /* Key validation shared by writer and model: CKPT_EINVAL naming `what`. */
 int ckpt__check_key(const char *key, const char *what);
 
+/* ---- staging (asynchronous saves) ----------------------------------------
+ * A writer borrows its tensors' bytes; to let the caller change them while
+ * the file is written elsewhere, the bytes are first copied into a staging
+ * area. stage_bytes: the room the copy needs (each tensor 64-byte aligned,
+ * shard chunks included). stage: copies every tensor's bytes to dst (which
+ * has that room, 64-byte aligned) and makes the writer borrow the copies
+ * instead; returns the bytes used. */
+uint64_t ckpt__writer_stage_bytes(const ckpt_writer *w);
+uint64_t ckpt__writer_stage(ckpt_writer *w, uint8_t *dst);
+
 /* ---- sharded entries (many processes) ------------------------------------ */
 /* Whether w holds entries added with ckpt_write_tensor_shard. Such entries
  * are never part of the file ckpt__writer_write_new / ckpt_writer_save write;

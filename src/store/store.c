@@ -30,7 +30,8 @@ void ckpt__log(const ckpt_logger *lg, ckpt_log_level level, const char *fmt, ...
         lg->fn(lg->user, level, msg);
         return;
     }
-    fprintf(stderr, "ckpt: %s%s\n", level == CKPT_LOG_WARNING ? "warning: " : "", msg);
+    fprintf(stderr, "ckpt: %s%s\n",
+            level == CKPT_LOG_WARNING ? "warning: " : level == CKPT_LOG_ERROR ? "error: " : "", msg);
 }
 
 char *ckpt__path_join(const char *a, const char *b) {

@@ -19,7 +19,9 @@
  * (fmaf is a libm call: exact, but slower), picked at load time; the Adam loop
  * has an explicit AVX2 version (below). */
 #define FMADD(a, b, c) fmaf((a), (b), (c))
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+/* (Not under ThreadSanitizer: its runtime is not ready when the loader runs
+ * the clones' resolver.) */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(CKPT_NO_IFUNC)
 #define UPDATE_CLONES __attribute__((target_clones("fma", "default")))
 #else
 #define UPDATE_CLONES

@@ -5,11 +5,21 @@
 # resumed each time, the final checkpoint equals an uninterrupted run's bit for
 # bit, and so do the metrics log and the accuracy. After every kill, each
 # visible checkpoint verifies.
+# With CKPT_KILL_ASYNC=1 (test_kill_resume_async.sh) every run saves with
+# --async, and the aimed kills wait for the background thread to be writing
+# a file into the temporary folder; CKPT_KILLS sets the number of kills.
 source "$(dirname "$0")/common.bash"
+ASYNC=()
+[ "${CKPT_KILL_ASYNC:-0}" = 1 ] && ASYNC=(--async)
+KILLS=${CKPT_KILLS:-10}
+# what an aimed kill waits for: a save's temporary folder, or (async) a file
+# the background thread is writing in it
+aim="checkpoints/.checkpoint_*.tmp*"
+[ ${#ASYNC[@]} -gt 0 ] && aim="$aim/*.safetensors"
 
 ref=$WORK/ref
 start=$(date +%s%N)
-run_rc 0 "${TRAIN[@]}" --workers 2 --project-dir "$ref"
+run_rc 0 "${TRAIN[@]}" "${ASYNC[@]}" --workers 2 --project-dir "$ref"
 elapsed_ms=$(( ($(date +%s%N) - start) / 1000000 ))
 ref_final=$(latest_checkpoint "$ref")
 ref_acc=$(grep "test accuracy" "$WORK/out") || fail "no accuracy line"
@@ -19,14 +29,14 @@ ref_acc=$(grep "test accuracy" "$WORK/out") || fail "no accuracy line"
 # round starts in a fresh folder until 10 kills have happened.
 RANDOM=${KILL_SEED:-$$}
 kills=0 mid_save=0 rounds=0
-while [ "$kills" -lt 10 ]; do
+while [ "$kills" -lt "$KILLS" ]; do
     rounds=$((rounds + 1))
     run=$WORK/run$rounds
     while :; do
         workers=$((RANDOM % 3))             # the data order must not depend on it
         every=$(( 1 << (RANDOM % 3) ))      # nor the steps saved at
-        args=("${TRAIN[@]}" --workers "$workers" --save-every "$every" --project-dir "$run" --resume)
-        if [ "$kills" -ge 10 ]; then
+        args=("${TRAIN[@]}" "${ASYNC[@]}" --workers "$workers" --save-every "$every" --project-dir "$run" --resume)
+        if [ "$kills" -ge "$KILLS" ]; then
             run_rc 0 "${args[@]}"
             cp "$WORK/out" "$WORK/train.out"
             break
@@ -34,9 +44,10 @@ while [ "$kills" -lt 10 ]; do
         "${args[@]}" >"$WORK/train.out" 2>&1 &
         pid=$!
         if [ $((kills % 3)) -eq 2 ]; then
-            # aimed: kill as soon as a save's temporary folder shows up
+            # aimed: kill as soon as a save's temporary folder (async: a
+            # file in it) shows up
             for _ in $(seq 1 100000); do
-                compgen -G "$run/checkpoints/.checkpoint_*.tmp*" >/dev/null && break
+                compgen -G "$run/$aim" >/dev/null && break
                 kill -0 "$pid" 2>/dev/null || break
             done
         else

@@ -1,0 +1,233 @@
+/* async.c — ckpt_save_state_async / ckpt_save_wait: the save phases of
+ * save.c, run in two places.
+ *
+ *   caller's thread   plan + snapshot (ckpt__save_start), then every
+ *                     tensor copied into the staging area (or, past
+ *                     async_staging_limit, its file written at once)
+ *   background thread write; with one process also agree (trivial),
+ *                     commit, rotate and release
+ *   caller's thread   at the next wait / save / load / free: with several
+ *                     processes the agreement and the commit (collectives
+ *                     never leave the caller's thread); the numbering and
+ *                     last folder move on, or a failure is kept to be
+ *                     returned
+ *
+ * One background thread per accelerator, started at the first asynchronous
+ * save and joined at free; at most one save is pending. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "accel/accel.h"
+#include "base/error.h"
+#include "format/statedict.h"
+
+#define MSG_CAP 2048
+
+typedef struct ckpt_async {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pthread_t th;
+    bool started;
+    bool quit;           /* under mu: the thread ends */
+    ckpt_save_op *job;   /* under mu: handed to the thread, NULL once it is done */
+    bool job_finish;     /* under mu: the thread also finishes it (one process) */
+    char bg_msg[MSG_CAP]; /* the thread's message of a failed job (read after it is done) */
+    /* The caller's side, never touched by the thread. */
+    ckpt_save_op *pending;
+    int64_t iteration_before;
+    int failed;          /* a settled failure not yet returned */
+    char failed_msg[MSG_CAP];
+} ckpt_async;
+
+/* ---- the background thread --------------------------------------------------- */
+
+/* Writes (and with one process commits) the job; a failure is logged at
+ * once, from this thread, and its message kept for the waiter (the
+ * message of ckpt_errmsg() is the thread's own). */
+static void run_job(ckpt_async *as, ckpt_save_op *op, bool finish) {
+    int rc = ckpt__save_write_all(op);
+    if (finish) rc = ckpt__save_finish(op);
+    if (rc < 0) {
+        snprintf(as->bg_msg, sizeof as->bg_msg, "%s", ckpt_errmsg());
+        ckpt__log(ckpt__save_logger(op), CKPT_LOG_ERROR, "asynchronous save failed: %s",
+                  as->bg_msg);
+    }
+}
+
+static void *worker(void *arg) {
+    ckpt_async *as = arg;
+    pthread_mutex_lock(&as->mu);
+    for (;;) {
+        while (!as->job && !as->quit) pthread_cond_wait(&as->cv, &as->mu);
+        if (!as->job) break;
+        ckpt_save_op *op = as->job;
+        bool finish = as->job_finish;
+        pthread_mutex_unlock(&as->mu);
+        run_job(as, op, finish);
+        pthread_mutex_lock(&as->mu);
+        as->job = NULL;
+        pthread_cond_broadcast(&as->cv);
+    }
+    pthread_mutex_unlock(&as->mu);
+    return NULL;
+}
+
+/* ---- the caller's side ---------------------------------------------------------- */
+
+static ckpt_async *async_get(ckpt_accelerator *acc) {
+    if (acc->async) return acc->async;
+    ckpt_async *as = ckpt__calloc(1, sizeof *as);
+    if (!as) return NULL;
+    if (pthread_mutex_init(&as->mu, NULL) != 0) {
+        free(as);
+        return NULL;
+    }
+    if (pthread_cond_init(&as->cv, NULL) != 0) {
+        pthread_mutex_destroy(&as->mu);
+        free(as);
+        return NULL;
+    }
+    acc->async = as;
+    return as;
+}
+
+static int start_thread(ckpt_async *as) {
+    if (as->started) return CKPT_OK;
+    int e = pthread_create(&as->th, NULL, worker, as);
+    if (e != 0) return ckpt__err_os(e, "save_state_async: start the background thread");
+    as->started = true;
+    return CKPT_OK;
+}
+
+int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
+    ckpt_async *as = acc->async;
+    if (!as) return CKPT_OK;
+    if (as->pending) {
+        ckpt_save_op *op = as->pending;
+        as->pending = NULL;
+        pthread_mutex_lock(&as->mu);
+        while (as->job) pthread_cond_wait(&as->cv, &as->mu);
+        pthread_mutex_unlock(&as->mu);
+        int rc = ckpt__save_status(op);
+        bool logged = rc < 0; /* the thread logged its own failure */
+        /* The thread's message becomes this thread's. */
+        if (rc < 0) ckpt__err(rc, "%s", as->bg_msg);
+        if (acc->comm->size > 1) {
+            rc = ckpt__save_finish(op);
+            if (rc < 0 && !logged)
+                ckpt__log(ckpt__save_logger(op), CKPT_LOG_ERROR, "asynchronous save failed: %s",
+                          ckpt_errmsg());
+        }
+        if (rc < 0) {
+            acc->iteration = as->iteration_before;
+            as->failed = rc;
+            snprintf(as->failed_msg, sizeof as->failed_msg, "%s", ckpt_errmsg());
+        }
+        ckpt__save_apply(op);
+        ckpt__save_post(op); /* the post-save hooks run here, in the caller's thread */
+        ckpt__save_op_free(op);
+    }
+    if (report && as->failed < 0) {
+        int rc = ckpt__err(as->failed, "%s", as->failed_msg);
+        as->failed = 0;
+        return rc;
+    }
+    return CKPT_OK;
+}
+
+/* Copies what fits under the limit (whole files, in object order) into the
+ * staging area; every other file this rank writes is written now. */
+static int stage(ckpt_accelerator *acc, ckpt_save_op *op) {
+    int n = ckpt__save_nobjs(op);
+    uint64_t limit = acc->async_staging_limit, total = 0;
+    bool *staged = ckpt__calloc((size_t)(n ? n : 1), sizeof *staged);
+    if (!staged) return ckpt__err_nomem("staging plan");
+    for (int i = 0; i < n; i++) {
+        if (!ckpt__save_writes(op, i)) continue;
+        uint64_t b = ckpt__writer_stage_bytes(ckpt__save_writer(op, i));
+        if (limit && (b > limit || total > limit - b)) continue;
+        staged[i] = true;
+        total += b;
+    }
+    /* Reused from save to save (and shared with loads, which wait first). */
+    int rc = ckpt__arena_reserve(&acc->arena, total);
+    uint64_t off = 0;
+    for (int i = 0; rc == 0 && i < n; i++) {
+        if (staged[i]) off += ckpt__writer_stage(ckpt__save_writer(op, i), acc->arena.p + off);
+        else if (ckpt__save_writes(op, i)) rc = ckpt__save_write(op, i);
+    }
+    free(staged);
+    return rc;
+}
+
+int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "save_state_async: acc is NULL");
+    /* The pending save ends first; its failure is this call's. */
+    CKPT_TRY(ckpt__async_settle(acc, true));
+    ckpt_async *as = async_get(acc);
+    if (!as) return ckpt__err_nomem("save_state_async");
+    ckpt_save_op *op = NULL;
+    int rc = ckpt__save_start(acc, output_dir, &op);
+    if (!op) return rc;
+    rc = ckpt__save_agree_snapshot(op);
+    if (rc == 0) rc = stage(acc, op);
+    if (rc == 0) rc = start_thread(as);
+    if (rc < 0 && acc->comm->size <= 1) {
+        /* Nothing handed over: ends here, as a synchronous save would. */
+        rc = ckpt__save_finish(op);
+        ckpt__save_op_free(op);
+        return rc;
+    }
+    /* With several processes a local failure is kept in op and reported at
+     * the agreement, on every rank, at the next wait. */
+    if (rc < 0) {
+        ckpt__save_fail(op, rc);
+        snprintf(as->bg_msg, sizeof as->bg_msg, "%s", ckpt_errmsg());
+        ckpt__log(ckpt__save_logger(op), CKPT_LOG_ERROR, "asynchronous save failed: %s",
+                  as->bg_msg);
+    }
+    as->pending = op;
+    as->iteration_before = acc->iteration;
+    int64_t num = ckpt__save_number(op);
+    if (rc == 0 && num >= 0 && num + 1 > acc->iteration) acc->iteration = num + 1;
+    if (rc == 0) {
+        pthread_mutex_lock(&as->mu);
+        as->job = op;
+        as->job_finish = acc->comm->size <= 1;
+        pthread_cond_broadcast(&as->cv);
+        pthread_mutex_unlock(&as->mu);
+    }
+    return CKPT_OK;
+}
+
+int ckpt_save_wait(ckpt_accelerator *acc) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "save_wait: acc is NULL");
+    return ckpt__async_settle(acc, true);
+}
+
+int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uint64_t bytes) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "set_async_staging_limit: acc is NULL");
+    acc->async_staging_limit = bytes;
+    return CKPT_OK;
+}
+
+void ckpt__async_free(ckpt_accelerator *acc) {
+    ckpt_async *as = acc->async;
+    if (!as) return;
+    /* A failure not yet returned was logged when it happened. (A post-save
+     * hook may have started another save.) */
+    while (as->pending) ckpt__async_settle(acc, false);
+    if (as->started) {
+        pthread_mutex_lock(&as->mu);
+        as->quit = true;
+        pthread_cond_broadcast(&as->cv);
+        pthread_mutex_unlock(&as->mu);
+        pthread_join(as->th, NULL);
+    }
+    pthread_cond_destroy(&as->cv);
+    pthread_mutex_destroy(&as->mu);
+    free(as);
+    acc->async = NULL;
+}
