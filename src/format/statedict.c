@@ -26,8 +26,7 @@
 
 /* ---- keys --------------------------------------------------------------- */
 
-/* Strict UTF-8: no overlong forms, no surrogates, nothing past U+10FFFF. */
-static bool utf8_valid(const unsigned char *s, size_t n) {
+bool ckpt__utf8_valid(const unsigned char *s, size_t n) {
     size_t i = 0;
     while (i < n) {
         unsigned c = s[i];
@@ -60,7 +59,7 @@ int ckpt__check_key(const char *key, const char *what) {
     if (n > CKPT_MAX_KEY)
         return ckpt__err(CKPT_EINVAL, "%s: key '%.40s...' is %zu bytes, longer than %d", what, key,
                          n, CKPT_MAX_KEY);
-    if (!utf8_valid((const unsigned char *)key, n))
+    if (!ckpt__utf8_valid((const unsigned char *)key, n))
         return ckpt__err(CKPT_EINVAL, "%s: key is not valid UTF-8", what);
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)key[i];
@@ -413,7 +412,7 @@ int ckpt_write_f64(ckpt_writer *w, const char *key, double v) {
 int ckpt_write_str(ckpt_writer *w, const char *key, const char *v) {
     if (!v) return ckpt__err(CKPT_EINVAL, "state dict: string '%s' is NULL", key ? key : "(null)");
     size_t n = strlen(v);
-    if (!utf8_valid((const unsigned char *)v, n))
+    if (!ckpt__utf8_valid((const unsigned char *)v, n))
         return ckpt__err(CKPT_EINVAL, "state dict: string '%s' is not valid UTF-8",
                          key ? key : "(null)");
     /* Copy first, so a failure leaves the writer unchanged. */

@@ -49,6 +49,9 @@ bool ckpt__writer_is_schema(const ckpt_writer *w);
 int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const char *what);
 /* Sets the name used in reader/writer error messages (copied). */
 void ckpt__reader_set_name(ckpt_reader *r, const char *name);
+/* Strict UTF-8 (no overlong forms, no surrogates, nothing past U+10FFFF):
+ * keys, strings, and the torch pickle reader/writer. */
+bool ckpt__utf8_valid(const unsigned char *s, size_t n);
 /* Key validation shared by writer and model: CKPT_EINVAL naming `what`. */
 int ckpt__check_key(const char *key, const char *what);
 

@@ -66,3 +66,23 @@ flip_byte() {
 
 # A short run: 2 epochs of 46 steps, frequent saves.
 TRAIN=("$CKPT_BIN" train --epochs 2 --save-every 4 --quiet)
+
+# mpi_setup: skips the test (exit 77) without mpirun or an MPI build, else
+# sets what an Open MPI job needs here: as root both confirmations; Open
+# MPI's own allocations kept to the end are suppressed by frame names, which
+# needs full stacks and its components kept loaded; two cores for up to four
+# ranks: never busy-wait; one node: only the shared-memory transport.
+mpi_setup() {
+    if ! command -v mpirun >/dev/null 2>&1; then
+        echo "SKIP: mpirun not found (scripts/setup test installs openmpi-bin)"
+        exit 77
+    fi
+    if [ "${CKPT_HAVE_MPI:-1}" != 1 ]; then
+        echo "SKIP: this build has no MPI (libopenmpi-dev was missing when it was configured)"
+        exit 77
+    fi
+    export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    export OMPI_MCA_mca_base_component_disable_dlclose=1
+    export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}fast_unwind_on_malloc=0"
+    export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1
+}

@@ -12,24 +12,7 @@
 #  - SIGTERM to every rank: each saves at the same step and exits 0.
 source "$(dirname "$0")/common.bash"
 
-if ! command -v mpirun >/dev/null 2>&1; then
-    echo "SKIP: mpirun not found (scripts/setup test installs openmpi-bin)"
-    exit 77
-fi
-if [ "${CKPT_HAVE_MPI:-1}" != 1 ]; then
-    echo "SKIP: this build has no MPI (libopenmpi-dev was missing when it was configured)"
-    exit 77
-fi
-
-# As root mpirun wants both confirmations. Open MPI keeps some allocations
-# of MPI_Init/MPI_Finalize to the end: the suppressions name only Open MPI's
-# frames, which needs full stacks and its components kept loaded.
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OMPI_MCA_mca_base_component_disable_dlclose=1
-export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}fast_unwind_on_malloc=0"
-# Two cores for up to four ranks: never busy-wait in MPI; one node, so only
-# the shared-memory transport (probing for others costs a second a job).
-export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1
+mpi_setup
 
 mpi() { # mpi P ARGS...: ckpt train on P processes
     local p=$1

@@ -11,18 +11,7 @@
 #  - another global batch is refused with a message saying what would fit.
 source "$(dirname "$0")/common.bash"
 
-if ! command -v mpirun >/dev/null 2>&1; then
-    echo "SKIP: mpirun not found (scripts/setup test installs openmpi-bin)"
-    exit 77
-fi
-if [ "${CKPT_HAVE_MPI:-1}" != 1 ]; then
-    echo "SKIP: this build has no MPI"
-    exit 77
-fi
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export OMPI_MCA_mca_base_component_disable_dlclose=1
-export ASAN_OPTIONS="${ASAN_OPTIONS:+$ASAN_OPTIONS:}fast_unwind_on_malloc=0"
-export OMPI_MCA_mpi_yield_when_idle=1 OMPI_MCA_btl=self,vader OMPI_MCA_pml=ob1
+mpi_setup
 
 assert_contains() { # FILE TEXT
     grep -qF -- "$2" "$1" || { cat "$1"; fail "$1 lacks: $2"; }

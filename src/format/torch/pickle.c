@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "base/error.h"
+#include "format/statedict.h"
 
 enum ikind { IK_VALUE = 0, IK_GLOBAL, IK_STORAGE };
 enum gkind { G_REBUILD_V2 = 1, G_REBUILD_PARAM, G_ODICT, G_STORAGE, G_SET };
@@ -164,36 +165,12 @@ static uint64_t le(const uint8_t *p, int k) {
     return v;
 }
 
-bool ckpt__pkl_utf8_ok(const uint8_t *s, size_t n) {
-    size_t i = 0;
-    while (i < n) {
-        unsigned c = s[i];
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        size_t len = 0;
-        uint32_t cp, min;
-        if (c >= 0xc2 && c <= 0xdf) len = 2, cp = c & 0x1f, min = 0x80;
-        else if (c >= 0xe0 && c <= 0xef) len = 3, cp = c & 0x0f, min = 0x800;
-        else if (c >= 0xf0 && c <= 0xf4) len = 4, cp = c & 0x07, min = 0x10000;
-        else return false;
-        if (n - i < len) return false;
-        for (size_t k = 1; k < len; k++) {
-            if ((s[i + k] & 0xc0) != 0x80) return false;
-            cp = cp << 6 | (s[i + k] & 0x3f);
-        }
-        if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
-        i += len;
-    }
-    return true;
-}
 
 /* A str (utf8) or bytes value of len bytes at the current position. */
 static int push_text(vm *m, uint64_t len, bool utf8, const char *op) {
     if (len > m->n - m->pos) return bad(m, "%s of %" PRIu64 " bytes runs past the end", op, len);
     const uint8_t *s = m->p + m->pos;
-    if (utf8 && !ckpt__pkl_utf8_ok(s, (size_t)len)) return bad(m, "%s is not valid UTF-8", op);
+    if (utf8 && !ckpt__utf8_valid(s, (size_t)len)) return bad(m, "%s is not valid UTF-8", op);
     ckpt_pkl_node *nd = node_new(m, utf8 ? CKPT_TORCH_STR : CKPT_TORCH_BYTES);
     if (!nd) return ckpt__err_nomem("unpickler");
     char *copy = ckpt__malloc((size_t)len + 1);

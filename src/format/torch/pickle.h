@@ -33,8 +33,6 @@ int ckpt__unpickle(ckpt_pkl_arena *a, const uint8_t *p, size_t n, const char *na
 /* The storage class name of a dtype ("FloatStorage"), NULL if torch has none. */
 const char *ckpt__pkl_storage_name(ckpt_dtype dt);
 
-/* Strict UTF-8 (no overlong forms, surrogates or code points past U+10FFFF). */
-bool ckpt__pkl_utf8_ok(const uint8_t *s, size_t n);
 
 /* ---- emitting ---- */
 typedef struct ckpt_pkl_buf {

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "base/error.h"
+#include "format/statedict.h"
 #include "base/io.h"
 #include "format/torch/pickle.h"
 #include "format/torch/zip.h"
@@ -390,7 +391,7 @@ int ckpt_torch_put_float(ckpt_torch_writer *w, double v) {
 
 int ckpt_torch_put_str(ckpt_torch_writer *w, const char *v) {
     if (!v) return misuse(w, "string is NULL", NULL);
-    if (!ckpt__pkl_utf8_ok((const uint8_t *)v, strlen(v))) return misuse(w, "string is not valid UTF-8", NULL);
+    if (!ckpt__utf8_valid((const unsigned char *)v, strlen(v))) return misuse(w, "string is not valid UTF-8", NULL);
     CKPT_TRY(slot(w, true));
     ckpt__pkl_str(&w->pk, v, strlen(v));
     return emitted(w);
