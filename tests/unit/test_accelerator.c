@@ -721,8 +721,8 @@ static void test_callback_failures_are_named_without_stale_messages(void **st) {
                                                      .check_state_dict = refuses_with_a_reason};
     const ckpt_stateful_ops *ops[3] = {&silent_load, &silent_check, &reasoned_check};
     const char *want[3] = {
-        "custom_checkpoint_0.safetensors (state partially loaded: 3 of 5 objects were loaded "
-        "before this one): load_state_dict returned CKPT_EINVAL",
+        ("custom_checkpoint_0.safetensors (state partially loaded: 3 of 5 objects were loaded "
+         "before this one): load_state_dict returned CKPT_EINVAL"),
         "custom_checkpoint_0.safetensors: check_state_dict returned CKPT_EMISMATCH",
         "custom_checkpoint_0.safetensors: vocabulary: 50257 tokens saved, 32000 here"};
     int code[3] = {CKPT_EINVAL, CKPT_EMISMATCH, CKPT_EMISMATCH};
