@@ -40,12 +40,8 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#include "gpt2.h"
 
-#define D 768
-#define LAYERS 12
-#define VOCAB 50257
-#define CTX 1024
-#define MAXP (2 + 12 * LAYERS + 2)
 
 static double now(void) {
     struct timespec ts;
@@ -108,29 +104,7 @@ static void add(const char *name, int ndim, int64_t a, int64_t b) {
     p->numel = ndim == 1 ? a : a * b;
 }
 
-static void gpt2_small(void) {
-    char n[64];
-    add("transformer.wte.weight", 2, VOCAB, D);
-    add("transformer.wpe.weight", 2, CTX, D);
-    for (int i = 0; i < LAYERS; i++) {
-#define L(suffix, ...) (snprintf(n, sizeof n, "transformer.h.%d." suffix, i), add(n, __VA_ARGS__))
-        L("ln_1.weight", 1, D, 0);
-        L("ln_1.bias", 1, D, 0);
-        L("attn.c_attn.weight", 2, D, 3 * D);
-        L("attn.c_attn.bias", 1, 3 * D, 0);
-        L("attn.c_proj.weight", 2, D, D);
-        L("attn.c_proj.bias", 1, D, 0);
-        L("ln_2.weight", 1, D, 0);
-        L("ln_2.bias", 1, D, 0);
-        L("mlp.c_fc.weight", 2, D, 4 * D);
-        L("mlp.c_fc.bias", 1, 4 * D, 0);
-        L("mlp.c_proj.weight", 2, 4 * D, D);
-        L("mlp.c_proj.bias", 1, D, 0);
-#undef L
-    }
-    add("transformer.ln_f.weight", 1, D, 0);
-    add("transformer.ln_f.bias", 1, D, 0);
-}
+static void gpt2_small(void) { gpt2_small_each(add); }
 
 /* ---- memory: /proc/self/status ---- */
 
@@ -289,7 +263,7 @@ int main(int argc, char **argv) {
         if (ckpt_model_add_param(model, p->name, CKPT_F32, p->ndim, p->shape, p->data, p->grad))
             die("add_param");
     }
-    if (numel != 124439808) {
+    if (numel != GPT2_SMALL_PARAMS) {
         fprintf(stderr, "bench_gpt2: %lld parameters, expected 124439808\n", (long long)numel);
         return 1;
     }

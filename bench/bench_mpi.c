@@ -20,13 +20,9 @@
 #include <time.h>
 
 #include "ckpt.h"
+#include "gpt2.h"
 #include "ckpt_mpi.h"
 
-#define D 768
-#define LAYERS 12
-#define VOCAB 50257
-#define CTX 1024
-#define MAXP (2 + 12 * LAYERS + 2)
 #define REPS 3
 
 static int rank_;
@@ -59,29 +55,7 @@ static void add(const char *name, int ndim, int64_t a, int64_t b) {
     total_elems += numel;
 }
 
-static void gpt2_small(void) {
-    char n[64];
-    add("transformer.wte.weight", 2, VOCAB, D);
-    add("transformer.wpe.weight", 2, CTX, D);
-    for (int i = 0; i < LAYERS; i++) {
-#define L(suffix, ...) (snprintf(n, sizeof n, "transformer.h.%d." suffix, i), add(n, __VA_ARGS__))
-        L("ln_1.weight", 1, D, 0);
-        L("ln_1.bias", 1, D, 0);
-        L("attn.c_attn.weight", 2, D, 3 * D);
-        L("attn.c_attn.bias", 1, 3 * D, 0);
-        L("attn.c_proj.weight", 2, D, D);
-        L("attn.c_proj.bias", 1, D, 0);
-        L("ln_2.weight", 1, D, 0);
-        L("ln_2.bias", 1, D, 0);
-        L("mlp.c_fc.weight", 2, D, 4 * D);
-        L("mlp.c_fc.bias", 1, 4 * D, 0);
-        L("mlp.c_proj.weight", 2, 4 * D, D);
-        L("mlp.c_proj.bias", 1, D, 0);
-#undef L
-    }
-    add("transformer.ln_f.weight", 1, D, 0);
-    add("transformer.ln_f.bias", 1, D, 0);
-}
+static void gpt2_small(void) { gpt2_small_each(add); }
 
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
