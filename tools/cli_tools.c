@@ -1,5 +1,6 @@
 /* cli_tools.c — `ckpt ls`, `ckpt verify`, `ckpt prune`: a project's
  * checkpoints, their status and their rotation. */
+#include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
 #include <limits.h>
@@ -217,6 +218,25 @@ static bool verify_one(const char *dir) {
     return false;
 }
 
+/* A folder without a manifest that a save could have left: named like a
+ * checkpoint or a save's temporary folder, or holding a state file. Else it
+ * is some other folder, and verify says so rather than "partial". */
+static bool looks_like_partial(const char *dir) {
+    const char *base = strrchr(dir, '/');
+    base = base && base[1] ? base + 1 : dir;
+    if (!strncmp(base, "checkpoint_", 11) || (base[0] == '.' && strstr(base, ".tmp."))) return true;
+    DIR *d = opendir(dir);
+    if (!d) return true; /* let the verification name the error */
+    bool found = false;
+    struct dirent *e;
+    while (!found && (e = readdir(d)) != NULL) {
+        size_t n = strlen(e->d_name);
+        found = n > 12 && !strcmp(e->d_name + n - 12, ".safetensors");
+    }
+    closedir(d);
+    return found;
+}
+
 int cli_verify(int argc, char **argv) {
     const char *path;
     int rc = parse_simple(argc, argv, verify_help, NULL, NULL, NULL, NULL, &path);
@@ -246,7 +266,11 @@ int cli_verify(int argc, char **argv) {
     char sub[PATH_MAX], manifest[PATH_MAX];
     snprintf(sub, sizeof sub, "%s/checkpoints", path);
     snprintf(manifest, sizeof manifest, "%s/checkpoint.json", path);
-    bool project = is_dir(sub) && access(manifest, F_OK) != 0;
+    bool has_manifest = access(manifest, F_OK) == 0;
+    bool project = is_dir(sub) && !has_manifest;
+    if (!project && !has_manifest && !looks_like_partial(path))
+        return cli_wrong_kind("verify", path, CLI_KIND_FOLDER,
+                              "a checkpoint folder, a project or a .safetensors file");
     if (!project) return verify_one(path) ? CLI_OK : CLI_DIFFER;
 
     ckpt_checkpoint_info *list = NULL;

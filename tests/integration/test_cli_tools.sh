@@ -90,6 +90,12 @@ grep -q "$WORK/notck: not a checkpoint (no checkpoint.json)" "$WORK/out" || fail
 ! grep -q "interrupted" "$WORK/out" || fail "verify: 'interrupted save'"
 run_rc 0 "$CKPT_BIN" inspect "$WORK/notck"
 grep -q "^folder $WORK/notck$" "$WORK/out" || fail "inspect: folder header"
+# an unrelated folder (no manifest, no state file, no checkpoint name) is a
+# usage error naming it, not a "partial" checkpoint
+mkdir "$WORK/unrelated"
+run_rc 2 "$CKPT_BIN" verify "$WORK/unrelated"
+grep -q "^ckpt verify: $WORK/unrelated is not a checkpoint (no checkpoint.json) nor a project" \
+    "$WORK/err" || fail "verify: unrelated folder"
 
 # ---- ls of a checkpoint folder lists it
 run_rc 0 "$CKPT_BIN" ls "$cks/checkpoint_2"
