@@ -449,6 +449,25 @@ int ckpt__ostream_open(ckpt_ostream *s, const char *path) {
  * was just touched. */
 #define OSTREAM_CHUNK ((size_t)64 << 20)
 
+/* The kernel starts writing a file's dirty pages back only when a large
+ * share of memory is dirty, so a big file written and then fsynced goes to
+ * disk only at the fsync: the copy into the page cache and the disk write
+ * follow each other. Starting the writeback of each finished window right
+ * away (sync_file_range, which waits for nothing) lets them overlap, and the
+ * final fsync finds most of the file already on its way. Durability still
+ * comes only from that fsync; this call promises nothing (a power cut may
+ * keep any part of it, as the crash model assumes anyway), and its failure
+ * is ignored (the fsync reports real errors). */
+#define OSTREAM_WRITEBACK_WINDOW ((uint64_t)16 << 20)
+
+static void ostream_kick_writeback(ckpt_ostream *s) {
+    uint64_t pending = s->bytes - s->kicked;
+    if (pending < OSTREAM_WRITEBACK_WINDOW) return;
+    if (!(io_unsafe & CKPT_IO_SKIP_FILE_FSYNC) && !(io_unsafe & CKPT_IO_SKIP_EVERY_FSYNC))
+        (void)sync_file_range(s->fd, (off_t)s->kicked, (off_t)pending, SYNC_FILE_RANGE_WRITE);
+    s->kicked = s->bytes;
+}
+
 int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n) {
     if (s->err) return s->err;
     if (s->fd < 0) return s->err = ckpt__err(CKPT_EINVAL, "write stream: not open");
@@ -468,6 +487,7 @@ int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n) {
         s->bytes += piece;
         b += piece;
         n -= piece;
+        ostream_kick_writeback(s);
     }
     return CKPT_OK;
 }

@@ -112,6 +112,7 @@ typedef struct ckpt_ostream {
     char *path;         /* for messages (owned) */
     int err;            /* sticky: first error status, 0 if none */
     uint64_t bytes;     /* written so far */
+    uint64_t kicked;    /* bytes whose writeback has been started (see ostream_write) */
     void *hash;         /* XXH3 state of the whole stream (owned) */
     void *part_hash;    /* XXH3 state of the current part (see part_begin) */
     void *hash_mem;     /* the allocation holding both states (owned) */
