@@ -653,6 +653,10 @@ typedef struct ckpt_project_config {
     const ckpt_comm *comm;            /* NULL: one process; else borrowed until free: saves
                                          and loads are collective over it, and
                                          process_index/num_processes come from it */
+    int64_t save_interval_steps;      /* ckpt_should_save: every this many steps; 0 = off */
+    double save_interval_seconds;     /* ckpt_should_save: once this many seconds passed
+                                         since the last save call (or the accelerator's
+                                         creation, or the last load); 0 = off */
 } ckpt_project_config;
 
 typedef enum ckpt_log_level {
@@ -818,6 +822,43 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * An accelerator that never called ckpt_load_state saves freely (automatic
  * numbering continues after the highest existing checkpoint). */
 CKPT_API int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir);
+/* --- when to save: intervals and preemption ------------------------------ */
+
+/* Whether the loop should save now, at `step` (the step just finished):
+ * returns 1 (save), 0 (not yet) or a negative ckpt_status. True when
+ *   - a preemption signal was caught (ckpt_preemption_requested), or
+ *   - save_interval_steps > 0 and step is a positive multiple of it, or
+ *   - save_interval_seconds > 0 and at least that many seconds (monotonic
+ *     clock) passed since the last save call, the last successful load or
+ *     the accelerator's creation, whichever is latest.
+ * With a comm of several processes it is collective (every rank calls it at
+ * the same steps) and every rank gets the same answer: true if it is true on
+ * any rank (clocks and signals differ between processes), so all ranks save
+ * at the same step. It does not save: the caller calls ckpt_save_state (or
+ * _async), and, after a preemption, exits. CKPT_EINVAL for step < 0. */
+CKPT_API int ckpt_should_save(ckpt_accelerator *acc, int64_t step);
+
+/* Preemption. Schedulers warn before they kill a job (Slurm: SIGTERM, or
+ * SIGUSR1 with --signal; Kubernetes: SIGTERM). ckpt_preemption_install
+ * installs a handler for each of the n signals (n <= 8; SIGKILL and SIGSTOP
+ * cannot be caught: CKPT_EINVAL) that only records the signal in a
+ * process-wide flag (async-signal-safe, SA_RESTART, so I/O in progress on any
+ * thread, including data-loader prefetch threads, carries on); the loop polls
+ * it (ckpt_preemption_requested or ckpt_should_save), saves at a step
+ * boundary and exits. Installing again replaces the set (the handlers found
+ * first are what uninstall restores). Not thread-safe against concurrent
+ * install/uninstall calls; call them from the main thread. */
+CKPT_API int ckpt_preemption_install(const int *signals, int n);
+/* Restores the handlers found at install and clears the flag. */
+CKPT_API void ckpt_preemption_uninstall(void);
+/* Whether one of the installed signals arrived since install (or the last
+ * ckpt_preemption_clear). Safe to call from any thread. */
+CKPT_API bool ckpt_preemption_requested(void);
+/* The first signal caught (e.g. SIGTERM), 0 if none. */
+CKPT_API int ckpt_preemption_signal(void);
+/* Forgets a caught signal (handlers stay installed). */
+CKPT_API void ckpt_preemption_clear(void);
+
 /* Says explicitly that this run starts over although its last
  * ckpt_load_state failed: saves are allowed again (automatic numbering
  * continues after the highest existing checkpoint, and total_limit rotation

@@ -80,7 +80,16 @@ struct ckpt_accelerator {
      * load's read buffers (never both at once: a load waits for the save). */
     ckpt_arena arena;
     ckpt_lock project_lock; /* rank 0: held from the first save or load until free */
+    /* ckpt_should_save (policy.c) */
+    int64_t save_interval_steps;
+    double save_interval_seconds;
+    double interval_start; /* ckpt__now(): creation, last save call, last load */
 };
+
+/* Monotonic seconds (policy.c); tests replace the clock with
+ * ckpt__set_clock (NULL: the real one). */
+double ckpt__now(void);
+void ckpt__set_clock(double (*fn)(void));
 
 /* The file an object's state goes to: "model.safetensors",
  * "custom_checkpoint_2.safetensors", "random_states_<process_index>...". */

@@ -2,6 +2,7 @@
  * the objects registered for checkpointing, hooks, and the names of their
  * files. Saving is in save.c, loading in load.c. */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,6 +47,15 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     }
     if (cfg->project_dir && !cfg->project_dir[0])
         return ckpt__err(CKPT_EINVAL, "accelerator_new: project_dir is empty");
+    if (cfg->save_interval_steps < 0)
+        return ckpt__err(CKPT_EINVAL,
+                         "accelerator_new: save_interval_steps is %" PRId64 ", expected >= 0",
+                         cfg->save_interval_steps);
+    if (!(cfg->save_interval_seconds >= 0) || isinf(cfg->save_interval_seconds))
+        return ckpt__err(CKPT_EINVAL,
+                         "accelerator_new: save_interval_seconds is %g, expected a finite "
+                         "number >= 0",
+                         cfg->save_interval_seconds);
     ckpt_accelerator *acc = ckpt__calloc(1, sizeof *acc);
     if (!acc) return ckpt__err_nomem("accelerator");
     acc->project_lock.fd = -1;
@@ -56,6 +66,9 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     acc->process_index = pi;
     acc->num_processes = np;
     acc->comm = cfg->comm ? cfg->comm : ckpt_comm_self();
+    acc->save_interval_steps = cfg->save_interval_steps;
+    acc->save_interval_seconds = cfg->save_interval_seconds;
+    acc->interval_start = ckpt__now();
     if (cfg->project_dir) {
         acc->project_dir = ckpt__strdup(cfg->project_dir);
         if (!acc->project_dir) goto nomem;

@@ -375,6 +375,7 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     if (rc == 0) rc = ckpt__coll_agree(op.comm, apply(&op), NULL);
     /* post */
     if (rc == 0) {
+        acc->interval_start = ckpt__now(); /* a resumed run's time interval starts now */
         ckpt__checkpoint_close(&op.c); /* the post-hooks may rewrite the folder */
         ckpt__acc_run_hooks(acc, HOOK_LOAD_POST, op.dir, "load_state");
     }

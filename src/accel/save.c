@@ -588,6 +588,7 @@ int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **ou
      * below, and reports its failure at the agreement. */
     int rc = check_args(acc, output_dir);
     if (c->size <= 1 && rc < 0) return op->rc = rc; /* finish only releases */
+    acc->interval_start = ckpt__now(); /* ckpt_should_save's time interval */
     /* plan */
     if (op->committer && rc == 0) rc = plan_local(op, output_dir);
     if (c->size > 1) {
