@@ -33,8 +33,9 @@ static const char train_help[] =
     "\n"
     "Trains an MLP (64-256-256-10) on the handwritten digits data set with AdamW,\n"
     "warmup + cosine learning rate, loss scaling and a shuffled prefetching loader,\n"
-    "saving a checkpoint every --save-every steps and at the end. SIGTERM/SIGINT\n"
-    "save a checkpoint at the current step and exit 0. --resume continues from the\n"
+    "saving a checkpoint every --save-every steps and at the end. SIGTERM, SIGUSR1\n"
+    "(what schedulers such as Slurm send before a kill) and SIGINT save a checkpoint\n"
+    "at the current step, even mid-epoch, and exit 0. --resume continues from the\n"
     "newest complete checkpoint, exactly as if the run had never stopped.\n"
     "\n"
     "options:\n"
@@ -43,6 +44,9 @@ static const char train_help[] =
     "  --lr X             peak learning rate (default 0.002)\n"
     "  --seed N           seed of weights, data order and dropout (default 1)\n"
     "  --save-every N     steps between checkpoints (default 50; 0 = only at the end)\n"
+    "  --save-every-seconds S\n"
+    "                     also save once S seconds passed since the last save\n"
+    "                     (default 0 = off)\n"
     "  --total-limit N    keep the newest N valid checkpoints (default 3; 0 = all)\n"
     "  --workers N        data loader prefetch threads (default 2)\n"
     "  --project-dir DIR  checkpoints in DIR/checkpoints, metrics in DIR/logs\n"
@@ -68,7 +72,7 @@ static const char train_help[] =
 
 typedef struct train_opts {
     int64_t epochs, batch_size, seed, save_every, total_limit, workers, log_every;
-    double lr;
+    double lr, save_every_seconds;
     const char *project_dir;
     const char *data;
     bool resume, quiet, shard_optimizer, async;
@@ -181,10 +185,6 @@ static double loss_history_mean(const loss_history *h, int64_t n) {
 }
 
 /* ---- small helpers ------------------------------------------------------ */
-
-static volatile sig_atomic_t stop_signal = 0;
-
-static void on_stop_signal(int sig) { stop_signal = sig; }
 
 static double now_seconds(void) {
     struct timespec ts;
@@ -305,13 +305,14 @@ static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x
 
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
     enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
-           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM, O_ASYNC };
+           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM, O_ASYNC, O_SAVE_SECONDS };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
         {"lr", required_argument, NULL, O_LR},
         {"seed", required_argument, NULL, O_SEED},
         {"save-every", required_argument, NULL, O_SAVE_EVERY},
+        {"save-every-seconds", required_argument, NULL, O_SAVE_SECONDS},
         {"total-limit", required_argument, NULL, O_TOTAL_LIMIT},
         {"workers", required_argument, NULL, O_WORKERS},
         {"project-dir", required_argument, NULL, O_PROJECT},
@@ -339,6 +340,10 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_LR: ok = cli_parse_double(a, &o->lr) && o->lr > 0; break;
         case O_SEED: ok = cli_parse_i64(a, 0, INT64_MAX, &o->seed); break;
         case O_SAVE_EVERY: ok = cli_parse_i64(a, 0, INT64_MAX, &o->save_every); break;
+        case O_SAVE_SECONDS:
+            ok = cli_parse_double(a, &o->save_every_seconds) && o->save_every_seconds >= 0 &&
+                 o->save_every_seconds <= 1e9;
+            break;
         case O_TOTAL_LIMIT: ok = cli_parse_i64(a, 0, INT32_MAX, &o->total_limit); break;
         case O_WORKERS: ok = cli_parse_i64(a, 0, 64, &o->workers); break;
         case O_PROJECT: o->project_dir = a; break;
@@ -503,6 +508,8 @@ static int trainer_setup(trainer *t) {
         .automatic_checkpoint_naming = true,
         .total_limit = (int)o->total_limit,
         .comm = t->dist.comm,
+        .save_interval_steps = o->save_every,
+        .save_interval_seconds = o->save_every_seconds,
     };
     if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return lib_fail("accelerator", rc);
     if (o->shard_optimizer &&
@@ -582,7 +589,7 @@ static int exchange(trainer *t, float *loss, bool *stop) {
         k += n;
     }
     t->exchange[k] = *loss;
-    t->exchange[k + 1] = stop_signal ? 1.0f : 0.0f;
+    t->exchange[k + 1] = ckpt_preemption_requested() ? 1.0f : 0.0f;
     int rc = cli_dist_average(&t->dist, t->exchange, t->nexchange, t->scratch);
     if (rc < 0) return rc;
     k = 0;
@@ -643,13 +650,8 @@ int cli_train(int argc, char **argv) {
 
     /* a stop request only sets a flag: the loop finishes the step, saves and
      * exits, so a preemption never interrupts a save half-way */
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_stop_signal;
-    sa.sa_flags = SA_RESTART;
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
+    static const int preempt_signals[] = {SIGTERM, SIGUSR1, SIGINT};
+    if ((rc = ckpt_preemption_install(preempt_signals, 3)) < 0) return lib_fail("signals", rc);
 
     int status = cli_dist_init(&t.dist);
     if (status != CLI_OK) goto done;
@@ -733,7 +735,7 @@ int cli_train(int argc, char **argv) {
     int64_t start_step = step;
     /* one process stops at the signal; many at the step they agree on */
     bool stop = false;
-    while (step < total && !(t.dist.size > 1 ? stop : stop_signal != 0)) {
+    while (step < total && !(t.dist.size > 1 ? stop : ckpt_preemption_requested())) {
         ckpt_batch b;
         rc = ckpt_dataloader_next(t.loader, &b);
         if (rc < 0) {
@@ -784,7 +786,14 @@ int cli_train(int argc, char **argv) {
         }
         loss_history_put(&t.losses, step, loss);
 
-        if ((o->save_every > 0 && step % o->save_every == 0) || step == total) {
+        /* every --save-every steps, once --save-every-seconds passed, at a
+         * preemption signal (the same step on every process), and at the end */
+        int due = ckpt_should_save(t.acc, step);
+        if (due < 0) {
+            status = lib_fail("should_save", due);
+            goto done;
+        }
+        if (due || step == total) {
             if ((status = save(&t, step, step == total)) != CLI_OK) goto done;
             saved_step = step;
         }
@@ -811,7 +820,7 @@ int cli_train(int argc, char **argv) {
     }
     if (tty) putchar('\n');
 
-    if ((t.dist.size > 1 ? stop : stop_signal != 0) && step < total) {
+    if ((t.dist.size > 1 ? stop : ckpt_preemption_requested()) && step < total) {
         if (saved_step != step && (status = save(&t, step, true)) != CLI_OK) goto done;
         if (saved_step == step && t.opt.async && (rc = ckpt_save_wait(t.acc)) < 0) {
             status = lib_fail("save", rc);
@@ -835,5 +844,6 @@ int cli_train(int argc, char **argv) {
 done:
     trainer_free(&t);
     cli_dist_finish(&t.dist);
+    ckpt_preemption_uninstall();
     return status;
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# SIGTERM (and SIGINT) make ckpt train save a checkpoint at the current step
-# and exit 0 ("preempted at step N, checkpoint saved: DIR"); resuming from it
+# SIGTERM, SIGUSR1 (what Slurm sends with --signal before a kill) and SIGINT
+# make ckpt train save a checkpoint at the current step, mid-epoch, and exit 0 ("preempted at step N, checkpoint saved: DIR"); resuming from it
 # ends exactly where an uninterrupted run ends.
 source "$(dirname "$0")/common.bash"
 
@@ -40,9 +40,10 @@ interrupt() {
 
 run=$WORK/run
 interrupt TERM "$run" 10
+interrupt USR1 "$run" 25
 interrupt INT "$run" 40
 run_rc 0 "${TRAIN[@]}" --save-every 0 --project-dir "$run" --resume
 [ "$(grep "test accuracy" "$WORK/out")" = "$ref_acc" ] || fail "accuracy differs"
 run_rc 0 "$CKPT_BIN" diff "$ref_final" "$(latest_checkpoint "$run")"
 cmp "$ref/logs/metrics.jsonl" "$run/logs/metrics.jsonl" || fail "metrics logs differ"
-echo "ok: SIGTERM and SIGINT checkpoints resume exactly"
+echo "ok: SIGTERM, SIGUSR1 and SIGINT checkpoints resume exactly"
