@@ -640,6 +640,17 @@ CKPT_API int ckpt_memory_dataset(ckpt_dataset *out, const void *data, int64_t n,
 
 typedef struct ckpt_accelerator ckpt_accelerator;
 
+/* A named number recorded with a checkpoint (ckpt_set_metric): a validation
+ * loss, an accuracy. Names: 1..63 bytes of [A-Za-z0-9_.:/-]. */
+#define CKPT_MAX_METRICS 16
+typedef struct ckpt_metric {
+    char name[64];
+    double value;
+} ckpt_metric;
+
+/* Which end of a metric is best (retention's best_k). */
+typedef enum ckpt_best_mode { CKPT_BEST_MIN = 0, CKPT_BEST_MAX = 1 } ckpt_best_mode;
+
 typedef struct ckpt_project_config {
     const char *project_dir;          /* checkpoints go to <project_dir>/checkpoints/checkpoint_<n> */
     const char *logging_dir;          /* NULL: <project_dir>/logs */
@@ -657,6 +668,14 @@ typedef struct ckpt_project_config {
     double save_interval_seconds;     /* ckpt_should_save: once this many seconds passed
                                          since the last save call (or the accelerator's
                                          creation, or the last load); 0 = off */
+    /* Retention beyond total_limit (the rule of ckpt_checkpoint_prune_ex;
+     * docs/CHECKPOINTS.md "Retention"), applied after each automatic save's
+     * commit: */
+    int64_t keep_every_steps;         /* also keep every valid checkpoint whose step is a
+                                         multiple of this; 0 = off */
+    const char *best_metric;          /* with best_k: the metric (ckpt_set_metric) that */
+    ckpt_best_mode best_mode;         /* ranks checkpoints, lowest (MIN) or highest best */
+    int best_k;                       /* also keep the best_k best; 0 = off */
 } ckpt_project_config;
 
 typedef enum ckpt_log_level {
@@ -822,6 +841,20 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * An accelerator that never called ckpt_load_state saves freely (automatic
  * numbering continues after the highest existing checkpoint). */
 CKPT_API int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir);
+/* --- metrics: named numbers recorded with the next save -------------------- */
+
+/* Attaches name = value to the next save (ckpt_save_state or _async; sets or
+ * replaces it): the manifest records it (covered by its checksum),
+ * `ckpt ls` / `ckpt inspect --json` show it, and best_k retention ranks
+ * checkpoints by it. A successful save clears the metrics; a failed
+ * synchronous save keeps them for the retry; an asynchronous save takes them
+ * at the call. With several processes rank 0's metrics are recorded.
+ * CKPT_EINVAL for a bad name (1..63 bytes of [A-Za-z0-9_.:/-]), a NaN or
+ * infinite value, or a 17th name. */
+CKPT_API int ckpt_set_metric(ckpt_accelerator *acc, const char *name, double value);
+/* Forgets the metrics set since the last save. */
+CKPT_API void ckpt_clear_metrics(ckpt_accelerator *acc);
+
 /* --- when to save: intervals and preemption ------------------------------ */
 
 /* Whether the loop should save now, at `step` (the step just finished):
@@ -943,6 +976,8 @@ typedef struct ckpt_checkpoint_info {
     int format_version;
     char library_version[32];
     ckpt_checkpoint_status status;
+    int num_metrics;         /* the metrics recorded with it (ckpt_set_metric) */
+    ckpt_metric metrics[CKPT_MAX_METRICS];
 } ckpt_checkpoint_info;
 
 /* Reads dir's manifest and, if deep, verifies every file's size and
@@ -1017,7 +1052,28 @@ typedef struct ckpt_prune_options {
                              process that is still running are not reported */
     ckpt_prune_fn report; /* may be NULL */
     void *user;           /* passed to report */
+    /* Retention policies (0 / NULL: off), as in ckpt_project_config: */
+    int64_t keep_every_steps;
+    const char *best_metric;
+    ckpt_best_mode best_mode;
+    int best_k;
 } ckpt_prune_options;
+
+/* Retention with policies. When keep_every_steps or best_k is set (here or
+ * in the project config) the kept set is the union of
+ *   - the newest valid checkpoint (always: a run can resume);
+ *   - the newest `keep` (total_limit) valid ones, if keep > 0 (with a policy
+ *     set, 0 adds nothing here instead of keeping or removing all);
+ *   - every valid one whose step is a positive multiple of keep_every_steps
+ *     (and step 0 too: 0 is a multiple);
+ *   - the best_k valid ones by best_metric (lowest with CKPT_BEST_MIN,
+ *     highest with CKPT_BEST_MAX; one without the metric is never among
+ *     them; equal values: the newer ranks first).
+ * Every other valid checkpoint goes; partial and corrupt ones as above. The
+ * newest `keep` are deep-verified; older ones are checked against their
+ * manifest (sizes; their checksums are ckpt verify's job) to read their
+ * step and metrics. CKPT_EINVAL for best_k < 0, keep_every_steps < 0, or
+ * best_k without a valid best_metric name. */
 
 /* ckpt_checkpoint_prune with options (rule above). Leftovers are removed
  * (reported) first, then checkpoints, oldest first. *removed (may be NULL)

@@ -84,6 +84,11 @@ struct ckpt_accelerator {
     int64_t save_interval_steps;
     double save_interval_seconds;
     double interval_start; /* ckpt__now(): creation, last save call, last load */
+    /* retention beyond total_limit (best_metric a copy) */
+    ckpt_retention retention;
+    /* ckpt_set_metric: recorded by the next save */
+    int nmetrics;
+    ckpt_metric metrics[CKPT_MAX_METRICS];
 };
 
 /* Monotonic seconds (policy.c); tests replace the clock with

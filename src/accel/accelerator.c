@@ -12,6 +12,7 @@
 #include "accel/accel.h"
 #include "base/error.h"
 #include "base/io.h"
+#include "format/manifest.h"
 #include "format/shard.h"
 #include "train/dataloader.h"
 
@@ -47,6 +48,11 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     }
     if (cfg->project_dir && !cfg->project_dir[0])
         return ckpt__err(CKPT_EINVAL, "accelerator_new: project_dir is empty");
+    ckpt_retention pol = {.keep_every_steps = cfg->keep_every_steps,
+                          .best_metric = cfg->best_metric,
+                          .best_mode = cfg->best_mode,
+                          .best_k = cfg->best_k};
+    CKPT_TRY(ckpt__retention_check(&pol, "accelerator_new"));
     if (cfg->save_interval_steps < 0)
         return ckpt__err(CKPT_EINVAL,
                          "accelerator_new: save_interval_steps is %" PRId64 ", expected >= 0",
@@ -66,6 +72,11 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     acc->process_index = pi;
     acc->num_processes = np;
     acc->comm = cfg->comm ? cfg->comm : ckpt_comm_self();
+    acc->retention = (ckpt_retention){.keep_every_steps = cfg->keep_every_steps,
+                                      .best_mode = cfg->best_mode,
+                                      .best_k = cfg->best_k};
+    if (cfg->best_metric && !(acc->retention.best_metric = ckpt__strdup(cfg->best_metric)))
+        goto nomem;
     acc->save_interval_steps = cfg->save_interval_steps;
     acc->save_interval_seconds = cfg->save_interval_seconds;
     acc->interval_start = ckpt__now();
@@ -102,7 +113,35 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
     free(acc->logging_dir);
     free(acc->last_dir);
     free(acc->load_failed_msg);
+    free((char *)acc->retention.best_metric);
     free(acc);
+}
+
+/* ---- metrics ------------------------------------------------------------------ */
+
+int ckpt_set_metric(ckpt_accelerator *acc, const char *name, double value) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "set_metric: acc is NULL");
+    if (!name || !ckpt__metric_name_valid(name))
+        return ckpt__err(CKPT_EINVAL, "set_metric: name '%.64s' is not 1..63 bytes of [A-Za-z0-9_.:/-]",
+                         name ? name : "(null)");
+    if (!isfinite(value))
+        return ckpt__err(CKPT_EINVAL, "set_metric: %s is %g, expected a finite number", name, value);
+    for (int i = 0; i < acc->nmetrics; i++)
+        if (strcmp(acc->metrics[i].name, name) == 0) {
+            acc->metrics[i].value = value;
+            return CKPT_OK;
+        }
+    if (acc->nmetrics == CKPT_MAX_METRICS)
+        return ckpt__err(CKPT_EINVAL, "set_metric: %s would be metric %d, at most %d per save", name,
+                         CKPT_MAX_METRICS + 1, CKPT_MAX_METRICS);
+    snprintf(acc->metrics[acc->nmetrics].name, sizeof acc->metrics[0].name, "%s", name);
+    acc->metrics[acc->nmetrics].value = value;
+    acc->nmetrics++;
+    return CKPT_OK;
+}
+
+void ckpt_clear_metrics(ckpt_accelerator *acc) {
+    if (acc) acc->nmetrics = 0;
 }
 
 /* ---- the project lock -------------------------------------------------------- */

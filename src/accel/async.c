@@ -198,6 +198,7 @@ int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir) {
         as->job_finish = acc->comm->size <= 1;
         pthread_cond_broadcast(&as->cv);
         pthread_mutex_unlock(&as->mu);
+        acc->nmetrics = 0; /* the pending save carries them */
     }
     return CKPT_OK;
 }

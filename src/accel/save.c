@@ -69,6 +69,8 @@ struct ckpt_save_op {
     /* agree + commit: this rank's files, then every rank's (rank 0) */
     ckpt_manifest mine;
     ckpt_manifest all;
+    int nmetrics; /* ckpt_set_metric's, taken at the call */
+    ckpt_metric metrics[CKPT_MAX_METRICS];
     char *post_dir; /* the final folder for the post-hooks (a copy: they may save) */
 };
 typedef struct ckpt_save_op save_op;
@@ -485,6 +487,8 @@ static int commit(save_op *op) {
     m->iteration = op->automatic ? op->number + 1 : op->iteration;
     m->process_index = acc->process_index;
     m->num_processes = acc->num_processes;
+    m->nmetrics = op->nmetrics;
+    memcpy(m->metrics, op->metrics, sizeof m->metrics);
     /* The ranks' chunks of each sharded tensor must tile it exactly. */
     int rc = ckpt__manifest_check_chunks(m, CKPT_EINVAL, "save_state");
     if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
@@ -515,9 +519,10 @@ static int commit(save_op *op) {
  * failure here leaves an extra old checkpoint, not a failed save. */
 static void rotate(save_op *op) {
     ckpt_accelerator *acc = op->acc;
-    if (!op->automatic || acc->total_limit <= 0) return;
+    if (!op->automatic || (acc->total_limit <= 0 && !ckpt__retention_active(&acc->retention)))
+        return;
     int64_t removed = 0;
-    if (ckpt__rotate(op->parent, acc->total_limit, &op->log, &removed) < 0)
+    if (ckpt__rotate(op->parent, acc->total_limit, &acc->retention, &op->log, &removed) < 0)
         ckpt__log(&op->log, CKPT_LOG_WARNING, "total_limit rotation: %s", ckpt_errmsg());
 }
 
@@ -589,6 +594,8 @@ int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **ou
     int rc = check_args(acc, output_dir);
     if (c->size <= 1 && rc < 0) return op->rc = rc; /* finish only releases */
     acc->interval_start = ckpt__now(); /* ckpt_should_save's time interval */
+    op->nmetrics = acc->nmetrics;
+    memcpy(op->metrics, acc->metrics, sizeof op->metrics);
     /* plan */
     if (op->committer && rc == 0) rc = plan_local(op, output_dir);
     if (c->size > 1) {
@@ -708,5 +715,6 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
     ckpt__save_apply(op);
     ckpt__save_post(op);
     ckpt__save_op_free(op);
+    if (rc == 0) acc->nmetrics = 0; /* recorded; a failed save keeps them for the retry */
     return rc;
 }

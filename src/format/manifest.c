@@ -4,6 +4,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <jansson.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -230,6 +231,12 @@ static json_t *build_json(const ckpt_manifest *m) {
     JSET(root, "num_processes", json_integer(m->num_processes));
     JSET(root, "created_unix", json_integer(m->created_unix));
     JSET(root, "created", json_string(m->created));
+    if (m->nmetrics > 0) {
+        json_t *jm = json_object();
+        if (!jm) goto nomem;
+        JSET(root, "metrics", jm);
+        for (int i = 0; i < m->nmetrics; i++) JSET(jm, m->metrics[i].name, json_real(m->metrics[i].value));
+    }
     json_t *files = files_json(m);
     if (!files) goto nomem;
     JSET(root, "files", files);
@@ -523,6 +530,46 @@ static int check_unique_names(const ckpt_manifest *m, const char *what) {
     return rc;
 }
 
+bool ckpt__metric_name_valid(const char *name) {
+    size_t n = strlen(name);
+    if (n == 0 || n > 63) return false;
+    for (size_t i = 0; i < n; i++) {
+        char c = name[i];
+        bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
+                  c == '_' || c == '.' || c == ':' || c == '/' || c == '-';
+        if (!ok) return false;
+    }
+    return true;
+}
+
+/* "metrics": optional; an object of at most CKPT_MAX_METRICS finite numbers
+ * with valid names. */
+static int parse_metrics(json_t *root, const char *what, ckpt_manifest *m) {
+    json_t *jm = json_object_get(root, "metrics");
+    if (!jm) return 0;
+    if (!json_is_object(jm)) return ckpt__err(CKPT_ECORRUPT, "%s: \"metrics\" must be an object", what);
+    if (json_object_size(jm) > CKPT_MAX_METRICS)
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"metrics\" has %zu entries, expected at most %d", what,
+                         json_object_size(jm), CKPT_MAX_METRICS);
+    const char *key;
+    json_t *v;
+    json_object_foreach(jm, key, v) {
+        if (!ckpt__metric_name_valid(key))
+            return ckpt__err(CKPT_ECORRUPT,
+                             "%s: metric name '%.64s' is not 1..63 bytes of [A-Za-z0-9_.:/-]", what,
+                             key);
+        if (!json_is_number(v))
+            return ckpt__err(CKPT_ECORRUPT, "%s: metric '%s' must be a number", what, key);
+        double x = json_number_value(v);
+        if (!isfinite(x))
+            return ckpt__err(CKPT_ECORRUPT, "%s: metric '%s' is not a finite number", what, key);
+        snprintf(m->metrics[m->nmetrics].name, sizeof m->metrics[0].name, "%s", key);
+        m->metrics[m->nmetrics].value = x;
+        m->nmetrics++;
+    }
+    return 0;
+}
+
 static int parse_root(json_t *root, const char *what, ckpt_manifest *m) {
     if (!json_is_object(root)) return ckpt__err(CKPT_ECORRUPT, "%s: not a JSON object", what);
     const char *s;
@@ -550,6 +597,7 @@ static int parse_root(json_t *root, const char *what, ckpt_manifest *m) {
     CKPT_TRY(get_int(root, "created_unix", false, INT64_MIN, INT64_MAX, &m->created_unix, what));
     CKPT_TRY(get_str(root, "created", false, &s, &len, what));
     if (s) snprintf(m->created, sizeof m->created, "%s", s);
+    CKPT_TRY(parse_metrics(root, what, m));
     json_t *files = json_object_get(root, "files");
     if (!json_is_array(files))
         return ckpt__err(CKPT_ECORRUPT, "%s: \"files\" must be an array", what);

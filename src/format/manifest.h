@@ -40,7 +40,12 @@ typedef struct ckpt_manifest {
     int64_t nfiles;
     int64_t cap;
     ckpt_manifest_file *files;
+    int nmetrics;          /* "metrics": {name: number}, written only when > 0 */
+    ckpt_metric metrics[CKPT_MAX_METRICS];
 } ckpt_manifest;
+
+/* Whether name can name a metric: 1..63 bytes of [A-Za-z0-9_.:/-]. */
+bool ckpt__metric_name_valid(const char *name);
 
 void ckpt__manifest_init(ckpt_manifest *m);
 /* Frees everything the manifest owns and re-initialises it. */

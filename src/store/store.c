@@ -277,6 +277,7 @@ static int each_leftover(const char *dir, leftover_fn fn, void *user) {
 /* What a rotation or prune is asked to do. */
 typedef struct rotation {
     int64_t keep;
+    const ckpt_retention *pol; /* NULL or inactive: the newest `keep` only */
     bool dry_run;
     bool verify_all; /* also verify the folders beyond keep (to say why each goes) */
     ckpt_prune_fn report;
@@ -284,6 +285,30 @@ typedef struct rotation {
     const ckpt_logger *lg; /* NULL: no warnings (the report says it) */
     int64_t removed;
 } rotation;
+
+bool ckpt__retention_active(const ckpt_retention *pol) {
+    return pol && (pol->keep_every_steps > 0 || pol->best_k > 0);
+}
+
+int ckpt__retention_check(const ckpt_retention *pol, const char *what) {
+    if (!pol) return 0;
+    if (pol->keep_every_steps < 0)
+        return ckpt__err(CKPT_EINVAL, "%s: keep_every_steps is %" PRId64 ", expected >= 0", what,
+                         pol->keep_every_steps);
+    if (pol->best_k < 0)
+        return ckpt__err(CKPT_EINVAL, "%s: best_k is %d, expected >= 0", what, pol->best_k);
+    if (pol->best_mode != CKPT_BEST_MIN && pol->best_mode != CKPT_BEST_MAX)
+        return ckpt__err(CKPT_EINVAL, "%s: best_mode is %d, expected CKPT_BEST_MIN or CKPT_BEST_MAX",
+                         what, (int)pol->best_mode);
+    if (pol->best_k > 0 && !pol->best_metric)
+        return ckpt__err(CKPT_EINVAL, "%s: best_k is %d but best_metric is not set", what,
+                         pol->best_k);
+    if (pol->best_metric && !ckpt__metric_name_valid(pol->best_metric))
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: best_metric '%.64s' is not 1..63 bytes of [A-Za-z0-9_.:/-]", what,
+                         pol->best_metric);
+    return 0;
+}
 
 /* Hides checkpoint folder `name` of dir (one atomic rename), makes the
  * rename durable (folder fsync), then deletes it: a crash or power cut
@@ -315,7 +340,54 @@ typedef struct verdict {
     bool remove;
     ckpt_prune_reason reason;
     char *why; /* malloc'd verification message of an invalid one, or NULL */
+    bool valid;
+    bool has_metric; /* valid, with the policy's best_metric */
+    int64_t number, step;
+    double metric;
 } verdict;
+
+static const ckpt_retention *sort_pol; /* qsort has no context argument */
+
+/* Best first: the better value, then the newer checkpoint. */
+static int cmp_best(const void *a, const void *b) {
+    const verdict *x = *(const verdict *const *)a, *y = *(const verdict *const *)b;
+    if (x->metric != y->metric) {
+        bool x_better = sort_pol->best_mode == CKPT_BEST_MIN ? x->metric < y->metric
+                                                            : x->metric > y->metric;
+        return x_better ? -1 : 1;
+    }
+    return x->number > y->number ? -1 : x->number < y->number;
+}
+
+/* The policies' keeps among the valid checkpoints: multiples of
+ * keep_every_steps and the best_k by best_metric. */
+static int apply_policy(verdict *v, int64_t count, const ckpt_retention *pol) {
+    for (int64_t i = 0; i < count; i++)
+        if (v[i].valid && pol->keep_every_steps > 0 && v[i].step % pol->keep_every_steps == 0)
+            v[i].remove = false;
+    if (pol->best_k <= 0) return 0;
+    verdict **rank = count ? ckpt__calloc((size_t)count, sizeof *rank) : NULL;
+    if (count && !rank) return ckpt__err_nomem("retention plan");
+    int64_t n = 0;
+    for (int64_t i = 0; i < count; i++)
+        if (v[i].has_metric) rank[n++] = &v[i];
+    sort_pol = pol;
+    if (n > 1) qsort(rank, (size_t)n, sizeof *rank, cmp_best);
+    for (int64_t i = 0; i < n && i < pol->best_k; i++) rank[i]->remove = false;
+    free(rank);
+    return 0;
+}
+
+static void note_valid(verdict *v, const ckpt_checkpoint_info *info, const ckpt_retention *pol) {
+    v->valid = true;
+    v->step = info->step;
+    if (!pol || !pol->best_metric) return;
+    for (int k = 0; k < info->num_metrics; k++)
+        if (strcmp(info->metrics[k].name, pol->best_metric) == 0) {
+            v->has_metric = true;
+            v->metric = info->metrics[k].value;
+        }
+}
 
 /* Counts only complete, deep-verified checkpoints toward keep, newest
  * first. Removes the valid ones beyond keep, and partial or corrupt ones
@@ -323,7 +395,11 @@ typedef struct verdict {
  * before that one); keeps those newer than it (the evidence of what went
  * wrong) and those of a newer format. With no valid checkpoint nothing
  * goes. keep 0 removes every checkpoint. A failure to verify that says
- * nothing about the folder (memory, I/O) stops before anything is removed. */
+ * nothing about the folder (memory, I/O) stops before anything is removed.
+ * With a retention policy the newest valid one always stays (keep 0 adds
+ * nothing), the ones beyond keep are checked against their manifests
+ * (shallow) to learn their step and metrics, and the policy keeps some of
+ * them (apply_policy). */
 static int rotate(const char *dir, rotation *r) {
     int64_t *nums = NULL, count = 0;
     CKPT_TRY(ckpt__list_numbers(dir, &nums, &count));
@@ -332,14 +408,17 @@ static int rotate(const char *dir, rotation *r) {
         free(nums);
         return ckpt__err_nomem("rotation plan");
     }
+    bool policy = ckpt__retention_active(r->pol);
+    int64_t keep = policy && r->keep < 1 ? 1 : r->keep;
     int rc = 0;
     int64_t kept = 0;
     for (int64_t i = count - 1; i >= 0 && rc == 0; i--) {
-        bool beyond = kept >= r->keep;
+        v[i].number = nums[i];
+        bool beyond = kept >= keep;
         if (beyond) {
             v[i].remove = true;
             v[i].reason = CKPT_PRUNE_OLD;
-            if (!r->verify_all) continue;
+            if (!r->verify_all && !policy) continue;
         }
         char name[48];
         snprintf(name, sizeof name, "checkpoint_%" PRId64, nums[i]);
@@ -349,10 +428,11 @@ static int rotate(const char *dir, rotation *r) {
             break;
         }
         ckpt_checkpoint_info info;
-        int vrc = ckpt_checkpoint_verify(p, true, &info);
+        int vrc = ckpt_checkpoint_verify(p, !beyond || r->verify_all, &info);
         free(p);
         if (vrc == 0) {
             if (!beyond) kept++;
+            note_valid(&v[i], &info, policy ? r->pol : NULL);
         } else if (vrc == CKPT_ECORRUPT || vrc == CKPT_ENOENT) {
             v[i].why = ckpt__strdup(ckpt_errmsg());
             if (kept > 0) {
@@ -365,6 +445,7 @@ static int rotate(const char *dir, rotation *r) {
             rc = ckpt__err_prefix(vrc, "rotation: verifying %s", name);
         }
     }
+    if (rc == 0 && policy) rc = apply_policy(v, count, r->pol);
     for (int64_t i = 0; rc == 0 && i < count; i++) {
         if (!v[i].remove) continue;
         char name[48];
@@ -388,8 +469,9 @@ static int rotate(const char *dir, rotation *r) {
     return rc;
 }
 
-int ckpt__rotate(const char *dir, int64_t keep, const ckpt_logger *lg, int64_t *removed) {
-    rotation r = {.keep = keep, .lg = lg};
+int ckpt__rotate(const char *dir, int64_t keep, const ckpt_retention *pol, const ckpt_logger *lg,
+                 int64_t *removed) {
+    rotation r = {.keep = keep, .pol = pol, .lg = lg};
     int rc = rotate(dir, &r);
     if (removed) *removed = r.removed;
     return rc;
@@ -430,6 +512,8 @@ int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *inf
         info->num_processes = c.m.num_processes;
         info->format_version = (int)c.m.format_version;
         snprintf(info->library_version, sizeof info->library_version, "%s", c.m.library_version);
+        info->num_metrics = c.m.nmetrics;
+        memcpy(info->metrics, c.m.metrics, sizeof info->metrics);
         for (int64_t i = 0; i < c.m.nfiles; i++) info->total_bytes += c.m.files[i].size;
     }
     if (rc == 0) info->status = CKPT_CHECKPOINT_COMPLETE;
@@ -567,10 +651,15 @@ int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *
     if (!opts) return ckpt__err(CKPT_EINVAL, "checkpoint_prune: opts is NULL");
     if (opts->keep < 0)
         return ckpt__err(CKPT_EINVAL, "checkpoint_prune: keep is %d, expected >= 0", opts->keep);
+    ckpt_retention pol = {.keep_every_steps = opts->keep_every_steps,
+                          .best_metric = opts->best_metric,
+                          .best_mode = opts->best_mode,
+                          .best_k = opts->best_k};
+    CKPT_TRY(ckpt__retention_check(&pol, "checkpoint_prune"));
     char *dir = NULL;
     CKPT_TRY(project_checkpoints("checkpoint_prune", project_dir, &dir));
     if (!dir) return 0;
-    rotation r = {.keep = opts->keep, .dry_run = opts->dry_run, .verify_all = true,
+    rotation r = {.keep = opts->keep, .pol = &pol, .dry_run = opts->dry_run, .verify_all = true,
                   .report = opts->report, .user = opts->user};
     ckpt_lock lk = {.fd = -1};
     int rc = 0;

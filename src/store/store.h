@@ -52,8 +52,22 @@ char *ckpt__temp_name(const char *base);
  * ".<base>.tmp*" names (base NULL: any ".checkpoint_<digits>.tmp*" name),
  * warning about each. Only called under the lock that covers those names. */
 int ckpt__remove_leftovers(const char *dir, const char *base, const ckpt_logger *lg);
-/* Removes the oldest checkpoint_<n> folders in dir so that at most keep
- * remain (keep >= 0). *removed (may be NULL) gets the count. */
-int ckpt__rotate(const char *dir, int64_t keep, const ckpt_logger *lg, int64_t *removed);
+/* What a retention keeps beyond the newest `keep` (ckpt_prune_options'
+ * policy fields; all 0 / NULL: none). */
+typedef struct ckpt_retention {
+    int64_t keep_every_steps;
+    const char *best_metric;
+    ckpt_best_mode best_mode;
+    int best_k;
+} ckpt_retention;
+/* Whether a policy is set (the rule of ckpt_checkpoint_prune_ex changes). */
+bool ckpt__retention_active(const ckpt_retention *pol);
+/* CKPT_EINVAL naming `what` and the field for a bad policy. */
+int ckpt__retention_check(const ckpt_retention *pol, const char *what);
+/* Removes the checkpoint_<n> folders of dir the retention rule does not
+ * keep (ckpt_checkpoint_prune_ex's rule; keep >= 0; pol may be NULL).
+ * *removed (may be NULL) gets the count. */
+int ckpt__rotate(const char *dir, int64_t keep, const ckpt_retention *pol, const ckpt_logger *lg,
+                 int64_t *removed);
 
 #endif
