@@ -119,6 +119,38 @@ static const char *shortest(double v, bool single, char *buf, int cap) {
 }
 
 const char *cli_format_double(double v, char *buf, int cap) { return shortest(v, false, buf, cap); }
+
+bool cli_parse_keep_best(const char *s, char *metric, size_t cap, ckpt_best_mode *mode, int64_t *k) {
+    const char *c1 = strchr(s, ':');
+    if (!c1 || c1 == s || (size_t)(c1 - s) >= cap) return false;
+    const char *c2 = strchr(c1 + 1, ':');
+    if (!c2) return false;
+    size_t ml = (size_t)(c2 - c1 - 1);
+    if (ml == 3 && !strncmp(c1 + 1, "min", 3)) *mode = CKPT_BEST_MIN;
+    else if (ml == 3 && !strncmp(c1 + 1, "max", 3)) *mode = CKPT_BEST_MAX;
+    else return false;
+    if (!cli_parse_i64(c2 + 1, 1, INT32_MAX, k)) return false;
+    memcpy(metric, s, (size_t)(c1 - s));
+    metric[c1 - s] = '\0';
+    return true;
+}
+
+void cli_print_metrics(const ckpt_checkpoint_info *info, bool json) {
+    if (info->num_metrics <= 0) return;
+    if (json) printf(",\"metrics\":{");
+    for (int i = 0; i < info->num_metrics; i++) {
+        char num[40];
+        cli_format_double(info->metrics[i].value, num, sizeof num);
+        if (json) {
+            if (i) putchar(',');
+            cli_json_string(info->metrics[i].name);
+            printf(":%s", num); /* names are plain; values are finite */
+        } else {
+            printf("%s%s=%s", i ? " " : "  ", info->metrics[i].name, num);
+        }
+    }
+    if (json) putchar('}');
+}
 const char *cli_format_float(float v, char *buf, int cap) { return shortest(v, true, buf, cap); }
 
 cli_kind cli_classify(const char *path) {

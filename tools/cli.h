@@ -6,6 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "ckpt.h"
+
 /* Exit codes (docs/CLI.md). */
 enum {
     CLI_OK = 0,      /* success; checkpoints equal; everything verified */
@@ -39,6 +41,14 @@ const char *cli_human_bytes(uint64_t n, char *buf, int cap);
  * "1e+21", "-0", "inf", "nan". Returns buf. */
 const char *cli_format_double(double v, char *buf, int cap);
 const char *cli_format_float(float v, char *buf, int cap);
+
+/* A checkpoint's metrics (ckpt_set_metric): json: ',"metrics":{"name":v,...}'
+ * (nothing when it has none); else "  name=v name=v" (shortest decimals). */
+void cli_print_metrics(const ckpt_checkpoint_info *info, bool json);
+
+/* --keep-best METRIC:min|max:K into metric (cap bytes), mode and k (>= 1);
+ * false if s is not of that form (the caller reports it). */
+bool cli_parse_keep_best(const char *s, char *metric, size_t cap, ckpt_best_mode *mode, int64_t *k);
 
 /* What a path on the command line is. */
 typedef enum cli_kind {

@@ -311,6 +311,7 @@ int cli_inspect(int argc, char **argv) {
                    info.num_files, (unsigned long long)info.total_bytes, info.num_processes,
                    info.format_version);
             cli_json_string(info.library_version);
+            cli_print_metrics(&info, true);
             putchar('}');
         } else {
             printf(",\"manifest\":null,\"manifest_error\":");
@@ -324,6 +325,11 @@ int cli_inspect(int argc, char **argv) {
                path, (long long)info.step, (long long)info.iteration, when, info.num_files,
                cli_human_bytes(info.total_bytes, size, sizeof size), info.num_processes,
                info.num_processes == 1 ? "" : "es", info.format_version, info.library_version);
+        if (info.num_metrics > 0) {
+            printf("  metrics:");
+            cli_print_metrics(&info, false);
+            putchar('\n');
+        }
     } else {
         printf("%s %s\n  manifest: %s\n", kind == CLI_KIND_CHECKPOINT ? "checkpoint" : "folder", path,
                vmsg);

@@ -36,7 +36,8 @@ static const char verify_help[] =
     "is good, 1 if something fails verification, 3 if PATH cannot be read.\n";
 
 static const char prune_help[] =
-    "usage: ckpt prune PROJECT_DIR --keep N [--dry-run] [--force]\n"
+    "usage: ckpt prune PROJECT_DIR --keep N [--keep-every S] [--keep-best M:min|max:K]\n"
+    "                  [--dry-run] [--force]\n"
     "\n"
     "Keeps the newest N valid (complete, deep-verified) checkpoints of PROJECT_DIR and\n"
     "removes the older ones; partial or corrupt checkpoints do not count toward N.\n"
@@ -45,6 +46,12 @@ static const char prune_help[] =
     "temporary folders of interrupted saves are removed too. Runs under the project's\n"
     "lock: while a save holds it, nothing is removed.\n"
     "\n"
+    "  --keep-every S  also keep every valid checkpoint whose step is a multiple of S\n"
+    "  --keep-best M:min|max:K\n"
+    "                  also keep the K best valid checkpoints by metric M (lowest with\n"
+    "                  min, highest with max; one without M is never among them; a tie\n"
+    "                  goes to the newer). With either, --keep defaults to 1, the newest\n"
+    "                  valid checkpoint always stays, and --keep 0 adds nothing\n"
     "  --dry-run  print what would be removed and why; remove nothing\n"
     "  --force    needed with --keep 0, which removes every checkpoint\n";
 
@@ -168,6 +175,7 @@ int cli_ls(int argc, char **argv) {
                 printf(",\"error\":");
                 cli_json_string(reason);
             }
+            cli_print_metrics(c, true);
             putchar('}');
         } else {
             char stepbuf[32];
@@ -181,6 +189,7 @@ int cli_ls(int argc, char **argv) {
                    c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : size, status_name(c->status),
                    c->path);
             if (c->num_processes > 1) printf("  (%d processes)", c->num_processes);
+            cli_print_metrics(c, false);
             putchar('\n');
             if (*reason) printf("         %s\n", reason);
         }
@@ -295,6 +304,7 @@ int cli_verify(int argc, char **argv) {
 
 typedef struct prune_log {
     bool dry_run;
+    bool policy; /* --keep-every / --keep-best */
     int64_t keep;
     int64_t leftovers;
 } prune_log;
@@ -304,7 +314,9 @@ static void prune_report(void *user, const char *path, ckpt_prune_reason reason,
     const char *verb = pl->dry_run ? "would remove" : "removing";
     switch (reason) {
     case CKPT_PRUNE_OLD:
-        if (pl->keep == 0) printf("%s %s  (--keep 0: every checkpoint goes)\n", verb, path);
+        if (pl->policy) printf("%s %s  (valid, not the newest, not kept by --keep%s)\n", verb, path,
+                               pl->keep > 1 ? ", --keep-every or --keep-best" : "-every or --keep-best");
+        else if (pl->keep == 0) printf("%s %s  (--keep 0: every checkpoint goes)\n", verb, path);
         else if (why) printf("%s %s  (older than the newest %lld valid; it fails verification too: %s)\n",
                         verb, path, (long long)pl->keep, why);
         else printf("%s %s  (valid, older than the newest %lld valid)\n", verb, path,
@@ -323,7 +335,9 @@ static void prune_report(void *user, const char *path, ckpt_prune_reason reason,
 
 int cli_prune(int argc, char **argv) {
     const char *dir = NULL;
-    int64_t keep = -1;
+    int64_t keep = -1, every = 0, best_k = 0;
+    char metric[64] = "";
+    ckpt_best_mode mode = CKPT_BEST_MIN;
     bool dry_run = false, force = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -335,6 +349,17 @@ int cli_prune(int argc, char **argv) {
             if (!v) return cli_usage_error("prune", "--keep needs a value");
             if (!cli_parse_i64(v, 0, INT32_MAX, &keep))
                 return cli_usage_error("prune", "bad value for --keep: '%s'", v);
+        } else if (!strcmp(a, "--keep-every") || !strncmp(a, "--keep-every=", 13)) {
+            const char *v = a[12] == '=' ? a + 13 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!v) return cli_usage_error("prune", "--keep-every needs a value");
+            if (!cli_parse_i64(v, 1, INT64_MAX, &every))
+                return cli_usage_error("prune", "bad value for --keep-every: '%s', expected steps >= 1", v);
+        } else if (!strcmp(a, "--keep-best") || !strncmp(a, "--keep-best=", 12)) {
+            const char *v = a[11] == '=' ? a + 12 : (i + 1 < argc ? argv[++i] : NULL);
+            if (!v) return cli_usage_error("prune", "--keep-best needs a value");
+            if (!cli_parse_keep_best(v, metric, sizeof metric, &mode, &best_k))
+                return cli_usage_error("prune", "bad value for --keep-best: '%s', expected "
+                                                "METRIC:min:K or METRIC:max:K (e.g. val_loss:min:3)", v);
         } else if (!strcmp(a, "--dry-run")) {
             dry_run = true;
         } else if (!strcmp(a, "--force")) {
@@ -348,16 +373,20 @@ int cli_prune(int argc, char **argv) {
         }
     }
     if (!dir) return cli_usage_error("prune", "missing PROJECT_DIR");
+    bool policy = every > 0 || best_k > 0;
+    if (keep < 0 && policy) keep = 1;
     if (keep < 0) return cli_usage_error("prune", "missing --keep N");
-    if (keep == 0 && !force && !dry_run)
+    if (keep == 0 && !policy && !force && !dry_run)
         return cli_usage_error("prune", "--keep 0 removes every checkpoint, the valid ones too; "
                                         "add --force if that is what you want");
     cli_kind kind = cli_classify(dir);
     if (kind == CLI_KIND_CHECKPOINT)
         return cli_usage_error("prune", "%s is a checkpoint folder; expected the project folder "
                                         "that holds its checkpoints folder", dir);
-    prune_log pl = {.dry_run = dry_run, .keep = keep};
-    ckpt_prune_options o = {.keep = (int)keep, .dry_run = dry_run, .report = prune_report, .user = &pl};
+    prune_log pl = {.dry_run = dry_run, .policy = policy, .keep = keep};
+    ckpt_prune_options o = {.keep = (int)keep, .dry_run = dry_run, .report = prune_report, .user = &pl,
+                            .keep_every_steps = every, .best_metric = best_k ? metric : NULL,
+                            .best_mode = mode, .best_k = (int)best_k};
     int64_t removed = 0;
     int rc = ckpt_checkpoint_prune_ex(dir, &o, &removed);
     if (rc < 0) {
@@ -365,8 +394,12 @@ int cli_prune(int argc, char **argv) {
                   rc == CKPT_EBUSY ? "; nothing removed, try again when the save is done" : "");
         return CLI_RUNTIME;
     }
-    printf("%s %lld checkpoint%s and %lld leftover folder%s from %s, kept the newest %lld valid\n",
+    printf("%s %lld checkpoint%s and %lld leftover folder%s from %s, kept the newest %lld valid",
            dry_run ? "would remove" : "removed", (long long)removed, removed == 1 ? "" : "s",
            (long long)pl.leftovers, pl.leftovers == 1 ? "" : "s", dir, (long long)keep);
+    if (every > 0) printf(", every step multiple of %lld", (long long)every);
+    if (best_k > 0) printf(", the best %lld by %s (%s)", (long long)best_k, metric,
+                           mode == CKPT_BEST_MIN ? "min" : "max");
+    putchar('\n');
     return CLI_OK;
 }

@@ -48,6 +48,10 @@ static const char train_help[] =
     "                     also save once S seconds passed since the last save\n"
     "                     (default 0 = off)\n"
     "  --total-limit N    keep the newest N valid checkpoints (default 3; 0 = all)\n"
+    "  --keep-every N     also keep every checkpoint whose step is a multiple of N\n"
+    "  --keep-best METRIC:min|max:K\n"
+    "                     also keep the K best checkpoints by test_loss or test_acc\n"
+    "                     (recorded with every checkpoint; ckpt ls shows them)\n"
     "  --workers N        data loader prefetch threads (default 2)\n"
     "  --project-dir DIR  checkpoints in DIR/checkpoints, metrics in DIR/logs\n"
     "                     (default runs/digits)\n"
@@ -73,6 +77,9 @@ static const char train_help[] =
 typedef struct train_opts {
     int64_t epochs, batch_size, seed, save_every, total_limit, workers, log_every;
     double lr, save_every_seconds;
+    int64_t keep_every, best_k; /* retention beyond --total-limit */
+    char best_metric[64];
+    ckpt_best_mode best_mode;
     const char *project_dir;
     const char *data;
     bool resume, quiet, shard_optimizer, async;
@@ -287,25 +294,31 @@ static void format_duration(double s, char *buf, size_t cap) {
 
 /* Accuracy on held-out rows, in chunks of the network's batch size; no
  * dropout, no random draws. */
+/* Correct predictions on rows; *mean_loss (may be NULL) gets the mean
+ * cross-entropy. Touches no generator: a run's numbers do not depend on
+ * whether or how often it evaluates. */
 static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x, int32_t *y,
-                        int32_t *pred) {
+                        int32_t *pred, double *mean_loss) {
     int64_t correct = 0;
+    double loss_sum = 0.0;
     for (int64_t i = 0; i < n; i += net->max_batch) {
         int B = (int)((n - i) < net->max_batch ? (n - i) : net->max_batch);
         for (int k = 0; k < B; k++) {
             memcpy(x + (size_t)k * DIGITS_PIXELS, rows[i + k].x, sizeof rows[i + k].x);
             y[k] = rows[i + k].label;
         }
-        mlp_forward(net, x, y, B, 0.0f, NULL);
+        loss_sum += (double)mlp_forward(net, x, y, B, 0.0f, NULL) * B;
         mlp_argmax(net, pred);
         for (int k = 0; k < B; k++) correct += pred[k] == y[k];
     }
+    if (mean_loss) *mean_loss = n > 0 ? loss_sum / (double)n : 0.0;
     return correct;
 }
 
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
     enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
-           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM, O_ASYNC, O_SAVE_SECONDS };
+           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM, O_ASYNC, O_SAVE_SECONDS,
+           O_KEEP_EVERY, O_KEEP_BEST };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
@@ -313,6 +326,8 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"seed", required_argument, NULL, O_SEED},
         {"save-every", required_argument, NULL, O_SAVE_EVERY},
         {"save-every-seconds", required_argument, NULL, O_SAVE_SECONDS},
+        {"keep-every", required_argument, NULL, O_KEEP_EVERY},
+        {"keep-best", required_argument, NULL, O_KEEP_BEST},
         {"total-limit", required_argument, NULL, O_TOTAL_LIMIT},
         {"workers", required_argument, NULL, O_WORKERS},
         {"project-dir", required_argument, NULL, O_PROJECT},
@@ -353,6 +368,18 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_QUIET: o->quiet = true; break;
         case O_SHARD_OPTIM: o->shard_optimizer = true; break;
         case O_ASYNC: o->async = true; break;
+        case O_KEEP_EVERY: ok = cli_parse_i64(a, 1, INT64_MAX, &o->keep_every); break;
+        case O_KEEP_BEST:
+            if (!cli_parse_keep_best(a, o->best_metric, sizeof o->best_metric, &o->best_mode,
+                                     &o->best_k))
+                return cli_usage_error("train", "bad value for '--keep-best': '%s', expected "
+                                                "METRIC:min:K or METRIC:max:K (e.g. test_loss:min:3)",
+                                       a);
+            if (strcmp(o->best_metric, "test_loss") != 0 && strcmp(o->best_metric, "test_acc") != 0)
+                return cli_usage_error("train", "--keep-best: metric '%s' is not recorded; train "
+                                                "records test_loss and test_acc",
+                                       o->best_metric);
+            break;
         case 'h': fputs(train_help, stdout); return -1;
         case ':': return cli_usage_error("train", "option '%s' needs a value", argv[optind - 1]);
         default: return cli_usage_error("train", "unknown option '%s'", argv[optind - 1]);
@@ -509,6 +536,10 @@ static int trainer_setup(trainer *t) {
         .total_limit = (int)o->total_limit,
         .comm = t->dist.comm,
         .save_interval_steps = o->save_every,
+        .keep_every_steps = o->keep_every,
+        .best_metric = o->best_k ? o->best_metric : NULL,
+        .best_mode = o->best_mode,
+        .best_k = (int)o->best_k,
         .save_interval_seconds = o->save_every_seconds,
     };
     if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return lib_fail("accelerator", rc);
@@ -618,7 +649,15 @@ static bool has_checkpoint(const char *project_dir) {
 static int save(trainer *t, int64_t step, bool last) {
     /* collective over the ranks: each returns the same status and message */
     double t0 = now_seconds();
-    int rc = t->opt.async ? ckpt_save_state_async(t->acc, NULL) : ckpt_save_state(t->acc, NULL);
+    /* the test set's loss and accuracy go with the checkpoint (ckpt ls shows
+     * them; --keep-best ranks by them) */
+    double test_loss = 0.0;
+    int64_t correct = evaluate(&t->net, t->test_rows, t->ntest, t->x, t->y, t->pred, &test_loss);
+    int rc = ckpt_set_metric(t->acc, "test_loss", test_loss);
+    if (rc == 0)
+        rc = ckpt_set_metric(t->acc, "test_acc", t->ntest ? (double)correct / (double)t->ntest : 0.0);
+    if (rc == 0)
+        rc = t->opt.async ? ckpt_save_state_async(t->acc, NULL) : ckpt_save_state(t->acc, NULL);
     if (rc == 0 && t->opt.async && last) rc = ckpt_save_wait(t->acc);
     t->ckpt_seconds += now_seconds() - t0;
     t->nsaves++;
@@ -834,7 +873,7 @@ int cli_train(int argc, char **argv) {
         goto done;
     }
     report_ckpt_time(&t, now_seconds() - t0, quiet);
-    int64_t correct = evaluate(&t.net, t.test_rows, t.ntest, t.x, t.y, t.pred);
+    int64_t correct = evaluate(&t.net, t.test_rows, t.ntest, t.x, t.y, t.pred, NULL);
     if (!quiet) printf("final checkpoint: %s\n", ckpt_accelerator_last_dir(t.acc));
     if (t.speak)
         printf("test accuracy: %.2f%% (%lld/%lld)\n", 100.0 * (double)correct / (double)t.ntest,

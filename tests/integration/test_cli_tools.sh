@@ -100,7 +100,8 @@ grep -q "^ckpt verify: $WORK/unrelated is not a checkpoint (no checkpoint.json) 
 # ---- ls of a checkpoint folder lists it
 run_rc 0 "$CKPT_BIN" ls "$cks/checkpoint_2"
 [ "$(wc -l <"$WORK/out")" -eq 2 ] || fail "ls checkpoint: expected a header and one row"
-grep -q "^2  *30  .*  complete  $cks/checkpoint_2$" "$WORK/out" || fail "ls checkpoint: row"
+grep -q "^2  *30  .*  complete  $cks/checkpoint_2  test_loss=[0-9.e-]* test_acc=[0-9.e-]*$" \
+    "$WORK/out" || fail "ls checkpoint: row (with the metrics ckpt train records)"
 
 # ---- prune: valid checkpoints only; the newest valid one stays
 left() { ls -A "$1/checkpoints" | grep -v '^\.lock$' | sort | tr '\n' ' '; }
