@@ -595,6 +595,23 @@ def encode_state(flat, what="state dict"):
 
 # ---- the manifest -----------------------------------------------------------
 
+MAX_METRICS = 16
+_METRIC_NAME = re.compile(r"[A-Za-z0-9_.:/-]{1,63}")
+
+
+def _jreal(v):
+    """A double as jansson writes it: %.17g, ".0" added when it reads as an
+    integer, no '+' and no leading zeros in the exponent."""
+    t = "%.17g" % v
+    if "." not in t and "e" not in t:
+        t += ".0"
+    if "e" in t:
+        mant, exp = t.split("e")
+        sign = "-" if exp.startswith("-") else ""
+        t = mant + "e" + sign + exp.lstrip("+-").lstrip("0")
+    return t
+
+
 def manifest_text(m):
     """checkpoint.json exactly as the C library writes it (jansson,
     two-space indent), its manifest_xxh3 filled in."""
@@ -606,6 +623,12 @@ def manifest_text(m):
            ("created", jstr(m["created"]))]
     for k, v in top:
         L.append('  "%s": %s,' % (k, v))
+    metrics = list(m.get("metrics", {}).items())
+    if metrics:
+        L.append('  "metrics": {')
+        for j, (k, v) in enumerate(metrics):
+            L.append('    %s: %s%s' % (jstr(k), _jreal(v), "," if j + 1 < len(metrics) else ""))
+        L.append("  },")
     if not m["files"]:
         L.append('  "files": [],')
     else:
@@ -719,6 +742,20 @@ def parse_manifest(text, what):
     m["process_index"] = 0 if pi is None else pi
     m["created_unix"] = _m_int(root, "created_unix", False, INT64_MIN, INT64_MAX, what) or 0
     m["created"] = _m_str(root, "created", False, what) or ""
+    jm = root.get("metrics")
+    if "metrics" in root and not isinstance(jm, dict):
+        raise CorruptError('%s: "metrics" must be an object' % what)
+    if jm is not None and len(jm) > MAX_METRICS:
+        raise CorruptError('%s: "metrics" has %d entries, expected at most %d'
+                           % (what, len(jm), MAX_METRICS))
+    m["metrics"] = {}
+    for k, v in (jm or {}).items():
+        if not _METRIC_NAME.fullmatch(k):
+            raise CorruptError("%s: metric name '%s' is not 1..63 bytes of [A-Za-z0-9_.:/-]"
+                               % (what, k[:64]))
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise CorruptError("%s: metric '%s' must be a finite number" % (what, k))
+        m["metrics"][k] = float(v)
     files = root.get("files")
     if not isinstance(files, list):
         raise CorruptError('%s: "files" must be an array' % what)
