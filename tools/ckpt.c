@@ -35,14 +35,32 @@ static const char usage_text[] =
     "exit codes: 0 ok, 1 differences found or verification failed, 2 usage error,\n"
     "3 runtime error (I/O, malformed file, full disk...)\n";
 
+/* One write for the whole line: stderr is unbuffered, and the ranks of a job
+ * share it, so a line written piecewise could be cut by another rank's. */
 void cli_error(const char *fmt, ...) {
+    char prefix[48];
+    if (cli_rank >= 0) snprintf(prefix, sizeof prefix, "ckpt: [rank %d] ", cli_rank);
+    else snprintf(prefix, sizeof prefix, "ckpt: ");
     va_list ap;
     va_start(ap, fmt);
-    if (cli_rank >= 0) fprintf(stderr, "ckpt: [rank %d] ", cli_rank);
-    else fputs("ckpt: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    va_list ap2;
+    va_copy(ap2, ap);
+    int n = vsnprintf(NULL, 0, fmt, ap);
     va_end(ap);
+    size_t plen = strlen(prefix);
+    char *line = n >= 0 ? malloc(plen + (size_t)n + 2) : NULL;
+    if (line) {
+        memcpy(line, prefix, plen);
+        vsnprintf(line + plen, (size_t)n + 1, fmt, ap2);
+        line[plen + (size_t)n] = '\n';
+        fwrite(line, 1, plen + (size_t)n + 1, stderr);
+        free(line);
+    } else { /* no memory: piecewise is still better than nothing */
+        fputs(prefix, stderr);
+        vfprintf(stderr, fmt, ap2);
+        fputc('\n', stderr);
+    }
+    va_end(ap2);
 }
 
 int cli_usage_error(const char *cmd, const char *fmt, ...) {
