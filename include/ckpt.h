@@ -841,6 +841,120 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * An accelerator that never called ckpt_load_state saves freely (automatic
  * numbering continues after the highest existing checkpoint). */
 CKPT_API int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir);
+
+/* --- loading part of a checkpoint, and adapting it -------------------------
+ * ckpt_load_state_ex is ckpt_load_state with options: load only some of the
+ * registered objects (fine-tuning from a pretraining checkpoint loads the
+ * model and leaves the fresh optimizer alone), match keys non-strictly,
+ * convert F32 / F16 / BF16 tensors, and rename keys. It stays transactional:
+ * every selected object is matched, adapted and checked before any of them
+ * changes; an object not selected is never touched (not even its
+ * state_dict is called). The report says exactly what happened. */
+
+/* Object kinds, for ckpt_load_options.objects. */
+#define CKPT_LOAD_MODELS 0x01u
+#define CKPT_LOAD_OPTIMIZERS 0x02u
+#define CKPT_LOAD_SCHEDULERS 0x04u
+#define CKPT_LOAD_DATALOADERS 0x08u
+#define CKPT_LOAD_SCALERS 0x10u
+#define CKPT_LOAD_CUSTOM 0x20u
+#define CKPT_LOAD_RNG 0x40u /* the accelerator's own generator */
+#define CKPT_LOAD_ALL 0x7fu
+
+/* A prefix rewrite of file keys: a key that starts with `from` gets `to` in
+ * its place ("" as from adds `to` in front of every key; "" as to strips). */
+typedef struct ckpt_key_prefix {
+    const char *from;
+    const char *to;
+} ckpt_key_prefix;
+
+/* A renaming hook, called once for every key of every adapted object's file
+ * (after the prefix map): object is the object's name ("model", "model_1",
+ * "custom_checkpoint_0"), key the file's key. Return 0 to keep key, 1 after
+ * writing the new key (NUL-terminated, < cap bytes) into out, or a negative
+ * ckpt_status to stop the load (its message, if set, is kept). */
+typedef int (*ckpt_key_rename_fn)(void *user, const char *object, const char *key, char *out,
+                                  size_t cap);
+
+typedef struct ckpt_load_options {
+    /* Which registered objects to load: CKPT_LOAD_* bits, and/or names
+     * ("model", "model_1", "optimizer", "custom_checkpoint_2",
+     * "random_states"); an object is loaded if its kind's bit is set or its
+     * name is listed. Both empty (0 and 0 names): every object. */
+    unsigned objects;
+    const char *const *names;
+    int num_names;
+    /* The options below adapt the state dicts of models and custom objects
+     * (the keys users name); the optimizer, scheduler, scaler, data loader
+     * and generator are always matched exactly (their keys are the
+     * library's own). */
+    /* Keys in memory and not in the file keep their values ("missing"),
+     * keys in the file used by nothing are ignored ("unexpected"); both are
+     * listed in the report. A key present on both sides must still match
+     * in kind and shape. Sharded tensors cannot be missing (EUNSUPPORTED). */
+    bool non_strict;
+    /* A tensor whose dtype differs, both of F32, F16, BF16, is converted
+     * (ckpt_dtype_convert: round to nearest, ties to even) and listed in the
+     * report; any other dtype difference stays CKPT_EMISMATCH. */
+    bool convert_dtypes;
+    /* Applied in order to every file key; the first entry whose `from` is a
+     * prefix rewrites it. Then `rename`, if set. Two file keys that end up
+     * with one name are CKPT_EMISMATCH naming both. */
+    const ckpt_key_prefix *prefix_map;
+    int num_prefix_map;
+    ckpt_key_rename_fn rename;
+    void *rename_user;
+} ckpt_load_options;
+
+/* One key the report names. */
+typedef struct ckpt_load_key {
+    char *object;   /* "model", "custom_checkpoint_0", ... */
+    char *key;      /* the key in memory; NULL for an unexpected key */
+    char *file_key; /* the key in the file; NULL for a missing key */
+    ckpt_dtype file_dtype; /* tensors: the file's dtype / memory's (equal unless converted) */
+    ckpt_dtype dtype;
+} ckpt_load_key;
+
+typedef struct ckpt_load_report {
+    char *dir;       /* the checkpoint folder loaded */
+    int64_t step;    /* the checkpoint's step */
+    /* Every registered object was loaded: the step counter and the automatic
+     * numbering were restored as by ckpt_load_state. A partial load leaves
+     * both (and ckpt_accelerator_last_dir) as they were: a fine-tuning run
+     * starts at its own step 0 and numbers its own checkpoints. */
+    bool full;
+    int num_loaded;
+    char **loaded;   /* names of the objects loaded */
+    int num_skipped;
+    char **skipped;  /* names of the registered objects not selected: untouched */
+    int64_t num_missing;
+    ckpt_load_key *missing;    /* in memory, not in the file: values kept */
+    int64_t num_unexpected;
+    ckpt_load_key *unexpected; /* in the file, used by nothing */
+    int64_t num_renamed;
+    ckpt_load_key *renamed;    /* file_key loaded into key */
+    int64_t num_converted;
+    ckpt_load_key *converted;  /* file_dtype converted to dtype */
+} ckpt_load_report;
+
+/* opt NULL: as ckpt_load_state. report may be NULL; if not, it is filled on
+ * success (zeroed on failure) and freed with ckpt_load_report_free. Bad
+ * options (an unknown bit or name, a NULL prefix entry, a prefix map without
+ * entries) are CKPT_EINVAL before anything is read. Otherwise as
+ * ckpt_load_state: the same statuses, the same refusal of saves after a
+ * failure, collective with several processes (every rank passes the same
+ * selection). */
+CKPT_API int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir,
+                                const ckpt_load_options *opt, ckpt_load_report *report);
+CKPT_API void ckpt_load_report_free(ckpt_load_report *report);
+
+/* Converts n elements between F32, F16 and BF16 (either way, or the same
+ * dtype: a copy). Narrowing rounds to nearest, ties to even; values beyond
+ * the narrower type's range become infinities; NaN stays NaN (quiet, sign
+ * kept); F16 subnormals are produced and read exactly. Widening is exact.
+ * src and dst must not overlap. CKPT_EINVAL for another dtype. */
+CKPT_API int ckpt_dtype_convert(ckpt_dtype from, const void *src, ckpt_dtype to, void *dst,
+                                uint64_t n);
 /* --- metrics: named numbers recorded with the next save -------------------- */
 
 /* Attaches name = value to the next save (ckpt_save_state or _async; sets or

@@ -24,6 +24,7 @@
 #include "accel/accel.h"
 #include "base/error.h"
 #include "base/io.h"
+#include "format/keymap.h"
 #include "format/manifest.h"
 #include "format/statedict.h"
 #include "store/store.h"
@@ -42,6 +43,15 @@ typedef struct load_op {
      * generator is derived from rank 0's (docs/DISTRIBUTED.md, "Reshard"). */
     bool rng_reshard;
     ckpt_rng_reshard rr;
+    /* ckpt_load_state_ex: the options (NULL: everything, exactly), which
+     * objects are selected, and whether that is all of them */
+    const ckpt_load_options *opt;
+    bool *sel;
+    bool full;
+    /* an adapted object: readers[i] is the adapted reader, srcs[i] the
+     * file's, extra[i] what the adapted one also borrows from */
+    ckpt_reader **srcs, **extra;
+    ckpt_adapt_result res;
 } load_op;
 
 /* ---- choose ---------------------------------------------------------------- */
@@ -166,6 +176,7 @@ static void plural(char *buf, size_t cap, int n, const char *noun) {
  * (shard files and per-process files aside). */
 static int check_counts(const load_op *op) {
     const ckpt_accelerator *acc = op->acc;
+    if (!op->full) return CKPT_OK; /* a partial load: each selected object finds its file */
     const ckpt_manifest *m = &op->c.m;
     int have[K_COUNT] = {0};
     for (int64_t i = 0; i < m->nfiles; i++) {
@@ -200,6 +211,41 @@ static int attach_shards(const load_op *op, ckpt_reader *r, const char *name, co
         CKPT_TRY(ckpt__reader_attach_shard(r, mp->data, (size_t)mp->size, f->name,
                                            (const char *const *)f->tensor_keys, f->chunks,
                                            f->ntensors));
+    }
+    return CKPT_OK;
+}
+
+/* The name options select an object by: its file name without
+ * ".safetensors", and "random_states" for the generator. */
+static void object_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, char *buf, size_t cap) {
+    if (o->kind == K_RNG) {
+        snprintf(buf, cap, "%s", ckpt__kind_stem[K_RNG]);
+        return;
+    }
+    ckpt__acc_file_name(acc, o, buf, cap);
+    char *dot = strstr(buf, ".safetensors");
+    if (dot) *dot = '\0';
+}
+
+static int current_state(void *ctx, ckpt_writer *w) {
+    const ckpt_acc_obj *o = ctx;
+    return o->ops->state_dict(o->self, w);
+}
+
+/* Models and custom objects are adapted as the options say (renamed keys,
+ * non-strict matching, converted dtypes); the library's own objects never. */
+static int adapt_object(load_op *op, int i, const ckpt_writer *schema, const char *file) {
+    ckpt_acc_obj *o = &op->objs[i];
+    if (!op->opt || (o->kind != K_MODEL && o->kind != K_CUSTOM)) return CKPT_OK;
+    char object[96];
+    object_name(op->acc, o, object, sizeof object);
+    ckpt_reader *ad = NULL, *ex = NULL;
+    CKPT_TRY(ckpt__adapt(schema, op->readers[i], op->opt, object, file, current_state, o, &ad, &ex,
+                         &op->res));
+    if (ad) {
+        op->srcs[i] = op->readers[i];
+        op->extra[i] = ex;
+        op->readers[i] = ad;
     }
     return CKPT_OK;
 }
@@ -240,7 +286,8 @@ static int open_object(load_op *op, int i) {
         rc = ckpt__callback_failed(rc, "state_dict");
         rc = ckpt__err_prefix(rc, own ? "%s: state_dict" : "%s", name);
     } else {
-        rc = ckpt__schema_check(schema, op->readers[i], name);
+        rc = adapt_object(op, i, schema, name);
+        if (rc == 0) rc = ckpt__schema_check(schema, op->readers[i], name);
     }
     ckpt_writer_free(schema);
     if (rc < 0) rc = ckpt__err_prefix(rc, "load_state: %s", op->dir);
@@ -260,15 +307,18 @@ static int check(load_op *op) {
                   "from rank 0's by the documented derivation, not as the saved processes' "
                   "would have (docs/DISTRIBUTED.md, \"Reshard\")",
                   op->dir, saved_np, saved_np == 1 ? "" : "es", op->acc->num_processes);
-    op->objs = ckpt__acc_plan_objects(op->acc, &op->nobjs);
-    op->readers = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->readers);
-    if (!op->objs || !op->readers) return ckpt__err_nomem("load plan");
-    for (int i = 0; i < op->nobjs; i++) CKPT_TRY(open_object(op, i));
+    size_t nr = (size_t)(op->nobjs ? op->nobjs : 1);
+    op->readers = ckpt__calloc(nr, sizeof *op->readers);
+    op->srcs = ckpt__calloc(nr, sizeof *op->srcs);
+    op->extra = ckpt__calloc(nr, sizeof *op->extra);
+    if (!op->readers || !op->srcs || !op->extra) return ckpt__err_nomem("load plan");
+    for (int i = 0; i < op->nobjs; i++)
+        if (op->sel[i]) CKPT_TRY(open_object(op, i));
     /* Every schema matches: now every value, still changing nothing. Each
      * check sees the objects as they were before the load. */
     for (int i = 0; i < op->nobjs; i++) {
         const ckpt_acc_obj *o = &op->objs[i];
-        if (!o->ops->check_state_dict) continue;
+        if (!op->sel[i] || !o->ops->check_state_dict) continue;
         ckpt_clear_error();
         int rc = o->ops->check_state_dict(o->self, op->readers[i]);
         if (rc == 0) continue;
@@ -293,8 +343,11 @@ static int apply(load_op *op) {
      * plus the commit, so a failure past this point is a value refused by a
      * custom object without check_state_dict (documented in CHECKPOINTS.md);
      * the objects before it are already loaded. */
+    int done = 0, nsel = 0;
+    for (int i = 0; i < op->nobjs; i++) nsel += op->sel[i];
     for (int i = 0; i < op->nobjs; i++) {
         const ckpt_acc_obj *o = &op->objs[i];
+        if (!op->sel[i]) continue;
         ckpt_clear_error();
         int rc = o->ops->load_state_dict(o->self, op->readers[i]);
         if (rc != 0) {
@@ -304,8 +357,15 @@ static int apply(load_op *op) {
             free(last);
             return ckpt__err_prefix(rc, "load_state: %s: %s (state partially loaded: %d of %d "
                                         "objects were loaded before this one)",
-                                    op->dir, name, i, op->nobjs);
+                                    op->dir, name, done, nsel);
         }
+        done++;
+    }
+    /* A partial load (fine-tuning from another run's checkpoint, say)
+     * leaves the step, the numbering and the last folder alone. */
+    if (!op->full) {
+        free(last);
+        return CKPT_OK;
     }
     acc->step = m->step;
     int64_t next = m->iteration;
@@ -346,17 +406,159 @@ static int record_outcome(ckpt_accelerator *acc, int rc, bool nothing) {
     return rc;
 }
 
+/* Which objects opt selects (op->sel, op->full); CKPT_EINVAL for bad
+ * options, before anything is read. */
+static int select_objects(load_op *op) {
+    const ckpt_load_options *opt = op->opt;
+    op->objs = ckpt__acc_plan_objects(op->acc, &op->nobjs);
+    op->sel = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->sel);
+    if (!op->objs || !op->sel) return ckpt__err_nomem("load plan");
+    bool all = !opt || (opt->objects == 0 && opt->num_names == 0);
+    if (opt) {
+        if (opt->objects & ~CKPT_LOAD_ALL)
+            return ckpt__err(CKPT_EINVAL, "load_state: objects has unknown bits 0x%x (known: 0x%x)",
+                             opt->objects & ~CKPT_LOAD_ALL, CKPT_LOAD_ALL);
+        if (opt->num_names < 0 || (opt->num_names > 0 && !opt->names))
+            return ckpt__err(CKPT_EINVAL, "load_state: names is %s with num_names %d",
+                             opt->names ? "set" : "NULL", opt->num_names);
+        CKPT_TRY(ckpt__keymap_check(opt, "load_state"));
+    }
+    char name[96];
+    for (int n = 0; opt && n < opt->num_names; n++) {
+        if (!opt->names[n]) return ckpt__err(CKPT_EINVAL, "load_state: names[%d] is NULL", n);
+        bool found = false;
+        for (int i = 0; i < op->nobjs && !found; i++) {
+            object_name(op->acc, &op->objs[i], name, sizeof name);
+            found = strcmp(name, opt->names[n]) == 0;
+        }
+        if (found) continue;
+        char known[512] = "";
+        for (int i = 0; i < op->nobjs; i++) {
+            object_name(op->acc, &op->objs[i], name, sizeof name);
+            size_t u = strlen(known);
+            snprintf(known + u, sizeof known - u, "%s%s", u ? ", " : "", name);
+        }
+        return ckpt__err(CKPT_EINVAL, "load_state: names[%d] '%s' is no registered object (there are: %s)",
+                         n, opt->names[n], known);
+    }
+    static const unsigned bit[K_COUNT] = {CKPT_LOAD_MODELS,   CKPT_LOAD_OPTIMIZERS,
+                                          CKPT_LOAD_SCHEDULERS, CKPT_LOAD_DATALOADERS,
+                                          CKPT_LOAD_SCALERS, CKPT_LOAD_CUSTOM, CKPT_LOAD_RNG};
+    int nsel = 0;
+    for (int i = 0; i < op->nobjs; i++) {
+        bool on = all || (opt->objects & bit[op->objs[i].kind]);
+        object_name(op->acc, &op->objs[i], name, sizeof name);
+        for (int n = 0; !on && opt && n < opt->num_names; n++) on = strcmp(name, opt->names[n]) == 0;
+        op->sel[i] = on;
+        nsel += on;
+    }
+    if (nsel == 0)
+        return ckpt__err(CKPT_EINVAL, "load_state: the options select none of the registered objects "
+                                      "(objects 0x%x)",
+                         opt->objects);
+    op->full = nsel == op->nobjs;
+    return CKPT_OK;
+}
+
+static int names_of(const load_op *op, bool selected, char ***out, int *n) {
+    *out = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof **out);
+    if (!*out) return ckpt__err_nomem("load report");
+    char name[96];
+    *n = 0;
+    for (int i = 0; i < op->nobjs; i++) {
+        if (op->sel[i] != selected) continue;
+        object_name(op->acc, &op->objs[i], name, sizeof name);
+        if (!((*out)[*n] = ckpt__strdup(name))) return ckpt__err_nomem("load report");
+        (*n)++;
+    }
+    return CKPT_OK;
+}
+
+void ckpt_load_report_free(ckpt_load_report *r) {
+    if (!r) return;
+    free(r->dir);
+    for (int i = 0; i < r->num_loaded; i++) free(r->loaded[i]);
+    free(r->loaded);
+    for (int i = 0; i < r->num_skipped; i++) free(r->skipped[i]);
+    free(r->skipped);
+    ckpt_key_list l[4] = {{r->missing, r->num_missing, r->num_missing},
+                          {r->unexpected, r->num_unexpected, r->num_unexpected},
+                          {r->renamed, r->num_renamed, r->num_renamed},
+                          {r->converted, r->num_converted, r->num_converted}};
+    for (int i = 0; i < 4; i++) ckpt__key_list_free(&l[i]);
+    memset(r, 0, sizeof *r);
+}
+
+/* After a success: what was loaded. The key lists move from op. */
+static int fill_report(load_op *op, ckpt_load_report *r) {
+    r->step = op->c.m.step;
+    r->full = op->full;
+    if (!(r->dir = ckpt__strdup(op->dir))) return ckpt__err_nomem("load report");
+    CKPT_TRY(names_of(op, true, &r->loaded, &r->num_loaded));
+    CKPT_TRY(names_of(op, false, &r->skipped, &r->num_skipped));
+    r->missing = op->res.missing.v;
+    r->num_missing = op->res.missing.n;
+    r->unexpected = op->res.unexpected.v;
+    r->num_unexpected = op->res.unexpected.n;
+    r->renamed = op->res.renamed.v;
+    r->num_renamed = op->res.renamed.n;
+    r->converted = op->res.converted.v;
+    r->num_converted = op->res.converted.n;
+    memset(&op->res, 0, sizeof op->res);
+    return CKPT_OK;
+}
+
+/* Every key the adaptation changed or could not match, at INFO (missing
+ * and unexpected keys at WARNING: nothing is silent). */
+static void log_adaptation(load_op *op, const ckpt_load_report *r) {
+    const ckpt_adapt_result *a = &op->res;
+    ckpt_adapt_result view; /* the lists moved to the report */
+    if (r) {
+        view.missing = (ckpt_key_list){r->missing, r->num_missing, r->num_missing};
+        view.unexpected = (ckpt_key_list){r->unexpected, r->num_unexpected, r->num_unexpected};
+        view.renamed = (ckpt_key_list){r->renamed, r->num_renamed, r->num_renamed};
+        view.converted = (ckpt_key_list){r->converted, r->num_converted, r->num_converted};
+        a = &view;
+    }
+    const ckpt_logger *log = &op->acc->log;
+    if (op->comm->rank != 0) return;
+    for (int64_t i = 0; i < a->missing.n; i++)
+        ckpt__log(log, CKPT_LOG_WARNING, "%s: %s: key '%s' missing in the checkpoint: kept its value",
+                  op->dir, a->missing.v[i].object, a->missing.v[i].key);
+    for (int64_t i = 0; i < a->unexpected.n; i++)
+        ckpt__log(log, CKPT_LOG_WARNING, "%s: %s: key '%s' in the checkpoint is used by nothing",
+                  op->dir, a->unexpected.v[i].object, a->unexpected.v[i].file_key);
+    if (a->converted.n)
+        ckpt__log(log, CKPT_LOG_INFO, "%s: %" PRId64 " tensor%s converted (first: '%s' %s to %s)",
+                  op->dir, a->converted.n, a->converted.n == 1 ? "" : "s", a->converted.v[0].key,
+                  ckpt_dtype_name(a->converted.v[0].file_dtype), ckpt_dtype_name(a->converted.v[0].dtype));
+    if (a->renamed.n)
+        ckpt__log(log, CKPT_LOG_INFO, "%s: %" PRId64 " key%s renamed (first: '%s' as '%s')", op->dir,
+                  a->renamed.n, a->renamed.n == 1 ? "" : "s", a->renamed.v[0].file_key,
+                  a->renamed.v[0].key);
+}
+
 int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
+    return ckpt_load_state_ex(acc, input_dir, NULL, NULL);
+}
+
+int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_load_options *opt,
+                       ckpt_load_report *report) {
+    if (report) memset(report, 0, sizeof *report);
     if (!acc) return ckpt__err(CKPT_EINVAL, "load_state: acc is NULL");
-    /* A pending asynchronous save ends first (its failure, if any, is kept
-     * for the next wait or save). */
-    ckpt__async_settle(acc, false);
     load_op op;
     memset(&op, 0, sizeof op);
     op.acc = acc;
     op.comm = acc->comm;
+    op.opt = opt;
+    /* Bad options change nothing, not even the refusal of saves. */
+    int rc = ckpt__coll_agree(op.comm, select_objects(&op), NULL);
+    if (rc < 0) goto done;
+    /* A pending asynchronous save ends first (its failure, if any, is kept
+     * for the next wait or save). */
+    ckpt__async_settle(acc, false);
     /* One run per project: rank 0 owns it from the first save or load on. */
-    int rc = op.comm->rank == 0 ? ckpt__acc_own_project(acc, false, "load_state") : 0;
+    rc = op.comm->rank == 0 ? ckpt__acc_own_project(acc, false, "load_state") : 0;
     rc = ckpt__coll_agree(op.comm, rc, NULL);
     if (rc < 0) goto out;
     /* choose */
@@ -370,7 +572,11 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     /* check, agree */
     rc = ckpt__acc_run_hooks(acc, HOOK_LOAD, op.dir, "load_state");
     if (rc == 0) rc = check(&op);
+    /* the report is made before anything changes: its failure (memory)
+     * still leaves everything as it was */
+    if (rc == 0 && report) rc = fill_report(&op, report);
     rc = ckpt__coll_agree(op.comm, rc, NULL);
+    if (rc == 0) log_adaptation(&op, report);
     /* apply */
     if (rc == 0) rc = ckpt__coll_agree(op.comm, apply(&op), NULL);
     /* post */
@@ -381,11 +587,20 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     }
 out:
     rc = record_outcome(acc, rc, op.nothing);
-    if (op.readers)
-        for (int i = 0; i < op.nobjs; i++) ckpt_reader_free(op.readers[i]);
+done:
+    for (int i = 0; i < op.nobjs; i++) {
+        if (op.readers) ckpt_reader_free(op.readers[i]);
+        if (op.extra) ckpt_reader_free(op.extra[i]);
+        if (op.srcs) ckpt_reader_free(op.srcs[i]);
+    }
     free(op.readers);
+    free(op.extra);
+    free(op.srcs);
+    free(op.sel);
     free(op.objs);
+    ckpt__adapt_result_free(&op.res);
     ckpt__checkpoint_close(&op.c);
     free(op.dir);
+    if (rc < 0 && report) ckpt_load_report_free(report);
     return rc;
 }

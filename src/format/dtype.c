@@ -1,6 +1,6 @@
-/* dtype.c — the dtype table (safetensors names and bit widths) and tensor
- * byte counts: the bottom of the format layer, used by the safetensors
- * parser and by state dicts alike. */
+/* dtype.c — the dtype table (safetensors names and bit widths), tensor
+ * byte counts, and conversion between F32, F16 and BF16: the bottom of the
+ * format layer, used by the safetensors parser and by state dicts alike. */
 #include <inttypes.h>
 #include <stdbool.h>
 #include <string.h>
@@ -81,3 +81,94 @@ int ckpt_tensor_nbytes(ckpt_dtype dt, int ndim, const int64_t *shape, uint64_t *
     return CKPT_OK;
 }
 
+
+/* ---- F32 / F16 / BF16 conversion ------------------------------------------
+ * Bit-exact and independent of the floating-point environment: narrowing
+ * rounds to nearest, ties to even, on the bits. */
+
+static uint32_t f32_bits(const void *p) {
+    uint32_t u;
+    memcpy(&u, p, 4);
+    return u;
+}
+
+static uint16_t bits_to_bf16(uint32_t u) {
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u); /* quiet NaN */
+    /* The carry of the rounding may run into the exponent: the largest
+     * values become infinity, as they should. */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static uint16_t bits_to_f16(uint32_t u) {
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t x = u & 0x7fffffffu;
+    if (x >= 0x7f800000u) /* infinity, or NaN made quiet with its top payload bits */
+        return (uint16_t)(sign | 0x7c00u | (x > 0x7f800000u ? 0x0200u | ((x >> 13) & 0x3ffu) : 0));
+    /* 65520 is halfway between 65504 (the largest F16, odd mantissa) and
+     * 65536: from there up everything rounds to infinity. */
+    if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);
+    if (x >= 0x38800000u) { /* normal in F16: rebias the exponent by 127 - 15 */
+        uint32_t v = x - 0x38000000u;
+        uint32_t q = v >> 13, rem = v & 0x1fffu;
+        if (rem > 0x1000u || (rem == 0x1000u && (q & 1u))) q++;
+        return (uint16_t)(sign | q);
+    }
+    /* Below 2^-14: an F16 subnormal (units of 2^-24) or zero. */
+    uint32_t e = x >> 23;
+    if (e < 102) return sign; /* below 2^-25: rounds to zero */
+    uint32_t m = (x & 0x7fffffu) | 0x800000u;
+    uint32_t shift = 126 - e; /* 14..24 */
+    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1u))) q++;
+    return (uint16_t)(sign | q); /* q may reach 0x400: the smallest normal, encoded alike */
+}
+
+static uint32_t f16_to_bits(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (exp == 0x1f) return sign | 0x7f800000u | (mant << 13);
+    if (exp != 0) return sign | ((exp + 112u) << 23) | (mant << 13);
+    if (mant == 0) return sign;
+    int e = -14; /* a subnormal: normalise */
+    while (!(mant & 0x400u)) {
+        mant <<= 1;
+        e--;
+    }
+    return sign | ((uint32_t)(e + 127) << 23) | ((mant & 0x3ffu) << 13);
+}
+
+static bool convertible(ckpt_dtype dt) { return dt == CKPT_F32 || dt == CKPT_F16 || dt == CKPT_BF16; }
+
+int ckpt_dtype_convert(ckpt_dtype from, const void *src, ckpt_dtype to, void *dst, uint64_t n) {
+    if (!convertible(from) || !convertible(to))
+        return ckpt__err(CKPT_EINVAL, "dtype convert: %s to %s: only F32, F16 and BF16 convert",
+                         ckpt_dtype_name(from) ? ckpt_dtype_name(from) : "(invalid)",
+                         ckpt_dtype_name(to) ? ckpt_dtype_name(to) : "(invalid)");
+    if (n == 0) return CKPT_OK;
+    if (!src || !dst) return ckpt__err(CKPT_EINVAL, "dtype convert: NULL buffer");
+    size_t out_size = (size_t)ckpt_dtype_bits(to) / 8;
+    if (n > SIZE_MAX / 4) return ckpt__err(CKPT_EINVAL, "dtype convert: %" PRIu64 " elements", n);
+    if (from == to) {
+        memcpy(dst, src, (size_t)n * out_size);
+        return CKPT_OK;
+    }
+    const uint8_t *s = src;
+    uint8_t *d = dst;
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        uint16_t h;
+        switch (from) { /* widen to F32 bits: exact */
+        case CKPT_F32: bits = f32_bits(s + 4 * i); break;
+        case CKPT_F16: memcpy(&h, s + 2 * i, 2); bits = f16_to_bits(h); break;
+        default: memcpy(&h, s + 2 * i, 2); bits = (uint32_t)h << 16; break;
+        }
+        if (to == CKPT_F32) {
+            memcpy(d + 4 * i, &bits, 4);
+            continue;
+        }
+        h = to == CKPT_F16 ? bits_to_f16(bits) : bits_to_bf16(bits);
+        memcpy(d + 2 * i, &h, 2);
+    }
+    return CKPT_OK;
+}

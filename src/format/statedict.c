@@ -241,6 +241,10 @@ int64_t ckpt_writer_entry_count(const ckpt_writer *w) { return ckpt_writer_count
 
 bool ckpt__writer_is_schema(const ckpt_writer *w) { return w && w->schema; }
 
+bool ckpt__writer_has(const ckpt_writer *w, const char *key) {
+    return w && key && key_index_get(&w->index, key) >= 0;
+}
+
 int ckpt_writer_entry(const ckpt_writer *w, int64_t i, ckpt_entry_info *info) {
     if (!w || !info) return ckpt__err(CKPT_EINVAL, "writer entry: NULL argument");
     if (i < 0 || i >= w->count)
@@ -708,6 +712,8 @@ struct ckpt_reader {
     int64_t nshard_files, sfcap;
     ckpt_mapped *maps;   /* files the reader owns (ckpt__reader_adopt_map) */
     int64_t nmaps, mapcap;
+    void **owned;        /* adapted readers: keys, strings, tensor copies (freed with r) */
+    int64_t nowned, ownedcap;
 };
 
 void ckpt__reader_set_name(ckpt_reader *r, const char *name) {
@@ -731,6 +737,8 @@ void ckpt_reader_free(ckpt_reader *r) {
     free(r->shard_files);
     for (int64_t i = 0; i < r->nmaps; i++) ckpt__unmap(&r->maps[i]);
     free(r->maps);
+    for (int64_t i = 0; i < r->nowned; i++) free(r->owned[i]);
+    free(r->owned);
     key_index_free(&r->index);
     json_decref(r->doc);
     ckpt__st_header_free(&r->hdr);
@@ -1081,6 +1089,11 @@ int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
         if (info) entry_info(e, info);
         return CKPT_OK;
     }
+    if (e->data) {
+        *data = e->data;
+        if (info) entry_info(e, info);
+        return CKPT_OK;
+    }
     CKPT_TRY(reader_map(r));
     *data = r->mem ? (const void *)(r->mem + e->offset) : (const void *)&empty;
     if (info) entry_info(e, info);
@@ -1124,9 +1137,13 @@ int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int n
         bool whole = true;
         for (int d = 0; whole && d < ndim; d++) whole = offsets[d] == 0 && local_shape[d] == e->shape[d];
         if (whole) return ckpt_read_tensor(r, key, dt, ndim, global_shape, dst);
-        CKPT_TRY(reader_map(r));
+        const uint8_t *src = e->data;
+        if (!src) {
+            CKPT_TRY(reader_map(r));
+            src = r->mem + e->offset;
+        }
         static const int64_t zero[CKPT_MAX_NDIM];
-        rc = ckpt__box_copy(dt, ndim, zero, e->shape, r->mem + e->offset, offsets, local_shape, dst);
+        rc = ckpt__box_copy(dt, ndim, zero, e->shape, src, offsets, local_shape, dst);
         if (rc) return ckpt__err_prefix(rc, "%s: key '%s'", r->name, key);
         return CKPT_OK;
     }
@@ -1349,6 +1366,10 @@ int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
     }
     if (e->nbytes == 0) return CKPT_OK;
     if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
+    if (e->data) { /* an adapted reader's entry */
+        memcpy(dst, e->data, (size_t)e->nbytes);
+        return CKPT_OK;
+    }
     if (r->mem) {
         memcpy(dst, r->mem + e->offset, (size_t)e->nbytes);
         return CKPT_OK;
@@ -1403,6 +1424,143 @@ int ckpt_read_bytes(ckpt_reader *r, const char *key, void *buf, size_t cap, size
                          key, e->nbytes, buf ? cap : 0);
     if (e->nbytes) memcpy(buf, e->bytes, (size_t)e->nbytes);
     return CKPT_OK;
+}
+
+/* ---- adapted readers (ckpt_load_state_ex) ------------------------------- */
+
+int ckpt__reader_new_adapted(ckpt_reader **out, const char *name) {
+    return ckpt__reader_new_empty(out, name);
+}
+
+/* r keeps p (freed with r); p is freed here if that fails. */
+static int reader_own(ckpt_reader *r, void *p) {
+    if (!p) return ckpt__err_nomem("adapted reader");
+    if (grow((void **)&r->owned, &r->ownedcap, r->nowned + 1, sizeof *r->owned)) {
+        free(p);
+        return ckpt__err_nomem("adapted reader");
+    }
+    r->owned[r->nowned++] = p;
+    return CKPT_OK;
+}
+
+static char *reader_own_strdup(ckpt_reader *r, const char *s, size_t n) {
+    char *p = ckpt__malloc(n + 1);
+    if (p) {
+        memcpy(p, s, n);
+        p[n] = '\0';
+    }
+    return reader_own(r, p) == 0 ? p : NULL;
+}
+
+/* Appends *e (key already owned by r) and indexes it. On failure e->bytes
+ * is freed (everything else r owns already). */
+static int adapted_append(ckpt_reader *r, entry *e) {
+    int rc = grow((void **)&r->entries, &r->ecap, r->count + 1, sizeof *r->entries);
+    if (rc) {
+        free(e->bytes);
+        return rc;
+    }
+    r->entries[r->count] = *e;
+    rc = reader_index_add(r, r->count);
+    if (rc) {
+        free(e->bytes);
+        memset(&r->entries[r->count], 0, sizeof *r->entries);
+        return rc;
+    }
+    r->count++;
+    return CKPT_OK;
+}
+
+static int adapted_scalar(ckpt_reader *r, entry *e, const entry *s) {
+    e->i64 = s->i64;
+    e->f64 = s->f64;
+    if (s->kind == CKPT_ENTRY_STR) {
+        if (!(e->str = reader_own_strdup(r, s->str ? s->str : "", (size_t)s->nbytes)))
+            return CKPT_ENOMEM;
+    } else if (s->kind == CKPT_ENTRY_BYTES && s->nbytes) {
+        if (!(e->bytes = ckpt__malloc((size_t)s->nbytes))) return ckpt__err_nomem("adapted reader");
+        memcpy(e->bytes, s->bytes, (size_t)s->nbytes);
+    }
+    return CKPT_OK;
+}
+
+int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *src,
+                                 const char *src_key, ckpt_dtype dt) {
+    const entry *s = reader_get(src, src_key);
+    if (!s) return ckpt__err(CKPT_ENOENT, "%s: no key '%s'", src->name, src_key);
+    entry e;
+    memset(&e, 0, sizeof e);
+    e.kind = s->kind;
+    e.dtype = s->dtype;
+    e.ndim = s->ndim;
+    memcpy(e.shape, s->shape, sizeof e.shape);
+    e.nbytes = s->nbytes;
+    if (!(e.key = reader_own_strdup(r, key, strlen(key)))) return CKPT_ENOMEM;
+    if (s->kind != CKPT_ENTRY_TENSOR) {
+        CKPT_TRY(adapted_scalar(r, &e, s));
+        return adapted_append(r, &e);
+    }
+    if (dt == CKPT_DTYPE_INVALID) dt = s->dtype;
+    const uint8_t *bytes = NULL;
+    if (s->nbytes && s->sk) { /* a sharded tensor: assembled whole */
+        uint8_t *buf = ckpt__malloc((size_t)s->nbytes);
+        CKPT_TRY(reader_own(r, buf));
+        CKPT_TRY(ckpt_read_tensor(src, src_key, s->dtype, s->ndim, s->shape, buf));
+        bytes = buf;
+    } else if (s->nbytes) {
+        bytes = s->data;
+        if (!bytes) {
+            CKPT_TRY(reader_map(src));
+            if (!src->mem) return ckpt__err(CKPT_EIO, "%s: tensor '%s': no bytes", src->name, src_key);
+            bytes = src->mem + s->offset;
+        }
+    }
+    if (dt != s->dtype) {
+        uint64_t n = s->nbytes / (uint64_t)(ckpt_dtype_bits(s->dtype) / 8);
+        CKPT_TRY(ckpt_tensor_nbytes(dt, s->ndim, s->shape, &e.nbytes));
+        uint8_t *buf = NULL;
+        if (e.nbytes) {
+            buf = ckpt__malloc((size_t)e.nbytes);
+            CKPT_TRY(reader_own(r, buf));
+        }
+        int rc = ckpt_dtype_convert(s->dtype, bytes, dt, buf, n);
+        if (rc) return ckpt__err_prefix(rc, "%s: tensor '%s'", src->name, src_key);
+        e.dtype = dt;
+        bytes = buf;
+    }
+    e.data = bytes;
+    return adapted_append(r, &e);
+}
+
+int ckpt__reader_put_from_writer(ckpt_reader *r, const ckpt_writer *w, const char *key) {
+    int64_t i = key_index_get(&w->index, key);
+    if (i < 0) return ckpt__err(CKPT_ENOENT, "state dict: no key '%s'", key);
+    const entry *s = &w->entries[i];
+    if (w->schema) return ckpt__err(CKPT_EINVAL, "adapted reader: a schema writer holds no values");
+    if (s->shard && !shard_is_whole(s))
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "tensor '%s' is sharded across processes; a sharded tensor cannot be "
+                         "missing from the file in a non-strict load",
+                         key);
+    entry e;
+    memset(&e, 0, sizeof e);
+    e.kind = s->kind;
+    e.dtype = s->dtype;
+    e.ndim = s->ndim;
+    memcpy(e.shape, s->shape, sizeof e.shape);
+    e.nbytes = s->nbytes;
+    if (!(e.key = reader_own_strdup(r, key, strlen(key)))) return CKPT_ENOMEM;
+    if (s->kind != CKPT_ENTRY_TENSOR) {
+        CKPT_TRY(adapted_scalar(r, &e, s));
+        return adapted_append(r, &e);
+    }
+    if (s->nbytes) { /* a copy: the object reads it back into the memory it came from */
+        uint8_t *buf = ckpt__malloc((size_t)s->nbytes);
+        CKPT_TRY(reader_own(r, buf));
+        memcpy(buf, s->data, (size_t)s->nbytes);
+        e.data = buf;
+    }
+    return adapted_append(r, &e);
 }
 
 /* ---- schema check ------------------------------------------------------- */

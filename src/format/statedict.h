@@ -40,6 +40,8 @@ int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d
 /* Whether r has an entry named key (and its info if info is not NULL). A
  * probe: sets no error message either way, unlike ckpt_reader_find. */
 bool ckpt__reader_has(const ckpt_reader *r, const char *key, ckpt_entry_info *info);
+/* Whether w has an entry named key (no message either way). */
+bool ckpt__writer_has(const ckpt_writer *w, const char *key);
 /* Whether w is a schema writer. */
 bool ckpt__writer_is_schema(const ckpt_writer *w);
 /* Compares what a schema writer recorded with what reader r holds: the same
@@ -81,5 +83,20 @@ int ckpt__writer_write_shards_new(ckpt_writer *w, const char *path, ckpt_file_di
  * are checked against the file's own header. */
 int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const char *name,
                               const char *const *keys, const ckpt_chunk *chunks, int64_t n);
+
+/* ---- adapted readers (ckpt_load_state_ex) ----------------------------------
+ * A reader built entry by entry: an object's file seen under other key
+ * names, with converted dtypes, and with the object's own values for keys the
+ * file lacks. Read like any reader (ckpt_read_*, views, schema checks). */
+int ckpt__reader_new_adapted(ckpt_reader **out, const char *name);
+/* Adds src's entry src_key under key. A tensor whose dtype differs from dt
+ * (CKPT_DTYPE_INVALID: keep) is converted (ckpt_dtype_convert); a sharded
+ * one is assembled whole. Otherwise its bytes are borrowed from src, which
+ * must outlive r. CKPT_EEXIST if key is there already. */
+int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *src,
+                                 const char *src_key, ckpt_dtype dt);
+/* Adds a copy of writer w's entry key (its value as memory holds it now).
+ * CKPT_EUNSUPPORTED for a chunk of a sharded tensor. */
+int ckpt__reader_put_from_writer(ckpt_reader *r, const ckpt_writer *w, const char *key);
 
 #endif
