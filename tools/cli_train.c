@@ -58,6 +58,9 @@ static const char train_help[] =
     "  --data FILE        the data set (default: the project's data/digits.csv.gz,\n"
     "                     or $CKPT_DATA)\n"
     "  --resume           continue from the newest complete checkpoint in DIR\n"
+    "  --init-from CKPT   start from the model weights of checkpoint folder CKPT (of\n"
+    "                     another run) with a fresh optimizer, schedule and data\n"
+    "                     order, at step 0: fine-tuning (not with --resume)\n"
     "  --async            save in the background: the loop stalls only for the copy of\n"
     "                     the state (ckpt_save_state_async); the last save is waited for\n"
     "  --shard-optimizer  ZeRO-1: each process keeps the AdamW moments of its share\n"
@@ -82,6 +85,7 @@ typedef struct train_opts {
     ckpt_best_mode best_mode;
     const char *project_dir;
     const char *data;
+    const char *init_from; /* a checkpoint folder: its model only */
     bool resume, quiet, shard_optimizer, async;
 } train_opts;
 
@@ -318,7 +322,7 @@ static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
     enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
            O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM, O_ASYNC, O_SAVE_SECONDS,
-           O_KEEP_EVERY, O_KEEP_BEST };
+           O_KEEP_EVERY, O_KEEP_BEST, O_INIT_FROM };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
@@ -333,6 +337,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"project-dir", required_argument, NULL, O_PROJECT},
         {"data", required_argument, NULL, O_DATA},
         {"resume", no_argument, NULL, O_RESUME},
+        {"init-from", required_argument, NULL, O_INIT_FROM},
         {"log-every", required_argument, NULL, O_LOG_EVERY},
         {"quiet", no_argument, NULL, O_QUIET},
         {"shard-optimizer", no_argument, NULL, O_SHARD_OPTIM},
@@ -364,6 +369,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_PROJECT: o->project_dir = a; break;
         case O_DATA: o->data = a; break;
         case O_RESUME: o->resume = true; break;
+        case O_INIT_FROM: o->init_from = a; ok = *a != '\0'; break;
         case O_LOG_EVERY: ok = cli_parse_i64(a, 1, INT64_MAX, &o->log_every); break;
         case O_QUIET: o->quiet = true; break;
         case O_SHARD_OPTIM: o->shard_optimizer = true; break;
@@ -388,6 +394,10 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
     }
     if (optind < argc) return cli_usage_error("train", "unexpected argument '%s'", argv[optind]);
     if (!*o->project_dir) return cli_usage_error("train", "--project-dir is empty");
+    if (o->init_from && o->resume)
+        return cli_usage_error("train", "--init-from and --resume exclude each other: --resume "
+                                        "continues this project's run, --init-from starts a new "
+                                        "one from another run's weights");
     return 0;
 }
 
@@ -645,6 +655,29 @@ static bool has_checkpoint(const char *project_dir) {
     return any;
 }
 
+/* --init-from: the model of another run's checkpoint, nothing else (the
+ * optimizer, schedule, loader, scaler and generators stay fresh; the step
+ * and this project's numbering start at 0). */
+static int init_from(trainer *t) {
+    const char *dir = t->opt.init_from;
+    ckpt_load_options lo = {.objects = CKPT_LOAD_MODELS};
+    ckpt_load_report rep;
+    int rc = ckpt_load_state_ex(t->acc, dir, &lo, &rep);
+    if (rc == CKPT_ENOENT) {
+        cli_error("--init-from %s: not a checkpoint folder (%s); pass one such as "
+                  "RUN/checkpoints/checkpoint_N",
+                  dir, ckpt_errmsg());
+        return CLI_USAGE;
+    }
+    if (rc < 0) return lib_fail("init-from", rc);
+    if (!t->opt.quiet && t->speak)
+        printf("initialised the model from %s (its step %lld); optimizer, schedule and data "
+               "order start fresh at step 0\n",
+               rep.dir, (long long)rep.step);
+    ckpt_load_report_free(&rep);
+    return CLI_OK;
+}
+
 /* last: the run ends after it, so an asynchronous save is waited for. */
 static int save(trainer *t, int64_t step, bool last) {
     /* collective over the ranks: each returns the same status and message */
@@ -741,6 +774,8 @@ int cli_train(int argc, char **argv) {
                   "another --project-dir",
                   o->project_dir);
         status = CLI_USAGE;
+        goto done;
+    } else if (o->init_from && (status = init_from(&t)) != CLI_OK) {
         goto done;
     }
 
