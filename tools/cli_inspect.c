@@ -29,7 +29,8 @@ static const char diff_help[] =
     "Compares two checkpoint folders (every state file) or two .safetensors files,\n"
     "entry by entry: tensors by dtype, shape and value (max absolute difference,\n"
     "elements that differ, the first differing pair), scalar entries by value, and\n"
-    "the manifests' step and number of processes. A project folder stands for its\n"
+    "the manifests' step and number of processes (metrics are shown where they\n"
+    "differ but are not state: they do not count). A project folder stands for its\n"
     "newest valid checkpoint (printed as 'A: <checkpoint>'). Anything else (an\n"
     "empty folder, a folder without checkpoint.json, another kind of file) is a\n"
     "usage error.\n"
@@ -631,6 +632,29 @@ static int diff_files(diff_ctx *d, const char *pa, const char *pb, const char *l
     return CLI_OK;
 }
 
+/* Metrics are measurements attached to a save, not state: their
+ * differences are shown but not counted (an exported and re-imported
+ * checkpoint carries none and is still equal). */
+static void diff_metrics(const ckpt_checkpoint_info *a, const ckpt_checkpoint_info *b) {
+    for (int pass = 0; pass < 2; pass++) {
+        const ckpt_checkpoint_info *x = pass ? b : a, *y = pass ? a : b;
+        for (int i = 0; i < x->num_metrics; i++) {
+            const ckpt_metric *m = &x->metrics[i];
+            const ckpt_metric *o = NULL;
+            for (int j = 0; j < y->num_metrics; j++)
+                if (strcmp(y->metrics[j].name, m->name) == 0) o = &y->metrics[j];
+            if (!o)
+                printf("checkpoint.json: metric %s: only in %c (metrics are not compared as "
+                       "state)\n",
+                       m->name, pass ? 'B' : 'A');
+            else if (!pass && memcmp(&o->value, &m->value, sizeof m->value) != 0)
+                printf("checkpoint.json: metric %s: %.17g vs %.17g (metrics are not compared as "
+                       "state)\n",
+                       m->name, m->value, o->value);
+        }
+    }
+}
+
 static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
     ckpt_checkpoint_info ia, ib;
     memset(&ia, 0, sizeof ia);
@@ -650,6 +674,7 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
             printf("checkpoint.json: num_processes: %d vs %d (sharded tensors compared "
                    "assembled)\n",
                    ia.num_processes, ib.num_processes);
+        diff_metrics(&ia, &ib);
     }
 
     struct dirent **na = NULL, **nb = NULL;

@@ -78,4 +78,11 @@ run_rc 2 "$CKPT_BIN" train --keep-best test_loss:min:0 --project-dir "$WORK/x"
 run_rc 2 "$CKPT_BIN" prune "$all" --keep-best test_loss --dry-run
 grep -q "expected METRIC:min:K or METRIC:max:K" "$WORK/err" || fail "prune: bad --keep-best"
 run_rc 2 "$CKPT_BIN" prune "$all" --keep-every 0
+# ckpt diff shows differing metrics but does not count them as state
+c1=$(ls -d "$all"/checkpoints/checkpoint_* | sort -V | sed -n 2p)
+c2=$(ls -d "$all"/checkpoints/checkpoint_* | sort -V | sed -n 3p)
+run_rc 1 "$CKPT_BIN" diff "$c1" "$c2"
+grep -q "^checkpoint.json: metric test_loss: .* vs .* (metrics are not compared as state)" "$WORK/out" \
+    || { cat "$WORK/out" >&2; fail "diff does not show the metrics"; }
+run_rc 0 "$CKPT_BIN" diff "$c1" "$c1"
 echo "ok: metrics shown, policies keep what the rule says (train and prune)"
