@@ -17,6 +17,7 @@
 
 #include "ckpt.h"
 #include "helpers/testutil.h"
+#include "helpers/thread_comm.h"
 
 /* ---- dtype conversion ------------------------------------------------------ */
 
@@ -582,6 +583,92 @@ static void test_bad_options(void **state) {
     free(ck);
 }
 
+/* ---- several processes -------------------------------------------------------- */
+
+/* Two thread ranks, a ZeRO-sharded Adam: save at step 42, then load only the
+ * model into BF16 parameters in a new project. Results per rank, checked
+ * after the threads end (no cmocka inside them). */
+typedef struct mp_state {
+    char *dir;
+    int save_rc[2], load_rc[2], conv[2], full[2];
+    int64_t step_after[2];
+    uint16_t w16[2][6];
+    float w_saved[6];
+} mp_state;
+
+static int mp_open(run *r, const ckpt_comm *c, const char *proj, int kind) {
+    memset(r, 0, sizeof *r);
+    ckpt_project_config cfg = {.comm = c, .project_dir = proj, .automatic_checkpoint_naming = true};
+    int64_t ws[2] = {2, 3}, bs[1] = {3};
+    int rc = ckpt_accelerator_new(&r->acc, &cfg);
+    if (rc == 0) rc = ckpt_model_new(&r->model);
+    if (rc == 0)
+        rc = kind == M_BF16 ? ckpt_model_add_param(r->model, "w", CKPT_BF16, 2, ws, r->w16, NULL)
+                            : ckpt_model_add_param(r->model, "w", CKPT_F32, 2, ws, r->w, r->g);
+    if (rc == 0) rc = ckpt_model_add_param(r->model, "b", CKPT_F32, 1, bs, r->b, r->gb);
+    if (rc == 0) rc = ckpt_prepare_model(r->acc, r->model);
+    if (rc == 0 && kind != M_BF16) rc = ckpt_adam_new(&r->opt, r->model, 0.1, 0.9, 0.999, 1e-8, 0);
+    if (rc == 0 && r->opt) rc = ckpt_optimizer_set_shard(r->opt, c);
+    if (rc == 0 && r->opt) rc = ckpt_prepare_optimizer(r->acc, r->opt);
+    return rc;
+}
+
+static void mp_rank(const ckpt_comm *c, void *arg) {
+    mp_state *st = arg;
+    int k = c->rank;
+    char *proj = tu_pathf("%s/mp_src", st->dir);
+    run r;
+    int rc = mp_open(&r, c, proj, M_F32);
+    fill(&r, 1.0f);
+    for (int i = 0; i < 6; i++) r.g[i] = 0.5f - 0.1f * (float)i;
+    for (int i = 0; i < 3; i++) r.gb[i] = 0.25f;
+    if (rc == 0) rc = ckpt_optimizer_step(r.opt);
+    if (rc == 0) {
+        ckpt_accelerator_set_step(r.acc, 42);
+        rc = ckpt_save_state(r.acc, NULL);
+    }
+    st->save_rc[k] = rc;
+    if (k == 0) memcpy(st->w_saved, r.w, sizeof st->w_saved);
+    char *ck = rc == 0 ? strdup(ckpt_accelerator_last_dir(r.acc)) : NULL;
+    run_close(&r);
+    free(proj);
+    proj = tu_pathf("%s/mp_dst", st->dir);
+    run d;
+    rc = mp_open(&d, c, proj, M_BF16);
+    ckpt_load_options o = {.objects = CKPT_LOAD_MODELS, .convert_dtypes = true};
+    ckpt_load_report rep;
+    if (rc == 0 && ck) rc = ckpt_load_state_ex(d.acc, ck, &o, &rep);
+    st->load_rc[k] = rc;
+    if (rc == 0) {
+        st->conv[k] = (int)rep.num_converted;
+        st->full[k] = rep.full;
+        ckpt_load_report_free(&rep);
+    }
+    st->step_after[k] = ckpt_accelerator_step(d.acc);
+    memcpy(st->w16[k], d.w16, sizeof d.w16);
+    run_close(&d);
+    free(proj);
+    free(ck);
+}
+
+static void test_two_ranks(void **state) {
+    (void)state;
+    mp_state st;
+    memset(&st, 0, sizeof st);
+    st.dir = (char *)tu_dir();
+    tc_run(2, mp_rank, &st);
+    uint16_t want[6];
+    assert_int_equal(ckpt_dtype_convert(CKPT_F32, st.w_saved, CKPT_BF16, want, 6), CKPT_OK);
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(st.save_rc[k], CKPT_OK);
+        assert_int_equal(st.load_rc[k], CKPT_OK);
+        assert_int_equal(st.conv[k], 1);
+        assert_int_equal(st.full[k], 0);
+        assert_int_equal(st.step_after[k], 0);
+        tu_assert_bytes_equal(want, sizeof want, st.w16[k], sizeof st.w16[k]);
+    }
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_convert_exhaustive),
@@ -593,6 +680,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_load_bf16_from_f32_and_back, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_rename, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_bad_options, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_two_ranks, tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
