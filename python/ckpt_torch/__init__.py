@@ -242,6 +242,9 @@ def optimizer_from_flat(flat, what="optimizer.safetensors"):
         if params.dtype != np.int64 or params.ndim != 1:
             raise CorruptError("%s: %sparams: expected an I64 vector" % (what, p))
         grp["params"] = [int(i) for i in params]
+        if "param_names.0" in flat:  # as PyTorch 2.6 on keeps them
+            grp["param_names"] = [_flat_get(flat, "param_names.%d" % i, str, what)
+                                  for i in grp["params"]]
         groups.append(grp)
     state = {}
     for i in range(_count(flat, "state.%d.step")):
@@ -269,15 +272,37 @@ def _optim_kind(opt):
                            % type(opt).__name__)
 
 
-def optimizer_to_flat(opt):
+def _param_names(opt, models):
+    """Each optimized parameter's name (id(param) -> name): from the
+    optimizer's own param_names (PyTorch 2.6 on) or the models'
+    named_parameters(); None unless every parameter has one."""
+    names = {}
+    for m in models:
+        if torch is not None and isinstance(m, torch.nn.Module):
+            for n, p in m.named_parameters():
+                names.setdefault(id(p), n)
+    for g in opt.param_groups:
+        for n, p in zip(g.get("param_names") or [], g["params"]):
+            names[id(p)] = n
+    if all(id(p) in names for g in opt.param_groups for p in g["params"]):
+        return names
+    return None
+
+
+def optimizer_to_flat(opt, names=None):
     """The flat state dict the C library writes for a torch SGD, Adam or
-    AdamW: keys, order and zero-filled buffers exactly as src/train/optim.c."""
+    AdamW: keys, order and zero-filled buffers exactly as src/train/optim.c.
+    names (id(param) -> name, see _param_names) adds each state index's
+    parameter name (param_names.<i>), so a C load maps state by name."""
     kind = _optim_kind(opt)
     sd = opt.state_dict()
     params = [p for g in opt.param_groups for p in g["params"]]
     indices = [i for g in sd["param_groups"] for i in g["params"]]
     by_index = dict(zip(indices, params))
     flat = {"kind": kind}
+    if names is not None:
+        for i in sorted(by_index):
+            flat["param_names.%d" % i] = names[id(by_index[i])]
     group_of = {}
     for g, grp in enumerate(sd["param_groups"]):
         for i in grp["params"]:
@@ -494,10 +519,12 @@ def _check_model(module, flat, name):
                                 % (name, k, fd, list(fs), md, list(ms)))
 
 
-def _merge_optimizer(opt, kind, nested, name):
+def _merge_optimizer(opt, kind, nested, name, names=None):
     """The optimizer's own state_dict() with the file's values: every
     param_groups field this torch version has is kept, the file's
-    hyper-parameters and state replace the rest."""
+    hyper-parameters and state replace the rest. When the file names its
+    parameters and names (id(param) -> name) covers the optimizer's, each
+    parameter gets the state of its own name, wherever the file has it."""
     mine_kind = _optim_kind(opt)
     if mine_kind != kind:
         raise MismatchError("%s: the state dict is for a%s %s optimizer, this one is %s"
@@ -517,13 +544,33 @@ def _merge_optimizer(opt, kind, nested, name):
     if set(nested["state"]) != set(params):
         raise MismatchError("%s: the file has state for %d parameters, the optimizer has %d"
                             % (name, len(nested["state"]), len(params)))
+    src = {i: i for i in params}  # torch index -> the file's state index
+    named = names is not None and all("param_names" in fg for fg in nested["param_groups"])
+    if named:
+        where = {}
+        for g, fg in enumerate(nested["param_groups"]):
+            for j, n in zip(fg["params"], fg["param_names"]):
+                where[n] = (g, j)
+        for g, mg in enumerate(opt.param_groups):
+            for i, p in zip(cur["param_groups"][g]["params"], mg["params"]):
+                n = names[id(p)]
+                if n not in where:
+                    raise MismatchError("%s: the file has no state for parameter '%s'" % (name, n))
+                if where[n][0] != g:
+                    raise MismatchError("%s: parameter '%s' is in group %d in the file, %d here"
+                                        % (name, n, where[n][0], g))
+                src[i] = where[n][1]
     groups = []
-    for cg, fg in zip(cur["param_groups"], nested["param_groups"]):
+    for g, (cg, fg) in enumerate(zip(cur["param_groups"], nested["param_groups"])):
         ng = dict(cg)
-        ng.update({k: v for k, v in fg.items() if k != "params"})
+        # param_names only where this torch version's optimizer keeps them
+        ng.update({k: v for k, v in fg.items() if k not in ("params", "param_names")})
+        if named and "param_names" in cg:
+            ng["param_names"] = [names[id(p)] for p in opt.param_groups[g]["params"]]
         groups.append(ng)
     state = {}
-    for i, s in nested["state"].items():
+    for i in sorted(params):
+        s = nested["state"][src[i]]
         p = params[i]
         st = {}
         for b in _OPT_BUFFERS:
@@ -621,7 +668,8 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
     for i, opt in enumerate(_as_list(optimizer)):
         name = file_for("optimizer", i)
         kind, nested = optimizer_from_flat(flats[name], name)
-        plan.append(("optimizer", opt, name, _merge_optimizer(opt, kind, nested, name)))
+        plan.append(("optimizer", opt, name,
+                     _merge_optimizer(opt, kind, nested, name, _param_names(opt, _as_list(model)))))
     for i, sch in enumerate(_as_list(scheduler)):
         name = file_for("scheduler", i)
         kind, lam, sd = scheduler_from_flat(flats[name], name)
@@ -730,7 +778,7 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
     for i, x in enumerate(_as_list(model)):
         files.append((_file_name("model", i), "model", _model_flat(x)))
     for i, x in enumerate(_as_list(optimizer)):
-        flat = _plain_flat(x) if _is_flat(x) else optimizer_to_flat(x)
+        flat = _plain_flat(x) if _is_flat(x) else optimizer_to_flat(x, _param_names(x, _as_list(model)))
         files.append((_file_name("optimizer", i), "optimizer", flat))
     for i, x in enumerate(_as_list(scheduler)):
         flat = _plain_flat(x) if _is_flat(x) else scheduler_to_flat(x)

@@ -155,6 +155,7 @@ typedef struct entry {
     uint8_t *bytes;        /* owned (both sides) */
     /* Sharded tensors: shape/nbytes above are the whole tensor's. */
     bool shard;                        /* writer: added with ckpt_write_tensor_shard */
+    bool optional;                     /* writer: a schema check accepts a file without it */
     int64_t coff[CKPT_MAX_NDIM];       /* writer: this chunk's offsets */
     int64_t cshape[CKPT_MAX_NDIM];     /* writer: this chunk's shape */
     uint64_t cbytes;                   /* writer: this chunk's bytes */
@@ -240,6 +241,13 @@ int64_t ckpt_writer_count(const ckpt_writer *w) { return w ? w->count : 0; }
 int64_t ckpt_writer_entry_count(const ckpt_writer *w) { return ckpt_writer_count(w); }
 
 bool ckpt__writer_is_schema(const ckpt_writer *w) { return w && w->schema; }
+
+int ckpt__writer_set_optional(ckpt_writer *w, const char *key) {
+    int64_t i = w && key ? key_index_get(&w->index, key) : -1;
+    if (i < 0) return ckpt__err(CKPT_ENOENT, "state dict: no key '%s' to mark optional", key ? key : "(null)");
+    w->entries[i].optional = true;
+    return CKPT_OK;
+}
 
 bool ckpt__writer_has(const ckpt_writer *w, const char *key) {
     return w && key && key_index_get(&w->index, key) >= 0;
@@ -1572,6 +1580,7 @@ int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const ch
     for (int64_t i = 0; i < schema->count; i++) {
         const entry *m = &schema->entries[i];
         const entry *f = reader_get(r, m->key);
+        if (!f && m->optional) continue; /* written by newer versions only */
         if (!f)
             return ckpt__err(CKPT_EMISMATCH, "%s: key '%s' missing in file (memory has %s)", what,
                              m->key, describe(a, sizeof a, m));

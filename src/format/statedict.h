@@ -40,6 +40,10 @@ int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d
 /* Whether r has an entry named key (and its info if info is not NULL). A
  * probe: sets no error message either way, unlike ckpt_reader_find. */
 bool ckpt__reader_has(const ckpt_reader *r, const char *key, ckpt_entry_info *info);
+/* Marks w's entry key optional: ckpt__schema_check accepts a file without it
+ * (an entry older files lack, which the object reads only when present).
+ * CKPT_ENOENT if there is no such entry. */
+int ckpt__writer_set_optional(ckpt_writer *w, const char *key);
 /* Whether w has an entry named key (no message either way). */
 bool ckpt__writer_has(const ckpt_writer *w, const char *key);
 /* Whether w is a schema writer. */

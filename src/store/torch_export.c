@@ -367,8 +367,24 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
         if (rc == 0) rc = ckpt_reader_find(r, GK("params"), &pe);
         if (rc == 0) rc = ckpt_torch_put_str(w, "params");
         if (rc == 0) rc = ckpt_torch_begin_list(w);
+        int64_t first = idx;
         for (int64_t j = 0; j < (rc == 0 ? pe.shape[0] : 0) && rc == 0; j++) rc = ckpt_torch_put_int(w, idx++);
         if (rc == 0) rc = ckpt_torch_end(w);
+        /* the parameters' names, as PyTorch (2.6 on) keeps them for an
+         * optimizer made from named_parameters(); older versions keep the
+         * field as it is */
+        snprintf(key, sizeof key, "param_names.%" PRId64, first);
+        if (rc == 0 && ckpt__reader_has(r, key, NULL)) {
+            rc = ckpt_torch_put_str(w, "param_names");
+            if (rc == 0) rc = ckpt_torch_begin_list(w);
+            char pname[CKPT_MAX_KEY + 1];
+            for (int64_t j = first; j < idx && rc == 0; j++) {
+                snprintf(key, sizeof key, "param_names.%" PRId64, j);
+                rc = ckpt_read_str((ckpt_reader *)r, key, pname, sizeof pname);
+                if (rc == 0) rc = ckpt_torch_put_str(w, pname);
+            }
+            if (rc == 0) rc = ckpt_torch_end(w);
+        }
         /* a scheduler sets initial_lr in every group it drives */
         char bk[64];
         snprintf(bk, sizeof bk, "base_lrs.%d", g);

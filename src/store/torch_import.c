@@ -395,6 +395,19 @@ static int import_optimizer(imp *x, const char *path) {
             CKPT_TRY(get_num(gr, "amsgrad", &amsgrad, false, 0, what));
             CKPT_TRY(ckpt_write_i64(x->optim, GK("amsgrad"), amsgrad != 0));
         }
+        /* PyTorch 2.6 on keeps the parameters' names beside their indices */
+        const ckpt_torch_value *names = ckpt_torch_dict_get(gr, "param_names");
+        if (names && (names->kind != CKPT_TORCH_LIST || names->n != params->n))
+            return ckpt__err(CKPT_ECORRUPT, "import: %s: 'param_names' is not a list as long as "
+                             "'params'", what);
+        for (int64_t j = 0; names && j < names->n; j++) {
+            const ckpt_torch_value *nm = names->items[j];
+            if (nm->kind != CKPT_TORCH_STR)
+                return ckpt__err(CKPT_ECORRUPT, "import: %s: param_names[%" PRId64 "] is not a string",
+                                 what, j);
+            snprintf(key, sizeof key, "param_names.%" PRId64, idx + j);
+            CKPT_TRY(ckpt_write_str(x->optim, key, nm->s));
+        }
         int64_t *ids = keep(x, ckpt__calloc(params->n ? (size_t)params->n : 1, sizeof *ids));
         if (!ids) return ckpt__err_nomem("import");
         for (int64_t j = 0; j < params->n; j++) {

@@ -61,6 +61,8 @@ struct ckpt_optimizer {
     float *exchange;       /* every rank's updated values, flat (rank_start) */
     float *send;           /* this rank's updated values (never aliases exchange) */
     size_t *exchange_lens; /* bytes each rank contributes */
+    int64_t *load_map;     /* np: a load's file state index of each parameter, kept so
+                              that load_state_dict allocates nothing past its checks */
 };
 
 static const char *kind_name(ckpt_optim_kind k) {
@@ -166,6 +168,7 @@ void ckpt_optimizer_free(ckpt_optimizer *o) {
     free(o->exchange);
     free(o->send);
     free(o->exchange_lens);
+    free(o->load_map);
     free(o);
 }
 
@@ -199,7 +202,8 @@ int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m
     o->opts = ckpt__malloc(sizeof *o->opts);
     o->group_start = ckpt__malloc(2 * sizeof *o->group_start);
     o->param_index = ckpt__malloc((size_t)np * sizeof *o->param_index);
-    if (!o->p || !o->opts || !o->group_start || !o->param_index) {
+    o->load_map = ckpt__malloc((size_t)np * sizeof *o->load_map);
+    if (!o->p || !o->opts || !o->group_start || !o->param_index || !o->load_map) {
         ckpt_optimizer_free(o);
         return ckpt__err_nomem("optimizer");
     }
@@ -806,6 +810,13 @@ static int optimizer_state_dict(void *self, ckpt_writer *w) {
     const ckpt_optimizer *o = self;
     char k[KEY_CAP];
     CKPT_TRY(ckpt_write_str(w, "kind", kind_name(o->kind)));
+    /* Each state index's parameter name, so a load maps state by name, not
+     * by position (files written before these entries load by position). */
+    for (int64_t i = 0; i < o->np; i++) {
+        snprintf(k, sizeof k, "param_names.%lld", (long long)i);
+        CKPT_TRY(ckpt_write_str(w, k, o->p[i].name));
+        CKPT_TRY(ckpt__writer_set_optional(w, k));
+    }
     for (int64_t i = 0; i < o->np; i++) {
         const opt_param *p = &o->p[i];
         snprintf(k, sizeof k, "state.%lld.step", (long long)i);
@@ -907,12 +918,54 @@ static int read_step(ckpt_reader *r, int64_t i, float *step) {
     return CKPT_OK;
 }
 
+/* Which of the file's state indices holds each of our parameters: map[i]
+ * for our state index i. By the file's param_names.<j> when it has them (a
+ * model whose parameters were registered in another order still gets each
+ * parameter's own state), else by position (files from before the names).
+ * Each parameter must sit in the same group on both sides. */
+static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map) {
+    char k[KEY_CAP];
+    for (int64_t i = 0; i < o->np; i++) map[i] = i;
+    if (!ckpt__reader_has(r, "param_names.0", NULL)) return CKPT_OK; /* an older file */
+    snprintf(k, sizeof k, "param_names.%lld", (long long)o->np);
+    if (ckpt__reader_has(r, k, NULL))
+        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict names more than %lld parameters",
+                         (long long)o->np);
+    for (int64_t i = 0; i < o->np; i++) map[i] = -1;
+    char name[CKPT_MAX_KEY + 1];
+    for (int64_t j = 0; j < o->np; j++) {
+        snprintf(k, sizeof k, "param_names.%lld", (long long)j);
+        int rc = ckpt_read_str(r, k, name, sizeof name);
+        if (rc == CKPT_ENOENT)
+            return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict names %lld parameters, this "
+                             "optimizer has %lld", (long long)j, (long long)o->np);
+        if (rc < 0) return rc;
+        int64_t i = 0;
+        while (i < o->np && strcmp(o->p[i].name, name) != 0) i++;
+        if (i == o->np)
+            return ckpt__err(CKPT_EMISMATCH, "optimizer: %s: the state dict has state for parameter "
+                             "'%s', which this optimizer does not optimize", k, name);
+        if (map[i] >= 0)
+            return ckpt__err(CKPT_ECORRUPT, "optimizer: %s: parameter '%s' named twice", k, name);
+        map[i] = j;
+    }
+    /* the same group on both sides: the file's groups are consecutive ranges
+     * of its state indices, as ours, of the same sizes (read_group checked) */
+    for (int g = 0; g < o->ngroups; g++)
+        for (int64_t i = o->group_start[g]; i < o->group_start[g + 1]; i++)
+            if (map[i] < o->group_start[g] || map[i] >= o->group_start[g + 1])
+                return ckpt__err(CKPT_EMISMATCH, "optimizer: parameter '%s' is in another group in "
+                                 "the file than in memory (group %d here)", o->p[i].name, g);
+    return CKPT_OK;
+}
+
 /* The check: reads and validates every entry a load takes (the kind, every
  * group's hyper-parameters and parameter list, no extra groups or
- * parameters, every step, every state tensor's dtype and shape), changing
- * nothing and allocating nothing, so that it cannot fail for a reason the
- * commit would not also meet. */
-static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r) {
+ * parameters, the parameter names, every step, every state tensor's dtype
+ * and shape), changing nothing, so that it cannot fail for a reason the
+ * commit would not also meet. map gets the file index of each parameter
+ * (map_by_name). */
+static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map) {
     char kind[16], k[KEY_CAP];
     int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
     if (rc == CKPT_EINVAL || (rc == CKPT_OK && strcmp(kind, kind_name(o->kind)) != 0))
@@ -932,14 +985,15 @@ static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r) {
     if (ckpt__reader_has(r, k, NULL)) /* a probe: sets no message */
         return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has state for more than %lld "
                          "parameters", (long long)o->np);
+    CKPT_TRY(map_by_name(o, r, map));
     const char *names[4];
     float *bufs[4];
     for (int64_t i = 0; i < o->np; i++) {
         const opt_param *p = &o->p[i];
         float step;
-        CKPT_TRY(read_step(r, i, &step));
+        CKPT_TRY(read_step(r, map[i], &step));
         for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
-            snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
+            snprintf(k, sizeof k, "state.%lld.%s", (long long)map[i], names[j]);
             CKPT_TRY(check_state_tensor(r, k, p->ndim, p->shape));
         }
     }
@@ -947,13 +1001,24 @@ static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r) {
 }
 
 static int optimizer_check_state_dict(void *self, ckpt_reader *r) {
-    return optimizer_check(self, r);
+    const ckpt_optimizer *o = self;
+    int64_t *map = ckpt__malloc((size_t)(o->np ? o->np : 1) * sizeof *map);
+    if (!map) return ckpt__err_nomem("optimizer check");
+    int rc = optimizer_check(o, r, map);
+    free(map);
+    return rc;
 }
+
+static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *map);
 
 static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
     ckpt_optimizer *o = self;
     /* Validate everything before changing anything. */
-    CKPT_TRY(optimizer_check(o, r));
+    CKPT_TRY(optimizer_check(o, r, o->load_map));
+    return optimizer_commit(o, r, o->load_map);
+}
+
+static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *map) {
     /* Commit: the same reads, every one checked above, so they cannot fail
      * now, but for a read error of a file-backed reader midway through the
      * tensor copies (never in ckpt_load_state, whose readers are in memory). */
@@ -969,9 +1034,9 @@ static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
     for (int64_t i = 0; i < o->np; i++) {
         opt_param *p = &o->p[i];
         float step;
-        CKPT_TRY(read_step(r, i, &step));
+        CKPT_TRY(read_step(r, map[i], &step));
         for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
-            snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
+            snprintf(k, sizeof k, "state.%lld.%s", (long long)map[i], names[j]);
             CKPT_TRY(read_state(o, r, k, p, bufs[j]));
         }
         p->step = step;

@@ -265,6 +265,23 @@ def check_torch_load(proj):
     print("ok: ckpt train's checkpoint_1 loaded into nn.Module, AdamW (2 groups), LambdaLR and "
           "GradScaler; values equal to the files; the schedule continues to C's rate at step 46")
 
+    # the file names each state index's parameter: an optimizer that lists them in another
+    # order gets each parameter's own state
+    assert [opt_f["param_names.%d" % i] for i in range(6)] == names
+    net3 = MLP()
+    rev = torch.optim.AdamW([{"params": [net3.fc3.weight, net3.fc2.weight, net3.fc1.weight],
+                              "weight_decay": 0.01},
+                             {"params": [net3.fc3.bias, net3.fc2.bias, net3.fc1.bias],
+                              "weight_decay": 0.0}], lr=0.002, foreach=False)
+    ckpt_torch.load(d1, model=net3, optimizer=rev)
+    for i, name in enumerate(["fc3.weight", "fc2.weight", "fc1.weight", "fc3.bias", "fc2.bias",
+                              "fc1.bias"]):
+        j = names.index(name)
+        for b in ("exp_avg", "exp_avg_sq"):
+            assert np.array_equal(rev.state_dict()["state"][i][b].numpy(),
+                                  opt_f["state.%d.%s" % (j, b)]), (name, b)
+    print("ok: an optimizer listing the parameters in another order gets each one's state by name")
+
     # a mismatch changes nothing: Adam is not AdamW
     net2, _o, _s = torch_objects()
     before = {k: v.clone() for k, v in net2.state_dict().items()}

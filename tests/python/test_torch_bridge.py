@@ -174,8 +174,13 @@ def c_to_torch(tmp):
     check(type(sd["state"]) is dict and list(sd["state"]) == list(range(6)), "state keys")
     ref = torch.optim.AdamW([{"params": decay}, {"params": no_decay}])
     ref_keys = set(ref.state_dict()["param_groups"][0])
-    check(set(sd["param_groups"][0]) == ref_keys | {"initial_lr"},
-          f"param_groups fields {sorted(sd['param_groups'][0])} vs torch's {sorted(ref_keys)} + initial_lr")
+    check(set(sd["param_groups"][0]) == ref_keys | {"initial_lr", "param_names"},
+          f"param_groups fields {sorted(sd['param_groups'][0])} vs torch's {sorted(ref_keys)} + "
+          "initial_lr, param_names")
+    # the parameters' names, as PyTorch 2.6 keeps them for named_parameters()
+    check(sd["param_groups"][0]["param_names"] == ["fc1.weight", "fc2.weight", "fc3.weight"] and
+          sd["param_groups"][1]["param_names"] == ["fc1.bias", "fc2.bias", "fc3.bias"],
+          f"param_names {[g['param_names'] for g in sd['param_groups']]}")
     ost, osc = read_st(os.path.join(ck, "optimizer.safetensors"))
     params = decay + no_decay
     for i, p in enumerate(params):
@@ -303,6 +308,30 @@ def torch_to_c(tmp):
     check(gsc == {"scale": 4096.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 50,
                   "_growth_tracker": 3}, f"scaler {gsc}")
     check(json.load(open(os.path.join(ck, "checkpoint.json")))["step"] == 4, "step from the optimizer")
+    check("param_names.0" not in osc, "names appeared from a file without them")
+
+    # PyTorch 2.6 keeps each group's parameter names: the import keeps them, and a C load maps
+    # the state by them
+    named = os.path.join(tmp, "accelerate_named")
+    shutil.copytree(folder, named)
+    osd = opt.state_dict()
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    for g, grp in zip(osd["param_groups"], opt.param_groups):
+        g["param_names"] = [by_id[id(p)] for p in grp["params"]]
+    torch.save(osd, os.path.join(named, "optimizer.bin"))
+    ck2 = os.path.join(tmp, "imported_named")
+    run("import", "--optimizer", "adamw", "--scheduler", "warmup_cosine", "--warmup", "2",
+        "--total", "20", named, ck2)
+    _, osc2 = read_st(os.path.join(ck2, "optimizer.safetensors"))
+    want = [by_id[id(p)] for p in decay + no_decay]
+    check([osc2.get(f"param_names.{i}") for i in range(len(want))] == want,
+          f"imported param_names {[osc2.get(f'param_names.{i}') for i in range(len(want))]}")
+    # export writes them back into the groups
+    back_named = os.path.join(tmp, "export_named")
+    run("export", ck2, back_named)
+    sd2 = load_weights_only(os.path.join(back_named, "optimizer.bin"))
+    check([g.get("param_names") for g in sd2["param_groups"]] ==
+          [g["param_names"] for g in osd["param_groups"]], "export of param_names")
 
     # a plain torch.save'd state dict, one file
     plain = os.path.join(tmp, "plain")

@@ -238,7 +238,7 @@ static void test_set_groups_numbers_state_like_pytorch(void **state) {
     assert_int_equal(ckpt_writer_new_schema(&w), CKPT_OK);
     assert_int_equal(ckpt_optimizer_ops()->state_dict(o, w), CKPT_OK);
     static const char *keys[] = {
-        "kind",
+        "kind", "param_names.0", "param_names.1",
         "state.0.step", "state.0.exp_avg", "state.0.exp_avg_sq",
         "state.1.step", "state.1.exp_avg", "state.1.exp_avg_sq", "state.1.max_exp_avg_sq",
         "param_groups.0.lr", "param_groups.0.weight_decay", "param_groups.0.maximize",
@@ -625,6 +625,133 @@ static void test_simd_and_portable_adam_loops_agree_bit_for_bit(void **state) {
     }
 }
 
+/* ---- parameter names ------------------------------------------------------ */
+
+/* Two parameters of one shape, registered in the given order. */
+typedef struct pq {
+    float p[4], gp[4], q[4], gq[4];
+    ckpt_model *m;
+    ckpt_optimizer *o;
+} pq;
+
+static void pq_init(pq *x, bool q_first) {
+    memset(x, 0, sizeof *x);
+    for (int j = 0; j < 4; j++) x->p[j] = 0.1f * (float)j, x->q[j] = -0.2f * (float)j;
+    assert_int_equal(ckpt_model_new(&x->m), CKPT_OK);
+    int64_t s[1] = {4};
+    if (q_first) assert_int_equal(ckpt_model_add_param(x->m, "q", CKPT_F32, 1, s, x->q, x->gq), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(x->m, "p", CKPT_F32, 1, s, x->p, x->gp), CKPT_OK);
+    if (!q_first) assert_int_equal(ckpt_model_add_param(x->m, "q", CKPT_F32, 1, s, x->q, x->gq), CKPT_OK);
+    assert_int_equal(ckpt_adam_new(&x->o, x->m, 0.01, 0.9, 0.999, 1e-8, 0), CKPT_OK);
+}
+
+static void pq_step(pq *x, int t) {
+    for (int j = 0; j < 4; j++) x->gp[j] = (float)sin(t + j), x->gq[j] = (float)cos(3 * t + j);
+    assert_int_equal(ckpt_optimizer_step(x->o), CKPT_OK);
+}
+
+static void pq_free(pq *x) {
+    ckpt_optimizer_free(x->o);
+    ckpt_model_free(x->m);
+}
+
+/* Copies the state file at src to dst without its param_names entries: a
+ * file as written before the names existed. */
+static void strip_names(const char *src, const char *dst) {
+    ckpt_reader *r;
+    ckpt_writer *w;
+    assert_int_equal(ckpt_reader_open(&r, src), CKPT_OK);
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    char sbuf[256];
+    for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
+        ckpt_entry_info e;
+        assert_int_equal(ckpt_reader_entry(r, i, &e), CKPT_OK);
+        if (strncmp(e.key, "param_names.", 12) == 0) continue;
+        if (e.kind == CKPT_ENTRY_TENSOR) {
+            const void *d;
+            assert_int_equal(ckpt_reader_tensor_view(r, e.key, &d, &e), CKPT_OK);
+            assert_int_equal(ckpt_write_tensor(w, e.key, e.dtype, e.ndim, e.shape, d), CKPT_OK);
+        } else if (e.kind == CKPT_ENTRY_STR) {
+            assert_int_equal(ckpt_read_str(r, e.key, sbuf, sizeof sbuf), CKPT_OK);
+            assert_int_equal(ckpt_write_str(w, e.key, sbuf), CKPT_OK);
+        } else if (e.kind == CKPT_ENTRY_I64) {
+            int64_t v;
+            assert_int_equal(ckpt_read_i64(r, e.key, &v), CKPT_OK);
+            assert_int_equal(ckpt_write_i64(w, e.key, v), CKPT_OK);
+        } else {
+            double v;
+            assert_int_equal(ckpt_read_f64(r, e.key, &v), CKPT_OK);
+            assert_int_equal(ckpt_write_f64(w, e.key, v), CKPT_OK);
+        }
+    }
+    assert_int_equal(ckpt_writer_save(w, dst), CKPT_OK);
+    ckpt_writer_free(w);
+    ckpt_reader_free(r);
+}
+
+/* The state file names each state index's parameter; a model that
+ * registers its parameters in another order still gets each parameter's own
+ * state (by position it would silently get the other's: same shapes). A
+ * file without names loads by position, as before. */
+static void test_state_maps_by_parameter_name(void **state) {
+    (void)state;
+    pq a, b, ref;
+    pq_init(&a, false); /* p, q */
+    for (int t = 1; t <= 3; t++) pq_step(&a, t);
+    char *path = tu_pathf("%s/opt.safetensors", tu_dir());
+    tu_save_state(ckpt_optimizer_ops(), a.o, path);
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+    char name[16];
+    assert_int_equal(ckpt_read_str(r, "param_names.0", name, sizeof name), CKPT_OK);
+    assert_string_equal(name, "p");
+    ckpt_reader_free(r);
+    /* the same run continued with the parameters registered q, p */
+    pq_init(&b, true);
+    memcpy(b.p, a.p, sizeof a.p);
+    memcpy(b.q, a.q, sizeof a.q);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), b.o, path), CKPT_OK);
+    pq_init(&ref, false);
+    memcpy(ref.p, a.p, sizeof a.p);
+    memcpy(ref.q, a.q, sizeof a.q);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), ref.o, path), CKPT_OK);
+    for (int t = 4; t <= 6; t++) pq_step(&b, t), pq_step(&ref, t);
+    assert_memory_equal(b.p, ref.p, sizeof b.p);
+    assert_memory_equal(b.q, ref.q, sizeof b.q);
+    /* an older file, without names: by position (so q, p gets p's state for q) */
+    char *old = tu_pathf("%s/old.safetensors", tu_dir());
+    strip_names(path, old);
+    pq c;
+    pq_init(&c, false);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), c.o, old), CKPT_OK);
+    size_t n1, n2;
+    char *s1 = state_bytes(c.o, "c.safetensors", &n1);
+    char *s2 = state_bytes(a.o, "a.safetensors", &n2);
+    tu_assert_bytes_equal(s1, n1, s2, n2);
+    free(s1);
+    free(s2);
+    /* a name this optimizer does not have: refused, nothing changed */
+    pq d;
+    memset(&d, 0, sizeof d);
+    assert_int_equal(ckpt_model_new(&d.m), CKPT_OK);
+    int64_t s4[1] = {4};
+    assert_int_equal(ckpt_model_add_param(d.m, "p", CKPT_F32, 1, s4, d.p, d.gp), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(d.m, "r", CKPT_F32, 1, s4, d.q, d.gq), CKPT_OK);
+    assert_int_equal(ckpt_adam_new(&d.o, d.m, 0.01, 0.9, 0.999, 1e-8, 0), CKPT_OK);
+    size_t nb;
+    char *before = state_bytes(d.o, "d0.safetensors", &nb);
+    tu_expect_error(tu_load_state(ckpt_optimizer_ops(), d.o, path), CKPT_EMISMATCH,
+                    "state for parameter 'q', which this optimizer does not optimize");
+    size_t na;
+    char *after = state_bytes(d.o, "d1.safetensors", &na);
+    tu_assert_bytes_equal(before, nb, after, na);
+    free(before);
+    free(after);
+    pq_free(&a), pq_free(&b), pq_free(&ref), pq_free(&c), pq_free(&d);
+    free(path);
+    free(old);
+}
+
 int main(void) {
 #define T(name) cmocka_unit_test_setup_teardown(name, tu_tmpdir_setup, tu_tmpdir_teardown)
     const struct CMUnitTest tests[] = {
@@ -645,6 +772,7 @@ int main(void) {
         T(test_state_before_first_step_is_zeros_and_step_zero),
         T(test_new_allocation_failures_are_clean),
         T(test_simd_and_portable_adam_loops_agree_bit_for_bit),
+        T(test_state_maps_by_parameter_name),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
