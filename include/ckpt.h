@@ -676,6 +676,13 @@ typedef struct ckpt_project_config {
     const char *best_metric;          /* with best_k: the metric (ckpt_set_metric) that */
     ckpt_best_mode best_mode;         /* ranks checkpoints, lowest (MIN) or highest best */
     int best_k;                       /* also keep the best_k best; 0 = off */
+    /* A model whose tensors exceed this many bytes is saved as Hugging Face
+     * shards, <model>-00001-of-0000N.safetensors plus
+     * <model>.safetensors.index.json (as Accelerate's save_model and
+     * transformers' save_pretrained with max_shard_size), inside the same
+     * atomic commit; loads read either layout. 0 = one file. A model with
+     * tensors sharded across processes is always one file per process. */
+    uint64_t max_shard_size;
 } ckpt_project_config;
 
 typedef enum ckpt_log_level {

@@ -86,6 +86,7 @@ struct ckpt_accelerator {
     double interval_start; /* ckpt__now(): creation, last save call, last load */
     /* retention beyond total_limit (best_metric a copy) */
     ckpt_retention retention;
+    uint64_t max_shard_size; /* models beyond it are saved as HF shards */
     /* ckpt_set_metric: recorded by the next save */
     int nmetrics;
     ckpt_metric metrics[CKPT_MAX_METRICS];

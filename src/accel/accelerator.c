@@ -78,6 +78,7 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     if (cfg->best_metric && !(acc->retention.best_metric = ckpt__strdup(cfg->best_metric)))
         goto nomem;
     acc->save_interval_steps = cfg->save_interval_steps;
+    acc->max_shard_size = cfg->max_shard_size;
     acc->save_interval_seconds = cfg->save_interval_seconds;
     acc->interval_start = ckpt__now();
     if (cfg->project_dir) {

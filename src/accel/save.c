@@ -31,6 +31,7 @@
 #include "accel/accel.h"
 #include "base/error.h"
 #include "base/io.h"
+#include "format/hfindex.h"
 #include "format/manifest.h"
 #include "format/statedict.h"
 #include "store/store.h"
@@ -63,8 +64,11 @@ struct ckpt_save_op {
     ckpt_acc_obj *objs;
     int nobjs;
     ckpt_writer **writers;
-    /* write: two slots per object (its file, its shard file) */
+    /* write: two slots per object (its file, its shard file), and the
+     * files of a model saved as Hugging Face shards (hf[i], nhf[i]) */
     save_slot *slots;
+    save_slot **hf;
+    int *nhf;
     bool *written;
     /* agree + commit: this rank's files, then every rank's (rank 0) */
     ckpt_manifest mine;
@@ -295,6 +299,105 @@ static int write_file(save_op *op, ckpt_writer *w, const char *name, const char 
     return rc;
 }
 
+/* Whether object i is written as Hugging Face shards: a model beyond
+ * max_shard_size with tensors only, none sharded across processes. */
+static bool hf_sharded(const save_op *op, int i) {
+    const ckpt_writer *w = op->writers[i];
+    if (op->objs[i].kind != K_MODEL || !op->acc->max_shard_size || ckpt__writer_has_shards(w))
+        return false;
+    uint64_t total = 0;
+    for (int64_t j = 0; j < ckpt_writer_entry_count(w); j++) {
+        ckpt_entry_info e;
+        if (ckpt_writer_entry(w, j, &e) < 0 || e.kind != CKPT_ENTRY_TENSOR) return false;
+        total += e.nbytes;
+    }
+    return total > op->acc->max_shard_size;
+}
+
+/* The index as a file of the temporary folder, with its digest. */
+static int write_text_file(save_op *op, const char *name, const char *text, save_slot *slot) {
+    char *path = ckpt__path_join(op->tmp, name);
+    if (!path) return ckpt__err_nomem("save path");
+    ckpt_ostream s;
+    uint64_t xxh = 0, size = 0;
+    int rc = ckpt__ostream_open(&s, path);
+    if (rc == 0) {
+        rc = ckpt__ostream_write(&s, text, strlen(text));
+        if (rc) ckpt__ostream_abort(&s);
+        else rc = ckpt__ostream_finish(&s, &xxh, &size);
+    }
+    free(path);
+    if (rc) return rc;
+    memset(&slot->d, 0, sizeof slot->d);
+    slot->d.size = size;
+    slot->d.xxh3 = xxh;
+    slot->has = true;
+    slot->kind = ckpt__kind_name[K_MODEL];
+    snprintf(slot->name, sizeof slot->name, "%s", name);
+    return CKPT_OK;
+}
+
+/* A model as <stem>-0000k-of-0000N.safetensors files of at most
+ * max_shard_size bytes (greedy, in state-dict order, as transformers
+ * splits) and <stem>.safetensors.index.json, each recorded for the
+ * manifest; the index last. */
+static int write_hf(save_op *op, int i, const char *file) {
+    const ckpt_writer *w = op->writers[i];
+    int64_t n = ckpt_writer_entry_count(w);
+    char stem[96];
+    snprintf(stem, sizeof stem, "%.*s", (int)(strlen(file) - 12), file); /* without .safetensors */
+    uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
+    int64_t *starts = ckpt__calloc((size_t)n + 2, sizeof *starts);
+    const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
+    const char **files = ckpt__calloc((size_t)n + 1, sizeof *files);
+    char (*names)[160] = NULL;
+    int rc = nb && starts && keys && files ? CKPT_OK : ckpt__err_nomem("save shards");
+    uint64_t total = 0;
+    int64_t ns = 0;
+    for (int64_t j = 0; j < n && rc == 0; j++) {
+        ckpt_entry_info e;
+        rc = ckpt_writer_entry(w, j, &e);
+        nb[j] = e.nbytes;
+        keys[j] = e.key;
+        total += e.nbytes;
+    }
+    if (rc == 0) {
+        ckpt__hf_plan(nb, n, op->acc->max_shard_size, starts, &ns);
+        names = ckpt__calloc((size_t)ns, sizeof *names);
+        op->hf[i] = ckpt__calloc((size_t)ns + 1, sizeof *op->hf[i]);
+        if (!names || !op->hf[i]) rc = ckpt__err_nomem("save shards");
+    }
+    for (int64_t s = 0; s < ns && rc == 0; s++) {
+        rc = ckpt__hf_shard_name(names[s], sizeof names[s], stem, s, ns);
+        ckpt_writer *part = NULL;
+        if (rc == 0) rc = ckpt_writer_new(&part);
+        for (int64_t j = starts[s]; j < starts[s + 1] && rc == 0; j++) {
+            ckpt_entry_info e;
+            rc = ckpt_writer_entry(w, j, &e);
+            if (rc == 0)
+                rc = ckpt_write_tensor(part, e.key, e.dtype, e.ndim, e.shape,
+                                       ckpt__writer_tensor_data(w, j));
+            files[j] = names[s];
+        }
+        if (rc == 0) rc = write_file(op, part, names[s], ckpt__kind_name[K_MODEL], false, &op->hf[i][s]);
+        if (rc == 0) op->nhf[i] = (int)s + 1;
+        ckpt_writer_free(part);
+    }
+    char *text = NULL;
+    char iname[160];
+    snprintf(iname, sizeof iname, "%s.safetensors.index.json", stem);
+    if (rc == 0) rc = ckpt__hf_index_text(keys, files, n, total, &text);
+    if (rc == 0) rc = write_text_file(op, iname, text, &op->hf[i][ns]);
+    if (rc == 0) op->nhf[i] = (int)ns + 1;
+    free(text);
+    free(names);
+    free(files);
+    free(keys);
+    free(starts);
+    free(nb);
+    return rc;
+}
+
 /* Who writes what: rank 0 the replicated objects, every rank its random
  * state and, for an object that put sharded tensors, its own shard file. */
 static int write_object(save_op *op, int i) {
@@ -303,7 +406,9 @@ static int write_object(save_op *op, int i) {
     char name[96];
     ckpt__acc_file_name(op->acc, o, name, sizeof name);
     int rc = 0;
-    if (o->kind == K_RNG || op->committer)
+    if (op->committer && hf_sharded(op, i))
+        rc = write_hf(op, i, name);
+    else if (o->kind == K_RNG || op->committer)
         rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false, &op->slots[2 * i]);
     if (rc == 0 && ckpt__writer_has_shards(op->writers[i])) {
         char shard[160];
@@ -319,11 +424,15 @@ static int write_object(save_op *op, int i) {
 
 /* This rank's files in object order, into op->mine. */
 static int record_files(save_op *op) {
-    for (int i = 0; i < 2 * op->nobjs; i++) {
-        const save_slot *sl = &op->slots[i];
-        if (!sl->has) continue;
-        CKPT_TRY(ckpt__manifest_add(&op->mine, sl->name, sl->kind, &sl->d));
-        op->mine.files[op->mine.nfiles - 1].rank = op->comm->rank;
+    for (int i = 0; i < op->nobjs; i++) {
+        for (int k = -1; k < op->nhf[i] + 1; k++) {
+            /* the object's file, its Hugging Face shards and index, its shard file */
+            const save_slot *sl = k < 0 ? &op->slots[2 * i]
+                                  : k < op->nhf[i] ? &op->hf[i][k] : &op->slots[2 * i + 1];
+            if (!sl->has) continue;
+            CKPT_TRY(ckpt__manifest_add(&op->mine, sl->name, sl->kind, &sl->d));
+            op->mine.files[op->mine.nfiles - 1].rank = op->comm->rank;
+        }
     }
     return CKPT_OK;
 }
@@ -543,6 +652,12 @@ void ckpt__save_op_free(save_op *op) {
     if (op->slots)
         for (int i = 0; i < 2 * op->nobjs; i++) ckpt__file_digest_free(&op->slots[i].d);
     free(op->slots);
+    for (int i = 0; op->hf && i < op->nobjs; i++) {
+        for (int k = 0; k < op->nhf[i]; k++) ckpt__file_digest_free(&op->hf[i][k].d);
+        free(op->hf[i]);
+    }
+    free(op->hf);
+    free(op->nhf);
     free(op->written);
     free(op->writers);
     free(op->objs);
@@ -619,7 +734,9 @@ int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **ou
     if (rc == 0) {
         op->slots = ckpt__calloc((size_t)op->nobjs * 2, sizeof *op->slots);
         op->written = ckpt__calloc((size_t)op->nobjs, sizeof *op->written);
-        if (!op->slots || !op->written) rc = ckpt__err_nomem("save plan");
+        op->hf = ckpt__calloc((size_t)op->nobjs, sizeof *op->hf);
+        op->nhf = ckpt__calloc((size_t)op->nobjs, sizeof *op->nhf);
+        if (!op->slots || !op->written || !op->hf || !op->nhf) rc = ckpt__err_nomem("save plan");
     }
     return op->rc = rc;
 }

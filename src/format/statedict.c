@@ -249,6 +249,11 @@ int ckpt__writer_set_optional(ckpt_writer *w, const char *key) {
     return CKPT_OK;
 }
 
+const void *ckpt__writer_tensor_data(const ckpt_writer *w, int64_t i) {
+    if (!w || i < 0 || i >= w->count || w->entries[i].kind != CKPT_ENTRY_TENSOR) return NULL;
+    return w->entries[i].data;
+}
+
 bool ckpt__writer_has(const ckpt_writer *w, const char *key) {
     return w && key && key_index_get(&w->index, key) >= 0;
 }
@@ -722,6 +727,8 @@ struct ckpt_reader {
     int64_t nmaps, mapcap;
     void **owned;        /* adapted readers: keys, strings, tensor copies (freed with r) */
     int64_t nowned, ownedcap;
+    ckpt_reader **subs;  /* readers r borrows from and owns (ckpt__reader_adopt_reader) */
+    int64_t nsubs, subcap;
 };
 
 void ckpt__reader_set_name(ckpt_reader *r, const char *name) {
@@ -747,6 +754,8 @@ void ckpt_reader_free(ckpt_reader *r) {
     free(r->maps);
     for (int64_t i = 0; i < r->nowned; i++) free(r->owned[i]);
     free(r->owned);
+    for (int64_t i = 0; i < r->nsubs; i++) ckpt_reader_free(r->subs[i]);
+    free(r->subs);
     key_index_free(&r->index);
     json_decref(r->doc);
     ckpt__st_header_free(&r->hdr);
@@ -1438,6 +1447,12 @@ int ckpt_read_bytes(ckpt_reader *r, const char *key, void *buf, size_t cap, size
 
 int ckpt__reader_new_adapted(ckpt_reader **out, const char *name) {
     return ckpt__reader_new_empty(out, name);
+}
+
+int ckpt__reader_adopt_reader(ckpt_reader *r, ckpt_reader *sub) {
+    CKPT_TRY(grow((void **)&r->subs, &r->subcap, r->nsubs + 1, sizeof *r->subs));
+    r->subs[r->nsubs++] = sub;
+    return CKPT_OK;
 }
 
 /* r keeps p (freed with r); p is freed here if that fails. */

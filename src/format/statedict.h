@@ -44,6 +44,9 @@ bool ckpt__reader_has(const ckpt_reader *r, const char *key, ckpt_entry_info *in
  * (an entry older files lack, which the object reads only when present).
  * CKPT_ENOENT if there is no such entry. */
 int ckpt__writer_set_optional(ckpt_writer *w, const char *key);
+/* The bytes of w's tensor entry i (borrowed, staged if staged); NULL for
+ * another kind of entry or an empty tensor. */
+const void *ckpt__writer_tensor_data(const ckpt_writer *w, int64_t i);
 /* Whether w has an entry named key (no message either way). */
 bool ckpt__writer_has(const ckpt_writer *w, const char *key);
 /* Whether w is a schema writer. */
@@ -93,6 +96,8 @@ int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const
  * names, with converted dtypes, and with the object's own values for keys the
  * file lacks. Read like any reader (ckpt_read_*, views, schema checks). */
 int ckpt__reader_new_adapted(ckpt_reader **out, const char *name);
+/* r takes over sub (freed with r, after r's own entries). */
+int ckpt__reader_adopt_reader(ckpt_reader *r, ckpt_reader *sub);
 /* Adds src's entry src_key under key. A tensor whose dtype differs from dt
  * (CKPT_DTYPE_INVALID: keep) is converted (ckpt_dtype_convert); a sharded
  * one is assembled whole. Otherwise its bytes are borrowed from src, which

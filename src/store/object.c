@@ -8,6 +8,7 @@
 
 #include "base/error.h"
 #include "base/io.h"
+#include "format/hfindex.h"
 #include "format/manifest.h"
 #include "format/shard.h"
 #include "format/statedict.h"
@@ -26,6 +27,50 @@ static int map_checked(const char *dir, const ckpt_manifest_file *f, ckpt_mapped
         return ckpt__err(CKPT_ECORRUPT, "%s: %s does not match the manifest (size or checksum)",
                          dir, f->name);
     }
+    return CKPT_OK;
+}
+
+/* A model saved as Hugging Face shards: its index (manifest entry f) and
+ * every part it names, checked against the manifest, as one reader. */
+static int open_hf(const char *dir, const ckpt_manifest *m, const ckpt_manifest_file *f,
+                   const char *file, ckpt_reader **out) {
+    ckpt_mapped im;
+    memset(&im, 0, sizeof im);
+    CKPT_TRY(map_checked(dir, f, &im));
+    ckpt_hf_index x;
+    int rc = ckpt__hf_index_parse((const char *)im.data, (size_t)im.size, f->name, &x);
+    ckpt__unmap(&im);
+    if (rc) return ckpt__err_prefix(rc, "%s", dir);
+    ckpt_reader **parts = ckpt__calloc((size_t)x.nparts, sizeof *parts);
+    if (!parts) rc = ckpt__err_nomem("shards");
+    for (int64_t p = 0; p < x.nparts && rc == 0; p++) {
+        const ckpt_manifest_file *pf = ckpt__manifest_find(m, x.parts[p]);
+        if (!pf || strcmp(pf->kind, "model") != 0 || pf->chunks) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s names %s, which the manifest does not list as a "
+                           "model file", dir, f->name, x.parts[p]);
+            break;
+        }
+        ckpt_mapped mp;
+        memset(&mp, 0, sizeof mp);
+        rc = map_checked(dir, pf, &mp);
+        if (rc == 0) rc = ckpt_reader_open_memory(&parts[p], mp.data, (size_t)mp.size, x.parts[p]);
+        if (rc == 0) rc = ckpt__reader_adopt_map(parts[p], &mp);
+        if (rc < 0 && mp.data) ckpt__unmap(&mp);
+    }
+    ckpt_reader *r = NULL;
+    if (rc == 0) rc = ckpt__hf_combine(&x, parts, file, &r);
+    for (int64_t p = 0; p < x.nparts && parts; p++) {
+        if (rc == 0) rc = ckpt__reader_adopt_reader(r, parts[p]);
+        else ckpt_reader_free(parts[p]);
+        if (rc == 0) parts[p] = NULL;
+    }
+    free(parts);
+    ckpt__hf_index_free(&x);
+    if (rc) {
+        ckpt_reader_free(r);
+        return rc;
+    }
+    *out = r;
     return CKPT_OK;
 }
 
@@ -51,6 +96,15 @@ int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader *
         if (ckpt__shard_file_parse(m.files[i].name, &sl, NULL, NULL) && sl == stem &&
             memcmp(m.files[i].name, file, stem) == 0)
             nshards++;
+    }
+    if (!base && stem < strlen(file)) { /* a model saved as Hugging Face shards? */
+        char iname[300];
+        snprintf(iname, sizeof iname, "%s.index.json", file);
+        const ckpt_manifest_file *idx = ckpt__manifest_find(&m, iname);
+        if (idx) {
+            rc = open_hf(dir, &m, idx, file, &r);
+            goto out;
+        }
     }
     if (!base && nshards == 0) {
         rc = ckpt__err(CKPT_ENOENT, "%s: the manifest lists no %s", dir, file);

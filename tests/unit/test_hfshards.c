@@ -1,0 +1,171 @@
+/* test_hfshards.c — max_shard_size: a model beyond it is saved as Hugging
+ * Face shards plus an index inside the same atomic commit (no
+ * model.safetensors), the shards split as transformers splits, every file
+ * in the manifest; ckpt_load_state, ckpt_load_state_ex and
+ * ckpt_checkpoint_open_object read the layout back bit for bit; a damaged
+ * shard or index is a clear error; below the limit nothing changes. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "ckpt.h"
+#include "helpers/testutil.h"
+
+#define NP 5
+
+typedef struct net {
+    ckpt_accelerator *acc;
+    ckpt_model *m;
+    float *p[NP];
+} net;
+
+static const int64_t sizes[NP] = {100, 300, 50, 400, 20}; /* floats: 400, 1200, 200, 1600, 80 B */
+static const char *const names[NP] = {"embed.weight", "layers.0.weight", "layers.0.bias",
+                                      "layers.1.weight", "head.bias"};
+
+static void net_open(net *n, const char *proj, uint64_t max_shard, float base) {
+    memset(n, 0, sizeof *n);
+    ckpt_project_config cfg = {.project_dir = proj, .automatic_checkpoint_naming = true,
+                               .max_shard_size = max_shard};
+    assert_int_equal(ckpt_accelerator_new(&n->acc, &cfg), CKPT_OK);
+    assert_int_equal(ckpt_model_new(&n->m), CKPT_OK);
+    for (int i = 0; i < NP; i++) {
+        n->p[i] = calloc((size_t)sizes[i], sizeof(float));
+        for (int64_t j = 0; j < sizes[i]; j++) n->p[i][j] = base + (float)i + 0.001f * (float)j;
+        assert_int_equal(ckpt_model_add_param(n->m, names[i], CKPT_F32, 1, &sizes[i], n->p[i], NULL),
+                         CKPT_OK);
+    }
+    assert_int_equal(ckpt_prepare_model(n->acc, n->m), CKPT_OK);
+}
+
+static void net_close(net *n) {
+    ckpt_accelerator_free(n->acc);
+    ckpt_model_free(n->m);
+    for (int i = 0; i < NP; i++) free(n->p[i]);
+}
+
+static void test_save_as_shards_and_load(void **state) {
+    (void)state;
+    char *proj = tu_pathf("%s/p", tu_dir());
+    net a;
+    net_open(&a, proj, 1500, 1.0f);
+    ckpt_accelerator_set_step(a.acc, 9);
+    assert_int_equal(ckpt_save_state(a.acc, NULL), CKPT_OK);
+    const char *ck = ckpt_accelerator_last_dir(a.acc);
+    char *d = strdup(ck);
+    /* greedy in order: [400], [1200] (400+1200 > 1500), [200], [1600], [80]? no:
+     * 1200+200 = 1400 <= 1500 -> [1200, 200]; 1600 alone; 80 -> [80] after 1600 */
+    const char *want[] = {"model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
+                          "model-00003-of-00004.safetensors", "model-00004-of-00004.safetensors",
+                          "model.safetensors.index.json"};
+    for (size_t i = 0; i < 5; i++) {
+        char *p = tu_pathf("%s/%s", d, want[i]);
+        if (!tu_exists(p)) fail_msg("missing %s", want[i]);
+        free(p);
+    }
+    char *single = tu_pathf("%s/model.safetensors", d);
+    assert_false(tu_exists(single));
+    free(single);
+    /* the index: total_size and where each tensor is */
+    char *ip = tu_pathf("%s/model.safetensors.index.json", d);
+    size_t n;
+    char *text = tu_read_file(ip, &n);
+    tu_assert_contains(text, "\"total_size\": 3480");
+    tu_assert_contains(text, "\"layers.0.bias\": \"model-00002-of-00004.safetensors\"");
+    tu_assert_contains(text, "\"layers.1.weight\": \"model-00003-of-00004.safetensors\"");
+    tu_assert_contains(text, "\"head.bias\": \"model-00004-of-00004.safetensors\"");
+    free(text);
+    /* every file is in the manifest and verifies deeply */
+    ckpt_checkpoint_info info;
+    assert_int_equal(ckpt_checkpoint_verify(d, true, &info), CKPT_OK);
+    /* loads back bit for bit, into a fresh run */
+    net b;
+    char *proj2 = tu_pathf("%s/q", tu_dir());
+    net_open(&b, proj2, 0, 7.0f);
+    assert_int_equal(ckpt_load_state(b.acc, d), CKPT_OK);
+    for (int i = 0; i < NP; i++) assert_memory_equal(a.p[i], b.p[i], (size_t)sizes[i] * 4);
+    assert_int_equal(ckpt_accelerator_step(b.acc), 9);
+    /* and with options: the models only, non-strictly */
+    for (int i = 0; i < NP; i++) b.p[i][0] = -1.0f;
+    ckpt_load_options o = {.objects = CKPT_LOAD_MODELS, .non_strict = true};
+    assert_int_equal(ckpt_load_state_ex(b.acc, d, &o, NULL), CKPT_OK);
+    for (int i = 0; i < NP; i++) assert_memory_equal(a.p[i], b.p[i], (size_t)sizes[i] * 4);
+    /* the object as tools open it */
+    ckpt_reader *r;
+    assert_int_equal(ckpt_checkpoint_open_object(d, "model.safetensors", &r), CKPT_OK);
+    assert_int_equal(ckpt_reader_count(r), NP);
+    float buf[400];
+    assert_int_equal(ckpt_read_tensor(r, "layers.1.weight", CKPT_F32, 1, &sizes[3], buf), CKPT_OK);
+    assert_memory_equal(buf, a.p[3], sizeof buf);
+    ckpt_reader_free(r);
+    /* the next automatic save rotates shards away with their folder */
+    assert_int_equal(ckpt_save_state(a.acc, NULL), CKPT_OK);
+    net_close(&b);
+    net_close(&a);
+    free(ip);
+    free(proj2);
+    free(d);
+    free(proj);
+}
+
+static void test_below_the_limit_is_one_file(void **state) {
+    (void)state;
+    char *proj = tu_pathf("%s/p", tu_dir());
+    net a;
+    net_open(&a, proj, 1u << 20, 1.0f);
+    assert_int_equal(ckpt_save_state(a.acc, NULL), CKPT_OK);
+    char *single = tu_pathf("%s/model.safetensors", ckpt_accelerator_last_dir(a.acc));
+    char *index = tu_pathf("%s/model.safetensors.index.json", ckpt_accelerator_last_dir(a.acc));
+    assert_true(tu_exists(single));
+    assert_false(tu_exists(index));
+    net_close(&a);
+    free(single);
+    free(index);
+    free(proj);
+}
+
+static void test_damage_is_named(void **state) {
+    (void)state;
+    char *proj = tu_pathf("%s/p", tu_dir());
+    net a, b;
+    net_open(&a, proj, 1500, 1.0f);
+    assert_int_equal(ckpt_save_state(a.acc, NULL), CKPT_OK);
+    char *d = strdup(ckpt_accelerator_last_dir(a.acc));
+    net_close(&a);
+    char *shard = tu_pathf("%s/model-00003-of-00004.safetensors", d);
+    tu_flip_byte(shard, -5);
+    char *proj2 = tu_pathf("%s/q", tu_dir());
+    net_open(&b, proj2, 0, 7.0f);
+    float before = b.p[3][0];
+    tu_expect_error(ckpt_load_state(b.acc, d), CKPT_ECORRUPT, "model-00003-of-00004.safetensors");
+    assert_true(b.p[3][0] == before);
+    tu_flip_byte(shard, -5);
+    /* an index that names a file the manifest does not list: the manifest
+     * checksum already refuses an edited index; a consistent but wrong one
+     * is caught by the parts check */
+    char *ip = tu_pathf("%s/model.safetensors.index.json", d);
+    tu_flip_byte(ip, 10);
+    assert_int_equal(ckpt_accelerator_start_over(b.acc), CKPT_OK);
+    tu_expect_error(ckpt_load_state(b.acc, d), CKPT_ECORRUPT, "model.safetensors.index.json");
+    net_close(&b);
+    free(ip);
+    free(shard);
+    free(proj2);
+    free(d);
+    free(proj);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_save_as_shards_and_load, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_below_the_limit_is_one_file, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_damage_is_named, tu_tmpdir_setup, tu_tmpdir_teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
