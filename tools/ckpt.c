@@ -138,6 +138,27 @@ static const char *shortest(double v, bool single, char *buf, int cap) {
 
 const char *cli_format_double(double v, char *buf, int cap) { return shortest(v, false, buf, cap); }
 
+bool cli_parse_size(const char *s, uint64_t *out) {
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || v <= 0) return false;
+    static const struct {
+        const char *suffix;
+        double mult;
+    } units[] = {{"", 1},         {"B", 1},          {"KB", 1e3},       {"MB", 1e6},
+                 {"GB", 1e9},     {"TB", 1e12},      {"KiB", 1024.0},   {"MiB", 1048576.0},
+                 {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
+    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
+        if (strcmp(end, units[i].suffix) == 0) {
+            double b = v * units[i].mult;
+            if (b < 1 || b > 1.8e19) return false;
+            *out = (uint64_t)b;
+            return true;
+        }
+    }
+    return false;
+}
+
 bool cli_parse_keep_best(const char *s, char *metric, size_t cap, ckpt_best_mode *mode, int64_t *k) {
     const char *c1 = strchr(s, ':');
     if (!c1 || c1 == s || (size_t)(c1 - s) >= cap) return false;

@@ -52,7 +52,29 @@ static bool has_suffix(const char *s, const char *suffix) {
 }
 
 static int state_file_filter(const struct dirent *d) {
-    return d->d_name[0] != '.' && has_suffix(d->d_name, ".safetensors");
+    return d->d_name[0] != '.' && (has_suffix(d->d_name, ".safetensors") ||
+                                   has_suffix(d->d_name, ".safetensors.index.json"));
+}
+
+/* A model saved as Hugging Face shards is listed by its index,
+ * "<stem>.safetensors.index.json": the object is "<stem>.safetensors"
+ * (opened with every part, see ckpt_checkpoint_open_object). Other names
+ * are themselves. */
+static const char *object_of(const char *name, char *buf, size_t cap) {
+    if (!has_suffix(name, ".safetensors.index.json")) return name;
+    snprintf(buf, cap, "%.*s", (int)(strlen(name) - strlen(".index.json")), name);
+    return buf;
+}
+
+/* Whether name is a part of a model saved as Hugging Face shards in dir:
+ * "<stem>-DDDDD-of-DDDDD.safetensors" beside "<stem>.safetensors.index.json". */
+static bool is_hf_part(const char *dir, const char *name) {
+    size_t n = strlen(name), tail = strlen("-00000-of-00000.safetensors");
+    if (n <= tail) return false;
+    char p[4400];
+    snprintf(p, sizeof p, "%s/%.*s.safetensors.index.json", dir, (int)(n - tail), name);
+    struct stat st;
+    return stat(p, &st) == 0;
 }
 
 /* The .safetensors files of a folder, sorted by name. Returns the count or
@@ -335,12 +357,17 @@ int cli_inspect(int argc, char **argv) {
         printf("%s %s\n  manifest: %s\n", kind == CLI_KIND_CHECKPOINT ? "checkpoint" : "folder", path,
                vmsg);
     }
-    int status = CLI_OK;
+    int status = CLI_OK, shown = 0;
     for (int i = 0; i < n && status == CLI_OK; i++) {
-        char file[4096];
-        snprintf(file, sizeof file, "%s/%s", path, names[i]->d_name);
+        const char *name = names[i]->d_name;
+        if (is_shard_file(name) && is_hf_part(path, name)) continue; /* shown with its index */
+        char file[4096], obj[512], label[640];
+        const char *o = object_of(name, obj, sizeof obj);
+        snprintf(file, sizeof file, "%s/%s", path, o);
+        if (o != name && !json) snprintf(label, sizeof label, "%s (Hugging Face shards: %s)", o, name);
+        else snprintf(label, sizeof label, "%s", name);
         if (!json) putchar('\n');
-        status = inspect_file(file, names[i]->d_name, json, i == 0);
+        status = inspect_file(file, label, json, shown++ == 0);
     }
     free_names(names, n);
     if (status == CLI_OK) print_extra_files(path, json);
@@ -701,18 +728,24 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
             j++;
             continue;
         }
-        int c = i >= ca ? 1 : j >= cb ? -1 : strcmp(na[i]->d_name, nb[j]->d_name);
+        /* a model saved as Hugging Face shards compares as its object */
+        char oa[512], ob[512];
+        const char *xa = i < ca ? object_of(na[i]->d_name, oa, sizeof oa) : NULL;
+        const char *xb = j < cb ? object_of(nb[j]->d_name, ob, sizeof ob) : NULL;
+        int c = i >= ca ? 1 : j >= cb ? -1 : strcmp(xa, xb);
         if (c < 0) {
-            printf("%s: only in A\n", na[i++]->d_name);
+            printf("%s: only in A\n", xa);
+            i++;
             d->differences++;
         } else if (c > 0) {
-            printf("%s: only in B\n", nb[j++]->d_name);
+            printf("%s: only in B\n", xb);
+            j++;
             d->differences++;
         } else {
             char fa[4096], fb[4096];
-            snprintf(fa, sizeof fa, "%s/%s", a, na[i]->d_name);
-            snprintf(fb, sizeof fb, "%s/%s", b, nb[j]->d_name);
-            status = diff_files(d, fa, fb, na[i]->d_name);
+            snprintf(fa, sizeof fa, "%s/%s", a, xa);
+            snprintf(fb, sizeof fb, "%s/%s", b, xb);
+            status = diff_files(d, fa, fb, xa);
             i++;
             j++;
         }

@@ -43,27 +43,6 @@ static const char import_help[] =
     "  --seed N              seed of the checkpoint's random generator (default 0)\n"
     "  -h, --help            this help\n";
 
-static bool parse_size(const char *s, uint64_t *out) {
-    char *end;
-    double v = strtod(s, &end);
-    if (end == s || v <= 0) return false;
-    static const struct {
-        const char *suffix;
-        double mult;
-    } units[] = {{"", 1},         {"B", 1},          {"KB", 1e3},       {"MB", 1e6},
-                 {"GB", 1e9},     {"TB", 1e12},      {"KiB", 1024.0},   {"MiB", 1048576.0},
-                 {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}};
-    for (size_t i = 0; i < sizeof units / sizeof units[0]; i++) {
-        if (strcmp(end, units[i].suffix) == 0) {
-            double b = v * units[i].mult;
-            if (b < 1 || b > 1.8e19) return false;
-            *out = (uint64_t)b;
-            return true;
-        }
-    }
-    return false;
-}
-
 /* "--name VALUE" or "--name=VALUE"; NULL if a is not --name. */
 static const char *opt_value(const char *a, const char *name, int argc, char **argv, int *i,
                              bool *missing) {
@@ -90,7 +69,7 @@ int cli_export(int argc, char **argv) {
             o.weights_only = true;
         } else if ((v = opt_value(a, "--max-shard-size", argc, argv, &i, &missing)) || missing) {
             if (missing) return cli_usage_error("export", "--max-shard-size needs a value");
-            if (!parse_size(v, &o.max_shard_size))
+            if (!cli_parse_size(v, &o.max_shard_size))
                 return cli_usage_error("export", "bad size for --max-shard-size: '%s'", v);
         } else if (a[0] == '-' && a[1]) {
             return cli_usage_error("export", "unknown option '%s'", a);

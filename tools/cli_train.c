@@ -52,6 +52,9 @@ static const char train_help[] =
     "  --keep-best METRIC:min|max:K\n"
     "                     also keep the K best checkpoints by test_loss or test_acc\n"
     "                     (recorded with every checkpoint; ckpt ls shows them)\n"
+    "  --max-shard-size SIZE\n"
+    "                     save the model as Hugging Face shards of at most SIZE\n"
+    "                     (e.g. 100KB) plus model.safetensors.index.json\n"
     "  --workers N        data loader prefetch threads (default 2)\n"
     "  --project-dir DIR  checkpoints in DIR/checkpoints, metrics in DIR/logs\n"
     "                     (default runs/digits)\n"
@@ -86,6 +89,7 @@ typedef struct train_opts {
     const char *project_dir;
     const char *data;
     const char *init_from; /* a checkpoint folder: its model only */
+    uint64_t max_shard_size;
     bool resume, quiet, shard_optimizer, async;
 } train_opts;
 
@@ -322,7 +326,7 @@ static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
     enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
            O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM, O_ASYNC, O_SAVE_SECONDS,
-           O_KEEP_EVERY, O_KEEP_BEST, O_INIT_FROM };
+           O_KEEP_EVERY, O_KEEP_BEST, O_INIT_FROM, O_MAX_SHARD };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
@@ -338,6 +342,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"data", required_argument, NULL, O_DATA},
         {"resume", no_argument, NULL, O_RESUME},
         {"init-from", required_argument, NULL, O_INIT_FROM},
+        {"max-shard-size", required_argument, NULL, O_MAX_SHARD},
         {"log-every", required_argument, NULL, O_LOG_EVERY},
         {"quiet", no_argument, NULL, O_QUIET},
         {"shard-optimizer", no_argument, NULL, O_SHARD_OPTIM},
@@ -370,6 +375,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_DATA: o->data = a; break;
         case O_RESUME: o->resume = true; break;
         case O_INIT_FROM: o->init_from = a; ok = *a != '\0'; break;
+        case O_MAX_SHARD: ok = cli_parse_size(a, &o->max_shard_size); break;
         case O_LOG_EVERY: ok = cli_parse_i64(a, 1, INT64_MAX, &o->log_every); break;
         case O_QUIET: o->quiet = true; break;
         case O_SHARD_OPTIM: o->shard_optimizer = true; break;
@@ -547,6 +553,7 @@ static int trainer_setup(trainer *t) {
         .comm = t->dist.comm,
         .save_interval_steps = o->save_every,
         .keep_every_steps = o->keep_every,
+        .max_shard_size = o->max_shard_size,
         .best_metric = o->best_k ? o->best_metric : NULL,
         .best_mode = o->best_mode,
         .best_k = (int)o->best_k,

@@ -13,6 +13,7 @@ arrays and plain dicts when there are none); save() writes a folder the C
 library's ckpt_load_state resumes, byte for byte in the C writer's layout.
 Nothing is unpickled: safetensors and JSON only. See docs/PYTORCH.md."""
 import collections
+import json
 import math
 import os
 import warnings
@@ -608,6 +609,63 @@ def _merge_scheduler(sched, kind, lam, sd, name):
     return cur
 
 
+def _hf_index(dir, name, data):
+    """The weight_map of a model saved as Hugging Face shards (its
+    <stem>.safetensors.index.json), checked as the C reader checks it."""
+    try:
+        doc = json.loads(data)
+    except ValueError as e:
+        raise CorruptError("%s: %s: not valid JSON: %s" % (dir, name, e)) from None
+    wm = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(wm, dict) or not wm:
+        raise CorruptError("%s: %s: expected an object with a non-empty \"weight_map\" object"
+                           % (dir, name))
+    for k, v in wm.items():
+        if not isinstance(v, str) or "/" in v or v.startswith(".") or not v.endswith(".safetensors"):
+            raise CorruptError("%s: %s: weight_map['%s'] is not a .safetensors file name in the "
+                               "folder" % (dir, name, k))
+    return wm
+
+
+def _object_flats(dir, m, datas, kinds):
+    """Every object's flat dict by its file name; a model saved as Hugging
+    Face shards is one object, '<stem>.safetensors', read from the parts its
+    index names (each a model file of the manifest)."""
+    indexes = {f["name"]: _hf_index(dir, f["name"], datas[f["name"]]) for f in m["files"]
+               if f["name"].endswith(".safetensors.index.json")}
+    parts = {p for wm in indexes.values() for p in wm.values()}
+    flats = {}
+    for f in m["files"]:
+        name = f["name"]
+        if name in parts:
+            continue
+        if name in indexes:
+            wm = indexes[name]
+            pf = {}
+            for p in sorted(set(wm.values())):
+                if kinds.get(p) != "model":
+                    raise CorruptError("%s: %s names %s, which the manifest does not list as a "
+                                       "model file" % (dir, name, p))
+                pf[p] = StateFile(os.path.join(dir, p), datas[p]).flat()
+            flat = {}
+            for k, p in wm.items():
+                if k not in pf[p]:
+                    raise CorruptError("%s: the index puts tensor '%s' in %s, which has no such "
+                                       "tensor" % (dir, k, p))
+                flat[k] = pf[p][k]
+            for p, part in pf.items():
+                extra = set(part) - {k for k, q in wm.items() if q == p}
+                if extra:
+                    raise CorruptError("%s: %s holds '%s', which the index does not name"
+                                       % (dir, p, sorted(extra)[0]))
+            obj = name[:-len(".index.json")]
+            flats[obj] = flat
+            kinds[obj] = "model"
+        else:
+            flats[name] = StateFile(os.path.join(dir, name), datas[name]).flat()
+    return flats
+
+
 def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, project_dir=None,
          as_torch=None):
     """Loads the checkpoint folder `dir` (or, with dir=None, the newest valid
@@ -646,9 +704,7 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
             scaler is not None:
         _need_torch("load into torch objects")
     kinds = {f["name"]: f["kind"] for f in m["files"]}
-    flats = {}
-    for f in m["files"]:
-        flats[f["name"]] = StateFile(os.path.join(dir, f["name"]), datas[f["name"]]).flat()
+    flats = _object_flats(dir, m, datas, kinds)
     datas.clear()
 
     def file_for(stem, i):

@@ -62,7 +62,10 @@ static int open_state(exp_ctx *c, const char *file, ckpt_reader **out) {
         return ckpt__err_nomem("export");
     }
     c->readers = grown;
-    int rc = ckpt_reader_open(out, p);
+    /* the object as the checkpoint holds it: with its shard files, or from
+     * Hugging Face shards and their index */
+    int rc = ckpt_checkpoint_open_object(c->src, file, out);
+    if (rc == CKPT_ENOENT) rc = ckpt_reader_open(out, p);
     free(p);
     if (rc == 0) c->readers[c->nreaders++] = *out;
     return rc;
@@ -521,8 +524,15 @@ static int export_all(exp_ctx *c, const ckpt_export_options *o) {
     for (int64_t i = 0; i < m->nfiles; i++) {
         const ckpt_manifest_file *f = &m->files[i];
         int k = 0;
-        if (!strcmp(f->kind, "model") && (k = object_index(f->name, "model")) >= 0)
-            CKPT_TRY(export_model(c, f->name, k, o->max_shard_size));
+        char obj[160];
+        size_t len = strlen(f->name), ix = strlen(".index.json");
+        const char *name = f->name;
+        if (len > ix && !strcmp(f->name + len - ix, ".index.json")) { /* saved as HF shards */
+            snprintf(obj, sizeof obj, "%.*s", (int)(len - ix), f->name);
+            name = obj;
+        }
+        if (!strcmp(f->kind, "model") && (k = object_index(name, "model")) >= 0)
+            CKPT_TRY(export_model(c, name, k, o->max_shard_size));
     }
     if (o->weights_only) return CKPT_OK;
     for (int64_t i = 0; i < m->nfiles; i++) {
