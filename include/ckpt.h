@@ -955,6 +955,18 @@ CKPT_API int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir,
                                 const ckpt_load_options *opt, ckpt_load_report *report);
 CKPT_API void ckpt_load_report_free(ckpt_load_report *report);
 
+/* Loads weights into a model without an accelerator: src is a ckpt
+ * checkpoint folder (its model.safetensors, verified against the manifest,
+ * in either layout), a folder of Hugging Face / PyTorch weights
+ * (model.safetensors, its shards with model.safetensors.index.json,
+ * pytorch_model.bin or its shards with an index), or one file (.safetensors
+ * or a torch.save'd state dict, read by the allow-list unpickler). The
+ * options' non_strict, convert_dtypes, prefix_map and rename apply (the
+ * selection fields are ignored); everything is matched and checked before
+ * any parameter changes. report (may be NULL) as for ckpt_load_state_ex,
+ * with step the checkpoint's (0 for other sources). */
+CKPT_API int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_options *opt,
+                                     ckpt_load_report *report);
 /* Converts n elements between F32, F16 and BF16 (either way, or the same
  * dtype: a copy). Narrowing rounds to nearest, ties to even; values beyond
  * the narrower type's range become infinities; NaN stays NaN (quiet, sign

@@ -521,20 +521,6 @@ static int names_of(const load_op *op, bool selected, char ***out, int *n) {
     return CKPT_OK;
 }
 
-void ckpt_load_report_free(ckpt_load_report *r) {
-    if (!r) return;
-    free(r->dir);
-    for (int i = 0; i < r->num_loaded; i++) free(r->loaded[i]);
-    free(r->loaded);
-    for (int i = 0; i < r->num_skipped; i++) free(r->skipped[i]);
-    free(r->skipped);
-    ckpt_key_list l[4] = {{r->missing, r->num_missing, r->num_missing},
-                          {r->unexpected, r->num_unexpected, r->num_unexpected},
-                          {r->renamed, r->num_renamed, r->num_renamed},
-                          {r->converted, r->num_converted, r->num_converted}};
-    for (int i = 0; i < 4; i++) ckpt__key_list_free(&l[i]);
-    memset(r, 0, sizeof *r);
-}
 
 /* After a success: what was loaded. The key lists move from op. */
 static int fill_report(load_op *op, ckpt_load_report *r) {

@@ -68,6 +68,22 @@ void ckpt__adapt_result_free(ckpt_adapt_result *r) {
     ckpt__key_list_free(&r->converted);
 }
 
+/* The report's lists are key lists: freed here, beside them. */
+void ckpt_load_report_free(ckpt_load_report *r) {
+    if (!r) return;
+    free(r->dir);
+    for (int i = 0; i < r->num_loaded; i++) free(r->loaded[i]);
+    free(r->loaded);
+    for (int i = 0; i < r->num_skipped; i++) free(r->skipped[i]);
+    free(r->skipped);
+    ckpt_key_list l[4] = {{r->missing, r->num_missing, r->num_missing},
+                          {r->unexpected, r->num_unexpected, r->num_unexpected},
+                          {r->renamed, r->num_renamed, r->num_renamed},
+                          {r->converted, r->num_converted, r->num_converted}};
+    for (int i = 0; i < 4; i++) ckpt__key_list_free(&l[i]);
+    memset(r, 0, sizeof *r);
+}
+
 /* ---- key names --------------------------------------------------------- */
 
 bool ckpt__adapt_wanted(const ckpt_load_options *opt) {

@@ -1555,6 +1555,25 @@ int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *s
     return adapted_append(r, &e);
 }
 
+int ckpt__reader_put_writer_views(ckpt_reader *r, const ckpt_writer *w) {
+    for (int64_t i = 0; i < w->count; i++) {
+        const entry *s = &w->entries[i];
+        if (s->kind != CKPT_ENTRY_TENSOR || (s->shard && !shard_is_whole(s)))
+            return ckpt__err(CKPT_EINVAL, "state dict: '%s' is not a whole tensor", s->key);
+        entry e;
+        memset(&e, 0, sizeof e);
+        e.kind = s->kind;
+        e.dtype = s->dtype;
+        e.ndim = s->ndim;
+        memcpy(e.shape, s->shape, sizeof e.shape);
+        e.nbytes = s->nbytes;
+        e.data = s->data;
+        if (!(e.key = reader_own_strdup(r, s->key, strlen(s->key)))) return CKPT_ENOMEM;
+        CKPT_TRY(adapted_append(r, &e));
+    }
+    return CKPT_OK;
+}
+
 int ckpt__reader_put_from_writer(ckpt_reader *r, const ckpt_writer *w, const char *key) {
     int64_t i = key_index_get(&w->index, key);
     if (i < 0) return ckpt__err(CKPT_ENOENT, "state dict: no key '%s'", key);

@@ -14,6 +14,7 @@
 
 #include "base/error.h"
 #include "base/io.h"
+#include "format/keymap.h"
 #include "format/manifest.h"
 #include "format/statedict.h"
 #include "store/store.h"
@@ -652,6 +653,91 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
     ckpt_writer_free(x.sched);
     ckpt_writer_free(x.scaler);
     ckpt_writer_free(x.rng);
+    for (int i = 0; i < x.ntf; i++) ckpt_torch_close(x.tfiles[i]);
+    for (int i = 0; i < x.nrd; i++) ckpt_reader_free(x.readers[i]);
+    for (int i = 0; i < x.nbufs; i++) free(x.bufs[i]);
+    for (int64_t i = 0; i < x.nparams; i++) free(x.params[i].name);
+    free(x.tfiles);
+    free(x.readers);
+    free(x.bufs);
+    free(x.params);
+    return rc;
+}
+
+/* ---- weights straight into a model ---------------------------------------- */
+
+static int model_current(void *ctx, ckpt_writer *w) { return ckpt_model_ops()->state_dict(ctx, w); }
+
+static void move_keys(ckpt_load_key **v, int64_t *n, ckpt_key_list *l) {
+    *v = l->v;
+    *n = l->n;
+    memset(l, 0, sizeof *l);
+}
+
+int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_options *opt,
+                            ckpt_load_report *report) {
+    if (report) memset(report, 0, sizeof *report);
+    if (!m || !src) return ckpt__err(CKPT_EINVAL, "load_weights: NULL argument");
+    ckpt_load_options none;
+    memset(&none, 0, sizeof none);
+    if (!opt) opt = &none;
+    CKPT_TRY(ckpt__keymap_check(opt, "load_weights"));
+    imp x;
+    memset(&x, 0, sizeof x);
+    x.o = defaults();
+    ckpt_reader *file = NULL, *ad = NULL, *ex = NULL;
+    ckpt_writer *schema = NULL;
+    ckpt_adapt_result res;
+    memset(&res, 0, sizeof res);
+    int64_t step = 0;
+    struct stat st;
+    int rc = stat(src, &st) == 0 ? CKPT_OK : ckpt__err_os(errno, "load_weights: %s", src);
+    char *manifest = rc == 0 ? ckpt__path_join(src, "checkpoint.json") : NULL;
+    if (rc == 0 && !manifest) rc = ckpt__err_nomem("load_weights");
+    if (rc == 0 && S_ISDIR(st.st_mode) && exists(manifest)) {
+        /* a ckpt checkpoint: its first model, verified against the manifest */
+        rc = ckpt_checkpoint_open_object(src, "model.safetensors", &file);
+        ckpt_checkpoint_info info;
+        if (rc == 0 && ckpt_checkpoint_verify(src, false, &info) == 0) step = info.step;
+    } else if (rc == 0) {
+        /* Hugging Face / PyTorch weights, read by import's readers (no copy) */
+        rc = ckpt_writer_new(&x.model);
+        if (rc == 0) rc = import_model(&x, src, S_ISDIR(st.st_mode));
+        if (rc == 0) rc = ckpt__reader_new_adapted(&file, src);
+        if (rc == 0) rc = ckpt__reader_put_writer_views(file, x.model);
+    }
+    free(manifest);
+    /* match, adapt, check: nothing changes before all of it passed */
+    if (rc == 0) rc = ckpt_writer_new_schema(&schema);
+    if (rc == 0) rc = ckpt_model_ops()->state_dict(m, schema);
+    if (rc == 0)
+        rc = ckpt__adapt(schema, file, opt, "model", src, model_current, m, &ad, &ex, &res);
+    ckpt_reader *use = ad ? ad : file;
+    if (rc == 0) rc = ckpt__schema_check(schema, use, src);
+    if (rc == 0) rc = ckpt_model_ops()->check_state_dict(m, use);
+    if (rc == 0 && report) {
+        report->dir = ckpt__strdup(src);
+        report->loaded = ckpt__calloc(1, sizeof *report->loaded);
+        if (!report->dir || !report->loaded || !(report->loaded[0] = ckpt__strdup("model")))
+            rc = ckpt__err_nomem("load report");
+        else report->num_loaded = 1;
+    }
+    if (rc == 0) rc = ckpt_model_ops()->load_state_dict(m, use);
+    if (rc == 0 && report) {
+        report->step = step;
+        move_keys(&report->missing, &report->num_missing, &res.missing);
+        move_keys(&report->unexpected, &report->num_unexpected, &res.unexpected);
+        move_keys(&report->renamed, &report->num_renamed, &res.renamed);
+        move_keys(&report->converted, &report->num_converted, &res.converted);
+    }
+    if (rc < 0 && report) ckpt_load_report_free(report);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "load_weights");
+    ckpt__adapt_result_free(&res);
+    ckpt_writer_free(schema);
+    ckpt_reader_free(ad);
+    ckpt_reader_free(ex);
+    ckpt_reader_free(file);
+    ckpt_writer_free(x.model);
     for (int i = 0; i < x.ntf; i++) ckpt_torch_close(x.tfiles[i]);
     for (int i = 0; i < x.nrd; i++) ckpt_reader_free(x.readers[i]);
     for (int i = 0; i < x.nbufs; i++) free(x.bufs[i]);

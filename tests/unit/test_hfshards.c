@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include <cmocka.h>
 
@@ -161,11 +162,87 @@ static void test_damage_is_named(void **state) {
     free(proj);
 }
 
+/* ckpt_model_load_weights: from a checkpoint in the sharded layout, from a
+ * bare Hugging Face folder (shards + index, no manifest), from one
+ * .safetensors file with other key names; a mismatch changes nothing. */
+static void test_model_load_weights(void **state) {
+    (void)state;
+    char *proj = tu_pathf("%s/p", tu_dir());
+    net a;
+    net_open(&a, proj, 1500, 1.0f);
+    ckpt_accelerator_set_step(a.acc, 12);
+    assert_int_equal(ckpt_save_state(a.acc, NULL), CKPT_OK);
+    char *d = strdup(ckpt_accelerator_last_dir(a.acc));
+    net b;
+    char *proj2 = tu_pathf("%s/q", tu_dir());
+    net_open(&b, proj2, 0, 5.0f);
+    ckpt_load_report rep;
+    assert_int_equal(ckpt_model_load_weights(b.m, d, NULL, &rep), CKPT_OK);
+    for (int i = 0; i < NP; i++) assert_memory_equal(a.p[i], b.p[i], (size_t)sizes[i] * 4);
+    assert_int_equal(rep.step, 12);
+    assert_int_equal(rep.num_loaded, 1);
+    ckpt_load_report_free(&rep);
+    /* a bare Hugging Face folder: the shards and the index only */
+    char *hf = tu_pathf("%s/hf", tu_dir());
+    assert_int_equal(mkdir(hf, 0755), 0);
+    const char *files[] = {"model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors",
+                           "model-00003-of-00004.safetensors", "model-00004-of-00004.safetensors",
+                           "model.safetensors.index.json"};
+    for (size_t i = 0; i < 5; i++) {
+        char *from = tu_pathf("%s/%s", d, files[i]), *to = tu_pathf("%s/%s", hf, files[i]);
+        size_t n;
+        char *bytes = tu_read_file(from, &n);
+        tu_write_file(to, bytes, n);
+        free(bytes);
+        free(from);
+        free(to);
+    }
+    for (int i = 0; i < NP; i++) b.p[i][1] = 99.0f;
+    assert_int_equal(ckpt_model_load_weights(b.m, hf, NULL, NULL), CKPT_OK);
+    for (int i = 0; i < NP; i++) assert_memory_equal(a.p[i], b.p[i], (size_t)sizes[i] * 4);
+    /* one file whose keys carry a prefix, and a tensor the model lacks */
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    char key[64];
+    for (int i = 0; i < NP; i++) {
+        snprintf(key, sizeof key, "transformer.%s", names[i]);
+        assert_int_equal(ckpt_write_tensor(w, key, CKPT_F32, 1, &sizes[i], a.p[i]), CKPT_OK);
+    }
+    float extra[2] = {1, 2};
+    int64_t two = 2;
+    assert_int_equal(ckpt_write_tensor(w, "transformer.rotary.inv_freq", CKPT_F32, 1, &two, extra), CKPT_OK);
+    char *one = tu_pathf("%s/weights.safetensors", tu_dir());
+    assert_int_equal(ckpt_writer_save(w, one), CKPT_OK);
+    ckpt_writer_free(w);
+    for (int i = 0; i < NP; i++) b.p[i][1] = 99.0f;
+    tu_expect_error(ckpt_model_load_weights(b.m, one, NULL, NULL), CKPT_EMISMATCH,
+                    "'embed.weight' missing in file");
+    assert_true(b.p[0][1] == 99.0f);
+    ckpt_key_prefix strip[] = {{"transformer.", ""}};
+    ckpt_load_options o = {.prefix_map = strip, .num_prefix_map = 1, .non_strict = true};
+    assert_int_equal(ckpt_model_load_weights(b.m, one, &o, &rep), CKPT_OK);
+    for (int i = 0; i < NP; i++) assert_memory_equal(a.p[i], b.p[i], (size_t)sizes[i] * 4);
+    assert_int_equal(rep.num_unexpected, 1);
+    assert_string_equal(rep.unexpected[0].file_key, "transformer.rotary.inv_freq");
+    assert_int_equal(rep.num_renamed, NP);
+    ckpt_load_report_free(&rep);
+    tu_expect_error(ckpt_model_load_weights(b.m, "/nonexistent/weights", NULL, NULL), CKPT_ENOENT,
+                    "/nonexistent/weights");
+    net_close(&b);
+    net_close(&a);
+    free(one);
+    free(hf);
+    free(proj2);
+    free(d);
+    free(proj);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_save_as_shards_and_load, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_below_the_limit_is_one_file, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_damage_is_named, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_model_load_weights, tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
