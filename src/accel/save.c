@@ -364,7 +364,7 @@ static int write_hf(save_op *op, int i, const char *file) {
     if (rc == 0) {
         ckpt__hf_plan(nb, n, op->acc->max_shard_size, starts, &ns);
         names = ckpt__calloc((size_t)ns, sizeof *names);
-        op->hf[i] = ckpt__calloc((size_t)ns + 1, sizeof *op->hf[i]);
+        op->hf[i] = ckpt__calloc((size_t)ns + 2, sizeof *op->hf[i]); /* one spare: see op_free */
         if (!names || !op->hf[i]) rc = ckpt__err_nomem("save shards");
     }
     for (int64_t s = 0; s < ns && rc == 0; s++) {
@@ -653,7 +653,9 @@ void ckpt__save_op_free(save_op *op) {
         for (int i = 0; i < 2 * op->nobjs; i++) ckpt__file_digest_free(&op->slots[i].d);
     free(op->slots);
     for (int i = 0; op->hf && i < op->nobjs; i++) {
-        for (int k = 0; k < op->nhf[i]; k++) ckpt__file_digest_free(&op->hf[i][k].d);
+        /* a shard whose write failed may hold a digest too: free every slot */
+        for (int k = 0; op->hf[i] && op->nhf && k <= op->nhf[i]; k++)
+            ckpt__file_digest_free(&op->hf[i][k].d);
         free(op->hf[i]);
     }
     free(op->hf);

@@ -16,6 +16,7 @@
 #include <cmocka.h>
 
 #include "ckpt.h"
+#include "base/error.h"
 #include "helpers/testutil.h"
 
 #define NP 5
@@ -237,12 +238,63 @@ static void test_model_load_weights(void **state) {
     free(proj);
 }
 
+/* Every allocation failure of a sharded save and of its load is a clean
+ * ENOMEM: no partial checkpoint visible, the model untouched. */
+static void test_allocation_failures(void **state) {
+    (void)state;
+    char *proj = tu_pathf("%s/p", tu_dir());
+    char *cd = tu_pathf("%s/checkpoints", proj);
+    net a;
+    net_open(&a, proj, 1500, 1.0f);
+    assert_int_equal(ckpt_save_state(a.acc, NULL), CKPT_OK);
+    int failures = 0;
+    for (uint64_t n = 1;; n++) {
+        assert_true(n < 100000);
+        ckpt__alloc_fail_after(n);
+        int rc = ckpt_save_state(a.acc, NULL);
+        ckpt__alloc_fail_after(0);
+        if (rc == 0) break;
+        if (rc != CKPT_ENOMEM) fail_msg("save, allocation %llu: %d %s", (unsigned long long)n, rc, ckpt_errmsg());
+        failures++;
+        assert_int_equal(tu_count_hidden_tmp(cd), 0);
+        char *next = tu_pathf("%s/checkpoint_1", cd);
+        assert_false(tu_exists(next));
+        free(next);
+    }
+    assert_true(failures > 10);
+    char *d = strdup(ckpt_accelerator_last_dir(a.acc));
+    net b;
+    char *proj2 = tu_pathf("%s/q", tu_dir());
+    net_open(&b, proj2, 0, 5.0f);
+    failures = 0;
+    for (uint64_t n = 1;; n++) {
+        assert_true(n < 100000);
+        ckpt__alloc_fail_after(n);
+        int rc = ckpt_load_state(b.acc, d);
+        ckpt__alloc_fail_after(0);
+        if (rc == 0) break;
+        if (rc != CKPT_ENOMEM) fail_msg("load, allocation %llu: %d %s", (unsigned long long)n, rc, ckpt_errmsg());
+        failures++;
+        assert_true(b.p[1][0] == 6.0f);
+        assert_int_equal(ckpt_accelerator_start_over(b.acc), CKPT_OK);
+    }
+    assert_true(failures > 10);
+    for (int i = 0; i < NP; i++) assert_memory_equal(a.p[i], b.p[i], (size_t)sizes[i] * 4);
+    net_close(&b);
+    net_close(&a);
+    free(proj2);
+    free(d);
+    free(cd);
+    free(proj);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_save_as_shards_and_load, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_below_the_limit_is_one_file, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_damage_is_named, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_model_load_weights, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_allocation_failures, tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
