@@ -33,6 +33,7 @@
 #include "base/io.h"
 #include "format/hfindex.h"
 #include "format/manifest.h"
+#include "format/shard.h"
 #include "format/statedict.h"
 #include "store/store.h"
 
@@ -446,6 +447,14 @@ static bool writes_name(const save_op *op, const char *name) {
         char own[96], shard[160];
         ckpt__acc_file_name(op->acc, o, own, sizeof own);
         if ((o->kind == K_RNG || op->committer) && strcmp(name, own) == 0) return true;
+        if (op->committer && hf_sharded(op, i)) { /* its Hugging Face shards and index */
+            size_t stem = strlen(own) - strlen(".safetensors"), sl = 0;
+            char index[128];
+            snprintf(index, sizeof index, "%s.index.json", own);
+            if (strcmp(name, index) == 0) return true;
+            if (ckpt__shard_file_parse(name, &sl, NULL, NULL) && sl == stem && !strncmp(name, own, stem))
+                return true;
+        }
         if (ckpt__writer_has_shards(op->writers[i]) &&
             ckpt__acc_shard_name(own, op->comm->rank, op->comm->size, shard, sizeof shard) == 0 &&
             strcmp(name, shard) == 0)

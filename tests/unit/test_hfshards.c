@@ -288,6 +288,28 @@ static void test_allocation_failures(void **state) {
     free(proj);
 }
 
+static int shard_named_hook(void *user, ckpt_accelerator *acc, const char *dir) {
+    (void)user, (void)acc;
+    char *p = tu_pathf("%s/model-00001-of-00004.safetensors", dir);
+    tu_write_text(p, "not a shard");
+    free(p);
+    return 0;
+}
+
+/* A save pre-hook may add files, but not one named like the model's shards. */
+static void test_hook_cannot_take_a_shard_name(void **state) {
+    (void)state;
+    char *proj = tu_pathf("%s/p", tu_dir());
+    net a;
+    net_open(&a, proj, 1500, 1.0f);
+    ckpt_hook_handle *h = NULL;
+    assert_int_equal(ckpt_register_save_state_pre_hook(a.acc, shard_named_hook, NULL, &h), CKPT_OK);
+    tu_expect_error(ckpt_save_state(a.acc, NULL), CKPT_EINVAL,
+                    "a save pre-hook wrote 'model-00001-of-00004.safetensors'");
+    net_close(&a);
+    free(proj);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_save_as_shards_and_load, tu_tmpdir_setup, tu_tmpdir_teardown),
@@ -295,6 +317,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_damage_is_named, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_model_load_weights, tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_allocation_failures, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_hook_cannot_take_a_shard_name, tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
