@@ -173,3 +173,19 @@ run_rc 0 "$CKPT_BIN" verify "$proj"
 grep -q "\"step\": $step," "$(latest_checkpoint "$proj")/checkpoint.json" ||
     fail "the checkpoint is not at step $step"
 echo "ok: SIGTERM: every rank saved at step $step and exited 0"
+
+# ---- --init-from and Hugging Face shards under 2 ranks ------------------------
+# A 1-process checkpoint's model starts a 2-rank fine-tuning run (a partial,
+# collective load); the 2-rank run saves its model as HF shards; a second
+# identical job ends bit for bit the same.
+src=$(latest_checkpoint "$WORK/ref1")
+for j in ft1 ft2; do
+    run_rc 0 mpi 2 --epochs 1 --batch-size 8 --workers 0 --save-every 0 --seed 3 \
+        --project-dir "$WORK/$j" --init-from "$src" --max-shard-size 100KB
+    grep -q "initialised the model from $src" "$WORK/out" || { cat "$WORK/out" >&2; fail "no init line"; }
+done
+ck=$(latest_checkpoint "$WORK/ft1")
+[ -f "$ck/model.safetensors.index.json" ] || fail "the 2-rank run did not save HF shards"
+run_rc 0 "$CKPT_BIN" verify "$WORK/ft1"
+run_rc 0 "$CKPT_BIN" diff "$ck" "$(latest_checkpoint "$WORK/ft2")"
+echo "ok: --init-from a 1-process checkpoint under 2 ranks, HF shards saved, reproducible"
