@@ -1455,6 +1455,18 @@ int ckpt__reader_adopt_reader(ckpt_reader *r, ckpt_reader *sub) {
     return CKPT_OK;
 }
 
+/* A new entry with s's kind, dtype, shape and size, nothing else. */
+static entry entry_header(const entry *s) {
+    entry e;
+    memset(&e, 0, sizeof e);
+    e.kind = s->kind;
+    e.dtype = s->dtype;
+    e.ndim = s->ndim;
+    memcpy(e.shape, s->shape, sizeof e.shape);
+    e.nbytes = s->nbytes;
+    return e;
+}
+
 /* r keeps p (freed with r); p is freed here if that fails. */
 static int reader_own(ckpt_reader *r, void *p) {
     if (!p) return ckpt__err_nomem("adapted reader");
@@ -1511,13 +1523,7 @@ int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *s
                                  const char *src_key, ckpt_dtype dt) {
     const entry *s = reader_get(src, src_key);
     if (!s) return ckpt__err(CKPT_ENOENT, "%s: no key '%s'", src->name, src_key);
-    entry e;
-    memset(&e, 0, sizeof e);
-    e.kind = s->kind;
-    e.dtype = s->dtype;
-    e.ndim = s->ndim;
-    memcpy(e.shape, s->shape, sizeof e.shape);
-    e.nbytes = s->nbytes;
+    entry e = entry_header(s);
     if (!(e.key = reader_own_strdup(r, key, strlen(key)))) return CKPT_ENOMEM;
     if (s->kind != CKPT_ENTRY_TENSOR) {
         CKPT_TRY(adapted_scalar(r, &e, s));
@@ -1560,13 +1566,7 @@ int ckpt__reader_put_writer_views(ckpt_reader *r, const ckpt_writer *w) {
         const entry *s = &w->entries[i];
         if (s->kind != CKPT_ENTRY_TENSOR || (s->shard && !shard_is_whole(s)))
             return ckpt__err(CKPT_EINVAL, "state dict: '%s' is not a whole tensor", s->key);
-        entry e;
-        memset(&e, 0, sizeof e);
-        e.kind = s->kind;
-        e.dtype = s->dtype;
-        e.ndim = s->ndim;
-        memcpy(e.shape, s->shape, sizeof e.shape);
-        e.nbytes = s->nbytes;
+        entry e = entry_header(s);
         e.data = s->data;
         if (!(e.key = reader_own_strdup(r, s->key, strlen(s->key)))) return CKPT_ENOMEM;
         CKPT_TRY(adapted_append(r, &e));
@@ -1584,13 +1584,7 @@ int ckpt__reader_put_from_writer(ckpt_reader *r, const ckpt_writer *w, const cha
                          "tensor '%s' is sharded across processes; a sharded tensor cannot be "
                          "missing from the file in a non-strict load",
                          key);
-    entry e;
-    memset(&e, 0, sizeof e);
-    e.kind = s->kind;
-    e.dtype = s->dtype;
-    e.ndim = s->ndim;
-    memcpy(e.shape, s->shape, sizeof e.shape);
-    e.nbytes = s->nbytes;
+    entry e = entry_header(s);
     if (!(e.key = reader_own_strdup(r, key, strlen(key)))) return CKPT_ENOMEM;
     if (s->kind != CKPT_ENTRY_TENSOR) {
         CKPT_TRY(adapted_scalar(r, &e, s));

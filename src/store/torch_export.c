@@ -4,7 +4,6 @@
  * folder and published whole. */
 #include <errno.h>
 #include <inttypes.h>
-#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +11,7 @@
 
 #include "base/error.h"
 #include "base/io.h"
+#include "format/hfindex.h"
 #include "format/manifest.h"
 #include "format/statedict.h"
 #include "store/store.h"
@@ -168,62 +168,50 @@ static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard)
     int64_t n = ckpt_reader_count(r);
     char stem[64], name[128];
     out_name(stem, sizeof stem, "model", k, "");
-    for (int64_t i = 0; i < n; i++) {
-        ckpt_entry_info e;
-        CKPT_TRY(ckpt_reader_entry(r, i, &e));
-        if (e.kind != CKPT_ENTRY_TENSOR)
-            return ckpt__err(CKPT_ECORRUPT, "%s: entry '%s' is not a tensor", file, e.key);
-    }
-    uint64_t total = 0;
-    int64_t nshards = 0;
-    /* greedy, in file order, as transformers' shard_checkpoint does */
+    uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
     int64_t *starts = ckpt__calloc((size_t)n + 2, sizeof *starts);
-    if (!starts) return ckpt__err_nomem("export");
-    uint64_t cur = 0;
-    for (int64_t i = 0; i < n; i++) {
+    const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
+    const char **files = ckpt__calloc((size_t)n + 1, sizeof *files);
+    char (*names)[128] = NULL;
+    int rc = nb && starts && keys && files ? CKPT_OK : ckpt__err_nomem("export");
+    uint64_t total = 0;
+    for (int64_t i = 0; i < n && rc == 0; i++) {
         ckpt_entry_info e;
-        ckpt_reader_entry(r, i, &e);
-        total += e.nbytes;
-        if (i == 0 || (max_shard && cur > 0 && cur + e.nbytes > max_shard)) {
-            starts[nshards++] = i;
-            cur = 0;
+        rc = ckpt_reader_entry(r, i, &e);
+        if (rc == 0 && e.kind != CKPT_ENTRY_TENSOR)
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: entry '%s' is not a tensor", file, e.key);
+        if (rc == 0) {
+            nb[i] = e.nbytes;
+            keys[i] = e.key;
+            total += e.nbytes;
         }
-        cur += e.nbytes;
     }
-    if (nshards == 0) starts[nshards++] = 0;
-    starts[nshards] = n;
-    int rc = 0;
-    if (!max_shard || nshards == 1) {
+    int64_t nshards = 1;
+    if (rc == 0 && max_shard) ckpt__hf_plan(nb, n, max_shard, starts, &nshards);
+    if (rc == 0 && (!max_shard || nshards == 1)) { /* one file */
         snprintf(name, sizeof name, "%s.safetensors", stem);
         rc = write_shard(c, r, 0, n, name);
-        free(starts);
-        return rc;
+        nshards = 0;
     }
-    json_t *root = json_object(), *map = json_object(), *meta = json_object();
-    if (!root || !map || !meta) rc = ckpt__err_nomem("export index");
+    if (rc == 0 && nshards > 0 && !(names = ckpt__calloc((size_t)nshards, sizeof *names)))
+        rc = ckpt__err_nomem("export");
     for (int64_t s = 0; s < nshards && rc == 0; s++) {
-        snprintf(name, sizeof name, "%s-%05" PRId64 "-of-%05" PRId64 ".safetensors", stem, s + 1, nshards);
-        rc = write_shard(c, r, starts[s], starts[s + 1], name);
-        for (int64_t i = starts[s]; i < starts[s + 1] && rc == 0; i++) {
-            ckpt_entry_info e;
-            ckpt_reader_entry(r, i, &e);
-            if (json_object_set_new(map, e.key, json_string(name)) != 0) rc = ckpt__err_nomem("export index");
-        }
+        rc = ckpt__hf_shard_name(names[s], sizeof names[s], stem, s, nshards);
+        if (rc == 0) rc = write_shard(c, r, starts[s], starts[s + 1], names[s]);
+        for (int64_t i = starts[s]; i < starts[s + 1]; i++) files[i] = names[s];
     }
-    free(starts);
-    if (rc == 0) {
-        json_object_set_new(meta, "total_size", json_integer((json_int_t)total));
-        json_object_set(root, "metadata", meta);
-        json_object_set(root, "weight_map", map);
-        char *text = json_dumps(root, JSON_INDENT(2) | JSON_SORT_KEYS);
-        if (!text) rc = ckpt__err_nomem("export index");
+    if (rc == 0 && nshards > 0) {
+        char *text = NULL;
+        rc = ckpt__hf_index_text(keys, files, n, total, &text);
         snprintf(name, sizeof name, "%s.safetensors.index.json", stem);
         if (rc == 0) rc = write_text(c, name, text);
         free(text);
     }
-    json_decref(root);
-    json_decref(map);
-    json_decref(meta);
+    free(names);
+    free(files);
+    free(keys);
+    free(starts);
+    free(nb);
     return rc;
 }
 

@@ -49,6 +49,25 @@ static ckpt_import_options defaults(void) {
 
 ckpt_import_options ckpt_import_defaults(void) { return defaults(); }
 
+/* Everything an import holds: its writers, the files it read (whose bytes
+ * the writers borrow), its buffers. */
+static void imp_free(imp *x) {
+    ckpt_writer_free(x->model);
+    ckpt_writer_free(x->optim);
+    ckpt_writer_free(x->sched);
+    ckpt_writer_free(x->scaler);
+    ckpt_writer_free(x->rng);
+    for (int i = 0; i < x->ntf; i++) ckpt_torch_close(x->tfiles[i]);
+    for (int i = 0; i < x->nrd; i++) ckpt_reader_free(x->readers[i]);
+    for (int i = 0; i < x->nbufs; i++) free(x->bufs[i]);
+    for (int64_t i = 0; i < x->nparams; i++) free(x->params[i].name);
+    free(x->tfiles);
+    free(x->readers);
+    free(x->bufs);
+    free(x->params);
+    memset(x, 0, sizeof *x);
+}
+
 static void *keep(imp *x, void *p) {
     if (!p) return NULL;
     void *g = ckpt__realloc(x->bufs, (size_t)(x->nbufs + 1) * sizeof *x->bufs);
@@ -648,19 +667,7 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
     free(base);
     free(tname);
     free(tmp);
-    ckpt_writer_free(x.model);
-    ckpt_writer_free(x.optim);
-    ckpt_writer_free(x.sched);
-    ckpt_writer_free(x.scaler);
-    ckpt_writer_free(x.rng);
-    for (int i = 0; i < x.ntf; i++) ckpt_torch_close(x.tfiles[i]);
-    for (int i = 0; i < x.nrd; i++) ckpt_reader_free(x.readers[i]);
-    for (int i = 0; i < x.nbufs; i++) free(x.bufs[i]);
-    for (int64_t i = 0; i < x.nparams; i++) free(x.params[i].name);
-    free(x.tfiles);
-    free(x.readers);
-    free(x.bufs);
-    free(x.params);
+    imp_free(&x);
     return rc;
 }
 
@@ -737,14 +744,6 @@ int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_opti
     ckpt_reader_free(ad);
     ckpt_reader_free(ex);
     ckpt_reader_free(file);
-    ckpt_writer_free(x.model);
-    for (int i = 0; i < x.ntf; i++) ckpt_torch_close(x.tfiles[i]);
-    for (int i = 0; i < x.nrd; i++) ckpt_reader_free(x.readers[i]);
-    for (int i = 0; i < x.nbufs; i++) free(x.bufs[i]);
-    for (int64_t i = 0; i < x.nparams; i++) free(x.params[i].name);
-    free(x.tfiles);
-    free(x.readers);
-    free(x.bufs);
-    free(x.params);
+    imp_free(&x);
     return rc;
 }
