@@ -348,53 +348,39 @@ static int write_hf(save_op *op, int i, const char *file) {
     char stem[96];
     snprintf(stem, sizeof stem, "%.*s", (int)(strlen(file) - 12), file); /* without .safetensors */
     uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
-    int64_t *starts = ckpt__calloc((size_t)n + 2, sizeof *starts);
     const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
-    const char **files = ckpt__calloc((size_t)n + 1, sizeof *files);
-    char (*names)[160] = NULL;
-    int rc = nb && starts && keys && files ? CKPT_OK : ckpt__err_nomem("save shards");
-    uint64_t total = 0;
-    int64_t ns = 0;
+    int rc = nb && keys ? CKPT_OK : ckpt__err_nomem("save shards");
     for (int64_t j = 0; j < n && rc == 0; j++) {
         ckpt_entry_info e;
         rc = ckpt_writer_entry(w, j, &e);
         nb[j] = e.nbytes;
         keys[j] = e.key;
-        total += e.nbytes;
     }
-    if (rc == 0) {
-        ckpt__hf_plan(nb, n, op->acc->max_shard_size, starts, &ns);
-        names = ckpt__calloc((size_t)ns, sizeof *names);
-        op->hf[i] = ckpt__calloc((size_t)ns + 2, sizeof *op->hf[i]); /* one spare: see op_free */
-        if (!names || !op->hf[i]) rc = ckpt__err_nomem("save shards");
-    }
-    for (int64_t s = 0; s < ns && rc == 0; s++) {
-        rc = ckpt__hf_shard_name(names[s], sizeof names[s], stem, s, ns);
+    ckpt_hf_layout l;
+    memset(&l, 0, sizeof l);
+    if (rc == 0) rc = ckpt__hf_layout_make(keys, nb, n, op->acc->max_shard_size, stem, &l);
+    if (rc == 0 && !(op->hf[i] = ckpt__calloc((size_t)l.nshards + 2, sizeof *op->hf[i])))
+        rc = ckpt__err_nomem("save shards"); /* one spare slot: see op_free */
+    for (int64_t s = 0; s < l.nshards && rc == 0; s++) {
         ckpt_writer *part = NULL;
-        if (rc == 0) rc = ckpt_writer_new(&part);
-        for (int64_t j = starts[s]; j < starts[s + 1] && rc == 0; j++) {
+        rc = ckpt_writer_new(&part);
+        for (int64_t j = l.starts[s]; j < l.starts[s + 1] && rc == 0; j++) {
             ckpt_entry_info e;
             rc = ckpt_writer_entry(w, j, &e);
             if (rc == 0)
                 rc = ckpt_write_tensor(part, e.key, e.dtype, e.ndim, e.shape,
                                        ckpt__writer_tensor_data(w, j));
-            files[j] = names[s];
         }
-        if (rc == 0) rc = write_file(op, part, names[s], ckpt__kind_name[K_MODEL], false, &op->hf[i][s]);
+        if (rc == 0) rc = write_file(op, part, l.names[s], ckpt__kind_name[K_MODEL], false, &op->hf[i][s]);
         if (rc == 0) op->nhf[i] = (int)s + 1;
         ckpt_writer_free(part);
     }
-    char *text = NULL;
     char iname[160];
     snprintf(iname, sizeof iname, "%s.safetensors.index.json", stem);
-    if (rc == 0) rc = ckpt__hf_index_text(keys, files, n, total, &text);
-    if (rc == 0) rc = write_text_file(op, iname, text, &op->hf[i][ns]);
-    if (rc == 0) op->nhf[i] = (int)ns + 1;
-    free(text);
-    free(names);
-    free(files);
+    if (rc == 0) rc = write_text_file(op, iname, l.index, &op->hf[i][l.nshards]);
+    if (rc == 0) op->nhf[i] = (int)l.nshards + 1;
+    ckpt__hf_layout_free(&l);
     free(keys);
-    free(starts);
     free(nb);
     return rc;
 }

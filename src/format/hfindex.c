@@ -9,7 +9,7 @@
 #include "format/hfindex.h"
 #include "format/statedict.h"
 
-void ckpt__hf_plan(const uint64_t *nbytes, int64_t n, uint64_t max, int64_t *starts,
+static void hf_plan(const uint64_t *nbytes, int64_t n, uint64_t max, int64_t *starts,
                    int64_t *nshards) {
     int64_t s = 0;
     uint64_t cur = 0;
@@ -25,13 +25,13 @@ void ckpt__hf_plan(const uint64_t *nbytes, int64_t n, uint64_t max, int64_t *sta
     *nshards = s;
 }
 
-int ckpt__hf_shard_name(char *buf, size_t cap, const char *stem, int64_t s, int64_t n) {
+static int hf_shard_name(char *buf, size_t cap, const char *stem, int64_t s, int64_t n) {
     int k = snprintf(buf, cap, "%s-%05" PRId64 "-of-%05" PRId64 ".safetensors", stem, s + 1, n);
     if (k < 0 || (size_t)k >= cap) return ckpt__err(CKPT_EINVAL, "shard name of '%s' too long", stem);
     return CKPT_OK;
 }
 
-int ckpt__hf_index_text(const char *const *keys, const char *const *files, int64_t n,
+static int hf_index_text(const char *const *keys, const char *const *files, int64_t n,
                         uint64_t total, char **out) {
     *out = NULL;
     json_t *root = json_object(), *map = json_object(), *meta = json_object();
@@ -46,6 +46,36 @@ int ckpt__hf_index_text(const char *const *keys, const char *const *files, int64
     json_decref(map);
     json_decref(meta);
     return rc ? ckpt__err_nomem("shard index") : CKPT_OK;
+}
+
+int ckpt__hf_layout_make(const char *const *keys, const uint64_t *nbytes, int64_t n, uint64_t max,
+                         const char *stem, ckpt_hf_layout *out) {
+    memset(out, 0, sizeof *out);
+    out->starts = ckpt__calloc((size_t)n + 2, sizeof *out->starts);
+    const char **files = ckpt__calloc((size_t)n + 1, sizeof *files);
+    int rc = out->starts && files ? CKPT_OK : ckpt__err_nomem("shard layout");
+    uint64_t total = 0;
+    for (int64_t i = 0; i < n; i++) total += nbytes[i];
+    if (rc == 0) {
+        hf_plan(nbytes, n, max, out->starts, &out->nshards);
+        if (!(out->names = ckpt__calloc((size_t)out->nshards, sizeof *out->names)))
+            rc = ckpt__err_nomem("shard layout");
+    }
+    for (int64_t s = 0; s < out->nshards && rc == 0; s++) {
+        rc = hf_shard_name(out->names[s], sizeof out->names[s], stem, s, out->nshards);
+        for (int64_t i = out->starts[s]; i < out->starts[s + 1]; i++) files[i] = out->names[s];
+    }
+    if (rc == 0) rc = hf_index_text(keys, files, n, total, &out->index);
+    free(files);
+    if (rc) ckpt__hf_layout_free(out);
+    return rc;
+}
+
+void ckpt__hf_layout_free(ckpt_hf_layout *l) {
+    free(l->starts);
+    free(l->names);
+    free(l->index);
+    memset(l, 0, sizeof *l);
 }
 
 void ckpt__hf_index_free(ckpt_hf_index *x) {

@@ -11,18 +11,21 @@
 
 #include "ckpt.h"
 
-/* Splits n tensors of nbytes[i] bytes, in order, greedily into shards of at
- * most max bytes (a tensor larger than max gets a shard of its own):
- * starts[s] is shard s's first tensor, starts[*nshards] = n. starts has room
- * for n + 1 entries. */
-void ckpt__hf_plan(const uint64_t *nbytes, int64_t n, uint64_t max, int64_t *starts,
-                   int64_t *nshards);
-/* "<stem>-%05d-of-%05d.safetensors" (more digits if needed). */
-int ckpt__hf_shard_name(char *buf, size_t cap, const char *stem, int64_t s, int64_t n);
-/* The index document (keys[i] in files[i]; total tensor bytes), pretty
- * printed with sorted keys as transformers writes it. *out: free(). */
-int ckpt__hf_index_text(const char *const *keys, const char *const *files, int64_t n,
-                        uint64_t total, char **out);
+/* The whole layout of n tensors (keys[i] of nbytes[i] bytes, in order)
+ * saved as "<stem>" shards of at most max bytes: split greedily in order, a
+ * tensor larger than max alone in its shard (transformers' rule); each
+ * shard's name "<stem>-%05d-of-%05d.safetensors"; the index document,
+ * pretty printed with sorted keys as transformers writes it. nshards may be
+ * 1 (the caller may then write one plain file instead). */
+typedef struct ckpt_hf_layout {
+    int64_t nshards;
+    int64_t *starts;     /* nshards + 1: shard s holds tensors [starts[s], starts[s+1]) */
+    char (*names)[160];  /* nshards */
+    char *index;         /* the index document */
+} ckpt_hf_layout;
+int ckpt__hf_layout_make(const char *const *keys, const uint64_t *nbytes, int64_t n, uint64_t max,
+                         const char *stem, ckpt_hf_layout *out);
+void ckpt__hf_layout_free(ckpt_hf_layout *l);
 
 /* A parsed index: pairs in document order and the distinct files. */
 typedef struct ckpt_hf_index {

@@ -169,48 +169,28 @@ static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard)
     char stem[64], name[128];
     out_name(stem, sizeof stem, "model", k, "");
     uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
-    int64_t *starts = ckpt__calloc((size_t)n + 2, sizeof *starts);
     const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
-    const char **files = ckpt__calloc((size_t)n + 1, sizeof *files);
-    char (*names)[128] = NULL;
-    int rc = nb && starts && keys && files ? CKPT_OK : ckpt__err_nomem("export");
-    uint64_t total = 0;
+    int rc = nb && keys ? CKPT_OK : ckpt__err_nomem("export");
     for (int64_t i = 0; i < n && rc == 0; i++) {
         ckpt_entry_info e;
         rc = ckpt_reader_entry(r, i, &e);
         if (rc == 0 && e.kind != CKPT_ENTRY_TENSOR)
             rc = ckpt__err(CKPT_ECORRUPT, "%s: entry '%s' is not a tensor", file, e.key);
-        if (rc == 0) {
-            nb[i] = e.nbytes;
-            keys[i] = e.key;
-            total += e.nbytes;
-        }
+        if (rc == 0) nb[i] = e.nbytes, keys[i] = e.key;
     }
-    int64_t nshards = 1;
-    if (rc == 0 && max_shard) ckpt__hf_plan(nb, n, max_shard, starts, &nshards);
-    if (rc == 0 && (!max_shard || nshards == 1)) { /* one file */
+    ckpt_hf_layout l;
+    memset(&l, 0, sizeof l);
+    if (rc == 0 && max_shard) rc = ckpt__hf_layout_make(keys, nb, n, max_shard, stem, &l);
+    if (rc == 0 && l.nshards <= 1) { /* one file */
         snprintf(name, sizeof name, "%s.safetensors", stem);
         rc = write_shard(c, r, 0, n, name);
-        nshards = 0;
     }
-    if (rc == 0 && nshards > 0 && !(names = ckpt__calloc((size_t)nshards, sizeof *names)))
-        rc = ckpt__err_nomem("export");
-    for (int64_t s = 0; s < nshards && rc == 0; s++) {
-        rc = ckpt__hf_shard_name(names[s], sizeof names[s], stem, s, nshards);
-        if (rc == 0) rc = write_shard(c, r, starts[s], starts[s + 1], names[s]);
-        for (int64_t i = starts[s]; i < starts[s + 1]; i++) files[i] = names[s];
-    }
-    if (rc == 0 && nshards > 0) {
-        char *text = NULL;
-        rc = ckpt__hf_index_text(keys, files, n, total, &text);
-        snprintf(name, sizeof name, "%s.safetensors.index.json", stem);
-        if (rc == 0) rc = write_text(c, name, text);
-        free(text);
-    }
-    free(names);
-    free(files);
+    for (int64_t s = 0; s < l.nshards && l.nshards > 1 && rc == 0; s++)
+        rc = write_shard(c, r, l.starts[s], l.starts[s + 1], l.names[s]);
+    snprintf(name, sizeof name, "%s.safetensors.index.json", stem);
+    if (rc == 0 && l.nshards > 1) rc = write_text(c, name, l.index);
+    ckpt__hf_layout_free(&l);
     free(keys);
-    free(starts);
     free(nb);
     return rc;
 }
