@@ -160,6 +160,8 @@ typedef struct entry {
     int64_t cshape[CKPT_MAX_NDIM];     /* writer: this chunk's shape */
     uint64_t cbytes;                   /* writer: this chunk's bytes */
     int64_t sk;                        /* reader: 1 + index into r->skeys, or 0 */
+    ckpt_dtype conv_from;              /* adapted reader: data holds this dtype, converted to
+                                          dtype as it is read (0: data is dtype already) */
 } entry;
 
 const char *ckpt_entry_kind_name(ckpt_entry_kind kind) {
@@ -1081,10 +1083,28 @@ static int shard_key_check(const ckpt_reader *r, const shard_key *k) {
     return rc;
 }
 
+static int reader_own(ckpt_reader *r, void *p);
+
+/* An entry converted as it is read, made a plain one (converted once into a
+ * buffer r owns) for the reads that need its bytes in place: views and
+ * slices. */
+static int materialize(ckpt_reader *r, const entry *ce) {
+    entry *e = (entry *)ce; /* r's own entry */
+    if (!e->conv_from) return CKPT_OK;
+    uint8_t *buf = ckpt__malloc(e->nbytes ? (size_t)e->nbytes : 1);
+    CKPT_TRY(reader_own(r, buf));
+    uint64_t n = e->nbytes / (uint64_t)(ckpt_dtype_bits(e->dtype) / 8);
+    CKPT_TRY(ckpt_dtype_convert(e->conv_from, e->data, e->dtype, buf, n));
+    e->data = buf;
+    e->conv_from = CKPT_DTYPE_INVALID;
+    return CKPT_OK;
+}
+
 int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
                             ckpt_entry_info *info) {
     const entry *e = NULL;
     CKPT_TRY(find_tensor(r, key, &e));
+    CKPT_TRY(materialize(r, e));
     if (!data) return ckpt__err(CKPT_EINVAL, "tensor view: data is NULL");
     static const uint8_t empty = 0;
     if (e->sk) {
@@ -1154,6 +1174,7 @@ int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int n
         bool whole = true;
         for (int d = 0; whole && d < ndim; d++) whole = offsets[d] == 0 && local_shape[d] == e->shape[d];
         if (whole) return ckpt_read_tensor(r, key, dt, ndim, global_shape, dst);
+        CKPT_TRY(materialize(r, e));
         const uint8_t *src = e->data;
         if (!src) {
             CKPT_TRY(reader_map(r));
@@ -1383,6 +1404,10 @@ int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
     }
     if (e->nbytes == 0) return CKPT_OK;
     if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
+    if (e->data && e->conv_from) { /* converted straight into dst: no copy in between */
+        uint64_t n = e->nbytes / (uint64_t)(ckpt_dtype_bits(e->dtype) / 8);
+        return ckpt_dtype_convert(e->conv_from, e->data, e->dtype, dst, n);
+    }
     if (e->data) { /* an adapted reader's entry */
         memcpy(dst, e->data, (size_t)e->nbytes);
         return CKPT_OK;
@@ -1530,6 +1555,7 @@ int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *s
         return adapted_append(r, &e);
     }
     if (dt == CKPT_DTYPE_INVALID) dt = s->dtype;
+    CKPT_TRY(materialize(src, s)); /* its bytes in its dtype */
     const uint8_t *bytes = NULL;
     if (s->nbytes && s->sk) { /* a sharded tensor: assembled whole */
         uint8_t *buf = ckpt__malloc((size_t)s->nbytes);
@@ -1545,17 +1571,16 @@ int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *s
         }
     }
     if (dt != s->dtype) {
-        uint64_t n = s->nbytes / (uint64_t)(ckpt_dtype_bits(s->dtype) / 8);
+        /* converted when read: straight into the caller's buffer */
+        static const ckpt_dtype ok[] = {CKPT_F32, CKPT_F16, CKPT_BF16};
+        bool a = false, b = false;
+        for (int k = 0; k < 3; k++) a = a || s->dtype == ok[k], b = b || dt == ok[k];
+        if (!a || !b)
+            return ckpt__err(CKPT_EINVAL, "%s: tensor '%s': %s does not convert to %s", src->name,
+                             src_key, ckpt_dtype_name(s->dtype), ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "?");
         CKPT_TRY(ckpt_tensor_nbytes(dt, s->ndim, s->shape, &e.nbytes));
-        uint8_t *buf = NULL;
-        if (e.nbytes) {
-            buf = ckpt__malloc((size_t)e.nbytes);
-            CKPT_TRY(reader_own(r, buf));
-        }
-        int rc = ckpt_dtype_convert(s->dtype, bytes, dt, buf, n);
-        if (rc) return ckpt__err_prefix(rc, "%s: tensor '%s'", src->name, src_key);
         e.dtype = dt;
-        bytes = buf;
+        e.conv_from = s->dtype;
     }
     e.data = bytes;
     return adapted_append(r, &e);
