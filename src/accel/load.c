@@ -53,9 +53,6 @@ typedef struct load_op {
      * file's, extra[i] what the adapted one also borrows from */
     ckpt_reader **srcs, **extra;
     ckpt_adapt_result res;
-    /* the part readers of models saved as Hugging Face shards */
-    ckpt_reader **parts;
-    int64_t nparts;
 } load_op;
 
 /* ---- choose ---------------------------------------------------------------- */
@@ -254,33 +251,12 @@ static int adapt_object(load_op *op, int i, const ckpt_writer *schema, const cha
     return CKPT_OK;
 }
 
-/* A model saved as Hugging Face shards: one reader over the parts its
- * index (manifest entry idx) names, every part listed in the manifest as a
- * model file. */
-static int open_hf(load_op *op, int64_t idx, const char *what, ckpt_reader **out) {
-    const ckpt_manifest *m = &op->c.m;
-    const ckpt_mapped *im = &op->c.maps[idx];
-    ckpt_hf_index x;
-    CKPT_TRY(ckpt__hf_index_parse((const char *)im->data, (size_t)im->size, m->files[idx].name, &x));
-    ckpt_reader **pr = ckpt__realloc(op->parts, (size_t)(op->nparts + x.nparts) * sizeof *pr);
-    int rc = pr ? CKPT_OK : ckpt__err_nomem("load shards");
-    if (pr) op->parts = pr;
-    int64_t first = op->nparts;
-    for (int64_t p = 0; p < x.nparts && rc == 0; p++) {
-        int64_t j = 0;
-        while (j < m->nfiles && strcmp(m->files[j].name, x.parts[p]) != 0) j++;
-        if (j == m->nfiles || strcmp(m->files[j].kind, ckpt__kind_name[K_MODEL]) != 0 || m->files[j].chunks) {
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s names %s, which the manifest does not list as a "
-                           "model file", op->dir, m->files[idx].name, x.parts[p]);
-            break;
-        }
-        const ckpt_mapped *mp = &op->c.maps[j];
-        rc = ckpt_reader_open_memory(&op->parts[op->nparts], mp->data, (size_t)mp->size, x.parts[p]);
-        if (rc == 0) op->nparts++;
-    }
-    if (rc == 0) rc = ckpt__hf_combine(&x, op->parts + first, what, out);
-    ckpt__hf_index_free(&x);
-    return rc;
+/* A part of a model saved as Hugging Face shards: a reader over the bytes
+ * the choose phase read and verified. */
+static int open_part(void *ctx, const ckpt_manifest_file *f, ckpt_reader **out) {
+    const load_op *op = ctx;
+    const ckpt_mapped *mp = &op->c.maps[f - op->c.m.files];
+    return ckpt_reader_open_memory(out, mp->data, (size_t)mp->size, f->name);
 }
 
 /* One object's reader over its file (and its shard files), and its schema
@@ -308,8 +284,10 @@ static int open_object(load_op *op, int i) {
         if (strcmp(m->files[hf].kind, ckpt__kind_name[K_MODEL]) != 0)
             return ckpt__err(CKPT_EMISMATCH, "load_state: %s: %s holds a %s, expected a model",
                              op->dir, iname, m->files[hf].kind);
-        int rc = open_hf(op, hf, name, &op->readers[i]);
-        if (rc < 0) return ckpt__err_prefix(rc, "load_state: %s", op->dir);
+        const ckpt_mapped *im = &op->c.maps[hf];
+        int rc = ckpt__hf_open(m, &m->files[hf], im->data, (size_t)im->size, op->dir, name,
+                               open_part, op, &op->readers[i]);
+        if (rc < 0) return ckpt__err_prefix(rc, "load_state");
     } else if (idx < 0) {
         return ckpt__err(CKPT_EMISMATCH, "load_state: %s: checkpoint has no %s (for %s %d)", op->dir,
                          name, ckpt__kind_noun[o->kind], o->index);
@@ -629,8 +607,6 @@ done:
     free(op.readers);
     free(op.extra);
     free(op.srcs);
-    for (int64_t i = 0; i < op.nparts; i++) ckpt_reader_free(op.parts[i]);
-    free(op.parts);
     free(op.sel);
     free(op.objs);
     ckpt__adapt_result_free(&op.res);

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "base/error.h"
+#include "format/statedict.h"
 
 static const struct {
     const char *name;
@@ -138,7 +139,10 @@ static uint32_t f16_to_bits(uint16_t h) {
     return sign | ((uint32_t)(e + 127) << 23) | ((mant & 0x3ffu) << 13);
 }
 
-static bool convertible(ckpt_dtype dt) { return dt == CKPT_F32 || dt == CKPT_F16 || dt == CKPT_BF16; }
+bool ckpt__dtype_convertible(ckpt_dtype dt) {
+    return dt == CKPT_F32 || dt == CKPT_F16 || dt == CKPT_BF16;
+}
+static bool convertible(ckpt_dtype dt) { return ckpt__dtype_convertible(dt); }
 
 int ckpt_dtype_convert(ckpt_dtype from, const void *src, ckpt_dtype to, void *dst, uint64_t n) {
     if (!convertible(from) || !convertible(to))

@@ -184,3 +184,38 @@ int ckpt__hf_combine(const ckpt_hf_index *x, ckpt_reader *const *part_readers, c
     *out = r;
     return CKPT_OK;
 }
+
+int ckpt__hf_open(const ckpt_manifest *m, const ckpt_manifest_file *index, const void *bytes,
+                  size_t len, const char *where, const char *what,
+                  int (*part)(void *ctx, const ckpt_manifest_file *f, ckpt_reader **out), void *ctx,
+                  ckpt_reader **out) {
+    *out = NULL;
+    ckpt_hf_index x;
+    int rc = ckpt__hf_index_parse(bytes, len, index->name, &x);
+    if (rc) return ckpt__err_prefix(rc, "%s", where);
+    ckpt_reader **parts = ckpt__calloc((size_t)x.nparts, sizeof *parts);
+    if (!parts) rc = ckpt__err_nomem("shards");
+    for (int64_t p = 0; p < x.nparts && rc == 0; p++) {
+        const ckpt_manifest_file *pf = ckpt__manifest_find(m, x.parts[p]);
+        if (!pf || strcmp(pf->kind, "model") != 0 || pf->chunks)
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s names %s, which the manifest does not list as a "
+                           "model file", where, index->name, x.parts[p]);
+        else
+            rc = part(ctx, pf, &parts[p]);
+    }
+    ckpt_reader *r = NULL;
+    if (rc == 0) rc = ckpt__hf_combine(&x, parts, what, &r);
+    /* r takes the parts; whatever it did not take is freed here */
+    for (int64_t p = 0; parts && p < x.nparts; p++) {
+        if (rc == 0 && (rc = ckpt__reader_adopt_reader(r, parts[p])) == 0) continue;
+        ckpt_reader_free(parts[p]);
+    }
+    free(parts);
+    ckpt__hf_index_free(&x);
+    if (rc) {
+        ckpt_reader_free(r);
+        return rc;
+    }
+    *out = r;
+    return CKPT_OK;
+}

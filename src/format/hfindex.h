@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "ckpt.h"
+#include "format/manifest.h"
 
 /* The whole layout of n tensors (keys[i] of nbytes[i] bytes, in order)
  * saved as "<stem>" shards of at most max bytes: split greedily in order, a
@@ -45,5 +46,16 @@ void ckpt__hf_index_free(ckpt_hf_index *x);
  * (CKPT_ECORRUPT otherwise); non-tensor entries are refused. */
 int ckpt__hf_combine(const ckpt_hf_index *x, ckpt_reader *const *part_readers, const char *what,
                      ckpt_reader **out);
+
+/* A checkpoint's model saved as Hugging Face shards: its index (manifest
+ * entry `index`, its bytes already checked against the manifest) and every
+ * part the index names, each of which the manifest must list as a model file
+ * of one process (no chunks). part(ctx, f, &r) opens part f's reader from
+ * bytes checked against the manifest; *out owns every part reader. where
+ * (the folder) and what (the object's file name) name things in messages. */
+int ckpt__hf_open(const ckpt_manifest *m, const ckpt_manifest_file *index, const void *bytes,
+                  size_t len, const char *where, const char *what,
+                  int (*part)(void *ctx, const ckpt_manifest_file *f, ckpt_reader **out), void *ctx,
+                  ckpt_reader **out);
 
 #endif

@@ -154,7 +154,7 @@ int ckpt__keymap_apply(const ckpt_load_options *opt, const char *object, const c
 
 /* ---- matching ---------------------------------------------------------- */
 
-static bool convertible(ckpt_dtype dt) { return dt == CKPT_F32 || dt == CKPT_F16 || dt == CKPT_BF16; }
+static bool convertible(ckpt_dtype dt) { return ckpt__dtype_convertible(dt); }
 
 /* The file's keys under their memory names: a reader of views (no copy but
  * for sharded tensors, assembled). orig[j] = src's key of entry j. */
@@ -173,11 +173,7 @@ static int rename_all(ckpt_reader *src, const ckpt_load_options *opt, const char
         CKPT_TRY(ckpt__keymap_apply(opt, object, info.key, nk, sizeof nk, &r));
         *any = *any || r;
         if (ckpt__reader_has(*out, nk, NULL)) {
-            const char *first = "?";
-            for (int64_t k = 0; k < j; k++) {
-                ckpt_entry_info pk;
-                if (ckpt_reader_entry(*out, k, &pk) == 0 && strcmp(pk.key, nk) == 0) first = (*orig)[k];
-            }
+            const char *first = (*orig)[ckpt__reader_index(*out, nk)];
             return ckpt__err(CKPT_EMISMATCH, "%s: file keys '%s' and '%s' both become '%s'", what,
                              first, info.key, nk);
         }
@@ -189,13 +185,8 @@ static int rename_all(ckpt_reader *src, const ckpt_load_options *opt, const char
 
 /* The file key behind memory key `key` of the named reader. */
 static const char *file_key_of(ckpt_reader *named, const char **orig, const char *key) {
-    if (!orig) return key;
-    int64_t n = ckpt_reader_count(named);
-    for (int64_t j = 0; j < n; j++) {
-        ckpt_entry_info e;
-        if (ckpt_reader_entry(named, j, &e) == 0 && strcmp(e.key, key) == 0) return orig[j];
-    }
-    return key;
+    int64_t j = orig ? ckpt__reader_index(named, key) : -1;
+    return j >= 0 ? orig[j] : key;
 }
 
 static int match(const ckpt_writer *schema, ckpt_reader *named, const char **orig,

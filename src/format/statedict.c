@@ -1041,6 +1041,10 @@ int ckpt_reader_find(const ckpt_reader *r, const char *key, ckpt_entry_info *inf
     return CKPT_OK;
 }
 
+int64_t ckpt__reader_index(const ckpt_reader *r, const char *key) {
+    return r && key ? key_index_get(&r->index, key) : -1;
+}
+
 bool ckpt__reader_has(const ckpt_reader *r, const char *key, ckpt_entry_info *info) {
     const entry *e = r && key ? reader_get(r, key) : NULL;
     if (e && info) entry_info(e, info);
@@ -1572,10 +1576,7 @@ int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *s
     }
     if (dt != s->dtype) {
         /* converted when read: straight into the caller's buffer */
-        static const ckpt_dtype ok[] = {CKPT_F32, CKPT_F16, CKPT_BF16};
-        bool a = false, b = false;
-        for (int k = 0; k < 3; k++) a = a || s->dtype == ok[k], b = b || dt == ok[k];
-        if (!a || !b)
+        if (!ckpt__dtype_convertible(s->dtype) || !ckpt__dtype_convertible(dt))
             return ckpt__err(CKPT_EINVAL, "%s: tensor '%s': %s does not convert to %s", src->name,
                              src_key, ckpt_dtype_name(s->dtype), ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "?");
         CKPT_TRY(ckpt_tensor_nbytes(dt, s->ndim, s->shape, &e.nbytes));

@@ -6,6 +6,10 @@
 #include "ckpt.h"
 #include "base/io.h"
 
+/* Whether ckpt_dtype_convert converts to and from dt (F32, F16, BF16;
+ * dtype.c). */
+bool ckpt__dtype_convertible(ckpt_dtype dt);
+
 /* Where one saved chunk of a sharded tensor sits in the whole tensor
  * (ckpt_write_tensor_shard): the box [offsets, offsets + shape) of a tensor
  * of global_shape. */
@@ -37,6 +41,9 @@ int ckpt__writer_save_digest(ckpt_writer *w, const char *path, ckpt_file_digest 
  * no rename: for files inside a checkpoint's temporary folder, which is
  * published as a whole. */
 int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d);
+/* The position of r's entry named key (as ckpt_reader_entry counts), or -1.
+ * No message either way. */
+int64_t ckpt__reader_index(const ckpt_reader *r, const char *key);
 /* Whether r has an entry named key (and its info if info is not NULL). A
  * probe: sets no error message either way, unlike ckpt_reader_find. */
 bool ckpt__reader_has(const ckpt_reader *r, const char *key, ckpt_entry_info *info);

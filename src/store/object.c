@@ -30,48 +30,27 @@ static int map_checked(const char *dir, const ckpt_manifest_file *f, ckpt_mapped
     return CKPT_OK;
 }
 
-/* A model saved as Hugging Face shards: its index (manifest entry f) and
- * every part it names, checked against the manifest, as one reader. */
+/* A part of a model saved as Hugging Face shards: its file, checked against
+ * the manifest, as a reader that owns the mapping. */
+static int open_part(void *ctx, const ckpt_manifest_file *f, ckpt_reader **out) {
+    const char *dir = ctx;
+    ckpt_mapped mp;
+    memset(&mp, 0, sizeof mp);
+    int rc = map_checked(dir, f, &mp);
+    if (rc == 0) rc = ckpt_reader_open_memory(out, mp.data, (size_t)mp.size, f->name);
+    if (rc == 0) rc = ckpt__reader_adopt_map(*out, &mp);
+    if (rc < 0 && mp.data) ckpt__unmap(&mp);
+    return rc;
+}
+
 static int open_hf(const char *dir, const ckpt_manifest *m, const ckpt_manifest_file *f,
                    const char *file, ckpt_reader **out) {
     ckpt_mapped im;
     memset(&im, 0, sizeof im);
     CKPT_TRY(map_checked(dir, f, &im));
-    ckpt_hf_index x;
-    int rc = ckpt__hf_index_parse((const char *)im.data, (size_t)im.size, f->name, &x);
+    int rc = ckpt__hf_open(m, f, im.data, (size_t)im.size, dir, file, open_part, (void *)dir, out);
     ckpt__unmap(&im);
-    if (rc) return ckpt__err_prefix(rc, "%s", dir);
-    ckpt_reader **parts = ckpt__calloc((size_t)x.nparts, sizeof *parts);
-    if (!parts) rc = ckpt__err_nomem("shards");
-    for (int64_t p = 0; p < x.nparts && rc == 0; p++) {
-        const ckpt_manifest_file *pf = ckpt__manifest_find(m, x.parts[p]);
-        if (!pf || strcmp(pf->kind, "model") != 0 || pf->chunks) {
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s names %s, which the manifest does not list as a "
-                           "model file", dir, f->name, x.parts[p]);
-            break;
-        }
-        ckpt_mapped mp;
-        memset(&mp, 0, sizeof mp);
-        rc = map_checked(dir, pf, &mp);
-        if (rc == 0) rc = ckpt_reader_open_memory(&parts[p], mp.data, (size_t)mp.size, x.parts[p]);
-        if (rc == 0) rc = ckpt__reader_adopt_map(parts[p], &mp);
-        if (rc < 0 && mp.data) ckpt__unmap(&mp);
-    }
-    ckpt_reader *r = NULL;
-    if (rc == 0) rc = ckpt__hf_combine(&x, parts, file, &r);
-    for (int64_t p = 0; p < x.nparts && parts; p++) {
-        if (rc == 0) rc = ckpt__reader_adopt_reader(r, parts[p]);
-        else ckpt_reader_free(parts[p]);
-        if (rc == 0) parts[p] = NULL;
-    }
-    free(parts);
-    ckpt__hf_index_free(&x);
-    if (rc) {
-        ckpt_reader_free(r);
-        return rc;
-    }
-    *out = r;
-    return CKPT_OK;
+    return rc;
 }
 
 int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader **out) {

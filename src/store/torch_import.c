@@ -704,8 +704,11 @@ int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_opti
     if (rc == 0 && S_ISDIR(st.st_mode) && exists(manifest)) {
         /* a ckpt checkpoint: its first model, verified against the manifest */
         rc = ckpt_checkpoint_open_object(src, "model.safetensors", &file);
-        ckpt_checkpoint_info info;
-        if (rc == 0 && ckpt_checkpoint_verify(src, false, &info) == 0) step = info.step;
+        ckpt_manifest man;
+        if (rc == 0 && ckpt__manifest_read(src, &man) == 0) { /* for the report's step */
+            step = man.step;
+            ckpt__manifest_clear(&man);
+        }
     } else if (rc == 0) {
         /* Hugging Face / PyTorch weights, read by import's readers (no copy) */
         rc = ckpt_writer_new(&x.model);
