@@ -691,8 +691,7 @@ static void strip_names(const char *src, const char *dst) {
 
 /* The state file names each state index's parameter; a model that
  * registers its parameters in another order still gets each parameter's own
- * state (by position it would silently get the other's: same shapes). A
- * file without names loads by position, as before. */
+ * state (by position it would silently get the other's: same shapes). */
 static void test_state_maps_by_parameter_name(void **state) {
     (void)state;
     pq a, b, ref;
@@ -718,18 +717,16 @@ static void test_state_maps_by_parameter_name(void **state) {
     for (int t = 4; t <= 6; t++) pq_step(&b, t), pq_step(&ref, t);
     assert_memory_equal(b.p, ref.p, sizeof b.p);
     assert_memory_equal(b.q, ref.q, sizeof b.q);
-    /* an older file, without names: by position (so q, p gets p's state for q) */
-    char *old = tu_pathf("%s/old.safetensors", tu_dir());
-    strip_names(path, old);
+    /* by-position permission does not override names */
     pq c;
-    pq_init(&c, false);
-    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), c.o, old), CKPT_OK);
-    size_t n1, n2;
-    char *s1 = state_bytes(c.o, "c.safetensors", &n1);
-    char *s2 = state_bytes(a.o, "a.safetensors", &n2);
-    tu_assert_bytes_equal(s1, n1, s2, n2);
-    free(s1);
-    free(s2);
+    pq_init(&c, true);
+    ckpt_optimizer_set_match_by_position(c.o, true);
+    memcpy(c.p, a.p, sizeof a.p);
+    memcpy(c.q, a.q, sizeof a.q);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), c.o, path), CKPT_OK);
+    for (int t = 4; t <= 6; t++) pq_step(&c, t);
+    assert_memory_equal(c.p, ref.p, sizeof c.p);
+    assert_memory_equal(c.q, ref.q, sizeof c.q);
     /* a name this optimizer does not have: refused, nothing changed */
     pq d;
     memset(&d, 0, sizeof d);
@@ -748,6 +745,76 @@ static void test_state_maps_by_parameter_name(void **state) {
     free(before);
     free(after);
     pq_free(&a), pq_free(&b), pq_free(&ref), pq_free(&c), pq_free(&d);
+    free(path);
+}
+
+typedef struct log_capture {
+    int warnings;
+    char last[600];
+} log_capture;
+
+static void capture_log(void *user, ckpt_log_level level, const char *msg) {
+    log_capture *c = user;
+    if (level == CKPT_LOG_WARNING) c->warnings++;
+    snprintf(c->last, sizeof c->last, "%s", msg);
+}
+
+/* State without parameter names (as imported from a torch 1.13
+ * optimizer.bin, which keeps none) into a model that registers two
+ * same-shaped parameters in another order (q before p, as a C model with
+ * ln.bias before ln.weight): a load by position would give each the other's
+ * moments with CKPT_OK. It is refused, nothing changes, unless the caller
+ * allows a load by position, which then says so in a warning. */
+static void test_unnamed_state_is_refused_unless_by_position_is_allowed(void **state) {
+    (void)state;
+    pq a;
+    pq_init(&a, false); /* p, q */
+    for (int t = 1; t <= 3; t++) pq_step(&a, t);
+    char *path = tu_pathf("%s/opt.safetensors", tu_dir());
+    char *old = tu_pathf("%s/unnamed.safetensors", tu_dir());
+    tu_save_state(ckpt_optimizer_ops(), a.o, path);
+    strip_names(path, old);
+    /* refused, by check and by load, and nothing changed */
+    pq b;
+    pq_init(&b, true); /* q, p */
+    log_capture lc;
+    memset(&lc, 0, sizeof lc);
+    ckpt__optimizer_set_log(b.o, capture_log, &lc);
+    size_t nb, na;
+    char *before = state_bytes(b.o, "b0.safetensors", &nb);
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, old), CKPT_OK);
+    tu_expect_error(ckpt_optimizer_ops()->check_state_dict(b.o, r), CKPT_EMISMATCH,
+                    "does not name its parameters");
+    ckpt_reader_free(r);
+    tu_expect_error(tu_load_state(ckpt_optimizer_ops(), b.o, old), CKPT_EMISMATCH,
+                    "ckpt import --param-names FILE");
+    tu_assert_errmsg_has("ckpt_optimizer_set_match_by_position");
+    char *after = state_bytes(b.o, "b1.safetensors", &na);
+    tu_assert_bytes_equal(before, nb, after, na);
+    assert_int_equal(lc.warnings, 0);
+    /* allowed by position: state index i to parameter i, with a warning */
+    pq c;
+    pq_init(&c, false);
+    memset(&lc, 0, sizeof lc);
+    ckpt__optimizer_set_log(c.o, capture_log, &lc);
+    ckpt_optimizer_set_match_by_position(c.o, true);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), c.o, old), CKPT_OK);
+    assert_int_equal(lc.warnings, 1);
+    tu_assert_contains(lc.last, "matched by position");
+    size_t n1, n2;
+    char *s1 = state_bytes(c.o, "c.safetensors", &n1);
+    char *s2 = state_bytes(a.o, "a.safetensors", &n2);
+    tu_assert_bytes_equal(s1, n1, s2, n2);
+    /* a named load logs nothing */
+    memset(&lc, 0, sizeof lc);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), c.o, path), CKPT_OK);
+    assert_int_equal(lc.warnings, 0);
+    free(s1);
+    free(s2);
+    free(before);
+    free(after);
+    pq_free(&a), pq_free(&b), pq_free(&c);
     free(path);
     free(old);
 }
@@ -773,6 +840,7 @@ int main(void) {
         T(test_new_allocation_failures_are_clean),
         T(test_simd_and_portable_adam_loops_agree_bit_for_bit),
         T(test_state_maps_by_parameter_name),
+        T(test_unnamed_state_is_refused_unless_by_position_is_allowed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
