@@ -1410,8 +1410,9 @@ CKPT_API ckpt_import_options ckpt_import_defaults(void);
  * state dict or a .safetensors file). The checkpoint has model.safetensors,
  * optimizer / scheduler / scaler files where src has them, and
  * random_states_0 seeded with opt->seed; a program that prepares the same
- * objects (parameters in PyTorch's parameters() order) loads it with
- * ckpt_load_state. opt may be NULL (defaults). */
+ * objects loads it with ckpt_load_state (optimizer state by parameter name:
+ * see ckpt_import_options.param_names). opt may be NULL (defaults).
+ * CKPT_EINVAL / CKPT_EMISMATCH for parameter names that do not fit. */
 CKPT_API int ckpt_import_torch(const char *src, const char *checkpoint_dir,
                                const ckpt_import_options *opt);
 
