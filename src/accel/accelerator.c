@@ -18,7 +18,6 @@
 #include "train/dataloader.h"
 #include "train/optim.h"
 
-
 /* ---- lifecycle ------------------------------------------------------------ */
 
 int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg) {

@@ -254,7 +254,8 @@ int ckpt__writer_set_optional(ckpt_writer *w, const char *key) {
 
 int ckpt__writer_set_shape_by_object(ckpt_writer *w, const char *key) {
     int64_t i = w && key ? key_index_get(&w->index, key) : -1;
-    if (i < 0) return ckpt__err(CKPT_ENOENT, "state dict: no key '%s' to mark", key ? key : "(null)");
+    if (i < 0)
+        return ckpt__err(CKPT_ENOENT, "state dict: no key '%s' to mark", key ? key : "(null)");
     w->entries[i].shape_by_object = true;
     return CKPT_OK;
 }

@@ -44,7 +44,7 @@ typedef struct imp {
     bool opt_named;      /* optimizer.bin carried param_names */
     int64_t opt_count;   /* the optimizer's parameters (state indices) */
     int64_t opt_nshapes;
-    mparam *opt_shapes;  /* state index -> its state tensors' shape (ndim -1: none seen) */
+    mparam *opt_shapes; /* state index -> its state tensors' shape (ndim -1: none seen) */
     ckpt_rng gen;
 } imp;
 
@@ -652,15 +652,20 @@ static const mparam *model_tensor(const imp *x, const char *name) {
 static int given_param_names(imp *x, const char *src) {
     const ckpt_import_options *o = &x->o;
     if (!x->optim)
-        return ckpt__err(CKPT_EINVAL, "import: %s: parameter names given, but there is no "
-                         "optimizer.bin to name", src);
+        return ckpt__err(CKPT_EINVAL,
+                         "import: %s: parameter names given, but there is no "
+                         "optimizer.bin to name",
+                         src);
     if (x->opt_named)
-        return ckpt__err(CKPT_EINVAL, "import: %s: optimizer.bin names its parameters itself "
-                         "(param_names); parameter names may not be given too", src);
+        return ckpt__err(CKPT_EINVAL,
+                         "import: %s: optimizer.bin names its parameters itself "
+                         "(param_names); parameter names may not be given too",
+                         src);
     if (o->num_param_names != x->opt_count || !o->param_names)
-        return ckpt__err(CKPT_EINVAL, "import: %s: %" PRId64 " parameter names given, "
-                         "optimizer.bin has %" PRId64 " parameters", src, o->num_param_names,
-                         x->opt_count);
+        return ckpt__err(CKPT_EINVAL,
+                         "import: %s: %" PRId64 " parameter names given, "
+                         "optimizer.bin has %" PRId64 " parameters",
+                         src, o->num_param_names, x->opt_count);
     char key[64], a[200], b[200];
     for (int64_t i = 0; i < x->opt_count; i++) {
         const char *name = o->param_names[i];
@@ -668,18 +673,23 @@ static int given_param_names(imp *x, const char *src) {
             return ckpt__err(CKPT_EINVAL, "import: parameter name %" PRId64 " is empty", i);
         for (int64_t j = 0; j < i; j++)
             if (!strcmp(o->param_names[j], name))
-                return ckpt__err(CKPT_EINVAL, "import: parameter name '%s' given twice (for "
-                                 "parameters %" PRId64 " and %" PRId64 ")", name, j, i);
+                return ckpt__err(CKPT_EINVAL,
+                                 "import: parameter name '%s' given twice (for "
+                                 "parameters %" PRId64 " and %" PRId64 ")",
+                                 name, j, i);
         const mparam *p = model_tensor(x, name);
         if (!p)
-            return ckpt__err(CKPT_EINVAL, "import: %s: parameter name %" PRId64 " '%s' is not a "
-                             "tensor of the model", src, i, name);
+            return ckpt__err(CKPT_EINVAL,
+                             "import: %s: parameter name %" PRId64 " '%s' is not a "
+                             "tensor of the model",
+                             src, i, name);
         if (!state_fits(x, i, p))
-            return ckpt__err(CKPT_EMISMATCH, "import: %s: parameter %" PRId64 " '%s' is %s in the "
-                             "model, its optimizer state is %s", src, i, name,
-                             ckpt__shape_str(a, sizeof a, p->ndim, p->shape),
-                             ckpt__shape_str(b, sizeof b, x->opt_shapes[i].ndim,
-                                             x->opt_shapes[i].shape));
+            return ckpt__err(
+                CKPT_EMISMATCH,
+                "import: %s: parameter %" PRId64 " '%s' is %s in the "
+                "model, its optimizer state is %s",
+                src, i, name, ckpt__shape_str(a, sizeof a, p->ndim, p->shape),
+                ckpt__shape_str(b, sizeof b, x->opt_shapes[i].ndim, x->opt_shapes[i].shape));
         snprintf(key, sizeof key, "param_names.%" PRId64, i);
         CKPT_TRY(ckpt_write_str(x->optim, key, name));
     }

@@ -941,7 +941,8 @@ static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bo
     *unnamed = !ckpt__reader_has(r, "param_names.0", NULL);
     if (*unnamed && o->by_position) return CKPT_OK;
     if (*unnamed)
-        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict does not name its parameters "
+        return ckpt__err(CKPT_EMISMATCH,
+                         "optimizer: the state dict does not name its parameters "
                          "(no param_names.<i>, as in state imported from a torch 1.13 "
                          "optimizer.bin), so which state belongs to which parameter is not "
                          "known; import again with the names (ckpt import --param-names FILE), "
@@ -1065,9 +1066,11 @@ static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
     CKPT_TRY(optimizer_check(o, r, o->load_map, &unnamed));
     CKPT_TRY(optimizer_commit(o, r, o->load_map));
     if (unnamed)
-        optim_warn(o, "optimizer: the state dict does not name its parameters; its state was "
+        optim_warn(o,
+                   "optimizer: the state dict does not name its parameters; its state was "
                    "matched by position (%lld parameters, as allowed by "
-                   "ckpt_optimizer_set_match_by_position)", (long long)o->np);
+                   "ckpt_optimizer_set_match_by_position)",
+                   (long long)o->np);
     return CKPT_OK;
 }
 

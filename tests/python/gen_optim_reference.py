@@ -23,7 +23,8 @@ CONFIGS = [
     ("adamw_amsgrad", torch.optim.AdamW,
      dict(lr=0.02, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.05, amsgrad=True)),
     ("adam_l2", torch.optim.Adam, dict(lr=0.01, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)),
-    ("sgd_nesterov", torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("sgd_nesterov", torch.optim.SGD,
+     dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     ("sgd_dampening", torch.optim.SGD,
      dict(lr=0.1, momentum=0.8, dampening=0.3, weight_decay=0.02)),
 ]
@@ -66,6 +67,7 @@ def main():
               " * each of %d steps, per configuration (see the generator for the problem).\n"
               " * Do not edit; regenerate. */\n" % (torch.__version__, STEPS))
     out.write("#ifndef CKPT_TORCH_OPTIM_VALUES_H\n#define CKPT_TORCH_OPTIM_VALUES_H\n\n")
+    out.write("/* clang-format off */\n")
     out.write("#define TORCH_REF_STEPS %d\n#define TORCH_REF_NW %d\n#define TORCH_REF_NB %d\n\n"
               % (STEPS, NW, NB))
     for name, cls, kw in CONFIGS:
@@ -77,7 +79,7 @@ def main():
             out.write("    {" + ", ".join(vals[:4]) + ",\n     " + ", ".join(vals[4:8]) +
                       ",\n     " + ", ".join(vals[8:]) + "},\n")
         out.write("};\n\n")
-    out.write("#endif\n")
+    out.write("/* clang-format on */\n\n#endif\n")
 
 
 if __name__ == "__main__":

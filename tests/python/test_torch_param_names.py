@@ -162,7 +162,8 @@ def main():
             save_folder(src, n_, o_, safetensors=st)
             ck = os.path.join(tmp, "imp_" + tag)
             run([CKPT, "import", "--optimizer", "adamw", src, ck])
-            check(import_names(ck) == [None] * 4, "%s: names appeared: %s" % (tag, import_names(ck)))
+            check(import_names(ck) == [None] * 4,
+                  "%s: names appeared: %s" % (tag, import_names(ck)))
             names = [nm for g in o_.param_groups for p_ in g["params"]
                      for nm, q in n_.named_parameters() if q is p_]
             lst = os.path.join(tmp, "names_%s.txt" % tag)
@@ -171,7 +172,8 @@ def main():
             ck2 = os.path.join(tmp, "imp_named_" + tag)
             run([CKPT, "import", "--optimizer", "adamw", "--param-names", lst, src, ck2])
             check(import_names(ck2) == names, "%s: given names %s" % (tag, import_names(ck2)))
-            print("ok: %s: no proof of the order, left unnamed; --param-names FILE names them" % tag)
+            print("ok: %s: no proof of the order, left unnamed; --param-names FILE names them"
+                  % tag)
             if tag == "two_groups":
                 continue  # the C side below has one group
 
@@ -187,7 +189,8 @@ def main():
             torch_params = ["fc.weight:4x4", "fc.bias:4", "ln.weight:4", "ln.bias:4"]
             out, p = load_in_c(tmp, ck, "pos_" + tag, by_position=True, params=torch_params)
             own_moments("%s by position" % tag, out, expected(n_, o_), params=torch_params)
-            check("matched by position" in p.stderr, "%s: no by-position warning: %r" % (tag, p.stderr))
+            check("matched by position" in p.stderr,
+                  "%s: no by-position warning: %r" % (tag, p.stderr))
             print("ok: %s: unnamed state refused by the C load; loaded by the given names; by "
                   "position only when allowed, with a warning" % tag)
 

@@ -787,7 +787,8 @@ static void test_load_state_maps_differently_shaped_parameters_by_name(void **st
     assert_int_equal(ckpt_prepare_optimizer(a2, o2), CKPT_OK);
     assert_int_equal(ckpt_load_state(a2, dir), CKPT_OK);
     /* o2's state index 0 is b: it must hold o1's state 1 (b's), and so on */
-    char *p1 = tu_pathf("%s/s1.safetensors", tu_dir()), *p2 = tu_pathf("%s/s2.safetensors", tu_dir());
+    char *p1 = tu_pathf("%s/s1.safetensors", tu_dir()),
+         *p2 = tu_pathf("%s/s2.safetensors", tu_dir());
     tu_save_state(ckpt_optimizer_ops(), o1, p1);
     tu_save_state(ckpt_optimizer_ops(), o2, p2);
     ckpt_reader *r1, *r2;

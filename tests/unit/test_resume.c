@@ -72,7 +72,8 @@ static int table_load(void *self, ckpt_reader *r) {
     float l[6], rt[6];
     const int64_t at_left[2] = {0, 0}, at_right[2] = {0, 2};
     CKPT_TRY(ckpt_read_tensor_shard(r, "table", CKPT_F32, 2, table_shape, at_left, half_shape, l));
-    CKPT_TRY(ckpt_read_tensor_shard(r, "table", CKPT_F32, 2, table_shape, at_right, half_shape, rt));
+    CKPT_TRY(
+        ckpt_read_tensor_shard(r, "table", CKPT_F32, 2, table_shape, at_right, half_shape, rt));
     memcpy(t->left, l, sizeof l);
     memcpy(t->right, rt, sizeof rt);
     return 0;
@@ -246,11 +247,17 @@ static void train_to(world *w, int64_t n) {
     while (ckpt_accelerator_step(w->acc) < n) train_step(w);
 }
 
-static const char *const state_files[] = {
-    "model.safetensors",      "model_1.safetensors",     "optimizer.safetensors",
-    "optimizer_1.safetensors", "scheduler.safetensors",  "scheduler_1.safetensors",
-    "scaler.safetensors",     "dataloader.safetensors",  "custom_checkpoint_0.safetensors",
-    "custom_checkpoint_1.safetensors", "random_states_0.safetensors"};
+static const char *const state_files[] = {"model.safetensors",
+                                          "model_1.safetensors",
+                                          "optimizer.safetensors",
+                                          "optimizer_1.safetensors",
+                                          "scheduler.safetensors",
+                                          "scheduler_1.safetensors",
+                                          "scaler.safetensors",
+                                          "dataloader.safetensors",
+                                          "custom_checkpoint_0.safetensors",
+                                          "custom_checkpoint_1.safetensors",
+                                          "random_states_0.safetensors"};
 
 /* Every state file of two checkpoints is identical, byte for byte. */
 static void assert_same_files(const char *a, const char *b) {

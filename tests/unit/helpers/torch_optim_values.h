@@ -5,6 +5,7 @@
 #ifndef CKPT_TORCH_OPTIM_VALUES_H
 #define CKPT_TORCH_OPTIM_VALUES_H
 
+/* clang-format off */
 #define TORCH_REF_STEPS 6
 #define TORCH_REF_NW 6
 #define TORCH_REF_NB 3
@@ -118,5 +119,7 @@ static const float torch_ref_sgd_dampening[6][9] = {
      0x1.535414p-2f, 0x1.280666p-1f, 0x1.036468p-3f, 0x1.adfe1ap-2f,
      0x1.7b172ep-2f},
 };
+
+/* clang-format on */
 
 #endif
