@@ -770,6 +770,11 @@ int main(void) {
     if (!g_seed) g_seed = 1;
     printf("power-loss: seed %llu (replay with CKPT_CRASHSIM_SEED=%llu)\n",
            (unsigned long long)g_seed, (unsigned long long)g_seed);
+    /* ctest runs the cases in two parts, side by side (tests/CMakeLists.txt):
+     * cmocka's name patterns select or skip cases. */
+    const char *only = getenv("CKPT_POWERLOSS_ONLY"), *skip = getenv("CKPT_POWERLOSS_SKIP");
+    if (only && *only) cmocka_set_test_filter(only);
+    if (skip && *skip) cmocka_set_skip_filter(skip);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_crashsim_detects_calls_that_bypass_the_layer),
         cmocka_unit_test(test_powerloss_automatic_save_with_rotation),
