@@ -52,6 +52,21 @@ run_case() { # run_case P SLEEPER
     fi
 }
 
+# ckpt train --collective-timeout: bad values are usage errors; a run with a
+# deadline trains and saves under mpirun as one without.
+for bad in -1 abc nan 1e10; do
+    run_rc 2 "$CKPT_BIN" train --collective-timeout "$bad" --project-dir "$WORK/bad"
+    grep -q "collective-timeout" "$WORK/err" || fail "no message naming --collective-timeout"
+done
+zcat "$CKPT_DATA" >"$WORK/all.csv"
+head -n 200 "$WORK/all.csv" | gzip >"$WORK/small.csv.gz"
+for t in 30 0; do
+    run_rc 0 mpirun --oversubscribe -np 2 "$CKPT_BIN" train --epochs 1 --batch-size 8 --quiet \
+        --workers 0 --save-every 5 --collective-timeout "$t" --data "$WORK/small.csv.gz" \
+        --project-dir "$WORK/train$t"
+    run_rc 0 "$CKPT_BIN" verify "$WORK/train$t"
+done
+
 run_case 2 1
 run_case 3 2
 run_case 3 0
