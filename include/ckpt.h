@@ -59,15 +59,15 @@ CKPT_API const char *ckpt_version(void);
 /* Values are stable forever. */
 typedef enum ckpt_status {
     CKPT_OK = 0,
-    CKPT_EINVAL = -1,       /* bad argument or call sequence */
-    CKPT_EIO = -2,          /* the OS failed a read, write, fsync, rename... */
-    CKPT_ENOSPC = -3,       /* no space left on the device (or quota) */
-    CKPT_ENOENT = -4,       /* no such file, checkpoint or key */
-    CKPT_ECORRUPT = -5,     /* a file is malformed or fails its checksum */
-    CKPT_EMISMATCH = -6,    /* a file is fine but does not match the objects in memory */
-    CKPT_EEXIST = -7,       /* already exists (duplicate key, registered twice...) */
-    CKPT_ENOMEM = -8,       /* an allocation failed */
-    CKPT_EBUSY = -9,        /* another process holds the project lock */
+    CKPT_EINVAL = -1,        /* bad argument or call sequence */
+    CKPT_EIO = -2,           /* the OS failed a read, write, fsync, rename... */
+    CKPT_ENOSPC = -3,        /* no space left on the device (or quota) */
+    CKPT_ENOENT = -4,        /* no such file, checkpoint or key */
+    CKPT_ECORRUPT = -5,      /* a file is malformed or fails its checksum */
+    CKPT_EMISMATCH = -6,     /* a file is fine but does not match the objects in memory */
+    CKPT_EEXIST = -7,        /* already exists (duplicate key, registered twice...) */
+    CKPT_ENOMEM = -8,        /* an allocation failed */
+    CKPT_EBUSY = -9,         /* another process holds the project lock */
     CKPT_EUNSUPPORTED = -10, /* valid but not supported (newer format version...) */
     CKPT_ETIMEDOUT = -11     /* a rank did not arrive at a collective within the deadline */
 } ckpt_status;

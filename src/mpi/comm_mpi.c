@@ -50,10 +50,10 @@
 #define VERDICT_TEXT 512
 enum { GO = 0, DUP = 1, DEAD = 2 };
 
-#define CKPT_MPI_TRY(expr)               \
-    do {                                 \
-        int rc_try_ = (expr);            \
-        if (rc_try_ < 0) return rc_try_; \
+#define CKPT_MPI_TRY(expr)                                                                         \
+    do {                                                                                           \
+        int rc_try_ = (expr);                                                                      \
+        if (rc_try_ < 0) return rc_try_;                                                           \
     } while (0)
 
 /* A control message on base. */
@@ -89,10 +89,10 @@ typedef struct mpi_ctx {
     int64_t n;        /* collectives entered on work */
     int64_t *arrived; /* arrival messages on work, per sender */
     /* the handshake, as heard */
-    int64_t *hello_op;   /* rank 0: the last operation each rank said hello for */
-    bool any_dirty;      /* rank 0: some hello said dirty */
-    int64_t root_op;     /* others: the last operation rank 0 reached */
-    int64_t reply_op;    /* others: the last operation rank 0 answered */
+    int64_t *hello_op; /* rank 0: the last operation each rank said hello for */
+    bool any_dirty;    /* rank 0: some hello said dirty */
+    int64_t root_op;   /* others: the last operation rank 0 reached */
+    int64_t reply_op;  /* others: the last operation rank 0 answered */
     int64_t reply_flag;
     /* a message for a later operation (this rank is behind), by tag */
     bool has_pending[2];
@@ -233,7 +233,8 @@ static void drain_tag(mpi_ctx *x, int tag, int slot) {
     if (slot >= 0 && x->has_pending[slot]) {
         if (x->pending[slot].op > x->op) return;
         x->has_pending[slot] = false;
-        if (x->pending[slot].op == x->op) take_note(x, tag, x->pending_from[slot], &x->pending[slot]);
+        if (x->pending[slot].op == x->op)
+            take_note(x, tag, x->pending_from[slot], &x->pending[slot]);
     }
     for (;;) {
         int flag = 0;
@@ -412,7 +413,7 @@ static void mpi_deadline(void *ctx, double seconds, const char *phase) {
         return;
     }
     snprintf(x->phase, sizeof x->phase, "%s", phase);
-    if (x->in_op) return; /* the next phase of this operation */
+    if (x->in_op) return;       /* the next phase of this operation */
     if (!(seconds > 0)) return; /* no deadline: blocking collectives on base */
     x->op++;
     x->in_op = true;
@@ -616,8 +617,7 @@ static int mpi_gather(void *ctx, const void *buf, size_t n, void **out, size_t *
     void *bufs[4] = {in, data, counts, displs};
     MPI_Request req;
     arrive(c);
-    int e = MPI_Igatherv(in, (int)n, MPI_BYTE, data, counts, displs, MPI_BYTE, root, c->work,
-                         &req);
+    int e = MPI_Igatherv(in, (int)n, MPI_BYTE, data, counts, displs, MPI_BYTE, root, c->work, &req);
     CKPT_MPI_TRY(finish(c, "MPI_Igatherv", e, &req, bufs));
     free(in), free(counts), free(displs);
     if (rank == root) *out = data;
@@ -643,8 +643,8 @@ static int mpi_allgather(void *ctx, const void *buf, void *out, const size_t *le
         void *bufs[4] = {in, tmp, counts, displs};
         MPI_Request req;
         arrive(c);
-        int e = MPI_Iallgatherv(in, counts[rank], MPI_BYTE, tmp, counts, displs, MPI_BYTE,
-                                c->work, &req);
+        int e = MPI_Iallgatherv(in, counts[rank], MPI_BYTE, tmp, counts, displs, MPI_BYTE, c->work,
+                                &req);
         CKPT_MPI_TRY(finish(c, "MPI_Iallgatherv", e, &req, bufs));
         memcpy(out, tmp, total);
         free(in), free(tmp), free(counts), free(displs);

@@ -35,8 +35,9 @@ run_case() { # run_case P SLEEPER
         local save="save: agree on the commit" load="load: agree on the verdict" why
         if [ "$s" -eq 0 ] && [ "$r" -eq 0 ]; then
             for what in "save2 $save" "load2 $load"; do
-                grep -q "^rank 0 ${what%% *} CKPT_ETIMEDOUT ${what#* }: rank [12] gave up waiting for rank 0 after 2 s$" "$out" ||
-                    fail "rank 0 ${what%% *}: $(grep "^rank 0 ${what%% *} " "$out")"
+                local w=${what%% *} re
+                re="^rank 0 $w CKPT_ETIMEDOUT ${what#* }: rank [12] gave up waiting for rank 0 after 2 s$"
+                grep -q "$re" "$out" || fail "rank 0 $w: $(grep "^rank 0 $w " "$out")"
             done
             continue
         fi

@@ -122,8 +122,10 @@ static void save_load(const ckpt_comm *comm, void *arg) {
     job *j = job_of(arg, comm, &w);
     int r = comm->rank;
     wrap_init(w, comm, j->fail_at);
-    ckpt_project_config cfg = {.project_dir = j->dir, .automatic_checkpoint_naming = true,
-                               .comm = &w->comm, .collective_timeout_s = j->timeout};
+    ckpt_project_config cfg = {.project_dir = j->dir,
+                               .automatic_checkpoint_naming = true,
+                               .comm = &w->comm,
+                               .collective_timeout_s = j->timeout};
     ckpt_accelerator *acc = NULL;
     value val = {5};
     if (ckpt_accelerator_new(&acc, &cfg) != 0 ||

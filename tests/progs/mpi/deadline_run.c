@@ -98,11 +98,14 @@ int main(int argc, char **argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &t.size);
     ckpt_comm *comm = NULL;
     ckpt_accelerator *acc = NULL;
-    ckpt_project_config cfg = {.project_dir = t.dir, .automatic_checkpoint_naming = true,
+    ckpt_project_config cfg = {.project_dir = t.dir,
+                               .automatic_checkpoint_naming = true,
                                .collective_timeout_s = atof(argv[3])};
     static const ckpt_stateful_ops ops = {value_save, value_load, NULL};
-    if (ckpt_comm_mpi(&comm, MPI_COMM_WORLD) != 0 || (cfg.comm = comm, 0) ||
-        ckpt_accelerator_new(&acc, &cfg) != 0 || ckpt_register_for_checkpointing(acc, &ops, &t) ||
+    int rc = ckpt_comm_mpi(&comm, MPI_COMM_WORLD);
+    cfg.comm = comm;
+    if (rc != 0 || ckpt_accelerator_new(&acc, &cfg) != 0 ||
+        ckpt_register_for_checkpointing(acc, &ops, &t) != 0 ||
         ckpt_register_save_state_pre_hook(acc, save_hook, &t, NULL) ||
         ckpt_register_load_state_pre_hook(acc, load_hook, &t, NULL)) {
         fprintf(stderr, "rank %d: setup: %s\n", t.rank, ckpt_errmsg());
