@@ -474,6 +474,16 @@ CKPT_API int ckpt_optimizer_step(ckpt_optimizer *o);
 /* Sets every gradient to zero. */
 CKPT_API void ckpt_optimizer_zero_grad(ckpt_optimizer *o);
 CKPT_API const ckpt_stateful_ops *ckpt_optimizer_ops(void);
+/* Optimizer state names each state index's parameter (param_names.<i>) and
+ * a load matches state to parameters by those names. State without names
+ * (imported from a torch 1.13 optimizer.bin whose order ckpt import could
+ * not prove, or saved before the names existed) is refused with
+ * CKPT_EMISMATCH, since two same-shaped parameters registered in another
+ * order would silently get each other's moments. With on = true such state
+ * loads by position (state index i to this optimizer's i-th parameter, as
+ * PyTorch does), and the load logs a warning saying so. Named state always
+ * loads by name. Default off. */
+CKPT_API void ckpt_optimizer_set_match_by_position(ckpt_optimizer *o, bool on);
 /* ZeRO-1: from now on o keeps its state (momentum, Adam moments) only for
  * this rank's contiguous share of the flattened optimized parameters, and
  * ckpt_optimizer_step is collective over comm (borrowed until o is freed):
@@ -1403,6 +1413,15 @@ typedef struct ckpt_import_options {
     int64_t step;              /* the checkpoint's step; -1: the optimizer's */
     uint64_t seed;             /* seed of random_states_0 (torch's generator
                                   state does not carry over) */
+    /* The name of each of optimizer.bin's parameters, in its index order
+     * (group by group), for a file without param_names (torch before 2.6);
+     * each must be a tensor of the model with its state's shape. NULL: the
+     * import names them itself only where the order is certain (one
+     * pickled model state dict, one group, counts and shapes pairing one to
+     * one), else leaves them unnamed (see ckpt_optimizer_set_match_by_position).
+     * Borrowed for the call. */
+    const char *const *param_names;
+    int64_t num_param_names;
 } ckpt_import_options;
 
 /* warmup, total and step -1; the rest 0. */
@@ -1415,8 +1434,9 @@ CKPT_API ckpt_import_options ckpt_import_defaults(void);
  * state dict or a .safetensors file). The checkpoint has model.safetensors,
  * optimizer / scheduler / scaler files where src has them, and
  * random_states_0 seeded with opt->seed; a program that prepares the same
- * objects (parameters in PyTorch's parameters() order) loads it with
- * ckpt_load_state. opt may be NULL (defaults). */
+ * objects loads it with ckpt_load_state (optimizer state by parameter name:
+ * see ckpt_import_options.param_names). opt may be NULL (defaults).
+ * CKPT_EINVAL / CKPT_EMISMATCH for parameter names that do not fit. */
 CKPT_API int ckpt_import_torch(const char *src, const char *checkpoint_dir,
                                const ckpt_import_options *opt);
 

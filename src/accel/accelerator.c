@@ -16,7 +16,7 @@
 #include "format/manifest.h"
 #include "format/shard.h"
 #include "train/dataloader.h"
-
+#include "train/optim.h"
 
 /* ---- lifecycle ------------------------------------------------------------ */
 
@@ -150,8 +150,10 @@ void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user)
     if (!acc) return;
     acc->log.fn = fn;
     acc->log.user = user;
-    for (int i = 0; i < acc->nobjs; i++)
+    for (int i = 0; i < acc->nobjs; i++) {
         if (acc->objs[i].kind == K_DATALOADER) ckpt_dataloader_set_log(acc->objs[i].self, fn, user);
+        if (acc->objs[i].kind == K_OPTIMIZER) ckpt__optimizer_set_log(acc->objs[i].self, fn, user);
+    }
 }
 
 int ckpt_accelerator_start_over(ckpt_accelerator *acc) {
@@ -217,7 +219,9 @@ int ckpt_prepare_model(ckpt_accelerator *acc, ckpt_model *m) {
     return prepare_builtin(acc, K_MODEL, ckpt_model_ops(), m, "prepare_model");
 }
 int ckpt_prepare_optimizer(ckpt_accelerator *acc, ckpt_optimizer *o) {
-    return prepare_builtin(acc, K_OPTIMIZER, ckpt_optimizer_ops(), o, "prepare_optimizer");
+    CKPT_TRY(prepare_builtin(acc, K_OPTIMIZER, ckpt_optimizer_ops(), o, "prepare_optimizer"));
+    ckpt__optimizer_set_log(o, acc->log.fn, acc->log.user);
+    return CKPT_OK;
 }
 int ckpt_prepare_scheduler(ckpt_accelerator *acc, ckpt_scheduler *s) {
     return prepare_builtin(acc, K_SCHEDULER, ckpt_scheduler_ops(), s,
