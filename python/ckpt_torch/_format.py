@@ -614,9 +614,10 @@ def open_regular(path, what=None):
 
 
 def _alloc(n, what):
+    """n writable bytes, not zero-filled (every one is read into)."""
     try:
-        return bytearray(n)
-    except (MemoryError, OverflowError):
+        return np.empty(n, dtype=np.uint8)
+    except (MemoryError, OverflowError, ValueError):
         raise TooLargeError("%s: %d bytes do not fit in this process's memory" % (what, n)) from None
 
 
@@ -655,7 +656,9 @@ def _read_head(fd, size, name):
         return b""
     pre = bytearray(8)
     _pread_into(fd, memoryview(pre), 0, size, name)
-    n = min(struct.unpack_from("<Q", pre, 0)[0], ST_MAX_HEADER, size - 8)
+    n = struct.unpack_from("<Q", pre, 0)[0]
+    if n > ST_MAX_HEADER or 8 + n > size:
+        return bytes(pre)  # the parse refuses it from the length alone
     head = bytearray(8 + n)
     head[:8] = pre
     _pread_into(fd, memoryview(head)[8:], 8, size, name)
