@@ -13,7 +13,6 @@ arrays and plain dicts when there are none); save() writes a folder the C
 library's ckpt_load_state resumes, byte for byte in the C writer's layout.
 Nothing is unpickled: safetensors and JSON only. See docs/PYTORCH.md."""
 import collections
-import json
 import math
 import os
 import warnings
@@ -594,7 +593,8 @@ def _map_key(pairs, rename, obj, key):
         try:
             check_key(out, "key map")
         except InvalidError as e:
-            raise InvalidError("%s: file key '%s' renamed to '%s': %s" % (obj, key, out, e)) from None
+            raise InvalidError("%s: file key '%s' renamed to '%s': %s"
+                               % (obj, key, out, e)) from None
     return out
 
 

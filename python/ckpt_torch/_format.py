@@ -200,7 +200,8 @@ def check_key(key, what):
     if not b:
         raise InvalidError("%s: key is empty" % what)
     if len(b) > MAX_KEY:
-        raise InvalidError("%s: key '%s...' is %d bytes, longer than %d" % (what, key[:40], len(b), MAX_KEY))
+        raise InvalidError("%s: key '%s...' is %d bytes, longer than %d"
+                           % (what, key[:40], len(b), MAX_KEY))
     for i, ch in enumerate(key):
         c = ord(ch)
         if c < 0x20 or 0x7F <= c <= 0x9F:
@@ -468,8 +469,8 @@ class StateFile:
         need = _nbytes(dt, shape)
         if need is None:
             if DTYPES[dt][0] % 8:
-                raise CorruptError("%s: tensor '%s': %s shape %s: elements x %d bits is not a whole "
-                                   "number of bytes (or overflows)"
+                raise CorruptError("%s: tensor '%s': %s shape %s: elements x %d bits is not a "
+                                   "whole number of bytes (or overflows)"
                                    % (name, key, dt, shape_str(shape), DTYPES[dt][0]))
             raise CorruptError("%s: tensor '%s': shape %s x element size overflows"
                                % (name, key, shape_str(shape)))
@@ -618,7 +619,8 @@ def _alloc(n, what):
     try:
         return np.empty(n, dtype=np.uint8)
     except (MemoryError, OverflowError, ValueError):
-        raise TooLargeError("%s: %d bytes do not fit in this process's memory" % (what, n)) from None
+        raise TooLargeError("%s: %d bytes do not fit in this process's memory"
+                            % (what, n)) from None
 
 
 def _pread_into(fd, view, off, size, what):
@@ -627,7 +629,8 @@ def _pread_into(fd, view, off, size, what):
     while got < len(view):
         n = os.preadv(fd, [view[got:]], off + got)
         if n == 0:
-            raise CorruptError("%s: ends at byte %d, the manifest says %d" % (what, off + got, size))
+            raise CorruptError("%s: ends at byte %d, the manifest says %d"
+                               % (what, off + got, size))
         got += n
 
 
@@ -701,7 +704,8 @@ def _entry_of(key, v):
         dt = dtype_of_array(v)
         a = v.astype(DTYPES[dt][1], order="C", copy=False)  # keeps 0-d arrays 0-d
         if a.ndim > MAX_NDIM:
-            raise InvalidError("state dict: tensor '%s' has %d dimensions, at most %d" % (key, a.ndim, MAX_NDIM))
+            raise InvalidError("state dict: tensor '%s' has %d dimensions, at most %d"
+                               % (key, a.ndim, MAX_NDIM))
         return "tensor", (dt, tuple(int(d) for d in a.shape), a.tobytes())
     if isinstance(v, (bool, np.bool_)):
         return "i64", int(v)
@@ -1077,10 +1081,12 @@ def verify_folder(dir, keep_data=False):
         try:
             fd, size = open_regular(os.path.join(dir, name), what)
         except FileNotFoundError:
-            raise CorruptError("%s: %s is listed in the manifest but missing" % (dir, name)) from None
+            raise CorruptError("%s: %s is listed in the manifest but missing"
+                               % (dir, name)) from None
         try:
             if size != f["size"]:
-                raise CorruptError("%s: size %d bytes, the manifest says %d" % (what, size, f["size"]))
+                raise CorruptError("%s: size %d bytes, the manifest says %d"
+                                   % (what, size, f["size"]))
             if _state_file(f):
                 try:
                     StateFile(name, _read_head(fd, size, name), size=size, layout_only=True)
