@@ -56,6 +56,9 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
                          "accelerator_new: save_interval_seconds is %g, expected a finite "
                          "number >= 0",
                          cfg->save_interval_seconds);
+    if (isnan(cfg->collective_timeout_s))
+        return ckpt__err(CKPT_EINVAL, "accelerator_new: collective_timeout_s is NaN, expected "
+                                      "seconds (0: the default, negative: no deadline)");
     ckpt_accelerator *acc = ckpt__calloc(1, sizeof *acc);
     if (!acc) return ckpt__err_nomem("accelerator");
     acc->project_lock.fd = -1;
@@ -74,6 +77,10 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     acc->save_interval_steps = cfg->save_interval_steps;
     acc->max_shard_size = cfg->max_shard_size;
     acc->save_interval_seconds = cfg->save_interval_seconds;
+    acc->coll_timeout = cfg->collective_timeout_s == 0 ? CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S
+                        : cfg->collective_timeout_s < 0 || isinf(cfg->collective_timeout_s)
+                            ? -1.0
+                            : cfg->collective_timeout_s;
     acc->interval_start = ckpt__now();
     if (cfg->project_dir) {
         acc->project_dir = ckpt__strdup(cfg->project_dir);
