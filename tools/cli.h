@@ -2,6 +2,7 @@
 #ifndef CKPT_TOOLS_CLI_H
 #define CKPT_TOOLS_CLI_H
 
+#include <stdio.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -64,6 +65,11 @@ typedef enum cli_kind {
     CLI_KIND_OTHER_FILE  /* any other file */
 } cli_kind;
 cli_kind cli_classify(const char *path);
+/* fopen for a file the tool itself writes (a log): never follows a symlink
+ * at path, never blocks on a FIFO, opens only a regular file with one name
+ * (else NULL, errno ELOOP or EINVAL), truncating it ('w') only then. how:
+ * 'r', 'w', 'a', or 'x' (a new file, O_EXCL). */
+FILE *cli_fopen_regular(const char *path, char how);
 /* The usage error for a path of the wrong kind, naming it and what was
  * expected (`expected`, e.g. "a checkpoint, a project or a state file"),
  * with advice for a PyTorch file. Returns CLI_USAGE. */

@@ -169,7 +169,7 @@ static int model_from_index(imp *x, const char *dir, const char *index) {
     char *path = ckpt__path_join(dir, index), *text = NULL;
     if (!path) return ckpt__err_nomem("import");
     size_t len = 0;
-    int rc = ckpt__read_small_file(path, 64u << 20, &text, &len);
+    int rc = ckpt__read_small_file(path, false, 64u << 20, &text, &len);
     json_error_t je;
     json_t *root = rc == 0 ? json_loadb(text, len, 0, &je) : NULL;
     json_t *map = root ? json_object_get(root, "weight_map") : NULL;
