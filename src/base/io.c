@@ -1000,6 +1000,16 @@ int ckpt__read_private(const char *path, const char *what, uint64_t size, ckpt_m
     return CKPT_OK;
 }
 
+bool ckpt__addressable(uint64_t n) {
+    if (n > (uint64_t)SIZE_MAX / 2) return false;
+    if (n == 0) return true;
+    /* Address space only: nothing is committed or touched. */
+    void *p = mmap(NULL, (size_t)n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return false;
+    munmap(p, (size_t)n);
+    return true;
+}
+
 /* ---- reusable memory ------------------------------------------------------------ */
 
 int ckpt__arena_reserve(ckpt_arena *a, uint64_t n) {

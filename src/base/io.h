@@ -209,6 +209,11 @@ int ckpt__read_private(const char *path, const char *what, uint64_t size, ckpt_m
 void ckpt__io_set_verified_hook(void (*fn)(void *user, const char *path), void *user);
 void ckpt__io_verified(const char *path);
 
+/* Whether n bytes fit in this process's address space at all (a range of
+ * that size can be reserved; nothing is allocated). Checkpoint files whose
+ * listed sizes add up past it cannot have been saved from memory: damage. */
+bool ckpt__addressable(uint64_t n);
+
 /* A memory area reused from call to call (an asynchronous save's staging,
  * a verified load's read buffers): anonymous pages, grown when asked for
  * more, never shrunk; its pages

@@ -1129,6 +1129,19 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
     uint8_t **dst = NULL;
     /* Every size against the folder before a byte is reserved or read. */
     for (int64_t i = 0; rc == 0 && i < c->m.nfiles; i++) rc = check_size(dir, &c->m.files[i]);
+    /* A checkpoint is saved from memory: files adding up to more than a
+     * process can address are forged (sparse files can have any size), and
+     * reading them would run for years. */
+    if (rc == 0 && !ckpt__addressable(c->total_bytes)) {
+        if (c->total_bytes == UINT64_MAX)
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: the listed files' sizes add up past 2^64 bytes (forged sizes)", dir);
+        else
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: the listed files' sizes add up to %" PRIu64
+                           " bytes, more than memory can hold (forged sizes)",
+                           dir, c->total_bytes);
+    }
     if (rc == 0 && c->maps) rc = place_files(dir, c, shallow, arena, &dst);
     if (rc == 0) rc = check_files(dir, &c->m, deep, shallow, c->maps, dst);
     free(dst);
