@@ -195,7 +195,8 @@ static int plan_local(save_op *op, const char *output_dir) {
     op->lockp = ckpt__lock_path(op->parent, op->automatic ? "checkpoint_0" : op->base);
     if (!op->lockp) return ckpt__err_nomem("lock path");
     /* The project lock, held since the first save or load, covers it. */
-    if (!ckpt__acc_holds_lock_file(acc, op->lockp)) rc = ckpt__lock_acquire(&op->lk, op->lockp, false);
+    if (!ckpt__acc_holds_lock_file(acc, op->lockp))
+        rc = ckpt__lock_acquire(&op->lk, op->lockp, false);
     if (rc < 0) return ckpt__err_prefix(rc, "save_state");
     int64_t n;
     bool numbered = op->automatic || ckpt__parse_checkpoint_name(op->base, &n);

@@ -824,7 +824,8 @@ int ckpt__open_read(const char *path, const char *what, bool own, struct stat *s
     int fd = ckpt__os_open(path, flags, 0);
     if (fd < 0) {
         int e = errno;
-        if (own && e == ELOOP) return ckpt__err(bad, "%s: a symlink, expected a regular file", what);
+        if (own && e == ELOOP)
+            return ckpt__err(bad, "%s: a symlink, expected a regular file", what);
         return ckpt__err_os(e, "%s: open", what);
     }
     int rc = CKPT_OK;

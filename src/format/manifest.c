@@ -1054,7 +1054,8 @@ static int place_files(const char *dir, ckpt_checkpoint_open *c, const bool *sha
         if (shallow && shallow[i]) continue;
         uint64_t slot;
         if (__builtin_add_overflow(c->m.files[i].size, 63, &slot) ||
-            __builtin_add_overflow(total, slot & ~(uint64_t)63, &total) || total > (uint64_t)SIZE_MAX / 2)
+            __builtin_add_overflow(total, slot & ~(uint64_t)63, &total) ||
+            total > (uint64_t)SIZE_MAX / 2)
             return ckpt__err(CKPT_ECORRUPT,
                              "%s: the listed files' sizes add up past what memory can hold "
                              "(at %s, %" PRIu64 " bytes)",
@@ -1134,8 +1135,8 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
      * reading them would run for years. */
     if (rc == 0 && !ckpt__addressable(c->total_bytes)) {
         if (c->total_bytes == UINT64_MAX)
-            rc = ckpt__err(CKPT_ECORRUPT,
-                           "%s: the listed files' sizes add up past 2^64 bytes (forged sizes)", dir);
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: the listed sizes add up past 2^64 (forged sizes)",
+                           dir);
         else
             rc = ckpt__err(CKPT_ECORRUPT,
                            "%s: the listed files' sizes add up to %" PRIu64

@@ -149,8 +149,10 @@ static int lock_open(const char *lock_path, int flags, struct stat *st, char *te
     if (fd < 0) {
         int e = *oserr = errno;
         if (e == ELOOP)
-            return ckpt__err(CKPT_EINVAL, "lock file %s is a symlink; ckpt makes a regular file "
-                             "there (remove the link)", lock_path);
+            return ckpt__err(CKPT_EINVAL,
+                             "lock file %s is a symlink; ckpt makes a regular file "
+                             "there (remove the link)",
+                             lock_path);
         return ckpt__err_os(e, "lock file %s", lock_path);
     }
     int rc = CKPT_OK;
@@ -159,11 +161,13 @@ static int lock_open(const char *lock_path, int flags, struct stat *st, char *te
         rc = ckpt__err(CKPT_EINVAL, "lock file %s is %s, expected a regular file (remove it)",
                        lock_path, ckpt__file_type_name(st->st_mode));
     else if (st->st_nlink > 1)
-        rc = ckpt__err(CKPT_EINVAL, "lock file %s has %lu names (a hard link to another file?); "
+        rc = ckpt__err(CKPT_EINVAL,
+                       "lock file %s has %lu names (a hard link to another file?); "
                        "ckpt uses a file of its own there (remove it)",
                        lock_path, (unsigned long)st->st_nlink);
     else if (st->st_size > LOCK_TEXT_MAX)
-        rc = ckpt__err(CKPT_EINVAL, "lock file %s holds %lld bytes, not a lock ckpt wrote (remove it)",
+        rc = ckpt__err(CKPT_EINVAL,
+                       "lock file %s holds %lld bytes, not a lock ckpt wrote (remove it)",
                        lock_path, (long long)st->st_size);
     if (rc == 0 && fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0)
         rc = ckpt__err_os(errno, "lock file %s", lock_path);
