@@ -27,8 +27,8 @@ static int map_checked(const char *dir, const ckpt_manifest_file *f, ckpt_mapped
     int rc = what ? ckpt__read_private(path, what, f->size, mp, &h) : ckpt__err_nomem(dir);
     if (rc == 0 && h != f->xxh3) {
         ckpt__unmap(mp);
-        rc = ckpt__err(CKPT_ECORRUPT, "%s: %s does not match the manifest (checksum)", dir,
-                       f->name);
+        rc =
+            ckpt__err(CKPT_ECORRUPT, "%s: %s does not match the manifest (checksum)", dir, f->name);
     }
     if (rc == 0) ckpt__io_verified(path);
     free(what);
