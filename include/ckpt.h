@@ -59,16 +59,17 @@ CKPT_API const char *ckpt_version(void);
 /* Values are stable forever. */
 typedef enum ckpt_status {
     CKPT_OK = 0,
-    CKPT_EINVAL = -1,       /* bad argument or call sequence */
-    CKPT_EIO = -2,          /* the OS failed a read, write, fsync, rename... */
-    CKPT_ENOSPC = -3,       /* no space left on the device (or quota) */
-    CKPT_ENOENT = -4,       /* no such file, checkpoint or key */
-    CKPT_ECORRUPT = -5,     /* a file is malformed or fails its checksum */
-    CKPT_EMISMATCH = -6,    /* a file is fine but does not match the objects in memory */
-    CKPT_EEXIST = -7,       /* already exists (duplicate key, registered twice...) */
-    CKPT_ENOMEM = -8,       /* an allocation failed */
-    CKPT_EBUSY = -9,        /* another process holds the project lock */
-    CKPT_EUNSUPPORTED = -10 /* valid but not supported (newer format version...) */
+    CKPT_EINVAL = -1,        /* bad argument or call sequence */
+    CKPT_EIO = -2,           /* the OS failed a read, write, fsync, rename... */
+    CKPT_ENOSPC = -3,        /* no space left on the device (or quota) */
+    CKPT_ENOENT = -4,        /* no such file, checkpoint or key */
+    CKPT_ECORRUPT = -5,      /* a file is malformed or fails its checksum */
+    CKPT_EMISMATCH = -6,     /* a file is fine but does not match the objects in memory */
+    CKPT_EEXIST = -7,        /* already exists (duplicate key, registered twice...) */
+    CKPT_ENOMEM = -8,        /* an allocation failed */
+    CKPT_EBUSY = -9,         /* another process holds the project lock */
+    CKPT_EUNSUPPORTED = -10, /* valid but not supported (newer format version...) */
+    CKPT_ETIMEDOUT = -11     /* a rank did not arrive at a collective within the deadline */
 } ckpt_status;
 
 /* Static name and one-line meaning of a code, e.g. "CKPT_ECORRUPT: ...". */
@@ -326,6 +327,20 @@ typedef struct ckpt_comm {
     int (*allreduce_i64)(void *ctx, int64_t *v, int n, ckpt_reduce_op op);
     /* Releases ctx (may be NULL); called by ckpt_comm_free. */
     void (*destroy)(void *ctx);
+    /* Optional (NULL: no deadlines, every collective waits as long as it
+     * takes). A save or load calls it on every rank at the same points:
+     * deadline(ctx, s, phase) says that until the next call each collective
+     * waits at most s seconds (s <= 0: no limit) and then returns
+     * CKPT_ETIMEDOUT with a message naming phase and the ranks that did not
+     * arrive; deadline(ctx, 0, NULL) ends the operation. The first call with
+     * a phase after that (or since the comm was made) starts a new
+     * operation: a rank that is late for one operation must not have its
+     * messages paired with a later one's (ckpt_comm_mpi runs each operation
+     * on a communicator of its own), and after a timeout the rest of the
+     * operation's collectives fail at once. phase is borrowed for the call
+     * only. Collectives called outside an operation (ZeRO-1 optimizer steps,
+     * ckpt_should_save) have no deadline. See docs/DISTRIBUTED.md. */
+    void (*deadline)(void *ctx, double seconds, const char *phase);
 } ckpt_comm;
 
 /* For communicator implementations: ckpt_set_error (see Errors above) sets
@@ -459,6 +474,16 @@ CKPT_API int ckpt_optimizer_step(ckpt_optimizer *o);
 /* Sets every gradient to zero. */
 CKPT_API void ckpt_optimizer_zero_grad(ckpt_optimizer *o);
 CKPT_API const ckpt_stateful_ops *ckpt_optimizer_ops(void);
+/* Optimizer state names each state index's parameter (param_names.<i>) and
+ * a load matches state to parameters by those names. State without names
+ * (imported from a torch 1.13 optimizer.bin whose order ckpt import could
+ * not prove, or saved before the names existed) is refused with
+ * CKPT_EMISMATCH, since two same-shaped parameters registered in another
+ * order would silently get each other's moments. With on = true such state
+ * loads by position (state index i to this optimizer's i-th parameter, as
+ * PyTorch does), and the load logs a warning saying so. Named state always
+ * loads by name. Default off. */
+CKPT_API void ckpt_optimizer_set_match_by_position(ckpt_optimizer *o, bool on);
 /* ZeRO-1: from now on o keeps its state (momentum, Adam moments) only for
  * this rank's contiguous share of the flattened optimized parameters, and
  * ckpt_optimizer_step is collective over comm (borrowed until o is freed):
@@ -683,7 +708,16 @@ typedef struct ckpt_project_config {
      * atomic commit; loads read either layout. 0 = one file. A model with
      * tensors sharded across processes is always one file per process. */
     uint64_t max_shard_size;
+    /* With a comm of several processes: how long a save or load waits for
+     * the other ranks at each collective before it gives up with
+     * CKPT_ETIMEDOUT naming the ranks that did not arrive and the phase.
+     * 0 = the default, CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S (10 minutes);
+     * negative = wait forever. Needs a comm with deadline support
+     * (ckpt_comm_mpi has it; see ckpt_comm.deadline). */
+    double collective_timeout_s;
 } ckpt_project_config;
+
+#define CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S 600.0
 
 typedef enum ckpt_log_level {
     CKPT_LOG_INFO = 0,
@@ -1379,6 +1413,15 @@ typedef struct ckpt_import_options {
     int64_t step;              /* the checkpoint's step; -1: the optimizer's */
     uint64_t seed;             /* seed of random_states_0 (torch's generator
                                   state does not carry over) */
+    /* The name of each of optimizer.bin's parameters, in its index order
+     * (group by group), for a file without param_names (torch before 2.6);
+     * each must be a tensor of the model with its state's shape. NULL: the
+     * import names them itself only where the order is certain (one
+     * pickled model state dict, one group, counts and shapes pairing one to
+     * one), else leaves them unnamed (see ckpt_optimizer_set_match_by_position).
+     * Borrowed for the call. */
+    const char *const *param_names;
+    int64_t num_param_names;
 } ckpt_import_options;
 
 /* warmup, total and step -1; the rest 0. */
@@ -1391,8 +1434,9 @@ CKPT_API ckpt_import_options ckpt_import_defaults(void);
  * state dict or a .safetensors file). The checkpoint has model.safetensors,
  * optimizer / scheduler / scaler files where src has them, and
  * random_states_0 seeded with opt->seed; a program that prepares the same
- * objects (parameters in PyTorch's parameters() order) loads it with
- * ckpt_load_state. opt may be NULL (defaults). */
+ * objects loads it with ckpt_load_state (optimizer state by parameter name:
+ * see ckpt_import_options.param_names). opt may be NULL (defaults).
+ * CKPT_EINVAL / CKPT_EMISMATCH for parameter names that do not fit. */
 CKPT_API int ckpt_import_torch(const char *src, const char *checkpoint_dir,
                                const ckpt_import_options *opt);
 

@@ -193,20 +193,18 @@ void cli_print_metrics(const ckpt_checkpoint_info *info, bool json) {
 }
 const char *cli_format_float(float v, char *buf, int cap) { return shortest(v, true, buf, cap); }
 
-/* fopen without following a symlink at path and without blocking on a
- * FIFO: only a regular file is opened (else NULL with errno EINVAL, or
- * ELOOP for a symlink), and truncated (how "w") only once that is known.
- * how is "r", "w", "a" or "x" (a new file, as "w" but O_EXCL). */
+/* See cli.h. */
 FILE *cli_fopen_regular(const char *path, char how) {
     int flags = how == 'r' ? O_RDONLY : O_WRONLY | O_CREAT;
     if (how == 'a') flags |= O_APPEND;
     if (how == 'x') flags |= O_EXCL;
-    int fd = open(path, flags | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0644);
+    bool reading = how == 'r';
+    int fd = open(path, flags | (reading ? 0 : O_NOFOLLOW) | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0644);
     if (fd < 0) return NULL;
     struct stat st;
     int e = 0;
     if (fstat(fd, &st) != 0) e = errno;
-    else if (!S_ISREG(st.st_mode) || st.st_nlink > 1) e = EINVAL;
+    else if (!S_ISREG(st.st_mode) || (!reading && st.st_nlink > 1)) e = EINVAL;
     else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) e = errno;
     else if (how == 'w' && ftruncate(fd, 0) != 0) e = errno;
     FILE *f = e ? NULL : fdopen(fd, how == 'r' ? "r" : how == 'a' ? "a" : "w");

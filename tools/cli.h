@@ -65,10 +65,12 @@ typedef enum cli_kind {
     CLI_KIND_OTHER_FILE  /* any other file */
 } cli_kind;
 cli_kind cli_classify(const char *path);
-/* fopen for a file the tool itself writes (a log): never follows a symlink
- * at path, never blocks on a FIFO, opens only a regular file with one name
- * (else NULL, errno ELOOP or EINVAL), truncating it ('w') only then. how:
- * 'r', 'w', 'a', or 'x' (a new file, O_EXCL). */
+/* fopen that never blocks on a FIFO and opens only a regular file (else
+ * NULL, errno EINVAL). how 'r': reads (a symlink is followed: a user's
+ * input). 'w', 'a', 'x' (a new file, O_EXCL): a file the tool itself writes
+ * (a log): a symlink at path is not followed (ELOOP) and a file with
+ * another name (a hard link) is refused (EINVAL); 'w' truncates only once
+ * that is known. */
 FILE *cli_fopen_regular(const char *path, char how);
 /* The usage error for a path of the wrong kind, naming it and what was
  * expected (`expected`, e.g. "a checkpoint, a project or a state file"),

@@ -1,6 +1,7 @@
 /* cli_torch.c — ckpt export / ckpt import: the bridge to PyTorch and Hugging
  * Face folders (the work is done by the library: ckpt_export_torch,
  * ckpt_import_torch). */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +42,10 @@ static const char import_help[] =
     "  --warmup N, --total N the LambdaLR schedule's warmup and total steps\n"
     "  --step N              the checkpoint's step (default: the optimizer's)\n"
     "  --seed N              seed of the checkpoint's random generator (default 0)\n"
+    "  --param-names FILE    the names of optimizer.bin's parameters, one a line, in\n"
+    "                        its order (torch before 2.6 keeps none; without them\n"
+    "                        the import names them only when the model file proves\n"
+    "                        the order, see docs/PYTORCH.md)\n"
     "  -h, --help            this help\n";
 
 /* "--name VALUE" or "--name=VALUE"; NULL if a is not --name. */
@@ -88,8 +93,74 @@ int cli_export(int argc, char **argv) {
     return CLI_OK;
 }
 
+/* The lines of a --param-names file (empty lines skipped) into *names, the
+ * text they point into into *text. false with a message on failure. */
+static bool read_param_names(const char *path, char **text, const char ***names, int64_t *n) {
+    FILE *fp = cli_fopen_regular(path, 'r');
+    if (!fp) {
+        cli_error("--param-names: %s: %s", path,
+                  errno == EINVAL ? "not a regular file" : strerror(errno));
+        return false;
+    }
+    size_t cap = 0, len = 0;
+    char *buf = NULL;
+    bool ok = true;
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            char *g = cap > (64u << 20) ? NULL : realloc(buf, cap = cap * 2 + 4096 + 1);
+            if (!g) {
+                cli_error("--param-names: %s: too large or out of memory", path);
+                ok = false;
+                break;
+            }
+            buf = g;
+        }
+        size_t got = fread(buf + len, 1, 4096, fp);
+        len += got;
+        if (got < 4096) {
+            if (ferror(fp)) {
+                cli_error("--param-names: %s: read error", path);
+                ok = false;
+            }
+            break;
+        }
+    }
+    fclose(fp);
+    if (!ok) {
+        free(buf);
+        return false;
+    }
+    buf[len] = '\0';
+    if (strlen(buf) != len) {
+        cli_error("--param-names: %s: not a text file (a NUL byte)", path);
+        free(buf);
+        return false;
+    }
+    const char **v = calloc(len / 2 + 2, sizeof *v);
+    if (!v) {
+        cli_error("--param-names: out of memory");
+        free(buf);
+        return false;
+    }
+    int64_t k = 0;
+    for (char *line = buf; *line;) {
+        char *end = strchr(line, '\n');
+        char *next = end ? end + 1 : line + strlen(line);
+        if (end) *end = '\0';
+        size_t l = strlen(line);
+        if (l && line[l - 1] == '\r') line[--l] = '\0';
+        if (l) v[k++] = line;
+        line = next;
+    }
+    *text = buf;
+    *names = v;
+    *n = k;
+    return true;
+}
+
 int cli_import(int argc, char **argv) {
     ckpt_import_options o = ckpt_import_defaults();
+    const char *names_file = NULL;
     const char *paths[2];
     int npaths = 0;
     for (int i = 1; i < argc; i++) {
@@ -124,6 +195,9 @@ int cli_import(int argc, char **argv) {
             if (missing || !cli_parse_i64(v, 0, INT64_MAX, &n))
                 return cli_usage_error("import", "--seed needs a number >= 0");
             o.seed = (uint64_t)n;
+        } else if ((v = opt_value(a, "--param-names", argc, argv, &i, &missing)) || missing) {
+            if (missing) return cli_usage_error("import", "--param-names needs a file");
+            names_file = v;
         } else if (a[0] == '-' && a[1]) {
             return cli_usage_error("import", "unknown option '%s'", a);
         } else if (npaths == 2) {
@@ -133,7 +207,16 @@ int cli_import(int argc, char **argv) {
         }
     }
     if (npaths != 2) return cli_usage_error("import", "needs SRC and CHECKPOINT");
-    if (ckpt_import_torch(paths[0], paths[1], &o) < 0) {
+    char *text = NULL;
+    const char **names = NULL;
+    if (names_file) {
+        if (!read_param_names(names_file, &text, &names, &o.num_param_names)) return CLI_RUNTIME;
+        o.param_names = names;
+    }
+    int rc = ckpt_import_torch(paths[0], paths[1], &o);
+    free(names);
+    free(text);
+    if (rc < 0) {
         cli_error("%s", ckpt_errmsg());
         return CLI_RUNTIME;
     }

@@ -47,6 +47,10 @@ static const char train_help[] =
     "  --save-every-seconds S\n"
     "                     also save once S seconds passed since the last save\n"
     "                     (default 0 = off)\n"
+    "  --collective-timeout S\n"
+    "                     under mpirun: a save or load gives up with CKPT_ETIMEDOUT\n"
+    "                     after waiting S seconds for another rank (default 600;\n"
+    "                     0 = wait forever)\n"
     "  --total-limit N    keep the newest N valid checkpoints (default 3; 0 = all)\n"
     "  --keep-every N     also keep every checkpoint whose step is a multiple of N\n"
     "  --keep-best METRIC:min|max:K\n"
@@ -83,6 +87,7 @@ static const char train_help[] =
 typedef struct train_opts {
     int64_t epochs, batch_size, seed, save_every, total_limit, workers, log_every;
     double lr, save_every_seconds;
+    double collective_timeout; /* seconds; 0: none (the config's negative) */
     int64_t keep_every, best_k; /* retention beyond --total-limit */
     char best_metric[64];
     ckpt_best_mode best_mode;
@@ -257,6 +262,12 @@ static const char *find_data(char *buf, size_t cap) {
  * run had never stopped; a fresh run starts it empty. */
 static FILE *metrics_open(const char *path, bool resume, int64_t keep_upto, loss_history *losses) {
     if (!resume) return cli_fopen_regular(path, 'w');
+    /* the log is ckpt's own: a symlink there is refused, not read through */
+    struct stat ls;
+    if (lstat(path, &ls) == 0 && S_ISLNK(ls.st_mode)) {
+        errno = ELOOP;
+        return NULL;
+    }
     FILE *in = cli_fopen_regular(path, 'r');
     if (!in) return errno == ENOENT ? cli_fopen_regular(path, 'w') : NULL;
     char tmp[PATH_MAX];
@@ -327,7 +338,7 @@ static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
     enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
            O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM, O_ASYNC, O_SAVE_SECONDS,
-           O_KEEP_EVERY, O_KEEP_BEST, O_INIT_FROM, O_MAX_SHARD };
+           O_KEEP_EVERY, O_KEEP_BEST, O_INIT_FROM, O_MAX_SHARD, O_COLL_TIMEOUT };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
@@ -335,6 +346,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"seed", required_argument, NULL, O_SEED},
         {"save-every", required_argument, NULL, O_SAVE_EVERY},
         {"save-every-seconds", required_argument, NULL, O_SAVE_SECONDS},
+        {"collective-timeout", required_argument, NULL, O_COLL_TIMEOUT},
         {"keep-every", required_argument, NULL, O_KEEP_EVERY},
         {"keep-best", required_argument, NULL, O_KEEP_BEST},
         {"total-limit", required_argument, NULL, O_TOTAL_LIMIT},
@@ -353,6 +365,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
     };
     *o = (train_opts){.epochs = 10, .batch_size = 32, .seed = 1, .save_every = 50,
                       .total_limit = 3, .workers = 2, .log_every = 50, .lr = 2e-3,
+                      .collective_timeout = CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S,
                       .project_dir = "runs/digits"};
     opterr = 0;
     optind = 0;
@@ -369,6 +382,10 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_SAVE_SECONDS:
             ok = cli_parse_double(a, &o->save_every_seconds) && o->save_every_seconds >= 0 &&
                  o->save_every_seconds <= 1e9;
+            break;
+        case O_COLL_TIMEOUT:
+            ok = cli_parse_double(a, &o->collective_timeout) && o->collective_timeout >= 0 &&
+                 o->collective_timeout <= 1e9;
             break;
         case O_TOTAL_LIMIT: ok = cli_parse_i64(a, 0, INT32_MAX, &o->total_limit); break;
         case O_WORKERS: ok = cli_parse_i64(a, 0, 64, &o->workers); break;
@@ -559,6 +576,7 @@ static int trainer_setup(trainer *t) {
         .best_mode = o->best_mode,
         .best_k = (int)o->best_k,
         .save_interval_seconds = o->save_every_seconds,
+        .collective_timeout_s = o->collective_timeout > 0 ? o->collective_timeout : -1.0,
     };
     if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return lib_fail("accelerator", rc);
     if (o->shard_optimizer &&

@@ -13,21 +13,25 @@ arrays and plain dicts when there are none); save() writes a folder the C
 library's ckpt_load_state resumes, byte for byte in the C writer's layout.
 Nothing is unpickled: safetensors and JSON only. See docs/PYTORCH.md."""
 import collections
-import json
 import math
 import os
 import warnings
 
 import numpy as np
 
-from ._format import (BusyError, CkptError, CorruptError, LIBRARY_VERSION, MismatchError,
-                      NotFoundError, RawTensor, StateFile, UnsupportedError, checkpoint_number,
-                      list_numbers, read_state_file, verify_folder, write_checkpoint)
+from ._format import (BusyError, CkptError, CorruptError, InvalidError, LIBRARY_VERSION,
+                      MismatchError, NotFoundError, RawTensor, StateFile, TooLargeError,
+                      UnsupportedError, _loads_strict, check_key, checkpoint_number, escape,
+                      list_numbers, read_state_file, shape_str, verify_folder,
+                      write_checkpoint)
 
 __version__ = LIBRARY_VERSION
 __all__ = ["verify", "latest", "load", "load_state_dict", "save", "WarmupCosine", "WarmupLinear",
            "Constant", "CkptError", "CorruptError", "UnsupportedError", "MismatchError",
-           "NotFoundError", "BusyError", "RawTensor"]
+           "InvalidError", "NotFoundError", "BusyError", "TooLargeError", "RawTensor"]
+
+# A damaged checkpoint: a project load falls back past it (with a warning).
+_DAMAGE = (CorruptError, UnsupportedError, NotFoundError)
 
 try:  # torch is optional: without it load() returns numpy arrays
     import torch
@@ -48,25 +52,35 @@ def verify(dir):
     return m
 
 
-def latest(project_dir):
-    """The newest checkpoint of a project that verifies: the highest
-    <project_dir>/checkpoints/checkpoint_<n> whose verify() passes, skipping
-    (with a warning) the ones that do not, as ckpt_load_state(acc, NULL)
-    does. NotFoundError if there is none; CorruptError listing every reason
-    if none is valid."""
+def _candidates(project_dir):
     cdir = os.path.join(project_dir, "checkpoints")
     nums = list_numbers(cdir)
     if not nums:
         raise NotFoundError(2, "load_state: no checkpoint in %s" % cdir)
+    return cdir, [os.path.join(cdir, "checkpoint_%d" % n) for n in reversed(nums)]
+
+
+def _skip(d, e, last):
+    warnings.warn(escape("skipping %s: %s%s" % (d, e, "" if last else
+                                                "; falling back to an older checkpoint")),
+                  stacklevel=3)
+
+
+def latest(project_dir):
+    """The newest checkpoint of a project that verifies: the highest
+    <project_dir>/checkpoints/checkpoint_<n> whose verify() passes, skipping
+    (with a warning) the ones that do not, as ckpt_load_state(acc, NULL)
+    does: damaged files, a checkpoint.json that is a FIFO, a folder or a link
+    to a device, sizes that cannot be right. NotFoundError if there is none;
+    CorruptError listing every reason if none is valid."""
+    cdir, dirs = _candidates(project_dir)
     why = []
-    for n in reversed(nums):
-        d = os.path.join(cdir, "checkpoint_%d" % n)
+    for i, d in enumerate(dirs):
         try:
             verify_folder(d)
             return d
-        except (CorruptError, UnsupportedError, NotFoundError) as e:
-            warnings.warn("skipping %s: %s%s" % (d, e, "; falling back to an older checkpoint"
-                                                 if n != nums[0] else ""), stacklevel=2)
+        except _DAMAGE as e:
+            _skip(d, e, i + 1 == len(dirs))
             why.append(str(e))
     raise CorruptError("load_state: no valid checkpoint in %s: %s" % (cdir, "; ".join(why)))
 
@@ -363,18 +377,67 @@ _SCHED_CLASSES = (("StepLR", "steplr"), ("MultiStepLR", "multisteplr"),
                   ("ExponentialLR", "exponentiallr"), ("CosineAnnealingLR", "cosineannealinglr"))
 
 
+# transformers' schedule functions (transformers.optimization, given to
+# LambdaLR as functools.partial objects) and the C schedules they compute
+_HF_LAMBDAS = {"_get_cosine_schedule_with_warmup_lr_lambda": "warmup_cosine",
+               "_get_linear_schedule_with_warmup_lr_lambda": "warmup_linear",
+               "_get_constant_schedule_with_warmup_lr_lambda": "constant"}
+
+
+def _describe(f):
+    fn = getattr(f, "func", f)
+    mod = getattr(fn, "__module__", None) or type(fn).__module__
+    qual = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return "%s.%s%s" % (mod, qual, " (a functools.partial)" if hasattr(f, "func") else "")
+
+
+def _schedule_of(f, g):
+    """The ckpt_torch schedule a LambdaLR lambda computes, or
+    UnsupportedError saying why it cannot be mapped."""
+    if isinstance(f, _Schedule):
+        return f
+    fn, kw = getattr(f, "func", None), getattr(f, "keywords", None) or {}
+    kind = _HF_LAMBDAS.get(getattr(fn, "__name__", None))
+    if kind is not None and getattr(fn, "__module__", "").startswith("transformers") and \
+            not getattr(f, "args", ()):
+        try:
+            if kind == "warmup_cosine":
+                if float(kw.get("num_cycles", 0.5)) != 0.5:
+                    raise UnsupportedError(
+                        "scheduler: LambdaLR group %d: transformers' cosine schedule with "
+                        "num_cycles=%r; the C warmup_cosine is half a cosine (num_cycles=0.5)"
+                        % (g, kw.get("num_cycles")))
+                return WarmupCosine(kw["num_warmup_steps"], kw["num_training_steps"])
+            if kind == "warmup_linear":
+                return WarmupLinear(kw["num_warmup_steps"], kw["num_training_steps"])
+            return Constant(kw["num_warmup_steps"])
+        except KeyError as e:
+            raise UnsupportedError("scheduler: LambdaLR group %d: %s has no keyword %s"
+                                   % (g, _describe(f), e)) from None
+    raise UnsupportedError(
+        "scheduler: LambdaLR group %d: its lambda %s is not a schedule the C library has, so it "
+        "cannot be saved or checked; build the LambdaLR with ckpt_torch.WarmupCosine(warmup, "
+        "total), WarmupLinear(warmup, total) or Constant(warmup) (transformers' "
+        "get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup and "
+        "get_constant_schedule_with_warmup map too), or use StepLR, MultiStepLR, ExponentialLR "
+        "or CosineAnnealingLR" % (g, _describe(f)))
+
+
 def _sched_kind(s):
     L = torch.optim.lr_scheduler
     for cls, kind in _SCHED_CLASSES:
         if type(s) is getattr(L, cls):
             return kind, None
     if type(s) is L.LambdaLR:
-        lams = s.lr_lambdas
-        if lams and all(isinstance(f, _Schedule) for f in lams) and all(f == lams[0] for f in lams):
-            return lams[0].kind, lams[0]
-        raise UnsupportedError(
-            "scheduler: a LambdaLR with its own lambda; use ckpt_torch.WarmupCosine, WarmupLinear "
-            "or Constant (the schedules the C library has), the same for every group")
+        lams = [_schedule_of(f, g) for g, f in enumerate(s.lr_lambdas)]
+        if not lams:
+            raise UnsupportedError("scheduler: a LambdaLR without parameter groups")
+        for g, f in enumerate(lams):
+            if f != lams[0]:
+                raise UnsupportedError(
+                    "scheduler: LambdaLR group 0 has %r, group %d %r; the C scheduler has one "
+                    "schedule for every group" % (lams[0], g, f))
+        return lams[0].kind, lams[0]
     raise UnsupportedError("scheduler: %s is not supported (StepLR, MultiStepLR, ExponentialLR, "
                            "CosineAnnealingLR, LambdaLR with a ckpt_torch schedule)" % type(s).__name__)
 
@@ -458,7 +521,7 @@ def scaler_to_flat(sc):
     out = {}
     for k, t in _SCALER_KEYS:
         if k not in sd:
-            raise ValueError("scaler: the state has no '%s'" % k)
+            raise InvalidError("scaler: the state has no '%s'" % k)
         out[k] = t(sd[k])
     return out
 
@@ -499,25 +562,85 @@ def _tensorize(obj, as_torch):
     return obj
 
 
-def _check_model(module, flat, name):
-    """The model's schema against the file, as the C loader checks it: same
-    keys, dtypes and shapes, nothing but tensors."""
+def _prefix_pairs(prefix_map):
+    if prefix_map is None:
+        return []
+    pairs = list(prefix_map.items()) if isinstance(prefix_map, dict) else list(prefix_map)
+    for i, pr in enumerate(pairs):
+        if not (isinstance(pr, (tuple, list)) and len(pr) == 2 and all(isinstance(x, str)
+                                                                       for x in pr)):
+            raise InvalidError("load: prefix_map[%d] is not a (from, to) pair of strings" % i)
+    return pairs
+
+
+def _map_key(pairs, rename, obj, key):
+    """A file key under its name in memory, as ckpt__keymap_apply: the first
+    prefix_map entry whose `from` starts it rewrites it, then rename(object,
+    key) (None or the key itself: kept)."""
+    out = key
+    for i, (a, b) in enumerate(pairs):
+        if key.startswith(a):
+            out = b + key[len(a):]
+            break
+    if rename is not None:
+        r = rename(obj, out)
+        if r is not None:
+            if not isinstance(r, str):
+                raise InvalidError("%s: rename returned %r for key '%s', expected a string or "
+                                   "None" % (obj, r, out))
+            out = r
+    if out != key:
+        try:
+            check_key(out, "key map")
+        except InvalidError as e:
+            raise InvalidError("%s: file key '%s' renamed to '%s': %s"
+                               % (obj, key, out, e)) from None
+    return out
+
+
+def _adapt_model(module, flat, name, obj, strict, pairs, rename, report):
+    """The model's schema against the file, as the C loader matches it: the
+    file's keys renamed (prefix map, then rename), two file keys becoming
+    one refused; same keys (strict) or the common ones (non-strict: memory
+    keys the file lacks keep their values, file keys nothing uses are
+    ignored, both reported); a common key must be a tensor of the same dtype
+    and shape. Returns {memory key: file value} to load."""
+    named, orig = {}, {}
+    for k, v in flat.items():
+        nk = _map_key(pairs, rename, obj, k) if pairs or rename else k
+        if nk in named:
+            raise MismatchError("%s: file keys '%s' and '%s' both become '%s'"
+                                % (name, orig[nk], k, nk))
+        named[nk], orig[nk] = v, k
     mine = module.state_dict()
-    extra = [k for k in flat if k not in mine]
-    missing = [k for k in mine if k not in flat]
-    if missing:
-        raise MismatchError("%s: the file has no tensor '%s' (the model has it)" % (name, missing[0]))
-    if extra:
-        raise MismatchError("%s: the file has '%s', which the model does not have" % (name, extra[0]))
     for k, t in mine.items():
-        v = flat[k]
+        if k not in named:
+            if strict:
+                raise MismatchError("%s: key '%s' missing in file (memory has a tensor); a "
+                                    "non-strict load would keep its value" % (name, k))
+            report["missing"].append((obj, k))
+            continue
+        v = named[k]
+        if orig[k] != k:
+            report["renamed"].append((obj, k, orig[k]))
         if not isinstance(v, (np.ndarray, RawTensor)):
-            raise MismatchError("%s: '%s' is not a tensor in the file" % (name, k))
+            raise MismatchError("%s: key '%s': %s in file, tensor in memory"
+                                % (name, k, type(v).__name__))
         fd, md = _dtype_name(v), _dtype_name(_from_torch(t.reshape(-1)[:0]))
         fs, ms = tuple(v.shape), tuple(t.shape)
-        if fd != md or fs != ms:
-            raise MismatchError("%s: tensor '%s': file has %s %s, the model has %s %s"
-                                % (name, k, fd, list(fs), md, list(ms)))
+        if fs != ms:
+            raise MismatchError("%s: tensor '%s': shape %s in file, %s in memory"
+                                % (name, k, shape_str(fs), shape_str(ms)))
+        if fd != md:
+            raise MismatchError("%s: tensor '%s': dtype %s in file, %s in memory"
+                                % (name, k, fd, md))
+    for k in named:
+        if k not in mine:
+            if strict:
+                raise MismatchError("%s: key '%s' in file but not in memory; a non-strict load "
+                                    "would ignore it" % (name, orig[k]))
+            report["unexpected"].append((obj, orig[k]))
+    return {k: v for k, v in named.items() if k in mine}
 
 
 def _merge_optimizer(opt, kind, nested, name, names=None):
@@ -613,8 +736,8 @@ def _hf_index(dir, name, data):
     """The weight_map of a model saved as Hugging Face shards (its
     <stem>.safetensors.index.json), checked as the C reader checks it."""
     try:
-        doc = json.loads(data)
-    except ValueError as e:
+        doc = _loads_strict(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
         raise CorruptError("%s: %s: not valid JSON: %s" % (dir, name, e)) from None
     wm = doc.get("weight_map") if isinstance(doc, dict) else None
     if not isinstance(wm, dict) or not wm:
@@ -637,7 +760,7 @@ def _object_flats(dir, m, datas, kinds):
     flats = {}
     for f in m["files"]:
         name = f["name"]
-        if name in parts:
+        if name in parts or f["kind"] == "extra":  # a save pre-hook's file is no object
             continue
         if name in indexes:
             wm = indexes[name]
@@ -666,10 +789,26 @@ def _object_flats(dir, m, datas, kinds):
     return flats
 
 
+def _read_checkpoint(dir):
+    """(manifest, {file name: flat dict}, {file name: kind}) of a verified
+    checkpoint folder: the bytes parsed are the bytes hashed."""
+    m, datas = verify_folder(dir, keep_data=True)
+    kinds = {f["name"]: f["kind"] for f in m["files"]}
+    flats = _object_flats(dir, m, datas, kinds)
+    datas.clear()
+    return m, flats, kinds
+
+
+def _stem(name):
+    return name[:-len(".safetensors")]
+
+
 def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, project_dir=None,
-         as_torch=None):
+         as_torch=None, strict=True, prefix_map=None, rename=None):
     """Loads the checkpoint folder `dir` (or, with dir=None, the newest valid
-    checkpoint of project_dir, see latest()).
+    checkpoint of project_dir: a damaged newer one, including one whose
+    files do not parse, is skipped with a warning, as ckpt_load_state(acc,
+    NULL) does).
 
     The folder is verified first (verify()), every state file is parsed
     with every rule of the format, and every given object is checked against
@@ -685,27 +824,49 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
       scaler     (GradScaler) .load_state_dict; a disabled GradScaler (torch
                  without CUDA) holds no state: it is left alone, with a warning.
 
-    Returns a dict: 'dir', 'step', 'iteration', 'manifest', one entry per
+    The models' keys adapt as ckpt_load_state_ex's options do: prefix_map
+    (a dict or (from, to) pairs; the first whose `from` starts a file key
+    rewrites it), then rename(object, key) -> new key or None (object is
+    "model", "model_1", ...); two file keys becoming one are MismatchError.
+    strict=False: model keys the file lacks keep their values and file keys
+    no model has are ignored, both reported; shapes and dtypes must still
+    match. The optimizer, scheduler and scaler always match exactly.
+
+    Returns a dict: 'dir', 'step', 'iteration', 'manifest'; one entry per
     state file keyed by its stem ('model', 'optimizer', 'scheduler',
     'scaler', 'dataloader', 'random_states_0', 'custom_checkpoint_0', ...)
     holding its state in PyTorch's structure (the optimizer nested, the
-    scheduler as lr_scheduler's dict, the scaler as GradScaler's), and
-    'files': every file's flat dict as stored. Tensors are torch tensors
+    scheduler as lr_scheduler's dict, the scaler as GradScaler's); 'files':
+    every state file's flat dict as stored, under the same stems; and the
+    key report: 'missing' [(object, key)], 'unexpected' [(object, file
+    key)], 'renamed' [(object, key, file key)]. Tensors are torch tensors
     when torch is importable (as_torch=None) or as_torch=True, else numpy
     arrays."""
-    if dir is None:
-        if project_dir is None:
-            raise ValueError("load: give a checkpoint folder or project_dir")
-        dir = latest(project_dir)
-    m, datas = verify_folder(dir, keep_data=True)
     if as_torch is None:
         as_torch = torch is not None
     if as_torch or model is not None or optimizer is not None or scheduler is not None or \
             scaler is not None:
         _need_torch("load into torch objects")
-    kinds = {f["name"]: f["kind"] for f in m["files"]}
-    flats = _object_flats(dir, m, datas, kinds)
-    datas.clear()
+    pairs = _prefix_pairs(prefix_map)
+    if rename is not None and not callable(rename):
+        raise InvalidError("load: rename must be a callable (object, key) -> new key or None")
+    if dir is None:
+        if project_dir is None:
+            raise InvalidError("load: give a checkpoint folder or project_dir")
+        cdir, dirs = _candidates(project_dir)
+        why = []
+        for i, d in enumerate(dirs):
+            try:
+                m, flats, kinds = _read_checkpoint(d)
+                dir = d
+                break
+            except _DAMAGE as e:
+                _skip(d, e, i + 1 == len(dirs))
+                why.append(str(e))
+        else:
+            raise CorruptError("load_state: no valid checkpoint in %s: %s" % (cdir, "; ".join(why)))
+    else:
+        m, flats, kinds = _read_checkpoint(dir)
 
     def file_for(stem, i):
         name = _file_name(stem, i)
@@ -716,11 +877,12 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
         return name
 
     # every check before any change
+    report = {"missing": [], "unexpected": [], "renamed": []}
     plan = []
     for i, mod in enumerate(_as_list(model)):
         name = file_for("model", i)
-        _check_model(mod, flats[name], name)
-        plan.append(("model", mod, name, None))
+        sd = _adapt_model(mod, flats[name], name, _stem(name), strict, pairs, rename, report)
+        plan.append(("model", mod, name, sd))
     for i, opt in enumerate(_as_list(optimizer)):
         name = file_for("optimizer", i)
         kind, nested = optimizer_from_flat(flats[name], name)
@@ -736,7 +898,7 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
 
     for what, obj, name, sd in plan:
         if what == "model":
-            obj.load_state_dict({k: _to_torch(v) for k, v in flats[name].items()}, strict=True)
+            obj.load_state_dict({k: _to_torch(v) for k, v in sd.items()}, strict=strict)
         elif what == "scaler":
             if obj.is_enabled():
                 obj.load_state_dict(sd)
@@ -747,9 +909,9 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
             obj.load_state_dict(sd)
 
     out = {"dir": dir, "step": m["step"], "iteration": m["iteration"], "manifest": m,
-           "files": flats}
+           "files": {_stem(n): f for n, f in flats.items()}}
+    out.update(report)
     for name, flat in flats.items():
-        stem = name[:-len(".safetensors")]
         kind = kinds[name]
         if kind == "model":
             val = dict(flat)
@@ -761,7 +923,7 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
             val = scaler_from_flat(flat, name)
         else:
             val = dict(flat)
-        out[stem] = _tensorize(val, as_torch)
+        out[_stem(name)] = _tensorize(val, as_torch)
     return out
 
 
@@ -800,8 +962,59 @@ def fresh_random_states(seed=0, process_index=0):
             "pos": 4, "has_normal": 0, "normal": 0.0}
 
 
+def loader_batches(flat):
+    """Global batches a data loader state has consumed: epoch x batches per
+    epoch + batches_yielded, batches per epoch computed from its dataset
+    length, batch size, process count and drop_last / even_batches as
+    src/train/dataloader.c does. None if the state lacks a field or holds
+    impossible values (the C load reports those)."""
+    try:
+        n, b, p = (int(flat[k]) for k in ("dataset_length", "batch_size", "num_processes"))
+        e, pos, pi = (int(flat[k]) for k in ("epoch", "batches_yielded", "process_index"))
+        drop, even = bool(flat["drop_last"]), bool(flat["even_batches"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    p = max(p, 1)
+    if n < 0 or b < 1 or e < 0 or pos < 0:
+        return None
+    g = b * p
+    full, rem = n // g, n % g
+    if drop or rem == 0:
+        nb = full
+    elif even or p == 1:
+        nb = full + 1
+    else:
+        nb = full + (1 if rem > pi * b else 0)
+    return e * nb + pos
+
+
+def _check_position(loaders, step, batches_per_step):
+    """Refuses a data loader state whose position is not where `step`
+    optimizer steps of batches_per_step batches each leave it: a C resume
+    would continue the data at another batch than the step says."""
+    if batches_per_step is None:
+        return
+    if not isinstance(batches_per_step, int) or isinstance(batches_per_step, bool) or \
+            batches_per_step < 1:
+        raise InvalidError("save: batches_per_step must be a positive int or None, got %r"
+                           % (batches_per_step,))
+    for i, flat in enumerate(loaders):
+        got = loader_batches(flat)
+        want = int(step) * batches_per_step
+        if got is not None and got != want:
+            raise MismatchError(
+                "save: %s: the data loader has consumed %d batches (epoch %d, batches_yielded "
+                "%d) but step %d x batches_per_step %d is %d batches; a resume would continue "
+                "the data at another batch than the step says. Save the loader state of this "
+                "step, pass batches_per_step=k when each step takes k batches, or "
+                "batches_per_step=None to skip this check"
+                % (_file_name("dataloader", i), got, int(flat["epoch"]),
+                   int(flat["batches_yielded"]), int(step), batches_per_step, want))
+
+
 def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *, iteration=None,
-         dataloader=None, custom=None, random_states=None, seed=0, warn=None):
+         dataloader=None, custom=None, random_states=None, seed=0, warn=None, metrics=None,
+         batches_per_step=1):
     """Writes a ckpt checkpoint folder `dir` that the C library's
     ckpt_load_state (and `ckpt verify`, `ckpt inspect`) accepts, in exactly
     the layout and metadata document the C writer produces.
@@ -823,6 +1036,18 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
                   C load expects random_states_0.safetensors.
       iteration   the manifest's iteration; default n + 1 for a folder named
                   checkpoint_<n>, else 0.
+      metrics     {name: number} recorded in the manifest as ckpt_set_metric
+                  records them (at most 16; names of 1..63 bytes of
+                  [A-Za-z0-9_.:/-]; finite values): `ckpt ls` shows them and
+                  --keep-best ranks by them.
+      batches_per_step
+                  each data loader state must have consumed exactly step x
+                  batches_per_step global batches (epoch x batches per epoch +
+                  batches_yielded), else MismatchError before anything is
+                  written: a C resume continues the data from that position
+                  while counting from that step. 1 (default) for one batch
+                  per optimizer step; k with gradient accumulation over k
+                  batches; None skips the check.
 
     As ckpt_save_state with an explicit folder: the lock of the folder, a
     hidden temporary folder beside it, every file fsynced, the manifest
@@ -830,6 +1055,8 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
     into place; a folder already holding a checkpoint is exchanged
     atomically; a non-empty folder without a manifest is never replaced.
     Returns the manifest written."""
+    loaders = [_plain_flat(x) for x in _as_list(dataloader)]
+    _check_position(loaders, step, batches_per_step)
     files = []
     for i, x in enumerate(_as_list(model)):
         files.append((_file_name("model", i), "model", _model_flat(x)))
@@ -839,8 +1066,8 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
     for i, x in enumerate(_as_list(scheduler)):
         flat = _plain_flat(x) if _is_flat(x) else scheduler_to_flat(x)
         files.append((_file_name("scheduler", i), "scheduler", flat))
-    for i, x in enumerate(_as_list(dataloader)):
-        files.append((_file_name("dataloader", i), "dataloader", _plain_flat(x)))
+    for i, x in enumerate(loaders):
+        files.append((_file_name("dataloader", i), "dataloader", x))
     for i, x in enumerate(_as_list(scaler)):
         files.append((_file_name("scaler", i), "scaler", scaler_to_flat(x)))
     for i, x in enumerate(_as_list(custom)):
@@ -850,4 +1077,4 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
     if iteration is None:
         n = checkpoint_number(os.path.basename(os.path.abspath(dir)))
         iteration = 0 if n is None else n + 1
-    return write_checkpoint(dir, files, step, iteration, warn=warn)
+    return write_checkpoint(dir, files, step, iteration, warn=warn, metrics=metrics)

@@ -37,13 +37,32 @@ _SUM_PREFIX = b'"manifest_xxh3": "'
 
 # ---- errors ---------------------------------------------------------------
 
-class CkptError(Exception):
-    """Base of every error this module raises about a checkpoint."""
+def escape(text):
+    """text with every C0/DEL/C1 control character written as \\xNN, so
+    that a name taken from a hostile file cannot move the cursor, clear the
+    screen or forge a line of output when a message is printed."""
+    if not isinstance(text, str):
+        return text
+    out = []
+    for ch in text:
+        c = ord(ch)
+        out.append("\\x%02x" % c if c < 0x20 or 0x7F <= c <= 0x9F else ch)
+    return "".join(out)
+
+
+class CkptError(ValueError):
+    """Base of every error this module raises about a checkpoint or its
+    arguments. A ValueError, so code written for the bare ValueError of
+    earlier versions still catches it. Its message has control characters
+    escaped (escape())."""
+
+    def __init__(self, *args):
+        super().__init__(*(escape(a) for a in args))
 
 
 class CorruptError(CkptError):
-    """A file breaks a rule of the format or differs from its checksum
-    (CKPT_ECORRUPT in C)."""
+    """A file breaks a rule of the format, differs from its checksum, or is
+    not a regular file (CKPT_ECORRUPT in C)."""
 
 
 class UnsupportedError(CkptError):
@@ -57,12 +76,26 @@ class MismatchError(CkptError):
     (CKPT_EMISMATCH)."""
 
 
+class InvalidError(CkptError):
+    """A bad argument, or a path ckpt_torch would write through that is not
+    what it must be (a symlink, a FIFO) (CKPT_EINVAL)."""
+
+
 class NotFoundError(CkptError, FileNotFoundError):
     """No checkpoint where one was asked for (CKPT_ENOENT)."""
+
+    def __init__(self, *args):
+        FileNotFoundError.__init__(self, *(escape(a) for a in args))
 
 
 class BusyError(CkptError):
     """Another process holds the save lock (CKPT_EBUSY)."""
+
+
+class TooLargeError(CkptError, MemoryError):
+    """A checkpoint whose files are the sizes the manifest says, valid as far
+    as their headers go, but too large to hold in this process's memory
+    (CKPT_ENOMEM). Never raised as a bare MemoryError."""
 
 
 def xxh3_64(data):
@@ -104,26 +137,46 @@ def dtype_of_array(a):
 
 
 def _nbytes(dtype, shape):
+    """The bytes of a tensor as ckpt_tensor_nbytes computes them: a zero
+    dimension makes it empty however large the others are; else the element
+    count must fit in 64 bits and the byte count be whole and below 2^63.
+    None when it is not."""
     bits = DTYPES[dtype][0]
+    if any(d == 0 for d in shape):
+        return 0
     n = 1
     for d in shape:
         n *= d
-    total = n * bits
-    if total % 8:
+        if n >= 1 << 64:
+            return None
+    if (n // 8) * bits >= 1 << 64 or (n % 8) * bits % 8:
         return None
-    return total // 8
+    total = (n // 8) * bits + (n % 8) * bits // 8
+    return total if total < 1 << 63 else None
+
+
+def shape_str(shape):
+    """A shape as the C library prints it: [2,3]."""
+    return "[" + ",".join(str(int(d)) for d in shape) + "]"
 
 
 class RawTensor:
-    """A tensor whose dtype numpy cannot hold (BF16, the F8/F6/F4 kinds):
-    its dtype name, shape and little-endian bytes, kept as they are."""
+    """A tensor numpy cannot hold: a dtype it lacks (BF16, the F8/F6/F4
+    kinds), or an empty shape whose other dimensions numpy's sizes overflow
+    ([2**62, 4, 0]). Its dtype name, shape and little-endian bytes, kept as
+    they are."""
 
     __slots__ = ("dtype", "shape", "data")
 
     def __init__(self, dtype, shape, data):
         if dtype not in DTYPES:
-            raise ValueError("unknown dtype %r" % dtype)
-        self.dtype, self.shape, self.data = dtype, tuple(shape), bytes(data)
+            raise InvalidError("RawTensor: unknown dtype %r" % (dtype,))
+        shape = tuple(int(d) for d in shape)
+        need = _nbytes(dtype, shape) if all(d >= 0 for d in shape) else None
+        if need is None or len(data) != need:
+            raise InvalidError("RawTensor: %s shape %s needs %s bytes, %d given"
+                               % (dtype, shape_str(shape), need, len(data)))
+        self.dtype, self.shape, self.data = dtype, shape, bytes(data)
 
     def __eq__(self, other):
         return (isinstance(other, RawTensor) and (self.dtype, self.shape, self.data) ==
@@ -139,28 +192,29 @@ def check_key(key, what):
     """The key rules of ckpt.h: 1..1024 bytes of UTF-8, no C0/DEL/C1 control
     character, not __metadata__."""
     if not isinstance(key, str):
-        raise ValueError("%s: key %r is not a string" % (what, key))
+        raise InvalidError("%s: key %r is not a string" % (what, key))
     try:
         b = key.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError("%s: key is not valid UTF-8" % what) from None
+        raise InvalidError("%s: key is not valid UTF-8" % what) from None
     if not b:
-        raise ValueError("%s: key is empty" % what)
+        raise InvalidError("%s: key is empty" % what)
     if len(b) > MAX_KEY:
-        raise ValueError("%s: key '%s...' is %d bytes, longer than %d" % (what, key[:40], len(b), MAX_KEY))
+        raise InvalidError("%s: key '%s...' is %d bytes, longer than %d"
+                           % (what, key[:40], len(b), MAX_KEY))
     for i, ch in enumerate(key):
         c = ord(ch)
         if c < 0x20 or 0x7F <= c <= 0x9F:
-            raise ValueError("%s: key %r contains a control character" % (what, key))
+            raise InvalidError("%s: key %r contains a control character" % (what, key))
     if key == "__metadata__":
-        raise ValueError("%s: key '__metadata__' is reserved by the file format" % what)
+        raise InvalidError("%s: key '__metadata__' is reserved by the file format" % what)
 
 
 def _key_ok(key):
     try:
         check_key(key, "")
         return True
-    except ValueError:
+    except InvalidError:
         return False
 
 
@@ -280,22 +334,38 @@ def _b64decode_strict(s, where):
     return raw
 
 
+def _numpy_can_hold(shape, itemsize):
+    """numpy refuses a shape whose non-zero dimensions times the element size
+    pass its index type, even when another dimension is 0 and the array is
+    empty; the C library accepts such a tensor ([2**62, 4, 0])."""
+    n = itemsize
+    for d in shape:
+        if d:
+            n *= d
+    return n <= np.iinfo(np.intp).max
+
+
 class StateFile:
     """A parsed, fully validated state file: its tensors (name -> dtype,
     shape, begin, end relative to the data buffer), its entries in document
     order and the file's bytes."""
 
-    def __init__(self, name, data):
+    def __init__(self, name, data, size=None, layout_only=False):
+        """data: the file's bytes; or, with size (the file's real size), only
+        its first 8 + header-length bytes: then the header and the layout
+        are checked against size and no tensor can be read. layout_only:
+        the __metadata__ 'ckpt' document is not parsed."""
         self.name = name
         self.data = data
+        self.size = len(data) if size is None else size
         self.tensors = {}   # name -> (dtype, shape, abs_begin, abs_end), file order
         self.entries = {}   # key -> (type, value), document order
         self.metadata = None
-        self._parse()
+        self._parse(layout_only)
 
-    def _parse(self):
+    def _parse(self, layout_only):
         name, data = self.name, self.data
-        size = len(data)
+        size = self.size
         if size < 8:
             raise CorruptError("%s: file is shorter than 8 bytes (%d bytes)" % (name, size))
         n = struct.unpack_from("<Q", data, 0)[0]
@@ -360,7 +430,7 @@ class StateFile:
                                "file has %d bytes" % (name, expect, size))
         for key, dtype, shape, b, e in items:
             self.tensors[key] = (dtype, shape, 8 + n + b, 8 + n + e)
-        if self.metadata is not None and "ckpt" in self.metadata:
+        if self.metadata is not None and "ckpt" in self.metadata and not layout_only:
             self._parse_doc(self.metadata["ckpt"])
 
     def _parse_tensor(self, key, v):
@@ -398,13 +468,15 @@ class StateFile:
             raise CorruptError("%s: tensor '%s': data_offsets [%d, %d]: END < BEGIN" % (name, key, b, e))
         need = _nbytes(dt, shape)
         if need is None:
-            raise CorruptError("%s: tensor '%s': %s shape %s: elements x %d bits is not a whole "
-                               "number of bytes" % (name, key, dt, shape, DTYPES[dt][0]))
-        if need >= 1 << 64:
-            raise CorruptError("%s: tensor '%s': shape %s x element size overflows" % (name, key, shape))
+            if DTYPES[dt][0] % 8:
+                raise CorruptError("%s: tensor '%s': %s shape %s: elements x %d bits is not a "
+                                   "whole number of bytes (or overflows)"
+                                   % (name, key, dt, shape_str(shape), DTYPES[dt][0]))
+            raise CorruptError("%s: tensor '%s': shape %s x element size overflows"
+                               % (name, key, shape_str(shape)))
         if e - b != need:
             raise CorruptError("%s: tensor '%s': data_offsets [%d, %d] hold %d bytes, %s shape %s "
-                               "needs %d" % (name, key, b, e, e - b, dt, shape, need))
+                               "needs %d" % (name, key, b, e, e - b, dt, shape_str(shape), need))
         return (key, dt, tuple(shape), b, e)
 
     def _doc_err(self, msg):
@@ -491,7 +563,7 @@ class StateFile:
         numpy lacks."""
         dtype, shape, b, e = self.tensors[key]
         npdt = DTYPES[dtype][1]
-        if npdt is None:
+        if npdt is None or not _numpy_can_hold(shape, npdt.itemsize):
             return RawTensor(dtype, shape, self.data[b:e])
         return np.frombuffer(self.data, dtype=npdt, count=(e - b) // npdt.itemsize,
                              offset=b).reshape(shape).copy()
@@ -505,10 +577,121 @@ class StateFile:
         return out
 
 
+# ---- reading files: regular files only, never blocking, sizes first ---------
+
+_PIECE = 8 << 20
+_MODE_NAMES = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+               (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def _kind_of(mode):
+    for test, what in _MODE_NAMES:
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def open_regular(path, what=None):
+    """(fd, size) of the regular file at path, open for reading. Never
+    blocks: the kind is checked with stat before the open (a FIFO is never
+    opened), the open is O_NONBLOCK (a FIFO swapped in meanwhile cannot block
+    it either) and fstat checks again. CorruptError naming what it found for
+    anything but a regular file; FileNotFoundError passes through."""
+    what = what or path
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptError("%s: not a regular file (%s)" % (what, _kind_of(st.st_mode)))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptError("%s: not a regular file (%s)" % (what, _kind_of(st.st_mode)))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _alloc(n, what):
+    """n writable bytes, not zero-filled (every one is read into)."""
+    try:
+        return np.empty(n, dtype=np.uint8)
+    except (MemoryError, OverflowError, ValueError):
+        raise TooLargeError("%s: %d bytes do not fit in this process's memory"
+                            % (what, n)) from None
+
+
+def _pread_into(fd, view, off, size, what):
+    """Fills view from offset off; CorruptError if the file ends first."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], off + got)
+        if n == 0:
+            raise CorruptError("%s: ends at byte %d, the manifest says %d"
+                               % (what, off + got, size))
+        got += n
+
+
+def _read_fd(fd, size, what, hasher=None, keep=True):
+    """The file's size bytes read in pieces (and hashed on the way):
+    bytearray if keep, else None. The memory is taken only once the size
+    was checked by the caller; a size it cannot hold is TooLargeError."""
+    buf = _alloc(size, what) if keep else None
+    scratch = None if keep else bytearray(min(size, _PIECE))
+    off = 0
+    while off < size:
+        want = min(_PIECE, size - off)
+        view = memoryview(buf)[off:off + want] if keep else memoryview(scratch)[:want]
+        _pread_into(fd, view, off, size, what)
+        if hasher is not None:
+            hasher.update(view)
+        off += want
+    return buf
+
+
+def _read_head(fd, size, name):
+    """The first 8 + n bytes of a safetensors file (n its header length,
+    bounded by the format's limit and the file's size): enough to check its
+    header and layout against the real size before the rest is read."""
+    if size < 8:
+        return b""
+    pre = bytearray(8)
+    _pread_into(fd, memoryview(pre), 0, size, name)
+    n = struct.unpack_from("<Q", pre, 0)[0]
+    if n > ST_MAX_HEADER or 8 + n > size:
+        return bytes(pre)  # the parse refuses it from the length alone
+    head = bytearray(8 + n)
+    head[:8] = pre
+    _pread_into(fd, memoryview(head)[8:], 8, size, name)
+    return bytes(head)
+
+
 def read_state_file(path, name=None):
-    with open(path, "rb") as f:
-        data = f.read()
-    return StateFile(name or path, data)
+    """One state file, every rule checked: its header and layout against
+    its real size first, then its bytes (never more than the layout
+    accounts for)."""
+    name = name or path
+    fd, size = open_regular(path, name)
+    try:
+        StateFile(name, _read_head(fd, size, name), size=size, layout_only=True)
+        data = _read_fd(fd, size, name)
+    finally:
+        os.close(fd)
+    return StateFile(name, data)
+
+
+def _read_small(path, limit, what):
+    """A small file (a manifest, an index) whole, refused above limit bytes
+    before any is read (C: ckpt__read_small_file)."""
+    fd, size = open_regular(path, what)
+    try:
+        if size > limit:
+            raise CorruptError("%s: %d bytes, more than the %d-byte limit" % (what, size, limit))
+        return bytes(_read_fd(fd, size, what))
+    finally:
+        os.close(fd)
 
 
 # ---- state files: writing ---------------------------------------------------
@@ -521,20 +704,21 @@ def _entry_of(key, v):
         dt = dtype_of_array(v)
         a = v.astype(DTYPES[dt][1], order="C", copy=False)  # keeps 0-d arrays 0-d
         if a.ndim > MAX_NDIM:
-            raise ValueError("state dict: tensor '%s' has %d dimensions, at most %d" % (key, a.ndim, MAX_NDIM))
+            raise InvalidError("state dict: tensor '%s' has %d dimensions, at most %d"
+                               % (key, a.ndim, MAX_NDIM))
         return "tensor", (dt, tuple(int(d) for d in a.shape), a.tobytes())
     if isinstance(v, (bool, np.bool_)):
         return "i64", int(v)
     if isinstance(v, (int, np.integer)):
         iv = int(v)
         if not INT64_MIN <= iv <= INT64_MAX:
-            raise ValueError("state dict: '%s': %d does not fit in 64 bits" % (key, iv))
+            raise InvalidError("state dict: '%s': %d does not fit in 64 bits" % (key, iv))
         return "i64", iv
     if isinstance(v, (float, np.floating)):
         return "f64", float(v)
     if isinstance(v, str):
         if "\0" in v:
-            raise ValueError("state dict: string '%s' contains a NUL character" % key)
+            raise InvalidError("state dict: string '%s' contains a NUL character" % key)
         return "str", v
     if isinstance(v, (bytes, bytearray, memoryview)):
         return "bytes", bytes(v)
@@ -812,28 +996,50 @@ def read_manifest(dir):
     if not os.path.exists(dir):
         raise NotFoundError(errno.ENOENT, "%s: No such file or directory" % dir)
     if not os.path.isdir(dir):
-        raise CkptError("%s: not a folder" % dir)
+        raise InvalidError("%s: not a folder" % dir)
     path = os.path.join(dir, MANIFEST_NAME)
-    if not os.path.lexists(path):
+    if not os.path.exists(path) and not os.path.islink(path):
         # As the C library says it: a folder without a manifest is not a
         # checkpoint (an interrupted save leaves a hidden temporary folder,
         # never a visible one without its manifest).
         raise NotFoundError(errno.ENOENT, "%s: not a checkpoint (no %s)" % (dir, MANIFEST_NAME))
-    with open(path, "rb") as f:
-        text = f.read(MANIFEST_MAX_BYTES + 1)
+    try:
+        text = _read_small(path, MANIFEST_MAX_BYTES, path)
+    except FileNotFoundError:  # a link to nothing, or removed meanwhile
+        raise CorruptError("%s: not a regular file (a link to nothing)" % path) from None
     return parse_manifest(text, path)
 
 
-def _name_mismatch(dir, f, data):
+def _state_file(f):
+    """Whether a listed file is a state file (parsed and kept by a load):
+    not a save pre-hook's file, named .safetensors."""
+    return f["kind"] != "extra" and f["name"].endswith(".safetensors")
+
+
+def _name_mismatch(dir, f, fd, size):
+    """The file's digest differs: say which tensor if the file still parses
+    (its tensors hashed one by one from the file)."""
+    if f["kind"] == "extra":
+        raise CorruptError("%s: %s: checksum mismatch (a file a save pre-hook added)"
+                           % (dir, f["name"]))
     try:
-        sf = StateFile(f["name"], data)
-    except CkptError:
-        raise CorruptError("%s: %s: checksum mismatch and the file does not parse"
-                           % (dir, f["name"])) from None
+        sf = StateFile(f["name"], _read_head(fd, size, f["name"]), size=size, layout_only=True)
+    except CkptError as e:
+        raise CorruptError("%s: %s: checksum mismatch and the file does not parse: %s"
+                           % (dir, f["name"], e)) from None
     for k, h in f["tensors"].items():
         if k not in sf.tensors:
             raise CorruptError("%s: %s: tensor '%s': missing (checksum mismatch)" % (dir, f["name"], k))
-        if _hex(xxh3_64(sf.tensor_bytes(k))) != h:
+        _dt, _shape, b, e = sf.tensors[k]
+        hasher = xxhash.xxh3_64()
+        off = b
+        while off < e:
+            want = min(_PIECE, e - off)
+            piece = bytearray(want)
+            _pread_into(fd, memoryview(piece), off, size, "%s: %s" % (dir, f["name"]))
+            hasher.update(piece)
+            off += want
+        if _hex(hasher.intdigest()) != h:
             raise CorruptError("%s: %s: tensor '%s': checksum mismatch" % (dir, f["name"], k))
     raise CorruptError("%s: %s: checksum mismatch in the header or metadata (tensor data intact)"
                        % (dir, f["name"]))
@@ -841,11 +1047,16 @@ def _name_mismatch(dir, f, data):
 
 def verify_folder(dir, keep_data=False):
     """Checks a checkpoint folder as ckpt_load_state does before loading:
-    the manifest, every listed file's existence, size and XXH3-64 (naming
-    the tensor that changed when the file still parses), and no unlisted
-    .safetensors file. Returns (manifest, {name: bytes} if keep_data)."""
+    the manifest; every listed file a regular file of the listed size (all
+    of them stat'ed, and their sizes summed, before any byte is read); each
+    state file's header and layout against that size; every file's XXH3-64
+    (naming the tensor that changed when the file still parses); no unlisted
+    .safetensors file. Files are read in pieces, hashed as they are read;
+    with keep_data the state files' (and Hugging Face indexes') bytes are
+    kept: exactly the bytes that were hashed. Returns (manifest, {name:
+    bytes} if keep_data)."""
     m = read_manifest(dir)
-    datas = {}
+    total = 0
     for f in m["files"]:
         path = os.path.join(dir, f["name"])
         try:
@@ -853,20 +1064,44 @@ def verify_folder(dir, keep_data=False):
         except FileNotFoundError:
             raise CorruptError("%s: %s is listed in the manifest but missing" % (dir, f["name"])) from None
         if not stat.S_ISREG(st.st_mode):
-            raise CorruptError("%s: %s is not a regular file" % (dir, f["name"]))
+            raise CorruptError("%s: %s is not a regular file (%s)"
+                               % (dir, f["name"], _kind_of(st.st_mode)))
         if st.st_size != f["size"]:
             raise CorruptError("%s: %s: size %d bytes, the manifest says %d%s"
                                % (dir, f["name"], st.st_size, f["size"],
                                   " (truncated)" if st.st_size < f["size"] else ""))
-        with open(path, "rb") as fh:
-            data = fh.read()
-        if len(data) != f["size"]:
-            raise CorruptError("%s: %s: size %d bytes, the manifest says %d"
-                               % (dir, f["name"], len(data), f["size"]))
-        if _hex(xxh3_64(data)) != f["xxh3"]:
-            _name_mismatch(dir, f, data)
-        if keep_data:
-            datas[f["name"]] = data
+        total += f["size"]
+        if total > INT64_MAX:
+            raise CorruptError("%s: the listed files add up to more than 2^63-1 bytes (%s is "
+                               "%d bytes)" % (dir, f["name"], f["size"]))
+    datas = {}
+    for f in m["files"]:
+        name = f["name"]
+        what = "%s: %s" % (dir, name)
+        try:
+            fd, size = open_regular(os.path.join(dir, name), what)
+        except FileNotFoundError:
+            raise CorruptError("%s: %s is listed in the manifest but missing"
+                               % (dir, name)) from None
+        try:
+            if size != f["size"]:
+                raise CorruptError("%s: size %d bytes, the manifest says %d"
+                                   % (what, size, f["size"]))
+            if _state_file(f):
+                try:
+                    StateFile(name, _read_head(fd, size, name), size=size, layout_only=True)
+                except CkptError as e:
+                    raise CorruptError("%s: %s: checksum mismatch and the file does not parse: %s"
+                                       % (dir, name, e)) from None
+            keep = keep_data and (_state_file(f) or name.endswith(".safetensors.index.json"))
+            hasher = xxhash.xxh3_64() if xxhash is not None else xxh3_64(b"")
+            data = _read_fd(fd, size, what, hasher, keep)
+            if _hex(hasher.intdigest()) != f["xxh3"]:
+                _name_mismatch(dir, f, fd, size)
+        finally:
+            os.close(fd)
+        if keep:
+            datas[name] = data
     listed = {f["name"] for f in m["files"]}
     for e in sorted(os.listdir(dir)):
         if e.endswith(".safetensors") and not e.startswith(".") and e not in listed:
@@ -921,8 +1156,46 @@ def _write_file(path, data):
 
 
 def _remove_tree(path):
+    """Removes what is at path without following a link: a link or a file is
+    unlinked itself, a folder removed with its contents."""
     import shutil
-    shutil.rmtree(path, ignore_errors=False)
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, ignore_errors=False)
+    else:
+        os.unlink(path)
+
+
+def open_lock(path, what="save"):
+    """The lock file's descriptor, open for writing, created if absent.
+    Only a regular file with one link is used: never a symbolic link
+    (O_NOFOLLOW), a FIFO (O_NONBLOCK, then fstat), a folder, or a hard link
+    to another file, since the lock is truncated and written. InvalidError
+    naming what was found otherwise; nothing was written."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise InvalidError("%s: %s is a symbolic link; the lock must be a regular file "
+                               "(not following it, nothing written)" % (what, path)) from None
+        if e.errno == errno.EISDIR:
+            raise InvalidError("%s: %s is a folder; the lock must be a regular file"
+                               % (what, path)) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidError("%s: %s is not a regular file (%s); the lock must be one "
+                               "(nothing written)" % (what, path, _kind_of(st.st_mode)))
+        if st.st_nlink != 1:
+            raise InvalidError("%s: %s has %d links; the lock must be a file of its own "
+                               "(nothing written)" % (what, path, st.st_nlink))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _rename_exchange(a, b):
@@ -952,19 +1225,37 @@ def _lock_path(parent, base):
 _LEFTOVER = re.compile(r"\.(?P<base>.+)\.(tmp\.[0-9]{1,20}|old\.[0-9]{1,20}(\.[0-9]{1,20})?)")
 
 
-def write_checkpoint(dir, files, step, iteration, warn=None):
+def check_metrics(metrics):
+    """The metrics of a save as ckpt_set_metric takes them: at most 16 names
+    of 1..63 bytes of [A-Za-z0-9_.:/-], each a finite number. Returns them
+    as an ordered dict of floats; InvalidError naming the bad one."""
+    out = {}
+    for k, v in (metrics or {}).items():
+        if not isinstance(k, str) or not _METRIC_NAME.fullmatch(k):
+            raise InvalidError("save: metric name %r is not 1..63 bytes of [A-Za-z0-9_.:/-]" % (k,))
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) or \
+                not math.isfinite(float(v)):
+            raise InvalidError("save: metric '%s': %r is not a finite number" % (k, v))
+        out[k] = float(v)
+    if len(out) > MAX_METRICS:
+        raise InvalidError("save: %d metrics, at most %d" % (len(out), MAX_METRICS))
+    return out
+
+
+def write_checkpoint(dir, files, step, iteration, warn=None, metrics=None):
     """Publishes a checkpoint folder as ckpt_save_state does for an explicit
     folder: lock, leftover cleanup, a hidden temporary folder beside it,
     every file written and fsynced, the manifest last, folder fsyncs, then an
     atomic rename (an exchange if dir already holds a checkpoint).
     files: [(file name, kind, flat state dict)] in the C library's order."""
+    metrics = check_metrics(metrics)
     dir = os.path.abspath(dir)
     parent, base = os.path.split(dir.rstrip("/"))
     if not base or base.startswith("."):
-        raise ValueError("save: %s: not a usable folder name" % dir)
+        raise InvalidError("save: %s: not a usable folder name" % dir)
     os.makedirs(parent, exist_ok=True)
     lockp = _lock_path(parent, base)
-    lfd = os.open(lockp, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    lfd = open_lock(lockp)
     try:
         try:
             fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1001,7 +1292,8 @@ def write_checkpoint(dir, files, step, iteration, warn=None):
             m = {"format_version": FORMAT_VERSION, "library_version": LIBRARY_VERSION,
                  "iteration": int(iteration), "step": int(step), "process_index": 0,
                  "num_processes": 1, "created_unix": now,
-                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)), "files": []}
+                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+                 "metrics": metrics, "files": []}
             for name, kind, flat in files:
                 data, digests = encode_state(flat, name)
                 _write_file(os.path.join(tmp, name), data)

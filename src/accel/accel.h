@@ -60,6 +60,11 @@ struct ckpt_accelerator {
      * the one-process communicator. rank is comm->rank: rank 0 plans and
      * commits. Without a config comm, process_index is only recorded. */
     const ckpt_comm *comm;
+    /* Each collective wait of a save or load, in seconds (< 0: none), and
+     * how deeply operations nest (a load settles a pending save): only the
+     * outermost one starts and ends the comm's operation. */
+    double coll_timeout;
+    int coll_depth;
     ckpt_logger log;
     ckpt_acc_obj *objs;
     int nobjs, cap;
@@ -197,6 +202,15 @@ int ckpt__coll_share(const ckpt_comm *c, int rc);
  * ckpt__malloc'd copy (free() it; one extra NUL byte after the data) and *n
  * its length. */
 int ckpt__coll_bcast_bytes(const ckpt_comm *c, char **buf, size_t *n);
+/* Deadlines (ckpt_comm.deadline; nothing for a comm without them or one
+ * rank). ckpt__coll_begin starts an operation of acc (or, nested in one,
+ * only names the phase), ckpt__coll_phase names the phase of the
+ * collectives that follow, ckpt__coll_end ends what begin started. Every
+ * rank calls them at the same points. phase is named in a CKPT_ETIMEDOUT
+ * message ("save: agree on the commit"). */
+void ckpt__coll_begin(ckpt_accelerator *acc, const char *phase);
+void ckpt__coll_phase(ckpt_accelerator *acc, const char *phase);
+void ckpt__coll_end(ckpt_accelerator *acc);
 /* Checks a user-supplied communicator: rank/size in range, every function
  * set. CKPT_EINVAL naming what is wrong. */
 int ckpt__comm_check(const ckpt_comm *c, const char *what);

@@ -28,7 +28,31 @@ static int rec_status(const char *rec) {
 
 static int comm_failed(int rc, const char *what) {
     if (rc >= 0) rc = CKPT_EIO;
+    /* A timeout's message names the phase and the missing ranks already. */
+    if (rc == CKPT_ETIMEDOUT) return rc;
     return ckpt__err_prefix(rc, "communicator: %s", what);
+}
+
+/* ---- deadlines ------------------------------------------------------------ */
+
+static bool has_deadlines(const ckpt_accelerator *acc) {
+    return acc->comm->size > 1 && acc->comm->deadline;
+}
+
+void ckpt__coll_begin(ckpt_accelerator *acc, const char *phase) {
+    if (!has_deadlines(acc)) return;
+    acc->coll_depth++;
+    acc->comm->deadline(acc->comm->ctx, acc->coll_timeout, phase);
+}
+
+void ckpt__coll_phase(ckpt_accelerator *acc, const char *phase) {
+    if (has_deadlines(acc) && acc->coll_depth > 0)
+        acc->comm->deadline(acc->comm->ctx, acc->coll_timeout, phase);
+}
+
+void ckpt__coll_end(ckpt_accelerator *acc) {
+    if (!has_deadlines(acc) || acc->coll_depth == 0) return;
+    if (--acc->coll_depth == 0) acc->comm->deadline(acc->comm->ctx, 0, NULL);
 }
 
 int ckpt__coll_agree(const ckpt_comm *c, int rc, bool (*prefer)(int rc)) {
@@ -39,6 +63,14 @@ int ckpt__coll_agree(const ckpt_comm *c, int rc, bool (*prefer)(int rc)) {
     int64_t failed = rc < 0;
     int crc = c->allreduce_i64(c->ctx, &failed, 1, CKPT_REDUCE_MAX);
     if (crc < 0) return comm_failed(crc, "allreduce");
+    /* With deadlines, a rank may reach this reduction after the others gave
+     * up on it, and it would still see the success they reported. The
+     * barrier makes it wait for ranks that are no longer there, so it times
+     * out too instead of acting (committing, applying a load) alone. */
+    if (!failed && c->deadline) {
+        crc = c->barrier(c->ctx);
+        if (crc < 0) return comm_failed(crc, "barrier");
+    }
     if (!failed) return CKPT_OK;
     size_t p = (size_t)c->size;
     char *mine = malloc(REC_BYTES);

@@ -562,6 +562,8 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     op.acc = acc;
     op.comm = acc->comm;
     op.opt = opt;
+    ckpt__coll_begin(acc, "load: agree on the options");
+    bool in_op = true;
     /* Bad options change nothing, not even the refusal of saves. */
     int rc = ckpt__coll_agree(op.comm, select_objects(&op), NULL);
     if (rc < 0) goto done;
@@ -569,10 +571,12 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
      * for the next wait or save). */
     ckpt__async_settle(acc, false);
     /* One run per project: rank 0 owns it from the first save or load on. */
+    ckpt__coll_phase(acc, "load: take the project lock");
     rc = op.comm->rank == 0 ? ckpt__acc_own_project(acc, false, "load_state") : 0;
     rc = ckpt__coll_agree(op.comm, rc, NULL);
     if (rc < 0) goto out;
     /* choose */
+    ckpt__coll_phase(acc, "load: choose the checkpoint");
     if (input_dir) {
         rc = ckpt__coll_agree(op.comm, choose_folder(&op, input_dir), NULL);
         op.nothing = rc == CKPT_ENOENT; /* no such folder, or not a checkpoint */
@@ -581,15 +585,20 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     }
     if (rc < 0) goto out;
     /* check, agree */
+    ckpt__coll_phase(acc, "load: pre-hooks and check");
     rc = ckpt__acc_run_hooks(acc, HOOK_LOAD, op.dir, "load_state");
     if (rc == 0) rc = check(&op);
     /* the report is made before anything changes: its failure (memory)
      * still leaves everything as it was */
     if (rc == 0 && report) rc = fill_report(&op, report);
+    ckpt__coll_phase(acc, "load: agree on the verdict");
     rc = ckpt__coll_agree(op.comm, rc, NULL);
     if (rc == 0) log_adaptation(&op, report);
     /* apply */
+    ckpt__coll_phase(acc, "load: apply");
     if (rc == 0) rc = ckpt__coll_agree(op.comm, apply(&op), NULL);
+    ckpt__coll_end(acc); /* the post-hooks may save or load */
+    in_op = false;
     /* post */
     if (rc == 0) {
         acc->interval_start = ckpt__now(); /* a resumed run's time interval starts now */
@@ -613,5 +622,6 @@ done:
     ckpt__checkpoint_close(&op.c);
     free(op.dir);
     if (rc < 0 && report) ckpt_load_report_free(report);
+    if (in_op) ckpt__coll_end(acc); /* a goto skipped the one above */
     return rc;
 }

@@ -686,7 +686,7 @@ static int check_args(const ckpt_accelerator *acc, const char *output_dir) {
 
 /* ---- the phases as the accelerator runs them -------------------------------- */
 
-int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **out) {
+static int save_start(ckpt_accelerator *acc, const char *output_dir, save_op **out) {
     const ckpt_comm *c = acc->comm;
     save_op *op = ckpt__calloc(1, sizeof *op);
     *out = op;
@@ -712,6 +712,7 @@ int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **ou
     memcpy(op->metrics, acc->metrics, sizeof op->metrics);
     /* plan */
     if (op->committer && rc == 0) rc = plan_local(op, output_dir);
+    ckpt__coll_phase(acc, "save: share the plan");
     if (c->size > 1) {
         int prc = ckpt__coll_share(c, op->committer ? rc : CKPT_OK);
         if (prc < 0) { /* every rank knows: no agreement follows */
@@ -727,6 +728,7 @@ int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **ou
      * written, and what they leave there is saved with the checkpoint. */
     if (rc == 0 && acc->hooks[HOOK_SAVE_POST] && !(op->post_dir = ckpt__strdup(op->target)))
         rc = ckpt__err_nomem("save path");
+    ckpt__coll_phase(acc, "save: pre-hooks and snapshot");
     if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->tmp, "save_state");
     if (rc == 0) rc = snapshot(op);
     if (rc == 0) rc = check_hook_names(op);
@@ -740,9 +742,18 @@ int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **ou
     return op->rc = rc;
 }
 
+int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **out) {
+    ckpt__coll_begin(acc, "save: start");
+    int rc = save_start(acc, output_dir, out);
+    ckpt__coll_end(acc);
+    return rc;
+}
+
 int ckpt__save_agree_snapshot(save_op *op) {
     if (op->ended || op->comm->size <= 1) return op->rc;
+    ckpt__coll_begin(op->acc, "save: agree on the snapshot");
     op->rc = ckpt__coll_agree(op->comm, op->rc, NULL);
+    ckpt__coll_end(op->acc);
     if (op->rc < 0) op->ended = true; /* every rank knows: finish only releases */
     return op->rc;
 }
@@ -769,7 +780,7 @@ void ckpt__save_fail(save_op *op, int rc) {
     if (op->rc == 0) op->rc = rc;
 }
 
-int ckpt__save_finish(save_op *op) {
+static int save_finish(save_op *op) {
     const ckpt_comm *c = op->comm;
     char *json = NULL;
     size_t jlen = 0;
@@ -781,9 +792,11 @@ int ckpt__save_finish(save_op *op) {
     if (rc == 0) rc = record_files(op);
     if (rc == 0 && c->size > 1) rc = ckpt__manifest_files_to_json(&op->mine, &json, &jlen);
     /* agree */
+    ckpt__coll_phase(op->acc, "save: agree on the commit");
     rc = ckpt__coll_agree(c, rc, NULL);
     if (rc == 0) {
         if (c->size > 1) {
+            ckpt__coll_phase(op->acc, "save: gather the file records");
             rc = gather_records(op, json, jlen);
         } else {
             op->all = op->mine;
@@ -793,11 +806,19 @@ int ckpt__save_finish(save_op *op) {
         if (rc == 0 && op->committer) rc = commit(op);
         if (rc == 0 && op->committer) rotate(op);
         if (op->committer) release(op);
+        ckpt__coll_phase(op->acc, "save: share the outcome of the commit");
         rc = ckpt__coll_share(c, rc);
     }
     if (op->committer) release(op);
     free(json);
     return op->rc = rc;
+}
+
+int ckpt__save_finish(save_op *op) {
+    ckpt__coll_begin(op->acc, "save: finish");
+    int rc = save_finish(op);
+    ckpt__coll_end(op->acc);
+    return rc;
 }
 
 void ckpt__save_apply(save_op *op) {
@@ -818,19 +839,3 @@ void ckpt__save_post(save_op *op) {
 
 int64_t ckpt__save_number(const save_op *op) { return op->automatic ? op->number : -1; }
 const ckpt_logger *ckpt__save_logger(const save_op *op) { return &op->log; }
-
-int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
-    if (!acc) return ckpt__err(CKPT_EINVAL, "save_state: acc is NULL");
-    /* A pending asynchronous save ends first; its failure is this call's. */
-    CKPT_TRY(ckpt__async_settle(acc, true));
-    save_op *op = NULL;
-    int rc = ckpt__save_start(acc, output_dir, &op);
-    if (!op) return rc;
-    ckpt__save_write_all(op);
-    rc = ckpt__save_finish(op);
-    ckpt__save_apply(op);
-    ckpt__save_post(op);
-    ckpt__save_op_free(op);
-    if (rc == 0) acc->nmetrics = 0; /* recorded; a failed save keeps them for the retry */
-    return rc;
-}

@@ -27,6 +27,7 @@ const char *ckpt_strerror(int code) {
     case CKPT_ENOMEM: return "CKPT_ENOMEM: out of memory";
     case CKPT_EBUSY: return "CKPT_EBUSY: busy (locked by another process)";
     case CKPT_EUNSUPPORTED: return "CKPT_EUNSUPPORTED: not supported";
+    case CKPT_ETIMEDOUT: return "CKPT_ETIMEDOUT: a rank did not arrive within the deadline";
     default: return "unknown ckpt status";
     }
 }
@@ -113,6 +114,7 @@ const char *ckpt__status_name(int code) {
     case CKPT_ENOMEM: return "CKPT_ENOMEM";
     case CKPT_EBUSY: return "CKPT_EBUSY";
     case CKPT_EUNSUPPORTED: return "CKPT_EUNSUPPORTED";
+    case CKPT_ETIMEDOUT: return "CKPT_ETIMEDOUT";
     default: return NULL;
     }
 }

@@ -281,6 +281,14 @@ int ckpt__manifest_write(ckpt_manifest *m, const char *dir) {
     withnl[n] = '\n';
     withnl[n + 1] = '\0';
     free(text);
+    /* Readers refuse a manifest over the limit: never commit one. */
+    if (n + 1 > CKPT_MANIFEST_MAX_BYTES) {
+        free(withnl);
+        return ckpt__err(CKPT_EINVAL,
+                         "manifest: %zu bytes, more than the %u a manifest may have (too many "
+                         "tensors, shards or processes for one checkpoint)",
+                         n + 1, CKPT_MANIFEST_MAX_BYTES);
+    }
     char *digits = (char *)find_sum_digits(withnl, n + 1);
     if (!digits) {
         free(withnl);

@@ -156,6 +156,7 @@ typedef struct entry {
     /* Sharded tensors: shape/nbytes above are the whole tensor's. */
     bool shard;                        /* writer: added with ckpt_write_tensor_shard */
     bool optional;                     /* writer: a schema check accepts a file without it */
+    bool shape_by_object;              /* writer: a schema check leaves its shape to the object */
     int64_t coff[CKPT_MAX_NDIM];       /* writer: this chunk's offsets */
     int64_t cshape[CKPT_MAX_NDIM];     /* writer: this chunk's shape */
     uint64_t cbytes;                   /* writer: this chunk's bytes */
@@ -248,6 +249,14 @@ int ckpt__writer_set_optional(ckpt_writer *w, const char *key) {
     int64_t i = w && key ? key_index_get(&w->index, key) : -1;
     if (i < 0) return ckpt__err(CKPT_ENOENT, "state dict: no key '%s' to mark optional", key ? key : "(null)");
     w->entries[i].optional = true;
+    return CKPT_OK;
+}
+
+int ckpt__writer_set_shape_by_object(ckpt_writer *w, const char *key) {
+    int64_t i = w && key ? key_index_get(&w->index, key) : -1;
+    if (i < 0)
+        return ckpt__err(CKPT_ENOENT, "state dict: no key '%s' to mark", key ? key : "(null)");
+    w->entries[i].shape_by_object = true;
     return CKPT_OK;
 }
 
@@ -1639,7 +1648,7 @@ int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const ch
                              m->key, ckpt_dtype_name(f->dtype), ckpt_dtype_name(m->dtype));
         bool same = f->ndim == m->ndim;
         for (int d = 0; same && d < m->ndim; d++) same = f->shape[d] == m->shape[d];
-        if (!same)
+        if (!same && !m->shape_by_object)
             return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': shape %s in file, %s in memory", what,
                              m->key, ckpt__shape_str(a, sizeof a, f->ndim, f->shape),
                              ckpt__shape_str(b, sizeof b, m->ndim, m->shape));

@@ -51,6 +51,11 @@ bool ckpt__reader_has(const ckpt_reader *r, const char *key, ckpt_entry_info *in
  * (an entry older files lack, which the object reads only when present).
  * CKPT_ENOENT if there is no such entry. */
 int ckpt__writer_set_optional(ckpt_writer *w, const char *key);
+/* Marks w's tensor entry key as one whose shape ckpt__schema_check leaves to
+ * the object's check_state_dict (an optimizer maps its state by parameter
+ * name, so the file's state.<i> may be another parameter's, of another
+ * shape); kind and dtype are still compared. CKPT_ENOENT if no such entry. */
+int ckpt__writer_set_shape_by_object(ckpt_writer *w, const char *key);
 /* The bytes of w's tensor entry i (borrowed, staged if staged); NULL for
  * another kind of entry or an empty tensor. */
 const void *ckpt__writer_tensor_data(const ckpt_writer *w, int64_t i);

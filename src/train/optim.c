@@ -3,6 +3,7 @@
  * rounded to float where PyTorch's kernels round them, in PyTorch's order of
  * operations, so trajectories agree with PyTorch's bit for bit. */
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -63,6 +64,9 @@ struct ckpt_optimizer {
     size_t *exchange_lens; /* bytes each rank contributes */
     int64_t *load_map;     /* np: a load's file state index of each parameter, kept so
                               that load_state_dict allocates nothing past its checks */
+    bool by_position;      /* state without parameter names may load by position */
+    ckpt_log_fn log_fn;    /* NULL: stderr */
+    void *log_user;
 };
 
 static const char *kind_name(ckpt_optim_kind k) {
@@ -826,6 +830,9 @@ static int optimizer_state_dict(void *self, ckpt_writer *w) {
         for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
             CKPT_TRY(write_state(o, w, k, p, bufs[j]));
+            /* the file's state.<i> may be another parameter's (a load maps
+             * by name): its shape is checked after the mapping */
+            if (ckpt__writer_is_schema(w)) CKPT_TRY(ckpt__writer_set_shape_by_object(w, k));
         }
     }
     for (int g = 0; g < o->ngroups; g++) CKPT_TRY(write_group(o, w, g));
@@ -919,14 +926,28 @@ static int read_step(ckpt_reader *r, int64_t i, float *step) {
 }
 
 /* Which of the file's state indices holds each of our parameters: map[i]
- * for our state index i. By the file's param_names.<j> when it has them (a
- * model whose parameters were registered in another order still gets each
- * parameter's own state), else by position (files from before the names).
- * Each parameter must sit in the same group on both sides. */
-static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map) {
+ * for our state index i. By the file's param_names.<j> (a model whose
+ * parameters were registered in another order still gets each parameter's
+ * own state). A file without names (state imported from a torch 1.13
+ * optimizer.bin whose order could not be proven, or written before the
+ * names existed) loads by position only when the caller said so
+ * (ckpt_optimizer_set_match_by_position): two same-shaped parameters
+ * registered in another order would silently swap their moments. *unnamed
+ * says which rule was used. Each parameter must sit in the same group on
+ * both sides. */
+static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bool *unnamed) {
     char k[KEY_CAP];
     for (int64_t i = 0; i < o->np; i++) map[i] = i;
-    if (!ckpt__reader_has(r, "param_names.0", NULL)) return CKPT_OK; /* an older file */
+    *unnamed = !ckpt__reader_has(r, "param_names.0", NULL);
+    if (*unnamed && o->by_position) return CKPT_OK;
+    if (*unnamed)
+        return ckpt__err(CKPT_EMISMATCH,
+                         "optimizer: the state dict does not name its parameters "
+                         "(no param_names.<i>, as in state imported from a torch 1.13 "
+                         "optimizer.bin), so which state belongs to which parameter is not "
+                         "known; import again with the names (ckpt import --param-names FILE), "
+                         "or, if this model registers its parameters in the file's order, allow "
+                         "a load by position (ckpt_optimizer_set_match_by_position)");
     snprintf(k, sizeof k, "param_names.%lld", (long long)o->np);
     if (ckpt__reader_has(r, k, NULL))
         return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict names more than %lld parameters",
@@ -964,8 +985,8 @@ static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map) {
  * parameters, the parameter names, every step, every state tensor's dtype
  * and shape), changing nothing, so that it cannot fail for a reason the
  * commit would not also meet. map gets the file index of each parameter
- * (map_by_name). */
-static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map) {
+ * and *unnamed whether the file named them (map_by_name). */
+static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bool *unnamed) {
     char kind[16], k[KEY_CAP];
     int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
     if (rc == CKPT_EINVAL || (rc == CKPT_OK && strcmp(kind, kind_name(o->kind)) != 0))
@@ -985,7 +1006,7 @@ static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map
     if (ckpt__reader_has(r, k, NULL)) /* a probe: sets no message */
         return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has state for more than %lld "
                          "parameters", (long long)o->np);
-    CKPT_TRY(map_by_name(o, r, map));
+    CKPT_TRY(map_by_name(o, r, map, unnamed));
     const char *names[4];
     float *bufs[4];
     for (int64_t i = 0; i < o->np; i++) {
@@ -1004,18 +1025,53 @@ static int optimizer_check_state_dict(void *self, ckpt_reader *r) {
     const ckpt_optimizer *o = self;
     int64_t *map = ckpt__malloc((size_t)(o->np ? o->np : 1) * sizeof *map);
     if (!map) return ckpt__err_nomem("optimizer check");
-    int rc = optimizer_check(o, r, map);
+    bool unnamed;
+    int rc = optimizer_check(o, r, map, &unnamed);
     free(map);
     return rc;
 }
 
 static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *map);
 
+static void optim_warn(const ckpt_optimizer *o, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
+static void optim_warn(const ckpt_optimizer *o, const char *fmt, ...) {
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (o->log_fn) o->log_fn(o->log_user, CKPT_LOG_WARNING, msg);
+    else fprintf(stderr, "ckpt: warning: %s\n", msg);
+}
+
+void ckpt_optimizer_set_match_by_position(ckpt_optimizer *o, bool on) {
+    if (o) o->by_position = on;
+}
+
+void ckpt__optimizer_set_log(ckpt_optimizer *o, ckpt_log_fn fn, void *user) {
+    if (!o) return;
+    o->log_fn = fn;
+    o->log_user = user;
+}
+
 static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
     ckpt_optimizer *o = self;
     /* Validate everything before changing anything. */
-    CKPT_TRY(optimizer_check(o, r, o->load_map));
-    return optimizer_commit(o, r, o->load_map);
+    bool unnamed;
+    CKPT_TRY(optimizer_check(o, r, o->load_map, &unnamed));
+    CKPT_TRY(optimizer_commit(o, r, o->load_map));
+    if (unnamed)
+        optim_warn(o,
+                   "optimizer: the state dict does not name its parameters; its state was "
+                   "matched by position (%lld parameters, as allowed by "
+                   "ckpt_optimizer_set_match_by_position)",
+                   (long long)o->np);
+    return CKPT_OK;
 }
 
 static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *map) {

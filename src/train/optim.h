@@ -13,6 +13,10 @@ float *ckpt__optimizer_grad(const ckpt_optimizer *o, int64_t i, int64_t *numel);
 /* The name of parameter i, for messages. */
 const char *ckpt__optimizer_param_name(const ckpt_optimizer *o, int64_t i);
 
+/* Where the optimizer's warnings go (fn NULL: stderr); set by the
+ * accelerator that prepares it (ckpt_prepare_optimizer, ckpt_accelerator_set_log). */
+void ckpt__optimizer_set_log(ckpt_optimizer *o, ckpt_log_fn fn, void *user);
+
 /* Testing: use the portable Adam loop even where a SIMD one exists. */
 void ckpt__optim_force_generic(bool on);
 

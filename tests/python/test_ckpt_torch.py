@@ -290,7 +290,7 @@ def check_torch_load(proj):
                  ckpt_torch.load, d1, model=net2, optimizer=adam)
     assert all(torch.equal(before[k], v) for k, v in net2.state_dict().items())
     bigger = torch.nn.Linear(64, 3)
-    expect_error(ckpt_torch.MismatchError, "has no tensor", ckpt_torch.load, d1, model=bigger)
+    expect_error(ckpt_torch.MismatchError, "missing in file", ckpt_torch.load, d1, model=bigger)
     return files
 
 
@@ -303,9 +303,9 @@ def check_torch_save_and_c_resume(tmp, proj):
     py = os.path.join(tmp, "py")
     out = os.path.join(py, "checkpoints", "checkpoint_0")
     ckpt_torch.save(out, model=net, optimizer=opt, scheduler=sched, scaler=scaler, step=res["step"],
-                    dataloader=res["files"]["dataloader.safetensors"],
-                    custom=[res["files"]["custom_checkpoint_0.safetensors"]],
-                    random_states=res["files"]["random_states_0.safetensors"])
+                    dataloader=res["files"]["dataloader"],
+                    custom=[res["files"]["custom_checkpoint_0"]],
+                    random_states=res["files"]["random_states_0"])
     assert sorted(os.listdir(os.path.join(py, "checkpoints"))) == [".lock", "checkpoint_0"]
     # the same objects give the same bytes as C wrote
     assert state_files(out) == state_files(d0)

@@ -213,6 +213,14 @@ def torch_to_c(tmp, config):
     args = [CKPT, "import", "--optimizer", kind, "--step", str(K)]
     if config != "sgd":
         args += ["--scheduler", "warmup_cosine", "--warmup", "3", "--total", "20"]
+    if len(opt.param_groups) > 1:
+        # torch 1.13 names no parameters and with several groups the import cannot prove the
+        # order: give the names (the C load refuses unnamed state)
+        names = os.path.join(folder, "param_names.txt")
+        by_id = {id(p): n for n, p in net.named_parameters()}
+        with open(names, "w") as f:
+            f.writelines(by_id[id(p)] + "\n" for g in opt.param_groups for p in g["params"])
+        args += ["--param-names", names]
     run(args + [folder, imported])
     # and a checkpoint written from the torch objects by ckpt_torch.save
     pysaved = os.path.join(tmp, "pysaved_" + config)

@@ -691,8 +691,7 @@ static void strip_names(const char *src, const char *dst) {
 
 /* The state file names each state index's parameter; a model that
  * registers its parameters in another order still gets each parameter's own
- * state (by position it would silently get the other's: same shapes). A
- * file without names loads by position, as before. */
+ * state (by position it would silently get the other's: same shapes). */
 static void test_state_maps_by_parameter_name(void **state) {
     (void)state;
     pq a, b, ref;
@@ -718,18 +717,16 @@ static void test_state_maps_by_parameter_name(void **state) {
     for (int t = 4; t <= 6; t++) pq_step(&b, t), pq_step(&ref, t);
     assert_memory_equal(b.p, ref.p, sizeof b.p);
     assert_memory_equal(b.q, ref.q, sizeof b.q);
-    /* an older file, without names: by position (so q, p gets p's state for q) */
-    char *old = tu_pathf("%s/old.safetensors", tu_dir());
-    strip_names(path, old);
+    /* by-position permission does not override names */
     pq c;
-    pq_init(&c, false);
-    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), c.o, old), CKPT_OK);
-    size_t n1, n2;
-    char *s1 = state_bytes(c.o, "c.safetensors", &n1);
-    char *s2 = state_bytes(a.o, "a.safetensors", &n2);
-    tu_assert_bytes_equal(s1, n1, s2, n2);
-    free(s1);
-    free(s2);
+    pq_init(&c, true);
+    ckpt_optimizer_set_match_by_position(c.o, true);
+    memcpy(c.p, a.p, sizeof a.p);
+    memcpy(c.q, a.q, sizeof a.q);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), c.o, path), CKPT_OK);
+    for (int t = 4; t <= 6; t++) pq_step(&c, t);
+    assert_memory_equal(c.p, ref.p, sizeof c.p);
+    assert_memory_equal(c.q, ref.q, sizeof c.q);
     /* a name this optimizer does not have: refused, nothing changed */
     pq d;
     memset(&d, 0, sizeof d);
@@ -748,6 +745,148 @@ static void test_state_maps_by_parameter_name(void **state) {
     free(before);
     free(after);
     pq_free(&a), pq_free(&b), pq_free(&ref), pq_free(&c), pq_free(&d);
+    free(path);
+}
+
+/* Through ckpt_load_state (whose schema check compares every key's shape
+ * before the optimizer maps its state by name): a model that registers
+ * parameters of different shapes in another order (b [3] before w [2,3])
+ * loads the optimizer state of a run that registered w first, each
+ * parameter getting its own. */
+static void test_load_state_maps_differently_shaped_parameters_by_name(void **state) {
+    (void)state;
+    float w[6], gw[6], b[3], gb[3];
+    int64_t sw[2] = {2, 3}, sb[1] = {3};
+    ckpt_model *m1, *m2;
+    ckpt_optimizer *o1, *o2;
+    ckpt_accelerator *a1, *a2;
+    ckpt_project_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    for (int j = 0; j < 6; j++) w[j] = 0.1f * (float)j;
+    for (int j = 0; j < 3; j++) b[j] = -0.3f * (float)j;
+    assert_int_equal(ckpt_model_new(&m1), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m1, "w", CKPT_F32, 2, sw, w, gw), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m1, "b", CKPT_F32, 1, sb, b, gb), CKPT_OK);
+    assert_int_equal(ckpt_adamw_new(&o1, m1, 0.01, 0.9, 0.999, 1e-8, 0.1), CKPT_OK);
+    for (int t = 1; t <= 3; t++) {
+        for (int j = 0; j < 6; j++) gw[j] = (float)sin(t + j);
+        for (int j = 0; j < 3; j++) gb[j] = (float)cos(t * 2 + j);
+        assert_int_equal(ckpt_optimizer_step(o1), CKPT_OK);
+    }
+    assert_int_equal(ckpt_accelerator_new(&a1, &cfg), CKPT_OK);
+    assert_int_equal(ckpt_prepare_model(a1, m1), CKPT_OK);
+    assert_int_equal(ckpt_prepare_optimizer(a1, o1), CKPT_OK);
+    char *dir = tu_pathf("%s/ck", tu_dir());
+    assert_int_equal(ckpt_save_state(a1, dir), CKPT_OK);
+    assert_int_equal(ckpt_model_new(&m2), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m2, "b", CKPT_F32, 1, sb, b, gb), CKPT_OK);
+    assert_int_equal(ckpt_model_add_param(m2, "w", CKPT_F32, 2, sw, w, gw), CKPT_OK);
+    assert_int_equal(ckpt_adamw_new(&o2, m2, 0.01, 0.9, 0.999, 1e-8, 0.1), CKPT_OK);
+    assert_int_equal(ckpt_accelerator_new(&a2, &cfg), CKPT_OK);
+    assert_int_equal(ckpt_prepare_model(a2, m2), CKPT_OK);
+    assert_int_equal(ckpt_prepare_optimizer(a2, o2), CKPT_OK);
+    assert_int_equal(ckpt_load_state(a2, dir), CKPT_OK);
+    /* o2's state index 0 is b: it must hold o1's state 1 (b's), and so on */
+    char *p1 = tu_pathf("%s/s1.safetensors", tu_dir()),
+         *p2 = tu_pathf("%s/s2.safetensors", tu_dir());
+    tu_save_state(ckpt_optimizer_ops(), o1, p1);
+    tu_save_state(ckpt_optimizer_ops(), o2, p2);
+    ckpt_reader *r1, *r2;
+    assert_int_equal(ckpt_reader_open(&r1, p1), CKPT_OK);
+    assert_int_equal(ckpt_reader_open(&r2, p2), CKPT_OK);
+    static const char *const bufs[] = {"exp_avg", "exp_avg_sq"};
+    for (int k = 0; k < 2; k++) {
+        float x1[6], x2[6], y1[3], y2[3];
+        char k1[64], k2[64];
+        snprintf(k1, sizeof k1, "state.0.%s", bufs[k]);
+        snprintf(k2, sizeof k2, "state.1.%s", bufs[k]);
+        assert_int_equal(ckpt_read_tensor(r1, k1, CKPT_F32, 2, sw, x1), CKPT_OK);
+        assert_int_equal(ckpt_read_tensor(r2, k2, CKPT_F32, 2, sw, x2), CKPT_OK);
+        assert_memory_equal(x1, x2, sizeof x1);
+        assert_int_equal(ckpt_read_tensor(r1, k2, CKPT_F32, 1, sb, y1), CKPT_OK);
+        assert_int_equal(ckpt_read_tensor(r2, k1, CKPT_F32, 1, sb, y2), CKPT_OK);
+        assert_memory_equal(y1, y2, sizeof y1);
+    }
+    ckpt_reader_free(r1);
+    ckpt_reader_free(r2);
+    ckpt_accelerator_free(a1);
+    ckpt_accelerator_free(a2);
+    ckpt_optimizer_free(o1);
+    ckpt_optimizer_free(o2);
+    ckpt_model_free(m1);
+    ckpt_model_free(m2);
+    free(dir);
+    free(p1);
+    free(p2);
+}
+
+typedef struct log_capture {
+    int warnings;
+    char last[600];
+} log_capture;
+
+static void capture_log(void *user, ckpt_log_level level, const char *msg) {
+    log_capture *c = user;
+    if (level == CKPT_LOG_WARNING) c->warnings++;
+    snprintf(c->last, sizeof c->last, "%s", msg);
+}
+
+/* State without parameter names (as imported from a torch 1.13
+ * optimizer.bin, which keeps none) into a model that registers two
+ * same-shaped parameters in another order (q before p, as a C model with
+ * ln.bias before ln.weight): a load by position would give each the other's
+ * moments with CKPT_OK. It is refused, nothing changes, unless the caller
+ * allows a load by position, which then says so in a warning. */
+static void test_unnamed_state_is_refused_unless_by_position_is_allowed(void **state) {
+    (void)state;
+    pq a;
+    pq_init(&a, false); /* p, q */
+    for (int t = 1; t <= 3; t++) pq_step(&a, t);
+    char *path = tu_pathf("%s/opt.safetensors", tu_dir());
+    char *old = tu_pathf("%s/unnamed.safetensors", tu_dir());
+    tu_save_state(ckpt_optimizer_ops(), a.o, path);
+    strip_names(path, old);
+    /* refused, by check and by load, and nothing changed */
+    pq b;
+    pq_init(&b, true); /* q, p */
+    log_capture lc;
+    memset(&lc, 0, sizeof lc);
+    ckpt__optimizer_set_log(b.o, capture_log, &lc);
+    size_t nb, na;
+    char *before = state_bytes(b.o, "b0.safetensors", &nb);
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, old), CKPT_OK);
+    tu_expect_error(ckpt_optimizer_ops()->check_state_dict(b.o, r), CKPT_EMISMATCH,
+                    "does not name its parameters");
+    ckpt_reader_free(r);
+    tu_expect_error(tu_load_state(ckpt_optimizer_ops(), b.o, old), CKPT_EMISMATCH,
+                    "ckpt import --param-names FILE");
+    tu_assert_errmsg_has("ckpt_optimizer_set_match_by_position");
+    char *after = state_bytes(b.o, "b1.safetensors", &na);
+    tu_assert_bytes_equal(before, nb, after, na);
+    assert_int_equal(lc.warnings, 0);
+    /* allowed by position: state index i to parameter i, with a warning */
+    pq c;
+    pq_init(&c, false);
+    memset(&lc, 0, sizeof lc);
+    ckpt__optimizer_set_log(c.o, capture_log, &lc);
+    ckpt_optimizer_set_match_by_position(c.o, true);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), c.o, old), CKPT_OK);
+    assert_int_equal(lc.warnings, 1);
+    tu_assert_contains(lc.last, "matched by position");
+    size_t n1, n2;
+    char *s1 = state_bytes(c.o, "c.safetensors", &n1);
+    char *s2 = state_bytes(a.o, "a.safetensors", &n2);
+    tu_assert_bytes_equal(s1, n1, s2, n2);
+    /* a named load logs nothing */
+    memset(&lc, 0, sizeof lc);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), c.o, path), CKPT_OK);
+    assert_int_equal(lc.warnings, 0);
+    free(s1);
+    free(s2);
+    free(before);
+    free(after);
+    pq_free(&a), pq_free(&b), pq_free(&c);
     free(path);
     free(old);
 }
@@ -773,6 +912,8 @@ int main(void) {
         T(test_new_allocation_failures_are_clean),
         T(test_simd_and_portable_adam_loops_agree_bit_for_bit),
         T(test_state_maps_by_parameter_name),
+        T(test_unnamed_state_is_refused_unless_by_position_is_allowed),
+        T(test_load_state_maps_differently_shaped_parameters_by_name),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -2,11 +2,12 @@
  * operation is recorded (tests/crashsim), and for every prefix of the record
  * every state the file system may be in after a power cut there is rebuilt
  * and checked (model: docs/CRASHSAFETY.md). Operations: an automatic save
- * with total_limit rotation, the same save made asynchronously (written by
- * the background thread), the collective save of two processes (ranks as
- * threads, the optimizer sharded so each rank writes its own files, rank 0
- * commits), a save that replaces an explicit checkpoint folder, and
- * ckpt_checkpoint_prune. In every state:
+ * with total_limit rotation and without any, the same two made
+ * asynchronously (written by the background thread), the collective save of
+ * two processes with and without rotation (ranks as threads, the optimizer
+ * sharded so each rank writes its own files, rank 0 commits), a save that
+ * replaces an explicit checkpoint folder, and ckpt_checkpoint_prune. In
+ * every state:
  *
  *   - load_state finds the previous newest checkpoint or the new one, bit
  *     for bit as saved (the new one once the operation had returned), and
@@ -249,8 +250,16 @@ static bool snap_eq(const snap *a, const snap *b) {
 
 /* OP_AUTOMATIC saves with total_limit rotation; OP_AUTOMATIC_PLAIN without
  * (rotation fsyncs the checkpoints folder itself, which would hide a missing
- * fsync of the publish). */
-typedef enum { OP_AUTOMATIC, OP_AUTOMATIC_PLAIN, OP_ASYNC, OP_EXPLICIT, OP_PRUNE } op_kind;
+ * fsync of the publish); OP_ASYNC and OP_ASYNC_PLAIN the same two, written by
+ * the background thread. */
+typedef enum {
+    OP_AUTOMATIC,
+    OP_AUTOMATIC_PLAIN,
+    OP_ASYNC,
+    OP_ASYNC_PLAIN,
+    OP_EXPLICIT,
+    OP_PRUNE
+} op_kind;
 
 typedef struct check_ctx {
     op_kind op;
@@ -379,6 +388,7 @@ static sim_run simulate(op_kind op, unsigned unsafe, bool verbose, int samples) 
         ckpt__io_set_unsafe(0);
         break;
     case OP_ASYNC: /* as OP_AUTOMATIC, the save written by the background thread */
+    case OP_ASYNC_PLAIN:
         w = world_new(root, x.total_limit);
         world_set(w, 1);
         assert_int_equal(ckpt_save_state(w->acc, NULL), 0);
@@ -479,8 +489,8 @@ static bool mp_any(const ckpt_comm *c, int rc) {
     return v != 0;
 }
 
-/* checkpoint_0 and _1 exist (total_limit 2); the recorded collective save
- * writes _2 and rotation removes _0. */
+/* checkpoint_0 and _1 exist; the recorded collective save writes _2 (and,
+ * with total_limit 2, rotation removes _0). */
 static void mp_prepare_job(const ckpt_comm *c, void *arg) {
     mp_ctx *x = arg;
     int r = c->rank;
@@ -589,7 +599,9 @@ static int mp_check_state(void *user, const char *root, const cs_crash *cr, char
     return 0;
 }
 
-static sim_run simulate_mp(unsigned unsafe, bool verbose, int samples) {
+/* total_limit 2: the save's rotation removes checkpoint_0; 0: no rotation
+ * (nothing else then fsyncs the checkpoints folder after the commit). */
+static sim_run simulate_mp(int total_limit, unsigned unsafe, bool verbose, int samples) {
     char *t = tu_tmpdir_new("powerloss");
     char root[4200], scratch[4200];
     tu_path(root, sizeof root, t, "proj");
@@ -598,7 +610,7 @@ static sim_run simulate_mp(unsigned unsafe, bool verbose, int samples) {
     memset(&x, 0, sizeof x);
     x.root = root;
     x.workdir = t;
-    x.total_limit = 2;
+    x.total_limit = total_limit;
     ckpt__io_set_unsafe(unsafe);
     tc_run(MP, mp_prepare_job, &x);
     ckpt__io_set_unsafe(0);
@@ -631,12 +643,15 @@ static void report(const char *what, const sim_run *r) {
     if (r->res.violations) printf("power-loss:   first: %s\n", r->res.first_violation);
 }
 
-static void expect_safe(const char *what, op_kind op) {
-    sim_run r = simulate(op, 0, true, 0);
+/* samples 0: the simulator's default per crash point. */
+static void expect_safe_sampled(const char *what, op_kind op, int samples) {
+    sim_run r = simulate(op, 0, true, samples);
     report(what, &r);
     assert_true(r.res.checked > 20);
     assert_int_equal(r.res.violations, 0);
 }
+
+static void expect_safe(const char *what, op_kind op) { expect_safe_sampled(what, op, 0); }
 
 static void test_powerloss_automatic_save_with_rotation(void **state) {
     (void)state;
@@ -655,15 +670,46 @@ static void test_powerloss_async_save(void **state) {
 
 static void test_powerloss_multi_process_commit(void **state) {
     (void)state;
-    sim_run r = simulate_mp(0, true, 0);
+    sim_run r = simulate_mp(2, 0, true, 0);
     report("2-process save with rotation:", &r);
     assert_true(r.res.checked > 20);
     assert_int_equal(r.res.violations, 0);
     /* The check can fail here too: a rank's file not fsynced before rank 0
      * commits is lost by a power cut after the save returned. */
-    r = simulate_mp(CKPT_IO_SKIP_FILE_FSYNC, false, 8);
+    r = simulate_mp(2, CKPT_IO_SKIP_FILE_FSYNC, false, 8);
     report("2-process save WITHOUT file fsync (must fail):", &r);
     assert_true(r.res.violations > 0);
+}
+
+/* No rotation (total_limit 0, no retention policy): only the publish's own
+ * fsync of the checkpoints folder makes the new name durable, so these
+ * catch its removal, which the rotating saves above hide. (8 samples per
+ * crash point, to keep the run short: the state that shows a missing fsync,
+ * where nothing unsynced reached the disk, is always among them.) */
+static void test_powerloss_automatic_save_without_rotation(void **state) {
+    (void)state;
+    expect_safe_sampled("save without rotation:", OP_AUTOMATIC_PLAIN, 8);
+}
+
+static void test_powerloss_async_save_without_rotation(void **state) {
+    (void)state;
+    expect_safe_sampled("async save without rotation:", OP_ASYNC_PLAIN, 8);
+    sim_run r = simulate(OP_ASYNC_PLAIN, CKPT_IO_SKIP_PUBLISH_FSYNC, false, 8);
+    report("async save WITHOUT folder fsync (must fail):", &r);
+    assert_true(r.res.violations > 0);
+    tu_assert_contains(r.res.first_violation, "previous checkpoint");
+}
+
+static void test_powerloss_multi_process_commit_without_rotation(void **state) {
+    (void)state;
+    sim_run r = simulate_mp(0, 0, true, 8);
+    report("2-process save without rotation:", &r);
+    assert_true(r.res.checked > 20);
+    assert_int_equal(r.res.violations, 0);
+    r = simulate_mp(0, CKPT_IO_SKIP_PUBLISH_FSYNC, false, 8);
+    report("2-process save WITHOUT folder fsync (must fail):", &r);
+    assert_true(r.res.violations > 0);
+    tu_assert_contains(r.res.first_violation, "not durable");
 }
 
 static void test_powerloss_prune(void **state) {
@@ -730,6 +776,9 @@ int main(void) {
         cmocka_unit_test(test_powerloss_save_replacing_explicit_folder),
         cmocka_unit_test(test_powerloss_async_save),
         cmocka_unit_test(test_powerloss_multi_process_commit),
+        cmocka_unit_test(test_powerloss_automatic_save_without_rotation),
+        cmocka_unit_test(test_powerloss_async_save_without_rotation),
+        cmocka_unit_test(test_powerloss_multi_process_commit_without_rotation),
         cmocka_unit_test(test_powerloss_prune),
         cmocka_unit_test(test_powerloss_catches_missing_file_fsync),
         cmocka_unit_test(test_powerloss_catches_missing_publish_fsync),

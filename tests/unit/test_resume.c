@@ -1,9 +1,10 @@
 /* test_resume.c — exact resume with every kind of state at once: two models,
  * two optimizers (SGD with momentum and AdamW, two parameter groups each),
  * two schedulers, a loss scaler (with an inf step), the accelerator's RNG (as
- * gradient noise), a custom object and a shuffling data loader. Training to
- * n without stopping and training to k, saving, loading into new objects and
- * training on to n give identical bits. */
+ * gradient noise, resumed with and without a cached normal), a custom object,
+ * a custom table loaded as column slices of an unsharded tensor, and a
+ * shuffling data loader. Training to n without stopping and training to k,
+ * saving, loading into new objects and training on to n give identical bits. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -46,6 +47,40 @@ static int stats_load(void *self, ckpt_reader *r) {
 static const ckpt_stateful_ops stats_ops = {.state_dict = stats_sd,
                                             .load_state_dict = stats_load};
 
+/* A table held in two column halves, as a tensor-parallel layer keeps its
+ * share: saved as one unsharded [3, 4] tensor, loaded back by reading each
+ * half as a column slice of it (ckpt_read_tensor_shard). */
+typedef struct split_table {
+    float left[6], right[6]; /* columns 0-1 and 2-3 of each of the 3 rows */
+    float whole[12];         /* the saved tensor (the writer borrows it) */
+} split_table;
+
+static const int64_t table_shape[2] = {3, 4}, half_shape[2] = {3, 2};
+
+static int table_sd(void *self, ckpt_writer *w) {
+    split_table *t = self;
+    for (int r = 0; r < 3; r++)
+        for (int c = 0; c < 2; c++) {
+            t->whole[r * 4 + c] = t->left[r * 2 + c];
+            t->whole[r * 4 + 2 + c] = t->right[r * 2 + c];
+        }
+    return ckpt_write_tensor(w, "table", CKPT_F32, 2, table_shape, t->whole);
+}
+
+static int table_load(void *self, ckpt_reader *r) {
+    split_table *t = self;
+    float l[6], rt[6];
+    const int64_t at_left[2] = {0, 0}, at_right[2] = {0, 2};
+    CKPT_TRY(ckpt_read_tensor_shard(r, "table", CKPT_F32, 2, table_shape, at_left, half_shape, l));
+    CKPT_TRY(
+        ckpt_read_tensor_shard(r, "table", CKPT_F32, 2, table_shape, at_right, half_shape, rt));
+    memcpy(t->left, l, sizeof l);
+    memcpy(t->right, rt, sizeof rt);
+    return 0;
+}
+
+static const ckpt_stateful_ops table_ops = {.state_dict = table_sd, .load_state_dict = table_load};
+
 /* h = W x + b; out = V h + c; loss = 0.5 * mean ||out - y||^2. */
 typedef struct world {
     float W[6], b[2], V[4], c[2];
@@ -59,6 +94,7 @@ typedef struct world {
     ckpt_dataloader *dl;
     ckpt_accelerator *acc;
     loss_stats stats;
+    split_table table;
 } world;
 
 static void quiet(void *user, ckpt_log_level level, const char *msg) {
@@ -135,6 +171,11 @@ static void world_open(world *w, const char *project, float init_shift) {
     assert_int_equal(ckpt_prepare_scaler(w->acc, w->gs), 0);
     assert_int_equal(ckpt_prepare_dataloader(w->acc, w->dl), 0);
     assert_int_equal(ckpt_register_for_checkpointing(w->acc, &stats_ops, &w->stats), 0);
+    for (int i = 0; i < 6; i++) {
+        w->table.left[i] = 0.25f * (float)i + init_shift;
+        w->table.right[i] = -0.5f * (float)i + init_shift;
+    }
+    assert_int_equal(ckpt_register_for_checkpointing(w->acc, &table_ops, &w->table), 0);
 }
 
 static void world_close(world *w) {
@@ -181,6 +222,14 @@ static void train_step(world *w) {
     /* Gradient noise from the accelerator's generator: its state matters. */
     ckpt_rng *g = ckpt_accelerator_rng(w->acc);
     for (int i = 0; i < 6; i++) w->gW[i] += scale * 1e-3f * (float)ckpt_rng_normal(g);
+    /* a seventh normal: after an odd step the generator holds a cached
+     * second Box-Muller value, which a resume must carry over */
+    w->gb[0] += scale * 1e-3f * (float)ckpt_rng_normal(g);
+    /* the table's halves move with the weights (distinct per column) */
+    for (int i = 0; i < 6; i++) {
+        w->table.left[i] = 0.9f * w->table.left[i] + 0.1f * w->W[i];
+        w->table.right[i] = 0.8f * w->table.right[i] - 0.05f * w->V[i % 4] + 0.01f * (float)i;
+    }
     int64_t step = ckpt_accelerator_step(w->acc);
     if (step % 7 == 3) w->gV[1] = INFINITY; /* the scaler skips and backs off */
     bool stepped;
@@ -198,11 +247,17 @@ static void train_to(world *w, int64_t n) {
     while (ckpt_accelerator_step(w->acc) < n) train_step(w);
 }
 
-static const char *const state_files[] = {
-    "model.safetensors",      "model_1.safetensors",     "optimizer.safetensors",
-    "optimizer_1.safetensors", "scheduler.safetensors",  "scheduler_1.safetensors",
-    "scaler.safetensors",     "dataloader.safetensors",  "custom_checkpoint_0.safetensors",
-    "random_states_0.safetensors"};
+static const char *const state_files[] = {"model.safetensors",
+                                          "model_1.safetensors",
+                                          "optimizer.safetensors",
+                                          "optimizer_1.safetensors",
+                                          "scheduler.safetensors",
+                                          "scheduler_1.safetensors",
+                                          "scaler.safetensors",
+                                          "dataloader.safetensors",
+                                          "custom_checkpoint_0.safetensors",
+                                          "custom_checkpoint_1.safetensors",
+                                          "random_states_0.safetensors"};
 
 /* Every state file of two checkpoints is identical, byte for byte. */
 static void assert_same_files(const char *a, const char *b) {
@@ -219,6 +274,8 @@ static void assert_same_world(world *a, world *b) {
     assert_memory_equal(a->V, b->V, sizeof a->V);
     assert_memory_equal(a->c, b->c, sizeof a->c);
     assert_memory_equal(&a->stats, &b->stats, sizeof a->stats);
+    assert_memory_equal(a->table.left, b->table.left, sizeof a->table.left);
+    assert_memory_equal(a->table.right, b->table.right, sizeof a->table.right);
     assert_memory_equal(ckpt_accelerator_rng(a->acc), ckpt_accelerator_rng(b->acc), sizeof(ckpt_rng));
     assert_true(ckpt_grad_scaler_scale(a->gs) == ckpt_grad_scaler_scale(b->gs));
     for (int g = 0; g < 2; g++) {
@@ -245,6 +302,9 @@ static void resume_at(int64_t k, int64_t n) {
     world b;
     world_open(&b, pb, 0.0f);
     train_to(&b, k);
+    /* 7 normals a step: an odd step count leaves one cached, and the resume
+     * must continue with it */
+    assert_int_equal(ckpt_accelerator_rng(b.acc)->has_normal, (uint32_t)(k % 2));
     assert_int_equal(ckpt_save_state(b.acc, NULL), 0);
     world_close(&b);
 
@@ -268,7 +328,7 @@ static void resume_at(int64_t k, int64_t n) {
 
 static void test_resume_mid_epoch_with_every_kind_is_bit_exact(void **st) {
     (void)st;
-    resume_at(7, 19); /* 6 batches an epoch: step 7 is batch 1 of epoch 1 */
+    resume_at(7, 19); /* 6 batches an epoch: step 7 is batch 1 of epoch 1; a normal cached */
 }
 
 static void test_resume_at_an_epoch_boundary_is_bit_exact(void **st) {
@@ -335,6 +395,7 @@ static void test_load_state_mismatch_changes_nothing_in_any_object(void **st) {
     assert_int_equal(ckpt_prepare_scaler(c.acc, c.gs), 0);
     assert_int_equal(ckpt_prepare_dataloader(c.acc, c.dl), 0);
     assert_int_equal(ckpt_register_for_checkpointing(c.acc, &stats_ops_other, &c.stats), 0);
+    assert_int_equal(ckpt_register_for_checkpointing(c.acc, &table_ops, &c.table), 0);
     train_to(&c, 2);
 
     /* Snapshot every registered state through its own state_dict. */

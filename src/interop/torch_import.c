@@ -18,6 +18,7 @@
 #include "format/manifest.h"
 #include "format/statedict.h"
 #include "store/store.h"
+#include "store/txn.h"
 
 typedef struct mparam {
     char *name;
@@ -38,6 +39,12 @@ typedef struct imp {
     ckpt_writer *model, *optim, *sched, *scaler, *rng;
     int opt_groups;
     int64_t opt_step; /* largest Adam step; -1 if none */
+    /* parameter names (import_param_names) */
+    bool model_in_order; /* the model came from one pickled state dict: torch's order */
+    bool opt_named;      /* optimizer.bin carried param_names */
+    int64_t opt_count;   /* the optimizer's parameters (state indices) */
+    int64_t opt_nshapes;
+    mparam *opt_shapes; /* state index -> its state tensors' shape (ndim -1: none seen) */
     ckpt_rng gen;
 } imp;
 
@@ -61,6 +68,7 @@ static void imp_free(imp *x) {
     for (int i = 0; i < x->nrd; i++) ckpt_reader_free(x->readers[i]);
     for (int i = 0; i < x->nbufs; i++) free(x->bufs[i]);
     for (int64_t i = 0; i < x->nparams; i++) free(x->params[i].name);
+    free(x->opt_shapes);
     free(x->tfiles);
     free(x->readers);
     free(x->bufs);
@@ -240,6 +248,7 @@ static int import_model(imp *x, const char *src, bool dir) {
             free(d);
             return rc;
         }
+        x->model_in_order = true;
         return model_from_torch(x, src);
     }
     static const char *const names[] = {"model.safetensors.index.json", "model.safetensors",
@@ -249,6 +258,7 @@ static int import_model(imp *x, const char *src, bool dir) {
         if (!p) return ckpt__err_nomem("import");
         bool found = present(p);
         int rc = 0;
+        x->model_in_order = found && i == 3;
         if (found) rc = i == 0 || i == 2 ? model_from_index(x, src, names[i])
                         : i == 1        ? model_from_safetensors(x, p)
                                         : model_from_torch(x, p);
@@ -314,6 +324,24 @@ static const ckpt_torch_value *int_key(const ckpt_torch_value *d, int64_t i) {
 
 /* ---- optimizer ------------------------------------------------------------------- */
 
+/* Records the shape of state index i's state tensors (for import_param_names). */
+static int note_state_shape(imp *x, int64_t i, int ndim, const int64_t *shape) {
+    if (i >= x->opt_nshapes) {
+        void *g = ckpt__realloc(x->opt_shapes, (size_t)(i + 1) * sizeof *x->opt_shapes);
+        if (!g) return ckpt__err_nomem("import");
+        x->opt_shapes = g;
+        for (int64_t j = x->opt_nshapes; j <= i; j++) {
+            memset(&x->opt_shapes[j], 0, sizeof x->opt_shapes[j]);
+            x->opt_shapes[j].ndim = -1;
+        }
+        x->opt_nshapes = i + 1;
+    }
+    mparam *p = &x->opt_shapes[i];
+    p->ndim = ndim;
+    if (ndim > 0) memcpy(p->shape, shape, (size_t)ndim * sizeof *shape);
+    return CKPT_OK;
+}
+
 static int state_tensor(imp *x, const char *file, int64_t i, const ckpt_torch_value *st,
                         const char *name, const ckpt_torch_value *like, char *key, size_t cap) {
     snprintf(key, cap, "state.%" PRId64 ".%s", i, name);
@@ -322,6 +350,7 @@ static int state_tensor(imp *x, const char *file, int64_t i, const ckpt_torch_va
         if (t->dtype != CKPT_F32)
             return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: state %" PRId64 " '%s' is %s (ckpt's "
                              "optimizers keep float32)", file, i, name, ckpt_dtype_name(t->dtype));
+        CKPT_TRY(note_state_shape(x, i, t->ndim, t->shape));
         return ckpt_write_tensor(x->optim, key, CKPT_F32, t->ndim, t->shape, t->data);
     }
     /* not stepped yet: zeros of the parameter's shape */
@@ -422,6 +451,7 @@ static int import_optimizer(imp *x, const char *path) {
         if (names && (names->kind != CKPT_TORCH_LIST || names->n != params->n))
             return ckpt__err(CKPT_ECORRUPT, "import: %s: 'param_names' is not a list as long as "
                              "'params'", what);
+        if (names) x->opt_named = true;
         for (int64_t j = 0; names && j < names->n; j++) {
             const ckpt_torch_value *nm = names->items[j];
             if (nm->kind != CKPT_TORCH_STR)
@@ -474,6 +504,7 @@ static int import_optimizer(imp *x, const char *path) {
         return ckpt__err(CKPT_ECORRUPT, "import: %s: state for %" PRId64 " parameters, the groups "
                          "hold %" PRId64, path, state->n, idx);
     x->opt_groups = (int)groups->n;
+    x->opt_count = idx;
     return CKPT_OK;
 }
 
@@ -598,6 +629,100 @@ static int write_obj(ckpt_writer *w, const char *tmp, const char *name, const ch
     return rc;
 }
 
+/* ---- parameter names --------------------------------------------------------------- */
+
+/* Whether state index i's state tensors have the shape of model tensor p
+ * (true when it has none: a parameter torch never stepped). */
+static bool state_fits(const imp *x, int64_t i, const mparam *p) {
+    if (i >= x->opt_nshapes || x->opt_shapes[i].ndim < 0) return true;
+    const mparam *s = &x->opt_shapes[i];
+    if (s->ndim != p->ndim) return false;
+    for (int d = 0; d < p->ndim; d++)
+        if (s->shape[d] != p->shape[d]) return false;
+    return true;
+}
+
+static const mparam *model_tensor(const imp *x, const char *name) {
+    for (int64_t i = 0; i < x->nparams; i++)
+        if (!strcmp(x->params[i].name, name)) return &x->params[i];
+    return NULL;
+}
+
+/* The names the user gave (ckpt_import_options.param_names), checked: one
+ * per optimizer parameter, distinct, each a model tensor whose shape is its
+ * state's. */
+static int given_param_names(imp *x, const char *src) {
+    const ckpt_import_options *o = &x->o;
+    if (!x->optim)
+        return ckpt__err(CKPT_EINVAL,
+                         "import: %s: parameter names given, but there is no "
+                         "optimizer.bin to name",
+                         src);
+    if (x->opt_named)
+        return ckpt__err(CKPT_EINVAL,
+                         "import: %s: optimizer.bin names its parameters itself "
+                         "(param_names); parameter names may not be given too",
+                         src);
+    if (o->num_param_names != x->opt_count || !o->param_names)
+        return ckpt__err(CKPT_EINVAL,
+                         "import: %s: %" PRId64 " parameter names given, "
+                         "optimizer.bin has %" PRId64 " parameters",
+                         src, o->num_param_names, x->opt_count);
+    char key[64], a[200], b[200];
+    for (int64_t i = 0; i < x->opt_count; i++) {
+        const char *name = o->param_names[i];
+        if (!name || !*name)
+            return ckpt__err(CKPT_EINVAL, "import: parameter name %" PRId64 " is empty", i);
+        for (int64_t j = 0; j < i; j++)
+            if (!strcmp(o->param_names[j], name))
+                return ckpt__err(CKPT_EINVAL,
+                                 "import: parameter name '%s' given twice (for "
+                                 "parameters %" PRId64 " and %" PRId64 ")",
+                                 name, j, i);
+        const mparam *p = model_tensor(x, name);
+        if (!p)
+            return ckpt__err(CKPT_EINVAL,
+                             "import: %s: parameter name %" PRId64 " '%s' is not a "
+                             "tensor of the model",
+                             src, i, name);
+        if (!state_fits(x, i, p))
+            return ckpt__err(
+                CKPT_EMISMATCH,
+                "import: %s: parameter %" PRId64 " '%s' is %s in the "
+                "model, its optimizer state is %s",
+                src, i, name, ckpt__shape_str(a, sizeof a, p->ndim, p->shape),
+                ckpt__shape_str(b, sizeof b, x->opt_shapes[i].ndim, x->opt_shapes[i].shape));
+        snprintf(key, sizeof key, "param_names.%" PRId64, i);
+        CKPT_TRY(ckpt_write_str(x->optim, key, name));
+    }
+    return CKPT_OK;
+}
+
+/* torch 1.13's optimizer.bin numbers its parameters without naming them,
+ * and a load by position gives two same-shaped parameters registered in
+ * another order each other's moments. So the import names them
+ * (param_names.<i>): from the names the user gave, or where the mapping is
+ * certain: the model is one pickled state dict (in torch's registration
+ * order; safetensors files and Hugging Face indices sort their names), the
+ * optimizer has one group (several groups may list the parameters in any
+ * order), and the model's tensors and the optimizer's parameters pair one
+ * to one in order with equal shapes (a buffer, a frozen or a tied parameter
+ * breaks the count). Otherwise the state stays unnamed, and a load refuses
+ * it unless allowed by position. */
+static int import_param_names(imp *x, const char *src) {
+    if (x->o.param_names || x->o.num_param_names) return given_param_names(x, src);
+    if (!x->optim || x->opt_named) return CKPT_OK;
+    if (!x->model_in_order || x->opt_groups != 1 || x->nparams != x->opt_count) return CKPT_OK;
+    for (int64_t i = 0; i < x->opt_count; i++)
+        if (!state_fits(x, i, &x->params[i])) return CKPT_OK;
+    char key[64];
+    for (int64_t i = 0; i < x->opt_count; i++) {
+        snprintf(key, sizeof key, "param_names.%" PRId64, i);
+        CKPT_TRY(ckpt_write_str(x->optim, key, x->params[i].name));
+    }
+    return CKPT_OK;
+}
+
 static int import_sources(imp *x, const char *src) {
     struct stat st;
     if (stat(src, &st) != 0) return ckpt__err_os(errno, "import: %s", src);
@@ -615,6 +740,7 @@ static int import_sources(imp *x, const char *src) {
             CKPT_TRY(rc);
         }
     }
+    CKPT_TRY(import_param_names(x, src));
     CKPT_TRY(ckpt_writer_new(&x->rng));
     ckpt_rng_seed_stream(&x->gen, x->o.seed, 0);
     return ckpt_rng_ops()->state_dict(&x->gen, x->rng);
@@ -632,23 +758,9 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
     int rc = import_sources(&x, src);
     ckpt_manifest m;
     ckpt__manifest_init(&m);
-    char *parent = NULL, *base = NULL, *tname = NULL, *tmp = NULL;
-    bool made = false;
-    if (rc == 0) {
-        size_t n = strlen(checkpoint_dir);
-        while (n > 1 && checkpoint_dir[n - 1] == '/') n--;
-        size_t s = n;
-        while (s > 0 && checkpoint_dir[s - 1] != '/') s--;
-        parent = s ? strndup(checkpoint_dir, s) : strdup(".");
-        base = strndup(checkpoint_dir + s, n - s);
-        if (!parent || !base || !(tname = ckpt__temp_name(base)) || !(tmp = ckpt__path_join(parent, tname)))
-            rc = ckpt__err_nomem("import");
-    }
-    if (rc == 0) rc = ckpt__mkdirs(parent);
-    if (rc == 0) {
-        if (ckpt__os_mkdir(tmp, 0755) != 0) rc = ckpt__err_os(errno, "import: %s", tmp);
-        else made = true;
-    }
+    ckpt_txn t = {0};
+    if (rc == 0) rc = ckpt__txn_begin(&t, checkpoint_dir, "import", true);
+    const char *tmp = t.tmp;
     if (rc == 0) rc = write_obj(x.model, tmp, "model.safetensors", "model", &m);
     if (rc == 0) rc = write_obj(x.optim, tmp, "optimizer.safetensors", "optimizer", &m);
     if (rc == 0) rc = write_obj(x.sched, tmp, "scheduler.safetensors", "scheduler", &m);
@@ -661,14 +773,10 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
         m.num_processes = 1;
         rc = ckpt__manifest_write(&m, tmp);
     }
-    if (rc == 0) rc = ckpt__publish_dir(tmp, checkpoint_dir, false);
-    if (rc < 0 && made) ckpt__remove_tree(tmp);
+    if (rc == 0) rc = ckpt__txn_commit(&t, false, NULL);
+    ckpt__txn_end(&t, NULL);
     if (rc < 0) rc = ckpt__err_prefix(rc, "import %s", src);
     ckpt__manifest_clear(&m);
-    free(parent);
-    free(base);
-    free(tname);
-    free(tmp);
     imp_free(&x);
     return rc;
 }
