@@ -199,7 +199,8 @@ FILE *cli_fopen_regular(const char *path, char how) {
     if (how == 'a') flags |= O_APPEND;
     if (how == 'x') flags |= O_EXCL;
     bool reading = how == 'r';
-    int fd = open(path, flags | (reading ? 0 : O_NOFOLLOW) | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0644);
+    int fd =
+        open(path, flags | (reading ? 0 : O_NOFOLLOW) | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0644);
     if (fd < 0) return NULL;
     struct stat st;
     int e = 0;
