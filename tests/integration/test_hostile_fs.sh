@@ -24,11 +24,17 @@ RESEAL=${CKPT_BUILD_DIR:?set CKPT_BUILD_DIR}/tests/reseal_manifest
 T=(--epochs 1 --quiet --workers 0)
 
 # run_t WANT CMD...: run_rc under a 20 s timeout (124 if it hung; killed 10 s
-# later if it ignored the SIGTERM).
+# later if it ignored the SIGTERM). run_train: the same for a `ckpt train`
+# that may go on to train (slow under sanitizers on a busy machine), 300 s.
 run_t() {
     local want=$1
     shift
     run_rc "$want" timeout -k 10 20 "$@"
+}
+run_train() {
+    local want=$1
+    shift
+    run_rc "$want" timeout -k 10 300 "$CKPT_BIN" train "$@"
 }
 # says PATTERN: the last command's stderr+stdout has PATTERN.
 says() {
@@ -160,7 +166,7 @@ for kind in fifo folder devzero; do
     [ -d "$C4" ] && [ -d "$P/checkpoints/checkpoint_3" ] && [ -d "$P/checkpoints/checkpoint_2" ] \
         && [ ! -e "$P/checkpoints/checkpoint_1" ] || { ls "$P/checkpoints" >&2; fail "prune with a $kind checkpoint.json"; }
     # the resume falls back to checkpoint_3 with a warning and finishes the run
-    run_t 0 "$CKPT_BIN" train "${T[@]}" --resume --project-dir "$P"
+    run_train 0 "${T[@]}" --resume --project-dir "$P"
     says "warning: skipping .*checkpoint_4: .*checkpoint.json: $what, expected a regular file; falling back"
     [ -e /dev/zero ] && [ -c /dev/zero ] || fail "/dev/zero changed"
 done
@@ -171,7 +177,7 @@ rm "$C4/optimizer.safetensors"
 mkfifo "$C4/optimizer.safetensors"
 run_t 1 "$CKPT_BIN" verify "$C4"
 says "optimizer.safetensors: a FIFO, expected a regular file"
-run_t 0 "$CKPT_BIN" train "${T[@]}" --resume --project-dir "$P"
+run_train 0 "${T[@]}" --resume --project-dir "$P"
 says "falling back"
 
 # ---- forged sizes in a resealed manifest ----------------------------------
@@ -197,7 +203,7 @@ fresh
 forge $(( (1 << 62) )) model.safetensors
 run_t 1 "$CKPT_BIN" verify "$C4"
 says "model.safetensors: size [0-9]* bytes, the manifest says 4611686018427387904"
-run_t 0 "$CKPT_BIN" train "${T[@]}" --resume --project-dir "$P"
+run_train 0 "${T[@]}" --resume --project-dir "$P"
 says "skipping .*checkpoint_4: .*the manifest says 4611686018427387904.*falling back"
 cat "$WORK/err" | has -v "out of memory" || fail "a forged size ran out of memory"
 
@@ -212,7 +218,7 @@ if [ "$(id -u)" -eq 0 ] && mkdir -p "$WORK/mnt" && mount -t tmpfs -o size=64m,mo
     C4=$P/checkpoints/checkpoint_4
     forge "$big" model.safetensors optimizer.safetensors
     truncate -s "$big" "$C4/model.safetensors" "$C4/optimizer.safetensors"
-    run_t 0 "$CKPT_BIN" train "${T[@]}" --resume --project-dir "$P"
+    run_train 0 "${T[@]}" --resume --project-dir "$P"
     says "skipping .*checkpoint_4: .*sizes add up .*falling back"
     cat "$WORK/err" | has -v "out of memory" || fail "overflowing sizes ran out of memory"
 
@@ -224,16 +230,16 @@ if [ "$(id -u)" -eq 0 ] && mkdir -p "$WORK/mnt" && mount -t tmpfs -o size=64m,mo
     cp -a "$base" "$P"
     rm "$P/checkpoints/.lock"
     mount -o remount,ro "$WORK/mnt"
-    run_t 3 "$CKPT_BIN" train "${T[@]}" --resume --project-dir "$P"
+    run_train 3 "${T[@]}" --resume --project-dir "$P"
     says "read-only file system: loading without the project lock"
     says "metrics.jsonl: Read-only file system"
     # a checkpoint on read-only media starts another run
-    run_t 0 "$CKPT_BIN" train "${T[@]}" --init-from "$P/checkpoints/checkpoint_3" --project-dir "$WORK/fromro"
+    run_train 0 "${T[@]}" --init-from "$P/checkpoints/checkpoint_3" --project-dir "$WORK/fromro"
     run_t 0 "$CKPT_BIN" verify "$P"
     mount -o remount,rw "$WORK/mnt"
     : >"$P/checkpoints/.lock"
     mount -o remount,ro "$WORK/mnt"
-    run_t 3 "$CKPT_BIN" train "${T[@]}" --resume --project-dir "$P"
+    run_train 3 "${T[@]}" --resume --project-dir "$P"
     cat "$WORK/err" | has -v "without the project lock" || fail "an existing lock was skipped"
     says "metrics.jsonl: Read-only file system"
 else
