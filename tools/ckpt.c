@@ -1,6 +1,7 @@
 /* ckpt — the command-line tool: train (the demo), ls, inspect, verify, diff,
  * prune, export, import. It uses only the public API in ckpt.h. */
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -192,6 +193,30 @@ void cli_print_metrics(const ckpt_checkpoint_info *info, bool json) {
 }
 const char *cli_format_float(float v, char *buf, int cap) { return shortest(v, true, buf, cap); }
 
+/* See cli.h. */
+FILE *cli_fopen_regular(const char *path, char how) {
+    int flags = how == 'r' ? O_RDONLY : O_WRONLY | O_CREAT;
+    if (how == 'a') flags |= O_APPEND;
+    if (how == 'x') flags |= O_EXCL;
+    bool reading = how == 'r';
+    int fd =
+        open(path, flags | (reading ? 0 : O_NOFOLLOW) | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0644);
+    if (fd < 0) return NULL;
+    struct stat st;
+    int e = 0;
+    if (fstat(fd, &st) != 0) e = errno;
+    else if (!S_ISREG(st.st_mode) || (!reading && st.st_nlink > 1)) e = EINVAL;
+    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) e = errno;
+    else if (how == 'w' && ftruncate(fd, 0) != 0) e = errno;
+    FILE *f = e ? NULL : fdopen(fd, how == 'r' ? "r" : how == 'a' ? "a" : "w");
+    if (!f) {
+        if (!e) e = errno;
+        close(fd);
+        errno = e;
+    }
+    return f;
+}
+
 cli_kind cli_classify(const char *path) {
     struct stat st;
     if (stat(path, &st) != 0) return CLI_KIND_MISSING;
@@ -206,11 +231,15 @@ cli_kind cli_classify(const char *path) {
     }
     unsigned char head[9] = {0};
     size_t got = 0;
-    FILE *f = fopen(path, "rb");
-    if (f) {
-        got = fread(head, 1, sizeof head, f);
-        fclose(f);
+    /* Only a regular file is looked into (a FIFO would block the read):
+     * the command that opens it says what else it is. */
+    int fd = S_ISREG(st.st_mode) ? open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC) : -1;
+    struct stat fs;
+    if (fd >= 0 && fstat(fd, &fs) == 0 && S_ISREG(fs.st_mode)) {
+        ssize_t r = read(fd, head, sizeof head);
+        got = r > 0 ? (size_t)r : 0;
     }
+    if (fd >= 0) close(fd);
     if (got >= 4 && !memcmp(head, "PK\x03\x04", 4)) return CLI_KIND_TORCH_ZIP;
     size_t n = strlen(path);
     if (n > 12 && !strcmp(path + n - 12, ".safetensors")) return CLI_KIND_STATE_FILE;

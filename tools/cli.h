@@ -2,6 +2,7 @@
 #ifndef CKPT_TOOLS_CLI_H
 #define CKPT_TOOLS_CLI_H
 
+#include <stdio.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -64,6 +65,13 @@ typedef enum cli_kind {
     CLI_KIND_OTHER_FILE  /* any other file */
 } cli_kind;
 cli_kind cli_classify(const char *path);
+/* fopen that never blocks on a FIFO and opens only a regular file (else
+ * NULL, errno EINVAL). how 'r': reads (a symlink is followed: a user's
+ * input). 'w', 'a', 'x' (a new file, O_EXCL): a file the tool itself writes
+ * (a log): a symlink at path is not followed (ELOOP) and a file with
+ * another name (a hard link) is refused (EINVAL); 'w' truncates only once
+ * that is known. */
+FILE *cli_fopen_regular(const char *path, char how);
 /* The usage error for a path of the wrong kind, naming it and what was
  * expected (`expected`, e.g. "a checkpoint, a project or a state file"),
  * with advice for a PyTorch file. Returns CLI_USAGE. */

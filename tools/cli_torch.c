@@ -96,9 +96,10 @@ int cli_export(int argc, char **argv) {
 /* The lines of a --param-names file (empty lines skipped) into *names, the
  * text they point into into *text. false with a message on failure. */
 static bool read_param_names(const char *path, char **text, const char ***names, int64_t *n) {
-    FILE *fp = fopen(path, "rb");
+    FILE *fp = cli_fopen_regular(path, 'r');
     if (!fp) {
-        cli_error("--param-names: %s: %s", path, strerror(errno));
+        cli_error("--param-names: %s: %s", path,
+                  errno == EINVAL ? "not a regular file" : strerror(errno));
         return false;
     }
     size_t cap = 0, len = 0;

@@ -261,16 +261,23 @@ static const char *find_data(char *buf, size_t cap) {
  * past the resumed step (and a torn last line), so the log reads as if the
  * run had never stopped; a fresh run starts it empty. */
 static FILE *metrics_open(const char *path, bool resume, int64_t keep_upto, loss_history *losses) {
-    if (!resume) return fopen(path, "w");
-    FILE *in = fopen(path, "r");
-    if (!in) return errno == ENOENT ? fopen(path, "w") : NULL;
+    if (!resume) return cli_fopen_regular(path, 'w');
+    /* the log is ckpt's own: a symlink there is refused, not read through */
+    struct stat ls;
+    if (lstat(path, &ls) == 0 && S_ISLNK(ls.st_mode)) {
+        errno = ELOOP;
+        return NULL;
+    }
+    FILE *in = cli_fopen_regular(path, 'r');
+    if (!in) return errno == ENOENT ? cli_fopen_regular(path, 'w') : NULL;
     char tmp[PATH_MAX];
     if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp) {
         fclose(in);
         errno = ENAMETOOLONG;
         return NULL;
     }
-    FILE *out = fopen(tmp, "w");
+    (void)unlink(tmp); /* a kill's leftover; never followed */
+    FILE *out = cli_fopen_regular(tmp, 'x');
     if (!out) {
         fclose(in);
         return NULL;
@@ -295,7 +302,7 @@ static FILE *metrics_open(const char *path, bool resume, int64_t keep_upto, loss
         errno = e;
         return NULL;
     }
-    return fopen(path, "a");
+    return cli_fopen_regular(path, 'a');
 }
 
 static void format_duration(double s, char *buf, size_t cap) {
@@ -806,7 +813,11 @@ int cli_train(int argc, char **argv) {
     }
     snprintf(metrics_path, sizeof metrics_path, "%s/metrics.jsonl", logdir);
     if (t.speak && (make_dirs(logdir) != 0 || !(t.metrics = metrics_open(metrics_path, resumed, step, &t.losses)))) {
-        cli_error("%s: %s", metrics_path, strerror(errno));
+        if (errno == ELOOP || errno == EINVAL)
+            cli_error("%s: not a regular file of its own (a symlink, a FIFO, a folder or a hard "
+                      "link); the log is not written through it: remove it",
+                      metrics_path);
+        else cli_error("%s: %s", metrics_path, strerror(errno));
         status = CLI_RUNTIME;
         goto done;
     }

@@ -2,9 +2,12 @@
 #include "digits.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 int digits_parse_line(const char *line, digits_sample *s, char *err, size_t errcap) {
@@ -44,8 +47,21 @@ int digits_parse_line(const char *line, digits_sample *s, char *err, size_t errc
 int digits_load(const char *path, digits_sample **out, int64_t *n, char *err, size_t errcap) {
     *out = NULL;
     *n = 0;
-    gzFile f = gzopen(path, "rb");
+    /* Never blocks on a FIFO: only a regular file is read. */
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    struct stat st;
+    const char *bad = NULL;
+    if (fd < 0 || fstat(fd, &st) != 0) bad = strerror(errno);
+    else if (!S_ISREG(st.st_mode)) bad = "not a regular file";
+    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0) bad = strerror(errno);
+    if (bad) {
+        if (fd >= 0) close(fd);
+        snprintf(err, errcap, "%s: %s", path, bad);
+        return -1;
+    }
+    gzFile f = gzdopen(fd, "rb");
     if (!f) {
+        close(fd);
         snprintf(err, errcap, "%s: %s", path, errno ? strerror(errno) : "cannot open");
         return -1;
     }

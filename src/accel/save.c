@@ -195,7 +195,8 @@ static int plan_local(save_op *op, const char *output_dir) {
     op->lockp = ckpt__lock_path(op->parent, op->automatic ? "checkpoint_0" : op->base);
     if (!op->lockp) return ckpt__err_nomem("lock path");
     /* The project lock, held since the first save or load, covers it. */
-    if (!ckpt__acc_holds_lock_file(acc, op->lockp)) rc = ckpt__lock_acquire(&op->lk, op->lockp);
+    if (!ckpt__acc_holds_lock_file(acc, op->lockp))
+        rc = ckpt__lock_acquire(&op->lk, op->lockp, false);
     if (rc < 0) return ckpt__err_prefix(rc, "save_state");
     int64_t n;
     bool numbered = op->automatic || ckpt__parse_checkpoint_name(op->base, &n);
@@ -473,8 +474,9 @@ static int add_extra(save_op *op, const char *name) {
     char *path = ckpt__path_join(op->tmp, name);
     if (!path) return ckpt__err_nomem("save path");
     int rc = 0;
-    int fd = ckpt__os_open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC, 0);
-    if (fd < 0) rc = ckpt__err_os(errno, "save_state: %s", path);
+    /* The hook's file goes into the checkpoint: a regular file, no link. */
+    int fd = ckpt__open_read(path, path, true, NULL);
+    if (fd < 0) rc = ckpt__err_prefix(fd, "save_state: a save pre-hook's file");
     else if (ckpt__os_fsync(fd) != 0) rc = ckpt__err_os(errno, "save_state: %s: fsync", path);
     if (fd >= 0) close(fd);
     ckpt_mapped mp;

@@ -784,22 +784,72 @@ int ckpt__remove_tree(const char *path) {
 
 /* ---- reads -------------------------------------------------------------- */
 
+const char *ckpt__file_type_name(mode_t mode) {
+    if (S_ISREG(mode)) return "a regular file";
+    if (S_ISDIR(mode)) return "a folder";
+    if (S_ISLNK(mode)) return "a symlink";
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISSOCK(mode)) return "a socket";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    return "not a regular file";
+}
+
+static void (*_Atomic verified_hook)(void *user, const char *path);
+static void *_Atomic verified_user;
+
+void ckpt__io_set_verified_hook(void (*fn)(void *user, const char *path), void *user) {
+    atomic_store(&verified_user, user);
+    atomic_store(&verified_hook, fn);
+}
+
+void ckpt__io_verified(const char *path) {
+    void (*fn)(void *, const char *) = atomic_load(&verified_hook);
+    if (fn) fn(atomic_load(&verified_user), path);
+}
+
+int ckpt__open_read(const char *path, const char *what, bool own, struct stat *st) {
+    struct stat tmp;
+    if (!st) st = &tmp;
+    int bad = own ? CKPT_ECORRUPT : CKPT_EINVAL;
+    /* Look before opening: a device is not opened at all. A checkpoint's own
+     * file is never a symlink: ckpt writes none. */
+    if ((own ? lstat(path, st) : stat(path, st)) != 0) return ckpt__err_os(errno, "%s: open", what);
+    if (!S_ISREG(st->st_mode))
+        return ckpt__err(bad, "%s: %s, expected a regular file", what,
+                         ckpt__file_type_name(st->st_mode));
+    /* The file may be swapped between the look and the open: O_NONBLOCK so
+     * a FIFO put there cannot hang the open, O_NOFOLLOW for a symlink. */
+    int flags = O_RDONLY | O_NONBLOCK | O_NOCTTY | O_CLOEXEC | (own ? O_NOFOLLOW : 0);
+    int fd = ckpt__os_open(path, flags, 0);
+    if (fd < 0) {
+        int e = errno;
+        if (own && e == ELOOP)
+            return ckpt__err(bad, "%s: a symlink, expected a regular file", what);
+        return ckpt__err_os(e, "%s: open", what);
+    }
+    int rc = CKPT_OK;
+    if (fstat(fd, st) != 0) rc = ckpt__err_os(errno, "%s: stat", what);
+    else if (!S_ISREG(st->st_mode))
+        rc = ckpt__err(bad, "%s: %s, expected a regular file", what,
+                       ckpt__file_type_name(st->st_mode));
+    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0)
+        rc = ckpt__err_os(errno, "%s: fcntl", what);
+    if (rc < 0) {
+        close(fd);
+        return rc;
+    }
+    return fd;
+}
+
 static const uint8_t empty_file_byte;
 
 int ckpt__map_file(const char *path, ckpt_mapped *m) {
     memset(m, 0, sizeof *m);
-    int fd = ckpt__os_open(path, O_RDONLY, 0);
-    if (fd < 0) return ckpt__err_os(errno, "%s: open", path);
     struct stat st;
+    int fd = ckpt__open_read(path, path, false, &st);
+    if (fd < 0) return fd;
     int rc = CKPT_OK;
-    if (fstat(fd, &st) < 0) {
-        rc = ckpt__err_os(errno, "%s: stat", path);
-        goto out;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        rc = ckpt__err(CKPT_EINVAL, "%s: not a regular file", path);
-        goto out;
-    }
     if (st.st_size == 0) {
         m->data = &empty_file_byte;
         goto out;
@@ -829,22 +879,14 @@ void ckpt__unmap(ckpt_mapped *m) {
     memset(m, 0, sizeof *m);
 }
 
-int ckpt__read_small_file(const char *path, uint64_t max, char **out, size_t *len) {
+int ckpt__read_small_file(const char *path, bool own, uint64_t max, char **out, size_t *len) {
     *out = NULL;
     if (len) *len = 0;
-    int fd = ckpt__os_open(path, O_RDONLY, 0);
-    if (fd < 0) return ckpt__err_os(errno, "%s: open", path);
     struct stat st;
+    int fd = ckpt__open_read(path, path, own, &st);
+    if (fd < 0) return fd;
     int rc = CKPT_OK;
     char *buf = NULL;
-    if (fstat(fd, &st) < 0) {
-        rc = ckpt__err_os(errno, "%s: stat", path);
-        goto out;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        rc = ckpt__err(CKPT_EINVAL, "%s: not a regular file", path);
-        goto out;
-    }
     if ((uint64_t)st.st_size > max) {
         rc = ckpt__err(CKPT_ECORRUPT, "%s: %lld bytes, more than the %llu-byte limit", path,
                        (long long)st.st_size, (unsigned long long)max);
@@ -896,16 +938,13 @@ int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t
     XXH3_INITSTATE(h);
     XXH3_64bits_reset(h);
     int rc = CKPT_OK;
-    int fd = ckpt__os_open(path, O_RDONLY | O_CLOEXEC, 0);
-    if (fd < 0) {
-        rc = ckpt__err_os(errno, "%s: open", what);
-        free(mem);
-        return rc;
-    }
     struct stat st;
-    if (fstat(fd, &st) != 0) {
-        rc = ckpt__err_os(errno, "%s: stat", what);
-    } else if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size != size) {
+    int fd = ckpt__open_read(path, what, true, &st);
+    if (fd < 0) {
+        free(mem);
+        return fd;
+    }
+    if ((uint64_t)st.st_size != size) {
         rc = ckpt__err(CKPT_ECORRUPT, "%s: %lld bytes, the manifest says %llu", what,
                        (long long)st.st_size, (unsigned long long)size);
     } else {
@@ -943,37 +982,33 @@ int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t
     return rc;
 }
 
-int ckpt__map_if_cached(const char *path, uint64_t size, ckpt_mapped *m) {
+int ckpt__read_private(const char *path, const char *what, uint64_t size, ckpt_mapped *m,
+                       uint64_t *digest) {
     memset(m, 0, sizeof *m);
-    if (size == 0 || size > (uint64_t)SIZE_MAX) return 0;
-    int fd = ckpt__os_open(path, O_RDONLY | O_CLOEXEC, 0);
-    if (fd < 0) return ckpt__err_os(errno, "%s: open", path);
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || (uint64_t)st.st_size != size) {
-        close(fd);
-        return 0; /* the read path says what is wrong */
+    if (size > (uint64_t)SIZE_MAX / 2)
+        return ckpt__err(CKPT_ECORRUPT, "%s: %llu bytes cannot be read into memory", what,
+                         (unsigned long long)size);
+    uint8_t *buf = size ? ckpt__malloc((size_t)size) : NULL;
+    if (size && !buf) return ckpt__err_nomem(what);
+    int rc = ckpt__read_hashed(path, what, size, buf, digest);
+    if (rc < 0) {
+        free(buf);
+        return rc;
     }
-    void *p = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (p == MAP_FAILED) return 0;
-    long pg = sysconf(_SC_PAGESIZE);
-    size_t npages = ((size_t)size + (size_t)pg - 1) / (size_t)pg;
-    unsigned char *vec = malloc(npages);
-    bool all = vec && mincore(p, (size_t)size, vec) == 0;
-    for (size_t i = 0; all && i < npages; i++) all = (vec[i] & 1) != 0;
-    free(vec);
-    if (!all) {
-        munmap(p, (size_t)size);
-        return 0;
-    }
-#ifdef MADV_POPULATE_READ
-    (void)madvise(p, (size_t)size, MADV_POPULATE_READ);
-#endif
-    m->data = p;
+    m->data = buf ? buf : &empty_file_byte;
     m->size = size;
-    m->map_base = p;
-    m->map_len = (size_t)size;
-    return 1;
+    m->heap = buf;
+    return CKPT_OK;
+}
+
+bool ckpt__addressable(uint64_t n) {
+    if (n > (uint64_t)SIZE_MAX / 2) return false;
+    if (n == 0) return true;
+    /* Address space only: nothing is committed or touched. */
+    void *p = mmap(NULL, (size_t)n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return false;
+    munmap(p, (size_t)n);
+    return true;
 }
 
 /* ---- reusable memory ------------------------------------------------------------ */

@@ -9,6 +9,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include "ckpt.h"
@@ -164,25 +165,54 @@ typedef struct ckpt_mapped {
     size_t map_len;
     void *heap;         /* owned heap copy (small files / no mmap) */
 } ckpt_mapped;
-/* Maps a whole regular file read-only (empty files give size 0, data != NULL).
- * Messages name the path. */
+/* Opening for reading. A folder may hold anything under a file's name (a
+ * FIFO, a device, a symlink), so every read of a file starts here: path is
+ * looked at first (a device is never opened), then opened with O_NONBLOCK
+ * (cleared once the file is known to be regular: a FIFO swapped in cannot
+ * hang the open) and checked again with fstat. own: a file ckpt wrote (a
+ * checkpoint's manifest or state file): a symlink is not followed, and
+ * anything but a regular file is CKPT_ECORRUPT (damage: a load falls back);
+ * else (a user's input) symlinks are followed and anything but a regular
+ * file is CKPT_EINVAL. Messages are "<what>: a FIFO, expected a regular
+ * file" and the like. Returns the descriptor (the caller closes it), or a
+ * negative status. st (may be NULL) gets the open file's fstat. */
+int ckpt__open_read(const char *path, const char *what, bool own, struct stat *st);
+/* "a FIFO", "a folder", "a symlink", ... for messages. */
+const char *ckpt__file_type_name(mode_t mode);
+
+/* Maps a whole regular file read-only (empty files give size 0, data != NULL);
+ * a user's input (see ckpt__open_read). Messages name the path. Nothing a
+ * load applies comes from such a mapping: another process's write to the
+ * file shows through it. */
 int ckpt__map_file(const char *path, ckpt_mapped *m);
 void ckpt__unmap(ckpt_mapped *m);
-/* Reads the file at path, which must hold exactly size bytes, with pread in
- * 8 MiB pieces, hashing each piece (XXH3-64) right after reading it, while
- * it is still in the CPU cache (and while the next piece is read ahead): the
- * checksum rides on the read. Into dst (size
- * bytes) if not NULL, else through a small scratch piece (verification
- * only). *digest gets the file's XXH3-64. A file of another size, or one
- * that ends early, is CKPT_ECORRUPT naming what (e.g. "dir: name"). */
+/* Reads a checkpoint's file at path, which must hold exactly size bytes, with
+ * pread in 8 MiB pieces, hashing each piece (XXH3-64) right after reading it,
+ * while it is still in the CPU cache (and while the next piece is read
+ * ahead): the checksum rides on the read. Into dst (size bytes, memory the
+ * caller owns) if not NULL, so the bytes hashed are the bytes kept; else
+ * through a small scratch piece (verification only). *digest gets the
+ * file's XXH3-64. A file of another size, or one that ends early, or one
+ * that is not a regular file (ckpt__open_read, own) is CKPT_ECORRUPT naming
+ * what (e.g. "dir: name"). */
 int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
                       uint64_t *digest);
+/* ckpt__read_hashed into private heap memory it allocates: m owns it (free
+ * with ckpt__unmap). A later write to the file cannot change what m holds. */
+int ckpt__read_private(const char *path, const char *what, uint64_t size, ckpt_mapped *m,
+                       uint64_t *digest);
 
-/* If every page of the file at path is in the page cache: maps it (as
- * ckpt__map_file, its page tables filled at once, no fault per page) and
- * returns 1; 0 (nothing mapped) if some page would come from the disk or
- * the check is not possible; negative on error. */
-int ckpt__map_if_cached(const char *path, uint64_t size, ckpt_mapped *m);
+/* Tests only: fn(user, path) runs right after each file of a checkpoint was
+ * read and verified against the manifest and before any of it is used, so
+ * a test can rewrite the file in place at that moment and check that the
+ * bytes used are still the verified ones. NULL clears it. */
+void ckpt__io_set_verified_hook(void (*fn)(void *user, const char *path), void *user);
+void ckpt__io_verified(const char *path);
+
+/* Whether n bytes fit in this process's address space at all (a range of
+ * that size can be reserved; nothing is allocated). Checkpoint files whose
+ * listed sizes add up past it cannot have been saved from memory: damage. */
+bool ckpt__addressable(uint64_t n);
 
 /* A memory area reused from call to call (an asynchronous save's staging,
  * a verified load's read buffers): anonymous pages, grown when asked for
@@ -196,8 +226,9 @@ typedef struct ckpt_arena {
 int ckpt__arena_reserve(ckpt_arena *a, uint64_t n);
 void ckpt__arena_free(ckpt_arena *a);
 
-/* Reads a whole small file (<= max bytes) into a NUL-terminated heap buffer. */
-int ckpt__read_small_file(const char *path, uint64_t max, char **out, size_t *len);
+/* Reads a whole small file (<= max bytes, else CKPT_ECORRUPT) into a
+ * NUL-terminated heap buffer; own as for ckpt__open_read. */
+int ckpt__read_small_file(const char *path, bool own, uint64_t max, char **out, size_t *len);
 /* XXH3-64 of a buffer. */
 uint64_t ckpt__xxh3(const void *p, size_t n);
 

@@ -776,13 +776,13 @@ int ckpt__manifest_read(const char *dir, ckpt_manifest *m) {
     if (!S_ISDIR(st.st_mode)) return ckpt__err(CKPT_EINVAL, "%s: not a folder", dir);
     char *path = join(dir, CKPT_MANIFEST_NAME);
     if (!path) return ckpt__err_nomem("manifest path");
-    if (stat(path, &st) != 0 && errno == ENOENT) {
+    if (lstat(path, &st) != 0 && errno == ENOENT) {
         free(path);
         return ckpt__err(CKPT_ENOENT, "%s: not a checkpoint (no " CKPT_MANIFEST_NAME ")", dir);
     }
     char *text = NULL;
     size_t len = 0;
-    int rc = ckpt__read_small_file(path, CKPT_MANIFEST_MAX_BYTES, &text, &len);
+    int rc = ckpt__read_small_file(path, true, CKPT_MANIFEST_MAX_BYTES, &text, &len);
     if (rc == 0) rc = ckpt__manifest_parse(text, len, path, m);
     free(text);
     free(path);
@@ -862,59 +862,62 @@ void ckpt__checkpoint_close(ckpt_checkpoint_open *c) {
 }
 
 static const uint8_t empty_file[1];
-static _Atomic bool use_cached_maps = true;
 
-bool ckpt__set_cached_maps(bool on) { return atomic_exchange(&use_cached_maps, on); }
-
-/* A deep check reads the file with pread, hashing each piece as it arrives
- * (no mmap, no second pass): into dst (the file's slot of the read buffers)
- * when its bytes are kept for the readers, else through a scratch piece. */
-static int check_one(const char *dir, const ckpt_manifest_file *f, bool deep, ckpt_mapped *mp,
-                     uint8_t *dst) {
+/* What a look at the folder can tell before anything is reserved or read:
+ * each listed file is there, a regular file (not a symlink, a FIFO or a
+ * folder: ckpt writes none), of the size the manifest says. A forged size
+ * is damage found here, not an allocation of that size. */
+static int check_size(const char *dir, const ckpt_manifest_file *f) {
     char *path = join(dir, f->name);
     if (!path) return ckpt__err_nomem("checkpoint path");
     struct stat st;
     int rc = 0;
-    if (stat(path, &st) != 0) {
+    if (lstat(path, &st) != 0) {
         rc = errno == ENOENT ? ckpt__err(CKPT_ECORRUPT, "%s: %s is listed in the manifest but missing",
                                          dir, f->name)
                              : ckpt__err_os(errno, "%s", path);
     } else if (!S_ISREG(st.st_mode)) {
-        rc = ckpt__err(CKPT_ECORRUPT, "%s: %s is not a regular file", dir, f->name);
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: %s, expected a regular file", dir, f->name,
+                       ckpt__file_type_name(st.st_mode));
     } else if ((uint64_t)st.st_size != f->size) {
         rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: size %lld bytes, the manifest says %" PRIu64 "%s", dir,
                        f->name, (long long)st.st_size, f->size,
                        (uint64_t)st.st_size < f->size ? " (truncated)" : "");
-    } else if (deep) {
-        char what[1024];
-        snprintf(what, sizeof what, "%s: %s", dir, f->name);
-        uint64_t h = 0;
-        /* Kept bytes already all in the page cache: hash them in place and
-         * let the readers use that mapping (no copy into the buffers). */
-        int cached = dst && atomic_load(&use_cached_maps) ? ckpt__map_if_cached(path, f->size, mp) : 0;
-        if (cached > 0) {
-            h = ckpt__xxh3(mp->data, (size_t)mp->size);
-            dst = NULL;
-        } else if (cached < 0) {
-            rc = cached;
-        } else {
-            rc = ckpt__read_hashed(path, what, f->size, f->size ? dst : NULL, &h);
-        }
-        if (rc == 0 && dst) {
-            mp->data = f->size ? dst : empty_file; /* borrowed from the read buffers */
-            mp->size = f->size;
-        }
-        if (rc == 0 && h != f->xxh3) {
-            /* Which tensor went bad, from the bytes (mapped for this only). */
-            ckpt_mapped tmp;
-            memset(&tmp, 0, sizeof tmp);
-            if (mp->data) rc = name_mismatch(dir, f, mp);
-            else if ((rc = ckpt__map_file(path, &tmp)) == 0) {
-                rc = name_mismatch(dir, f, &tmp);
-                ckpt__unmap(&tmp);
-            }
+    }
+    free(path);
+    return rc;
+}
+
+/* A deep check reads the file with pread, hashing each piece as it arrives
+ * (no mmap, no second pass): into dst (the file's slot of the read buffers,
+ * private memory) when its bytes are kept for the readers, else through a
+ * scratch piece. The readers use only those bytes: what a load applies is
+ * what was hashed, whatever happens to the file afterwards. */
+static int check_one(const char *dir, const ckpt_manifest_file *f, bool deep, ckpt_mapped *mp,
+                     uint8_t *dst) {
+    int rc = check_size(dir, f);
+    if (rc < 0 || !deep) return rc;
+    char *path = join(dir, f->name);
+    if (!path) return ckpt__err_nomem("checkpoint path");
+    char what[1024];
+    snprintf(what, sizeof what, "%s: %s", dir, f->name);
+    uint64_t h = 0;
+    rc = ckpt__read_hashed(path, what, f->size, f->size ? dst : NULL, &h);
+    if (rc == 0 && dst) {
+        mp->data = f->size ? dst : empty_file; /* borrowed from the read buffers */
+        mp->size = f->size;
+    }
+    if (rc == 0 && h != f->xxh3) {
+        /* Which tensor went bad, from the bytes (mapped for this only). */
+        ckpt_mapped tmp;
+        memset(&tmp, 0, sizeof tmp);
+        if (mp->data) rc = name_mismatch(dir, f, mp);
+        else if ((rc = ckpt__map_file(path, &tmp)) == 0) {
+            rc = name_mismatch(dir, f, &tmp);
+            ckpt__unmap(&tmp);
         }
     }
+    if (rc == 0 && dst) ckpt__io_verified(path);
     free(path);
     return rc;
 }
@@ -993,9 +996,10 @@ static int check_files(const char *dir, const ckpt_manifest *m, bool deep, const
     if (n == 0) return CKPT_OK;
     int64_t *idx = ckpt__calloc((size_t)n * 2, sizeof *idx);
     if (!idx) return ckpt__err_nomem("checkpoint check");
-    uint64_t total = 0;
+    uint64_t total = 0; /* only compared with a threshold: saturates */
     for (int64_t i = 0; i < n; i++)
-        if (!shallow || !shallow[i]) total += m->files[i].size;
+        if ((!shallow || !shallow[i]) && __builtin_add_overflow(total, m->files[i].size, &total))
+            total = UINT64_MAX;
     check_job job[2];
     memset(job, 0, sizeof job);
     for (int w = 0; w < 2; w++) {
@@ -1047,15 +1051,26 @@ static int check_files(const char *dir, const ckpt_manifest *m, bool deep, const
 }
 
 /* The files' places in the read buffers: each file a 64-byte aligned slot
- * of the arena (the caller's, or c's own). */
-static int place_files(ckpt_checkpoint_open *c, const bool *shallow, ckpt_arena *arena,
-                       uint8_t ***dst) {
+ * of the arena (the caller's, or c's own). The sizes were checked against
+ * the files first (check_size); a total that overflows or that no process
+ * could hold is damage, not a reservation. */
+static int place_files(const char *dir, ckpt_checkpoint_open *c, const bool *shallow,
+                       ckpt_arena *arena, uint8_t ***dst) {
     int64_t n = c->m.nfiles;
+    uint64_t total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (shallow && shallow[i]) continue;
+        uint64_t slot;
+        if (__builtin_add_overflow(c->m.files[i].size, 63, &slot) ||
+            __builtin_add_overflow(total, slot & ~(uint64_t)63, &total) ||
+            total > (uint64_t)SIZE_MAX / 2)
+            return ckpt__err(CKPT_ECORRUPT,
+                             "%s: the listed files' sizes add up past what memory can hold "
+                             "(at %s, %" PRIu64 " bytes)",
+                             dir, c->m.files[i].name, c->m.files[i].size);
+    }
     *dst = ckpt__calloc((size_t)(n ? n : 1), sizeof **dst);
     if (!*dst) return ckpt__err_nomem("checkpoint buffers");
-    uint64_t total = 0;
-    for (int64_t i = 0; i < n; i++)
-        if (!shallow || !shallow[i]) total += (c->m.files[i].size + 63) & ~(uint64_t)63;
     if (!arena) arena = &c->own;
     CKPT_TRY(ckpt__arena_reserve(arena, total));
     uint64_t off = 0;
@@ -1108,7 +1123,9 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
             return ckpt__err_nomem("checkpoint maps");
         }
     }
-    for (int64_t i = 0; i < c->m.nfiles; i++) c->total_bytes += c->m.files[i].size;
+    for (int64_t i = 0; i < c->m.nfiles; i++)
+        if (__builtin_add_overflow(c->total_bytes, c->m.files[i].size, &c->total_bytes))
+            c->total_bytes = UINT64_MAX;
     bool *shallow = NULL;
     if (want) {
         shallow = ckpt__calloc((size_t)(c->m.nfiles ? c->m.nfiles : 1), sizeof *shallow);
@@ -1119,7 +1136,22 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
         for (int64_t i = 0; i < c->m.nfiles; i++) shallow[i] = !want(&c->m.files[i], ctx);
     }
     uint8_t **dst = NULL;
-    if (c->maps) rc = place_files(c, shallow, arena, &dst);
+    /* Every size against the folder before a byte is reserved or read. */
+    for (int64_t i = 0; rc == 0 && i < c->m.nfiles; i++) rc = check_size(dir, &c->m.files[i]);
+    /* A checkpoint is saved from memory: files adding up to more than a
+     * process can address are forged (sparse files can have any size), and
+     * reading them would run for years. */
+    if (rc == 0 && !ckpt__addressable(c->total_bytes)) {
+        if (c->total_bytes == UINT64_MAX)
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: the listed sizes add up past 2^64 (forged sizes)",
+                           dir);
+        else
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: the listed files' sizes add up to %" PRIu64
+                           " bytes, more than memory can hold (forged sizes)",
+                           dir, c->total_bytes);
+    }
+    if (rc == 0 && c->maps) rc = place_files(dir, c, shallow, arena, &dst);
     if (rc == 0) rc = check_files(dir, &c->m, deep, shallow, c->maps, dst);
     free(dst);
     free(shallow);

@@ -104,11 +104,6 @@ int ckpt__checkpoint_open_some(const char *dir, bool deep, bool keep_maps,
 int ckpt__checkpoint_open_into(const char *dir,
                                bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
                                ckpt_arena *arena, ckpt_checkpoint_open *c);
-/* Whether a kept file whose pages are all in the page cache is hashed and
- * read in place through a mapping (default) rather than read into the
- * buffers; tests turn it off to run the read path on warm files. Returns the
- * previous value. */
-bool ckpt__set_cached_maps(bool on);
 /* Deep checks hash the files on two threads once they hold at least this
  * many bytes (default 64 MiB). Tests set 0 to exercise the threaded path on
  * small checkpoints; returns the previous value. */

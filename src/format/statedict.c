@@ -983,18 +983,10 @@ int ckpt_reader_open(ckpt_reader **out, const char *path) {
     CKPT_TRY(reader_alloc(&r, path));
     int rc = CKPT_OK;
     uint8_t *hbuf = NULL;
-    r->fd = ckpt__os_open(path, O_RDONLY, 0);
-    if (r->fd < 0) {
-        rc = ckpt__err_os(errno, "%s: open", path);
-        goto out;
-    }
     struct stat st;
-    if (fstat(r->fd, &st) < 0) {
-        rc = ckpt__err_os(errno, "%s: stat", path);
-        goto out;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        rc = ckpt__err(CKPT_EINVAL, "%s: not a regular file", path);
+    r->fd = ckpt__open_read(path, path, false, &st);
+    if (r->fd < 0) {
+        rc = r->fd;
         goto out;
     }
     r->file_size = (uint64_t)st.st_size;

@@ -111,9 +111,11 @@ static int open_st(imp *x, const char *path, ckpt_reader **r) {
     return CKPT_OK;
 }
 
-static bool exists(const char *path) {
+/* Something is there: the reader then says what, if it is not a regular
+ * file (a FIFO or a folder is not silently taken for a missing file). */
+static bool present(const char *path) {
     struct stat st;
-    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+    return stat(path, &st) == 0;
 }
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -177,7 +179,7 @@ static int model_from_index(imp *x, const char *dir, const char *index) {
     char *path = ckpt__path_join(dir, index), *text = NULL;
     if (!path) return ckpt__err_nomem("import");
     size_t len = 0;
-    int rc = ckpt__read_small_file(path, 64u << 20, &text, &len);
+    int rc = ckpt__read_small_file(path, false, 64u << 20, &text, &len);
     json_error_t je;
     json_t *root = rc == 0 ? json_loadb(text, len, 0, &je) : NULL;
     json_t *map = root ? json_object_get(root, "weight_map") : NULL;
@@ -254,7 +256,7 @@ static int import_model(imp *x, const char *src, bool dir) {
     for (int i = 0; i < 4; i++) {
         char *p = ckpt__path_join(src, names[i]);
         if (!p) return ckpt__err_nomem("import");
-        bool found = exists(p);
+        bool found = present(p);
         int rc = 0;
         x->model_in_order = found && i == 3;
         if (found) rc = i == 0 || i == 2 ? model_from_index(x, src, names[i])
@@ -733,7 +735,7 @@ static int import_sources(imp *x, const char *src) {
         for (int i = 0; i < 3; i++) {
             char *p = ckpt__path_join(src, files[i]);
             if (!p) return ckpt__err_nomem("import");
-            int rc = exists(p) ? fns[i](x, p) : 0;
+            int rc = present(p) ? fns[i](x, p) : 0;
             free(p);
             CKPT_TRY(rc);
         }
@@ -809,7 +811,7 @@ int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_opti
     int rc = stat(src, &st) == 0 ? CKPT_OK : ckpt__err_os(errno, "load_weights: %s", src);
     char *manifest = rc == 0 ? ckpt__path_join(src, "checkpoint.json") : NULL;
     if (rc == 0 && !manifest) rc = ckpt__err_nomem("load_weights");
-    if (rc == 0 && S_ISDIR(st.st_mode) && exists(manifest)) {
+    if (rc == 0 && S_ISDIR(st.st_mode) && present(manifest)) {
         /* a ckpt checkpoint: its first model, verified against the manifest */
         rc = ckpt_checkpoint_open_object(src, "model.safetensors", &file);
         ckpt_manifest man;

@@ -13,21 +13,27 @@
 #include "format/shard.h"
 #include "format/statedict.h"
 
-/* Maps dir/f->name and checks its size and XXH3-64 against the manifest. */
+/* Reads dir/f->name into private memory, hashing it on the way, and checks
+ * it against the manifest: the readers then use exactly the bytes that were
+ * checked, whatever happens to the file afterwards. */
 static int map_checked(const char *dir, const ckpt_manifest_file *f, ckpt_mapped *mp) {
     size_t n = strlen(dir) + strlen(f->name) + 2;
     char *path = ckpt__malloc(n);
     if (!path) return ckpt__err_nomem("checkpoint path");
     snprintf(path, n, "%s/%s", dir, f->name);
-    int rc = ckpt__map_file(path, mp);
-    free(path);
-    if (rc < 0) return rc;
-    if (mp->size != f->size || ckpt__xxh3(mp->data, (size_t)mp->size) != f->xxh3) {
+    char *what = ckpt__malloc(n + 1);
+    if (what) snprintf(what, n + 1, "%s: %s", dir, f->name);
+    uint64_t h = 0;
+    int rc = what ? ckpt__read_private(path, what, f->size, mp, &h) : ckpt__err_nomem(dir);
+    if (rc == 0 && h != f->xxh3) {
         ckpt__unmap(mp);
-        return ckpt__err(CKPT_ECORRUPT, "%s: %s does not match the manifest (size or checksum)",
-                         dir, f->name);
+        rc =
+            ckpt__err(CKPT_ECORRUPT, "%s: %s does not match the manifest (checksum)", dir, f->name);
     }
-    return CKPT_OK;
+    if (rc == 0) ckpt__io_verified(path);
+    free(what);
+    free(path);
+    return rc;
 }
 
 /* A part of a model saved as Hugging Face shards: its file, checked against

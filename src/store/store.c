@@ -121,20 +121,99 @@ char *ckpt__lock_path(const char *parent, const char *base) {
     return p;
 }
 
-int ckpt__lock_acquire(ckpt_lock *lk, const char *lock_path) {
+/* More than any "<pid> <host>\n" line a holder writes. */
+#define LOCK_TEXT_MAX 512
+
+/* What a lock file may hold: nothing yet, or the "<pid> <host>\n" a holder
+ * wrote (NUL bytes where a power cut lost that write). Anything else is not
+ * a lock file ckpt made, and is never truncated or written. */
+static bool lock_text_ok(const char *text, ssize_t n) {
+    if (n <= 0) return n == 0;
+    bool zeros = true;
+    for (ssize_t i = 0; i < n; i++) zeros = zeros && text[i] == '\0';
+    if (zeros) return true;
+    long pid = 0;
+    char host[256] = "";
+    int end = 0;
+    if (text[n - 1] != '\n' || memchr(text, '\0', (size_t)n)) return false;
+    return sscanf(text, "%ld %255s\n%n", &pid, host, &end) == 2 && pid > 0 && end == (int)n;
+}
+
+/* The lock file is opened, never followed: a symlink or a hard link named
+ * .lock could point at any file (a checkpoint's, the user's), and the
+ * holder writes its pid there. O_NONBLOCK: a FIFO cannot hang the open. */
+static int lock_open(const char *lock_path, int flags, struct stat *st, char *text, ssize_t *n,
+                     int *oserr) {
+    *oserr = 0;
+    int fd = ckpt__os_open(lock_path, flags | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        int e = *oserr = errno;
+        if (e == ELOOP)
+            return ckpt__err(CKPT_EINVAL,
+                             "lock file %s is a symlink; ckpt makes a regular file "
+                             "there (remove the link)",
+                             lock_path);
+        return ckpt__err_os(e, "lock file %s", lock_path);
+    }
+    int rc = CKPT_OK;
+    if (fstat(fd, st) != 0) rc = ckpt__err_os(errno, "lock file %s", lock_path);
+    else if (!S_ISREG(st->st_mode))
+        rc = ckpt__err(CKPT_EINVAL, "lock file %s is %s, expected a regular file (remove it)",
+                       lock_path, ckpt__file_type_name(st->st_mode));
+    else if (st->st_nlink > 1)
+        rc = ckpt__err(CKPT_EINVAL,
+                       "lock file %s has %lu names (a hard link to another file?); "
+                       "ckpt uses a file of its own there (remove it)",
+                       lock_path, (unsigned long)st->st_nlink);
+    else if (st->st_size > LOCK_TEXT_MAX)
+        rc = ckpt__err(CKPT_EINVAL,
+                       "lock file %s holds %lld bytes, not a lock ckpt wrote (remove it)",
+                       lock_path, (long long)st->st_size);
+    if (rc == 0 && fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0)
+        rc = ckpt__err_os(errno, "lock file %s", lock_path);
+    if (rc == 0) {
+        *n = pread(fd, text, LOCK_TEXT_MAX, 0);
+        if (*n < 0) rc = ckpt__err_os(errno, "lock file %s: read", lock_path);
+        else text[*n] = '\0';
+    }
+    if (rc < 0) {
+        close(fd);
+        return rc;
+    }
+    return fd;
+}
+
+int ckpt__lock_acquire(ckpt_lock *lk, const char *lock_path, bool load_only) {
     lk->fd = -1;
-    int fd = ckpt__os_open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd < 0) return ckpt__err_os(errno, "lock file %s", lock_path);
+    lk->skipped = false;
+    struct stat st;
+    char holder[LOCK_TEXT_MAX + 1];
+    ssize_t got = 0;
+    int e = 0;
+    int fd = lock_open(lock_path, O_RDWR | O_CREAT, &st, holder, &got, &e);
+    bool writable = fd >= 0;
+    if (fd < 0 && load_only && (e == EROFS || e == EACCES)) {
+        /* A load needs no write: on read-only media, or without the right
+         * to write here, take the lock through a read-only descriptor
+         * (flock does not need write access). */
+        int first = e;
+        fd = lock_open(lock_path, O_RDONLY, &st, holder, &got, &e);
+        if (fd < 0 && e == ENOENT && first == EROFS) {
+            /* Nothing can save into a read-only file system, so there is no
+             * one to keep out. */
+            ckpt_clear_error();
+            lk->skipped = true;
+            return 0;
+        }
+    }
+    if (fd < 0) return fd;
     if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-        int e = errno;
-        char holder[320] = "";
-        ssize_t got = pread(fd, holder, sizeof holder - 1, 0);
+        e = errno;
         close(fd);
         if (e == EWOULDBLOCK) {
             /* The holder wrote "<pid> <host>\n" when it took the lock. */
             long pid = 0;
             char host[256] = "";
-            if (got > 0) holder[got] = '\0';
             if (got > 0 && sscanf(holder, "%ld %255s", &pid, host) == 2 && pid > 0)
                 return ckpt__err(CKPT_EBUSY,
                                  "%s is held by another process (pid %ld on host %s) that saves "
@@ -146,6 +225,19 @@ int ckpt__lock_acquire(ckpt_lock *lk, const char *lock_path) {
                              lock_path);
         }
         return ckpt__err_os(e, "lock %s", lock_path);
+    }
+    if (!writable) {
+        lk->fd = fd;
+        return 0;
+    }
+    /* Read again under the lock: the holder before us may have written it. */
+    got = pread(fd, holder, LOCK_TEXT_MAX, 0);
+    if (got < 0 || !lock_text_ok(holder, got)) {
+        close(fd);
+        return ckpt__err(CKPT_EINVAL,
+                         "lock file %s holds something other than the \"<pid> <host>\" line ckpt "
+                         "writes; not touching it (remove it)",
+                         lock_path);
     }
     /* Who holds it only makes the busy message more useful: best effort. */
     char host[256];
@@ -665,7 +757,7 @@ int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *
     int rc = 0;
     if (!opts->dry_run) {
         char *lp = ckpt__path_join(dir, ".lock");
-        rc = lp ? ckpt__lock_acquire(&lk, lp) : ckpt__err_nomem("lock path");
+        rc = lp ? ckpt__lock_acquire(&lk, lp, false) : ckpt__err_nomem("lock path");
         free(lp);
     }
     if (rc == 0) rc = each_leftover(dir, prune_leftover, &r);

@@ -35,9 +35,19 @@ int ckpt__list_numbers(const char *dir, int64_t **nums, int64_t *count);
 /* An exclusive, non-blocking flock on a lock file (created if missing). */
 typedef struct ckpt_lock {
     int fd;
+    bool skipped; /* a load on a read-only file system with no lock file */
 } ckpt_lock;
-/* CKPT_EBUSY naming the lock file (and the holder's pid when known). */
-int ckpt__lock_acquire(ckpt_lock *lk, const char *lock_path);
+/* CKPT_EBUSY naming the lock file (and the holder's pid when known). The
+ * lock file is never followed or written unless it is ckpt's own: a regular
+ * file with one name holding nothing but a "<pid> <host>" line; a symlink,
+ * a hard link, a FIFO, a folder or other content is CKPT_EINVAL naming what
+ * was found, and that file is left untouched. load_only: the caller only
+ * reads the folder; where the lock cannot be opened for writing (read-only
+ * file system, EROFS; no write permission, EACCES) an existing lock file is
+ * locked through a read-only descriptor, and on a read-only file system
+ * without one the lock is skipped (returns 0, lk->fd -1, lk->skipped true:
+ * nothing can save there). */
+int ckpt__lock_acquire(ckpt_lock *lk, const char *lock_path, bool load_only);
 void ckpt__lock_release(ckpt_lock *lk);
 
 /* The lock that covers saves to <parent>/<base>: "<parent>/.lock" when base

@@ -809,7 +809,7 @@ static void test_save_state_is_busy_while_another_holds_the_project_lock(void **
     char *cd = tu_pathf("%s/checkpoints", t), *lp = tu_pathf("%s/checkpoints/.lock", t);
     assert_int_equal(ckpt__mkdirs(cd), 0);
     ckpt_lock lk;
-    assert_int_equal(ckpt__lock_acquire(&lk, lp), 0);
+    assert_int_equal(ckpt__lock_acquire(&lk, lp, false), 0);
     ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
     assert_int_equal(ckpt_save_state(acc, NULL), CKPT_EBUSY);
     tu_assert_errmsg_has(lp);

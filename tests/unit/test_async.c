@@ -533,13 +533,13 @@ static void test_hooks_run_at_the_call_and_at_the_wait(void **st) {
     tu_tmpdir_free(t);
 }
 
-/* ---- the verified load's two ways of reading ------------------------------- */
+/* ---- the verified load's read ----------------------------------------------- */
 
-/* Files read into the buffers (pread, hashed piece by piece) or, all in the
- * page cache, hashed in place: the same values, the same refusal of a
- * flipped byte naming the tensor, the same fallback. */
-static void load_both_ways(bool cached) {
-    bool before = ckpt__set_cached_maps(cached);
+/* Files read into the buffers (pread, hashed piece by piece), warm or not:
+ * the values, the refusal of a flipped byte naming the tensor, the
+ * fallback. */
+static void test_load_through_the_hashed_read(void **st) {
+    (void)st;
     char *t = tu_tmpdir_new("async");
     run r;
     run_open(&r, t, NULL);
@@ -565,17 +565,6 @@ static void load_both_ways(bool cached) {
     free(f);
     run_close(&r);
     tu_tmpdir_free(t);
-    ckpt__set_cached_maps(before);
-}
-
-static void test_load_through_the_hashed_read(void **st) {
-    (void)st;
-    load_both_ways(false);
-}
-
-static void test_load_through_cached_pages(void **st) {
-    (void)st;
-    load_both_ways(true);
 }
 
 /* ---- several processes (threads as ranks) ---------------------------------- */
@@ -713,7 +702,6 @@ int main(void) {
         cmocka_unit_test(test_past_the_staging_limit_files_are_written_at_the_call),
         cmocka_unit_test(test_hooks_run_at_the_call_and_at_the_wait),
         cmocka_unit_test(test_load_through_the_hashed_read),
-        cmocka_unit_test(test_load_through_cached_pages),
         cmocka_unit_test(test_several_processes_commit_in_the_callers_thread),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

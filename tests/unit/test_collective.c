@@ -400,8 +400,8 @@ static void test_collective_save_busy_on_rank_0_is_busy_on_every_rank(void **st)
     char *cdir = tu_pathf("%s/checkpoints", s.proj);
     assert_int_equal(ckpt__mkdirs(cdir), 0);
     char *lockp = ckpt__lock_path(cdir, "checkpoint_0");
-    ckpt_lock lk = {-1};
-    assert_int_equal(ckpt__lock_acquire(&lk, lockp), 0);
+    ckpt_lock lk = {.fd = -1};
+    assert_int_equal(ckpt__lock_acquire(&lk, lockp, false), 0);
     tc_run(P, save_once, &s);
     ckpt__lock_release(&lk);
     assert_same_outcome(&s, CKPT_EBUSY, "rank 0: save_state: ");

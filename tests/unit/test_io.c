@@ -357,7 +357,7 @@ static void test_map_file_regular_empty_folder_missing(void **state) {
     assert_non_null(m.data);
     ckpt__unmap(&m);
     assert_int_equal(ckpt__map_file(f->dir, &m), CKPT_EINVAL);
-    tu_assert_errmsg_has("not a regular file");
+    tu_assert_errmsg_has("a folder, expected a regular file");
     tu_path(p, sizeof p, f->dir, "absent");
     assert_int_equal(ckpt__map_file(p, &m), CKPT_ENOENT);
     tu_assert_errmsg_has("absent: open");
@@ -371,15 +371,15 @@ static void test_read_small_file_limits_size(void **state) {
     tu_write_text(p, "0123456789");
     char *buf;
     size_t len;
-    assert_int_equal(ckpt__read_small_file(p, 10, &buf, &len), CKPT_OK);
+    assert_int_equal(ckpt__read_small_file(p, false, 10, &buf, &len), CKPT_OK);
     assert_int_equal(len, 10);
     assert_int_equal(buf[10], '\0');
     free(buf);
-    assert_int_equal(ckpt__read_small_file(p, 9, &buf, &len), CKPT_ECORRUPT);
+    assert_int_equal(ckpt__read_small_file(p, false, 9, &buf, &len), CKPT_ECORRUPT);
     assert_null(buf);
     tu_assert_errmsg_has("9-byte limit");
     ckpt__fault_arm(CKPT_FAULT_READ, 1, EIO, false);
-    assert_int_equal(ckpt__read_small_file(p, 10, &buf, &len), CKPT_EIO);
+    assert_int_equal(ckpt__read_small_file(p, false, 10, &buf, &len), CKPT_EIO);
     tu_assert_errmsg_has("r.txt: read");
 }
 
