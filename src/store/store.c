@@ -124,9 +124,10 @@ char *ckpt__lock_path(const char *parent, const char *base) {
 /* More than any "<pid> <host>\n" line a holder writes. */
 #define LOCK_TEXT_MAX 512
 
-/* What a lock file may hold: nothing yet, or the "<pid> <host>\n" a holder
- * wrote (NUL bytes where a power cut lost that write). Anything else is not
- * a lock file ckpt made, and is never truncated or written. */
+/* What a lock file may hold: nothing yet, or the "<pid> <host>\n" (from
+ * python/ckpt_torch, "<pid>\n") a holder wrote (NUL bytes where a power cut
+ * lost that write). Anything else is not a lock file ckpt made, and is never
+ * truncated or written. */
 static bool lock_text_ok(const char *text, ssize_t n) {
     if (n <= 0) return n == 0;
     bool zeros = true;
@@ -136,6 +137,9 @@ static bool lock_text_ok(const char *text, ssize_t n) {
     char host[256] = "";
     int end = 0;
     if (text[n - 1] != '\n' || memchr(text, '\0', (size_t)n)) return false;
+    /* "<pid>\n" alone is what python/ckpt_torch writes */
+    if (sscanf(text, "%ld\n%n", &pid, &end) == 1 && pid > 0 && end == (int)n) return true;
+    end = 0;
     return sscanf(text, "%ld %255s\n%n", &pid, host, &end) == 2 && pid > 0 && end == (int)n;
 }
 

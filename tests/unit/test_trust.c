@@ -256,9 +256,9 @@ static void test_lock_never_follows_or_overwrites_what_is_not_its_own(void **st)
     assert_int_equal(lk.fd, -1);
 
     /* ckpt's own: empty, zeroed by a power cut, or a holder's line */
-    const char *own[] = {"", "123 host\n"};
-    for (int i = 0; i < 3; i++) {
-        if (i < 2) tu_write_text(lp, own[i]);
+    const char *own[] = {"", "123 host\n", "123\n"};
+    for (int i = 0; i < 4; i++) {
+        if (i < 3) tu_write_text(lp, own[i]);
         else tu_write_file(lp, "\0\0\0\0\0\0", 6);
         assert_int_equal(ckpt__lock_acquire(&lk, lp, false), 0);
         assert_true(lk.fd >= 0);
