@@ -278,14 +278,25 @@ static void drain(mpi_ctx *x) {
     }
 }
 
-/* "2, 5" (count 2): the ranks rank 0 has not heard from, by arrivals on
- * work (handshake: hellos). */
+/* Whether rank 0 has heard from rank r: by arrivals on work (handshake:
+ * hellos). */
+static bool heard_from(const mpi_ctx *x, bool handshake, int r) {
+    return handshake ? x->hello_op[r] >= x->op : x->arrived[r] >= x->n;
+}
+
+static bool heard_from_all(const mpi_ctx *x, bool handshake) {
+    for (int r = 1; r < x->size; r++)
+        if (!heard_from(x, handshake, r)) return false;
+    return true;
+}
+
+/* "2, 5" (count 2): the ranks rank 0 has not heard from. */
 static int missing_list(const mpi_ctx *x, bool handshake, char *out, size_t cap) {
     int count = 0;
     size_t used = 0;
     out[0] = '\0';
     for (int r = 1; r < x->size; r++) {
-        if (handshake ? x->hello_op[r] >= x->op : x->arrived[r] >= x->n) continue;
+        if (heard_from(x, handshake, r)) continue;
         count++;
         if (count <= 16 && used < cap)
             used += (size_t)snprintf(out + used, cap - used, "%s%d", count > 1 ? ", " : "", r);
@@ -338,7 +349,7 @@ static int await(mpi_ctx *x, MPI_Request *reqs, int n, void *const bufs[4]) {
         }
         drain(x);
         if (n == 0 && !x->dead) { /* the handshake */
-            if (x->rank == 0 && missing_list(x, true, (char[8]){0}, 8) == 0) return CKPT_OK;
+            if (x->rank == 0 && heard_from_all(x, true)) return CKPT_OK;
             if (x->rank != 0 && x->reply_op == x->op) return CKPT_OK;
         }
         double t = x->dead ? 0 : now_s();
