@@ -36,6 +36,7 @@
 #include "format/shard.h"
 #include "format/statedict.h"
 #include "store/store.h"
+#include "store/txn.h"
 
 /* One file a rank wrote, kept in its object's slot so the manifest lists
  * the files in object order whichever thread wrote them and when. */
@@ -114,60 +115,6 @@ static int split_dir(const char *path, char **parent, char **base) {
     return 0;
 }
 
-/* An explicit folder that exists may only be replaced if it is a checkpoint
- * (or empty): never delete a user's unrelated files. */
-static int check_replaceable(const char *target) {
-    struct stat st;
-    if (lstat(target, &st) != 0) {
-        if (errno == ENOENT) return 0;
-        return ckpt__err_os(errno, "save_state: %s", target);
-    }
-    if (!S_ISDIR(st.st_mode))
-        return ckpt__err(CKPT_EEXIST, "save_state: %s exists and is not a folder", target);
-    char *mp = ckpt__path_join(target, CKPT_MANIFEST_NAME);
-    if (!mp) return ckpt__err_nomem("save path");
-    bool has_manifest = lstat(mp, &st) == 0;
-    free(mp);
-    if (has_manifest) return 0;
-    DIR *d = opendir(target);
-    if (!d) return ckpt__err_os(errno, "save_state: %s", target);
-    struct dirent *e;
-    bool empty = true;
-    while ((e = readdir(d)) != NULL)
-        if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0) empty = false;
-    closedir(d);
-    if (!empty)
-        return ckpt__err(CKPT_EEXIST,
-                         "save_state: %s exists, is not empty and is not a checkpoint (no "
-                         CKPT_MANIFEST_NAME "); refusing to replace it",
-                         target);
-    return 0;
-}
-
-/* publish_dir failed. If the new folder was already moved into place (the
- * failure was the final folder fsync), take it back out, so that a failed
- * save never leaves its checkpoint visible: the caller was told it failed. */
-static void undo_publish(const ckpt_logger *lg, const char *tmp, const char *target,
-                         const struct stat *ours, bool existed, bool *tmp_made) {
-    struct stat st;
-    if (lstat(target, &st) != 0 || st.st_dev != ours->st_dev || st.st_ino != ours->st_ino) return;
-    char saved[2048];
-    snprintf(saved, sizeof saved, "%s", ckpt_errmsg());
-    if (!existed) {
-        if (ckpt__remove_tree(target) < 0)
-            ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s after a failed save: %s",
-                      target, ckpt_errmsg());
-        *tmp_made = false;
-    } else if (ckpt__os_exchange(tmp, target) != 0) {
-        /* tmp holds the old checkpoint now: keep it as a hidden leftover. */
-        *tmp_made = false;
-        ckpt__log(lg, CKPT_LOG_WARNING,
-                  "%s holds the new checkpoint although the save failed; the old one is in %s",
-                  target, tmp);
-    }
-    ckpt__err(CKPT_EIO, "%s", saved); /* the message of the failure, not of the undo */
-}
-
 /* Rank 0's part of the plan: everything up to an empty temporary folder. */
 static int plan_local(save_op *op, const char *output_dir) {
     ckpt_accelerator *acc = op->acc;
@@ -216,7 +163,8 @@ static int plan_local(save_op *op, const char *output_dir) {
     op->tname = ckpt__temp_name(op->base);
     if (!op->target || !op->tname || !(op->tmp = ckpt__path_join(op->parent, op->tname)))
         return ckpt__err_nomem("save path");
-    if (!op->automatic) CKPT_TRY(check_replaceable(op->target));
+    if (!op->automatic) CKPT_TRY(ckpt__txn_check_replaceable(&(ckpt_txn){
+                            .target = op->target, .tmp = op->tmp, .what = "save_state"}));
     if (ckpt__os_mkdir(op->tmp, 0755) != 0)
         return ckpt__err_os(errno, "save_state: %s: create temporary folder", op->tmp);
     op->tmp_made = true;
@@ -605,20 +553,14 @@ static int commit(save_op *op) {
     rc = ckpt__manifest_write(m, op->tmp);
     if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
     /* The folder may have appeared (or changed) since the plan checked it,
-     * while the hooks ran and the files were written: a user's folder is
-     * never replaced. (Automatic names are published without replacing.) */
-    if (!op->automatic) CKPT_TRY(check_replaceable(op->target));
-    struct stat tmp_st, tgt_st;
-    bool existed = lstat(op->target, &tgt_st) == 0;
-    if (stat(op->tmp, &tmp_st) != 0) return ckpt__err_os(errno, "save_state: %s", op->tmp);
-    rc = ckpt__publish_dir(op->tmp, op->target, !op->automatic);
-    if (rc < 0) {
-        rc = ckpt__err_prefix(rc, "save_state: %s", op->target);
-        undo_publish(&op->log, op->tmp, op->target, &tmp_st, existed, &op->tmp_made);
-        return rc;
-    }
-    op->tmp_made = false;
-    return CKPT_OK;
+     * while the hooks ran and the files were written: the commit checks again
+     * that a user's folder is never replaced. (Automatic names are published
+     * without replacing.) The save owns its names (every rank has them), so
+     * the transaction is a view of them. */
+    ckpt_txn t = {.target = op->target, .tmp = op->tmp, .what = "save_state", .made = op->tmp_made};
+    rc = ckpt__txn_commit(&t, !op->automatic, &op->log);
+    op->tmp_made = t.made;
+    return rc;
 }
 
 /* Rotation only after the commit: the newest checkpoint is never at risk. A

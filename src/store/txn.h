@@ -8,6 +8,10 @@
  *   if (rc == 0) rc = ckpt__txn_commit(&t, false, &log);          // fsync, rename, fsync parent
  *   ckpt__txn_end(&t, &log);                                        // aborts if not committed
  *
+ * A save, whose names every rank shares and which owns them itself, fills
+ * target, tmp, what and made and calls only check_replaceable and commit,
+ * which read nothing else (it never calls begin or end).
+ *
  * The power-loss simulator (tests/unit/test_powerloss.c) runs every user of
  * it through the same commit. */
 #ifndef CKPT_TXN_H
