@@ -172,3 +172,17 @@ char *ckpt__strdup(const char *s) {
     if (d) memcpy(d, s, n);
     return d;
 }
+
+void ckpt__log(const ckpt_logger *lg, ckpt_log_level level, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (lg && lg->fn) {
+        lg->fn(lg->user, level, msg);
+        return;
+    }
+    fprintf(stderr, "ckpt: %s%s\n",
+            level == CKPT_LOG_WARNING ? "warning: " : level == CKPT_LOG_ERROR ? "error: " : "", msg);
+}

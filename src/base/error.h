@@ -61,4 +61,15 @@ char *ckpt__strdup(const char *s);
  * the last call. */
 uint64_t ckpt__alloc_fail_after(uint64_t n);
 
+/* Where warnings go (the accelerator's log callback, or stderr). */
+typedef struct ckpt_logger {
+    ckpt_log_fn fn; /* NULL: "ckpt: warning: <msg>" on stderr */
+    void *user;
+} ckpt_logger;
+void ckpt__log(const ckpt_logger *lg, ckpt_log_level level, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
 #endif

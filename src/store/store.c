@@ -20,20 +20,6 @@
 #include "base/io.h"
 #include "format/manifest.h"
 
-void ckpt__log(const ckpt_logger *lg, ckpt_log_level level, const char *fmt, ...) {
-    char msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (lg && lg->fn) {
-        lg->fn(lg->user, level, msg);
-        return;
-    }
-    fprintf(stderr, "ckpt: %s%s\n",
-            level == CKPT_LOG_WARNING ? "warning: " : level == CKPT_LOG_ERROR ? "error: " : "", msg);
-}
-
 char *ckpt__path_join(const char *a, const char *b) {
     size_t n = strlen(a) + strlen(b) + 2;
     char *p = ckpt__malloc(n);

@@ -7,17 +7,7 @@
 #include <stdint.h>
 
 #include "ckpt.h"
-
-/* Where warnings go (the accelerator's log callback, or stderr). */
-typedef struct ckpt_logger {
-    ckpt_log_fn fn; /* NULL: "ckpt: warning: <msg>" on stderr */
-    void *user;
-} ckpt_logger;
-void ckpt__log(const ckpt_logger *lg, ckpt_log_level level, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 3, 4)))
-#endif
-    ;
+#include "base/error.h"
 
 /* "<a>/<b>" in a ckpt__malloc'd string; NULL on allocation failure. */
 char *ckpt__path_join(const char *a, const char *b);

@@ -23,7 +23,6 @@
  */
 #include <limits.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -537,22 +536,6 @@ void ckpt_dataloader_set_log(ckpt_dataloader *dl, ckpt_log_fn fn, void *user) {
     dl->log_user = user;
 }
 
-static void dl_warn(const ckpt_dataloader *dl, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-
-static void dl_warn(const ckpt_dataloader *dl, const char *fmt, ...) {
-    char msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (dl->log_fn) dl->log_fn(dl->log_user, CKPT_LOG_WARNING, msg);
-    else fprintf(stderr, "ckpt: warning: %s\n", msg);
-}
-
 int ckpt_dataloader_set_epoch(ckpt_dataloader *dl, int64_t epoch) {
     if (!dl) return ckpt__err(CKPT_EINVAL, "dataloader_set_epoch: loader is NULL");
     if (epoch < 0)
@@ -591,7 +574,7 @@ int ckpt_skip_first_batches(ckpt_dataloader *dl, int64_t num_batches) {
     if (dl->restored) {
         /* Accelerate's recipe (load, then skip_first_batches) would skip
          * twice here: the load already resumed mid-epoch. */
-        dl_warn(dl,
+        ckpt__log(&(ckpt_logger){dl->log_fn, dl->log_user}, CKPT_LOG_WARNING,
                 "skip_first_batches: skipping %lld batches on top of the position restored by "
                 "load_state (batch %lld of epoch %lld): the load already resumed mid-epoch, so "
                 "these batches will not be trained on; skip only when the loader was not loaded",

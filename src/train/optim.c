@@ -3,7 +3,6 @@
  * rounded to float where PyTorch's kernels round them, in PyTorch's order of
  * operations, so trajectories agree with PyTorch's bit for bit. */
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1033,22 +1032,6 @@ static int optimizer_check_state_dict(void *self, ckpt_reader *r) {
 
 static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *map);
 
-static void optim_warn(const ckpt_optimizer *o, const char *fmt, ...)
-#if defined(__GNUC__)
-    __attribute__((format(printf, 2, 3)))
-#endif
-    ;
-
-static void optim_warn(const ckpt_optimizer *o, const char *fmt, ...) {
-    char msg[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (o->log_fn) o->log_fn(o->log_user, CKPT_LOG_WARNING, msg);
-    else fprintf(stderr, "ckpt: warning: %s\n", msg);
-}
-
 void ckpt_optimizer_set_match_by_position(ckpt_optimizer *o, bool on) {
     if (o) o->by_position = on;
 }
@@ -1066,7 +1049,7 @@ static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
     CKPT_TRY(optimizer_check(o, r, o->load_map, &unnamed));
     CKPT_TRY(optimizer_commit(o, r, o->load_map));
     if (unnamed)
-        optim_warn(o,
+        ckpt__log(&(ckpt_logger){o->log_fn, o->log_user}, CKPT_LOG_WARNING,
                    "optimizer: the state dict does not name its parameters; its state was "
                    "matched by position (%lld parameters, as allowed by "
                    "ckpt_optimizer_set_match_by_position)",
