@@ -31,8 +31,18 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) CLI_PRINTF(2, 3);
 bool cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
 bool cli_parse_double(const char *s, double *out);
 
-/* Writes s as a JSON string literal (quotes and escapes) to stdout. */
+/* Writes s as a JSON string literal (quotes and escapes) to stdout. Control
+ * characters (C0, DEL, C1) and bytes that are not UTF-8 are \u escapes. */
 void cli_json_string(const char *s);
+
+/* s (a name or message that may come from a file) made safe to print on a
+ * terminal: control characters (C0, DEL and C1, U+0080..U+009F) become \n,
+ * \r, \t or \xNN, bytes that are not UTF-8 \xNN, and a backslash \\; the
+ * rest is kept. Returns a view valid for the next 15 calls (a ring of
+ * buffers, so one printf may escape several strings); NULL gives "(null)".
+ * Very long text is cut and ends with "...". Every text output of the tool
+ * that shows a name, key, path or message passes through it. */
+const char *cli_esc(const char *s);
 
 /* Human-readable byte count ("1.5 MiB") into buf. */
 const char *cli_human_bytes(uint64_t n, char *buf, int cap);

@@ -84,7 +84,7 @@ int cli_export(int argc, char **argv) {
         cli_error("%s", ckpt_errmsg());
         return CLI_RUNTIME;
     }
-    printf("exported %s to %s\n", paths[0], paths[1]);
+    printf("exported %s to %s\n", cli_esc(paths[0]), cli_esc(paths[1]));
     return CLI_OK;
 }
 
@@ -137,6 +137,6 @@ int cli_import(int argc, char **argv) {
         cli_error("%s", ckpt_errmsg());
         return CLI_RUNTIME;
     }
-    printf("imported %s into %s\n", paths[0], paths[1]);
+    printf("imported %s into %s\n", cli_esc(paths[0]), cli_esc(paths[1]));
     return CLI_OK;
 }

@@ -680,7 +680,7 @@ static int init_from(trainer *t) {
     if (!t->opt.quiet && t->speak)
         printf("initialised the model from %s (its step %lld); optimizer, schedule and data "
                "order start fresh at step 0\n",
-               rep.dir, (long long)rep.step);
+               cli_esc(rep.dir), (long long)rep.step);
     ckpt_load_report_free(&rep);
     return CLI_OK;
 }
@@ -769,12 +769,12 @@ int cli_train(int argc, char **argv) {
             /* with many ranks each says where it resumed: they all agree */
             if (!o->quiet && t.dist.size > 1)
                 printf("[rank %d] resumed from %s at step %lld\n", t.dist.rank,
-                       ckpt_accelerator_last_dir(t.acc), (long long)step);
+                       cli_esc(ckpt_accelerator_last_dir(t.acc)), (long long)step);
             else if (!o->quiet)
-                printf("resumed from %s at step %lld\n", ckpt_accelerator_last_dir(t.acc),
+                printf("resumed from %s at step %lld\n", cli_esc(ckpt_accelerator_last_dir(t.acc)),
                        (long long)step);
         } else if (!o->quiet && t.speak) {
-            printf("no checkpoint in %s yet: starting from step 0\n", o->project_dir);
+            printf("no checkpoint in %s yet: starting from step 0\n", cli_esc(o->project_dir));
         }
     } else if (has) {
         cli_error("%s already has checkpoints: pass --resume to continue that run, or choose "
@@ -910,13 +910,13 @@ int cli_train(int argc, char **argv) {
         report_ckpt_time(&t, now_seconds() - t0, quiet);
         if (t.speak)
             printf("preempted at step %lld, checkpoint saved: %s\n", (long long)step,
-                   ckpt_accelerator_last_dir(t.acc));
+                   cli_esc(ckpt_accelerator_last_dir(t.acc)));
         status = CLI_OK;
         goto done;
     }
     report_ckpt_time(&t, now_seconds() - t0, quiet);
     int64_t correct = evaluate(&t.net, t.test_rows, t.ntest, t.x, t.y, t.pred, NULL);
-    if (!quiet) printf("final checkpoint: %s\n", ckpt_accelerator_last_dir(t.acc));
+    if (!quiet) printf("final checkpoint: %s\n", cli_esc(ckpt_accelerator_last_dir(t.acc)));
     if (t.speak)
         printf("test accuracy: %.2f%% (%lld/%lld)\n", 100.0 * (double)correct / (double)t.ntest,
            (long long)correct, (long long)t.ntest);
