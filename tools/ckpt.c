@@ -317,6 +317,28 @@ cli_kind cli_classify(const char *path) {
     return CLI_KIND_OTHER_FILE;
 }
 
+int cli_newest_valid(const char *cmd, const char *project, char *out, size_t cap) {
+    ckpt_checkpoint_info *list = NULL;
+    int64_t n = 0;
+    int rc = ckpt_checkpoint_list(project, true, &list, &n);
+    if (rc < 0) {
+        cli_error("%s: %s", cmd, *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc));
+        return CLI_RUNTIME;
+    }
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (list[i].status == CKPT_CHECKPOINT_COMPLETE) best = i;
+    if (best >= 0) snprintf(out, cap, "%s", list[best].path);
+    free(list);
+    if (best < 0) {
+        cli_error("%s: project %s has no valid checkpoint (%lld checkpoint folder%s; see 'ckpt ls "
+                  "%s')",
+                  cmd, project, (long long)n, n == 1 ? "" : "s", project);
+        return CLI_RUNTIME;
+    }
+    return CLI_OK;
+}
+
 int cli_wrong_kind(const char *cmd, const char *path, cli_kind kind, const char *expected) {
     switch (kind) {
     case CLI_KIND_TORCH_ZIP:

@@ -63,6 +63,11 @@ void cli_print_metrics(const ckpt_checkpoint_info *info, bool json);
 bool cli_parse_size(const char *s, uint64_t *out);
 bool cli_parse_keep_best(const char *s, char *metric, size_t cap, ckpt_best_mode *mode, int64_t *k);
 
+/* The newest checkpoint of a project that deep-verifies, into out (cap
+ * bytes): what a project folder stands for where a checkpoint is expected.
+ * CLI_OK, or CLI_RUNTIME after an error naming cmd and the project. */
+int cli_newest_valid(const char *cmd, const char *project, char *out, size_t cap);
+
 /* What a path on the command line is. */
 typedef enum cli_kind {
     CLI_KIND_MISSING,    /* cannot be stat'ed (errno says why) */

@@ -927,28 +927,6 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
     return status;
 }
 
-/* The newest checkpoint of a project that deep-verifies, into out. */
-static int newest_valid(const char *project, char *out, size_t cap, int64_t *step) {
-    ckpt_checkpoint_info *list = NULL;
-    int64_t n = 0;
-    int rc = ckpt_checkpoint_list(project, true, &list, &n);
-    if (rc < 0) return lib_error("diff", rc);
-    int64_t best = -1;
-    for (int64_t i = 0; i < n; i++)
-        if (list[i].status == CKPT_CHECKPOINT_COMPLETE) best = i;
-    if (best >= 0) {
-        snprintf(out, cap, "%s", list[best].path);
-        *step = list[best].step;
-    }
-    free(list);
-    if (best < 0) {
-        cli_error("diff: project %s has no valid checkpoint (%lld checkpoint folder%s; see 'ckpt ls %s')",
-                  project, (long long)n, n == 1 ? "" : "s", project);
-        return CLI_RUNTIME;
-    }
-    return CLI_OK;
-}
-
 int cli_diff(int argc, char **argv) {
     diff_ctx d = {0};
     const char *paths[2];
@@ -990,8 +968,7 @@ int cli_diff(int argc, char **argv) {
         case CLI_KIND_CHECKPOINT:
         case CLI_KIND_STATE_FILE: break;
         case CLI_KIND_PROJECT: {
-            int64_t step = 0;
-            int st = newest_valid(p, resolved[k], sizeof resolved[k], &step);
+            int st = cli_newest_valid("diff", p, resolved[k], sizeof resolved[k]);
             if (st != CLI_OK) return st;
             use[k] = resolved[k];
             break;

@@ -11,6 +11,8 @@
 static const char export_help[] =
     "usage: ckpt export [options] CHECKPOINT OUT\n"
     "\n"
+    "CHECKPOINT is a checkpoint folder, or a project folder (its newest valid\n"
+    "checkpoint).\n"
     "Writes the checkpoint as a folder PyTorch and Hugging Face Accelerate load as\n"
     "they are: model.safetensors, optimizer.bin, scheduler.bin, scaler.pt (the exact\n"
     "structures of torch's state_dict()s, loadable with weights_only=True) and a\n"
@@ -80,6 +82,15 @@ int cli_export(int argc, char **argv) {
         }
     }
     if (npaths != 2) return cli_usage_error("export", "needs CHECKPOINT and OUT");
+    /* a project folder stands for its newest valid checkpoint */
+    char newest[4096];
+    if (cli_classify(paths[0]) == CLI_KIND_PROJECT) {
+        int st = cli_newest_valid("export", paths[0], newest, sizeof newest);
+        if (st != CLI_OK) return st;
+        printf("exporting %s (the newest valid checkpoint of %s)\n", cli_esc(newest),
+               cli_esc(paths[0]));
+        paths[0] = newest;
+    }
     if (ckpt_export_torch(paths[0], paths[1], &o) < 0) {
         cli_error("%s", ckpt_errmsg());
         return CLI_RUNTIME;

@@ -62,7 +62,8 @@ static const char train_help[] =
     "                     or $CKPT_DATA)\n"
     "  --resume           continue from the newest complete checkpoint in DIR\n"
     "  --init-from CKPT   start from the model weights of checkpoint folder CKPT (of\n"
-    "                     another run) with a fresh optimizer, schedule and data\n"
+    "                     another run; a project folder: its newest valid\n"
+    "                     checkpoint) with a fresh optimizer, schedule and data\n"
     "                     order, at step 0: fine-tuning (not with --resume)\n"
     "  --async            save in the background: the loop stalls only for the copy of\n"
     "                     the state (ckpt_save_state_async); the last save is waited for\n"
@@ -667,12 +668,19 @@ static bool has_checkpoint(const char *project_dir) {
  * and this project's numbering start at 0). */
 static int init_from(trainer *t) {
     const char *dir = t->opt.init_from;
+    /* a project folder stands for its newest valid checkpoint */
+    char newest[4096];
+    if (cli_classify(dir) == CLI_KIND_PROJECT) {
+        int st = cli_newest_valid("--init-from", dir, newest, sizeof newest);
+        if (st != CLI_OK) return st;
+        dir = newest;
+    }
     ckpt_load_options lo = {.objects = CKPT_LOAD_MODELS};
     ckpt_load_report rep;
     int rc = ckpt_load_state_ex(t->acc, dir, &lo, &rep);
     if (rc == CKPT_ENOENT) {
-        cli_error("--init-from %s: not a checkpoint folder (%s); pass one such as "
-                  "RUN/checkpoints/checkpoint_N",
+        cli_error("--init-from %s: not a checkpoint folder nor a project (%s); pass one such "
+                  "as RUN/checkpoints/checkpoint_N, or RUN for its newest valid checkpoint",
                   dir, ckpt_errmsg());
         return CLI_USAGE;
     }
