@@ -99,6 +99,9 @@ extern int cli_rank;
  * MPI_COMM_WORLD; otherwise one process. Returns an exit code. */
 int cli_dist_init(cli_dist *d);
 void cli_dist_finish(cli_dist *d);
+/* Whether a launcher (mpirun: Open MPI, PMIx or PMI) started this process
+ * as a rank of a job, of any size, whether or not the build has MPI. */
+bool cli_dist_launched(void);
 /* Elementwise maximum of n values over every rank, in place. */
 int cli_dist_max(const cli_dist *d, int64_t *v, int n);
 /* buf (n floats) becomes the mean over every rank's buf, summed in rank
