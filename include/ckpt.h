@@ -1356,6 +1356,14 @@ typedef struct ckpt_export_options {
                                  (model-00001-of-0000N.safetensors) of at most
                                  this many bytes (a larger tensor gets a shard
                                  of its own) + model.safetensors.index.json */
+    /* The model(s) as torch.save files instead of safetensors, for PyTorch
+     * without the safetensors package: pytorch_model.bin (an OrderedDict of
+     * tensors, which torch.load(..., weights_only=True) opens from PyTorch
+     * 1.13 on), or with max_shard_size, or when the checkpoint's model is
+     * itself saved as Hugging Face shards (the same split then),
+     * pytorch_model-0000k-of-0000N.bin + pytorch_model.bin.index.json as
+     * transformers writes them. The k-th model is pytorch_model_<k>. */
+    bool torch_bin;
 } ckpt_export_options;
 
 /* Writes an Accelerate-style folder PyTorch loads as is from a complete

@@ -15,15 +15,24 @@ static const char export_help[] =
     "checkpoint).\n"
     "Writes the checkpoint as a folder PyTorch and Hugging Face Accelerate load as\n"
     "they are: model.safetensors, optimizer.bin, scheduler.bin, scaler.pt (the exact\n"
-    "structures of torch's state_dict()s, loadable with weights_only=True) and a\n"
-    "README.md saying what does not carry over. OUT must not exist; it appears\n"
-    "complete or not at all.\n"
+    "structures of torch's state_dict()s) and a README.md saying what does not carry\n"
+    "over and which PyTorch loads what. torch.load(..., weights_only=True) opens the\n"
+    ".bin and .pt files on PyTorch 2.x; PyTorch 1.13's refuses any file holding a\n"
+    "Python float (optimizer.bin, scheduler.bin, scaler.pt, as PyTorch's own), so\n"
+    "there load the checkpoint with python/ckpt_torch instead (docs/PYTORCH.md).\n"
+    "OUT must not exist; it appears complete or not at all.\n"
     "\n"
     "options:\n"
     "  --weights-only        only the model (for inference and the Hub)\n"
     "  --max-shard-size N    split the model into Hugging Face shards of at most N\n"
     "                        bytes (suffixes KB MB GB = 10^3.., KiB MiB GiB = 2^10..)\n"
     "                        plus model.safetensors.index.json\n"
+    "  --bin                 the model as pytorch_model.bin (torch.save format, which\n"
+    "                        torch.load(..., weights_only=True) opens from PyTorch\n"
+    "                        1.13 on, no safetensors package needed); sharded as\n"
+    "                        pytorch_model-0000k-of-0000N.bin plus\n"
+    "                        pytorch_model.bin.index.json with --max-shard-size, or\n"
+    "                        as the checkpoint's model is sharded\n"
     "  -h, --help            this help\n";
 
 static const char import_help[] =
@@ -69,6 +78,8 @@ int cli_export(int argc, char **argv) {
             return CLI_OK;
         } else if (!strcmp(a, "--weights-only")) {
             o.weights_only = true;
+        } else if (!strcmp(a, "--bin")) {
+            o.torch_bin = true;
         } else if ((v = opt_value(a, "--max-shard-size", argc, argv, &i, &missing)) || missing) {
             if (missing) return cli_usage_error("export", "--max-shard-size needs a value");
             if (!cli_parse_size(v, &o.max_shard_size))
