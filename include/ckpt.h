@@ -1387,6 +1387,17 @@ typedef struct ckpt_import_options {
     int64_t step;              /* the checkpoint's step; -1: the optimizer's */
     uint64_t seed;             /* seed of random_states_0 (torch's generator
                                   state does not carry over) */
+    /* A torch file's storage may be referenced by many tensors (a few KiB
+     * of deflated zeros can stand for gigabytes), so the checkpoint's tensor
+     * bytes are capped before anything is written: at most this many; 0:
+     * 64 times the bytes of the files read, and at least 1 MiB. Over it:
+     * CKPT_EUNSUPPORTED naming both sizes, nothing written. */
+    uint64_t max_output_size;
+    /* Called once (may be NULL) after SRC is read and before anything is
+     * written, with the bytes of the files read and the tensor bytes the
+     * checkpoint will hold, whether or not they pass the cap. */
+    void (*on_sizes)(void *user, uint64_t input_bytes, uint64_t output_bytes);
+    void *user;
 } ckpt_import_options;
 
 /* warmup, total and step -1; the rest 0. */

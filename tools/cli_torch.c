@@ -52,6 +52,11 @@ static const char import_help[] =
     "  --warmup N, --total N the LambdaLR schedule's warmup and total steps\n"
     "  --step N              the checkpoint's step (default: the optimizer's)\n"
     "  --seed N              seed of the checkpoint's random generator (default 0)\n"
+    "  --max-output-size N   allow a checkpoint of up to N bytes of tensors (suffixes\n"
+    "                        as for export); default 64 times the bytes of the files\n"
+    "                        read, at least 1 MiB: a torch file's storage may be\n"
+    "                        shared by many tensors, so a small file can stand for\n"
+    "                        a huge checkpoint. The sizes are printed first\n"
     "  -h, --help            this help\n";
 
 /* "--name VALUE" or "--name=VALUE"; NULL if a is not --name. */
@@ -110,6 +115,16 @@ int cli_export(int argc, char **argv) {
     return CLI_OK;
 }
 
+/* The sizes, before anything is written. */
+static void print_sizes(void *user, uint64_t input_bytes, uint64_t output_bytes) {
+    (void)user;
+    char in[32], out[32];
+    printf("read %s (%llu bytes); the checkpoint will hold %s (%llu bytes) of tensors\n",
+           cli_human_bytes(input_bytes, in, sizeof in), (unsigned long long)input_bytes,
+           cli_human_bytes(output_bytes, out, sizeof out), (unsigned long long)output_bytes);
+    fflush(stdout);
+}
+
 int cli_import(int argc, char **argv) {
     ckpt_import_options o = ckpt_import_defaults();
     const char *paths[2];
@@ -142,6 +157,10 @@ int cli_import(int argc, char **argv) {
             if (missing || !cli_parse_i64(v, 0, INT64_MAX, &n))
                 return cli_usage_error("import", "--step needs a number >= 0");
             o.step = n;
+        } else if ((v = opt_value(a, "--max-output-size", argc, argv, &i, &missing)) || missing) {
+            if (missing || !cli_parse_size(v, &o.max_output_size))
+                return cli_usage_error("import", "--max-output-size needs a size in bytes (e.g. "
+                                                 "20GB)");
         } else if ((v = opt_value(a, "--seed", argc, argv, &i, &missing)) || missing) {
             if (missing || !cli_parse_i64(v, 0, INT64_MAX, &n))
                 return cli_usage_error("import", "--seed needs a number >= 0");
@@ -155,6 +174,7 @@ int cli_import(int argc, char **argv) {
         }
     }
     if (npaths != 2) return cli_usage_error("import", "needs SRC and CHECKPOINT");
+    o.on_sizes = print_sizes;
     if (ckpt_import_torch(paths[0], paths[1], &o) < 0) {
         cli_error("%s", ckpt_errmsg());
         return CLI_RUNTIME;
