@@ -252,7 +252,8 @@ static int inspect_file(const char *path, const char *label, bool json, bool fir
                (unsigned long long)tensor_bytes);
     } else {
         char size[32];
-        printf("%s: %lld entries, %lld tensors (%s)%s\n", cli_esc(label), (long long)n, (long long)ntensors,
+        printf("%s: %lld entries, %lld tensors (%s)%s\n", cli_esc(label), (long long)n,
+               (long long)ntensors,
                cli_human_bytes(tensor_bytes, size, sizeof size),
                is_shard_file(label) ? ", one process's chunks of sharded tensors" : "");
     }
@@ -297,7 +298,8 @@ static void torch_leaves(torch_walk *w, const ckpt_torch_value *v, char *key, si
             const char *name = part;
             if (!dict) snprintf(part, sizeof part, "%lld", (long long)i);
             else if (k->kind == CKPT_TORCH_STR) name = k->s;
-            else if (k->kind == CKPT_TORCH_INT) snprintf(part, sizeof part, "%lld", (long long)k->i);
+            else if (k->kind == CKPT_TORCH_INT)
+                snprintf(part, sizeof part, "%lld", (long long)k->i);
             else snprintf(part, sizeof part, "<%s key>", ckpt_torch_kind_name(k->kind));
             int n = snprintf(key + len, cap - len, "%s%s", len ? "." : "", name);
             size_t next = n < 0 || (size_t)n >= cap - len ? cap - 1 : len + (size_t)n;
@@ -329,7 +331,9 @@ static void torch_leaves(torch_walk *w, const ckpt_torch_value *v, char *key, si
         else printf("]  %llu bytes\n", (unsigned long long)v->nbytes);
         break;
     case CKPT_TORCH_INT: printf(w->json ? ",\"value\":%lld}" : "= %lld\n", (long long)v->i); break;
-    case CKPT_TORCH_BOOL: printf(w->json ? ",\"value\":%s}" : "= %s\n", v->b ? "true" : "false"); break;
+    case CKPT_TORCH_BOOL:
+        printf(w->json ? ",\"value\":%s}" : "= %s\n", v->b ? "true" : "false");
+        break;
     case CKPT_TORCH_FLOAT:
         cli_format_double(v->f, num, sizeof num);
         if (w->json && !isfinite(v->f)) printf(",\"value\":\"%s\"}", num);
@@ -770,7 +774,8 @@ static void diff_scalar(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_rea
         char sd[40];
         if (!same)
             report(d, file, ea->key, "%s vs %s (|a-b| = %s)", cli_format_double(a, sa, sizeof sa),
-                   cli_format_double(b, sb, sizeof sb), cli_format_double(fabs(a - b), sd, sizeof sd));
+                   cli_format_double(b, sb, sizeof sb),
+                   cli_format_double(fabs(a - b), sd, sizeof sd));
         break;
     }
     case CKPT_ENTRY_STR:

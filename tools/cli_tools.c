@@ -110,7 +110,8 @@ static void print_leftovers(const char *project, bool json) {
             printf(",\"pid\":%lld,\"running\":%s}", (long long)lo[i].pid,
                    lo[i].running ? "true" : "false");
         } else if (lo[i].running) {
-            printf("in use   %s  (process %lld is running: a save in progress?)\n", cli_esc(lo[i].path),
+            printf("in use   %s  (process %lld is running: a save in progress?)\n",
+                   cli_esc(lo[i].path),
                    (long long)lo[i].pid);
         } else {
             printf("leftover %s  (temporary folder of an interrupted save; 'ckpt prune %s --keep N'"
@@ -316,9 +317,10 @@ static void prune_policies(prune_log *pl, int64_t every, const char *best) {
     const char *part[3];
     char b[3][160];
     int n = 0;
-    if (pl->keep > 1) snprintf(b[n], sizeof b[n], "--keep %lld", (long long)pl->keep), part[n] = b[n], n++;
-    if (every > 0) snprintf(b[n], sizeof b[n], "--keep-every %lld", (long long)every), part[n] = b[n], n++;
-    if (best) snprintf(b[n], sizeof b[n], "--keep-best %s", best), part[n] = b[n], n++;
+    if (pl->keep > 1) snprintf(b[n++], sizeof b[0], "--keep %lld", (long long)pl->keep);
+    if (every > 0) snprintf(b[n++], sizeof b[0], "--keep-every %lld", (long long)every);
+    if (best) snprintf(b[n++], sizeof b[0], "--keep-best %s", best);
+    for (int i = 0; i < n; i++) part[i] = b[i];
     pl->kept_by[0] = '\0';
     for (int i = 0; i < n; i++) {
         size_t used = strlen(pl->kept_by);
@@ -434,8 +436,8 @@ int cli_prune(int argc, char **argv) {
     if (best_k > 0) {
         char names[512];
         if (!metric_recorded(dir, metric, names, sizeof names)) {
-            cli_error("prune: no checkpoint of %s records the metric '%s' (%s%s); --keep-best would "
-                      "keep none by it, so nothing was removed",
+            cli_error("prune: no checkpoint of %s records the metric '%s' (%s%s); --keep-best "
+                      "would keep none by it, so nothing was removed",
                       dir, metric, *names ? "they record: " : "they record no metrics",
                       names);
             return CLI_USAGE;

@@ -183,7 +183,8 @@ static bool run_config_check(const run_config *saved, const run_config *now, int
     if (saved->lr != now->lr) {
         char a[40], b[40];
         cli_error("resume: the checkpoint was trained with --lr %s, this run has %s",
-                  cli_format_double(saved->lr, a, sizeof a), cli_format_double(now->lr, b, sizeof b));
+                  cli_format_double(saved->lr, a, sizeof a),
+                  cli_format_double(now->lr, b, sizeof b));
         ok = false;
     }
     return ok;
@@ -792,7 +793,8 @@ static int resume(trainer *t) {
         }
     }
     if (rc < 0) return lib_fail("resume", rc);
-    if (!drop) snprintf(t->resumed_from, sizeof t->resumed_from, "%s", ckpt_accelerator_last_dir(t->acc));
+    if (!drop)
+        snprintf(t->resumed_from, sizeof t->resumed_from, "%s", ckpt_accelerator_last_dir(t->acc));
     int64_t per_epoch = ckpt_dataloader_num_batches(t->loader);
     if (!o->quiet && t->speak && drop)
         printf("the global batch changed from %lld to %lld (--drop-data-position): the data "
@@ -849,7 +851,9 @@ static int save(trainer *t, int64_t step, bool last) {
 /* Whether this process is one of a parallel job: a communicator of several,
  * or a launcher's environment (Open MPI gives every rank a pseudo-terminal,
  * so isatty says yes while the output goes to a shared log). */
-static bool launched_by_mpi(const cli_dist *d) { return d->size > 1 || d->mpi || cli_dist_launched(); }
+static bool launched_by_mpi(const cli_dist *d) {
+    return d->size > 1 || d->mpi || cli_dist_launched();
+}
 
 /* How long the loop waited for checkpoints, against the whole loop. */
 static void report_ckpt_time(const trainer *t, double run_seconds, bool quiet) {

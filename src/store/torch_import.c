@@ -118,7 +118,8 @@ static int check_output_size(const imp *x, const char *src) {
                      "limit (max_output_size; ckpt import --max-output-size BYTES); nothing was "
                      "written",
                      src, out, x->in_bytes, cap,
-                     x->o.max_output_size ? "max_output_size" : "64 times the input, at least 1 MiB");
+                     x->o.max_output_size ? "max_output_size"
+                                          : "64 times the input, at least 1 MiB");
 }
 
 static int open_torch(imp *x, const char *path, const ckpt_torch_value **root) {
