@@ -6,6 +6,7 @@
 #   make tsan     ThreadSanitizer build (build-tsan/) and the threaded tests
 #   make valgrind unit tests and a CLI run under valgrind memcheck (build-valgrind/)
 #   make install  install into PREFIX (default /usr/local)
+#   make format-check  C lines changed since BASE (default HEAD) follow .clang-format
 PREFIX ?= /usr/local
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CMAKE ?= cmake
@@ -13,7 +14,7 @@ CMAKE ?= cmake
 # the build would come wrapped in "Entering/Leaving directory" messages.
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all setup build build-test test demo bench install clean fuzz tsan valgrind
+.PHONY: all setup build build-test test demo bench install clean fuzz tsan valgrind format-check
 
 all: build
 
@@ -62,6 +63,11 @@ valgrind:
 	@$(CMAKE) -S . -B build-valgrind -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=OFF >/dev/null
 	@$(CMAKE) --build build-valgrind -j $(JOBS)
 	@bash scripts/valgrind build-valgrind
+
+BASE ?= HEAD
+format-check:
+	@bash scripts/setup format
+	@bash scripts/format-check $(BASE)
 
 clean:
 	rm -rf build build-test build-fuzz build-tsan build-valgrind

@@ -56,11 +56,11 @@ const char *cli_format_float(float v, char *buf, int cap);
  * (nothing when it has none); else "  name=v name=v" (shortest decimals). */
 void cli_print_metrics(const ckpt_checkpoint_info *info, bool json);
 
-/* --keep-best METRIC:min|max:K into metric (cap bytes), mode and k (>= 1);
- * false if s is not of that form (the caller reports it). */
 /* A byte count: a number with an optional unit (B, KB, MB, GB, TB, KiB,
  * MiB, GiB, TiB), at least 1 byte. */
 bool cli_parse_size(const char *s, uint64_t *out);
+/* --keep-best METRIC:min|max:K into metric (cap bytes), mode and k (>= 1);
+ * false if s is not of that form (the caller reports it). */
 bool cli_parse_keep_best(const char *s, char *metric, size_t cap, ckpt_best_mode *mode, int64_t *k);
 
 /* The newest checkpoint of a project that deep-verifies, into out (cap

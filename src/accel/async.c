@@ -1,5 +1,6 @@
-/* async.c — ckpt_save_state_async / ckpt_save_wait: the save phases of
- * save.c, run in two places.
+/* async.c — the drivers of save.c's phases. ckpt_save_state runs them all
+ * in the caller's thread; ckpt_save_state_async / ckpt_save_wait run them in
+ * two places:
  *
  *   caller's thread   plan + snapshot (ckpt__save_start), then every
  *                     tensor copied into the staging area (or, past
@@ -231,4 +232,23 @@ void ckpt__async_free(ckpt_accelerator *acc) {
     pthread_mutex_destroy(&as->mu);
     free(as);
     acc->async = NULL;
+}
+
+/* The synchronous save: every phase in the caller's thread. Here, beside
+ * the asynchronous driver, because it ends a pending background save first
+ * (save.c knows neither driver). */
+int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "save_state: acc is NULL");
+    /* A pending asynchronous save ends first; its failure is this call's. */
+    CKPT_TRY(ckpt__async_settle(acc, true));
+    ckpt_save_op *op = NULL;
+    int rc = ckpt__save_start(acc, output_dir, &op);
+    if (!op) return rc;
+    ckpt__save_write_all(op);
+    rc = ckpt__save_finish(op);
+    ckpt__save_apply(op);
+    ckpt__save_post(op);
+    ckpt__save_op_free(op);
+    if (rc == 0) acc->nmetrics = 0; /* recorded; a failed save keeps them for the retry */
+    return rc;
 }

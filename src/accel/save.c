@@ -816,19 +816,3 @@ void ckpt__save_post(save_op *op) {
 
 int64_t ckpt__save_number(const save_op *op) { return op->automatic ? op->number : -1; }
 const ckpt_logger *ckpt__save_logger(const save_op *op) { return &op->log; }
-
-int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
-    if (!acc) return ckpt__err(CKPT_EINVAL, "save_state: acc is NULL");
-    /* A pending asynchronous save ends first; its failure is this call's. */
-    CKPT_TRY(ckpt__async_settle(acc, true));
-    save_op *op = NULL;
-    int rc = ckpt__save_start(acc, output_dir, &op);
-    if (!op) return rc;
-    ckpt__save_write_all(op);
-    rc = ckpt__save_finish(op);
-    ckpt__save_apply(op);
-    ckpt__save_post(op);
-    ckpt__save_op_free(op);
-    if (rc == 0) acc->nmetrics = 0; /* recorded; a failed save keeps them for the retry */
-    return rc;
-}

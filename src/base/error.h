@@ -17,7 +17,9 @@
 int ckpt__err(int code, const char *fmt, ...) CKPT_PRINTF(2, 3);
 /* Same, appending ": <strerror(errnum)>" and mapping errnum to a status
  * (ENOSPC/EDQUOT -> CKPT_ENOSPC, ENOENT -> CKPT_ENOENT, EEXIST -> CKPT_EEXIST,
- * ENOMEM -> CKPT_ENOMEM, EWOULDBLOCK -> CKPT_EBUSY, else CKPT_EIO). */
+ * ENOMEM -> CKPT_ENOMEM, EWOULDBLOCK -> CKPT_EBUSY, EINVAL/ENOTDIR/EISDIR/
+ * ENAMETOOLONG -> CKPT_EINVAL (a path that cannot name what was asked for),
+ * else CKPT_EIO). */
 int ckpt__err_os(int errnum, const char *fmt, ...) CKPT_PRINTF(2, 3);
 /* Maps an errno value to a status as above. */
 int ckpt__status_from_errno(int errnum);

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The layers of src/ stay visible and acyclic: a file includes only from its
-# own layer or below (base <- format <- store <- accel; train uses format;
+# own layer or below (base <- format <- {train, store} <- accel <- interop;
 # mpi uses the public headers and accel), the CLI only the public headers,
-# and no header includes itself through a chain.
+# and no header includes itself through a chain. The same rule is checked on
+# the symbols each object file uses (nm), so a call that runs back up a layer
+# through the public header fails too, and no two files call each other
+# round a cycle.
 set -euo pipefail
 : "${CKPT_SOURCE_DIR:?}"
 cd "$CKPT_SOURCE_DIR"
@@ -14,6 +17,7 @@ allowed() { # layer -> the layers its files may include
     store) echo "base format store" ;;
     train) echo "base format train" ;;
     accel) echo "base format store train accel" ;;
+    interop) echo "base format store train accel interop" ;;
     mpi) echo "base accel mpi" ;;
     *) echo "" ;;
     esac
@@ -70,6 +74,108 @@ def visit(h, stack):
 for h in sorted(hdrs):
     if not state.get(h):
         visit(h, [])
+PY
+
+# Symbols: which object file calls which (nm), checked against the same
+# layers, and for cycles between files. The checker first proves it can fail:
+# an object compiled here that calls from base/ up into accel/ must be caught.
+: "${CKPT_BUILD_DIR:?}"
+objdir="$CKPT_BUILD_DIR/CMakeFiles"
+probe=$(mktemp -d)
+trap 'rm -rf "$probe"' EXIT
+cat >"$probe/upcall.c" <<'C'
+int ckpt_save_state(void *acc, const char *dir);
+int ckpt__layer_probe(void) { return ckpt_save_state(0, "x"); }
+C
+cc -c -o "$probe/upcall.c.o" "$probe/upcall.c"
+python3 - "$objdir" "$probe/upcall.c.o" <<'PY' || bad=1
+import os, subprocess, sys
+ALLOWED = {
+    "base": {"base"}, "format": {"base", "format"}, "store": {"base", "format", "store"},
+    "train": {"base", "format", "train"},
+    "accel": {"base", "format", "store", "train", "accel"},
+    "interop": {"base", "format", "store", "train", "accel", "interop"},
+    "mpi": {"base", "accel", "mpi"},
+}
+
+def objects(root):
+    found = {}
+    for d, _, files in os.walk(root):
+        for n in files:
+            p = os.path.join(d, n)
+            rel = "src/" + p.split("/src/", 1)[1][:-2] if "/src/" in p else ""
+            # Objects of files that moved away stay in a build folder: skip them.
+            if n.endswith(".c.o") and rel and os.path.exists(rel):
+                found.setdefault(rel, p)
+    return found
+
+def problems(objs):
+    defs, uses = {}, {}
+    for rel, p in sorted(objs.items()):
+        out = subprocess.run(["nm", "-P", p], capture_output=True, text=True, check=True).stdout
+        uses[rel] = set()
+        for line in out.splitlines():
+            f = line.split()
+            if len(f) < 2:
+                continue
+            if f[1] == "U":
+                uses[rel].add(f[0])
+            elif f[1] in "TDBRGSVW":
+                defs.setdefault(f[0], rel)
+    graph, bad = {}, []
+    for rel in sorted(uses):
+        layer = rel.split("/")[1]
+        for sym in sorted(uses[rel]):
+            dep = defs.get(sym)
+            if not dep or dep == rel:
+                continue
+            graph.setdefault(rel, set()).add(dep)
+            dl = dep.split("/")[1]
+            if dl not in ALLOWED.get(layer, set()):
+                bad.append(f"upward call: {rel} ({layer}) uses {sym} from {dep} ({dl})")
+    # Cycles between files: Tarjan's strongly connected components.
+    index, low, stack, on, n = {}, {}, [], set(), [0]
+    sys.setrecursionlimit(10000)
+    def visit(v):
+        index[v] = low[v] = n[0]; n[0] += 1
+        stack.append(v); on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w); low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop(); on.discard(w); comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                bad.append("call cycle between files: " + " <-> ".join(sorted(comp)))
+    for v in sorted(objs):
+        if v not in index:
+            visit(v)
+    return bad, sum(len(g) for g in graph.values())
+
+objs = objects(sys.argv[1])
+if len(objs) < 20:
+    print(f"symbol check: only {len(objs)} object files under {sys.argv[1]}", file=sys.stderr)
+    sys.exit(1)
+# The checker must see a planted upward call ...
+planted = dict(objs)
+planted["src/base/layer_probe.c"] = sys.argv[2]
+found, _ = problems(planted)
+if not any("src/base/layer_probe.c" in b and "src/accel/" in b for b in found):
+    print("symbol check: a planted call from base/ to accel/ was not caught", file=sys.stderr)
+    sys.exit(1)
+# ... and the library has none.
+found, nedges = problems(objs)
+for b in found:
+    print(b, file=sys.stderr)
+if found:
+    sys.exit(1)
+print(f"symbols: {len(objs)} object files, {nedges} file-to-file call edges, "
+      "none upward, no cycle")
 PY
 
 [ "$bad" -eq 0 ] || exit 1

@@ -18,6 +18,20 @@
 #include "base/error.h"
 #include "format/statedict.h"
 
+/* The names of the value kinds, for messages; here because the machine's
+ * own errors name them and torchfile.c, which builds on this file, must not
+ * be called back. */
+static const char *const kind_names[] = {
+    [CKPT_TORCH_NONE] = "none", [CKPT_TORCH_BOOL] = "bool",   [CKPT_TORCH_INT] = "int",
+    [CKPT_TORCH_FLOAT] = "float", [CKPT_TORCH_STR] = "str",   [CKPT_TORCH_BYTES] = "bytes",
+    [CKPT_TORCH_TUPLE] = "tuple", [CKPT_TORCH_LIST] = "list", [CKPT_TORCH_SET] = "set",
+    [CKPT_TORCH_DICT] = "dict",   [CKPT_TORCH_TENSOR] = "tensor",
+};
+
+const char *ckpt_torch_kind_name(ckpt_torch_kind kind) {
+    return (int)kind >= CKPT_TORCH_NONE && (int)kind <= CKPT_TORCH_TENSOR ? kind_names[kind] : NULL;
+}
+
 enum ikind { IK_VALUE = 0, IK_GLOBAL, IK_STORAGE };
 enum gkind { G_REBUILD_V2 = 1, G_REBUILD_PARAM, G_ODICT, G_STORAGE, G_SET };
 

@@ -12,17 +12,6 @@
 #include "format/torch/pickle.h"
 #include "format/torch/zip.h"
 
-static const char *const kind_names[] = {
-    [CKPT_TORCH_NONE] = "none", [CKPT_TORCH_BOOL] = "bool",   [CKPT_TORCH_INT] = "int",
-    [CKPT_TORCH_FLOAT] = "float", [CKPT_TORCH_STR] = "str",   [CKPT_TORCH_BYTES] = "bytes",
-    [CKPT_TORCH_TUPLE] = "tuple", [CKPT_TORCH_LIST] = "list", [CKPT_TORCH_SET] = "set",
-    [CKPT_TORCH_DICT] = "dict",   [CKPT_TORCH_TENSOR] = "tensor",
-};
-
-const char *ckpt_torch_kind_name(ckpt_torch_kind kind) {
-    return (int)kind >= CKPT_TORCH_NONE && (int)kind <= CKPT_TORCH_TENSOR ? kind_names[kind] : NULL;
-}
-
 /* ---- reading ------------------------------------------------------------- */
 
 struct ckpt_torch_file {

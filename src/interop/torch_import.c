@@ -18,6 +18,7 @@
 #include "format/manifest.h"
 #include "format/statedict.h"
 #include "store/store.h"
+#include "store/txn.h"
 
 typedef struct mparam {
     char *name;
@@ -675,23 +676,9 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
     if (rc == 0) rc = check_output_size(&x, src);
     ckpt_manifest m;
     ckpt__manifest_init(&m);
-    char *parent = NULL, *base = NULL, *tname = NULL, *tmp = NULL;
-    bool made = false;
-    if (rc == 0) {
-        size_t n = strlen(checkpoint_dir);
-        while (n > 1 && checkpoint_dir[n - 1] == '/') n--;
-        size_t s = n;
-        while (s > 0 && checkpoint_dir[s - 1] != '/') s--;
-        parent = s ? strndup(checkpoint_dir, s) : strdup(".");
-        base = strndup(checkpoint_dir + s, n - s);
-        if (!parent || !base || !(tname = ckpt__temp_name(base)) || !(tmp = ckpt__path_join(parent, tname)))
-            rc = ckpt__err_nomem("import");
-    }
-    if (rc == 0) rc = ckpt__mkdirs(parent);
-    if (rc == 0) {
-        if (ckpt__os_mkdir(tmp, 0755) != 0) rc = ckpt__err_os(errno, "import: %s", tmp);
-        else made = true;
-    }
+    ckpt_txn t = {0};
+    if (rc == 0) rc = ckpt__txn_begin(&t, checkpoint_dir, "import", true);
+    const char *tmp = t.tmp;
     if (rc == 0) rc = write_obj(x.model, tmp, "model.safetensors", "model", &m);
     if (rc == 0) rc = write_obj(x.optim, tmp, "optimizer.safetensors", "optimizer", &m);
     if (rc == 0) rc = write_obj(x.sched, tmp, "scheduler.safetensors", "scheduler", &m);
@@ -704,14 +691,10 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
         m.num_processes = 1;
         rc = ckpt__manifest_write(&m, tmp);
     }
-    if (rc == 0) rc = ckpt__publish_dir(tmp, checkpoint_dir, false);
-    if (rc < 0 && made) ckpt__remove_tree(tmp);
+    if (rc == 0) rc = ckpt__txn_commit(&t, false, NULL);
+    ckpt__txn_end(&t, NULL);
     if (rc < 0) rc = ckpt__err_prefix(rc, "import %s", src);
     ckpt__manifest_clear(&m);
-    free(parent);
-    free(base);
-    free(tname);
-    free(tmp);
     imp_free(&x);
     return rc;
 }

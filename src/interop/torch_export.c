@@ -15,6 +15,7 @@
 #include "format/manifest.h"
 #include "format/statedict.h"
 #include "store/store.h"
+#include "store/txn.h"
 
 static const char readme_text[] =
     "# PyTorch export of a ckpt checkpoint\n"
@@ -661,36 +662,16 @@ int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir, const ckp
     exp_ctx c = {.src = checkpoint_dir};
     ckpt__manifest_init(&c.m);
     rc = ckpt__manifest_read(checkpoint_dir, &c.m);
-    /* the temporary folder beside out_dir */
-    char *parent = NULL, *base = NULL, *tname = NULL;
-    if (rc == 0) {
-        size_t n = strlen(out_dir);
-        while (n > 1 && out_dir[n - 1] == '/') n--;
-        size_t s = n;
-        while (s > 0 && out_dir[s - 1] != '/') s--;
-        parent = s ? strndup(out_dir, s) : strdup(".");
-        base = strndup(out_dir + s, n - s);
-        if (!parent || !base) rc = ckpt__err_nomem("export");
-    }
-    if (rc == 0 && (!(tname = ckpt__temp_name(base)) || !(c.tmp = ckpt__path_join(parent, tname))))
-        rc = ckpt__err_nomem("export");
-    bool made = false;
-    if (rc == 0) {
-        if (ckpt__mkdirs(parent) < 0) rc = ckpt__err_prefix(CKPT_EIO, "export");
-        else if (ckpt__os_mkdir(c.tmp, 0755) != 0) rc = ckpt__err_os(errno, "export: %s", c.tmp);
-        else made = true;
-    }
+    ckpt_txn t = {0};
+    if (rc == 0) rc = ckpt__txn_begin(&t, out_dir, "export", true);
+    c.tmp = t.tmp;
     if (rc == 0) rc = export_all(&c, &o);
     if (rc == 0) rc = write_text(&c, "README.md", readme_text);
     for (int i = 0; i < c.nreaders; i++) ckpt_reader_free(c.readers[i]);
     free(c.readers);
-    if (rc == 0) rc = ckpt__publish_dir(c.tmp, out_dir, false);
-    if (rc < 0 && made) ckpt__remove_tree(c.tmp);
+    if (rc == 0) rc = ckpt__txn_commit(&t, false, NULL);
+    ckpt__txn_end(&t, NULL);
     if (rc < 0) rc = ckpt__err_prefix(rc, "export %s", checkpoint_dir);
     ckpt__manifest_clear(&c.m);
-    free(parent);
-    free(base);
-    free(tname);
-    free(c.tmp);
     return rc;
 }

@@ -1,0 +1,124 @@
+/* objects.c — what the accelerator's save and load share: the kinds of
+ * objects and their file names, the plan of objects to save, the project
+ * lock and the hooks. Kept apart from accelerator.c (lifecycle and
+ * registration) so that save.c and load.c depend on this file and
+ * accelerator.c on them, never back: the call graph has no cycle. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "ckpt.h"
+#include "accel/accel.h"
+#include "base/error.h"
+#include "base/io.h"
+#include "format/manifest.h"
+#include "format/shard.h"
+#include "store/store.h"
+
+const char *const ckpt__kind_stem[K_COUNT] = {"model",      "optimizer", "scheduler",
+                                             "dataloader", "scaler",    "custom_checkpoint",
+                                             "random_states"};
+const char *const ckpt__kind_name[K_COUNT] = {"model",  "optimizer", "scheduler",    "dataloader",
+                                             "scaler", "custom",    "random_states"};
+const char *const ckpt__kind_noun[K_COUNT] = {"model",  "optimizer",     "scheduler",   "data loader",
+                                             "scaler", "custom object", "random state"};
+
+/* ---- the project lock -------------------------------------------------------- */
+
+int ckpt__acc_own_project(ckpt_accelerator *acc, bool create, const char *what) {
+    if (!acc->project_dir || acc->project_lock.fd >= 0) return 0;
+    char *dir = ckpt__checkpoints_dir(acc->project_dir);
+    char *lp = dir ? ckpt__path_join(dir, ".lock") : NULL;
+    int rc = 0;
+    struct stat st;
+    if (!lp) rc = ckpt__err_nomem("lock path");
+    else if (create) rc = ckpt__mkdirs(dir);
+    else if (stat(dir, &st) != 0) goto out; /* nothing to own yet; a load creates nothing */
+    if (rc == 0) rc = ckpt__lock_acquire(&acc->project_lock, lp);
+    if (rc < 0) rc = ckpt__err_prefix(rc, "%s", what);
+out:
+    free(lp);
+    free(dir);
+    return rc;
+}
+
+bool ckpt__acc_holds_lock_file(const ckpt_accelerator *acc, const char *lock_path) {
+    struct stat a, b;
+    return acc->project_lock.fd >= 0 && stat(lock_path, &a) == 0 &&
+           fstat(acc->project_lock.fd, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+}
+
+
+/* ---- hooks ---------------------------------------------------------------- */
+
+static const char *const hook_name[HOOK_KINDS] = {"save_state pre-hook", "load_state pre-hook",
+                                                  "save_state post-hook", "load_state post-hook"};
+
+int ckpt__acc_run_hooks(ckpt_accelerator *acc, int which, const char *dir, const char *what) {
+    ckpt_hook_handle *h = acc->hooks[which];
+    bool post = which == HOOK_SAVE_POST || which == HOOK_LOAD_POST;
+    while (h) {
+        /* A hook may remove itself: take the next one first. */
+        ckpt_hook_handle *next = h->next;
+        ckpt_clear_error();
+        int r = h->fn(h->user, acc, dir);
+        if (r != 0) {
+            r = ckpt__callback_failed(r, "the hook");
+            r = ckpt__err_prefix(r, "%s: %s: a %s failed", what, dir, hook_name[which]);
+            if (!post) return r;
+            ckpt__log(&acc->log, CKPT_LOG_WARNING, "%s", ckpt_errmsg());
+        }
+        h = next;
+    }
+    if (post) ckpt_clear_error();
+    return 0;
+}
+
+/* ---- file names and the save plan ------------------------------------------ */
+
+void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, char *buf, size_t cap) {
+    if (o->kind == K_RNG)
+        snprintf(buf, cap, "%s_%d.safetensors", ckpt__kind_stem[K_RNG], acc->process_index);
+    else if (o->kind == K_CUSTOM)
+        snprintf(buf, cap, "%s_%d.safetensors", ckpt__kind_stem[K_CUSTOM], o->index);
+    else if (o->index == 0) snprintf(buf, cap, "%s.safetensors", ckpt__kind_stem[o->kind]);
+    else snprintf(buf, cap, "%s_%d.safetensors", ckpt__kind_stem[o->kind], o->index);
+}
+
+#define SAFETENSORS_EXT ".safetensors"
+
+/* The object's file name without ".safetensors": the stem of its shards. */
+static size_t stem_len(const char *file) {
+    size_t n = strlen(file), k = strlen(SAFETENSORS_EXT);
+    return n >= k && strcmp(file + n - k, SAFETENSORS_EXT) == 0 ? n - k : n;
+}
+
+int ckpt__acc_shard_name(const char *file, int rank, int size, char *buf, size_t cap) {
+    char stem[128];
+    size_t n = stem_len(file);
+    if (n >= sizeof stem) return ckpt__err(CKPT_EINVAL, "%s: name too long for a shard file", file);
+    memcpy(stem, file, n);
+    stem[n] = '\0';
+    return ckpt__shard_file_name(buf, cap, stem, rank, size);
+}
+
+bool ckpt__acc_is_shard_of(const char *name, const char *stem_file) {
+    size_t n = 0;
+    int index = 0, count = 0;
+    if (!ckpt__shard_file_parse(name, &n, &index, &count)) return false;
+    if (!stem_file) return true;
+    return n == stem_len(stem_file) && memcmp(name, stem_file, n) == 0;
+}
+
+ckpt_acc_obj *ckpt__acc_plan_objects(ckpt_accelerator *acc, int *n) {
+    ckpt_acc_obj *v = ckpt__malloc((size_t)(acc->nobjs + 1) * sizeof *v);
+    if (!v) return NULL;
+    int k = 0;
+    for (int kind = 0; kind < K_COUNT; kind++)
+        for (int i = 0; i < acc->nobjs; i++)
+            if (acc->objs[i].kind == kind) v[k++] = acc->objs[i];
+    v[k++] = (ckpt_acc_obj){K_RNG, 0, ckpt_rng_ops(), &acc->rng};
+    *n = k;
+    return v;
+}
