@@ -347,7 +347,8 @@ int cli_wrong_kind(const char *cmd, const char *path, cli_kind kind, const char 
             "%s is a PyTorch file (a zip archive, as torch.save writes), not safetensors; "
             "expected %s. 'ckpt inspect %s' shows what it holds and the 'ckpt import' command "
             "that converts it into a checkpoint; or, for a state dict of tensors, in Python: "
-            "from safetensors.torch import save_file; save_file(torch.load('%s'), 'out.safetensors')",
+            "from safetensors.torch import save_file; save_file(torch.load('%s'), "
+            "'out.safetensors')",
             path, expected, path, path);
     case CLI_KIND_FOLDER:
         return cli_usage_error(cmd,

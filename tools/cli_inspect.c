@@ -253,8 +253,7 @@ static int inspect_file(const char *path, const char *label, bool json, bool fir
     } else {
         char size[32];
         printf("%s: %lld entries, %lld tensors (%s)%s\n", cli_esc(label), (long long)n,
-               (long long)ntensors,
-               cli_human_bytes(tensor_bytes, size, sizeof size),
+               (long long)ntensors, cli_human_bytes(tensor_bytes, size, sizeof size),
                is_shard_file(label) ? ", one process's chunks of sharded tensors" : "");
     }
     for (int64_t i = 0; i < n && rc == CKPT_OK; i++) {
@@ -405,7 +404,8 @@ static void torch_advice(const char *path, const ckpt_torch_value *root) {
                "folder)%s\n",
                what, opt, cli_esc(dir),
                decay ? "; Adam state with weight decay: say --optimizer adam or adamw, the file "
-                       "cannot tell" : "");
+                       "cannot tell"
+                     : "");
     else
         printf("\n%s: 'ckpt import' takes it with its model, from a folder that holds it as %s "
                "beside model.safetensors or pytorch_model.bin: 'ckpt import FOLDER "
@@ -517,9 +517,9 @@ int cli_inspect(int argc, char **argv) {
         char size[32];
         printf("checkpoint %s\n  step %lld, iteration %lld, created %s UTC, %d files, %s,\n"
                "  %d process%s, format %d, library %s\n",
-               cli_esc(path), (long long)info.step, (long long)info.iteration, when,
-               info.num_files, cli_human_bytes(info.total_bytes, size, sizeof size),
-               info.num_processes, info.num_processes == 1 ? "" : "es", info.format_version,
+               cli_esc(path), (long long)info.step, (long long)info.iteration, when, info.num_files,
+               cli_human_bytes(info.total_bytes, size, sizeof size), info.num_processes,
+               info.num_processes == 1 ? "" : "es", info.format_version,
                cli_esc(info.library_version));
         if (info.num_metrics > 0) {
             printf("  metrics:");

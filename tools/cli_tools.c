@@ -111,8 +111,7 @@ static void print_leftovers(const char *project, bool json) {
                    lo[i].running ? "true" : "false");
         } else if (lo[i].running) {
             printf("in use   %s  (process %lld is running: a save in progress?)\n",
-                   cli_esc(lo[i].path),
-                   (long long)lo[i].pid);
+                   cli_esc(lo[i].path), (long long)lo[i].pid);
         } else {
             printf("leftover %s  (temporary folder of an interrupted save; 'ckpt prune %s --keep N'"
                    " removes it)\n",
@@ -268,8 +267,9 @@ int cli_verify(int argc, char **argv) {
                    cli_esc(*ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc)));
             return CLI_DIFFER;
         }
-        printf("ok       %s  (%lld entries, well-formed; checksums live in a checkpoint's manifest)\n",
-               cli_esc(path), (long long)ckpt_reader_count(r));
+        printf(
+            "ok       %s  (%lld entries, well-formed; checksums live in a checkpoint's manifest)\n",
+            cli_esc(path), (long long)ckpt_reader_count(r));
         ckpt_reader_free(r);
         return CLI_OK;
     }
@@ -325,7 +325,10 @@ static void prune_policies(prune_log *pl, int64_t every, const char *best) {
     for (int i = 0; i < n; i++) {
         size_t used = strlen(pl->kept_by);
         snprintf(pl->kept_by + used, sizeof pl->kept_by - used, "%s%s",
-                 i == 0 ? "" : i == n - 1 ? " or " : ", ", part[i]);
+                 i == 0       ? ""
+                 : i == n - 1 ? " or "
+                              : ", ",
+                 part[i]);
     }
 }
 
@@ -336,8 +339,8 @@ static void prune_report(void *user, const char *path, ckpt_prune_reason reason,
     why = why ? cli_esc(why) : NULL;
     switch (reason) {
     case CKPT_PRUNE_OLD:
-        if (pl->policy) printf("%s %s  (valid, not the newest, not kept by %s)\n", verb, path,
-                               pl->kept_by);
+        if (pl->policy)
+            printf("%s %s  (valid, not the newest, not kept by %s)\n", verb, path, pl->kept_by);
         else if (pl->keep == 0) printf("%s %s  (--keep 0: every checkpoint goes)\n", verb, path);
         else if (why) printf("%s %s  (older than the newest %lld valid; it fails verification too: %s)\n",
                         verb, path, (long long)pl->keep, why);
@@ -438,8 +441,7 @@ int cli_prune(int argc, char **argv) {
         if (!metric_recorded(dir, metric, names, sizeof names)) {
             cli_error("prune: no checkpoint of %s records the metric '%s' (%s%s); --keep-best "
                       "would keep none by it, so nothing was removed",
-                      dir, metric, *names ? "they record: " : "they record no metrics",
-                      names);
+                      dir, metric, *names ? "they record: " : "they record no metrics", names);
             return CLI_USAGE;
         }
     }
@@ -459,8 +461,9 @@ int cli_prune(int argc, char **argv) {
            dry_run ? "would remove" : "removed", (long long)removed, removed == 1 ? "" : "s",
            (long long)pl.leftovers, pl.leftovers == 1 ? "" : "s", cli_esc(dir), (long long)keep);
     if (every > 0) printf(", every step multiple of %lld", (long long)every);
-    if (best_k > 0) printf(", the best %lld by %s (%s)", (long long)best_k, cli_esc(metric),
-                           mode == CKPT_BEST_MIN ? "min" : "max");
+    if (best_k > 0)
+        printf(", the best %lld by %s (%s)", (long long)best_k, cli_esc(metric),
+               mode == CKPT_BEST_MIN ? "min" : "max");
     putchar('\n');
     return CLI_OK;
 }

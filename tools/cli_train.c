@@ -161,8 +161,7 @@ static bool run_config_check(const run_config *saved, const run_config *now, int
         if (sg % now_procs == 0)
             snprintf(hint, sizeof hint, "--batch-size %lld keeps it on %d process%s",
                      (long long)(sg / now_procs), now_procs, now_procs == 1 ? "" : "es");
-        else
-            snprintf(hint, sizeof hint, "no --batch-size on %d processes keeps it", now_procs);
+        else snprintf(hint, sizeof hint, "no --batch-size on %d processes keeps it", now_procs);
         cli_error("resume: the checkpoint was trained with a global batch of %lld (%d x "
                   "--batch-size %lld), this run has %lld (%d x --batch-size %lld): %s, or "
                   "--drop-data-position continues at the saved step from the next epoch's start",
@@ -351,9 +350,28 @@ static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x
 }
 
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
-    enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
-           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM, O_ASYNC, O_SAVE_SECONDS,
-           O_KEEP_EVERY, O_KEEP_BEST, O_INIT_FROM, O_MAX_SHARD, O_DROP_POSITION };
+    enum {
+        O_EPOCHS = 256,
+        O_BATCH,
+        O_LR,
+        O_SEED,
+        O_SAVE_EVERY,
+        O_TOTAL_LIMIT,
+        O_WORKERS,
+        O_PROJECT,
+        O_DATA,
+        O_RESUME,
+        O_LOG_EVERY,
+        O_QUIET,
+        O_SHARD_OPTIM,
+        O_ASYNC,
+        O_SAVE_SECONDS,
+        O_KEEP_EVERY,
+        O_KEEP_BEST,
+        O_INIT_FROM,
+        O_MAX_SHARD,
+        O_DROP_POSITION
+    };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
@@ -931,8 +949,8 @@ int cli_train(int argc, char **argv) {
     }
 
     bool quiet = o->quiet || !t.speak;
-    bool tty = t.tty = !quiet && isatty(STDOUT_FILENO) && !o->log_every_given &&
-                       !launched_by_mpi(&t.dist);
+    bool tty = t.tty =
+        !quiet && isatty(STDOUT_FILENO) && !o->log_every_given && !launched_by_mpi(&t.dist);
     if (!quiet && t.dist.size > 1)
         printf("data parallel on %d processes: each takes %lld samples of every global batch of "
                "%lld\n",

@@ -112,15 +112,15 @@ static int check_output_size(const imp *x, const char *src) {
         if (cap < floor) cap = floor;
     }
     if (out <= cap) return CKPT_OK;
-    return ckpt__err(CKPT_EUNSUPPORTED,
-                     "import: %s: the checkpoint would hold %" PRIu64 " bytes of tensors from %"
-                     PRIu64 " bytes read, over the limit of %" PRIu64 " (%s); a torch file's "
-                     "storage can be shared by many tensors. If that is expected, raise the "
-                     "limit (max_output_size; ckpt import --max-output-size BYTES); nothing was "
-                     "written",
-                     src, out, x->in_bytes, cap,
-                     x->o.max_output_size ? "max_output_size"
-                                          : "64 times the input, at least 1 MiB");
+    return ckpt__err(
+        CKPT_EUNSUPPORTED,
+        "import: %s: the checkpoint would hold %" PRIu64 " bytes of tensors from %" PRIu64
+        " bytes read, over the limit of %" PRIu64 " (%s); a torch file's "
+        "storage can be shared by many tensors. If that is expected, raise the "
+        "limit (max_output_size; ckpt import --max-output-size BYTES); nothing was "
+        "written",
+        src, out, x->in_bytes, cap,
+        x->o.max_output_size ? "max_output_size" : "64 times the input, at least 1 MiB");
 }
 
 static int open_torch(imp *x, const char *path, const ckpt_torch_value **root) {
