@@ -79,6 +79,23 @@ void cli_error(const char *fmt, ...) {
     free(msg);
 }
 
+/* The library's warnings (a fallback to an older checkpoint names the
+ * damage it found, which may quote a file's key) and an asynchronous save's
+ * failure, escaped like everything else. It may run on the accelerator's
+ * background thread: a buffer of its own, one write. */
+void cli_library_log(void *user, ckpt_log_level level, const char *msg) {
+    (void)user;
+    const char *what = level == CKPT_LOG_ERROR ? "error" : level == CKPT_LOG_WARNING ? "warning"
+                                                                                      : "info";
+    char line[8192 + 64];
+    int n = cli_rank >= 0 ? snprintf(line, 64, "ckpt: [rank %d] %s: ", cli_rank, what)
+                          : snprintf(line, 64, "ckpt: %s: ", what);
+    cli_escape_into(msg, line + n, sizeof line - (size_t)n - 1);
+    size_t len = strlen(line);
+    line[len] = '\n';
+    fwrite(line, 1, len + 1, stderr);
+}
+
 int cli_usage_error(const char *cmd, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -159,7 +176,10 @@ const char *cli_esc(const char *s) {
     enum { SLOTS = 16, CAP = 8192 };
     static char ring[SLOTS][CAP];
     static unsigned next;
-    char *out = ring[next++ % SLOTS];
+    return cli_escape_into(s, ring[next++ % SLOTS], CAP);
+}
+
+char *cli_escape_into(const char *s, char *out, size_t cap) {
     if (!s) s = "(null)";
     size_t o = 0;
     for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
@@ -171,7 +191,7 @@ const char *cli_esc(const char *s) {
         else if (*p == '\r') n = snprintf(piece, sizeof piece, "\\r");
         else if (*p == '\t') n = snprintf(piece, sizeof piece, "\\t");
         else if (*p < 0x20 || u == 0) n = snprintf(piece, sizeof piece, "\\x%02x", *p);
-        if (o + (size_t)(n ? n : u) + 4 >= CAP) {
+        if (o + (size_t)(n ? n : u) + 4 >= cap) {
             memcpy(out + o, "...", 4);
             return out;
         }

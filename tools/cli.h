@@ -43,6 +43,12 @@ void cli_json_string(const char *s);
  * Very long text is cut and ends with "...". Every text output of the tool
  * that shows a name, key, path or message passes through it. */
 const char *cli_esc(const char *s);
+/* The same into out (cap bytes, at least 4): for a thread of its own.
+ * Returns out. */
+char *cli_escape_into(const char *s, char *out, size_t cap);
+/* A ckpt_log_fn: "ckpt: warning: <msg>" (or error, info) on stderr in one
+ * write, msg escaped; safe on any thread. */
+void cli_library_log(void *user, ckpt_log_level level, const char *msg);
 
 /* Human-readable byte count ("1.5 MiB") into buf. */
 const char *cli_human_bytes(uint64_t n, char *buf, int cap);

@@ -613,6 +613,7 @@ static int trainer_setup(trainer *t) {
         .save_interval_seconds = o->save_every_seconds,
     };
     if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return lib_fail("accelerator", rc);
+    ckpt_accelerator_set_log(t->acc, cli_library_log, NULL); /* escaped, as every output */
     if (o->shard_optimizer &&
         (rc = ckpt_optimizer_set_shard(t->optim, t->dist.comm ? t->dist.comm : ckpt_comm_self())) < 0)
         return lib_fail("--shard-optimizer", rc);
@@ -771,36 +772,52 @@ static int saved_loader_position(const char *dir, int64_t *epoch, int64_t *pos) 
     return rc;
 }
 
-/* --resume: the run's settings first (only the custom object that holds
- * them), so that a run with other settings is refused naming the options,
- * before the objects that depend on them (the data loader's position counts
- * global batches) refuse it in the library's terms. Then everything, or
- * with --drop-data-position and another global batch, everything but the
- * data loader, which starts the epoch after the saved one. */
+/* --resume: one load of everything, then the run's settings (a custom
+ * object) are checked against this run's. A load the objects refuse
+ * (CKPT_EMISMATCH: the data loader's position counts global batches, so
+ * another global batch is refused there in the library's terms) changed
+ * nothing; then the settings alone are loaded to say which option differs,
+ * naming the flag, and with --drop-data-position and another global batch
+ * everything but the data loader is loaded, which starts the epoch after
+ * the saved one. */
 static int resume(trainer *t) {
     const train_opts *o = &t->opt;
-    static const char *const config_only[] = {"custom_checkpoint_0"};
-    ckpt_load_options lo = {.names = config_only, .num_names = 1};
-    ckpt_load_report rep;
-    int rc = ckpt_load_state_ex(t->acc, NULL, &lo, &rep);
-    if (rc < 0) return lib_fail("resume", rc);
-    snprintf(t->resumed_from, sizeof t->resumed_from, "%s", rep.dir);
-    ckpt_load_report_free(&rep);
-    ckpt_checkpoint_info info;
-    memset(&info, 0, sizeof info);
-    (void)ckpt_checkpoint_verify(t->resumed_from, false, &info);
-    int saved_procs = info.num_processes > 0 ? info.num_processes : 1;
-    int now_procs = t->dist.size > 0 ? t->dist.size : 1;
+    int rc = ckpt_load_state(t->acc, NULL);
+    int saved_procs = 1, now_procs = t->dist.size > 0 ? t->dist.size : 1;
     bool drop = false;
-    if (!run_config_check(&t->saved_config, &t->config, saved_procs, now_procs,
-                          o->drop_data_position, &drop))
-        return CLI_USAGE;
     int64_t epoch = 0, pos = 0;
-    if (drop && (rc = saved_loader_position(t->resumed_from, &epoch, &pos)) < 0)
-        return lib_fail("resume", rc);
-    if (!drop) {
-        rc = ckpt_load_state(t->acc, NULL);
-    } else {
+    ckpt_checkpoint_info info;
+    if (rc == CKPT_OK) {
+        snprintf(t->resumed_from, sizeof t->resumed_from, "%s", ckpt_accelerator_last_dir(t->acc));
+        memset(&info, 0, sizeof info);
+        (void)ckpt_checkpoint_verify(t->resumed_from, false, &info);
+        saved_procs = info.num_processes > 0 ? info.num_processes : 1;
+        if (!run_config_check(&t->saved_config, &t->config, saved_procs, now_procs, false, &drop))
+            return CLI_USAGE;
+    } else if (rc == CKPT_EMISMATCH) {
+        char why[2048];
+        snprintf(why, sizeof why, "%s", ckpt_errmsg());
+        static const char *const config_only[] = {"custom_checkpoint_0"};
+        ckpt_load_options lo = {.names = config_only, .num_names = 1};
+        ckpt_load_report rep;
+        if (ckpt_load_state_ex(t->acc, NULL, &lo, &rep) < 0) {
+            cli_error("resume: %s", why);
+            return CLI_RUNTIME;
+        }
+        snprintf(t->resumed_from, sizeof t->resumed_from, "%s", rep.dir);
+        ckpt_load_report_free(&rep);
+        memset(&info, 0, sizeof info);
+        (void)ckpt_checkpoint_verify(t->resumed_from, false, &info);
+        saved_procs = info.num_processes > 0 ? info.num_processes : 1;
+        if (!run_config_check(&t->saved_config, &t->config, saved_procs, now_procs,
+                              o->drop_data_position, &drop))
+            return CLI_USAGE;
+        if (!drop) { /* the settings match: the refusal is about something else */
+            cli_error("resume: %s", why);
+            return CLI_RUNTIME;
+        }
+        if ((rc = saved_loader_position(t->resumed_from, &epoch, &pos)) < 0)
+            return lib_fail("resume", rc);
         ckpt_load_options all_but_loader = {.objects = CKPT_LOAD_ALL & ~CKPT_LOAD_DATALOADERS};
         rc = ckpt_load_state_ex(t->acc, t->resumed_from, &all_but_loader, &rep);
         if (rc == 0) {
@@ -809,10 +826,10 @@ static int resume(trainer *t) {
             ckpt_load_report_free(&rep);
             rc = ckpt_dataloader_set_epoch(t->loader, pos > 0 ? epoch + 1 : epoch);
         }
+        if (rc < 0) return lib_fail("resume", rc);
+    } else {
+        return lib_fail("resume", rc);
     }
-    if (rc < 0) return lib_fail("resume", rc);
-    if (!drop)
-        snprintf(t->resumed_from, sizeof t->resumed_from, "%s", ckpt_accelerator_last_dir(t->acc));
     int64_t per_epoch = ckpt_dataloader_num_batches(t->loader);
     if (!o->quiet && t->speak && drop)
         printf("the global batch changed from %lld to %lld (--drop-data-position): the data "
