@@ -1390,6 +1390,14 @@ typedef struct ckpt_export_options {
                                  (model-00001-of-0000N.safetensors) of at most
                                  this many bytes (a larger tensor gets a shard
                                  of its own) + model.safetensors.index.json */
+    /* The model(s) as torch.save files instead of safetensors, for PyTorch
+     * without the safetensors package: pytorch_model.bin (an OrderedDict of
+     * tensors, which torch.load(..., weights_only=True) opens from PyTorch
+     * 1.13 on), or with max_shard_size, or when the checkpoint's model is
+     * itself saved as Hugging Face shards (the same split then),
+     * pytorch_model-0000k-of-0000N.bin + pytorch_model.bin.index.json as
+     * transformers writes them. The k-th model is pytorch_model_<k>. */
+    bool torch_bin;
 } ckpt_export_options;
 
 /* Writes an Accelerate-style folder PyTorch loads as is from a complete
@@ -1422,6 +1430,17 @@ typedef struct ckpt_import_options {
      * Borrowed for the call. */
     const char *const *param_names;
     int64_t num_param_names;
+    /* A torch file's storage may be referenced by many tensors (a few KiB
+     * of deflated zeros can stand for gigabytes), so the checkpoint's tensor
+     * bytes are capped before anything is written: at most this many; 0:
+     * 64 times the bytes of the files read, and at least 1 MiB. Over it:
+     * CKPT_EUNSUPPORTED naming both sizes, nothing written. */
+    uint64_t max_output_size;
+    /* Called once (may be NULL) after SRC is read and before anything is
+     * written, with the bytes of the files read and the tensor bytes the
+     * checkpoint will hold, whether or not they pass the cap. */
+    void (*on_sizes)(void *user, uint64_t input_bytes, uint64_t output_bytes);
+    void *user;
 } ckpt_import_options;
 
 /* warmup, total and step -1; the rest 0. */

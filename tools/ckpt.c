@@ -30,11 +30,27 @@ static const char usage_text[] =
     "  import    make a checkpoint from a PyTorch, Accelerate or Hugging Face folder or file\n"
     "\n"
     "options:\n"
-    "  -h, --help     this help ('ckpt <command> --help' for a command's)\n"
+    "  -h, --help     this help ('ckpt <command> --help' or 'ckpt help <command>' for a\n"
+    "                 command's)\n"
     "  -V, --version  the version of the tool and of the library\n"
     "\n"
     "exit codes: 0 ok, 1 differences found or verification failed, 2 usage error,\n"
     "3 runtime error (I/O, malformed file, full disk...)\n";
+
+/* The message formatted, then escaped (cli_esc): names and messages quoted
+ * from files may hold control characters. NULL without memory. */
+static char *format_escaped(const char *fmt, va_list ap) {
+    va_list ap2;
+    va_copy(ap2, ap);
+    int n = vsnprintf(NULL, 0, fmt, ap2);
+    va_end(ap2);
+    char *raw = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (!raw) return NULL;
+    vsnprintf(raw, (size_t)n + 1, fmt, ap);
+    const char *esc = cli_esc(raw);
+    free(raw);
+    return strdup(esc);
+}
 
 /* One write for the whole line: stderr is unbuffered, and the ranks of a job
  * share it, so a line written piecewise could be cut by another rank's. */
@@ -44,33 +60,51 @@ void cli_error(const char *fmt, ...) {
     else snprintf(prefix, sizeof prefix, "ckpt: ");
     va_list ap;
     va_start(ap, fmt);
-    va_list ap2;
-    va_copy(ap2, ap);
-    int n = vsnprintf(NULL, 0, fmt, ap);
+    char *msg = format_escaped(fmt, ap);
     va_end(ap);
-    size_t plen = strlen(prefix);
-    char *line = n >= 0 ? malloc(plen + (size_t)n + 2) : NULL;
+    if (!msg) {
+        fprintf(stderr, "%sout of memory while reporting an error\n", prefix);
+        return;
+    }
+    size_t plen = strlen(prefix), mlen = strlen(msg);
+    char *line = malloc(plen + mlen + 2);
     if (line) {
         memcpy(line, prefix, plen);
-        vsnprintf(line + plen, (size_t)n + 1, fmt, ap2);
-        line[plen + (size_t)n] = '\n';
-        fwrite(line, 1, plen + (size_t)n + 1, stderr);
+        memcpy(line + plen, msg, mlen);
+        line[plen + mlen] = '\n';
+        fwrite(line, 1, plen + mlen + 1, stderr);
         free(line);
-    } else { /* no memory: piecewise is still better than nothing */
-        fputs(prefix, stderr);
-        vfprintf(stderr, fmt, ap2);
-        fputc('\n', stderr);
+    } else {
+        fprintf(stderr, "%s%s\n", prefix, msg);
     }
-    va_end(ap2);
+    free(msg);
+}
+
+/* The library's warnings (a fallback to an older checkpoint names the
+ * damage it found, which may quote a file's key) and an asynchronous save's
+ * failure, escaped like everything else. It may run on the accelerator's
+ * background thread: a buffer of its own, one write. */
+void cli_library_log(void *user, ckpt_log_level level, const char *msg) {
+    (void)user;
+    const char *what = level == CKPT_LOG_ERROR ? "error" : level == CKPT_LOG_WARNING ? "warning"
+                                                                                      : "info";
+    char line[8192 + 64];
+    int n = cli_rank >= 0 ? snprintf(line, 64, "ckpt: [rank %d] %s: ", cli_rank, what)
+                          : snprintf(line, 64, "ckpt: %s: ", what);
+    cli_escape_into(msg, line + n, sizeof line - (size_t)n - 1);
+    size_t len = strlen(line);
+    line[len] = '\n';
+    fwrite(line, 1, len + 1, stderr);
 }
 
 int cli_usage_error(const char *cmd, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "ckpt %s: ", cmd);
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n(see 'ckpt %s --help')\n", cmd);
+    char *msg = format_escaped(fmt, ap);
     va_end(ap);
+    fprintf(stderr, "ckpt %s: %s\n(see 'ckpt %s --help')\n", cmd,
+            msg ? msg : "bad usage (out of memory while reporting it)", cmd);
+    free(msg);
     return CLI_USAGE;
 }
 
@@ -92,6 +126,27 @@ bool cli_parse_double(const char *s, double *out) {
     return true;
 }
 
+/* The length of the UTF-8 sequence at p (1..4) if it is well formed and not
+ * a C1 control character (U+0080..U+009F); 0 otherwise. p is NUL-terminated. */
+static int utf8_printable_len(const unsigned char *p) {
+    unsigned char c = p[0];
+    int n;
+    uint32_t cp;
+    if (c < 0x80) return 1;
+    if (c >= 0xc2 && c <= 0xdf) n = 2, cp = c & 0x1f;
+    else if (c >= 0xe0 && c <= 0xef) n = 3, cp = c & 0x0f;
+    else if (c >= 0xf0 && c <= 0xf4) n = 4, cp = c & 0x07;
+    else return 0;
+    for (int i = 1; i < n; i++) {
+        if ((p[i] & 0xc0) != 0x80) return 0;
+        cp = cp << 6 | (p[i] & 0x3f);
+    }
+    if ((n == 3 && cp < 0x800) || (n == 4 && (cp < 0x10000 || cp > 0x10ffff)) ||
+        (cp >= 0xd800 && cp <= 0xdfff) || (cp >= 0x80 && cp <= 0x9f))
+        return 0;
+    return n;
+}
+
 void cli_json_string(const char *s) {
     putchar('"');
     for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
@@ -101,12 +156,57 @@ void cli_json_string(const char *s) {
         case '\n': fputs("\\n", stdout); break;
         case '\r': fputs("\\r", stdout); break;
         case '\t': fputs("\\t", stdout); break;
-        default:
-            if (*p < 0x20) printf("\\u%04x", *p);
-            else putchar(*p);
+        default: {
+            int n = *p == 0x7f ? 0 : utf8_printable_len(p);
+            if (*p < 0x20 || n == 0) {
+                /* a C1 character as its code point; a stray byte as U+00XX */
+                unsigned cp = *p;
+                if (*p == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f) cp = *++p;
+                printf("\\u%04x", cp);
+            } else {
+                fwrite(p, 1, (size_t)n, stdout);
+                p += n - 1;
+            }
+        }
         }
     }
     putchar('"');
+}
+
+const char *cli_esc(const char *s) {
+    enum { SLOTS = 16, CAP = 8192 };
+    static char ring[SLOTS][CAP];
+    static unsigned next;
+    return cli_escape_into(s, ring[next++ % SLOTS], CAP);
+}
+
+char *cli_escape_into(const char *s, char *out, size_t cap) {
+    if (!s) s = "(null)";
+    size_t o = 0;
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        char piece[8];
+        int n = 0;
+        int u = *p == 0x7f ? 0 : utf8_printable_len(p);
+        if (*p == '\\') n = snprintf(piece, sizeof piece, "\\\\");
+        else if (*p == '\n') n = snprintf(piece, sizeof piece, "\\n");
+        else if (*p == '\r') n = snprintf(piece, sizeof piece, "\\r");
+        else if (*p == '\t') n = snprintf(piece, sizeof piece, "\\t");
+        else if (*p < 0x20 || u == 0) n = snprintf(piece, sizeof piece, "\\x%02x", *p);
+        if (o + (size_t)(n ? n : u) + 4 >= cap) {
+            memcpy(out + o, "...", 4);
+            return out;
+        }
+        if (n) {
+            memcpy(out + o, piece, (size_t)n);
+            o += (size_t)n;
+        } else {
+            memcpy(out + o, p, (size_t)u);
+            o += (size_t)u;
+            p += u - 1;
+        }
+    }
+    out[o] = '\0';
+    return out;
 }
 
 const char *cli_human_bytes(uint64_t n, char *buf, int cap) {
@@ -122,6 +222,17 @@ const char *cli_human_bytes(uint64_t n, char *buf, int cap) {
     return buf;
 }
 
+/* %g writes a number with fewer significant digits than its integer part
+ * in exponent form (180 at 2 digits is "1.8e+02"); below 1e16 it reads better
+ * as plain digits ("180"), which read back the same. */
+static void plain_digits(double v, int prec, char *buf, int cap) {
+    const char *e = strchr(buf, 'e');
+    if (!e) return;
+    int exp10 = atoi(e + 1);
+    if (exp10 < prec || exp10 >= 16) return;
+    snprintf(buf, (size_t)cap, "%.0f", v);
+}
+
 static const char *shortest(double v, bool single, char *buf, int cap) {
     if (isnan(v)) snprintf(buf, (size_t)cap, "nan");
     else if (isinf(v)) snprintf(buf, (size_t)cap, v < 0 ? "-inf" : "inf");
@@ -129,7 +240,10 @@ static const char *shortest(double v, bool single, char *buf, int cap) {
         for (int prec = 1; prec <= 17; prec++) {
             snprintf(buf, (size_t)cap, "%.*g", prec, v);
             if (single ? strtof(buf, NULL) == (float)v : strtod(buf, NULL) == v) {
-                if (v != 0 || signbit(strtod(buf, NULL)) == signbit(v)) return buf;
+                if (v != 0 || signbit(strtod(buf, NULL)) == signbit(v)) {
+                    plain_digits(v, prec, buf, cap);
+                    return buf;
+                }
             }
         }
         snprintf(buf, (size_t)cap, "%.17g", v);
@@ -252,15 +366,38 @@ cli_kind cli_classify(const char *path) {
     return CLI_KIND_OTHER_FILE;
 }
 
+int cli_newest_valid(const char *cmd, const char *project, char *out, size_t cap) {
+    ckpt_checkpoint_info *list = NULL;
+    int64_t n = 0;
+    int rc = ckpt_checkpoint_list(project, true, &list, &n);
+    if (rc < 0) {
+        cli_error("%s: %s", cmd, *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc));
+        return CLI_RUNTIME;
+    }
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (list[i].status == CKPT_CHECKPOINT_COMPLETE) best = i;
+    if (best >= 0) snprintf(out, cap, "%s", list[best].path);
+    free(list);
+    if (best < 0) {
+        cli_error("%s: project %s has no valid checkpoint (%lld checkpoint folder%s; see 'ckpt ls "
+                  "%s')",
+                  cmd, project, (long long)n, n == 1 ? "" : "s", project);
+        return CLI_RUNTIME;
+    }
+    return CLI_OK;
+}
+
 int cli_wrong_kind(const char *cmd, const char *path, cli_kind kind, const char *expected) {
     switch (kind) {
     case CLI_KIND_TORCH_ZIP:
         return cli_usage_error(
             cmd,
             "%s is a PyTorch file (a zip archive, as torch.save writes), not safetensors; "
-            "expected %s. 'ckpt import %s CHECKPOINT_DIR' converts it into a checkpoint; or, for "
-            "a state dict of tensors, in Python: "
-            "from safetensors.torch import save_file; save_file(torch.load('%s'), 'out.safetensors')",
+            "expected %s. 'ckpt inspect %s' shows what it holds and the 'ckpt import' command "
+            "that converts it into a checkpoint; or, for a state dict of tensors, in Python: "
+            "from safetensors.torch import save_file; save_file(torch.load('%s'), "
+            "'out.safetensors')",
             path, expected, path, path);
     case CLI_KIND_FOLDER:
         return cli_usage_error(cmd,
@@ -293,6 +430,17 @@ int main(int argc, char **argv) {
         return CLI_USAGE;
     }
     const char *cmd = argv[1];
+    if (!strcmp(cmd, "help") && argc > 2) {
+        /* 'ckpt help CMD' is 'ckpt CMD --help' */
+        for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) {
+            if (!strcmp(argv[2], commands[i].name)) {
+                char *args[] = {argv[2], "--help", NULL};
+                return commands[i].run(2, args);
+            }
+        }
+        cli_error("help: unknown command '%s' (see 'ckpt --help')", argv[2]);
+        return CLI_USAGE;
+    }
     if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
         fputs(usage_text, stdout);
         return CLI_OK;

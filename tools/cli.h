@@ -32,8 +32,24 @@ int cli_usage_error(const char *cmd, const char *fmt, ...) CLI_PRINTF(2, 3);
 bool cli_parse_i64(const char *s, int64_t lo, int64_t hi, int64_t *out);
 bool cli_parse_double(const char *s, double *out);
 
-/* Writes s as a JSON string literal (quotes and escapes) to stdout. */
+/* Writes s as a JSON string literal (quotes and escapes) to stdout. Control
+ * characters (C0, DEL, C1) and bytes that are not UTF-8 are \u escapes. */
 void cli_json_string(const char *s);
+
+/* s (a name or message that may come from a file) made safe to print on a
+ * terminal: control characters (C0, DEL and C1, U+0080..U+009F) become \n,
+ * \r, \t or \xNN, bytes that are not UTF-8 \xNN, and a backslash \\; the
+ * rest is kept. Returns a view valid for the next 15 calls (a ring of
+ * buffers, so one printf may escape several strings); NULL gives "(null)".
+ * Very long text is cut and ends with "...". Every text output of the tool
+ * that shows a name, key, path or message passes through it. */
+const char *cli_esc(const char *s);
+/* The same into out (cap bytes, at least 4): for a thread of its own.
+ * Returns out. */
+char *cli_escape_into(const char *s, char *out, size_t cap);
+/* A ckpt_log_fn: "ckpt: warning: <msg>" (or error, info) on stderr in one
+ * write, msg escaped; safe on any thread. */
+void cli_library_log(void *user, ckpt_log_level level, const char *msg);
 
 /* Human-readable byte count ("1.5 MiB") into buf. */
 const char *cli_human_bytes(uint64_t n, char *buf, int cap);
@@ -53,6 +69,11 @@ bool cli_parse_size(const char *s, uint64_t *out);
 /* --keep-best METRIC:min|max:K into metric (cap bytes), mode and k (>= 1);
  * false if s is not of that form (the caller reports it). */
 bool cli_parse_keep_best(const char *s, char *metric, size_t cap, ckpt_best_mode *mode, int64_t *k);
+
+/* The newest checkpoint of a project that deep-verifies, into out (cap
+ * bytes): what a project folder stands for where a checkpoint is expected.
+ * CLI_OK, or CLI_RUNTIME after an error naming cmd and the project. */
+int cli_newest_valid(const char *cmd, const char *project, char *out, size_t cap);
 
 /* What a path on the command line is. */
 typedef enum cli_kind {
@@ -92,6 +113,9 @@ extern int cli_rank;
  * MPI_COMM_WORLD; otherwise one process. Returns an exit code. */
 int cli_dist_init(cli_dist *d);
 void cli_dist_finish(cli_dist *d);
+/* Whether a launcher (mpirun: Open MPI, PMIx or PMI) started this process
+ * as a rank of a job, of any size, whether or not the build has MPI. */
+bool cli_dist_launched(void);
 /* Elementwise maximum of n values over every rank, in place. */
 int cli_dist_max(const cli_dist *d, int64_t *v, int n);
 /* buf (n floats) becomes the mean over every rank's buf, summed in rank

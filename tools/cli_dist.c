@@ -23,6 +23,8 @@ static long launched_size(void) {
     return getenv("PMIX_RANK") ? 1 : 0;
 }
 
+bool cli_dist_launched(void) { return launched_size() > 0; }
+
 int cli_rank = -1; /* cli_error's "[rank r]" tag; -1: one process */
 
 int cli_dist_init(cli_dist *d) {

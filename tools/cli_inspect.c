@@ -16,7 +16,9 @@
 static const char inspect_help[] =
     "usage: ckpt inspect [--json] PATH\n"
     "\n"
-    "PATH is a checkpoint folder or one .safetensors file. Shows the manifest (step,\n"
+    "PATH is a checkpoint folder, one .safetensors file or a PyTorch file (torch.save:\n"
+    "its values and tensors, read without running code, and the 'ckpt import' that\n"
+    "takes it). For a checkpoint, shows the manifest (step,\n"
     "iteration, creation time, files) and, for every object (state file), its\n"
     "tensors with dtype, shape and bytes and its scalar entries with their values\n"
     "(floats as the shortest decimal that reads back to the same bits).\n"
@@ -106,7 +108,7 @@ static void print_extra_files(const char *dir, bool json) {
         } else {
             if (!shown) printf("\nextra files (added by a save pre-hook, verified with the rest):\n");
             char size[32];
-            printf("  %s  %s  xxh3 %016llx\n", v[i].name,
+            printf("  %s  %s  xxh3 %016llx\n", cli_esc(v[i].name),
                    cli_human_bytes(v[i].size, size, sizeof size), (unsigned long long)v[i].xxh3);
         }
         shown++;
@@ -170,7 +172,7 @@ static int print_entry(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
         cli_json_string(e->key);
         printf(",\"kind\":\"%s\"", kind_name(e->kind));
     } else {
-        printf("    %-40s ", e->key);
+        printf("    %-40s ", cli_esc(e->key));
     }
     switch (e->kind) {
     case CKPT_ENTRY_TENSOR:
@@ -206,7 +208,7 @@ static int print_entry(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
         rc = ckpt_read_str(r, e->key, buf, e->nbytes + 1);
         if (rc == CKPT_OK) {
             printf(json ? ",\"value\":" : "= ");
-            cli_json_string(buf);
+            cli_json_string(buf); /* escapes control characters */
             printf(json ? "}" : "\n");
         }
         free(buf);
@@ -250,8 +252,8 @@ static int inspect_file(const char *path, const char *label, bool json, bool fir
                (unsigned long long)tensor_bytes);
     } else {
         char size[32];
-        printf("%s: %lld entries, %lld tensors (%s)%s\n", label, (long long)n, (long long)ntensors,
-               cli_human_bytes(tensor_bytes, size, sizeof size),
+        printf("%s: %lld entries, %lld tensors (%s)%s\n", cli_esc(label), (long long)n,
+               (long long)ntensors, cli_human_bytes(tensor_bytes, size, sizeof size),
                is_shard_file(label) ? ", one process's chunks of sharded tensors" : "");
     }
     for (int64_t i = 0; i < n && rc == CKPT_OK; i++) {
@@ -269,6 +271,175 @@ static int inspect_file(const char *path, const char *label, bool json, bool fir
         return CLI_RUNTIME;
     }
     ckpt_reader_free(r);
+    return CLI_OK;
+}
+
+/* ---- inspect of a torch.save file ---------------------------------------- */
+
+typedef struct torch_walk {
+    bool json;
+    int64_t shown, tensors;
+    uint64_t tensor_bytes;
+} torch_walk;
+
+/* Prints every leaf under v as a flat key (nested dicts, lists and tuples
+ * joined with dots, as ckpt import flattens them); counts tensors when
+ * print is false. */
+static void torch_leaves(torch_walk *w, const ckpt_torch_value *v, char *key, size_t len,
+                         size_t cap, bool print) {
+    if (v->kind == CKPT_TORCH_DICT || v->kind == CKPT_TORCH_LIST || v->kind == CKPT_TORCH_TUPLE ||
+        v->kind == CKPT_TORCH_SET) {
+        bool dict = v->kind == CKPT_TORCH_DICT;
+        for (int64_t i = 0; i < v->n; i++) {
+            const ckpt_torch_value *k = dict ? v->items[2 * i] : NULL;
+            const ckpt_torch_value *item = dict ? v->items[2 * i + 1] : v->items[i];
+            char part[64];
+            const char *name = part;
+            if (!dict) snprintf(part, sizeof part, "%lld", (long long)i);
+            else if (k->kind == CKPT_TORCH_STR) name = k->s;
+            else if (k->kind == CKPT_TORCH_INT)
+                snprintf(part, sizeof part, "%lld", (long long)k->i);
+            else snprintf(part, sizeof part, "<%s key>", ckpt_torch_kind_name(k->kind));
+            int n = snprintf(key + len, cap - len, "%s%s", len ? "." : "", name);
+            size_t next = n < 0 || (size_t)n >= cap - len ? cap - 1 : len + (size_t)n;
+            torch_leaves(w, item, key, next, cap, print);
+            key[len] = '\0';
+        }
+        return;
+    }
+    if (!print) {
+        if (v->kind == CKPT_TORCH_TENSOR) w->tensors++, w->tensor_bytes += v->nbytes;
+        return;
+    }
+    const char *kname = ckpt_torch_kind_name(v->kind);
+    if (w->json) {
+        printf("%s{\"key\":", w->shown ? "," : "");
+        cli_json_string(key);
+        printf(",\"kind\":\"%s\"", kname ? kname : "unknown");
+    } else {
+        printf("    %-40s ", cli_esc(key));
+    }
+    w->shown++;
+    char num[40];
+    switch (v->kind) {
+    case CKPT_TORCH_TENSOR:
+        if (w->json) printf(",\"dtype\":\"%s\",\"shape\":[", ckpt_dtype_name(v->dtype));
+        else printf("%-5s [", ckpt_dtype_name(v->dtype));
+        for (int d = 0; d < v->ndim; d++) printf("%s%lld", d ? ", " : "", (long long)v->shape[d]);
+        if (w->json) printf("],\"bytes\":%llu}", (unsigned long long)v->nbytes);
+        else printf("]  %llu bytes\n", (unsigned long long)v->nbytes);
+        break;
+    case CKPT_TORCH_INT: printf(w->json ? ",\"value\":%lld}" : "= %lld\n", (long long)v->i); break;
+    case CKPT_TORCH_BOOL:
+        printf(w->json ? ",\"value\":%s}" : "= %s\n", v->b ? "true" : "false");
+        break;
+    case CKPT_TORCH_FLOAT:
+        cli_format_double(v->f, num, sizeof num);
+        if (w->json && !isfinite(v->f)) printf(",\"value\":\"%s\"}", num);
+        else printf(w->json ? ",\"value\":%s}" : "= %s\n", num);
+        break;
+    case CKPT_TORCH_STR:
+        printf(w->json ? ",\"value\":" : "= ");
+        cli_json_string(v->s);
+        printf(w->json ? "}" : "\n");
+        break;
+    case CKPT_TORCH_BYTES: printf(w->json ? ",\"bytes\":%zu}" : "= <%zu bytes>\n", v->len); break;
+    default: printf(w->json ? "}" : "(%s)\n", kname ? kname : "unknown"); break;
+    }
+}
+
+static bool file_exists(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+/* What a torch file holds, and the ckpt import command that takes it (one
+ * that works: an optimizer's, scheduler's or scaler's state dict imports
+ * only with its model, from an Accelerate folder). */
+static void torch_advice(const char *path, const ckpt_torch_value *root) {
+    const char *slash = strrchr(path, '/');
+    char dir[4096], p[4200];
+    snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
+    const char *base = slash ? slash + 1 : path;
+    bool tensors_only = root->kind == CKPT_TORCH_DICT && root->n > 0;
+    for (int64_t i = 0; tensors_only && i < root->n; i++)
+        tensors_only = root->items[2 * i]->kind == CKPT_TORCH_STR &&
+                       root->items[2 * i + 1]->kind == CKPT_TORCH_TENSOR;
+    if (tensors_only) {
+        printf("\na model state dict: 'ckpt import %s CHECKPOINT_DIR' makes a checkpoint of it\n",
+               cli_esc(path));
+        return;
+    }
+    const char *what = NULL, *as = NULL;
+    if (ckpt_torch_dict_get(root, "state") && ckpt_torch_dict_get(root, "param_groups"))
+        what = "an optimizer's state dict", as = "optimizer.bin";
+    else if (ckpt_torch_dict_get(root, "last_epoch") && ckpt_torch_dict_get(root, "base_lrs"))
+        what = "a learning-rate scheduler's state dict", as = "scheduler.bin";
+    else if (ckpt_torch_dict_get(root, "growth_factor") && ckpt_torch_dict_get(root, "scale"))
+        what = "a GradScaler's state dict", as = "scaler.pt";
+    if (!what) {
+        printf("\nnot a state dict 'ckpt import' knows (a model's of tensors, or an Accelerate "
+               "folder's optimizer.bin, scheduler.bin, scaler.pt)\n");
+        return;
+    }
+    bool model = false;
+    static const char *const models[] = {"model.safetensors", "model.safetensors.index.json",
+                                         "pytorch_model.bin", "pytorch_model.bin.index.json"};
+    for (size_t i = 0; i < sizeof models / sizeof models[0] && !model; i++) {
+        snprintf(p, sizeof p, "%s/%s", dir, models[i]);
+        model = file_exists(p);
+    }
+    /* Adam and AdamW state with weight decay: the file cannot say which */
+    bool decay = false;
+    const ckpt_torch_value *groups = ckpt_torch_dict_get(root, "param_groups");
+    for (int64_t g = 0; groups && groups->kind == CKPT_TORCH_LIST && g < groups->n; g++) {
+        const ckpt_torch_value *wd = ckpt_torch_dict_get(groups->items[g], "weight_decay");
+        if (ckpt_torch_dict_get(groups->items[g], "betas") && wd &&
+            ((wd->kind == CKPT_TORCH_FLOAT && wd->f != 0) || (wd->kind == CKPT_TORCH_INT && wd->i)))
+            decay = true;
+    }
+    const char *opt = decay ? "--optimizer adamw " : "";
+    if (model && !strcmp(base, as))
+        printf("\n%s, imported with the model beside it: 'ckpt import %s%s CHECKPOINT_DIR' (the "
+               "folder)%s\n",
+               what, opt, cli_esc(dir),
+               decay ? "; Adam state with weight decay: say --optimizer adam or adamw, the file "
+                       "cannot tell"
+                     : "");
+    else
+        printf("\n%s: 'ckpt import' takes it with its model, from a folder that holds it as %s "
+               "beside model.safetensors or pytorch_model.bin: 'ckpt import FOLDER "
+               "CHECKPOINT_DIR'\n",
+               what, as);
+}
+
+/* A torch.save file, through the allow-list reader (no code runs). */
+static int inspect_torch(const char *path, bool json) {
+    ckpt_torch_file *f = NULL;
+    int rc = ckpt_torch_open(&f, path);
+    if (rc < 0) return lib_error("inspect", rc);
+    const ckpt_torch_value *root = ckpt_torch_root(f);
+    torch_walk w = {.json = json};
+    char key[4096] = "";
+    torch_leaves(&w, root, key, 0, sizeof key, false);
+    char size[32];
+    if (json) {
+        printf("{\"path\":");
+        cli_json_string(path);
+        printf(",\"format\":\"torch\",\"root\":\"%s\",\"tensors\":%lld,\"tensor_bytes\":%llu,"
+               "\"entries\":[",
+               ckpt_torch_kind_name(root->kind), (long long)w.tensors,
+               (unsigned long long)w.tensor_bytes);
+    } else {
+        printf("%s: a PyTorch file (torch.save), read without running code: a %s, %lld tensors "
+               "(%s)\n",
+               cli_esc(path), ckpt_torch_kind_name(root->kind), (long long)w.tensors,
+               cli_human_bytes(w.tensor_bytes, size, sizeof size));
+    }
+    torch_leaves(&w, root, key, 0, sizeof key, true);
+    if (json) printf("]}\n");
+    else torch_advice(path, root);
+    ckpt_torch_close(f);
     return CLI_OK;
 }
 
@@ -293,7 +464,8 @@ int cli_inspect(int argc, char **argv) {
     if (!path) return cli_usage_error("inspect", "missing PATH");
 
     cli_kind kind = cli_classify(path);
-    if (kind == CLI_KIND_TORCH_ZIP || kind == CLI_KIND_OTHER_FILE || kind == CLI_KIND_PROJECT)
+    if (kind == CLI_KIND_TORCH_ZIP) return inspect_torch(path, json);
+    if (kind == CLI_KIND_OTHER_FILE || kind == CLI_KIND_PROJECT)
         return cli_wrong_kind("inspect", path, kind, "a checkpoint folder or a .safetensors file");
     if (!is_dir(path)) {
         if (json) printf("{\"path\":"), cli_json_string(path), printf(",\"objects\":[");
@@ -345,17 +517,18 @@ int cli_inspect(int argc, char **argv) {
         char size[32];
         printf("checkpoint %s\n  step %lld, iteration %lld, created %s UTC, %d files, %s,\n"
                "  %d process%s, format %d, library %s\n",
-               path, (long long)info.step, (long long)info.iteration, when, info.num_files,
+               cli_esc(path), (long long)info.step, (long long)info.iteration, when, info.num_files,
                cli_human_bytes(info.total_bytes, size, sizeof size), info.num_processes,
-               info.num_processes == 1 ? "" : "es", info.format_version, info.library_version);
+               info.num_processes == 1 ? "" : "es", info.format_version,
+               cli_esc(info.library_version));
         if (info.num_metrics > 0) {
             printf("  metrics:");
             cli_print_metrics(&info, false);
             putchar('\n');
         }
     } else {
-        printf("%s %s\n  manifest: %s\n", kind == CLI_KIND_CHECKPOINT ? "checkpoint" : "folder", path,
-               vmsg);
+        printf("%s %s\n  manifest: %s\n", kind == CLI_KIND_CHECKPOINT ? "checkpoint" : "folder",
+               cli_esc(path), cli_esc(vmsg));
     }
     int status = CLI_OK, shown = 0;
     for (int i = 0; i < n && status == CLI_OK; i++) {
@@ -470,7 +643,7 @@ static void report(diff_ctx *d, const char *file, const char *key, const char *f
 static void report(diff_ctx *d, const char *file, const char *key, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    printf("%s: %s: ", file, key);
+    printf("%s: %s: ", cli_esc(file), cli_esc(key));
     vprintf(fmt, ap);
     putchar('\n');
     va_end(ap);
@@ -499,7 +672,7 @@ static void diff_tensor(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_rea
     bool same_shape = ea->ndim == eb->ndim;
     for (int k = 0; same_shape && k < ea->ndim; k++) same_shape = ea->shape[k] == eb->shape[k];
     if (ea->dtype != eb->dtype || !same_shape) {
-        printf("%s: %s: %s ", file, ea->key, ckpt_dtype_name(ea->dtype));
+        printf("%s: %s: %s ", cli_esc(file), cli_esc(ea->key), ckpt_dtype_name(ea->dtype));
         print_shape(ea);
         printf(" vs %s ", ckpt_dtype_name(eb->dtype));
         print_shape(eb);
@@ -510,7 +683,7 @@ static void diff_tensor(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_rea
     const void *pa = NULL, *pb = NULL;
     void *own[2] = {NULL, NULL};
     if (!tensor_bytes(ra, ea, &pa, &own[0]) || !tensor_bytes(rb, eb, &pb, &own[1])) {
-        report(d, file, ea->key, "cannot read: %s", ckpt_errmsg());
+        report(d, file, ea->key, "cannot read: %s", cli_esc(ckpt_errmsg()));
         free(own[0]);
         free(own[1]);
         return;
@@ -598,9 +771,11 @@ static void diff_scalar(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_rea
         ckpt_read_f64(rb, eb->key, &b);
         bool same = !memcmp(&a, &b, sizeof a) || (d->atol > 0 && fabs(a - b) <= d->atol);
         char sa[40], sb[40];
+        char sd[40];
         if (!same)
-            report(d, file, ea->key, "%s vs %s (|a-b| = %.3g)", cli_format_double(a, sa, sizeof sa),
-                   cli_format_double(b, sb, sizeof sb), fabs(a - b));
+            report(d, file, ea->key, "%s vs %s (|a-b| = %s)", cli_format_double(a, sa, sizeof sa),
+                   cli_format_double(b, sb, sizeof sb),
+                   cli_format_double(fabs(a - b), sd, sizeof sd));
         break;
     }
     case CKPT_ENTRY_STR:
@@ -612,7 +787,7 @@ static void diff_scalar(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_rea
         } else if (ea->kind == CKPT_ENTRY_STR) {
             ckpt_read_str(ra, ea->key, a, na + 1);
             ckpt_read_str(rb, eb->key, b, nb + 1);
-            if (strcmp(a, b)) report(d, file, ea->key, "\"%s\" vs \"%s\"", a, b);
+            if (strcmp(a, b)) report(d, file, ea->key, "\"%s\" vs \"%s\"", cli_esc(a), cli_esc(b));
         } else {
             ckpt_read_bytes(ra, ea->key, a, na, &ga);
             ckpt_read_bytes(rb, eb->key, b, nb, &gb);
@@ -668,16 +843,18 @@ static void diff_metrics(const ckpt_checkpoint_info *a, const ckpt_checkpoint_in
         for (int i = 0; i < x->num_metrics; i++) {
             const ckpt_metric *m = &x->metrics[i];
             const ckpt_metric *o = NULL;
+            char va[40], vb[40];
             for (int j = 0; j < y->num_metrics; j++)
                 if (strcmp(y->metrics[j].name, m->name) == 0) o = &y->metrics[j];
             if (!o)
                 printf("checkpoint.json: metric %s: only in %c (metrics are not compared as "
                        "state)\n",
-                       m->name, pass ? 'B' : 'A');
+                       cli_esc(m->name), pass ? 'B' : 'A');
             else if (!pass && memcmp(&o->value, &m->value, sizeof m->value) != 0)
-                printf("checkpoint.json: metric %s: %.17g vs %.17g (metrics are not compared as "
+                printf("checkpoint.json: metric %s: %s vs %s (metrics are not compared as "
                        "state)\n",
-                       m->name, m->value, o->value);
+                       cli_esc(m->name), cli_format_double(m->value, va, sizeof va),
+                       cli_format_double(o->value, vb, sizeof vb));
         }
     }
 }
@@ -734,11 +911,11 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
         const char *xb = j < cb ? object_of(nb[j]->d_name, ob, sizeof ob) : NULL;
         int c = i >= ca ? 1 : j >= cb ? -1 : strcmp(xa, xb);
         if (c < 0) {
-            printf("%s: only in A\n", xa);
+            printf("%s: only in A\n", cli_esc(xa));
             i++;
             d->differences++;
         } else if (c > 0) {
-            printf("%s: only in B\n", xb);
+            printf("%s: only in B\n", cli_esc(xb));
             j++;
             d->differences++;
         } else {
@@ -753,28 +930,6 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
     free_names(na, ca);
     free_names(nb, cb);
     return status;
-}
-
-/* The newest checkpoint of a project that deep-verifies, into out. */
-static int newest_valid(const char *project, char *out, size_t cap, int64_t *step) {
-    ckpt_checkpoint_info *list = NULL;
-    int64_t n = 0;
-    int rc = ckpt_checkpoint_list(project, true, &list, &n);
-    if (rc < 0) return lib_error("diff", rc);
-    int64_t best = -1;
-    for (int64_t i = 0; i < n; i++)
-        if (list[i].status == CKPT_CHECKPOINT_COMPLETE) best = i;
-    if (best >= 0) {
-        snprintf(out, cap, "%s", list[best].path);
-        *step = list[best].step;
-    }
-    free(list);
-    if (best < 0) {
-        cli_error("diff: project %s has no valid checkpoint (%lld checkpoint folder%s; see 'ckpt ls %s')",
-                  project, (long long)n, n == 1 ? "" : "s", project);
-        return CLI_RUNTIME;
-    }
-    return CLI_OK;
 }
 
 int cli_diff(int argc, char **argv) {
@@ -818,8 +973,7 @@ int cli_diff(int argc, char **argv) {
         case CLI_KIND_CHECKPOINT:
         case CLI_KIND_STATE_FILE: break;
         case CLI_KIND_PROJECT: {
-            int64_t step = 0;
-            int st = newest_valid(p, resolved[k], sizeof resolved[k], &step);
+            int st = cli_newest_valid("diff", p, resolved[k], sizeof resolved[k]);
             if (st != CLI_OK) return st;
             use[k] = resolved[k];
             break;
@@ -831,7 +985,8 @@ int cli_diff(int argc, char **argv) {
         return cli_usage_error("diff", "A and B must both be checkpoints (or projects) or both files");
     for (int k = 0; k < 2; k++)
         if (use[k] != paths[k])
-            printf("%c: %s (the newest valid checkpoint of %s)\n", "AB"[k], use[k], paths[k]);
+            printf("%c: %s (the newest valid checkpoint of %s)\n", "AB"[k], cli_esc(use[k]),
+                   cli_esc(paths[k]));
     int status = dir[0] ? diff_dirs(&d, use[0], use[1]) : diff_files(&d, use[0], use[1], "file");
     if (status != CLI_OK) return status;
     if (d.differences) {

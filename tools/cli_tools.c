@@ -110,12 +110,12 @@ static void print_leftovers(const char *project, bool json) {
             printf(",\"pid\":%lld,\"running\":%s}", (long long)lo[i].pid,
                    lo[i].running ? "true" : "false");
         } else if (lo[i].running) {
-            printf("in use   %s  (process %lld is running: a save in progress?)\n", lo[i].path,
-                   (long long)lo[i].pid);
+            printf("in use   %s  (process %lld is running: a save in progress?)\n",
+                   cli_esc(lo[i].path), (long long)lo[i].pid);
         } else {
             printf("leftover %s  (temporary folder of an interrupted save; 'ckpt prune %s --keep N'"
                    " removes it)\n",
-                   lo[i].path, project);
+                   cli_esc(lo[i].path), cli_esc(project));
         }
     }
     if (json) putchar(']');
@@ -149,7 +149,7 @@ int cli_ls(int argc, char **argv) {
     if (json) printf("{\"project_dir\":");
     if (json) cli_json_string(dir);
     if (json) printf(",\"checkpoints\":[");
-    else if (n == 0) printf("no checkpoints in %s\n", dir);
+    else if (n == 0) printf("no checkpoints in %s\n", cli_esc(dir));
     else printf("%-8s %10s  %-19s  %10s  %-8s  %s\n", "NUMBER", "STEP", "CREATED (UTC)", "SIZE",
                 "STATUS", "PATH");
     for (int64_t i = 0; i < n; i++) {
@@ -187,11 +187,11 @@ int cli_ls(int argc, char **argv) {
             printf("%-8s %10s  %-19s  %10s  %-8s  %s", num, stepbuf,
                    c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : when,
                    c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : size, status_name(c->status),
-                   c->path);
+                   cli_esc(c->path));
             if (c->num_processes > 1) printf("  (%d processes)", c->num_processes);
             cli_print_metrics(c, false);
             putchar('\n');
-            if (*reason) printf("         %s\n", reason);
+            if (*reason) printf("         %s\n", cli_esc(reason));
         }
     }
     if (json) putchar(']');
@@ -217,13 +217,13 @@ static bool verify_one(const char *dir) {
         char size[32];
         char procs[48] = "";
         if (info.num_processes > 1) snprintf(procs, sizeof procs, ", %d processes", info.num_processes);
-        printf("ok       %s  (step %lld, %d files, %s%s)\n", dir, (long long)info.step,
+        printf("ok       %s  (step %lld, %d files, %s%s)\n", cli_esc(dir), (long long)info.step,
                info.num_files, cli_human_bytes(info.total_bytes, size, sizeof size), procs);
         return true;
     }
     const char *msg = *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc);
     const char *what = info.status == CKPT_CHECKPOINT_COMPLETE ? "failed" : status_name(info.status);
-    printf("%-8s %s\n         %s\n", what, dir, msg);
+    printf("%-8s %s\n         %s\n", what, cli_esc(dir), cli_esc(msg));
     return false;
 }
 
@@ -263,11 +263,13 @@ int cli_verify(int argc, char **argv) {
         ckpt_reader *r = NULL;
         rc = ckpt_reader_open(&r, path);
         if (rc < 0) {
-            printf("corrupt  %s\n         %s\n", path, *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc));
+            printf("corrupt  %s\n         %s\n", cli_esc(path),
+                   cli_esc(*ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc)));
             return CLI_DIFFER;
         }
-        printf("ok       %s  (%lld entries, well-formed; checksums live in a checkpoint's manifest)\n",
-               path, (long long)ckpt_reader_count(r));
+        printf(
+            "ok       %s  (%lld entries, well-formed; checksums live in a checkpoint's manifest)\n",
+            cli_esc(path), (long long)ckpt_reader_count(r));
         ckpt_reader_free(r);
         return CLI_OK;
     }
@@ -292,7 +294,7 @@ int cli_verify(int argc, char **argv) {
     int64_t bad = 0;
     for (int64_t i = 0; i < n; i++) bad += !verify_one(list[i].path);
     free(list);
-    if (n == 0) printf("no checkpoints in %s\n", path);
+    if (n == 0) printf("no checkpoints in %s\n", cli_esc(path));
     else printf("%lld of %lld checkpoints verified%s\n", (long long)(n - bad), (long long)n,
                 bad ? "; see above for the failures" : "");
     print_leftovers(path, false);
@@ -307,15 +309,38 @@ typedef struct prune_log {
     bool policy; /* --keep-every / --keep-best */
     int64_t keep;
     int64_t leftovers;
+    char kept_by[256]; /* the policies given: "--keep 3, --keep-every 100 or ..." */
 } prune_log;
+
+/* pl->kept_by: the retention options given, in words, and only those. */
+static void prune_policies(prune_log *pl, int64_t every, const char *best) {
+    const char *part[3];
+    char b[3][160];
+    int n = 0;
+    if (pl->keep > 1) snprintf(b[n++], sizeof b[0], "--keep %lld", (long long)pl->keep);
+    if (every > 0) snprintf(b[n++], sizeof b[0], "--keep-every %lld", (long long)every);
+    if (best) snprintf(b[n++], sizeof b[0], "--keep-best %s", best);
+    for (int i = 0; i < n; i++) part[i] = b[i];
+    pl->kept_by[0] = '\0';
+    for (int i = 0; i < n; i++) {
+        size_t used = strlen(pl->kept_by);
+        snprintf(pl->kept_by + used, sizeof pl->kept_by - used, "%s%s",
+                 i == 0       ? ""
+                 : i == n - 1 ? " or "
+                              : ", ",
+                 part[i]);
+    }
+}
 
 static void prune_report(void *user, const char *path, ckpt_prune_reason reason, const char *why) {
     prune_log *pl = user;
     const char *verb = pl->dry_run ? "would remove" : "removing";
+    path = cli_esc(path);
+    why = why ? cli_esc(why) : NULL;
     switch (reason) {
     case CKPT_PRUNE_OLD:
-        if (pl->policy) printf("%s %s  (valid, not the newest, not kept by --keep%s)\n", verb, path,
-                               pl->keep > 1 ? ", --keep-every or --keep-best" : "-every or --keep-best");
+        if (pl->policy)
+            printf("%s %s  (valid, not the newest, not kept by %s)\n", verb, path, pl->kept_by);
         else if (pl->keep == 0) printf("%s %s  (--keep 0: every checkpoint goes)\n", verb, path);
         else if (why) printf("%s %s  (older than the newest %lld valid; it fails verification too: %s)\n",
                         verb, path, (long long)pl->keep, why);
@@ -333,10 +358,37 @@ static void prune_report(void *user, const char *path, ckpt_prune_reason reason,
     }
 }
 
+/* Whether any checkpoint of the project records metric (ckpt_set_metric):
+ * ranking by a metric none has would keep none of them, so a misspelt name
+ * would remove the best checkpoints. *names gets the metrics they do record
+ * (for the message). */
+static bool metric_recorded(const char *dir, const char *metric, char *names, size_t cap) {
+    ckpt_checkpoint_info *list = NULL;
+    int64_t n = 0;
+    names[0] = '\0';
+    if (ckpt_checkpoint_list(dir, false, &list, &n) < 0) return true; /* prune reports it */
+    bool found = n == 0; /* nothing to remove either way */
+    for (int64_t i = 0; i < n; i++) {
+        for (int j = 0; j < list[i].num_metrics; j++) {
+            const char *m = list[i].metrics[j].name;
+            if (!strcmp(m, metric)) found = true;
+            size_t used = strlen(names), len = strlen(m);
+            bool listed = false;
+            for (const char *p = strstr(names, m); p && !listed; p = strstr(p + 1, m))
+                listed = (p == names || p[-1] == ' ') && (p[len] == ',' || p[len] == '\0');
+            if (!listed && used + len + 3 < cap)
+                snprintf(names + used, cap - used, "%s%s", used ? ", " : "", m);
+        }
+    }
+    free(list);
+    return found;
+}
+
 int cli_prune(int argc, char **argv) {
     const char *dir = NULL;
     int64_t keep = -1, every = 0, best_k = 0;
     char metric[64] = "";
+    const char *best_arg = NULL;
     ckpt_best_mode mode = CKPT_BEST_MIN;
     bool dry_run = false, force = false;
     for (int i = 1; i < argc; i++) {
@@ -357,6 +409,7 @@ int cli_prune(int argc, char **argv) {
         } else if (!strcmp(a, "--keep-best") || !strncmp(a, "--keep-best=", 12)) {
             const char *v = a[11] == '=' ? a + 12 : (i + 1 < argc ? argv[++i] : NULL);
             if (!v) return cli_usage_error("prune", "--keep-best needs a value");
+            best_arg = v;
             if (!cli_parse_keep_best(v, metric, sizeof metric, &mode, &best_k))
                 return cli_usage_error("prune", "bad value for --keep-best: '%s', expected "
                                                 "METRIC:min:K or METRIC:max:K (e.g. val_loss:min:3)", v);
@@ -383,7 +436,17 @@ int cli_prune(int argc, char **argv) {
     if (kind == CLI_KIND_CHECKPOINT)
         return cli_usage_error("prune", "%s is a checkpoint folder; expected the project folder "
                                         "that holds its checkpoints folder", dir);
+    if (best_k > 0) {
+        char names[512];
+        if (!metric_recorded(dir, metric, names, sizeof names)) {
+            cli_error("prune: no checkpoint of %s records the metric '%s' (%s%s); --keep-best "
+                      "would keep none by it, so nothing was removed",
+                      dir, metric, *names ? "they record: " : "they record no metrics", names);
+            return CLI_USAGE;
+        }
+    }
     prune_log pl = {.dry_run = dry_run, .policy = policy, .keep = keep};
+    prune_policies(&pl, every, best_k > 0 ? best_arg : NULL);
     ckpt_prune_options o = {.keep = (int)keep, .dry_run = dry_run, .report = prune_report, .user = &pl,
                             .keep_every_steps = every, .best_metric = best_k ? metric : NULL,
                             .best_mode = mode, .best_k = (int)best_k};
@@ -396,10 +459,11 @@ int cli_prune(int argc, char **argv) {
     }
     printf("%s %lld checkpoint%s and %lld leftover folder%s from %s, kept the newest %lld valid",
            dry_run ? "would remove" : "removed", (long long)removed, removed == 1 ? "" : "s",
-           (long long)pl.leftovers, pl.leftovers == 1 ? "" : "s", dir, (long long)keep);
+           (long long)pl.leftovers, pl.leftovers == 1 ? "" : "s", cli_esc(dir), (long long)keep);
     if (every > 0) printf(", every step multiple of %lld", (long long)every);
-    if (best_k > 0) printf(", the best %lld by %s (%s)", (long long)best_k, metric,
-                           mode == CKPT_BEST_MIN ? "min" : "max");
+    if (best_k > 0)
+        printf(", the best %lld by %s (%s)", (long long)best_k, cli_esc(metric),
+               mode == CKPT_BEST_MIN ? "min" : "max");
     putchar('\n');
     return CLI_OK;
 }

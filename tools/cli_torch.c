@@ -12,17 +12,28 @@
 static const char export_help[] =
     "usage: ckpt export [options] CHECKPOINT OUT\n"
     "\n"
+    "CHECKPOINT is a checkpoint folder, or a project folder (its newest valid\n"
+    "checkpoint).\n"
     "Writes the checkpoint as a folder PyTorch and Hugging Face Accelerate load as\n"
     "they are: model.safetensors, optimizer.bin, scheduler.bin, scaler.pt (the exact\n"
-    "structures of torch's state_dict()s, loadable with weights_only=True) and a\n"
-    "README.md saying what does not carry over. OUT must not exist; it appears\n"
-    "complete or not at all.\n"
+    "structures of torch's state_dict()s) and a README.md saying what does not carry\n"
+    "over and which PyTorch loads what. torch.load(..., weights_only=True) opens the\n"
+    ".bin and .pt files on PyTorch 2.x; PyTorch 1.13's refuses any file holding a\n"
+    "Python float (optimizer.bin, scheduler.bin, scaler.pt, as PyTorch's own), so\n"
+    "there load the checkpoint with python/ckpt_torch instead (docs/PYTORCH.md).\n"
+    "OUT must not exist; it appears complete or not at all.\n"
     "\n"
     "options:\n"
     "  --weights-only        only the model (for inference and the Hub)\n"
     "  --max-shard-size N    split the model into Hugging Face shards of at most N\n"
     "                        bytes (suffixes KB MB GB = 10^3.., KiB MiB GiB = 2^10..)\n"
     "                        plus model.safetensors.index.json\n"
+    "  --bin                 the model as pytorch_model.bin (torch.save format, which\n"
+    "                        torch.load(..., weights_only=True) opens from PyTorch\n"
+    "                        1.13 on, no safetensors package needed); sharded as\n"
+    "                        pytorch_model-0000k-of-0000N.bin plus\n"
+    "                        pytorch_model.bin.index.json with --max-shard-size, or\n"
+    "                        as the checkpoint's model is sharded\n"
     "  -h, --help            this help\n";
 
 static const char import_help[] =
@@ -46,6 +57,11 @@ static const char import_help[] =
     "                        its order (torch before 2.6 keeps none; without them\n"
     "                        the import names them only when the model file proves\n"
     "                        the order, see docs/PYTORCH.md)\n"
+    "  --max-output-size N   allow a checkpoint of up to N bytes of tensors (suffixes\n"
+    "                        as for export); default 64 times the bytes of the files\n"
+    "                        read, at least 1 MiB: a torch file's storage may be\n"
+    "                        shared by many tensors, so a small file can stand for\n"
+    "                        a huge checkpoint. The sizes are printed first\n"
     "  -h, --help            this help\n";
 
 /* "--name VALUE" or "--name=VALUE"; NULL if a is not --name. */
@@ -72,6 +88,8 @@ int cli_export(int argc, char **argv) {
             return CLI_OK;
         } else if (!strcmp(a, "--weights-only")) {
             o.weights_only = true;
+        } else if (!strcmp(a, "--bin")) {
+            o.torch_bin = true;
         } else if ((v = opt_value(a, "--max-shard-size", argc, argv, &i, &missing)) || missing) {
             if (missing) return cli_usage_error("export", "--max-shard-size needs a value");
             if (!cli_parse_size(v, &o.max_shard_size))
@@ -85,11 +103,20 @@ int cli_export(int argc, char **argv) {
         }
     }
     if (npaths != 2) return cli_usage_error("export", "needs CHECKPOINT and OUT");
+    /* a project folder stands for its newest valid checkpoint */
+    char newest[4096];
+    if (cli_classify(paths[0]) == CLI_KIND_PROJECT) {
+        int st = cli_newest_valid("export", paths[0], newest, sizeof newest);
+        if (st != CLI_OK) return st;
+        printf("exporting %s (the newest valid checkpoint of %s)\n", cli_esc(newest),
+               cli_esc(paths[0]));
+        paths[0] = newest;
+    }
     if (ckpt_export_torch(paths[0], paths[1], &o) < 0) {
         cli_error("%s", ckpt_errmsg());
         return CLI_RUNTIME;
     }
-    printf("exported %s to %s\n", paths[0], paths[1]);
+    printf("exported %s to %s\n", cli_esc(paths[0]), cli_esc(paths[1]));
     return CLI_OK;
 }
 
@@ -158,6 +185,16 @@ static bool read_param_names(const char *path, char **text, const char ***names,
     return true;
 }
 
+/* The sizes, before anything is written. */
+static void print_sizes(void *user, uint64_t input_bytes, uint64_t output_bytes) {
+    (void)user;
+    char in[32], out[32];
+    printf("read %s (%llu bytes); the checkpoint will hold %s (%llu bytes) of tensors\n",
+           cli_human_bytes(input_bytes, in, sizeof in), (unsigned long long)input_bytes,
+           cli_human_bytes(output_bytes, out, sizeof out), (unsigned long long)output_bytes);
+    fflush(stdout);
+}
+
 int cli_import(int argc, char **argv) {
     ckpt_import_options o = ckpt_import_defaults();
     const char *names_file = NULL;
@@ -191,6 +228,10 @@ int cli_import(int argc, char **argv) {
             if (missing || !cli_parse_i64(v, 0, INT64_MAX, &n))
                 return cli_usage_error("import", "--step needs a number >= 0");
             o.step = n;
+        } else if ((v = opt_value(a, "--max-output-size", argc, argv, &i, &missing)) || missing) {
+            if (missing || !cli_parse_size(v, &o.max_output_size))
+                return cli_usage_error("import", "--max-output-size needs a size in bytes (e.g. "
+                                                 "20GB)");
         } else if ((v = opt_value(a, "--seed", argc, argv, &i, &missing)) || missing) {
             if (missing || !cli_parse_i64(v, 0, INT64_MAX, &n))
                 return cli_usage_error("import", "--seed needs a number >= 0");
@@ -213,6 +254,7 @@ int cli_import(int argc, char **argv) {
         if (!read_param_names(names_file, &text, &names, &o.num_param_names)) return CLI_RUNTIME;
         o.param_names = names;
     }
+    o.on_sizes = print_sizes;
     int rc = ckpt_import_torch(paths[0], paths[1], &o);
     free(names);
     free(text);
@@ -220,6 +262,6 @@ int cli_import(int argc, char **argv) {
         cli_error("%s", ckpt_errmsg());
         return CLI_RUNTIME;
     }
-    printf("imported %s into %s\n", paths[0], paths[1]);
+    printf("imported %s into %s\n", cli_esc(paths[0]), cli_esc(paths[1]));
     return CLI_OK;
 }

@@ -65,14 +65,23 @@ static const char train_help[] =
     "  --data FILE        the data set (default: the project's data/digits.csv.gz,\n"
     "                     or $CKPT_DATA)\n"
     "  --resume           continue from the newest complete checkpoint in DIR\n"
+    "  --drop-data-position\n"
+    "                     with --resume, when the global batch (--batch-size x\n"
+    "                     processes) differs from the checkpoint's: keep the step,\n"
+    "                     model, optimizer, schedule, scaler and generator, and start\n"
+    "                     the data loader at the next epoch's first batch (the rest\n"
+    "                     of the saved epoch is skipped) instead of refusing\n"
     "  --init-from CKPT   start from the model weights of checkpoint folder CKPT (of\n"
-    "                     another run) with a fresh optimizer, schedule and data\n"
+    "                     another run; a project folder: its newest valid\n"
+    "                     checkpoint) with a fresh optimizer, schedule and data\n"
     "                     order, at step 0: fine-tuning (not with --resume)\n"
     "  --async            save in the background: the loop stalls only for the copy of\n"
     "                     the state (ckpt_save_state_async); the last save is waited for\n"
     "  --shard-optimizer  ZeRO-1: each process keeps the AdamW moments of its share\n"
     "                     of the parameters (saved as sharded tensors)\n"
-    "  --log-every N      steps between progress lines when not on a terminal (default 50)\n"
+    "  --log-every N      steps between progress lines (default 50); on a terminal a\n"
+    "                     progress bar is redrawn instead, unless --log-every is given\n"
+    "                     or the run is part of an MPI job\n"
     "  --quiet            print only the result\n"
     "  -h, --help         this help\n"
     "\n"
@@ -80,9 +89,12 @@ static const char train_help[] =
     "takes --batch-size samples of every global batch, gradients are averaged in rank\n"
     "order (reproducible), and saves and loads are collective (docs/DISTRIBUTED.md).\n"
     "\n"
-    "The epochs, batch size, learning rate and seed of a resumed run must be those\n"
-    "of the run that saved the checkpoint. Metrics: DIR/logs/metrics.jsonl, one\n"
-    "line a step (step, epoch, loss, lr, scale).\n";
+    "The learning rate and seed of a resumed run must be those of the run that saved\n"
+    "the checkpoint, and so must the global batch unless --drop-data-position is\n"
+    "given. --epochs may change: a run resumed with more epochs continues to the new\n"
+    "end, on the new run's learning-rate schedule (warmup, then cosine decay to 0 at\n"
+    "the new last step) taken up at the saved step. Metrics: DIR/logs/metrics.jsonl,\n"
+    "one line a step (step, epoch, loss, lr, scale).\n";
 
 typedef struct train_opts {
     int64_t epochs, batch_size, seed, save_every, total_limit, workers, log_every;
@@ -96,6 +108,8 @@ typedef struct train_opts {
     const char *init_from; /* a checkpoint folder: its model only */
     uint64_t max_shard_size;
     bool resume, quiet, shard_optimizer, async;
+    bool drop_data_position; /* resume with another global batch (see the help) */
+    bool log_every_given;    /* --log-every: lines, never a redrawn bar */
 } train_opts;
 
 /* ---- the run's settings, saved with every checkpoint -------------------- */
@@ -137,16 +151,27 @@ static const ckpt_stateful_ops run_config_ops = {
 };
 
 /* saved_procs/now_procs: the process counts of the saving and this run; the
- * global batch (--batch-size x processes) is what must stay the same. */
+ * global batch (--batch-size x processes) is what must stay the same, unless
+ * drop_position (--drop-data-position): then *drop says whether the loader's
+ * position must go. --epochs may differ (the run gets longer or shorter). */
 static bool run_config_check(const run_config *saved, const run_config *now, int saved_procs,
-                             int now_procs) {
+                             int now_procs, bool drop_position, bool *drop) {
     bool ok = true;
-    if (saved->batch_size * saved_procs != now->batch_size * now_procs) {
+    int64_t sg = saved->batch_size * saved_procs, ng = now->batch_size * now_procs;
+    *drop = false;
+    if (sg != ng && drop_position) {
+        *drop = true;
+    } else if (sg != ng) {
+        char hint[160];
+        if (sg % now_procs == 0)
+            snprintf(hint, sizeof hint, "--batch-size %lld keeps it on %d process%s",
+                     (long long)(sg / now_procs), now_procs, now_procs == 1 ? "" : "es");
+        else snprintf(hint, sizeof hint, "no --batch-size on %d processes keeps it", now_procs);
         cli_error("resume: the checkpoint was trained with a global batch of %lld (%d x "
-                  "--batch-size %lld), this run has %lld (%d x %lld)",
-                  (long long)(saved->batch_size * saved_procs), saved_procs,
-                  (long long)saved->batch_size, (long long)(now->batch_size * now_procs), now_procs,
-                  (long long)now->batch_size);
+                  "--batch-size %lld), this run has %lld (%d x --batch-size %lld): %s, or "
+                  "--drop-data-position continues at the saved step from the next epoch's start",
+                  (long long)sg, saved_procs, (long long)saved->batch_size, (long long)ng,
+                  now_procs, (long long)now->batch_size, hint);
         ok = false;
     }
 #define CHECK_I64(field, opt)                                                                      \
@@ -155,14 +180,15 @@ static bool run_config_check(const run_config *saved, const run_config *now, int
                   (long long)saved->field, (long long)now->field);                                 \
         ok = false;                                                                                \
     }
-    CHECK_I64(epochs, "--epochs")
     CHECK_I64(seed, "--seed")
     CHECK_I64(train_rows, "a training set of rows")
     CHECK_I64(hidden, "hidden width")
 #undef CHECK_I64
     if (saved->lr != now->lr) {
-        cli_error("resume: the checkpoint was trained with --lr %.17g, this run has %.17g", saved->lr,
-                  now->lr);
+        char a[40], b[40];
+        cli_error("resume: the checkpoint was trained with --lr %s, this run has %s",
+                  cli_format_double(saved->lr, a, sizeof a),
+                  cli_format_double(now->lr, b, sizeof b));
         ok = false;
     }
     return ok;
@@ -336,9 +362,29 @@ static int64_t evaluate(mlp *net, const digits_sample *rows, int64_t n, float *x
 }
 
 static int parse_train_opts(int argc, char **argv, train_opts *o) {
-    enum { O_EPOCHS = 256, O_BATCH, O_LR, O_SEED, O_SAVE_EVERY, O_TOTAL_LIMIT, O_WORKERS,
-           O_PROJECT, O_DATA, O_RESUME, O_LOG_EVERY, O_QUIET, O_SHARD_OPTIM, O_ASYNC, O_SAVE_SECONDS,
-           O_KEEP_EVERY, O_KEEP_BEST, O_INIT_FROM, O_MAX_SHARD, O_COLL_TIMEOUT };
+    enum {
+        O_EPOCHS = 256,
+        O_BATCH,
+        O_LR,
+        O_SEED,
+        O_SAVE_EVERY,
+        O_TOTAL_LIMIT,
+        O_WORKERS,
+        O_PROJECT,
+        O_DATA,
+        O_RESUME,
+        O_LOG_EVERY,
+        O_QUIET,
+        O_SHARD_OPTIM,
+        O_ASYNC,
+        O_SAVE_SECONDS,
+        O_KEEP_EVERY,
+        O_KEEP_BEST,
+        O_INIT_FROM,
+        O_MAX_SHARD,
+        O_DROP_POSITION,
+        O_COLL_TIMEOUT
+    };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
         {"batch-size", required_argument, NULL, O_BATCH},
@@ -356,6 +402,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"resume", no_argument, NULL, O_RESUME},
         {"init-from", required_argument, NULL, O_INIT_FROM},
         {"max-shard-size", required_argument, NULL, O_MAX_SHARD},
+        {"drop-data-position", no_argument, NULL, O_DROP_POSITION},
         {"log-every", required_argument, NULL, O_LOG_EVERY},
         {"quiet", no_argument, NULL, O_QUIET},
         {"shard-optimizer", no_argument, NULL, O_SHARD_OPTIM},
@@ -394,7 +441,11 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_RESUME: o->resume = true; break;
         case O_INIT_FROM: o->init_from = a; ok = *a != '\0'; break;
         case O_MAX_SHARD: ok = cli_parse_size(a, &o->max_shard_size); break;
-        case O_LOG_EVERY: ok = cli_parse_i64(a, 1, INT64_MAX, &o->log_every); break;
+        case O_DROP_POSITION: o->drop_data_position = true; break;
+        case O_LOG_EVERY:
+            ok = cli_parse_i64(a, 1, INT64_MAX, &o->log_every);
+            o->log_every_given = true;
+            break;
         case O_QUIET: o->quiet = true; break;
         case O_SHARD_OPTIM: o->shard_optimizer = true; break;
         case O_ASYNC: o->async = true; break;
@@ -418,6 +469,8 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
     }
     if (optind < argc) return cli_usage_error("train", "unexpected argument '%s'", argv[optind]);
     if (!*o->project_dir) return cli_usage_error("train", "--project-dir is empty");
+    if (o->drop_data_position && !o->resume)
+        return cli_usage_error("train", "--drop-data-position applies to a --resume only");
     if (o->init_from && o->resume)
         return cli_usage_error("train", "--init-from and --resume exclude each other: --resume "
                                         "continues this project's run, --init-from starts a new "
@@ -454,6 +507,7 @@ typedef struct trainer {
     size_t nexchange;
     double ckpt_seconds; /* spent inside checkpoint calls by the loop */
     int64_t nsaves;
+    char resumed_from[4096]; /* the checkpoint --resume loaded */
 } trainer;
 
 static void trainer_free(trainer *t) {
@@ -579,6 +633,7 @@ static int trainer_setup(trainer *t) {
         .collective_timeout_s = o->collective_timeout > 0 ? o->collective_timeout : -1.0,
     };
     if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return lib_fail("accelerator", rc);
+    ckpt_accelerator_set_log(t->acc, cli_library_log, NULL); /* escaped, as every output */
     if (o->shard_optimizer &&
         (rc = ckpt_optimizer_set_shard(t->optim, t->dist.comm ? t->dist.comm : ckpt_comm_self())) < 0)
         return lib_fail("--shard-optimizer", rc);
@@ -686,12 +741,19 @@ static bool has_checkpoint(const char *project_dir) {
  * and this project's numbering start at 0). */
 static int init_from(trainer *t) {
     const char *dir = t->opt.init_from;
+    /* a project folder stands for its newest valid checkpoint */
+    char newest[4096];
+    if (cli_classify(dir) == CLI_KIND_PROJECT) {
+        int st = cli_newest_valid("--init-from", dir, newest, sizeof newest);
+        if (st != CLI_OK) return st;
+        dir = newest;
+    }
     ckpt_load_options lo = {.objects = CKPT_LOAD_MODELS};
     ckpt_load_report rep;
     int rc = ckpt_load_state_ex(t->acc, dir, &lo, &rep);
     if (rc == CKPT_ENOENT) {
-        cli_error("--init-from %s: not a checkpoint folder (%s); pass one such as "
-                  "RUN/checkpoints/checkpoint_N",
+        cli_error("--init-from %s: not a checkpoint folder nor a project (%s); pass one such "
+                  "as RUN/checkpoints/checkpoint_N, or RUN for its newest valid checkpoint",
                   dir, ckpt_errmsg());
         return CLI_USAGE;
     }
@@ -699,8 +761,119 @@ static int init_from(trainer *t) {
     if (!t->opt.quiet && t->speak)
         printf("initialised the model from %s (its step %lld); optimizer, schedule and data "
                "order start fresh at step 0\n",
-               rep.dir, (long long)rep.step);
+               cli_esc(rep.dir), (long long)rep.step);
     ckpt_load_report_free(&rep);
+    return CLI_OK;
+}
+
+/* Sets the optimizer's learning rates to those of this run's schedule
+ * (trainer_setup's: warmup total/20, cosine decay to 0 at total) after step
+ * scheduler steps: a scratch scheduler built from the peak rate and
+ * stepped there sets them exactly as the run's own would have. */
+static int restart_schedule_at(trainer *t, int64_t step) {
+    int64_t total = ckpt_dataloader_num_batches(t->loader) * t->opt.epochs;
+    int rc = CKPT_OK;
+    for (int g = 0; g < 2 && rc == CKPT_OK; g++) rc = ckpt_optimizer_set_lr(t->optim, g, t->opt.lr);
+    ckpt_scheduler *s = NULL;
+    if (rc == CKPT_OK) rc = ckpt_warmup_cosine_new(&s, t->optim, total / 20, total);
+    for (int64_t i = 0; i < step && rc == CKPT_OK; i++) rc = ckpt_scheduler_step(s);
+    ckpt_scheduler_free(s);
+    return rc;
+}
+
+/* The saved data loader's epoch and batches yielded in it (its state dict,
+ * docs/DATALOADER.md), read from checkpoint dir. */
+static int saved_loader_position(const char *dir, int64_t *epoch, int64_t *pos) {
+    ckpt_reader *r = NULL;
+    int rc = ckpt_checkpoint_open_object(dir, "dataloader.safetensors", &r);
+    if (rc == 0) rc = ckpt_read_i64(r, "epoch", epoch);
+    if (rc == 0) rc = ckpt_read_i64(r, "batches_yielded", pos);
+    ckpt_reader_free(r);
+    return rc;
+}
+
+/* --resume: one load of everything, then the run's settings (a custom
+ * object) are checked against this run's. A load the objects refuse
+ * (CKPT_EMISMATCH: the data loader's position counts global batches, so
+ * another global batch is refused there in the library's terms) changed
+ * nothing; then the settings alone are loaded to say which option differs,
+ * naming the flag, and with --drop-data-position and another global batch
+ * everything but the data loader is loaded, which starts the epoch after
+ * the saved one. */
+static int resume(trainer *t) {
+    const train_opts *o = &t->opt;
+    int rc = ckpt_load_state(t->acc, NULL);
+    int saved_procs = 1, now_procs = t->dist.size > 0 ? t->dist.size : 1;
+    bool drop = false;
+    int64_t epoch = 0, pos = 0;
+    ckpt_checkpoint_info info;
+    if (rc == CKPT_OK) {
+        snprintf(t->resumed_from, sizeof t->resumed_from, "%s", ckpt_accelerator_last_dir(t->acc));
+        memset(&info, 0, sizeof info);
+        (void)ckpt_checkpoint_verify(t->resumed_from, false, &info);
+        saved_procs = info.num_processes > 0 ? info.num_processes : 1;
+        if (!run_config_check(&t->saved_config, &t->config, saved_procs, now_procs, false, &drop))
+            return CLI_USAGE;
+    } else if (rc == CKPT_EMISMATCH) {
+        char why[2048];
+        snprintf(why, sizeof why, "%s", ckpt_errmsg());
+        static const char *const config_only[] = {"custom_checkpoint_0"};
+        ckpt_load_options lo = {.names = config_only, .num_names = 1};
+        ckpt_load_report rep;
+        if (ckpt_load_state_ex(t->acc, NULL, &lo, &rep) < 0) {
+            cli_error("resume: %s", why);
+            return CLI_RUNTIME;
+        }
+        snprintf(t->resumed_from, sizeof t->resumed_from, "%s", rep.dir);
+        ckpt_load_report_free(&rep);
+        memset(&info, 0, sizeof info);
+        (void)ckpt_checkpoint_verify(t->resumed_from, false, &info);
+        saved_procs = info.num_processes > 0 ? info.num_processes : 1;
+        if (!run_config_check(&t->saved_config, &t->config, saved_procs, now_procs,
+                              o->drop_data_position, &drop))
+            return CLI_USAGE;
+        if (!drop) { /* the settings match: the refusal is about something else */
+            cli_error("resume: %s", why);
+            return CLI_RUNTIME;
+        }
+        if ((rc = saved_loader_position(t->resumed_from, &epoch, &pos)) < 0)
+            return lib_fail("resume", rc);
+        ckpt_load_options all_but_loader = {.objects = CKPT_LOAD_ALL & ~CKPT_LOAD_DATALOADERS};
+        rc = ckpt_load_state_ex(t->acc, t->resumed_from, &all_but_loader, &rep);
+        if (rc == 0) {
+            /* a partial load leaves the step alone: it is the checkpoint's */
+            ckpt_accelerator_set_step(t->acc, rep.step);
+            ckpt_load_report_free(&rep);
+            rc = ckpt_dataloader_set_epoch(t->loader, pos > 0 ? epoch + 1 : epoch);
+        }
+        if (rc < 0) return lib_fail("resume", rc);
+    } else {
+        return lib_fail("resume", rc);
+    }
+    int64_t per_epoch = ckpt_dataloader_num_batches(t->loader);
+    if (!o->quiet && t->speak && drop)
+        printf("the global batch changed from %lld to %lld (--drop-data-position): the data "
+               "loader starts epoch %lld (the checkpoint was at batch %lld of epoch %lld); the "
+               "step, model, optimizer, schedule, scaler and generator carry over\n",
+               (long long)(t->saved_config.batch_size * saved_procs),
+               (long long)(t->config.batch_size * now_procs),
+               (long long)(pos > 0 ? epoch + 1 : epoch) + 1, (long long)pos, (long long)epoch + 1);
+    if (!o->quiet && t->speak && t->saved_config.epochs != t->config.epochs)
+        printf("--epochs %lld (the checkpoint's run had %lld): the run now ends at step %lld, "
+               "on the learning-rate schedule of %lld steps (warmup %lld, then cosine decay to "
+               "0), taken up at the saved step\n",
+               (long long)t->config.epochs, (long long)t->saved_config.epochs,
+               (long long)(per_epoch * t->config.epochs), (long long)(per_epoch * t->config.epochs),
+               (long long)(per_epoch * t->config.epochs / 20));
+    if (drop || t->saved_config.epochs != t->config.epochs) {
+        /* The loaded learning rates are the old schedule's; the first step
+         * after the resume uses the new one's, as the scheduler will set
+         * it after every later step. */
+        if ((rc = restart_schedule_at(t, ckpt_accelerator_step(t->acc))) < 0)
+            return lib_fail("resume: schedule", rc);
+    }
+    /* the next saves record this run's settings */
+    t->saved_config = t->config;
     return CLI_OK;
 }
 
@@ -728,6 +901,13 @@ static int save(trainer *t, int64_t step, bool last) {
         return CLI_RUNTIME;
     }
     return CLI_OK;
+}
+
+/* Whether this process is one of a parallel job: a communicator of several,
+ * or a launcher's environment (Open MPI gives every rank a pseudo-terminal,
+ * so isatty says yes while the output goes to a shared log). */
+static bool launched_by_mpi(const cli_dist *d) {
+    return d->size > 1 || d->mpi || cli_dist_launched();
 }
 
 /* How long the loop waited for checkpoints, against the whole loop. */
@@ -769,31 +949,18 @@ int cli_train(int argc, char **argv) {
     }
     if (o->resume) {
         if (has) {
-            if ((rc = ckpt_load_state(t.acc, NULL)) < 0) {
-                status = lib_fail("resume", rc);
-                goto done;
-            }
-            ckpt_checkpoint_info saved_info;
-            memset(&saved_info, 0, sizeof saved_info);
-            (void)ckpt_checkpoint_verify(ckpt_accelerator_last_dir(t.acc), false, &saved_info);
-            int saved_procs = saved_info.num_processes > 0 ? saved_info.num_processes : 1;
-            if (!run_config_check(&t.saved_config, &t.config, saved_procs,
-                                  t.dist.size > 0 ? t.dist.size : 1)) {
-                status = CLI_USAGE;
-                goto done;
-            }
+            if ((status = resume(&t)) != CLI_OK) goto done;
             step = ckpt_accelerator_step(t.acc);
             saved_step = step;
             resumed = true;
             /* with many ranks each says where it resumed: they all agree */
             if (!o->quiet && t.dist.size > 1)
                 printf("[rank %d] resumed from %s at step %lld\n", t.dist.rank,
-                       ckpt_accelerator_last_dir(t.acc), (long long)step);
+                       cli_esc(t.resumed_from), (long long)step);
             else if (!o->quiet)
-                printf("resumed from %s at step %lld\n", ckpt_accelerator_last_dir(t.acc),
-                       (long long)step);
+                printf("resumed from %s at step %lld\n", cli_esc(t.resumed_from), (long long)step);
         } else if (!o->quiet && t.speak) {
-            printf("no checkpoint in %s yet: starting from step 0\n", o->project_dir);
+            printf("no checkpoint in %s yet: starting from step 0\n", cli_esc(o->project_dir));
         }
     } else if (has) {
         cli_error("%s already has checkpoints: pass --resume to continue that run, or choose "
@@ -823,7 +990,8 @@ int cli_train(int argc, char **argv) {
     }
 
     bool quiet = o->quiet || !t.speak;
-    bool tty = t.tty = !quiet && isatty(STDOUT_FILENO);
+    bool tty = t.tty =
+        !quiet && isatty(STDOUT_FILENO) && !o->log_every_given && !launched_by_mpi(&t.dist);
     if (!quiet && t.dist.size > 1)
         printf("data parallel on %d processes: each takes %lld samples of every global batch of "
                "%lld\n",
@@ -933,13 +1101,13 @@ int cli_train(int argc, char **argv) {
         report_ckpt_time(&t, now_seconds() - t0, quiet);
         if (t.speak)
             printf("preempted at step %lld, checkpoint saved: %s\n", (long long)step,
-                   ckpt_accelerator_last_dir(t.acc));
+                   cli_esc(ckpt_accelerator_last_dir(t.acc)));
         status = CLI_OK;
         goto done;
     }
     report_ckpt_time(&t, now_seconds() - t0, quiet);
     int64_t correct = evaluate(&t.net, t.test_rows, t.ntest, t.x, t.y, t.pred, NULL);
-    if (!quiet) printf("final checkpoint: %s\n", ckpt_accelerator_last_dir(t.acc));
+    if (!quiet) printf("final checkpoint: %s\n", cli_esc(ckpt_accelerator_last_dir(t.acc)));
     if (t.speak)
         printf("test accuracy: %.2f%% (%lld/%lld)\n", 100.0 * (double)correct / (double)t.ntest,
            (long long)correct, (long long)t.ntest);

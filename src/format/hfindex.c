@@ -25,13 +25,14 @@ static void hf_plan(const uint64_t *nbytes, int64_t n, uint64_t max, int64_t *st
     *nshards = s;
 }
 
-static int hf_shard_name(char *buf, size_t cap, const char *stem, int64_t s, int64_t n) {
-    int k = snprintf(buf, cap, "%s-%05" PRId64 "-of-%05" PRId64 ".safetensors", stem, s + 1, n);
+static int hf_shard_name(char *buf, size_t cap, const char *stem, int64_t s, int64_t n,
+                         const char *ext) {
+    int k = snprintf(buf, cap, "%s-%05" PRId64 "-of-%05" PRId64 "%s", stem, s + 1, n, ext);
     if (k < 0 || (size_t)k >= cap) return ckpt__err(CKPT_EINVAL, "shard name of '%s' too long", stem);
     return CKPT_OK;
 }
 
-static int hf_index_text(const char *const *keys, const char *const *files, int64_t n,
+int ckpt__hf_index_text(const char *const *keys, const char *const *files, int64_t n,
                         uint64_t total, char **out) {
     *out = NULL;
     json_t *root = json_object(), *map = json_object(), *meta = json_object();
@@ -50,6 +51,11 @@ static int hf_index_text(const char *const *keys, const char *const *files, int6
 
 int ckpt__hf_layout_make(const char *const *keys, const uint64_t *nbytes, int64_t n, uint64_t max,
                          const char *stem, ckpt_hf_layout *out) {
+    return ckpt__hf_layout_make_ext(keys, nbytes, n, max, stem, ".safetensors", out);
+}
+
+int ckpt__hf_layout_make_ext(const char *const *keys, const uint64_t *nbytes, int64_t n,
+                             uint64_t max, const char *stem, const char *ext, ckpt_hf_layout *out) {
     memset(out, 0, sizeof *out);
     out->starts = ckpt__calloc((size_t)n + 2, sizeof *out->starts);
     const char **files = ckpt__calloc((size_t)n + 1, sizeof *files);
@@ -62,10 +68,10 @@ int ckpt__hf_layout_make(const char *const *keys, const uint64_t *nbytes, int64_
             rc = ckpt__err_nomem("shard layout");
     }
     for (int64_t s = 0; s < out->nshards && rc == 0; s++) {
-        rc = hf_shard_name(out->names[s], sizeof out->names[s], stem, s, out->nshards);
+        rc = hf_shard_name(out->names[s], sizeof out->names[s], stem, s, out->nshards, ext);
         for (int64_t i = out->starts[s]; i < out->starts[s + 1]; i++) files[i] = out->names[s];
     }
-    if (rc == 0) rc = hf_index_text(keys, files, n, total, &out->index);
+    if (rc == 0) rc = ckpt__hf_index_text(keys, files, n, total, &out->index);
     free(files);
     if (rc) ckpt__hf_layout_free(out);
     return rc;

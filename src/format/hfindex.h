@@ -26,7 +26,16 @@ typedef struct ckpt_hf_layout {
 } ckpt_hf_layout;
 int ckpt__hf_layout_make(const char *const *keys, const uint64_t *nbytes, int64_t n, uint64_t max,
                          const char *stem, ckpt_hf_layout *out);
+/* The same with shards named "<stem>-%05d-of-%05d<ext>" (".bin": the
+ * pytorch_model.bin shards transformers reads with
+ * pytorch_model.bin.index.json). */
+int ckpt__hf_layout_make_ext(const char *const *keys, const uint64_t *nbytes, int64_t n,
+                             uint64_t max, const char *stem, const char *ext, ckpt_hf_layout *out);
 void ckpt__hf_layout_free(ckpt_hf_layout *l);
+/* The index document for keys[i] in files[i] (n pairs, total tensor bytes),
+ * as the layout's; *out is malloc'd. */
+int ckpt__hf_index_text(const char *const *keys, const char *const *files, int64_t n,
+                        uint64_t total, char **out);
 
 /* A parsed index: pairs in document order and the distinct files. */
 typedef struct ckpt_hf_index {

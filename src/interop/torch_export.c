@@ -24,7 +24,10 @@ static const char readme_text[] =
     "`save_state` writes and load into PyTorch objects as they are:\n"
     "\n"
     "- `model.safetensors` (or `model-0000k-of-0000N.safetensors` shards and\n"
-    "  `model.safetensors.index.json`): `model.load_state_dict(...)`\n"
+    "  `model.safetensors.index.json`): `model.load_state_dict(...)`; with\n"
+    "  `ckpt export --bin`, `pytorch_model.bin` (or `pytorch_model-0000k-of-0000N.bin`\n"
+    "  and `pytorch_model.bin.index.json`) instead, for PyTorch without the\n"
+    "  safetensors package\n"
     "- `optimizer.bin`: `optimizer.load_state_dict(torch.load(..., weights_only=True))`\n"
     "  for `torch.optim.SGD`, `Adam` or `AdamW` built over the same parameters, in\n"
     "  the same groups, in the same order\n"
@@ -42,7 +45,18 @@ static const char readme_text[] =
     "  (`accelerator.skip_first_batches`).\n"
     "- custom objects registered with `ckpt_register_for_checkpointing`.\n"
     "\n"
-    "Loading these files never needs `weights_only=False`.\n";
+    "Which PyTorch opens what with `torch.load(..., weights_only=True)`:\n"
+    "\n"
+    "- PyTorch 2.x: every `.bin` and `.pt` file here.\n"
+    "- PyTorch 1.13 (Debian 12's): `pytorch_model.bin` and its shards only. Its\n"
+    "  weights-only unpickler lacks the float opcode (BINFLOAT) and refuses any\n"
+    "  file with a Python float in it: `optimizer.bin`, `scheduler.bin` and\n"
+    "  `scaler.pt` (as it refuses PyTorch's own optimizer files). There, load the\n"
+    "  state straight from the ckpt checkpoint this folder was exported from, with\n"
+    "  python/ckpt_torch (in the ckpt sources), which reads only safetensors and\n"
+    "  JSON and never unpickles: `ckpt_torch.load(CHECKPOINT, model=model,\n"
+    "  optimizer=optimizer, scheduler=scheduler, scaler=scaler)`. Never fall back\n"
+    "  to `weights_only=False` for a file you did not write yourself.\n";
 
 /* ---- small helpers ------------------------------------------------------- */
 
@@ -163,12 +177,115 @@ static int write_text(exp_ctx *c, const char *name, const char *text) {
     return rc;
 }
 
-static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard) {
+/* Tensors [from, to) of r as one torch.save file: an OrderedDict of
+ * tensors, what module.state_dict() gives torch.save. */
+static int write_shard_bin(exp_ctx *c, ckpt_reader *r, int64_t from, int64_t to, const char *name) {
+    ckpt_torch_writer *w = NULL;
+    CKPT_TRY(ckpt_torch_writer_new(&w));
+    int rc = ckpt_torch_begin_dict(w, true);
+    for (int64_t i = from; i < to && rc == 0; i++) {
+        ckpt_entry_info e;
+        const void *data = NULL;
+        rc = ckpt_reader_entry(r, i, &e);
+        if (rc == 0) rc = ckpt_reader_tensor_view(r, e.key, &data, NULL);
+        if (rc == 0) rc = ckpt_torch_put_str(w, e.key);
+        if (rc == 0) rc = ckpt_torch_put_tensor(w, e.dtype, e.ndim, e.shape, data);
+    }
+    if (rc == 0) rc = ckpt_torch_end(w);
+    if (rc == 0) rc = save_torch(c, w, name);
+    ckpt_torch_writer_free(w);
+    return rc;
+}
+
+static int cmp_str(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* A model the checkpoint keeps as Hugging Face shards
+ * ("<object stem>-DDDDD-of-DDDDD.safetensors" + its index), exported as
+ * .bin shards split exactly as the checkpoint's: part k becomes
+ * "<stem>-DDDDD-of-DDDDD.bin" with the same tensors in the same order, and
+ * "<stem>.bin.index.json" maps them. *done false if the model is one file. */
+static int export_parts_bin(exp_ctx *c, const char *object, const char *stem, bool *done) {
+    *done = false;
+    size_t ostem = strlen(object) - strlen(".safetensors");
+    char name[200];
+    snprintf(name, sizeof name, "%s.index.json", object);
+    if (!ckpt__manifest_find(&c->m, name)) return CKPT_OK;
+    static const char tail[] = "-00000-of-00000.safetensors";
+    const size_t digits = sizeof "-00000-of-00000" - 1;
+    const char **parts = ckpt__calloc((size_t)c->m.nfiles + 1, sizeof *parts);
+    if (!parts) return ckpt__err_nomem("export");
+    int64_t np = 0;
+    for (int64_t i = 0; i < c->m.nfiles; i++) {
+        const char *f = c->m.files[i].name;
+        if (strlen(f) == ostem + sizeof tail - 1 && !strncmp(f, object, ostem) && f[ostem] == '-')
+            parts[np++] = f;
+    }
+    qsort(parts, (size_t)np, sizeof *parts, cmp_str);
+    char **keys = NULL, (*files)[160] = NULL;
+    int64_t nk = 0, cap = 0;
+    uint64_t total = 0;
+    int rc = CKPT_OK;
+    for (int64_t p = 0; p < np && rc == 0; p++) {
+        char bin[160];
+        snprintf(bin, sizeof bin, "%s%.*s.bin", stem, (int)digits, parts[p] + ostem);
+        /* a part by itself (the checkpoint was deep-verified first, as for
+         * the files open_state reads plainly); freed below */
+        ckpt_reader *r = NULL;
+        char *path = ckpt__path_join(c->src, parts[p]);
+        rc = path ? ckpt_reader_open(&r, path) : ckpt__err_nomem("export");
+        free(path);
+        int64_t n = rc == 0 ? ckpt_reader_count(r) : 0;
+        if (rc == 0 && nk + n > cap) {
+            cap = (nk + n) * 2;
+            void *gk = ckpt__realloc(keys, (size_t)cap * sizeof *keys);
+            if (gk) keys = gk;
+            void *gf = gk ? ckpt__realloc(files, (size_t)cap * sizeof *files) : NULL;
+            if (gf) files = gf;
+            if (!gk || !gf) rc = ckpt__err_nomem("export");
+        }
+        for (int64_t i = 0; i < n && rc == 0; i++) {
+            ckpt_entry_info e;
+            rc = ckpt_reader_entry(r, i, &e);
+            if (rc == 0 && !(keys[nk] = ckpt__strdup(e.key))) rc = ckpt__err_nomem("export");
+            if (rc == 0) {
+                snprintf(files[nk++], sizeof files[0], "%s", bin);
+                total += e.nbytes;
+            }
+        }
+        if (rc == 0) rc = write_shard_bin(c, r, 0, n, bin);
+        ckpt_reader_free(r);
+    }
+    char *index = NULL;
+    const char **fv = rc == 0 ? ckpt__calloc((size_t)nk + 1, sizeof *fv) : NULL;
+    if (rc == 0 && !fv) rc = ckpt__err_nomem("export");
+    for (int64_t i = 0; i < nk && rc == 0; i++) fv[i] = files[i];
+    if (rc == 0) rc = ckpt__hf_index_text((const char *const *)keys, fv, nk, total, &index);
+    snprintf(name, sizeof name, "%s.bin.index.json", stem);
+    if (rc == 0) rc = write_text(c, name, index);
+    if (rc == 0) *done = true;
+    free(index);
+    free(fv);
+    for (int64_t i = 0; i < nk; i++) free(keys[i]);
+    free(keys);
+    free(files);
+    free(parts);
+    return rc;
+}
+
+static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard, bool bin) {
+    char stem[64], name[128];
+    const char *ext = bin ? ".bin" : ".safetensors";
+    out_name(stem, sizeof stem, bin ? "pytorch_model" : "model", k, "");
+    if (bin && max_shard == 0) {
+        bool done = false;
+        CKPT_TRY(export_parts_bin(c, file, stem, &done));
+        if (done) return CKPT_OK;
+    }
     ckpt_reader *r = NULL;
     CKPT_TRY(open_state(c, file, &r));
     int64_t n = ckpt_reader_count(r);
-    char stem[64], name[128];
-    out_name(stem, sizeof stem, "model", k, "");
     uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
     const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
     int rc = nb && keys ? CKPT_OK : ckpt__err_nomem("export");
@@ -181,14 +298,16 @@ static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard)
     }
     ckpt_hf_layout l;
     memset(&l, 0, sizeof l);
-    if (rc == 0 && max_shard) rc = ckpt__hf_layout_make(keys, nb, n, max_shard, stem, &l);
+    if (rc == 0 && max_shard) rc = ckpt__hf_layout_make_ext(keys, nb, n, max_shard, stem, ext, &l);
+    int (*write)(exp_ctx *, ckpt_reader *, int64_t, int64_t, const char *) =
+        bin ? write_shard_bin : write_shard;
     if (rc == 0 && l.nshards <= 1) { /* one file */
-        snprintf(name, sizeof name, "%s.safetensors", stem);
-        rc = write_shard(c, r, 0, n, name);
+        snprintf(name, sizeof name, "%s%s", stem, ext);
+        rc = write(c, r, 0, n, name);
     }
     for (int64_t s = 0; s < l.nshards && l.nshards > 1 && rc == 0; s++)
-        rc = write_shard(c, r, l.starts[s], l.starts[s + 1], l.names[s]);
-    snprintf(name, sizeof name, "%s.safetensors.index.json", stem);
+        rc = write(c, r, l.starts[s], l.starts[s + 1], l.names[s]);
+    snprintf(name, sizeof name, "%s%s.index.json", stem, ext);
     if (rc == 0 && l.nshards > 1) rc = write_text(c, name, l.index);
     ckpt__hf_layout_free(&l);
     free(keys);
@@ -501,7 +620,7 @@ static int export_all(exp_ctx *c, const ckpt_export_options *o) {
             name = obj;
         }
         if (!strcmp(f->kind, "model") && (k = object_index(name, "model")) >= 0)
-            CKPT_TRY(export_model(c, name, k, o->max_shard_size));
+            CKPT_TRY(export_model(c, name, k, o->max_shard_size, o->torch_bin));
     }
     if (o->weights_only) return CKPT_OK;
     for (int64_t i = 0; i < m->nfiles; i++) {

@@ -45,6 +45,7 @@ typedef struct imp {
     int64_t opt_count;   /* the optimizer's parameters (state indices) */
     int64_t opt_nshapes;
     mparam *opt_shapes; /* state index -> its state tensors' shape (ndim -1: none seen) */
+    uint64_t in_bytes; /* bytes of the files read (the output cap's base) */
     ckpt_rng gen;
 } imp;
 
@@ -88,6 +89,47 @@ static void *keep(imp *x, void *p) {
     return p;
 }
 
+/* ---- the output cap ---------------------------------------------------------- */
+
+/* Adds a file's size to the bytes read. */
+static void count_input(imp *x, const char *path) {
+    struct stat st;
+    if (stat(path, &st) == 0 && st.st_size > 0) x->in_bytes += (uint64_t)st.st_size;
+}
+
+static uint64_t writer_bytes(const ckpt_writer *w) {
+    uint64_t sum = 0;
+    for (int64_t i = 0; w && i < ckpt_writer_entry_count(w); i++) {
+        ckpt_entry_info e;
+        if (ckpt_writer_entry(w, i, &e) == 0) sum += e.nbytes;
+    }
+    return sum;
+}
+
+/* Before anything is written: reports the sizes, and refuses an output
+ * past the cap (ckpt_import_options.max_output_size). */
+static int check_output_size(const imp *x, const char *src) {
+    uint64_t out = writer_bytes(x->model) + writer_bytes(x->optim) + writer_bytes(x->sched) +
+                   writer_bytes(x->scaler) + writer_bytes(x->rng);
+    if (x->o.on_sizes) x->o.on_sizes(x->o.user, x->in_bytes, out);
+    uint64_t cap = x->o.max_output_size;
+    if (cap == 0) {
+        const uint64_t floor = 1u << 20, ratio = 64;
+        cap = x->in_bytes > UINT64_MAX / ratio ? UINT64_MAX : x->in_bytes * ratio;
+        if (cap < floor) cap = floor;
+    }
+    if (out <= cap) return CKPT_OK;
+    return ckpt__err(
+        CKPT_EUNSUPPORTED,
+        "import: %s: the checkpoint would hold %" PRIu64 " bytes of tensors from %" PRIu64
+        " bytes read, over the limit of %" PRIu64 " (%s); a torch file's "
+        "storage can be shared by many tensors. If that is expected, raise the "
+        "limit (max_output_size; ckpt import --max-output-size BYTES); nothing was "
+        "written",
+        src, out, x->in_bytes, cap,
+        x->o.max_output_size ? "max_output_size" : "64 times the input, at least 1 MiB");
+}
+
 static int open_torch(imp *x, const char *path, const ckpt_torch_value **root) {
     void *g = ckpt__realloc(x->tfiles, (size_t)(x->ntf + 1) * sizeof *x->tfiles);
     if (!g) return ckpt__err_nomem("import");
@@ -95,6 +137,7 @@ static int open_torch(imp *x, const char *path, const ckpt_torch_value **root) {
     ckpt_torch_file *f = NULL;
     CKPT_TRY(ckpt_torch_open(&f, path));
     x->tfiles[x->ntf++] = f;
+    count_input(x, path);
     *root = ckpt_torch_root(f);
     if ((*root)->kind != CKPT_TORCH_DICT)
         return ckpt__err(CKPT_EUNSUPPORTED, "import: %s holds a %s, not a state dict", path,
@@ -108,6 +151,7 @@ static int open_st(imp *x, const char *path, ckpt_reader **r) {
     x->readers = g;
     CKPT_TRY(ckpt_reader_open(r, path));
     x->readers[x->nrd++] = *r;
+    count_input(x, path);
     return CKPT_OK;
 }
 
@@ -756,6 +800,7 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
     if (lstat(checkpoint_dir, &st) == 0)
         return ckpt__err(CKPT_EEXIST, "import: %s already exists", checkpoint_dir);
     int rc = import_sources(&x, src);
+    if (rc == 0) rc = check_output_size(&x, src);
     ckpt_manifest m;
     ckpt__manifest_init(&m);
     ckpt_txn t = {0};

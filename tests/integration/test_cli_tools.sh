@@ -5,7 +5,7 @@
 # prune and its dry run count only verified checkpoints, never remove the
 # newest valid one, want --force for --keep 0, and clean up leftover
 # temporary folders unless a save holds the lock; ls and verify show
-# leftovers; a folder without manifest is "not a checkpoint"; inspect names
+# leftovers; a folder without manifest is "not a checkpoint"; verify names
 # a PyTorch zip file; ls lists a checkpoint folder given to it; diff prints
 # integer values as integers and inspect floats as the shortest round trip.
 source "$(dirname "$0")/common.bash"
@@ -72,12 +72,15 @@ grep -q "^    param_groups.0.eps *= 1e-08$" "$WORK/out" || fail "inspect: 1e-08 
 run_rc 0 "$CKPT_BIN" inspect --json "$c0"
 has '"key":"param_groups.0.betas.1","kind":"f64","value":0.999}' <"$WORK/out" || fail "inspect --json: 0.999"
 printf 'PK\003\004\024\000\000\000\000\000archive/data.pkl' >"$WORK/model.pt"
-run_rc 2 "$CKPT_BIN" inspect "$WORK/model.pt"
+run_rc 2 "$CKPT_BIN" verify "$WORK/model.pt"
 grep -q "model.pt is a PyTorch file (a zip archive, as torch.save writes), not safetensors" "$WORK/err" \
-    || fail "inspect: zip not recognised"
-grep -q "save_file(torch.load(" "$WORK/err" || fail "inspect: no advice for a zip"
-grep -q "'ckpt import $WORK/model.pt CHECKPOINT_DIR' converts it into a checkpoint" "$WORK/err" \
-    || fail "inspect: a zip does not point to ckpt import"
+    || fail "verify: zip not recognised"
+grep -q "save_file(torch.load(" "$WORK/err" || fail "verify: no advice for a zip"
+grep -q "'ckpt inspect $WORK/model.pt' shows what it holds and the 'ckpt import' command" "$WORK/err" \
+    || fail "verify: a zip does not point to ckpt inspect"
+# inspect reads torch files (test_cli_hostile); a broken one is a clear error
+run_rc 3 "$CKPT_BIN" inspect "$WORK/model.pt"
+grep -q "^ckpt: inspect: .*model.pt" "$WORK/err" || fail "inspect: a broken zip not named"
 run_rc 2 "$CKPT_BIN" inspect "$WORK/e1"
 run_rc 2 "$CKPT_BIN" inspect "$proj"
 grep -q "is a project folder" "$WORK/err" || fail "inspect: project"

@@ -45,10 +45,23 @@ run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 20 --total-limit 0 --seed 5 -
 run_rc 2 "$CKPT_BIN" train --project-dir "$WORK/x" --init-from "$pre" --resume
 grep -q "exclude each other" "$WORK/err" || fail "no message for --init-from with --resume"
 
-# not a checkpoint: the project folder itself, a missing folder
-run_rc 2 "$CKPT_BIN" train --quiet --project-dir "$WORK/y" --init-from "$WORK/pre"
-grep -q "not a checkpoint folder" "$WORK/err" || { cat "$WORK/err" >&2; fail "no message for a project folder"; }
+# a project folder stands for its newest valid checkpoint: the same weights
+# as that checkpoint's, so the same first loss as the fine-tuning run above
+run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 0 --seed 5 --project-dir "$WORK/fp" \
+    --init-from "$WORK/pre" --log-every 1
+grep -q "initialised the model from $pre (its step $pre_step)" "$WORK/out" || {
+    cat "$WORK/out" "$WORK/err" >&2
+    fail "--init-from a project does not take its newest checkpoint"
+}
+[ "$(first_loss "$WORK/fp")" = "$ft" ] || fail "--init-from a project: another first loss"
+# a project without a valid checkpoint: refused, nothing saved
+mkdir -p "$WORK/empty/checkpoints"
+run_rc 3 "$CKPT_BIN" train --quiet --project-dir "$WORK/y" --init-from "$WORK/empty"
+grep -q "project $WORK/empty has no valid checkpoint" "$WORK/err" || { cat "$WORK/err" >&2; fail "empty project"; }
+[ ! -e "$WORK/y/checkpoints/checkpoint_0" ] || fail "a failed --init-from left a checkpoint"
+# not a checkpoint: a missing folder
 run_rc 2 "$CKPT_BIN" train --quiet --project-dir "$WORK/y" --init-from "$WORK/nothing"
+grep -q "not a checkpoint folder nor a project" "$WORK/err" || { cat "$WORK/err" >&2; fail "no message for a missing folder"; }
 [ ! -e "$WORK/y/checkpoints/checkpoint_0" ] || fail "a failed --init-from left a checkpoint"
 
 # a corrupt checkpoint: refused, nothing saved

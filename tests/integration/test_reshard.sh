@@ -73,5 +73,5 @@ if mpi 2 "${ARGS[@]}" --batch-size 12 --shard-optimizer --resume --project-dir "
     >"$WORK/bad.out" 2>&1; then
     fail "a resume with another global batch was accepted"
 fi
-assert_contains "$WORK/bad.out" "use batch_size 24 on 2 processes"
+assert_contains "$WORK/bad.out" "this run has 24 (2 x --batch-size 12): --batch-size 24 keeps it on 2 processes"
 echo "PASS: reshard 4 -> 2, 1, 3 (sharded optimizer)"
