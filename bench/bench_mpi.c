@@ -1,29 +1,41 @@
 /* bench_mpi.c — save and load of a GPT-2-small-sized training state by P
  * MPI processes, the same total bytes whatever P: the model (124,439,808
- * fp32 parameters, HF transformers' shapes) is replicated and written once
- * by rank 0; AdamW is sharded ZeRO-1 style (ckpt_optimizer_set_shard), so
- * its moments (2x the model) are written 1/P by every rank. Run under
- * `mpirun -np P` for P = 1, 2, 4; bench/run prints each P's times as ratios
- * against P = 1 measured in the same run.
+ * fp32 parameters, HF transformers' shapes) is replicated, and the save
+ * plan spreads its tensors over the ranks; AdamW is sharded ZeRO-1 style
+ * (ckpt_optimizer_set_shard), so its moments (2x the model) are written 1/P
+ * by every rank. Run under `mpirun -np P` for P = 1, 2, 4, 8; bench/run
+ * prints each P's times as ratios against P = 1 measured in the same run.
  *
  *   mpirun -np P bench_mpi FOLDER
  *
- * Prints one line on rank 0: "bench_mpi P=<p> bytes=<n> save=<s> load=<s>"
- * (seconds, best of 3: a durable collective ckpt_save_state to the next
- * automatic checkpoint, then a verified collective ckpt_load_state of it,
- * page cache warm). FOLDER/mpi<p> is removed at the end. */
+ * Prints one line on rank 0:
+ *
+ *   bench_mpi P=<p> bytes=<n> save=<s> load=<s> save_max=<x> load_max=<x>
+ *     load_total=<x> rss_max=<MiB> manifest=<bytes>
+ *
+ * save/load: seconds, best of 3 (a durable collective ckpt_save_state to
+ * the next automatic checkpoint, then a verified collective ckpt_load_state
+ * of it, page cache warm). save_max / load_max: the most bytes one rank
+ * wrote / read on files during one save / load (counted in the library's
+ * I/O layer), over state/P; load_total: the bytes all ranks read, over the
+ * state. rss_max: the highest peak resident set of a rank (its own copy of
+ * the model, its share of the moments, and what a save and a load add).
+ * manifest: checkpoint.json's size. FOLDER/mpi<p> is removed at the end. */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <time.h>
 
 #include "ckpt.h"
 #include "gpt2.h"
 #include "ckpt_mpi.h"
+#include "base/io.h"
 
-#define REPS 3
+#define REPS 3 /* BENCH_REPS=<n> in the environment: n instead */
 
 static int rank_;
 
@@ -83,22 +95,45 @@ int main(int argc, char **argv) {
     if (ckpt_prepare_model(acc, model) < 0 || ckpt_prepare_optimizer(acc, opt) < 0) die("prepare");
 
     double best_save = 1e30, best_load = 1e30;
-    for (int rep = 0; rep < REPS; rep++) {
+    uint64_t io[3] = {0, 0, 0}; /* this rank: written by a save, read by a load, read by a save */
+    int reps = getenv("BENCH_REPS") ? atoi(getenv("BENCH_REPS")) : REPS;
+    for (int rep = 0; rep < (reps > 0 ? reps : 1); rep++) {
+        ckpt_io_bytes b0, b1, b2;
         MPI_Barrier(MPI_COMM_WORLD);
+        ckpt__io_bytes(&b0);
         double t0 = now();
         if (ckpt_save_state(acc, NULL) < 0) die("save");
         MPI_Barrier(MPI_COMM_WORLD);
         double t1 = now();
+        ckpt__io_bytes(&b1);
         if (ckpt_load_state(acc, NULL) < 0) die("load");
         MPI_Barrier(MPI_COMM_WORLD);
         double t2 = now();
+        ckpt__io_bytes(&b2);
         if (t1 - t0 < best_save) best_save = t1 - t0;
         if (t2 - t1 < best_load) best_load = t2 - t1;
+        io[0] = b1.written - b0.written;
+        io[1] = b2.read - b1.read;
+        io[2] = b1.read - b0.read;
     }
     uint64_t bytes = (uint64_t)total_elems * 4u * 3u; /* weights + exp_avg + exp_avg_sq */
-    if (rank_ == 0)
-        printf("bench_mpi P=%d bytes=%llu save=%.3f load=%.3f\n", comm->size,
-               (unsigned long long)bytes, best_save, best_load);
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    uint64_t mine[4] = {io[0], io[1], io[2], (uint64_t)ru.ru_maxrss}, most[4], sum[4];
+    MPI_Reduce(mine, most, 4, MPI_UINT64_T, MPI_MAX, 0, MPI_COMM_WORLD);
+    MPI_Reduce(mine, sum, 4, MPI_UINT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
+    if (rank_ == 0) {
+        char mp[4200];
+        struct stat st;
+        snprintf(mp, sizeof mp, "%s/checkpoint.json", ckpt_accelerator_last_dir(acc));
+        long long msize = stat(mp, &st) == 0 ? (long long)st.st_size : -1;
+        double share = (double)bytes / comm->size;
+        printf("bench_mpi P=%d bytes=%llu save=%.3f load=%.3f save_max=%.2f load_max=%.2f "
+               "load_total=%.2f rss_max=%.0f manifest=%lld\n",
+               comm->size, (unsigned long long)bytes, best_save, best_load,
+               (double)most[0] / share, (double)most[1] / share, (double)sum[1] / (double)bytes,
+               (double)most[3] / 1024.0, msize);
+    }
     ckpt_accelerator_free(acc);
     MPI_Barrier(MPI_COMM_WORLD);
     if (rank_ == 0) {

@@ -259,7 +259,9 @@ CKPT_API int ckpt_reader_entry(const ckpt_reader *r, int64_t i, ckpt_entry_info 
 /* CKPT_ENOENT if absent. */
 CKPT_API int ckpt_reader_find(const ckpt_reader *r, const char *key, ckpt_entry_info *info);
 /* Zero-copy view of a tensor's bytes (mmap of the file). View valid until the
- * reader is freed. */
+ * reader is freed. A tensor a checkpoint holds in several chunks (saved by
+ * several processes) is assembled whole into memory the reader owns: a copy,
+ * made at every call. */
 CKPT_API int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
                                      ckpt_entry_info *info);
 /* The same entry listing for a writer (schema writers included). */
@@ -789,10 +791,12 @@ CKPT_API int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed);
  * intact and nothing partial is visible. Removes the oldest automatic
  * checkpoints beyond total_limit only after the new one is committed.
  * With a comm of several processes it is collective (every rank calls it
- * with the same arguments): rank 0 writes the replicated objects and commits
- * only once every rank has written and fsynced its own files (its random
- * state, its shards); every rank returns the same status, and the message of
- * a failure names the rank ("rank 2: ..."). docs/DISTRIBUTED.md.
+ * with the same arguments): the replicated tensors are spread over the ranks
+ * (each writes about 1/P of the state: its part of them, its shards, its
+ * random state), rank 0 writes the objects' other entries and commits only
+ * once every rank has written and fsynced its own files; every rank returns
+ * the same status, and the message of a failure names the rank ("rank 2:
+ * ..."). docs/DISTRIBUTED.md.
  *
  * After a failed ckpt_load_state (any failure but CKPT_ENOENT, see there)
  * every save of this accelerator, automatic or explicit, refuses with

@@ -15,11 +15,12 @@ Nothing is unpickled: safetensors and JSON only. See docs/PYTORCH.md."""
 import collections
 import math
 import os
+import re
 import warnings
 
 import numpy as np
 
-from ._format import (BusyError, CkptError, CorruptError, InvalidError, LIBRARY_VERSION,
+from ._format import (BusyError, CkptError, CorruptError, DTYPES, InvalidError, LIBRARY_VERSION,
                       MismatchError, NotFoundError, RawTensor, StateFile, TooLargeError,
                       UnsupportedError, _loads_strict, check_key, checkpoint_number, escape,
                       list_numbers, read_state_file, shape_str, verify_folder,
@@ -784,9 +785,59 @@ def _object_flats(dir, m, datas, kinds):
             obj = name[:-len(".index.json")]
             flats[obj] = flat
             kinds[obj] = "model"
-        else:
+        elif f.get("chunks") is None:
             flats[name] = StateFile(os.path.join(dir, name), datas[name]).flat()
+    _assemble_chunks(dir, m, datas, flats)
     return flats
+
+
+_SHARD_NAME = re.compile(r"(.+)-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
+
+
+def _assemble_chunks(dir, m, datas, flats):
+    """Format version 2: tensors saved by several processes as chunks in
+    shard files ('<stem>-0000k-of-0000N.safetensors': the sharded tensors,
+    and the replicated ones the save plan split over the ranks) are put
+    together whole into their object's flat dict."""
+    parts = {}
+    for f in m["files"]:
+        if f.get("chunks") is None:
+            continue
+        mt = _SHARD_NAME.fullmatch(f["name"])
+        obj = (mt.group(1) if mt else "") + ".safetensors"
+        if not mt or obj not in flats:
+            raise CorruptError("%s: %s has chunks but belongs to no object of the checkpoint"
+                               % (dir, f["name"]))
+        sf = StateFile(os.path.join(dir, f["name"]), datas[f["name"]])
+        for k, c in f["chunks"].items():
+            parts.setdefault((obj, k), []).append((c, sf, f["name"]))
+    for (obj, k), chunks in parts.items():
+        c0 = chunks[0][0]
+        g, dt = c0["global_shape"], c0["dtype"]
+        npdt = DTYPES[dt][1]
+        if k in flats[obj]:
+            raise CorruptError("%s: '%s' is both a tensor of %s and a chunk in %s"
+                               % (dir, k, obj, chunks[0][2]))
+        if any(c["global_shape"] != g or c["dtype"] != dt for c, _sf, _n in chunks):
+            raise CorruptError("%s: %s: the chunks of '%s' disagree on the tensor" % (dir, obj, k))
+        if npdt is None:
+            raise UnsupportedError("%s: %s: '%s' is %s in chunks; only numpy dtypes are put "
+                                   "together" % (dir, obj, k, dt))
+        whole = np.zeros(g, dtype=npdt)
+        seen = np.zeros(g, dtype=bool)
+        for c, sf, name in chunks:
+            a = sf.array(k)
+            if tuple(a.shape) != c["shape"]:
+                raise CorruptError("%s: %s: '%s' has shape %s, the manifest says %s"
+                                   % (dir, name, k, list(a.shape), list(c["shape"])))
+            box = tuple(slice(o, o + n) for o, n in zip(c["offsets"], c["shape"]))
+            if seen[box].any():
+                raise CorruptError("%s: %s: chunks of '%s' overlap" % (dir, obj, k))
+            whole[box] = a
+            seen[box] = True
+        if not seen.all():
+            raise CorruptError("%s: %s: the chunks of '%s' leave a hole" % (dir, obj, k))
+        flats[obj][k] = whole
 
 
 def _read_checkpoint(dir):

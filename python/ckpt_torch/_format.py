@@ -23,7 +23,8 @@ except ImportError:  # pragma: no cover - reported when a checksum is needed
     xxhash = None
 
 LIBRARY_VERSION = "0.1.0"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest read; several processes write 2 (chunks of replicated tensors)
+WRITE_FORMAT_VERSION = 1  # what one process writes
 DOC_VERSION = 1
 MANIFEST_NAME = "checkpoint.json"
 MANIFEST_MAX_BYTES = 16 << 20
@@ -898,6 +899,30 @@ def _m_str(root, key, required, what):
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
+def _m_chunks(jf, tensors, where):
+    """A shard file's "chunks": for each of its tensors, where the chunk sits
+    in the whole tensor ({"dtype", "global_shape", "offsets", "shape"});
+    None for other files."""
+    jc = jf.get("chunks")
+    if jc is None:
+        return None
+    if not isinstance(jc, dict) or set(jc) != set(tensors):
+        raise CorruptError('%s: "chunks" must name exactly the file\'s tensors' % where)
+    out = {}
+    for k, c in jc.items():
+        if not isinstance(c, dict) or c.get("dtype") not in DTYPES:
+            raise CorruptError("%s: chunk of '%s': bad record" % (where, k[:128]))
+        dims = [c.get(f) for f in ("global_shape", "offsets", "shape")]
+        if not all(isinstance(d, list) and all(_is_int(x) and 0 <= x < 2**62 for x in d)
+                   for d in dims) or not len(dims[0]) == len(dims[1]) == len(dims[2]) <= MAX_NDIM:
+            raise CorruptError("%s: chunk of '%s': bad shapes" % (where, k[:128]))
+        if any(o + n > g for g, o, n in zip(*dims)):
+            raise CorruptError("%s: chunk of '%s': outside the tensor" % (where, k[:128]))
+        out[k] = {"dtype": c["dtype"], "global_shape": tuple(dims[0]), "offsets": tuple(dims[1]),
+                  "shape": tuple(dims[2])}
+    return out
+
+
 def parse_manifest(text, what):
     """Parses and checks checkpoint.json bytes as the C library does:
     structure, format version, then the self-checksum. Returns a dict."""
@@ -970,7 +995,9 @@ def parse_manifest(text, what):
                 raise CorruptError("%s: tensor '%s': digest must be 16 lowercase hex digits"
                                    % (where, k[:128]))
             tensors[k] = v
-        m["files"].append({"name": name, "kind": kind, "size": size, "xxh3": hx, "tensors": tensors})
+        chunks = _m_chunks(jf, tensors, where)
+        m["files"].append({"name": name, "kind": kind, "size": size, "xxh3": hx, "tensors": tensors,
+                           "chunks": chunks})
     seen = set()
     for f in sorted(m["files"], key=lambda f: f["name"].encode("utf-8")):
         if f["name"] in seen:
@@ -1289,7 +1316,7 @@ def write_checkpoint(dir, files, step, iteration, warn=None, metrics=None):
         os.mkdir(tmp, 0o755)
         try:
             now = int(time.time())
-            m = {"format_version": FORMAT_VERSION, "library_version": LIBRARY_VERSION,
+            m = {"format_version": WRITE_FORMAT_VERSION, "library_version": LIBRARY_VERSION,
                  "iteration": int(iteration), "step": int(step), "process_index": 0,
                  "num_processes": 1, "created_unix": now,
                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),

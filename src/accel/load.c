@@ -53,31 +53,143 @@ typedef struct load_op {
      * file's, extra[i] what the adapted one also borrows from */
     ckpt_reader **srcs, **extra;
     ckpt_adapt_result res;
+    /* The read plan of the candidate being opened (several processes): per
+     * manifest file, the rank that reads and verifies it (-1: none, only
+     * its presence and size are checked) and whether its bytes then go to
+     * every rank. */
+    int *reader;
+    bool *shared;
 } load_op;
 
 /* ---- choose ---------------------------------------------------------------- */
 
-/* What a rank of many reads, so hashes and maps: every file but the other
- * ranks' per-process files (those are only checked for presence and size).
- * Shard files are all read: which chunks a rank needs depends on how its
- * objects ask, and reading them all keeps one rule for any process count. */
-static bool rank_reads(const ckpt_manifest_file *f, void *ctx) {
-    const ckpt_accelerator *acc = ctx;
-    if (strcmp(f->kind, ckpt__kind_name[K_RNG]) != 0) return true;
-    /* Rank 0's generator is what every rank continues from when the
-     * checkpoint was saved by another number of processes. */
-    if (strcmp(f->name, "random_states_0.safetensors") == 0) return true;
+typedef struct sized {
+    uint64_t size;
+    int64_t index;
+} sized;
+
+static int cmp_sized_desc(const void *a, const void *b) {
+    const sized *x = a, *y = b;
+    if (x->size != y->size) return x->size < y->size ? 1 : -1;
+    return (x->index > y->index) - (x->index < y->index);
+}
+
+/* The read plan of many processes, the same on every rank (a function of
+ * the manifest): each file is read and verified by one rank only. A rank's
+ * own generator file is read by that rank (or, for another process count,
+ * rank 0's by rank 0 for all); the other files, largest first, each go to
+ * the rank with the fewest bytes so far (ties: the lowest rank), and their
+ * bytes then reach every rank through the communicator (share_files). Files
+ * a save pre-hook left (kind "extra") are verified, not sent. */
+static int plan_reads(load_op *op) {
+    const ckpt_manifest *m = &op->c.m;
+    int64_t n = m->nfiles;
+    int q = op->comm->size;
+    free(op->reader);
+    free(op->shared);
+    op->reader = ckpt__malloc((size_t)(n ? n : 1) * sizeof *op->reader);
+    op->shared = ckpt__calloc((size_t)(n ? n : 1), sizeof *op->shared);
+    sized *v = ckpt__calloc((size_t)(n ? n : 1), sizeof *v);
+    uint64_t *load = ckpt__calloc((size_t)q, sizeof *load);
+    if (!op->reader || !op->shared || !v || !load) {
+        free(v);
+        free(load);
+        return ckpt__err_nomem("load plan");
+    }
+    int saved_np = m->num_processes > 0 ? m->num_processes : 1;
+    bool reshard = saved_np != op->acc->num_processes;
     char mine[96];
     ckpt_acc_obj rng = {K_RNG, 0, NULL, NULL};
-    ckpt__acc_file_name(acc, &rng, mine, sizeof mine);
-    return strcmp(f->name, mine) == 0;
+    ckpt__acc_file_name(op->acc, &rng, mine, sizeof mine);
+    int64_t nv = 0;
+    for (int64_t j = 0; j < n; j++) {
+        const ckpt_manifest_file *f = &m->files[j];
+        op->reader[j] = -1;
+        if (strcmp(f->kind, ckpt__kind_name[K_RNG]) == 0) {
+            /* Rank 0's generator is what every rank continues from when
+             * the checkpoint was saved by another number of processes. */
+            if (reshard && strcmp(f->name, "random_states_0.safetensors") == 0) {
+                op->reader[j] = 0;
+                op->shared[j] = true;
+            } else if (!reshard && strcmp(f->name, mine) == 0) {
+                op->reader[j] = op->comm->rank;
+            }
+            continue;
+        }
+        v[nv++] = (sized){f->size, j};
+    }
+    qsort(v, (size_t)nv, sizeof *v, cmp_sized_desc);
+    for (int64_t k = 0; k < nv; k++) {
+        int best = 0;
+        for (int r = 1; r < q; r++)
+            if (load[r] < load[best]) best = r;
+        load[best] += v[k].size;
+        op->reader[v[k].index] = best;
+        op->shared[v[k].index] = strcmp(m->files[v[k].index].kind, "extra") != 0;
+    }
+    free(v);
+    free(load);
+    return CKPT_OK;
+}
+
+/* Which files this rank reads: called once per file, in order, right after
+ * the manifest was parsed into op->c.m; the first call makes the plan. */
+static bool rank_reads(const ckpt_manifest_file *f, void *ctx) {
+    load_op *op = ctx;
+    int64_t j = f - op->c.m.files;
+    if (j == 0 && plan_reads(op) < 0) return true; /* no memory: read it, as before */
+    return !op->reader || op->reader[j] < 0 ? false : op->reader[j] == op->comm->rank;
 }
 
 static int open_checkpoint(load_op *op, const char *dir) {
     bool many = op->comm->size > 1;
+    free(op->reader);
+    free(op->shared);
+    op->reader = NULL;
+    op->shared = NULL;
     /* Read once, hashed on the way, into the accelerator's reusable area. */
-    return ckpt__checkpoint_open_into(dir, many ? rank_reads : NULL, op->acc, &op->acc->arena,
-                                      &op->c);
+    return ckpt__checkpoint_open_into(dir, many ? rank_reads : NULL, op, &op->acc->arena, &op->c);
+}
+
+/* Bytes per broadcast: what a rank holds beyond the file it receives. */
+#define SHARE_PIECE ((size_t)16 << 20)
+
+/* After every rank verified its files of the chosen checkpoint (and all
+ * agreed): each shared file's bytes go from its reader to every other rank,
+ * in pieces of SHARE_PIECE bytes, into a buffer of the receiving rank's
+ * (freed with the checkpoint). The sizes are the manifest's, which every
+ * rank checked against the file. */
+static int share_files(load_op *op) {
+    const ckpt_comm *c = op->comm;
+    if (c->size <= 1 || !op->reader) return CKPT_OK;
+    static const uint8_t empty = 0;
+    /* Every buffer first, agreed on, so that no rank drops out of the
+     * broadcasts below. */
+    int rc = CKPT_OK;
+    for (int64_t j = 0; j < op->c.m.nfiles && rc == 0; j++) {
+        const ckpt_manifest_file *f = &op->c.m.files[j];
+        ckpt_mapped *mp = &op->c.maps[j];
+        if (!op->shared[j] || c->rank == op->reader[j]) continue;
+        uint8_t *buf = NULL;
+        if (f->size > 0 && (f->size > (uint64_t)SIZE_MAX || !(buf = ckpt__malloc((size_t)f->size))))
+            rc = ckpt__err_nomem(f->name);
+        mp->heap = buf;
+        mp->data = buf ? buf : &empty;
+        mp->size = buf ? f->size : 0;
+    }
+    CKPT_TRY(ckpt__coll_agree(c, rc, NULL));
+    for (int64_t j = 0; j < op->c.m.nfiles; j++) {
+        if (!op->shared[j]) continue;
+        const ckpt_manifest_file *f = &op->c.m.files[j];
+        uint8_t *buf = (uint8_t *)(uintptr_t)op->c.maps[j].data; /* the root's is only read */
+        for (uint64_t off = 0; off < f->size; off += SHARE_PIECE) {
+            size_t k = f->size - off < SHARE_PIECE ? (size_t)(f->size - off) : SHARE_PIECE;
+            int crc = c->bcast(c->ctx, buf + off, k, op->reader[j]);
+            if (crc < 0 && rc == 0)
+                rc = ckpt__err_prefix(crc, "load_state: %s: communicator: bcast", f->name);
+        }
+    }
+    return rc;
 }
 
 /* A bad checkpoint, skipped for an older one; anything else (memory, I/O on
@@ -149,7 +261,11 @@ static int choose_latest(load_op *op) {
         op->dir = ckpt__path_join(cdir, name);
         int orc = op->dir ? open_checkpoint(op, op->dir) : ckpt__err_nomem("load path");
         orc = ckpt__coll_agree(op->comm, orc, is_fatal);
-        if (orc == 0) break;
+        if (orc == 0) {
+            rc = ckpt__coll_agree(op->comm, share_files(op), NULL);
+            if (rc < 0) rc = ckpt__err_prefix(rc, "load_state");
+            break;
+        }
         if (!can_fall_back(orc)) {
             rc = ckpt__err_prefix(orc, "load_state");
             break;
@@ -580,6 +696,7 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     if (input_dir) {
         rc = ckpt__coll_agree(op.comm, choose_folder(&op, input_dir), NULL);
         op.nothing = rc == CKPT_ENOENT; /* no such folder, or not a checkpoint */
+        if (rc == 0) rc = ckpt__coll_agree(op.comm, share_files(&op), NULL);
     } else {
         rc = choose_latest(&op);
     }
@@ -618,6 +735,8 @@ done:
     free(op.srcs);
     free(op.sel);
     free(op.objs);
+    free(op.reader);
+    free(op.shared);
     ckpt__adapt_result_free(&op.res);
     ckpt__checkpoint_close(&op.c);
     free(op.dir);

@@ -66,6 +66,7 @@ struct ckpt_save_op {
     ckpt_acc_obj *objs;
     int nobjs;
     ckpt_writer **writers;
+    bool *hf_model; /* per object: a model saved as Hugging Face shards (rank 0) */
     /* write: two slots per object (its file, its shard file), and the
      * files of a model saved as Hugging Face shards (hf[i], nhf[i]) */
     save_slot *slots;
@@ -251,7 +252,7 @@ static int write_file(save_op *op, ckpt_writer *w, const char *name, const char 
 
 /* Whether object i is written as Hugging Face shards: a model beyond
  * max_shard_size with tensors only, none sharded across processes. */
-static bool hf_sharded(const save_op *op, int i) {
+static bool hf_decide(const save_op *op, int i) {
     const ckpt_writer *w = op->writers[i];
     if (op->objs[i].kind != K_MODEL || !op->acc->max_shard_size || ckpt__writer_has_shards(w))
         return false;
@@ -262,6 +263,89 @@ static bool hf_sharded(const save_op *op, int i) {
         total += e.nbytes;
     }
     return total > op->acc->max_shard_size;
+}
+
+/* The same, as the plan decided it (before it spread the model's tensors). */
+static bool hf_sharded(const save_op *op, int i) {
+    return op->hf_model ? op->hf_model[i] : hf_decide(op, i);
+}
+
+/* ---- the save plan: every replicated tensor written once ------------------ */
+
+/* Tensors smaller than this are never cut: each goes whole to one rank. */
+#define PLAN_CUT_MIN ((uint64_t)1 << 20)
+
+/* Where rank r's share of the replicated bytes starts: floor(r * total / P). */
+static uint64_t share_start(int r, int p, uint64_t total) {
+    return (uint64_t)((unsigned __int128)total * (unsigned)r / (unsigned)p);
+}
+
+/* The row (0..rows) nearest to byte position b of a tensor that starts at
+ * byte s and has rows of row_bytes bytes. */
+static int64_t nearest_row(uint64_t b, uint64_t s, uint64_t row_bytes, int64_t rows) {
+    if (b <= s) return 0;
+    uint64_t k = (b - s + row_bytes / 2) / row_bytes;
+    return k > (uint64_t)rows ? rows : (int64_t)k;
+}
+
+/* Whether entry j of object i is a replicated tensor the plan places. */
+static bool plan_entry(const save_op *op, int i, int64_t j, int64_t *rows, uint64_t *nbytes) {
+    ckpt_entry_kind kind;
+    ckpt_dtype dt;
+    int ndim;
+    const int64_t *shape;
+    bool shard;
+    if (ckpt__writer_entry_shape(op->writers[i], j, &kind, &dt, &ndim, &shape, nbytes, &shard) < 0)
+        return false;
+    *rows = ndim > 0 ? shape[0] : 1;
+    return kind == CKPT_ENTRY_TENSOR && !shard && *nbytes > 0;
+}
+
+/* With several processes, the replicated tensors of every object (a
+ * replicated model, an optimizer's replicated part, custom objects) are
+ * placed on the ranks so that each writes about 1/P of their bytes: laid
+ * end to end in state order, rank r takes the bytes from r/P to (r+1)/P of
+ * the total. A tensor of at least PLAN_CUT_MIN bytes is cut at the row
+ * nearest each boundary (each rank's part is a run of whole rows: one box
+ * chunk); a smaller one goes whole to the rank its middle byte falls in.
+ * Every rank computes the same plan from the same state dicts, with no
+ * communication; the chunk check at the commit catches ranks whose
+ * replicated state differs in shape. A model saved as Hugging Face shards
+ * stays whole on rank 0, and the generators are per process. */
+static int plan_spread(save_op *op) {
+    const ckpt_comm *c = op->comm;
+    op->hf_model = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->hf_model);
+    if (!op->hf_model) return ckpt__err_nomem("save plan");
+    for (int i = 0; i < op->nobjs; i++) op->hf_model[i] = hf_decide(op, i);
+    if (c->size <= 1) return CKPT_OK;
+    uint64_t total = 0, nb;
+    int64_t rows;
+    for (int i = 0; i < op->nobjs; i++) {
+        if (op->objs[i].kind == K_RNG || op->hf_model[i]) continue;
+        for (int64_t j = 0; j < ckpt_writer_entry_count(op->writers[i]); j++)
+            if (plan_entry(op, i, j, &rows, &nb)) total += nb;
+    }
+    uint64_t pos = 0;
+    int p = c->size, me = c->rank;
+    uint64_t lo_b = share_start(me, p, total), hi_b = share_start(me + 1, p, total);
+    for (int i = 0; i < op->nobjs; i++) {
+        if (op->objs[i].kind == K_RNG || op->hf_model[i]) continue;
+        for (int64_t j = 0; j < ckpt_writer_entry_count(op->writers[i]); j++) {
+            if (!plan_entry(op, i, j, &rows, &nb)) continue;
+            uint64_t row_bytes = nb / (uint64_t)rows;
+            int64_t lo = 0, hi = 0;
+            if (nb < PLAN_CUT_MIN || rows < 2 || row_bytes * (uint64_t)rows != nb) {
+                uint64_t mid = pos + nb / 2;
+                if (mid >= lo_b && (mid < hi_b || me == p - 1)) hi = rows;
+            } else {
+                lo = me == 0 ? 0 : nearest_row(lo_b, pos, row_bytes, rows);
+                hi = me == p - 1 ? rows : nearest_row(hi_b, pos, row_bytes, rows);
+            }
+            CKPT_TRY(ckpt__writer_spread(op->writers[i], j, lo, hi));
+            pos += nb;
+        }
+    }
+    return CKPT_OK;
 }
 
 /* The index as a file of the temporary folder, with its digest. */
@@ -346,7 +430,7 @@ static int write_object(save_op *op, int i) {
         rc = write_hf(op, i, name);
     else if (o->kind == K_RNG || op->committer)
         rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false, &op->slots[2 * i]);
-    if (rc == 0 && ckpt__writer_has_shards(op->writers[i])) {
+    if (rc == 0 && ckpt__writer_shard_file_needed(op->writers[i])) {
         char shard[160];
         rc = ckpt__acc_shard_name(name, c->rank, c->size, shard, sizeof shard);
         if (rc == 0)
@@ -390,7 +474,7 @@ static bool writes_name(const save_op *op, const char *name) {
             if (ckpt__shard_file_parse(name, &sl, NULL, NULL) && sl == stem && !strncmp(name, own, stem))
                 return true;
         }
-        if (ckpt__writer_has_shards(op->writers[i]) &&
+        if (ckpt__writer_shard_file_needed(op->writers[i]) &&
             ckpt__acc_shard_name(own, op->comm->rank, op->comm->size, shard, sizeof shard) == 0 &&
             strcmp(name, shard) == 0)
             return true;
@@ -541,6 +625,9 @@ static int commit(save_op *op) {
     m->iteration = op->automatic ? op->number + 1 : op->iteration;
     m->process_index = acc->process_index;
     m->num_processes = acc->num_processes;
+    /* Saved by several processes, replicated tensors may sit in shard files
+     * (the save plan): readers of version 1 would not look for them there. */
+    m->format_version = op->comm->size > 1 ? CKPT_FORMAT_VERSION_SPREAD : 1;
     m->nmetrics = op->nmetrics;
     memcpy(m->metrics, op->metrics, sizeof m->metrics);
     /* The ranks' chunks of each sharded tensor must tile it exactly. */
@@ -600,6 +687,7 @@ void ckpt__save_op_free(save_op *op) {
     free(op->hf);
     free(op->nhf);
     free(op->written);
+    free(op->hf_model);
     free(op->writers);
     free(op->objs);
     ckpt__manifest_clear(&op->mine);
@@ -673,6 +761,7 @@ static int save_start(ckpt_accelerator *acc, const char *output_dir, save_op **o
     ckpt__coll_phase(acc, "save: pre-hooks and snapshot");
     if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->tmp, "save_state");
     if (rc == 0) rc = snapshot(op);
+    if (rc == 0) rc = plan_spread(op);
     if (rc == 0) rc = check_hook_names(op);
     if (rc == 0) {
         op->slots = ckpt__calloc((size_t)op->nobjs * 2, sizeof *op->slots);
@@ -701,7 +790,8 @@ int ckpt__save_agree_snapshot(save_op *op) {
 }
 
 bool ckpt__save_writes(const save_op *op, int i) {
-    return op->objs[i].kind == K_RNG || op->committer || ckpt__writer_has_shards(op->writers[i]);
+    return op->objs[i].kind == K_RNG || op->committer ||
+           ckpt__writer_shard_file_needed(op->writers[i]);
 }
 
 int ckpt__save_nobjs(const save_op *op) { return op->nobjs; }

@@ -253,6 +253,20 @@ int ckpt__os_openat(int dirfd, const char *path, int flags, mode_t mode) {
     }
 }
 
+static _Atomic uint64_t bytes_read, bytes_written;
+
+static void count_read(uint64_t n) {
+    atomic_fetch_add_explicit(&bytes_read, n, memory_order_relaxed);
+}
+static void count_written(uint64_t n) {
+    atomic_fetch_add_explicit(&bytes_written, n, memory_order_relaxed);
+}
+
+void ckpt__io_bytes(ckpt_io_bytes *out) {
+    out->read = atomic_load_explicit(&bytes_read, memory_order_relaxed);
+    out->written = atomic_load_explicit(&bytes_written, memory_order_relaxed);
+}
+
 ssize_t ckpt__os_write(int fd, const void *p, size_t n) {
     size_t cap = fault_max_write;
     if (cap && n > cap) n = cap;
@@ -263,6 +277,7 @@ ssize_t ckpt__os_write(int fd, const void *p, size_t n) {
         }
         ssize_t w = write(fd, p, n);
         if (w < 0 && errno == EINTR) continue;
+        if (w > 0) count_written((uint64_t)w);
         if (w > 0 && recording()) record_write(fd, p, (size_t)w);
         return w;
     }
@@ -280,6 +295,7 @@ ssize_t ckpt__os_pread(int fd, void *p, size_t n, uint64_t off) {
         }
         ssize_t r = pread(fd, p, n, (off_t)off);
         if (r < 0 && errno == EINTR) continue;
+        if (r > 0) count_read((uint64_t)r);
         return r;
     }
 }
@@ -359,9 +375,16 @@ ssize_t ckpt__os_pwrite(int fd, const void *p, size_t n, uint64_t off) {
     for (;;) {
         ssize_t w = pwrite(fd, p, n, (off_t)off);
         if (w < 0 && errno == EINTR) continue;
+        if (w > 0) count_written((uint64_t)w);
         if (w > 0 && recording()) record(CKPT_IO_WRITE, fd, 0, NULL, NULL, off, p, (size_t)w);
         return w;
     }
+}
+
+void *ckpt__os_map_read(int fd, size_t len) {
+    void *p = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p != MAP_FAILED) count_read(len);
+    return p;
 }
 
 int ckpt__os_ftruncate(int fd, uint64_t len) {
@@ -863,6 +886,7 @@ int ckpt__map_file(const char *path, ckpt_mapped *m) {
         rc = ckpt__err_os(errno, "%s: mmap", path);
         goto out;
     }
+    count_read((uint64_t)st.st_size);
     m->data = p;
     m->size = (uint64_t)st.st_size;
     m->map_base = p;

@@ -62,6 +62,21 @@ int ckpt__os_ftruncate(int fd, uint64_t len);
 int ckpt__os_unlink(const char *path);
 int ckpt__os_rmdir(const char *path);
 int ckpt__os_link(const char *from, const char *to);
+/* mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0), counted as len bytes read
+ * (ckpt__io_bytes); MAP_FAILED and errno on failure. */
+void *ckpt__os_map_read(int fd, size_t len);
+
+/* ---- byte counts (tests and benchmarks) ---------------------------------- */
+/* Bytes this process moved between memory and files through this layer
+ * since it started: every pread, every mmap of a file (its whole length,
+ * counted when mapped), every write and pwrite. Relaxed atomic counters,
+ * always on (one add per call). How a test proves that each of P ranks reads
+ * and writes about 1/P of a checkpoint, whatever path the bytes took. */
+typedef struct ckpt_io_bytes {
+    uint64_t read;
+    uint64_t written;
+} ckpt_io_bytes;
+void ckpt__io_bytes(ckpt_io_bytes *out);
 
 /* ---- crash recording (tests only) --------------------------------------- */
 /* Every successful mutating call above (and every open, so a recorder can

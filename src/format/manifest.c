@@ -19,7 +19,7 @@
 
 void ckpt__manifest_init(ckpt_manifest *m) {
     memset(m, 0, sizeof *m);
-    m->format_version = CKPT_FORMAT_VERSION;
+    m->format_version = 1; /* what one process writes; see CKPT_FORMAT_VERSION */
     m->process_index = -1;
     m->num_processes = 1;
 }

@@ -12,7 +12,13 @@
 #include "format/statedict.h"
 
 #define CKPT_MANIFEST_NAME "checkpoint.json"
-#define CKPT_FORMAT_VERSION 1
+/* The newest format version this library reads. Version 1: one process's
+ * checkpoint, or several processes' where rank 0 wrote every replicated
+ * tensor into its object's file. Version 2 (written when several processes
+ * save): replicated tensors may be split over the ranks' shard files, as
+ * chunks, like sharded tensors (docs/FORMAT.md). One process still writes 1. */
+#define CKPT_FORMAT_VERSION 2
+#define CKPT_FORMAT_VERSION_SPREAD 2
 /* A manifest lists a few dozen files; anything this large is not ours. */
 #define CKPT_MANIFEST_MAX_BYTES (16u << 20)
 

@@ -156,6 +156,7 @@ typedef struct entry {
     /* Sharded tensors: shape/nbytes above are the whole tensor's. */
     bool shard;                        /* writer: added with ckpt_write_tensor_shard */
     bool optional;                     /* writer: a schema check accepts a file without it */
+    bool elsewhere;                    /* writer: spread, and another process writes all of it */
     bool shape_by_object;              /* writer: a schema check leaves its shape to the object */
     int64_t coff[CKPT_MAX_NDIM];       /* writer: this chunk's offsets */
     int64_t cshape[CKPT_MAX_NDIM];     /* writer: this chunk's shape */
@@ -382,11 +383,67 @@ bool ckpt__writer_has_shards(const ckpt_writer *w) {
     return false;
 }
 
+/* Whether a shard entry is written to this process's shard file. */
+static bool shard_written(const entry *e) {
+    return e->shard && !e->elsewhere && (e->cbytes > 0 || e->nbytes == 0);
+}
+
+bool ckpt__writer_shard_file_needed(const ckpt_writer *w) {
+    for (int64_t i = 0; w && i < w->count; i++)
+        if (w->entries[i].kind == CKPT_ENTRY_TENSOR && shard_written(&w->entries[i])) return true;
+    return false;
+}
+
+int ckpt__writer_spread(ckpt_writer *w, int64_t j, int64_t lo, int64_t hi) {
+    if (!w || j < 0 || j >= w->count)
+        return ckpt__err(CKPT_EINVAL, "save plan: entry %lld out of range", (long long)j);
+    entry *e = &w->entries[j];
+    int64_t rows = e->ndim > 0 ? e->shape[0] : 1;
+    if (e->kind != CKPT_ENTRY_TENSOR || e->shard || w->schema || lo < 0 || lo > hi || hi > rows)
+        return ckpt__err(CKPT_EINVAL, "save plan: '%s': rows [%lld, %lld) of a %s", e->key,
+                         (long long)lo, (long long)hi,
+                         e->kind != CKPT_ENTRY_TENSOR ? "non-tensor" : "tensor");
+    uint64_t row_bytes = rows > 0 ? e->nbytes / (uint64_t)rows : 0;
+    e->shard = true;
+    for (int d = 0; d < e->ndim; d++) {
+        e->coff[d] = 0;
+        e->cshape[d] = e->shape[d];
+    }
+    if (lo == hi) {
+        e->elsewhere = true;
+        e->cbytes = 0;
+        e->data = NULL;
+        return CKPT_OK;
+    }
+    if (e->ndim > 0) {
+        e->coff[0] = lo;
+        e->cshape[0] = hi - lo;
+    }
+    e->cbytes = row_bytes * (uint64_t)(hi - lo);
+    if (e->data) e->data = (const uint8_t *)e->data + row_bytes * (uint64_t)lo;
+    return CKPT_OK;
+}
+
+int ckpt__writer_entry_shape(const ckpt_writer *w, int64_t j, ckpt_entry_kind *kind,
+                             ckpt_dtype *dt, int *ndim, const int64_t **shape, uint64_t *nbytes,
+                             bool *shard) {
+    if (!w || j < 0 || j >= w->count)
+        return ckpt__err(CKPT_EINVAL, "writer: entry %lld out of range", (long long)j);
+    const entry *e = &w->entries[j];
+    *kind = e->kind;
+    *dt = e->dtype;
+    *ndim = e->ndim;
+    *shape = e->shape;
+    *nbytes = e->nbytes;
+    *shard = e->shard;
+    return CKPT_OK;
+}
+
 /* Staging (asynchronous saves): each tensor's bytes at a 64-byte boundary. */
 #define STAGE_ALIGN 64
 
 static uint64_t stage_size(const entry *e) {
-    if (e->kind != CKPT_ENTRY_TENSOR || !e->data) return 0;
+    if (e->kind != CKPT_ENTRY_TENSOR || !e->data || e->elsewhere) return 0;
     return e->shard ? e->cbytes : e->nbytes;
 }
 
@@ -584,7 +641,7 @@ static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c, save_mode
                              "only a chunk that is the whole tensor",
                              path, e->key);
         if (mode == SAVE_PLAIN && e->shard) continue;
-        if (mode == SAVE_SHARDS && !e->shard) continue;
+        if (mode == SAVE_SHARDS && !shard_written(e)) continue;
         nt++;
     }
     c->outs = ckpt__calloc(nt ? (size_t)nt : 1, sizeof *c->outs);
@@ -596,7 +653,7 @@ static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c, save_mode
         const entry *e = &w->entries[i];
         if (e->kind != CKPT_ENTRY_TENSOR) continue;
         if (mode == SAVE_PLAIN && e->shard) continue;
-        if (mode == SAVE_SHARDS && !e->shard) continue;
+        if (mode == SAVE_SHARDS && !shard_written(e)) continue;
         if (mode == SAVE_SHARDS) {
             c->outs[k] = (ckpt_st_out){e->key, e->dtype, e->ndim, e->cshape, e->data, e->cbytes};
             ckpt_chunk *ch = &c->chunks[k];
@@ -1067,7 +1124,7 @@ static int find_tensor(const ckpt_reader *r, const char *key, const entry **out)
  * never need it. */
 static int reader_map(ckpt_reader *r) {
     if (!r->mem && r->fd >= 0 && r->file_size > 0) {
-        void *p = mmap(NULL, (size_t)r->file_size, PROT_READ, MAP_PRIVATE, r->fd, 0);
+        void *p = ckpt__os_map_read(r->fd, (size_t)r->file_size);
         if (p == MAP_FAILED) return ckpt__err_os(errno, "%s: mmap", r->name);
         r->map = p;
         r->map_len = (size_t)r->file_size;
@@ -1122,11 +1179,19 @@ int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
             for (int d = 0; all && d < e->ndim; d++) all = k->chunks[i].c.shape[d] == e->shape[d];
             if (all) whole = &k->chunks[i];
         }
-        if (!whole && e->nbytes)
-            return ckpt__err(CKPT_EUNSUPPORTED,
-                             "%s: tensor '%s' is saved in %" PRId64
-                             " chunks; read it with ckpt_read_tensor (no view)",
-                             r->name, key, k->n);
+        if (!whole && e->nbytes) {
+            /* Saved in several chunks: assembled once into memory the
+             * reader owns, so a view still works (at the cost of a copy). */
+            if (e->nbytes > (uint64_t)SIZE_MAX) return ckpt__err_nomem("tensor view");
+            uint8_t *buf = ckpt__malloc((size_t)e->nbytes);
+            CKPT_TRY(reader_own(r, buf));
+            int64_t zero[CKPT_MAX_NDIM] = {0};
+            CKPT_TRY(ckpt_read_tensor_shard(r, key, e->dtype, e->ndim, e->shape, zero, e->shape,
+                                            buf));
+            *data = buf;
+            if (info) entry_info(e, info);
+            return CKPT_OK;
+        }
         *data = whole && whole->data ? (const void *)whole->data : (const void *)&empty;
         if (info) entry_info(e, info);
         return CKPT_OK;
@@ -1509,12 +1574,21 @@ static int reader_own(ckpt_reader *r, void *p) {
 }
 
 static char *reader_own_strdup(ckpt_reader *r, const char *s, size_t n) {
-    char *p = ckpt__malloc(n + 1);
-    if (p) {
-        memcpy(p, s, n);
-        p[n] = '\0';
+    /* Room first, so that nothing is freed on the way (the release build's
+     * use-after-free analysis cannot follow a free on a failure path). */
+    if (grow((void **)&r->owned, &r->ownedcap, r->nowned + 1, sizeof *r->owned)) {
+        ckpt__err_nomem("adapted reader");
+        return NULL;
     }
-    return reader_own(r, p) == 0 ? p : NULL;
+    char *p = ckpt__malloc(n + 1);
+    if (!p) {
+        ckpt__err_nomem("adapted reader");
+        return NULL;
+    }
+    memcpy(p, s, n);
+    p[n] = '\0';
+    r->owned[r->nowned++] = p;
+    return p;
 }
 
 /* Appends *e (key already owned by r) and indexes it. On failure e->bytes

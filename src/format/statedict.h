@@ -91,6 +91,22 @@ uint64_t ckpt__writer_stage(ckpt_writer *w, uint8_t *dst);
  * are never part of the file ckpt__writer_write_new / ckpt_writer_save write;
  * they go to this process's shard file. */
 bool ckpt__writer_has_shards(const ckpt_writer *w);
+/* Whether this process has a shard file to write for w: a sharded entry
+ * with a non-empty chunk (or a chunk of an empty tensor). Empty chunks of
+ * non-empty tensors are not written: other processes hold those elements. */
+bool ckpt__writer_shard_file_needed(const ckpt_writer *w);
+/* Many processes, a replicated tensor written once (the save plan): entry j
+ * of w, a plain tensor, is split by rows (dimension 0; a scalar is one row)
+ * over the processes, and this one writes rows [lo, hi) of it, as a chunk in
+ * its shard file, not in the object's file. lo == hi: another process
+ * writes all of it. The entry's data pointer moves to row lo; CKPT_EINVAL if
+ * j is not a plain tensor or the range does not fit. */
+int ckpt__writer_spread(ckpt_writer *w, int64_t j, int64_t lo, int64_t hi);
+/* Entry j's kind, dtype, ndim, shape and byte count (the whole tensor's),
+ * and whether it is a sharded entry, without copying. */
+int ckpt__writer_entry_shape(const ckpt_writer *w, int64_t j, ckpt_entry_kind *kind,
+                             ckpt_dtype *dt, int *ndim, const int64_t **shape, uint64_t *nbytes,
+                             bool *shard);
 /* Writes only w's shard entries to path (create + fsync, no rename, like
  * ckpt__writer_write_new): one safetensors tensor per chunk. d->tensor_chunk
  * gets each tensor's chunk record (for the manifest). */

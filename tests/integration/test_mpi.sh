@@ -104,31 +104,37 @@ done
 echo "ok: $total_kills kills of whole jobs ($mid_save during a save); P=1, 2, 4 resumed bit for bit"
 
 # ---- a fault on one rank ------------------------------------------------------
-# same_error FILE CODE_TEXT: both ranks printed the same "save failed" line
-# (after their own "[rank r]" tag), and it names rank 1 and the OS error.
+# same_error FILE CODE_TEXT RANK1_FILE: both ranks printed the same "save
+# failed" line (after their own "[rank r]" tag), and it names rank 1, the
+# file of rank 1 that failed and the OS error.
 same_error() {
     local lines
     lines=$(grep "save failed: " "$1" | sed 's/^ckpt: \[rank [0-9]*\] //' | sort -u)
     [ "$(grep -c "save failed: " "$1")" -eq 2 ] || { cat "$1" >&2; fail "expected a save error from both ranks"; }
     [ "$(printf '%s\n' "$lines" | wc -l)" -eq 1 ] || { cat "$1" >&2; fail "the ranks report different errors"; }
     case $lines in
-    *"save failed: rank 1: "*"random_states_1.safetensors"*"$2"*) ;;
-    *) fail "the error does not name rank 1, its file and '$2': $lines" ;;
+    *"save failed: rank 1: "*"$3"*"$2"*) ;;
+    *) fail "the error does not name rank 1, its file $3 and '$2': $lines" ;;
     esac
 }
 proj=$WORK/fault
-# rank 1's second fsync is its file of the second save (step 20 of 25)
-export CKPT_FAULT=fsync:2:EIO CKPT_FAULT_RANK=1
+# Rank 1 fsyncs each file it writes once: its part of the replicated
+# tensors and its shards (the save plan), then its generator, last. Its 2k-th
+# fsync is then its generator file in the second save (step 20 of 25).
+k=$(grep -o '"rank": 1[,}]' "$(latest_checkpoint "$WORK/ref2")/checkpoint.json" | wc -l)
+[ "$k" -ge 1 ] || fail "rank 1 wrote no file in $(latest_checkpoint "$WORK/ref2")"
+export CKPT_FAULT=fsync:$((2 * k)):EIO CKPT_FAULT_RANK=1
 run_rc 3 mpi 2 "${ARGS[@]}" --save-every 10 --project-dir "$proj"
-same_error "$WORK/err" "fsync: Input/output error"
+same_error "$WORK/err" "fsync: Input/output error" random_states_1.safetensors
 [ "$(ls -A "$proj/checkpoints" | grep -v '^\.lock$' | tr '\n' ' ')" = "checkpoint_0 " ] ||
     fail "after the failed save: $(ls -A "$proj/checkpoints" | tr '\n' ' ') (expected checkpoint_0 only)"
 run_rc 0 "$CKPT_BIN" verify "$proj"
 before=$(cat "$proj/checkpoints/checkpoint_0/checkpoint.json")
-# resumed from step 10, rank 1's first write of the next save fails
+# resumed from step 10, rank 1's first write of the next save fails (its
+# first file: its part of the model)
 export CKPT_FAULT=write:1:ENOSPC
 run_rc 3 mpi 2 "${ARGS[@]}" --save-every 10 --project-dir "$proj" --resume
-same_error "$WORK/err" "write: No space left on device"
+same_error "$WORK/err" "write: No space left on device" -00002-of-00002.safetensors
 [ "$(ls -A "$proj/checkpoints" | grep -v '^\.lock$' | tr '\n' ' ')" = "checkpoint_0 " ] ||
     fail "after the second failed save: $(ls -A "$proj/checkpoints" | tr '\n' ' ')"
 [ "$(cat "$proj/checkpoints/checkpoint_0/checkpoint.json")" = "$before" ] || fail "checkpoint_0 changed"

@@ -139,11 +139,24 @@ static void test_collective_save_writes_replicated_files_once_and_a_random_state
     assert_int_equal(ckpt__manifest_read(dir, &m), 0);
     assert_int_equal(m.num_processes, P);
     assert_int_equal(m.process_index, 0);
-    /* model, custom object, then one random state per rank, written by it */
-    assert_int_equal(m.nfiles, 2 + P);
+    /* model, the model's tensor, custom object, then one random state per
+     * rank, written by it. The save plan places the replicated tensors:
+     * the model's one 16-byte tensor goes whole to the rank its middle byte
+     * falls to (rank 1 of 3), as a chunk in its shard file; the model's own
+     * file, written by rank 0, keeps the rest. */
+    assert_int_equal(m.format_version, 2);
+    assert_int_equal(m.nfiles, 3 + P);
     assert_string_equal(m.files[0].name, "model.safetensors");
     assert_int_equal(m.files[0].rank, 0);
+    assert_int_equal(m.files[0].ntensors, 0);
     assert_string_equal(m.files[1].name, "custom_checkpoint_0.safetensors");
+    const ckpt_manifest_file *mf = ckpt__manifest_find(&m, "model-00002-of-00003.safetensors");
+    assert_non_null(mf);
+    assert_int_equal(mf->rank, 1);
+    assert_int_equal(mf->ntensors, 1);
+    assert_string_equal(mf->tensor_keys[0], "w");
+    assert_int_equal(mf->chunks[0].offsets[0], 0);
+    assert_int_equal(mf->chunks[0].shape[0], 4);
     for (int r = 0; r < P; r++) {
         char name[64];
         snprintf(name, sizeof name, "random_states_%d.safetensors", r);

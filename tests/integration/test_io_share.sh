@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Proof by counting that a job of P processes saves and loads its checkpoint
+# at about 1/P per rank: tests/progs/mpi/io_share.c counts the bytes each rank's
+# library reads and writes on files (every pread, mmap, write), for a data
+# parallel state, a ZeRO-1 one and a fully sharded custom object, under
+# mpirun -np 1, 2, 3 and 4. For the save and for the load: the most one rank
+# moves is at most 1.25 x state/P + 1 MiB, the bytes read by all ranks at
+# most 1.25 x state; the load gives back the saved values bit for bit.
+# What 3 processes saved is what 1 saved, for ckpt diff, export and
+# ckpt_torch.
+source "$(dirname "$0")/common.bash"
+
+mpi_setup
+PROG=$CKPT_BUILD_DIR/tests/io_share
+[ -x "$PROG" ] || fail "$PROG was not built"
+
+for layout in dp zero1 sharded; do
+    for p in 1 2 3 4; do
+        mpirun --oversubscribe -np "$p" "$PROG" "$WORK" "$layout" >"$WORK/out" 2>"$WORK/err" || {
+            cat "$WORK/out" "$WORK/err" >&2
+            fail "io_share $layout on $p processes"
+        }
+        cat "$WORK/out"
+        [ "$p" = 1 ] || [ "$p" = 3 ] || rm -rf "${WORK:?}/$layout-$p"
+    done
+    # Saved by 3 processes (format version 2, replicated tensors spread over
+    # the ranks' shard files), the checkpoint holds what one process saved:
+    # ckpt verify, diff and export read it, and so does ckpt_torch.
+    one=$(latest_checkpoint "$WORK/$layout-1") three=$(latest_checkpoint "$WORK/$layout-3")
+    grep -q '"format_version": 2' "$three/checkpoint.json" || fail "$three: not format version 2"
+    grep -q '"format_version": 1' "$one/checkpoint.json" || fail "$one: not format version 1"
+    run_rc 0 "$CKPT_BIN" verify "$WORK/$layout-3"
+    # (the generators of ranks 1 and 2 are the only files one process lacks)
+    run_rc 1 "$CKPT_BIN" diff "$one" "$three"
+    if grep -vE '^random_states_[12]\.safetensors: only in B$|num_processes: 1 vs 3|^2 differences$' \
+        "$WORK/out"; then
+        fail "$layout: what 1 and 3 processes saved differs"
+    fi
+    if [ "$layout" != sharded ]; then
+        run_rc 0 "$CKPT_BIN" export "$three" "$WORK/exp3"
+        run_rc 0 "$CKPT_BIN" export "$one" "$WORK/exp1"
+        run_rc 0 "$CKPT_BIN" diff "$WORK/exp1/model.safetensors" "$WORK/exp3/model.safetensors"
+        PYTHONPATH="$CKPT_SOURCE_DIR/python" "${CKPT_PYTHON:-python3}" -B -c '
+import sys, numpy as np, ckpt_torch
+a = ckpt_torch.load(sys.argv[1], as_torch=False)["files"]
+b = ckpt_torch.load(sys.argv[2], as_torch=False)["files"]
+for f in ("model", "optimizer"):
+    assert sorted(a[f]) == sorted(b[f]), (f, sorted(a[f]), sorted(b[f]))
+    for k in a[f]:
+        x, y = a[f][k], b[f][k]
+        assert (np.array_equal(x, y) and x.dtype == y.dtype) if isinstance(x, np.ndarray) else x == y, k
+' "$one" "$three" || fail "ckpt_torch reads the 3-process $layout checkpoint otherwise"
+        rm -rf "$WORK/exp1" "$WORK/exp3"
+    fi
+    rm -rf "${WORK:?}/$layout-1" "${WORK:?}/$layout-3"
+done
+echo "PASS: every rank saved and loaded at most 1.25 x state/P + 1 MiB"
+
+# ---- reshard P -> Q, ZeRO-1 on or off on each side; format version 1 --------
+# tests/progs/mpi/reshard_check.c: a model with AdamW (ZeRO-1 unless
+# CKPT_TEST_ZERO=0) and a row-sharded custom object, saved on P ranks and
+# loaded on Q; the loaded values, and one more optimizer step, equal bit for
+# bit a job that never saved.
+CHECK=$CKPT_BUILD_DIR/tests/reshard_check
+for pq in 1:3 2:4 4:2 3:2 4:1; do
+    p=${pq%:*} q=${pq#*:}
+    for zs in 1 0; do
+        for zl in 1 0; do
+            d=$WORK/rs-$p-$q-$zs$zl
+            CKPT_TEST_ZERO=$zs run_rc 0 mpirun --oversubscribe -np "$p" "$CHECK" save "$d"
+            CKPT_TEST_ZERO=$zl run_rc 0 mpirun --oversubscribe -np "$q" "$CHECK" check "$d"
+            rm -rf "$d"
+        done
+    done
+done
+echo "ok: reshard 1->3, 2->4, 4->2, 3->2, 4->1, ZeRO-1 on and off on each side"
+# A checkpoint of format version 1, saved on 3 ranks by the library before
+# the save plan, loads on 3, 2, 1 and 4 ranks, and ckpt_torch reads it.
+for q in 3 2 1 4; do
+    d=$WORK/v1-$q
+    mkdir -p "$d/checkpoints"
+    cp -r "$CKPT_SOURCE_DIR/tests/fixtures/v1-3proc/checkpoint_0" "$d/checkpoints/"
+    grep -q '"format_version": 1' "$d/checkpoints/checkpoint_0/checkpoint.json" ||
+        fail "the fixture is not format version 1"
+    run_rc 0 mpirun --oversubscribe -np "$q" "$CHECK" check "$d"
+done
+run_rc 0 "$CKPT_BIN" verify "$WORK/v1-3"
+PYTHONPATH="$CKPT_SOURCE_DIR/python" "${CKPT_PYTHON:-python3}" -B -c '
+import sys, numpy as np, ckpt_torch
+f = ckpt_torch.load(sys.argv[1], as_torch=False)["files"]
+rows = f["custom_checkpoint_0"]["rows"]
+assert rows.shape == (7, 2) and (rows.ravel() == 3 + np.arange(14, dtype=np.float32)).all(), rows
+assert f["model"]["a"].shape == (5, 3)
+' "$WORK/v1-3/checkpoints/checkpoint_0" || fail "ckpt_torch does not read the version 1 fixture"
+echo "ok: the format version 1 fixture loads on 3, 2, 1 and 4 ranks"
