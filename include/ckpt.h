@@ -717,6 +717,20 @@ typedef struct ckpt_project_config {
      * negative = wait forever. Needs a comm with deadline support
      * (ckpt_comm_mpi has it; see ckpt_comm.deadline). */
     double collective_timeout_s;
+    /* Incremental saves (docs/CHECKPOINTS.md "Incremental saves"): by default
+     * a save hashes each state file it is about to write (XXH3-128, in
+     * memory) and, when the newest committed checkpoint of the project (or,
+     * before the project has one, the checkpoint this accelerator last saved
+     * or loaded) holds a file of that name with the same size and hash, it
+     * hard-links that file into the new checkpoint instead of writing it,
+     * after checking that the old file still has the bytes its manifest
+     * records. Every checkpoint folder stays complete; deleting one never
+     * breaks another. Where links cannot be made (another file system, no
+     * hard links) the files are written, and a warning says so once per save.
+     * A linked file is one physical copy shared by the checkpoints (a bad
+     * sector hits all of them; ckpt verify names them). true: always write
+     * every file (zero-initialised configs keep linking on). */
+    bool no_link_unchanged;
 } ckpt_project_config;
 
 #define CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S 600.0

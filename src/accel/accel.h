@@ -92,6 +92,7 @@ struct ckpt_accelerator {
     /* retention beyond total_limit (best_metric a copy) */
     ckpt_retention retention;
     uint64_t max_shard_size; /* models beyond it are saved as HF shards */
+    bool no_link_unchanged;  /* incremental saves off: every file is written */
     /* ckpt_set_metric: recorded by the next save */
     int nmetrics;
     ckpt_metric metrics[CKPT_MAX_METRICS];

@@ -76,6 +76,7 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
         goto nomem;
     acc->save_interval_steps = cfg->save_interval_steps;
     acc->max_shard_size = cfg->max_shard_size;
+    acc->no_link_unchanged = cfg->no_link_unchanged;
     acc->save_interval_seconds = cfg->save_interval_seconds;
     acc->coll_timeout = cfg->collective_timeout_s == 0 ? CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S
                         : cfg->collective_timeout_s < 0 || isinf(cfg->collective_timeout_s)

@@ -79,6 +79,14 @@ struct ckpt_save_op {
     int nmetrics; /* ckpt_set_metric's, taken at the call */
     ckpt_metric metrics[CKPT_MAX_METRICS];
     char *post_dir; /* the final folder for the post-hooks (a copy: they may save) */
+    /* incremental saves: the checkpoint whose unchanged files are linked */
+    bool link;       /* linking is on (the project option) */
+    bool link_off;   /* a link failed for a reason that will not go away: write */
+    char *prev_dir;  /* rank 0 picks it, every rank reads its manifest */
+    ckpt_manifest prev;
+    bool have_prev;
+    uint64_t linked_bytes; /* this rank's files linked, not written */
+    int64_t nlinked;
 };
 typedef struct ckpt_save_op save_op;
 
@@ -155,11 +163,21 @@ static int plan_local(save_op *op, const char *output_dir) {
         if (rc < 0) return ckpt__err_prefix(rc, "save_state");
         op->number = acc->iteration;
         if (count > 0 && nums[count - 1] + 1 > op->number) op->number = nums[count - 1] + 1;
+        if (op->link && count > 0) {
+            char nm[48];
+            snprintf(nm, sizeof nm, "checkpoint_%" PRId64, nums[count - 1]);
+            op->prev_dir = ckpt__path_join(op->parent, nm);
+        }
         free(nums);
         op->base = ckpt__malloc(48);
         if (!op->base) return ckpt__err_nomem("save path");
         snprintf(op->base, 48, "checkpoint_%" PRId64, op->number);
     }
+    /* Before the project has a checkpoint (or for a folder of the user's):
+     * the checkpoint this accelerator saved or loaded last, e.g. the one a
+     * fine-tune started from. */
+    if (op->link && !op->prev_dir && acc->last_dir && acc->last_dir[0])
+        op->prev_dir = ckpt__strdup(acc->last_dir);
     op->target = ckpt__path_join(op->parent, op->base);
     op->tname = ckpt__temp_name(op->base);
     if (!op->target || !op->tname || !(op->tmp = ckpt__path_join(op->parent, op->tname)))
@@ -179,27 +197,33 @@ static int plan_share(save_op *op) {
     char *blob = NULL;
     size_t n = 0;
     if (c->rank == 0) {
-        size_t nt = strlen(op->target), np = strlen(op->tmp);
-        n = 24 + nt + 1 + np + 1;
+        const char *prev = op->prev_dir ? op->prev_dir : "";
+        size_t nt = strlen(op->target), np = strlen(op->tmp), nv = strlen(prev);
+        n = 24 + nt + 1 + np + 1 + nv + 1;
         blob = ckpt__malloc(n);
         if (!blob) return ckpt__err_nomem("save plan");
         memset(blob, 0, 24);
         snprintf(blob, 24, "%" PRId64, op->number);
         memcpy(blob + 24, op->target, nt + 1);
         memcpy(blob + 24 + nt + 1, op->tmp, np + 1);
+        memcpy(blob + 24 + nt + 1 + np + 1, prev, nv + 1);
     }
     int rc = ckpt__coll_bcast_bytes(c, &blob, &n);
     if (rc == 0 && c->rank != 0) {
-        /* From rank 0 of this job, but still checked: three strings. */
+        /* From rank 0 of this job, but still checked: four strings (the
+         * last, the checkpoint to link from, may be empty). */
         const char *t = blob + 24, *end = blob + n;
         const char *p = n > 24 ? memchr(t, '\0', (size_t)(end - t)) : NULL;
-        if (!p || !memchr(p + 1, '\0', (size_t)(end - p - 1)) || !memchr(blob, '\0', 24)) {
+        const char *v = p ? memchr(p + 1, '\0', (size_t)(end - p - 1)) : NULL;
+        if (!v || !memchr(v + 1, '\0', (size_t)(end - v - 1)) || !memchr(blob, '\0', 24)) {
             rc = ckpt__err(CKPT_EINVAL, "save_state: rank 0 sent a malformed plan");
         } else {
             op->number = strtoll(blob, NULL, 10);
             op->target = ckpt__strdup(t);
             op->tmp = ckpt__strdup(p + 1);
             if (!op->target || !op->tmp) rc = ckpt__err_nomem("save plan");
+            if (rc == 0 && v[1] && !(op->prev_dir = ckpt__strdup(v + 1)))
+                rc = ckpt__err_nomem("save plan");
         }
     }
     free(blob);
@@ -231,16 +255,119 @@ static int snapshot(save_op *op) {
     return CKPT_OK;
 }
 
-/* Writes one file of the op's rank into the temporary folder, recording
- * it in slot. */
+/* ---- incremental saves: unchanged files are linked -------------------------- */
+
+/* Every rank, after the plan: the manifest of the checkpoint to link from.
+ * Without a readable one nothing is linked (that is all it costs). */
+static void read_prev(save_op *op) {
+    if (!op->link || !op->prev_dir) return;
+    ckpt__manifest_init(&op->prev);
+    if (ckpt__manifest_read(op->prev_dir, &op->prev) == 0) {
+        op->have_prev = true;
+    } else {
+        ckpt__manifest_clear(&op->prev);
+        ckpt_clear_error();
+    }
+}
+
+/* The digest of a linked file, from the previous manifest's record. */
+static int digest_from_record(const ckpt_manifest_file *f, ckpt_file_digest *d) {
+    memset(d, 0, sizeof *d);
+    size_t n = f->ntensors ? (size_t)f->ntensors : 1;
+    d->tensor_keys = ckpt__calloc(n, sizeof *d->tensor_keys);
+    d->tensor_xxh3 = ckpt__calloc(n, sizeof *d->tensor_xxh3);
+    if (f->chunks) d->tensor_chunk = ckpt__calloc(n, sizeof *d->tensor_chunk);
+    if (!d->tensor_keys || !d->tensor_xxh3 || (f->chunks && !d->tensor_chunk)) {
+        ckpt__file_digest_free(d);
+        return ckpt__err_nomem("file digest");
+    }
+    d->ntensors = f->ntensors;
+    for (int64_t t = 0; t < f->ntensors; t++) {
+        if (!(d->tensor_keys[t] = ckpt__strdup(f->tensor_keys[t]))) {
+            ckpt__file_digest_free(d);
+            return ckpt__err_nomem("file digest");
+        }
+        d->tensor_xxh3[t] = f->tensor_xxh3[t];
+        if (f->chunks) d->tensor_chunk[t] = f->chunks[t];
+    }
+    d->size = f->size;
+    d->xxh3 = f->xxh3;
+    d->has_xxh128 = true;
+    d->xxh128 = f->xxh128;
+    return CKPT_OK;
+}
+
+/* Whether the file the save would write as name equals the previous
+ * checkpoint's file of that name, decided from memory: the same size and
+ * XXH3-128 as its manifest records. If so it is hard-linked into the
+ * temporary folder at path (1; d from the record). 0: write it (d->xxh128
+ * may already hold its hash). The old file is never read to decide; it is
+ * read once linked, to check that its bytes are still the ones its manifest
+ * records (a file changed after its commit is never linked). */
+static int try_link(save_op *op, ckpt_writer *w, const char *name, bool shards, const char *path,
+                    ckpt_file_digest *d) {
+    if (!op->have_prev || op->link_off) return 0;
+    const ckpt_manifest_file *f = ckpt__manifest_find(&op->prev, name);
+    if (!f || !f->has_xxh128) return 0;
+    uint64_t size = 0;
+    ckpt_h128 h;
+    CKPT_TRY(ckpt__writer_hash128(w, path, shards, &size, &h));
+    d->has_xxh128 = true;
+    d->xxh128 = h;
+    if (size != f->size || !ckpt__h128_eq(h, f->xxh128)) return 0;
+    char *from = ckpt__path_join(op->prev_dir, name);
+    if (!from) return ckpt__err_nomem("save path");
+    if (ckpt__os_link(from, path) != 0) {
+        int e = errno;
+        if (e != ENOENT) { /* EXDEV, EPERM, EMLINK, ENOTSUP...: for this save, write */
+            op->link_off = true;
+            ckpt__log(&op->log, CKPT_LOG_WARNING,
+                      "save_state: cannot hard-link unchanged files from %s (%s: %s); writing "
+                      "them instead",
+                      op->prev_dir, name, strerror(e));
+        }
+        free(from);
+        return 0;
+    }
+    uint64_t got = 0;
+    int rc = ckpt__read_hashed(path, path, f->size, NULL, &got);
+    if (rc < 0 || got != f->xxh3) {
+        ckpt__log(&op->log, CKPT_LOG_WARNING,
+                  "save_state: %s no longer has the bytes its manifest records (%s); not "
+                  "linked, written anew",
+                  from, rc < 0 ? ckpt_errmsg() : "XXH3-64 differs");
+        free(from);
+        ckpt_clear_error();
+        if (ckpt__os_unlink(path) != 0)
+            return ckpt__err_os(errno, "save_state: %s: remove a link to a damaged file", path);
+        return 0;
+    }
+    free(from);
+    CKPT_TRY(digest_from_record(f, d));
+    op->linked_bytes += f->size;
+    op->nlinked++;
+    return 1;
+}
+
+/* Writes one file of the op's rank into the temporary folder (or links
+ * the previous checkpoint's identical file there), recording it in slot. */
 static int write_file(save_op *op, ckpt_writer *w, const char *name, const char *kind, bool shards,
                       save_slot *slot) {
     char *path = ckpt__path_join(op->tmp, name);
     if (!path) return ckpt__err_nomem("save path");
     ckpt__file_digest_free(&slot->d);
     memset(&slot->d, 0, sizeof slot->d);
-    int rc = shards ? ckpt__writer_write_shards_new(w, path, &slot->d)
-                    : ckpt__writer_write_new(w, path, &slot->d);
+    int rc = op->link ? try_link(op, w, name, shards, path, &slot->d) : 0;
+    if (rc == 0) {
+        bool known = slot->d.has_xxh128;
+        ckpt_h128 h = slot->d.xxh128;
+        rc = ckpt__writer_write_new_ex(w, path, shards, op->link && !known, &slot->d);
+        if (rc == 0 && known) {
+            slot->d.has_xxh128 = true;
+            slot->d.xxh128 = h;
+        }
+    }
+    if (rc > 0) rc = 0;
     if (rc == 0) {
         slot->has = true;
         slot->kind = kind;
@@ -692,6 +819,8 @@ void ckpt__save_op_free(save_op *op) {
     free(op->objs);
     ckpt__manifest_clear(&op->mine);
     ckpt__manifest_clear(&op->all);
+    if (op->have_prev) ckpt__manifest_clear(&op->prev);
+    free(op->prev_dir);
     free(op->parent);
     free(op->base);
     free(op->target);
@@ -730,6 +859,7 @@ static int save_start(ckpt_accelerator *acc, const char *output_dir, save_op **o
     op->committer = c->rank == 0;
     op->number = -1;
     op->lk.fd = -1;
+    op->link = !acc->no_link_unchanged;
     ckpt__manifest_init(&op->mine);
     ckpt__manifest_init(&op->all);
 
@@ -760,6 +890,7 @@ static int save_start(ckpt_accelerator *acc, const char *output_dir, save_op **o
         rc = ckpt__err_nomem("save path");
     ckpt__coll_phase(acc, "save: pre-hooks and snapshot");
     if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->tmp, "save_state");
+    if (rc == 0) read_prev(op);
     if (rc == 0) rc = snapshot(op);
     if (rc == 0) rc = plan_spread(op);
     if (rc == 0) rc = check_hook_names(op);

@@ -420,11 +420,12 @@ int ckpt__os_link(const char *from, const char *to) {
 
 /* ---- the write stream --------------------------------------------------- */
 
-/* Both XXH3 states live in one allocation made through ckpt__malloc (so the
+/* The XXH3 states live in one allocation made through ckpt__malloc (so the
  * allocation-failure sweep covers it), aligned by hand as XXH3 requires. */
 typedef struct hash_pair {
     XXH3_state_t whole;
     XXH3_state_t part;
+    XXH3_state_t wide; /* XXH3-128 of the whole stream, when wanted */
 } hash_pair;
 
 static hash_pair *hash_pair_of(const ckpt_ostream *s) { return (hash_pair *)s->hash; }
@@ -439,7 +440,7 @@ static void ostream_release(ckpt_ostream *s) {
     s->fd = -1;
 }
 
-int ckpt__ostream_open(ckpt_ostream *s, const char *path) {
+static int ostream_init(ckpt_ostream *s, const char *path) {
     memset(s, 0, sizeof *s);
     s->fd = -1;
     s->path = ckpt__strdup(path);
@@ -453,10 +454,29 @@ int ckpt__ostream_open(ckpt_ostream *s, const char *path) {
     hash_pair *h = (hash_pair *)a;
     XXH3_INITSTATE(&h->whole);
     XXH3_INITSTATE(&h->part);
+    XXH3_INITSTATE(&h->wide);
     XXH3_64bits_reset(&h->whole);
     XXH3_64bits_reset(&h->part);
     s->hash = h;
     s->part_hash = &h->part;
+    return CKPT_OK;
+}
+
+int ckpt__ostream_open_dry(ckpt_ostream *s, const char *what) {
+    CKPT_TRY(ostream_init(s, what));
+    s->dry = true;
+    ckpt__ostream_want128(s);
+    return CKPT_OK;
+}
+
+void ckpt__ostream_want128(ckpt_ostream *s) {
+    if (!s->hash || s->want128) return;
+    XXH3_128bits_reset(&hash_pair_of(s)->wide);
+    s->want128 = true;
+}
+
+int ckpt__ostream_open(ckpt_ostream *s, const char *path) {
+    CKPT_TRY(ostream_init(s, path));
     int fd = ckpt__os_open(path, O_WRONLY | O_CREAT | O_EXCL, 0644);
     if (fd < 0) {
         int e = errno;
@@ -493,6 +513,11 @@ static void ostream_kick_writeback(ckpt_ostream *s) {
 
 int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n) {
     if (s->err) return s->err;
+    if (s->dry) {
+        if (s->hash) XXH3_128bits_update(&hash_pair_of(s)->wide, p, n);
+        s->bytes += n;
+        return CKPT_OK;
+    }
     if (s->fd < 0) return s->err = ckpt__err(CKPT_EINVAL, "write stream: not open");
     const uint8_t *b = p;
     hash_pair *h = hash_pair_of(s);
@@ -507,6 +532,7 @@ int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n) {
         }
         XXH3_64bits_update(&h->whole, b, piece);
         XXH3_64bits_update(&h->part, b, piece);
+        if (s->want128) XXH3_128bits_update(&h->wide, b, piece);
         s->bytes += piece;
         b += piece;
         n -= piece;
@@ -516,16 +542,31 @@ int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n) {
 }
 
 void ckpt__ostream_part_begin(ckpt_ostream *s) {
-    if (s->hash) XXH3_64bits_reset(&hash_pair_of(s)->part);
+    if (s->hash && !s->dry) XXH3_64bits_reset(&hash_pair_of(s)->part);
 }
 
 uint64_t ckpt__ostream_part_digest(const ckpt_ostream *s) {
-    return s->hash ? XXH3_64bits_digest(&hash_pair_of(s)->part) : 0;
+    return s->hash && !s->dry ? XXH3_64bits_digest(&hash_pair_of(s)->part) : 0;
+}
+
+static void take_h128(ckpt_ostream *s) {
+    memset(&s->h128, 0, sizeof s->h128);
+    if (!s->want128 || !s->hash) return;
+    XXH128_hash_t v = XXH3_128bits_digest(&hash_pair_of(s)->wide);
+    s->h128.lo = v.low64;
+    s->h128.hi = v.high64;
 }
 
 int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
     if (s->fd < 0 && !s->path) return ckpt__err(CKPT_EINVAL, "write stream: not open");
     int rc = s->err;
+    if (s->dry) {
+        if (!rc) take_h128(s);
+        if (!rc && digest) *digest = 0;
+        if (!rc && size) *size = s->bytes;
+        ostream_release(s);
+        return rc;
+    }
     if (!rc && !(io_unsafe & CKPT_IO_SKIP_FILE_FSYNC) && ckpt__os_fsync(s->fd) < 0)
         rc = ckpt__err_os(errno, "%s: fsync", s->path);
     if (s->fd >= 0) {
@@ -540,6 +581,7 @@ int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
     }
     if (digest) *digest = XXH3_64bits_digest(&hash_pair_of(s)->whole);
     if (size) *size = s->bytes;
+    take_h128(s);
     ostream_release(s);
     return CKPT_OK;
 }
@@ -547,7 +589,7 @@ int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
 void ckpt__ostream_abort(ckpt_ostream *s) {
     if (!s) return;
     if (s->fd >= 0) close(s->fd);
-    if (s->path) ckpt__os_unlink(s->path);
+    if (s->path && !s->dry) ckpt__os_unlink(s->path);
     ostream_release(s);
 }
 
@@ -943,6 +985,11 @@ out:
 }
 
 uint64_t ckpt__xxh3(const void *p, size_t n) { return XXH3_64bits(p, n); }
+
+ckpt_h128 ckpt__xxh128(const void *p, size_t n) {
+    XXH128_hash_t v = XXH3_128bits(p, n);
+    return (ckpt_h128){v.low64, v.high64};
+}
 
 /* ---- reads that hash on the way --------------------------------------------- */
 

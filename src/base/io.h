@@ -123,6 +123,12 @@ void ckpt__io_set_unsafe(unsigned mask);
 unsigned ckpt__io_unsafe(void);
 
 /* ---- the write stream --------------------------------------------------- */
+/* An XXH3-128 digest: what decides that a file about to be written has
+ * exactly the bytes of a file already on disk (incremental saves). */
+typedef struct ckpt_h128 {
+    uint64_t lo, hi;
+} ckpt_h128;
+
 typedef struct ckpt_ostream {
     int fd;
     char *path;         /* for messages (owned) */
@@ -131,11 +137,22 @@ typedef struct ckpt_ostream {
     uint64_t kicked;    /* bytes whose writeback has been started (see ostream_write) */
     void *hash;         /* XXH3 state of the whole stream (owned) */
     void *part_hash;    /* XXH3 state of the current part (see part_begin) */
-    void *hash_mem;     /* the allocation holding both states (owned) */
+    void *hash_mem;     /* the allocation holding the states (owned) */
+    bool dry;           /* no file: only counts and hashes (ckpt__ostream_open_dry) */
+    bool want128;       /* also an XXH3-128 of the whole stream */
+    ckpt_h128 h128;     /* that digest, set by ckpt__ostream_finish */
 } ckpt_ostream;
 
 /* Creates path exclusively (O_CREAT|O_EXCL, 0644). */
 int ckpt__ostream_open(ckpt_ostream *s, const char *path);
+/* A stream that writes nothing: it counts the bytes and computes only their
+ * XXH3-128 (h128 after finish; the 64-bit digests stay 0). How a save learns,
+ * from memory, whether a file it would write equals one already on disk.
+ * what names it in messages. */
+int ckpt__ostream_open_dry(ckpt_ostream *s, const char *what);
+/* Makes an open stream compute the XXH3-128 of its bytes as well (into
+ * s->h128 at finish); call before the first write. */
+void ckpt__ostream_want128(ckpt_ostream *s);
 /* Writes all n bytes (EINTR, short writes handled), updating the checksums.
  * After an error, every call returns that error without writing. Error
  * messages name the file and the OS error. */
@@ -246,5 +263,8 @@ void ckpt__arena_free(ckpt_arena *a);
 int ckpt__read_small_file(const char *path, bool own, uint64_t max, char **out, size_t *len);
 /* XXH3-64 of a buffer. */
 uint64_t ckpt__xxh3(const void *p, size_t n);
+/* XXH3-128 of a buffer. */
+ckpt_h128 ckpt__xxh128(const void *p, size_t n);
+static inline bool ckpt__h128_eq(ckpt_h128 a, ckpt_h128 b) { return a.lo == b.lo && a.hi == b.hi; }
 
 #endif

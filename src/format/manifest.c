@@ -89,6 +89,8 @@ int ckpt__manifest_add(ckpt_manifest *m, const char *name, const char *kind,
     }
     f->size = d->size;
     f->xxh3 = d->xxh3;
+    f->has_xxh128 = d->has_xxh128;
+    f->xxh128 = d->xxh128;
     return 0;
 }
 
@@ -187,6 +189,12 @@ static json_t *file_json(const ckpt_manifest_file *f) {
     JSET(jf, "size", json_integer((json_int_t)f->size));
     hex64(f->xxh3, hex);
     JSET(jf, "xxh3", json_string(hex));
+    if (f->has_xxh128) { /* high half first, as XXH128's canonical form */
+        char wide[33];
+        hex64(f->xxh128.hi, wide);
+        hex64(f->xxh128.lo, wide + 16);
+        JSET(jf, "xxh128", json_string(wide));
+    }
     json_t *jt = json_object();
     if (!jt) goto nomem;
     JSET(jf, "tensors", jt);
@@ -481,6 +489,13 @@ static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *wha
     uint64_t digest;
     if (parse_hex64(hex, hlen, &digest) != 0)
         return ckpt__err(CKPT_ECORRUPT, "%s: \"xxh3\" must be 16 lowercase hex digits", where);
+    const char *wide = NULL;
+    size_t wlen = 0;
+    ckpt_h128 h128 = {0, 0};
+    CKPT_TRY(get_str(jf, "xxh128", false, &wide, &wlen, where));
+    if (wide && (wlen != 32 || parse_hex64(wide, 16, &h128.hi) != 0 ||
+                 parse_hex64(wide + 16, 16, &h128.lo) != 0))
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"xxh128\" must be 32 lowercase hex digits", where);
     json_t *jt = json_object_get(jf, "tensors");
     if (jt && !json_is_object(jt))
         return ckpt__err(CKPT_ECORRUPT, "%s: \"tensors\" must be an object", where);
@@ -492,6 +507,8 @@ static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *wha
     f->size = (uint64_t)size;
     f->xxh3 = digest;
     f->rank = (int)rank;
+    f->has_xxh128 = wide != NULL;
+    f->xxh128 = h128;
     if (!f->name || !f->kind) return ckpt__err_nomem("manifest");
     size_t nt = jt ? json_object_size(jt) : 0;
     CKPT_TRY(alloc_tensors(f, (int64_t)nt));

@@ -32,6 +32,8 @@ typedef struct ckpt_manifest_file {
     uint64_t *tensor_xxh3;
     ckpt_chunk *chunks;    /* NULL, or (a shard file) one per tensor: where it sits */
     int rank;              /* the process that wrote the file; 0 for one process */
+    bool has_xxh128;       /* "xxh128": the file's XXH3-128 (absent in older manifests) */
+    ckpt_h128 xxh128;      /* what an incremental save compares its bytes with */
 } ckpt_manifest_file;
 
 typedef struct ckpt_manifest {

@@ -730,15 +730,17 @@ int ckpt_writer_save(ckpt_writer *w, const char *path) {
     return ckpt__writer_save_digest(w, path, NULL);
 }
 
-static int write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d, save_mode mode) {
+static int write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d, save_mode mode,
+                     bool want128) {
     if (d) digest_clear(d);
     save_ctx c;
     int rc = save_prepare(w, path, &c, mode);
     uint64_t size = 0, xxh = 0;
+    ckpt_ostream s;
     if (!rc) {
-        ckpt_ostream s;
         rc = ckpt__ostream_open(&s, path);
         if (!rc) {
+            if (want128) ckpt__ostream_want128(&s);
             rc = fill_file(&s, &c);
             if (rc)
                 ckpt__ostream_abort(&s);
@@ -747,16 +749,41 @@ static int write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d, save
         }
     }
     if (!rc && d) rc = fill_digest(&c, size, xxh, d);
+    if (!rc && d && want128) {
+        d->has_xxh128 = true;
+        d->xxh128 = s.h128;
+    }
     save_release(&c);
     return rc;
 }
 
 int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d) {
-    return write_new(w, path, d, SAVE_PLAIN);
+    return write_new(w, path, d, SAVE_PLAIN, false);
 }
 
 int ckpt__writer_write_shards_new(ckpt_writer *w, const char *path, ckpt_file_digest *d) {
-    return write_new(w, path, d, SAVE_SHARDS);
+    return write_new(w, path, d, SAVE_SHARDS, false);
+}
+
+int ckpt__writer_write_new_ex(ckpt_writer *w, const char *path, bool shards, bool want128,
+                              ckpt_file_digest *d) {
+    return write_new(w, path, d, shards ? SAVE_SHARDS : SAVE_PLAIN, want128);
+}
+
+int ckpt__writer_hash128(ckpt_writer *w, const char *what, bool shards, uint64_t *size,
+                         ckpt_h128 *h) {
+    save_ctx c;
+    int rc = save_prepare(w, what, &c, shards ? SAVE_SHARDS : SAVE_PLAIN);
+    ckpt_ostream s;
+    if (!rc) rc = ckpt__ostream_open_dry(&s, what);
+    if (!rc) {
+        rc = fill_file(&s, &c);
+        if (rc) ckpt__ostream_abort(&s);
+        else rc = ckpt__ostream_finish(&s, NULL, size);
+        if (!rc) *h = s.h128;
+    }
+    save_release(&c);
+    return rc;
 }
 
 /* ---- reader ------------------------------------------------------------- */

@@ -32,6 +32,8 @@ typedef struct ckpt_file_digest {
     uint64_t *tensor_offset; /* owned: absolute file offset of each tensor's data */
     uint64_t *tensor_nbytes; /* owned */
     struct ckpt_chunk *tensor_chunk; /* owned; NULL, or (a shard file) one per tensor */
+    bool has_xxh128;         /* xxh128 below is the XXH3-128 of the whole file */
+    ckpt_h128 xxh128;
 } ckpt_file_digest;
 void ckpt__file_digest_free(ckpt_file_digest *d);
 
@@ -41,6 +43,15 @@ int ckpt__writer_save_digest(ckpt_writer *w, const char *path, ckpt_file_digest 
  * no rename: for files inside a checkpoint's temporary folder, which is
  * published as a whole. */
 int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d);
+/* ckpt__writer_write_new (shards: ckpt__writer_write_shards_new) that also
+ * fills d->xxh128 (the file's XXH3-128) when want128. */
+int ckpt__writer_write_new_ex(ckpt_writer *w, const char *path, bool shards, bool want128,
+                              ckpt_file_digest *d);
+/* What ckpt__writer_write_new_ex(w, ..., shards, ...) would write, measured
+ * in memory without writing anything: its size and its XXH3-128. `what`
+ * names the file in messages. */
+int ckpt__writer_hash128(ckpt_writer *w, const char *what, bool shards, uint64_t *size,
+                         ckpt_h128 *h);
 /* The position of r's entry named key (as ckpt_reader_entry counts), or -1.
  * No message either way. */
 int64_t ckpt__reader_index(const ckpt_reader *r, const char *key);

@@ -1,0 +1,415 @@
+/* Incremental saves: a state file whose bytes equal the same file of the
+ * newest committed checkpoint is hard-linked into the new checkpoint instead
+ * of written. These tests show that the link happens (same inode, fewer
+ * bytes written), that it is decided from memory (the hash of the bytes the
+ * save would write), that an old file changed after its commit is never
+ * linked, that deleting an old checkpoint leaves the newer one complete, that
+ * the project option turns it off, and that asynchronous saves link too. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "ckpt.h"
+#include "base/io.h"
+#include "format/manifest.h"
+#include "format/statedict.h"
+#include "helpers/testutil.h"
+
+enum { NBASE = 64 * 1024, NHEAD = 256 };
+
+/* A frozen base (never changes) and a trained head (changes every step),
+ * as two prepared models: model.safetensors and model_1.safetensors. */
+typedef struct fixture {
+    float base[NBASE], head[NHEAD];
+    ckpt_model *mbase, *mhead;
+    ckpt_accelerator *acc;
+    char log[4096];
+    int nwarn;
+} fixture;
+
+static fixture fx;
+
+static void on_log(void *user, ckpt_log_level level, const char *msg) {
+    (void)user;
+    if (level == CKPT_LOG_WARNING) fx.nwarn++;
+    size_t n = strlen(fx.log);
+    snprintf(fx.log + n, sizeof fx.log - n, "%s\n", msg);
+}
+
+static void open_acc(const char *project, bool no_link) {
+    ckpt_project_config cfg = {.project_dir = project,
+                               .automatic_checkpoint_naming = true,
+                               .no_link_unchanged = no_link};
+    assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
+    ckpt_accelerator_set_log(fx.acc, on_log, NULL);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mbase), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mhead), 0);
+}
+
+static void build(const char *project, bool no_link) {
+    memset(&fx, 0, sizeof fx);
+    for (int i = 0; i < NBASE; i++) fx.base[i] = (float)i * 0.25f;
+    for (int i = 0; i < NHEAD; i++) fx.head[i] = (float)-i;
+    assert_int_equal(ckpt_model_new(&fx.mbase), 0);
+    assert_int_equal(ckpt_model_new(&fx.mhead), 0);
+    assert_int_equal(
+        ckpt_model_add_param(fx.mbase, "base", CKPT_F32, 1, (int64_t[]){NBASE}, fx.base, NULL), 0);
+    assert_int_equal(
+        ckpt_model_add_param(fx.mhead, "head", CKPT_F32, 1, (int64_t[]){NHEAD}, fx.head, NULL), 0);
+    open_acc(project, no_link);
+}
+
+static void destroy(void) {
+    ckpt_accelerator_free(fx.acc);
+    ckpt_model_free(fx.mbase);
+    ckpt_model_free(fx.mhead);
+}
+
+static int setup(void **state) {
+    if (tu_tmpdir_setup(state)) return -1;
+    build(tu_dir(), false);
+    return 0;
+}
+
+static int setup_off(void **state) {
+    if (tu_tmpdir_setup(state)) return -1;
+    build(tu_dir(), true);
+    return 0;
+}
+
+static int teardown(void **state) {
+    destroy();
+    return tu_tmpdir_teardown(state);
+}
+
+static void train_step(void) {
+    for (int i = 0; i < NHEAD; i++) fx.head[i] += 1.0f;
+}
+
+static char *ckpt_file(int n, const char *name) {
+    return tu_pathf("%s/checkpoints/checkpoint_%d/%s", tu_dir(), n, name);
+}
+
+static struct stat stat_of(int n, const char *name) {
+    char *p = ckpt_file(n, name);
+    struct stat st;
+    assert_int_equal(lstat(p, &st), 0);
+    free(p);
+    return st;
+}
+
+static bool same_file(int a, int b, const char *name) {
+    struct stat x = stat_of(a, name), y = stat_of(b, name);
+    return x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+}
+
+static uint64_t written_now(void) {
+    ckpt_io_bytes b;
+    ckpt__io_bytes(&b);
+    return b.written;
+}
+
+static void verify_deep(int n) {
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_%d", tu_dir(), n);
+    ckpt_checkpoint_info info;
+    int rc = ckpt_checkpoint_verify(dir, true, &info);
+    if (rc != 0) fail_msg("verify %s: %s", dir, ckpt_errmsg());
+    free(dir);
+}
+
+/* Loads checkpoint n into fresh memory and checks both models' bytes. */
+static void load_and_check(int n) {
+    float base[NBASE], head[NHEAD];
+    memcpy(base, fx.base, sizeof base);
+    memcpy(head, fx.head, sizeof head);
+    memset(fx.base, 0, sizeof fx.base);
+    memset(fx.head, 0, sizeof fx.head);
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_%d", tu_dir(), n);
+    int rc = ckpt_load_state(fx.acc, dir);
+    if (rc != 0) fail_msg("load %s: %s", dir, ckpt_errmsg());
+    free(dir);
+    assert_memory_equal(fx.base, base, sizeof base);
+    assert_memory_equal(fx.head, head, sizeof head);
+}
+
+/* The hash a save compares is that of exactly the bytes it would write. */
+static void test_hash_in_memory_is_the_hash_of_the_written_file(void **state) {
+    (void)state;
+    ckpt_writer *w = NULL;
+    assert_int_equal(ckpt_writer_new(&w), 0);
+    assert_int_equal(ckpt_write_tensor(w, "base", CKPT_F32, 1, (int64_t[]){NBASE}, fx.base), 0);
+    assert_int_equal(ckpt_write_i64(w, "n", 7), 0);
+    uint64_t size = 0;
+    ckpt_h128 h = {0, 0};
+    uint64_t before = written_now();
+    assert_int_equal(ckpt__writer_hash128(w, "x.safetensors", false, &size, &h), 0);
+    assert_int_equal(written_now(), before); /* nothing written */
+    char path[4096];
+    tu_path(path, sizeof path, tu_dir(), "x.safetensors");
+    ckpt_file_digest d;
+    assert_int_equal(ckpt__writer_write_new_ex(w, path, false, true, &d), 0);
+    size_t n = 0;
+    char *bytes = tu_read_file(path, &n);
+    ckpt_h128 want = ckpt__xxh128(bytes, n);
+    assert_int_equal(size, n);
+    assert_true(ckpt__h128_eq(h, want));
+    assert_true(d.has_xxh128);
+    assert_true(ckpt__h128_eq(d.xxh128, want));
+    assert_int_equal(d.xxh3, ckpt__xxh3(bytes, n));
+    ckpt__file_digest_free(&d);
+    free(bytes);
+    ckpt_writer_free(w);
+}
+
+static void test_unchanged_file_is_linked_and_not_written(void **state) {
+    (void)state;
+    uint64_t w0 = written_now();
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    uint64_t first = written_now() - w0;
+    train_step();
+    w0 = written_now();
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    uint64_t second = written_now() - w0;
+
+    assert_true(same_file(0, 1, "model.safetensors"));
+    assert_false(same_file(0, 1, "model_1.safetensors"));
+    struct stat st = stat_of(1, "model.safetensors");
+    assert_int_equal(st.st_nlink, 2);
+    /* the base was not written again: the second save wrote the first's
+     * bytes less the base's file (the manifests may differ by a few bytes) */
+    assert_true(first > (uint64_t)st.st_size);
+    assert_true(second + (uint64_t)st.st_size <= first + 64);
+    assert_int_equal(fx.nwarn, 0);
+
+    /* the manifest records the XXH3-128 that decided it */
+    ckpt_manifest m;
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_1", tu_dir());
+    assert_int_equal(ckpt__manifest_read(dir, &m), 0);
+    const ckpt_manifest_file *f = ckpt__manifest_find(&m, "model.safetensors");
+    assert_non_null(f);
+    assert_true(f->has_xxh128);
+    char *p = ckpt_file(1, "model.safetensors");
+    size_t n = 0;
+    char *bytes = tu_read_file(p, &n);
+    assert_true(ckpt__h128_eq(f->xxh128, ckpt__xxh128(bytes, n)));
+    free(bytes);
+    free(p);
+    ckpt__manifest_clear(&m);
+    free(dir);
+    verify_deep(1);
+    load_and_check(1);
+}
+
+/* A third save links from the second (the newest), which links the first:
+ * all three names are one file. */
+static void test_links_chain_through_saves(void **state) {
+    (void)state;
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+        train_step();
+    }
+    assert_true(same_file(0, 2, "model.safetensors"));
+    assert_int_equal(stat_of(2, "model.safetensors").st_nlink, 3);
+}
+
+/* Bad input: the old file was changed after its commit (here one flipped
+ * byte, in place). Its bytes no longer match its manifest: the save writes
+ * the file anew, says so, and the new checkpoint is complete. */
+static void test_old_file_changed_after_commit_is_not_linked(void **state) {
+    (void)state;
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    char *old = ckpt_file(0, "model.safetensors");
+    tu_flip_byte(old, -5);
+    train_step();
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    assert_false(same_file(0, 1, "model.safetensors"));
+    assert_int_equal(stat_of(1, "model.safetensors").st_nlink, 1);
+    assert_int_equal(fx.nwarn, 1);
+    assert_non_null(strstr(fx.log, "model.safetensors no longer has the bytes its manifest"));
+    verify_deep(1);
+    load_and_check(1);
+    free(old);
+}
+
+/* A link is a full file: deleting the checkpoint it came from (total_limit
+ * rotation, prune, rm -r) leaves the newer checkpoint complete. */
+static void test_deleting_old_checkpoint_keeps_newer_complete(void **state) {
+    (void)state;
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    train_step();
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    assert_true(same_file(0, 1, "model.safetensors"));
+    /* the run ends; prune (under the project lock) keeps the newest only */
+    ckpt_accelerator_free(fx.acc);
+    int64_t removed = 0;
+    assert_int_equal(ckpt_checkpoint_prune(tu_dir(), 1, &removed), 0);
+    assert_int_equal(removed, 1);
+    char *gone = tu_pathf("%s/checkpoints/checkpoint_0", tu_dir());
+    assert_false(tu_exists(gone));
+    free(gone);
+    assert_int_equal(stat_of(1, "model.safetensors").st_nlink, 1);
+    verify_deep(1);
+    open_acc(tu_dir(), false);
+    load_and_check(1);
+    /* and the next save links from checkpoint_1 */
+    train_step();
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    assert_true(same_file(1, 2, "model.safetensors"));
+}
+
+/* total_limit rotation after each save removes the old names only. */
+static void test_rotation_keeps_linked_files(void **state) {
+    (void)state;
+    ckpt_accelerator_free(fx.acc);
+    ckpt_project_config cfg = {
+        .project_dir = tu_dir(), .automatic_checkpoint_naming = true, .total_limit = 1};
+    assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mbase), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mhead), 0);
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+        train_step();
+    }
+    char *gone = tu_pathf("%s/checkpoints/checkpoint_2", tu_dir());
+    assert_false(tu_exists(gone));
+    free(gone);
+    assert_int_equal(stat_of(3, "model.safetensors").st_nlink, 1);
+    verify_deep(3);
+}
+
+static void test_option_off_writes_every_file(void **state) {
+    (void)state;
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    train_step();
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    assert_false(same_file(0, 1, "model.safetensors"));
+    ckpt_manifest m;
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_1", tu_dir());
+    assert_int_equal(ckpt__manifest_read(dir, &m), 0);
+    assert_false(ckpt__manifest_find(&m, "model.safetensors")->has_xxh128);
+    ckpt__manifest_clear(&m);
+    free(dir);
+}
+
+/* A checkpoint saved with the option off (or by an older library) records
+ * no XXH3-128: the next save cannot know its files' identity and writes. */
+static void test_previous_without_xxh128_never_links(void **state) {
+    (void)state;
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    ckpt_accelerator_free(fx.acc);
+    open_acc(tu_dir(), false);
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    assert_false(same_file(0, 1, "model.safetensors"));
+    /* from here on the records are there */
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    assert_true(same_file(1, 2, "model.safetensors"));
+}
+
+static void test_async_save_links_too(void **state) {
+    (void)state;
+    assert_int_equal(ckpt_save_state_async(fx.acc, NULL), 0);
+    assert_int_equal(ckpt_save_wait(fx.acc), 0);
+    train_step();
+    assert_int_equal(ckpt_save_state_async(fx.acc, NULL), 0);
+    train_step(); /* the staged copy is what is saved */
+    assert_int_equal(ckpt_save_wait(fx.acc), 0);
+    assert_true(same_file(0, 1, "model.safetensors"));
+    assert_false(same_file(0, 1, "model_1.safetensors"));
+    verify_deep(1);
+}
+
+/* Where no link can be made (here: the previous checkpoint is on another
+ * file system), the save writes the file and says so once. */
+static void test_link_across_file_systems_falls_back_to_writing(void **state) {
+    (void)state;
+    struct stat a, b;
+    if (stat("/dev/shm", &a) != 0 || stat(tu_dir(), &b) != 0 || a.st_dev == b.st_dev) {
+        skip();
+        return;
+    }
+    char shm[64] = "/dev/shm/ckpt_incremental_XXXXXX";
+    if (!mkdtemp(shm)) {
+        skip();
+        return;
+    }
+    char *first = tu_pathf("%s/first", shm);
+    char *second = tu_pathf("%s/second", tu_dir());
+    assert_int_equal(ckpt_save_state(fx.acc, first), 0);
+    assert_int_equal(ckpt_save_state(fx.acc, second), 0);
+    assert_int_equal(fx.nwarn, 1);
+    assert_non_null(strstr(fx.log, "cannot hard-link unchanged files"));
+    ckpt_checkpoint_info info;
+    assert_int_equal(ckpt_checkpoint_verify(second, true, &info), 0);
+    /* an explicit folder on the same file system links from the last one */
+    char *third = tu_pathf("%s/third", tu_dir());
+    assert_int_equal(ckpt_save_state(fx.acc, third), 0);
+    char *p2 = tu_pathf("%s/model.safetensors", second), *p3 = tu_pathf("%s/model.safetensors", third);
+    struct stat s2, s3;
+    assert_int_equal(stat(p2, &s2), 0);
+    assert_int_equal(stat(p3, &s3), 0);
+    assert_int_equal(s2.st_ino, s3.st_ino);
+    assert_int_equal(fx.nwarn, 1);
+    free(p2);
+    free(p3);
+    free(third);
+    free(second);
+    free(first);
+    assert_int_equal(tu_tmpdir_remove(shm), 0);
+}
+
+/* A save that fails after it linked leaves the previous checkpoints as
+ * they were, and nothing of its own. */
+static void test_failed_save_after_link_loses_nothing(void **state) {
+    (void)state;
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    train_step();
+    /* the manifest is the last file written: fail its write */
+    ckpt__fault_arm(CKPT_FAULT_WRITE, 1, ENOSPC, true);
+    uint64_t n = 0;
+    int rc = ckpt_save_state(fx.acc, NULL);
+    n = ckpt__fault_count();
+    ckpt__fault_disarm();
+    assert_int_not_equal(rc, 0);
+    assert_true(n > 0);
+    char *newer = tu_pathf("%s/checkpoints/checkpoint_1", tu_dir());
+    assert_false(tu_exists(newer));
+    free(newer);
+    assert_int_equal(stat_of(0, "model.safetensors").st_nlink, 1);
+    char *parent = tu_pathf("%s/checkpoints", tu_dir());
+    assert_int_equal(tu_count_hidden_tmp(parent), 0);
+    free(parent);
+    verify_deep(0);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(test_hash_in_memory_is_the_hash_of_the_written_file, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_unchanged_file_is_linked_and_not_written, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_links_chain_through_saves, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_old_file_changed_after_commit_is_not_linked, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_deleting_old_checkpoint_keeps_newer_complete, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_rotation_keeps_linked_files, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_option_off_writes_every_file, setup_off, teardown),
+        cmocka_unit_test_setup_teardown(test_previous_without_xxh128_never_links, setup_off,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_async_save_links_too, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_link_across_file_systems_falls_back_to_writing, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_failed_save_after_link_loses_nothing, setup,
+                                        teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
