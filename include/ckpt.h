@@ -418,8 +418,24 @@ typedef struct ckpt_param_info {
     int64_t numel;
     void *data;
     void *grad;
+    bool frozen;       /* see ckpt_model_set_frozen */
 } ckpt_param_info;
 CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info);
+/* Marks every parameter whose name is pattern or matches it as a glob
+ * (fnmatch: '*', '?', '[...]'; "fc1.*") frozen (frozen = true) or trainable.
+ * Without a call, a parameter is frozen when it has no gradient buffer or
+ * is in no group of its optimizer (ckpt_optimizer_set_groups, group -1).
+ * Frozen parameters never change, so a checkpoint keeps them apart: a model
+ * with both frozen and trainable parameters, saved by one process (and not
+ * as Hugging Face shards), writes its trainable ones to <model>.safetensors
+ * and its frozen ones to <model>-00001-of-00001.safetensors (format version
+ * 2, docs/FORMAT.md), which every later save links instead of writing again
+ * (ckpt_project_config.no_link_unchanged). Loads, verify, export and
+ * ckpt_torch read the model from both files. Being frozen changes nothing
+ * else: the optimizer still updates what it was given (leave frozen
+ * parameters out of its groups). Returns how many parameters matched (> 0),
+ * or CKPT_ENOENT naming the pattern if none did. */
+CKPT_API int ckpt_model_set_frozen(ckpt_model *m, const char *pattern, bool frozen);
 /* State dict: every parameter as a tensor under its name, nothing else. */
 CKPT_API const ckpt_stateful_ops *ckpt_model_ops(void);
 

@@ -85,6 +85,7 @@ struct ckpt_save_op {
     char *prev_dir;  /* rank 0 picks it, every rank reads its manifest */
     ckpt_manifest prev;
     bool have_prev;
+    bool split;      /* a model's frozen tensors went to a file of their own */
     uint64_t linked_bytes; /* this rank's files linked, not written */
     int64_t nlinked;
 };
@@ -428,6 +429,33 @@ static bool plan_entry(const save_op *op, int i, int64_t j, int64_t *rows, uint6
     return kind == CKPT_ENTRY_TENSOR && !shard && *nbytes > 0;
 }
 
+/* One process: a model with both frozen and trainable parameters keeps its
+ * frozen tensors apart, whole, in its shard file
+ * (<model>-00001-of-00001.safetensors, the layout of format version 2, as
+ * chunks that are the whole tensor), so that file has the same bytes at
+ * every save and is linked, not written. A model of one kind only stays one
+ * file (it changes as a whole or not at all); a model saved as Hugging Face
+ * shards keeps its layout. */
+static int split_frozen(save_op *op) {
+    for (int i = 0; i < op->nobjs; i++) {
+        ckpt_writer *w = op->writers[i];
+        if (op->objs[i].kind != K_MODEL || op->hf_model[i] || ckpt__writer_has_shards(w)) continue;
+        int64_t n = ckpt_writer_entry_count(w), nfrozen = 0, ntrain = 0, rows;
+        uint64_t nb;
+        for (int64_t j = 0; j < n; j++) {
+            if (!plan_entry(op, i, j, &rows, &nb)) continue;
+            if (ckpt__writer_entry_frozen(w, j)) nfrozen++;
+            else ntrain++;
+        }
+        if (nfrozen == 0 || ntrain == 0) continue;
+        for (int64_t j = 0; j < n; j++)
+            if (plan_entry(op, i, j, &rows, &nb) && ckpt__writer_entry_frozen(w, j))
+                CKPT_TRY(ckpt__writer_spread(w, j, 0, rows));
+        op->split = true;
+    }
+    return CKPT_OK;
+}
+
 /* With several processes, the replicated tensors of every object (a
  * replicated model, an optimizer's replicated part, custom objects) are
  * placed on the ranks so that each writes about 1/P of their bytes: laid
@@ -444,7 +472,7 @@ static int plan_spread(save_op *op) {
     op->hf_model = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->hf_model);
     if (!op->hf_model) return ckpt__err_nomem("save plan");
     for (int i = 0; i < op->nobjs; i++) op->hf_model[i] = hf_decide(op, i);
-    if (c->size <= 1) return CKPT_OK;
+    if (c->size <= 1) return split_frozen(op);
     uint64_t total = 0, nb;
     int64_t rows;
     for (int i = 0; i < op->nobjs; i++) {
@@ -753,8 +781,9 @@ static int commit(save_op *op) {
     m->process_index = acc->process_index;
     m->num_processes = acc->num_processes;
     /* Saved by several processes, replicated tensors may sit in shard files
-     * (the save plan): readers of version 1 would not look for them there. */
-    m->format_version = op->comm->size > 1 ? CKPT_FORMAT_VERSION_SPREAD : 1;
+     * (the save plan), and so may a model's frozen tensors (split_frozen):
+     * readers of version 1 would not look for them there. */
+    m->format_version = op->comm->size > 1 || op->split ? CKPT_FORMAT_VERSION_SPREAD : 1;
     m->nmetrics = op->nmetrics;
     memcpy(m->metrics, op->metrics, sizeof m->metrics);
     /* The ranks' chunks of each sharded tensor must tile it exactly. */

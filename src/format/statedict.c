@@ -158,6 +158,7 @@ typedef struct entry {
     bool optional;                     /* writer: a schema check accepts a file without it */
     bool elsewhere;                    /* writer: spread, and another process writes all of it */
     bool shape_by_object;              /* writer: a schema check leaves its shape to the object */
+    bool frozen;                       /* writer: a frozen parameter (ckpt__writer_set_frozen) */
     int64_t coff[CKPT_MAX_NDIM];       /* writer: this chunk's offsets */
     int64_t cshape[CKPT_MAX_NDIM];     /* writer: this chunk's shape */
     uint64_t cbytes;                   /* writer: this chunk's bytes */
@@ -259,6 +260,19 @@ int ckpt__writer_set_shape_by_object(ckpt_writer *w, const char *key) {
         return ckpt__err(CKPT_ENOENT, "state dict: no key '%s' to mark", key ? key : "(null)");
     w->entries[i].shape_by_object = true;
     return CKPT_OK;
+}
+
+int ckpt__writer_set_frozen(ckpt_writer *w, const char *key) {
+    int64_t i = w && key ? key_index_get(&w->index, key) : -1;
+    if (i < 0 || w->entries[i].kind != CKPT_ENTRY_TENSOR)
+        return ckpt__err(CKPT_ENOENT, "state dict: no tensor '%s' to mark frozen",
+                         key ? key : "(null)");
+    w->entries[i].frozen = true;
+    return CKPT_OK;
+}
+
+bool ckpt__writer_entry_frozen(const ckpt_writer *w, int64_t j) {
+    return w && j >= 0 && j < w->count && w->entries[j].frozen;
 }
 
 const void *ckpt__writer_tensor_data(const ckpt_writer *w, int64_t i) {

@@ -70,6 +70,12 @@ int ckpt__writer_set_shape_by_object(ckpt_writer *w, const char *key);
 /* The bytes of w's tensor entry i (borrowed, staged if staged); NULL for
  * another kind of entry or an empty tensor. */
 const void *ckpt__writer_tensor_data(const ckpt_writer *w, int64_t i);
+/* Marks w's tensor entry key as a frozen parameter's (a model's state dict):
+ * a save may write it to a file of its own that later saves link.
+ * CKPT_ENOENT if there is no such tensor entry. */
+int ckpt__writer_set_frozen(ckpt_writer *w, const char *key);
+/* Whether entry j was marked with ckpt__writer_set_frozen. */
+bool ckpt__writer_entry_frozen(const ckpt_writer *w, int64_t j);
 /* Whether w has an entry named key (no message either way). */
 bool ckpt__writer_has(const ckpt_writer *w, const char *key);
 /* Whether w is a schema writer. */

@@ -1,6 +1,7 @@
 /* model.c — a model is a list of named parameter tensors the caller owns.
  * Its state dict is exactly those tensors under their names, so
  * model.safetensors is a plain state dict any safetensors reader loads. */
+#include <fnmatch.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,6 +9,7 @@
 #include "ckpt.h"
 #include "base/error.h"
 #include "format/statedict.h"
+#include "train/optim.h"
 
 typedef struct model_param {
     char *name;
@@ -18,6 +20,8 @@ typedef struct model_param {
     uint64_t nbytes;
     void *data;
     void *grad;
+    signed char frozen_user; /* ckpt_model_set_frozen: 1 / 0; -1: not said */
+    bool ungrouped;          /* in no group of its optimizer */
 } model_param;
 
 struct ckpt_model {
@@ -80,6 +84,7 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
     p->nbytes = nbytes;
     p->data = data;
     p->grad = grad;
+    p->frozen_user = -1;
     m->n++;
     m->numel += numel;
     return CKPT_OK;
@@ -88,6 +93,13 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
 int64_t ckpt_model_num_params(const ckpt_model *m) { return m ? m->n : 0; }
 
 int64_t ckpt_model_num_elements(const ckpt_model *m) { return m ? m->numel : 0; }
+
+/* Frozen: what the user said, else no gradient buffer or no optimizer
+ * group. */
+static bool param_frozen(const model_param *p) {
+    if (p->frozen_user >= 0) return p->frozen_user == 1;
+    return !p->grad || p->ungrouped;
+}
 
 int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info) {
     if (!m || !info) return ckpt__err(CKPT_EINVAL, "model_param: model or info is NULL");
@@ -103,7 +115,29 @@ int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info) {
     info->numel = p->numel;
     info->data = p->data;
     info->grad = p->grad;
+    info->frozen = param_frozen(p);
     return CKPT_OK;
+}
+
+int ckpt_model_set_frozen(ckpt_model *m, const char *pattern, bool frozen) {
+    if (!m || !pattern) return ckpt__err(CKPT_EINVAL, "model_set_frozen: model or pattern is NULL");
+    int n = 0;
+    for (int64_t i = 0; i < m->n; i++) {
+        model_param *p = &m->params[i];
+        if (strcmp(p->name, pattern) != 0 && fnmatch(pattern, p->name, 0) != 0) continue;
+        p->frozen_user = frozen ? 1 : 0;
+        n++;
+    }
+    if (n == 0)
+        return ckpt__err(CKPT_ENOENT,
+                         "model_set_frozen: no parameter name matches '%s' (the model has %lld "
+                         "parameters)",
+                         pattern, (long long)m->n);
+    return n;
+}
+
+void ckpt__model_set_ungrouped(ckpt_model *m, int64_t i, bool ungrouped) {
+    if (m && i >= 0 && i < m->n) m->params[i].ungrouped = ungrouped;
 }
 
 /* ---- state dict --------------------------------------------------------- */
@@ -113,6 +147,7 @@ static int model_state_dict(void *self, ckpt_writer *w) {
     for (int64_t i = 0; i < m->n; i++) {
         const model_param *p = &m->params[i];
         CKPT_TRY(ckpt_write_tensor(w, p->name, p->dtype, p->ndim, p->shape, p->data));
+        if (param_frozen(p)) CKPT_TRY(ckpt__writer_set_frozen(w, p->name));
     }
     return CKPT_OK;
 }

@@ -497,6 +497,7 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
     o->ngroups = ngroups;
     o->group_start = start;
     o->param_index = index;
+    for (int64_t i = 0; i < nm; i++) ckpt__model_set_ungrouped(o->model, i, group_of[i] == -1);
     if (o->comm) {
         free(o->rank_start);
         o->rank_start = cuts;

@@ -390,6 +390,135 @@ static void test_failed_save_after_link_loses_nothing(void **state) {
     verify_deep(0);
 }
 
+/* ---- frozen parameters in a file of their own --------------------------- */
+
+/* One model, a frozen base (no gradient buffer) and a trained head. */
+typedef struct one_model {
+    float base[NBASE], head[NHEAD], ghead[NHEAD];
+    ckpt_model *m;
+    ckpt_accelerator *acc;
+} one_model;
+
+static void one_model_open(one_model *om, const char *project, bool head_grad) {
+    assert_int_equal(ckpt_model_new(&om->m), 0);
+    assert_int_equal(
+        ckpt_model_add_param(om->m, "base.w", CKPT_F32, 1, (int64_t[]){NBASE}, om->base, NULL), 0);
+    assert_int_equal(ckpt_model_add_param(om->m, "head.w", CKPT_F32, 1, (int64_t[]){NHEAD},
+                                          om->head, head_grad ? om->ghead : NULL),
+                     0);
+    ckpt_project_config cfg = {.project_dir = project, .automatic_checkpoint_naming = true};
+    assert_int_equal(ckpt_accelerator_new(&om->acc, &cfg), 0);
+    assert_int_equal(ckpt_prepare_model(om->acc, om->m), 0);
+}
+
+static void one_model_close(one_model *om) {
+    ckpt_accelerator_free(om->acc);
+    ckpt_model_free(om->m);
+}
+
+static void test_frozen_parameters_go_to_a_file_that_later_saves_link(void **state) {
+    (void)state;
+    static one_model om;
+    memset(&om, 0, sizeof om);
+    for (int i = 0; i < NBASE; i++) om.base[i] = (float)i;
+    one_model_open(&om, tu_dir(), true);
+    assert_int_equal(ckpt_save_state(om.acc, NULL), 0);
+    for (int i = 0; i < NHEAD; i++) om.head[i] += 1.0f;
+    uint64_t w0 = written_now();
+    assert_int_equal(ckpt_save_state(om.acc, NULL), 0);
+    uint64_t second = written_now() - w0;
+    /* the frozen base sits in the shard file, the head in model.safetensors */
+    assert_true(same_file(0, 1, "model-00001-of-00001.safetensors"));
+    assert_false(same_file(0, 1, "model.safetensors"));
+    assert_true(stat_of(1, "model.safetensors").st_size < NHEAD * 4 + 4096);
+    assert_true(second < NBASE * 4 / 4); /* the base's 256 KiB were not written */
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_1", tu_dir());
+    ckpt_manifest m;
+    assert_int_equal(ckpt__manifest_read(dir, &m), 0);
+    assert_int_equal(m.format_version, 2);
+    ckpt__manifest_clear(&m);
+    ckpt_checkpoint_info info;
+    assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), 0);
+    /* the model reads as one object, from both files */
+    ckpt_reader *r = NULL;
+    assert_int_equal(ckpt_checkpoint_open_object(dir, "model.safetensors", &r), 0);
+    static float got[NBASE];
+    assert_int_equal(ckpt_read_tensor(r, "base.w", CKPT_F32, 1, (int64_t[]){NBASE}, got), 0);
+    assert_memory_equal(got, om.base, sizeof om.base);
+    assert_int_equal(ckpt_read_tensor(r, "head.w", CKPT_F32, 1, (int64_t[]){NHEAD}, got), 0);
+    assert_memory_equal(got, om.head, sizeof om.head);
+    ckpt_reader_free(r);
+    /* and loads back into the model */
+    float head[NHEAD];
+    memcpy(head, om.head, sizeof head);
+    memset(om.base, 0, sizeof om.base);
+    memset(om.head, 0, sizeof om.head);
+    assert_int_equal(ckpt_load_state(om.acc, dir), 0);
+    assert_float_equal(om.base[NBASE - 1], (float)(NBASE - 1), 0);
+    assert_memory_equal(om.head, head, sizeof head);
+    free(dir);
+    one_model_close(&om);
+}
+
+/* A model whose parameters are all frozen (or all trainable) stays one
+ * file, as before: it changes as a whole or not at all. */
+static void test_model_of_one_kind_stays_one_file(void **state) {
+    (void)state;
+    static one_model om;
+    memset(&om, 0, sizeof om);
+    one_model_open(&om, tu_dir(), false);
+    assert_int_equal(ckpt_save_state(om.acc, NULL), 0);
+    char *shard = ckpt_file(0, "model-00001-of-00001.safetensors");
+    assert_false(tu_exists(shard));
+    free(shard);
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_0", tu_dir());
+    ckpt_manifest m;
+    assert_int_equal(ckpt__manifest_read(dir, &m), 0);
+    assert_int_equal(m.format_version, 1);
+    ckpt__manifest_clear(&m);
+    free(dir);
+    one_model_close(&om);
+}
+
+/* ckpt_model_set_frozen: by glob; the optimizer's group -1 freezes too. */
+static void test_set_frozen_by_pattern_and_by_optimizer_group(void **state) {
+    (void)state;
+    static one_model om;
+    memset(&om, 0, sizeof om);
+    one_model_open(&om, tu_dir(), true);
+    ckpt_param_info pi;
+    assert_int_equal(ckpt_model_param(om.m, 1, &pi), 0);
+    assert_false(pi.frozen);
+    assert_int_equal(ckpt_model_param(om.m, 0, &pi), 0);
+    assert_true(pi.frozen); /* no gradient buffer */
+    assert_int_equal(ckpt_model_set_frozen(om.m, "*.w", true), 2);
+    assert_int_equal(ckpt_model_param(om.m, 1, &pi), 0);
+    assert_true(pi.frozen);
+    assert_int_equal(ckpt_model_set_frozen(om.m, "head.w", false), 1);
+    assert_int_equal(ckpt_model_param(om.m, 1, &pi), 0);
+    assert_false(pi.frozen);
+    tu_expect_error(ckpt_model_set_frozen(om.m, "fc9.*", true), CKPT_ENOENT, "'fc9.*'");
+    one_model_close(&om);
+
+    /* a model whose every parameter has a gradient: the optimizer's groups
+     * decide (group -1: frozen) */
+    float a[8] = {0}, ga[8] = {0}, b[8] = {0}, gb[8] = {0};
+    ckpt_model *m = NULL;
+    ckpt_optimizer *o = NULL;
+    assert_int_equal(ckpt_model_new(&m), 0);
+    assert_int_equal(ckpt_model_add_param(m, "a", CKPT_F32, 1, (int64_t[]){8}, a, ga), 0);
+    assert_int_equal(ckpt_model_add_param(m, "b", CKPT_F32, 1, (int64_t[]){8}, b, gb), 0);
+    assert_int_equal(ckpt_adamw_new(&o, m, 1e-3, 0.9, 0.999, 1e-8, 0.0), 0);
+    ckpt_optim_options opts = ckpt_optim_defaults(CKPT_OPTIM_ADAMW);
+    assert_int_equal(ckpt_optimizer_set_groups(o, 1, (int[]){-1, 0}, &opts), 0);
+    assert_int_equal(ckpt_model_param(m, 0, &pi), 0);
+    assert_true(pi.frozen);
+    assert_int_equal(ckpt_model_param(m, 1, &pi), 0);
+    assert_false(pi.frozen);
+    ckpt_optimizer_free(o);
+    ckpt_model_free(m);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_hash_in_memory_is_the_hash_of_the_written_file, setup,
@@ -410,6 +539,12 @@ int main(void) {
                                         teardown),
         cmocka_unit_test_setup_teardown(test_failed_save_after_link_loses_nothing, setup,
                                         teardown),
+        cmocka_unit_test_setup_teardown(test_frozen_parameters_go_to_a_file_that_later_saves_link,
+                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_model_of_one_kind_stays_one_file, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_set_frozen_by_pattern_and_by_optimizer_group,
+                                        tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
