@@ -736,8 +736,11 @@ typedef struct ckpt_project_config {
     /* Incremental saves (docs/CHECKPOINTS.md "Incremental saves"): by default
      * a save hashes each state file it is about to write (XXH3-128, in
      * memory) and, when the newest committed checkpoint of the project (or,
-     * before the project has one, the checkpoint this accelerator last saved
-     * or loaded) holds a file of that name with the same size and hash, it
+     * before the project has one and for a folder given to
+     * ckpt_save_state, the checkpoint this accelerator last saved or loaded,
+     * a partial load such as a fine-tune's ckpt_load_state_ex of another
+     * run's model included) holds a file of that name with the same size and
+     * hash, it
      * hard-links that file into the new checkpoint instead of writing it,
      * after checking that the old file still has the bytes its manifest
      * records. Every checkpoint folder stays complete; deleting one never
@@ -1099,6 +1102,13 @@ CKPT_API void ckpt_preemption_clear(void);
  * may then remove the old run's checkpoints). Changes nothing in memory.
  * CKPT_EINVAL if acc is NULL. */
 CKPT_API int ckpt_accelerator_start_over(ckpt_accelerator *acc);
+/* What this process's last completed save did with its state files
+ * (incremental saves, ckpt_project_config.no_link_unchanged): *written gets
+ * the bytes of the files it wrote, *linked those of the files it linked from
+ * the previous checkpoint instead (either may be NULL; 0 before any save).
+ * With several processes, each its own files. */
+CKPT_API void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint64_t *written,
+                                               uint64_t *linked);
 /* The folder of the last save or load; "" if none. View valid until the next
  * save/load or free. */
 CKPT_API const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc);
@@ -1179,6 +1189,11 @@ typedef struct ckpt_checkpoint_info {
     ckpt_checkpoint_status status;
     int num_metrics;         /* the metrics recorded with it (ckpt_set_metric) */
     ckpt_metric metrics[CKPT_MAX_METRICS];
+    /* Bytes of its files that are the very same files on disk (hard links,
+     * incremental saves) as those of the same names in its predecessor: the
+     * highest-numbered checkpoint_<m>, m < number, in the same folder. 0
+     * for a folder not named checkpoint_<n>, or without a predecessor. */
+    uint64_t shared_bytes;
 } ckpt_checkpoint_info;
 
 /* Reads dir's manifest and, if deep, verifies every file's size and
@@ -1195,12 +1210,25 @@ typedef struct ckpt_checkpoint_file {
                         save pre-hook's file) */
     uint64_t size;
     uint64_t xxh3;   /* XXH3-64 of the whole file */
+    /* The file on disk (lstat; all 0 if it is missing or not a regular
+     * file): two checkpoints' files with the same device and inode are one
+     * copy (an incremental save linked it), links is how many names it has. */
+    uint64_t device, inode;
+    uint64_t links;
 } ckpt_checkpoint_file;
 /* The files dir's manifest lists, in manifest order (the manifest is read and
  * parsed, the files are not checked: see ckpt_checkpoint_verify). *out is
  * malloc'd (NULL when *count is 0); free() it. Same errors as a load's
  * manifest read. */
 CKPT_API int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *count);
+/* Deep-verifies one file dir's manifest lists (name): its size and XXH3-64.
+ * CKPT_OK, CKPT_ENOENT if the manifest does not list it, CKPT_ECORRUPT
+ * naming what differs. How a tool finds which shared file is damaged. */
+CKPT_API int ckpt_checkpoint_verify_file(const char *dir, const char *name);
+/* Bytes of dir's listed files that are the very same files on disk (same
+ * device and inode: an incremental save linked them) as other's files of
+ * the same names. Only manifests are read, files are only looked at. */
+CKPT_API int ckpt_checkpoint_shared_bytes(const char *dir, const char *other, uint64_t *bytes);
 /* Lists <project_dir>/checkpoints/checkpoint_<n> folders, ascending n, with
  * their status (deep verification if deep). *out is malloc'd; free() it. */
 CKPT_API int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_info **out,

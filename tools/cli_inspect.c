@@ -500,11 +500,11 @@ int cli_inspect(int argc, char **argv) {
         cli_json_string(path);
         if (vrc == CKPT_OK) {
             printf(",\"manifest\":{\"step\":%lld,\"iteration\":%lld,\"created_unix\":%lld,"
-                   "\"files\":%d,\"bytes\":%llu,\"num_processes\":%d,\"format_version\":%d,"
-                   "\"library_version\":",
+                   "\"files\":%d,\"bytes\":%llu,\"shared_bytes\":%llu,\"num_processes\":%d,"
+                   "\"format_version\":%d,\"library_version\":",
                    (long long)info.step, (long long)info.iteration, (long long)info.created_unix,
-                   info.num_files, (unsigned long long)info.total_bytes, info.num_processes,
-                   info.format_version);
+                   info.num_files, (unsigned long long)info.total_bytes,
+                   (unsigned long long)info.shared_bytes, info.num_processes, info.format_version);
             cli_json_string(info.library_version);
             cli_print_metrics(&info, true);
             putchar('}');
@@ -525,6 +525,12 @@ int cli_inspect(int argc, char **argv) {
             printf("  metrics:");
             cli_print_metrics(&info, false);
             putchar('\n');
+        }
+        if (info.shared_bytes > 0) {
+            char shared[32];
+            printf("  %s shared with the previous checkpoint (the same files on disk: linked, "
+                   "not written again)\n",
+                   cli_human_bytes(info.shared_bytes, shared, sizeof shared));
         }
     } else {
         printf("%s %s\n  manifest: %s\n", kind == CLI_KIND_CHECKPOINT ? "checkpoint" : "folder",

@@ -165,11 +165,12 @@ int cli_ls(int argc, char **argv) {
         }
         if (json) {
             printf("%s{\"number\":%lld,\"step\":%lld,\"iteration\":%lld,\"created_unix\":%lld,"
-                   "\"bytes\":%llu,\"files\":%d,\"num_processes\":%d,\"status\":\"%s\","
-                   "\"path\":",
+                   "\"bytes\":%llu,\"shared_bytes\":%llu,\"files\":%d,\"num_processes\":%d,"
+                   "\"status\":\"%s\",\"path\":",
                    i ? "," : "", (long long)c->number, (long long)c->step, (long long)c->iteration,
-                   (long long)c->created_unix, (unsigned long long)c->total_bytes, c->num_files,
-                   c->num_processes, status_name(c->status));
+                   (long long)c->created_unix, (unsigned long long)c->total_bytes,
+                   (unsigned long long)c->shared_bytes, c->num_files, c->num_processes,
+                   status_name(c->status));
             cli_json_string(c->path);
             if (*reason) {
                 printf(",\"error\":");
@@ -189,6 +190,11 @@ int cli_ls(int argc, char **argv) {
                    c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : size, status_name(c->status),
                    cli_esc(c->path));
             if (c->num_processes > 1) printf("  (%d processes)", c->num_processes);
+            if (c->shared_bytes > 0) {
+                char shared[32];
+                printf("  (%s shared with the previous)",
+                       cli_human_bytes(c->shared_bytes, shared, sizeof shared));
+            }
             cli_print_metrics(c, false);
             putchar('\n');
             if (*reason) printf("         %s\n", cli_esc(reason));
@@ -225,6 +231,35 @@ static bool verify_one(const char *dir) {
     const char *what = info.status == CKPT_CHECKPOINT_COMPLETE ? "failed" : status_name(info.status);
     printf("%-8s %s\n         %s\n", what, cli_esc(dir), cli_esc(msg));
     return false;
+}
+
+/* Checkpoint i failed: for each of its files that other checkpoints share
+ * (one copy on disk, linked by incremental saves) and that is damaged, names
+ * every checkpoint holding that copy, since the damage is theirs too. */
+static void name_sharers(const ckpt_checkpoint_info *list, int64_t n, int64_t i) {
+    ckpt_checkpoint_file *files = NULL;
+    int64_t nf = 0;
+    if (ckpt_checkpoint_files(list[i].path, &files, &nf) < 0) return;
+    for (int64_t f = 0; f < nf; f++) {
+        if (files[f].links < 2 || ckpt_checkpoint_verify_file(list[i].path, files[f].name) == 0)
+            continue;
+        printf("         %s is one copy on disk shared by:", cli_esc(files[f].name));
+        for (int64_t j = 0; j < n; j++) {
+            ckpt_checkpoint_file *other = NULL;
+            int64_t no = 0;
+            if (ckpt_checkpoint_files(list[j].path, &other, &no) < 0) continue;
+            for (int64_t k = 0; k < no; k++)
+                if (other[k].inode == files[f].inode && other[k].device == files[f].device &&
+                    other[k].inode != 0) {
+                    const char *base = strrchr(list[j].path, '/');
+                    printf(" %s", cli_esc(base ? base + 1 : list[j].path));
+                    break;
+                }
+            free(other);
+        }
+        putchar('\n');
+    }
+    free(files);
 }
 
 /* A folder without a manifest that a save could have left: named like a
@@ -292,7 +327,11 @@ int cli_verify(int argc, char **argv) {
         return CLI_RUNTIME;
     }
     int64_t bad = 0;
-    for (int64_t i = 0; i < n; i++) bad += !verify_one(list[i].path);
+    for (int64_t i = 0; i < n; i++)
+        if (!verify_one(list[i].path)) {
+            bad++;
+            name_sharers(list, n, i);
+        }
     free(list);
     if (n == 0) printf("no checkpoints in %s\n", cli_esc(path));
     else printf("%lld of %lld checkpoints verified%s\n", (long long)(n - bad), (long long)n,

@@ -77,6 +77,10 @@ static const char train_help[] =
     "                     order, at step 0: fine-tuning (not with --resume)\n"
     "  --async            save in the background: the loop stalls only for the copy of\n"
     "                     the state (ckpt_save_state_async); the last save is waited for\n"
+    "  --freeze PATTERN   freeze the parameters whose names match the glob PATTERN\n"
+    "                     (e.g. 'fc1.*'; repeatable): the optimizer leaves them alone\n"
+    "                     and checkpoints keep them in a file of their own that\n"
+    "                     every later save links instead of writing again\n"
     "  --shard-optimizer  ZeRO-1: each process keeps the AdamW moments of its share\n"
     "                     of the parameters (saved as sharded tensors)\n"
     "  --log-every N      steps between progress lines (default 50); on a terminal a\n"
@@ -106,6 +110,8 @@ typedef struct train_opts {
     const char *project_dir;
     const char *data;
     const char *init_from; /* a checkpoint folder: its model only */
+    const char *freeze[16]; /* --freeze patterns */
+    int nfreeze;
     uint64_t max_shard_size;
     bool resume, quiet, shard_optimizer, async;
     bool drop_data_position; /* resume with another global batch (see the help) */
@@ -383,7 +389,8 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         O_INIT_FROM,
         O_MAX_SHARD,
         O_DROP_POSITION,
-        O_COLL_TIMEOUT
+        O_COLL_TIMEOUT,
+        O_FREEZE
     };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
@@ -401,6 +408,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"data", required_argument, NULL, O_DATA},
         {"resume", no_argument, NULL, O_RESUME},
         {"init-from", required_argument, NULL, O_INIT_FROM},
+        {"freeze", required_argument, NULL, O_FREEZE},
         {"max-shard-size", required_argument, NULL, O_MAX_SHARD},
         {"drop-data-position", no_argument, NULL, O_DROP_POSITION},
         {"log-every", required_argument, NULL, O_LOG_EVERY},
@@ -440,6 +448,13 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_DATA: o->data = a; break;
         case O_RESUME: o->resume = true; break;
         case O_INIT_FROM: o->init_from = a; ok = *a != '\0'; break;
+        case O_FREEZE:
+            if (o->nfreeze == (int)(sizeof o->freeze / sizeof o->freeze[0]))
+                return cli_usage_error("train", "--freeze: at most %d patterns",
+                                       (int)(sizeof o->freeze / sizeof o->freeze[0]));
+            o->freeze[o->nfreeze++] = a;
+            ok = *a != '\0';
+            break;
         case O_MAX_SHARD: ok = cli_parse_size(a, &o->max_shard_size); break;
         case O_DROP_POSITION: o->drop_data_position = true; break;
         case O_LOG_EVERY:
@@ -507,6 +522,9 @@ typedef struct trainer {
     size_t nexchange;
     double ckpt_seconds; /* spent inside checkpoint calls by the loop */
     int64_t nsaves;
+    /* bytes written and linked by the synchronous saves: the first, the rest */
+    uint64_t first_written, later_written, later_linked;
+    int64_t nlater;
     char resumed_from[4096]; /* the checkpoint --resume loaded */
 } trainer;
 
@@ -592,6 +610,28 @@ static int trainer_setup(trainer *t) {
         if (rc < 0) return lib_fail("model", rc);
         group_of[i] = nd == 2 ? 0 : 1; /* weights decay, biases do not */
     }
+    /* --freeze: out of the optimizer's groups, and in a file of their own */
+    for (int k = 0; k < o->nfreeze; k++) {
+        rc = ckpt_model_set_frozen(t->model, o->freeze[k], true);
+        if (rc == CKPT_ENOENT) {
+            cli_error("--freeze '%s': no parameter name matches; the model's are fc1.weight, "
+                      "fc1.bias, ..., fc%d.bias",
+                      cli_esc(o->freeze[k]), MLP_LAYERS);
+            return CLI_USAGE;
+        }
+        if (rc < 0) return lib_fail("--freeze", rc);
+    }
+    bool used[2] = {false, false};
+    for (int i = 0; i < 2 * MLP_LAYERS; i++) {
+        ckpt_param_info pi;
+        if ((rc = ckpt_model_param(t->model, i, &pi)) < 0) return lib_fail("model", rc);
+        if (pi.frozen) group_of[i] = -1;
+        else used[group_of[i]] = true;
+    }
+    if (!used[0] && !used[1]) {
+        cli_error("--freeze: every parameter is frozen; nothing would be trained");
+        return CLI_USAGE;
+    }
 
     /* AdamW; weight decay on weights only, as is usual */
     if ((rc = ckpt_adamw_new(&t->optim, t->model, o->lr, 0.9, 0.999, 1e-8, 0.01)) < 0)
@@ -602,7 +642,14 @@ static int trainer_setup(trainer *t) {
     groups[0].weight_decay = 0.01;
     groups[1] = groups[0];
     groups[1].weight_decay = 0.0;
-    if ((rc = ckpt_optimizer_set_groups(t->optim, 2, group_of, groups)) < 0)
+    int ngroups = 2;
+    if (!used[0] || !used[1]) { /* --freeze emptied one group: the other is group 0 */
+        for (int i = 0; i < 2 * MLP_LAYERS; i++)
+            if (group_of[i] >= 0) group_of[i] = 0;
+        if (!used[0]) groups[0] = groups[1];
+        ngroups = 1;
+    }
+    if ((rc = ckpt_optimizer_set_groups(t->optim, ngroups, group_of, groups)) < 0)
         return lib_fail("optimizer", rc);
 
     /* the data loader: shuffled every epoch, prefetched by worker threads */
@@ -893,6 +940,17 @@ static int save(trainer *t, int64_t step, bool last) {
     if (rc == 0 && t->opt.async && last) rc = ckpt_save_wait(t->acc);
     t->ckpt_seconds += now_seconds() - t0;
     t->nsaves++;
+    if (rc == 0 && !t->opt.async) {
+        uint64_t written = 0, linked = 0;
+        ckpt_accelerator_last_save_bytes(t->acc, &written, &linked);
+        if (t->nsaves == 1) {
+            t->first_written = written;
+        } else {
+            t->later_written += written;
+            t->later_linked += linked;
+            t->nlater++;
+        }
+    }
     if (rc < 0) {
         const char *msg = ckpt_errmsg();
         if (t->tty) putchar('\n'); /* end the progress bar's line first */
@@ -917,6 +975,17 @@ static void report_ckpt_time(const trainer *t, double run_seconds, bool quiet) {
     printf("checkpoint time: %.2f s in %lld save%s (%.1f%% of the run%s)\n", t->ckpt_seconds,
            (long long)t->nsaves, t->nsaves == 1 ? "" : "s", pct,
            t->opt.async ? ", asynchronous" : "");
+    /* incremental saves: what a save after the first costs, when it links */
+    if (t->nlater > 0 && t->later_linked > 0 && t->speak) {
+        char first[32], later[32], linked[32];
+        uint64_t avg = t->later_written / (uint64_t)t->nlater;
+        printf("bytes written per save: %s the first, then %s on average (%.1f%%; %s of "
+               "unchanged files linked each time)\n",
+               cli_human_bytes(t->first_written, first, sizeof first),
+               cli_human_bytes(avg, later, sizeof later),
+               t->first_written ? 100.0 * (double)avg / (double)t->first_written : 0.0,
+               cli_human_bytes(t->later_linked / (uint64_t)t->nlater, linked, sizeof linked));
+    }
 }
 
 int cli_train(int argc, char **argv) {

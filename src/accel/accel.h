@@ -93,6 +93,8 @@ struct ckpt_accelerator {
     ckpt_retention retention;
     uint64_t max_shard_size; /* models beyond it are saved as HF shards */
     bool no_link_unchanged;  /* incremental saves off: every file is written */
+    uint64_t last_save_written, last_save_linked; /* ckpt_accelerator_last_save_bytes */
+    char *link_dir; /* the checkpoint last saved or loaded (even partly): see save.c */
     /* ckpt_set_metric: recorded by the next save */
     int nmetrics;
     ckpt_metric metrics[CKPT_MAX_METRICS];

@@ -115,6 +115,7 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
     free(acc->project_dir);
     free(acc->logging_dir);
     free(acc->last_dir);
+    free(acc->link_dir);
     free(acc->load_failed_msg);
     free((char *)acc->retention.best_metric);
     free(acc);
@@ -181,6 +182,12 @@ void ckpt_accelerator_set_step(ckpt_accelerator *acc, int64_t step) {
     if (acc) acc->step = step;
 }
 int64_t ckpt_accelerator_iteration(const ckpt_accelerator *acc) { return acc ? acc->iteration : 0; }
+void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint64_t *written,
+                                      uint64_t *linked) {
+    if (written) *written = acc ? acc->last_save_written : 0;
+    if (linked) *linked = acc ? acc->last_save_linked : 0;
+}
+
 const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc) {
     return acc && acc->last_dir ? acc->last_dir : "";
 }

@@ -502,6 +502,14 @@ static int apply(load_op *op) {
         }
         done++;
     }
+    /* What the next save may link its unchanged files from (incremental
+     * saves), whether the load was full or partial: a fine-tune's first save
+     * links the frozen base from the checkpoint it started from. */
+    char *link = ckpt__strdup(op->dir);
+    if (link) {
+        free(acc->link_dir);
+        acc->link_dir = link;
+    }
     /* A partial load (fine-tuning from another run's checkpoint, say)
      * leaves the step, the numbering and the last folder alone. */
     if (!op->full) {

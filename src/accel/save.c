@@ -86,7 +86,8 @@ struct ckpt_save_op {
     ckpt_manifest prev;
     bool have_prev;
     bool split;      /* a model's frozen tensors went to a file of their own */
-    uint64_t linked_bytes; /* this rank's files linked, not written */
+    uint64_t linked_bytes;  /* this rank's files linked, not written */
+    uint64_t written_bytes; /* this rank's files written */
     int64_t nlinked;
 };
 typedef struct ckpt_save_op save_op;
@@ -177,8 +178,8 @@ static int plan_local(save_op *op, const char *output_dir) {
     /* Before the project has a checkpoint (or for a folder of the user's):
      * the checkpoint this accelerator saved or loaded last, e.g. the one a
      * fine-tune started from. */
-    if (op->link && !op->prev_dir && acc->last_dir && acc->last_dir[0])
-        op->prev_dir = ckpt__strdup(acc->last_dir);
+    if (op->link && !op->prev_dir && acc->link_dir && acc->link_dir[0])
+        op->prev_dir = ckpt__strdup(acc->link_dir);
     op->target = ckpt__path_join(op->parent, op->base);
     op->tname = ckpt__temp_name(op->base);
     if (!op->target || !op->tname || !(op->tmp = ckpt__path_join(op->parent, op->tname)))
@@ -369,6 +370,7 @@ static int write_file(save_op *op, ckpt_writer *w, const char *name, const char 
         }
     }
     if (rc > 0) rc = 0;
+    else if (rc == 0) op->written_bytes += slot->d.size;
     if (rc == 0) {
         slot->has = true;
         slot->kind = kind;
@@ -1021,6 +1023,10 @@ void ckpt__save_apply(save_op *op) {
     free(acc->last_dir);
     acc->last_dir = op->target;
     op->target = NULL;
+    free(acc->link_dir);
+    acc->link_dir = ckpt__strdup(acc->last_dir); /* NULL: no linking next time, that is all */
+    acc->last_save_written = op->written_bytes;
+    acc->last_save_linked = op->linked_bytes;
 }
 
 void ckpt__save_post(save_op *op) {

@@ -1209,6 +1209,14 @@ int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *
         snprintf(v[i].kind, sizeof v[i].kind, "%s", m.files[i].kind);
         v[i].size = m.files[i].size;
         v[i].xxh3 = m.files[i].xxh3;
+        char *p = join(dir, m.files[i].name);
+        struct stat st;
+        if (p && lstat(p, &st) == 0 && S_ISREG(st.st_mode)) {
+            v[i].device = (uint64_t)st.st_dev;
+            v[i].inode = (uint64_t)st.st_ino;
+            v[i].links = (uint64_t)st.st_nlink;
+        }
+        free(p);
     }
     *out = v;
     *count = m.nfiles;

@@ -573,6 +573,80 @@ static const char *base_name(const char *path, char *buf, size_t cap) {
     return buf;
 }
 
+int ckpt_checkpoint_shared_bytes(const char *dir, const char *other, uint64_t *bytes) {
+    if (bytes) *bytes = 0;
+    if (!dir || !other || !bytes)
+        return ckpt__err(CKPT_EINVAL, "checkpoint_shared_bytes: NULL argument");
+    ckpt_manifest m;
+    ckpt__manifest_init(&m);
+    int rc = ckpt__manifest_read(dir, &m);
+    for (int64_t i = 0; rc == 0 && i < m.nfiles; i++) {
+        char *a = ckpt__path_join(dir, m.files[i].name);
+        char *b = ckpt__path_join(other, m.files[i].name);
+        struct stat sa, sb;
+        if (!a || !b) rc = ckpt__err_nomem("checkpoint path");
+        else if (lstat(a, &sa) == 0 && lstat(b, &sb) == 0 && S_ISREG(sa.st_mode) &&
+                 sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino)
+            *bytes += m.files[i].size;
+        free(a);
+        free(b);
+    }
+    ckpt__manifest_clear(&m);
+    return rc;
+}
+
+int ckpt_checkpoint_verify_file(const char *dir, const char *name) {
+    if (!dir || !name) return ckpt__err(CKPT_EINVAL, "checkpoint_verify_file: NULL argument");
+    ckpt_manifest m;
+    ckpt__manifest_init(&m);
+    int rc = ckpt__manifest_read(dir, &m);
+    const ckpt_manifest_file *f = rc == 0 ? ckpt__manifest_find(&m, name) : NULL;
+    if (rc == 0 && !f)
+        rc = ckpt__err(CKPT_ENOENT, "%s: the manifest lists no file '%s'", dir, name);
+    char *p = f ? ckpt__path_join(dir, name) : NULL;
+    if (f && !p) rc = ckpt__err_nomem("checkpoint path");
+    if (p) {
+        char what[4400];
+        snprintf(what, sizeof what, "%s: %s", dir, name);
+        uint64_t h = 0;
+        rc = ckpt__read_hashed(p, what, f->size, NULL, &h);
+        if (rc == 0 && h != f->xxh3)
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: checksum mismatch (XXH3-64 %016" PRIx64
+                           ", the manifest records %016" PRIx64 ")", what, h, f->xxh3);
+    }
+    free(p);
+    ckpt__manifest_clear(&m);
+    return rc;
+}
+
+/* The highest-numbered checkpoint_<m>, m < n, beside dir (malloc'd), or
+ * NULL. */
+static char *predecessor(const char *dir, int64_t n) {
+    char *parent = NULL;
+    size_t len = strlen(dir);
+    while (len > 1 && dir[len - 1] == '/') len--;
+    while (len > 0 && dir[len - 1] != '/') len--;
+    parent = len == 0 ? ckpt__strdup(".") : ckpt__malloc(len + 1);
+    if (!parent) return NULL;
+    if (len > 0) {
+        memcpy(parent, dir, len);
+        parent[len] = '\0';
+    }
+    int64_t *nums = NULL, count = 0, best = -1;
+    if (ckpt__list_numbers(parent, &nums, &count) == 0)
+        for (int64_t i = 0; i < count; i++)
+            if (nums[i] < n) best = nums[i];
+    free(nums);
+    char *out = NULL;
+    if (best >= 0) {
+        char name[48];
+        snprintf(name, sizeof name, "checkpoint_%" PRId64, best);
+        out = ckpt__path_join(parent, name);
+    }
+    free(parent);
+    return out;
+}
+
 int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *info) {
     ckpt_checkpoint_info local;
     if (!info) info = &local;
@@ -600,7 +674,18 @@ int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *inf
     }
     if (rc == 0) info->status = CKPT_CHECKPOINT_COMPLETE;
     else if (c.no_manifest) info->status = CKPT_CHECKPOINT_PARTIAL;
+    bool listed = c.have_manifest;
     ckpt__checkpoint_close(&c);
+    char *prev = listed && info->number > 0 ? predecessor(dir, info->number) : NULL;
+    if (prev) {
+        /* the verification's message stays the one callers read */
+        char *keep = rc < 0 ? ckpt__strdup(ckpt_errmsg()) : NULL;
+        (void)ckpt_checkpoint_shared_bytes(dir, prev, &info->shared_bytes);
+        if (keep) ckpt__err(rc, "%s", keep);
+        else if (rc == 0) ckpt_clear_error();
+        free(keep);
+        free(prev);
+    }
     return rc;
 }
 
