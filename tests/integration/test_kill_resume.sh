@@ -8,14 +8,18 @@
 # With CKPT_KILL_ASYNC=1 (test_kill_resume_async.sh) every run saves with
 # --async, and the aimed kills wait for the background thread to be writing
 # a file into the temporary folder; CKPT_KILLS sets the number of kills.
+# With CKPT_KILL_FREEZE=1 (test_kill_resume_freeze.sh) every run freezes the
+# first two layers (--freeze): each save links the frozen file of the one
+# before, and kills land while it does.
 source "$(dirname "$0")/common.bash"
 ASYNC=()
 [ "${CKPT_KILL_ASYNC:-0}" = 1 ] && ASYNC=(--async)
+[ "${CKPT_KILL_FREEZE:-0}" = 1 ] && ASYNC+=(--freeze 'fc1.*' --freeze 'fc2.*')
 KILLS=${CKPT_KILLS:-10}
 # what an aimed kill waits for: a save's temporary folder, or (async) a file
 # the background thread is writing in it
 aim="checkpoints/.checkpoint_*.tmp*"
-[ ${#ASYNC[@]} -gt 0 ] && aim="$aim/*.safetensors"
+[ "${CKPT_KILL_ASYNC:-0}" = 1 ] && aim="$aim/*.safetensors"
 
 ref=$WORK/ref
 start=$(date +%s%N)

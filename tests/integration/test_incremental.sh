@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Incremental saves end to end: a fine-tune with --freeze writes its frozen
+# layers once and links them at every later save (same inode, bytes written
+# per save printed, ckpt ls / inspect show what is shared); a run started
+# with --init-from such a checkpoint links its frozen file too; verify of a
+# project names every checkpoint that shares a damaged file; pruning the old
+# checkpoints leaves the newest complete.
+source "$(dirname "$0")/common.bash"
+FREEZE=(--freeze 'fc1.*' --freeze 'fc2.*')
+inode() { stat -c %i "$1"; }
+
+base=$WORK/base
+run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 20 --total-limit 0 --project-dir "$base" \
+    "${FREEZE[@]}"
+grep -q "^bytes written per save: .* the first, then .* on average" "$WORK/out" ||
+    fail "no bytes-per-save line: $(cat "$WORK/out")"
+cks=$base/checkpoints
+frozen=model-00001-of-00001.safetensors
+for n in 0 1 2; do [ -f "$cks/checkpoint_$n/$frozen" ] || fail "checkpoint_$n has no $frozen"; done
+[ "$(inode "$cks/checkpoint_0/$frozen")" = "$(inode "$cks/checkpoint_2/$frozen")" ] ||
+    fail "the frozen file was written again, not linked"
+[ "$(inode "$cks/checkpoint_1/model.safetensors")" != "$(inode "$cks/checkpoint_2/model.safetensors")" ] ||
+    fail "the trained layers were linked"
+# the saves after the first wrote a small share of the first's bytes
+pct=$(sed -n 's/^bytes written per save: .* on average (\([0-9.]*\)%.*/\1/p' "$WORK/out")
+[ -n "$pct" ] || fail "could not read the bytes-per-save line"
+awk -v p="$pct" 'BEGIN { exit !(p < 20) }' || fail "later saves wrote $pct% of the first's bytes"
+
+run_rc 0 "$CKPT_BIN" ls "$base"
+grep "checkpoint_1" "$WORK/out" | has "KiB shared with the previous" || fail "ls shows no sharing"
+run_rc 0 "$CKPT_BIN" ls --json "$base"
+has '"shared_bytes":[1-9]' <"$WORK/out" || fail "ls --json has no shared_bytes"
+run_rc 0 "$CKPT_BIN" inspect "$cks/checkpoint_2"
+has "shared with the previous checkpoint" <"$WORK/out" || fail "inspect shows no sharing"
+run_rc 0 "$CKPT_BIN" verify "$base"
+
+# --init-from: the fine-tune's first save links the frozen file of the
+# checkpoint it started from
+ft=$WORK/ft
+run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 20 --project-dir "$ft" --init-from "$base" \
+    "${FREEZE[@]}" --quiet
+[ "$(inode "$ft/checkpoints/checkpoint_0/$frozen")" = "$(inode "$cks/checkpoint_2/$frozen")" ] ||
+    fail "--init-from did not link the base's frozen file"
+
+# one damaged copy: verify fails and names every checkpoint that holds it
+flip_byte "$cks/checkpoint_1/$frozen" 100
+run_rc 1 "$CKPT_BIN" verify "$base"
+has "$frozen is one copy on disk shared by: checkpoint_0 checkpoint_1 checkpoint_2" <"$WORK/out" ||
+    fail "verify does not name the checkpoints sharing the damaged file: $(cat "$WORK/out")"
+flip_byte "$cks/checkpoint_1/$frozen" 100
+run_rc 0 "$CKPT_BIN" verify "$base"
+
+# deleting the old checkpoints (prune) never breaks the newest
+run_rc 0 "$CKPT_BIN" prune "$base" --keep 1
+[ ! -e "$cks/checkpoint_0" ] && [ ! -e "$cks/checkpoint_1" ] || fail "prune kept old checkpoints"
+run_rc 0 "$CKPT_BIN" verify "$cks/checkpoint_2"
+run_rc 0 "$CKPT_BIN" train --epochs 2 --save-every 20 --project-dir "$base" --resume \
+    "${FREEZE[@]}" --quiet
+run_rc 0 "$CKPT_BIN" verify "$base"
+echo "ok: frozen layers linked across saves and --init-from, sharing shown, damage named"
