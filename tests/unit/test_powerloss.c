@@ -6,8 +6,11 @@
  * asynchronously (written by the background thread), the collective save of
  * two processes with and without rotation (ranks as threads, the optimizer
  * sharded so each rank writes its own files, rank 0 commits), a save that
- * replaces an explicit checkpoint folder, and ckpt_checkpoint_prune. In
- * every state:
+ * replaces an explicit checkpoint folder, and ckpt_checkpoint_prune. The
+ * model has a frozen parameter (in no optimizer group, never changed), so
+ * every save after the first links its frozen file (one process) or the
+ * unchanged files of the ranks instead of writing them: the record holds
+ * links into the temporary folder. In every state:
  *
  *   - load_state finds the previous newest checkpoint or the new one, bit
  *     for bit as saved (the new one once the operation had returned), and
@@ -45,6 +48,7 @@ static uint64_t g_seed;
 
 #define NW 300 /* the files span several 512-byte sectors, so writes can tear */
 #define NB 20
+#define NE 128 /* the frozen parameter */
 
 typedef struct counter {
     int64_t value;
@@ -71,7 +75,7 @@ static const ckpt_stateful_ops counter_ops = {.state_dict = counter_sd,
                                               .load_state_dict = counter_load};
 
 typedef struct world {
-    float w[NW], b[NB], gw[NW], gb[NB];
+    float w[NW], b[NB], gw[NW], gb[NB], e[NE];
     ckpt_model *model;
     ckpt_optimizer *opt;
     counter c;
@@ -105,7 +109,13 @@ static int world_new_rc(world **out, const char *project, int total_limit, const
     }
     if (rc == 0) rc = ckpt_model_add_param(w->model, "fc.weight", CKPT_F32, 2, sw, w->w, w->gw);
     if (rc == 0) rc = ckpt_model_add_param(w->model, "fc.bias", CKPT_F32, 1, sb, w->b, w->gb);
+    for (int i = 0; i < NE; i++) w->e[i] = (float)i * 0.25f;
+    int64_t se[2] = {8, NE / 8};
+    if (rc == 0) rc = ckpt_model_add_param(w->model, "emb.weight", CKPT_F32, 2, se, w->e, NULL);
     if (rc == 0) rc = ckpt_adamw_new(&w->opt, w->model, 1e-2, 0.9, 0.999, 1e-8, 0.01);
+    ckpt_optim_options go = ckpt_optim_defaults(CKPT_OPTIM_ADAMW);
+    go.lr = 1e-2;
+    if (rc == 0) rc = ckpt_optimizer_set_groups(w->opt, 1, (int[]){0, 0, -1}, &go);
     if (rc == 0 && comm) rc = ckpt_optimizer_set_shard(w->opt, comm);
     if (rc == 0) rc = ckpt_prepare_model(w->acc, w->model);
     if (rc == 0) rc = ckpt_prepare_optimizer(w->acc, w->opt);
