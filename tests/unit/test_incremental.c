@@ -23,6 +23,7 @@
 #include "format/manifest.h"
 #include "format/statedict.h"
 #include "helpers/testutil.h"
+#include "helpers/thread_comm.h"
 
 enum { NBASE = 64 * 1024, NHEAD = 256 };
 
@@ -519,6 +520,75 @@ static void test_set_frozen_by_pattern_and_by_optimizer_group(void **state) {
     ckpt_model_free(m);
 }
 
+/* ---- several processes: each rank links its own files ---------------------- */
+
+enum { MPR = 2, MPBASE = 512 * 1024 }; /* the base: 2 MiB, cut between the ranks */
+
+typedef struct mp_job {
+    const char *proj;
+    int rc[MPR];
+    char msg[MPR][512];
+    uint64_t written[MPR][2], linked[MPR][2];
+} mp_job;
+
+/* Each rank (a thread): a frozen base and a trained head, both replicated;
+ * the save plan spreads their tensors over the ranks, so each rank writes a
+ * share of each model into its own shard files. Two saves, the head
+ * changed between them. */
+static void mp_rank(const ckpt_comm *c, void *arg) {
+    mp_job *j = arg;
+    static float base[MPR][MPBASE], head[MPR][NHEAD];
+    float *b = base[c->rank], *h = head[c->rank];
+    for (int i = 0; i < MPBASE; i++) b[i] = (float)i;
+    for (int i = 0; i < NHEAD; i++) h[i] = 1.0f;
+    ckpt_model *mb = NULL, *mh = NULL;
+    ckpt_accelerator *acc = NULL;
+    ckpt_project_config cfg = {.project_dir = j->proj, .automatic_checkpoint_naming = true,
+                               .comm = c};
+    int rc = ckpt_model_new(&mb);
+    if (rc == 0) rc = ckpt_model_new(&mh);
+    if (rc == 0)
+        rc = ckpt_model_add_param(mb, "base", CKPT_F32, 2, (int64_t[]){MPBASE / 64, 64}, b, NULL);
+    if (rc == 0)
+        rc = ckpt_model_add_param(mh, "head", CKPT_F32, 2, (int64_t[]){NHEAD / 8, 8}, h, NULL);
+    if (rc == 0) rc = ckpt_accelerator_new(&acc, &cfg);
+    if (rc == 0) rc = ckpt_prepare_model(acc, mb);
+    if (rc == 0) rc = ckpt_prepare_model(acc, mh);
+    for (int k = 0; k < 2 && rc == 0; k++) {
+        for (int i = 0; i < NHEAD; i++) h[i] += 1.0f;
+        rc = ckpt_save_state(acc, NULL);
+        ckpt_accelerator_last_save_bytes(acc, &j->written[c->rank][k], &j->linked[c->rank][k]);
+    }
+    j->rc[c->rank] = rc;
+    if (rc) snprintf(j->msg[c->rank], sizeof j->msg[0], "%s", ckpt_errmsg());
+    ckpt_accelerator_free(acc);
+    ckpt_model_free(mb);
+    ckpt_model_free(mh);
+}
+
+static void test_each_rank_links_its_own_files(void **state) {
+    (void)state;
+    mp_job j;
+    memset(&j, 0, sizeof j);
+    j.proj = tu_dir();
+    tc_run(MPR, mp_rank, &j);
+    for (int r = 0; r < MPR; r++)
+        if (j.rc[r]) fail_msg("rank %d: %s", r, j.msg[r]);
+    for (int r = 0; r < MPR; r++) {
+        char name[64];
+        /* the base's share of rank r, and rank r's generator */
+        snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", r + 1, MPR);
+        assert_true(same_file(0, 1, name));
+        snprintf(name, sizeof name, "random_states_%d.safetensors", r);
+        assert_true(same_file(0, 1, name));
+        /* every rank linked at the second save, and wrote less than at the first */
+        assert_int_equal(j.linked[r][0], 0);
+        assert_true(j.linked[r][1] > 0);
+        assert_true(j.written[r][1] < j.written[r][0]);
+    }
+    verify_deep(1);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_hash_in_memory_is_the_hash_of_the_written_file, setup,
@@ -545,6 +615,8 @@ int main(void) {
                                         tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_set_frozen_by_pattern_and_by_optimizer_group,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_each_rank_links_its_own_files, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
