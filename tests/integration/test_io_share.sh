@@ -5,7 +5,9 @@
 # parallel state, a ZeRO-1 one and a fully sharded custom object, under
 # mpirun -np 1, 2, 3 and 4. For the save and for the load: the most one rank
 # moves is at most 1.25 x state/P + 1 MiB, the bytes read by all ranks at
-# most 1.25 x state; the load gives back the saved values bit for bit.
+# most 1.25 x state; the load gives back the saved values bit for bit; a
+# second save of the unchanged state writes no state file on any rank: each
+# rank links its own files (incremental saves).
 # What 3 processes saved is what 1 saved, for ckpt diff, export and
 # ckpt_torch.
 source "$(dirname "$0")/common.bash"
@@ -21,6 +23,8 @@ for layout in dp zero1 sharded; do
             fail "io_share $layout on $p processes"
         }
         cat "$WORK/out"
+        grep -q "second save: every rank linked its own files" "$WORK/out" ||
+            fail "io_share $layout on $p processes: the second save did not link every file"
         [ "$p" = 1 ] || [ "$p" = 3 ] || rm -rf "${WORK:?}/$layout-$p"
     done
     # Saved by 3 processes (format version 2, replicated tensors spread over

@@ -15,7 +15,12 @@
  * and fails (exit 1) unless, for the save and for the load, the most any
  * rank moved is at most 1.25 x state/P + 1 MiB and the bytes read by all
  * ranks together are at most 1.25 x state. The load must also give back the
- * saved values bit for bit (they are overwritten between save and load). */
+ * saved values bit for bit (they are overwritten between save and load).
+ * Then a second save of the unchanged state: an incremental save, in which
+ * every rank links its own files from the first checkpoint and writes none
+ * (rank 0 writes the manifest only); rank 0 prints
+ *
+ *   io_share LAYOUT P=<p> second save: every rank linked its own files */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -202,7 +207,25 @@ int main(int argc, char **argv) {
                 layout, size_, rank_);
         bad = 1;
     }
+
+    /* Nothing changed since the first save: each rank links what it wrote. */
+    MPI_Barrier(MPI_COMM_WORLD);
+    ckpt__io_bytes(&t0);
+    if (ckpt_save_state(acc, NULL) < 0) die("second save");
+    counts s2 = since(&t0);
+    uint64_t written = 0, linked = 0;
+    ckpt_accelerator_last_save_bytes(acc, &written, &linked);
+    if (written != 0 || linked == 0 || s2.written > (rank_ == 0 ? MIB : 0)) {
+        fprintf(stderr,
+                "io_share %s P=%d: rank %d: second save wrote %llu bytes of state files (%llu "
+                "in all), linked %llu: expected only links\n",
+                layout, size_, rank_, (unsigned long long)written,
+                (unsigned long long)s2.written, (unsigned long long)linked);
+        bad = 1;
+    }
     MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (!bad && rank_ == 0)
+        printf("io_share %s P=%d second save: every rank linked its own files\n", layout, size_);
 
     ckpt_accelerator_free(acc);
     ckpt_optimizer_free(opt);
