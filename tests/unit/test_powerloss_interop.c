@@ -181,8 +181,7 @@ static int check_state_unsynced(void *user, const char *root, const cs_crash *c,
     if (!there && same_as_ref(x, target, why, cap)) return 1;
     char names[4096];
     visible_names(root, names, sizeof names);
-    if (strcmp(names, "target") != 0)
-        return why_fail(why, cap, "beside the target: [%s]", names);
+    if (strcmp(names, "target") != 0) return why_fail(why, cap, "beside the target: [%s]", names);
     return 0;
 }
 
@@ -266,7 +265,8 @@ static void test_powerloss_export_catches_missing_file_fsync(void **state) {
 
 int main(void) {
     const char *e = getenv("CKPT_CRASHSIM_SEED");
-    g_seed = e && *e ? strtoull(e, NULL, 0) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)getpid();
+    g_seed =
+        e && *e ? strtoull(e, NULL, 0) : (uint64_t)time(NULL) * 2654435761u + (uint64_t)getpid();
     if (!g_seed) g_seed = 1;
     printf("power-loss: seed %llu (replay with CKPT_CRASHSIM_SEED=%llu)\n",
            (unsigned long long)g_seed, (unsigned long long)g_seed);
