@@ -520,6 +520,46 @@ static void test_set_frozen_by_pattern_and_by_optimizer_group(void **state) {
     ckpt_model_free(m);
 }
 
+/* Flexible loading reads the model from both files too: weights only into a
+ * model of another dtype (converted), and ckpt_load_state_ex of the model. */
+static void test_split_model_loads_flexibly(void **state) {
+    (void)state;
+    static one_model om;
+    memset(&om, 0, sizeof om);
+    for (int i = 0; i < NBASE; i++) om.base[i] = (float)(i % 256);
+    for (int i = 0; i < NHEAD; i++) om.head[i] = (float)-i;
+    one_model_open(&om, tu_dir(), true);
+    assert_int_equal(ckpt_save_state(om.acc, NULL), 0);
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_0", tu_dir());
+    /* weights only, converted to BF16 (exact for these small integers) */
+    static uint16_t bbase[NBASE], bhead[NHEAD];
+    ckpt_model *m = NULL;
+    assert_int_equal(ckpt_model_new(&m), 0);
+    assert_int_equal(
+        ckpt_model_add_param(m, "base.w", CKPT_BF16, 1, (int64_t[]){NBASE}, bbase, NULL), 0);
+    assert_int_equal(
+        ckpt_model_add_param(m, "head.w", CKPT_BF16, 1, (int64_t[]){NHEAD}, bhead, NULL), 0);
+    ckpt_load_options lo = {.convert_dtypes = true};
+    int rc = ckpt_model_load_weights(m, dir, &lo, NULL);
+    if (rc != 0) fail_msg("load_weights: %s", ckpt_errmsg());
+    static float back[NBASE];
+    assert_int_equal(ckpt_dtype_convert(CKPT_BF16, bbase, CKPT_F32, back, NBASE), 0);
+    assert_memory_equal(back, om.base, sizeof om.base);
+    assert_int_equal(ckpt_dtype_convert(CKPT_BF16, bhead, CKPT_F32, back, NHEAD), 0);
+    assert_memory_equal(back, om.head, sizeof om.head);
+    ckpt_model_free(m);
+    /* the model only, into the same accelerator's objects */
+    memset(om.base, 0, sizeof om.base);
+    memset(om.head, 0, sizeof om.head);
+    ckpt_load_options mo = {.objects = CKPT_LOAD_MODELS};
+    rc = ckpt_load_state_ex(om.acc, dir, &mo, NULL);
+    if (rc != 0) fail_msg("load_state_ex: %s", ckpt_errmsg());
+    assert_float_equal(om.base[255], 255.0f, 0);
+    assert_float_equal(om.head[NHEAD - 1], (float)-(NHEAD - 1), 0);
+    free(dir);
+    one_model_close(&om);
+}
+
 /* ---- several processes: each rank links its own files ---------------------- */
 
 enum { MPR = 2, MPBASE = 512 * 1024 }; /* the base: 2 MiB, cut between the ranks */
@@ -615,6 +655,8 @@ int main(void) {
                                         tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_set_frozen_by_pattern_and_by_optimizer_group,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_split_model_loads_flexibly, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_each_rank_links_its_own_files, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
     };
