@@ -198,7 +198,8 @@ int main(int argc, char **argv) {
     printf("bench_incremental: bytes written per save after the first: %.1f MiB with linking "
            "(%.3fx the changing state; target <= 1.1x + 256 KiB = %.1f MiB: %s), %.1f MiB "
            "without (%.1fx); %.1f MiB linked per save; first save %.1f MiB\n",
-           (double)bi / mib, (double)bi / state, target / mib, (double)bi <= target ? "met" : "MISSED",
+           (double)bi / mib, (double)bi / state, target / mib,
+           (double)bi <= target ? "met" : "MISSED",
            (double)bf / mib, (double)bf / (double)(bi ? bi : 1), (double)li / mib,
            (double)firsti / mib);
     printf("bench_incremental: save time after the first: %.3f s with linking, %.3f s full "

@@ -19,8 +19,8 @@ frozen=model-00001-of-00001.safetensors
 for n in 0 1 2; do [ -f "$cks/checkpoint_$n/$frozen" ] || fail "checkpoint_$n has no $frozen"; done
 [ "$(inode "$cks/checkpoint_0/$frozen")" = "$(inode "$cks/checkpoint_2/$frozen")" ] ||
     fail "the frozen file was written again, not linked"
-[ "$(inode "$cks/checkpoint_1/model.safetensors")" != "$(inode "$cks/checkpoint_2/model.safetensors")" ] ||
-    fail "the trained layers were linked"
+[ "$(inode "$cks/checkpoint_1/model.safetensors")" != \
+    "$(inode "$cks/checkpoint_2/model.safetensors")" ] || fail "the trained layers were linked"
 # the saves after the first wrote a small share of the first's bytes
 pct=$(sed -n 's/^bytes written per save: .* on average (\([0-9.]*\)%.*/\1/p' "$WORK/out")
 [ -n "$pct" ] || fail "could not read the bytes-per-save line"

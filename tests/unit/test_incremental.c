@@ -353,7 +353,8 @@ static void test_link_across_file_systems_falls_back_to_writing(void **state) {
     /* an explicit folder on the same file system links from the last one */
     char *third = tu_pathf("%s/third", tu_dir());
     assert_int_equal(ckpt_save_state(fx.acc, third), 0);
-    char *p2 = tu_pathf("%s/model.safetensors", second), *p3 = tu_pathf("%s/model.safetensors", third);
+    char *p2 = tu_pathf("%s/model.safetensors", second);
+    char *p3 = tu_pathf("%s/model.safetensors", third);
     struct stat s2, s3;
     assert_int_equal(stat(p2, &s2), 0);
     assert_int_equal(stat(p3, &s3), 0);
