@@ -137,8 +137,10 @@ static void run(const char *proj, bool no_link, double *median_s, uint64_t *byte
     g.lr = 1e-4;
     g.weight_decay = 0.0;
     check(ckpt_optimizer_set_groups(o, 1, group_of, &g), "optimizer groups");
-    ckpt_project_config cfg = {.project_dir = proj, .automatic_checkpoint_naming = true,
-                               .total_limit = 2, .no_link_unchanged = no_link};
+    ckpt_project_config cfg = {.project_dir = proj,
+                               .automatic_checkpoint_naming = true,
+                               .total_limit = 2,
+                               .no_link_unchanged = no_link};
     check(ckpt_accelerator_new(&acc, &cfg), "accelerator");
     check(ckpt_prepare_model(acc, m), "prepare");
     check(ckpt_prepare_optimizer(acc, o), "prepare");
@@ -169,9 +171,7 @@ static void run(const char *proj, bool no_link, double *median_s, uint64_t *byte
     ckpt_model_free(m);
 }
 
-static void remove_project(const char *proj) {
-    ckpt_checkpoint_prune(proj, 0, NULL);
-}
+static void remove_project(const char *proj) { ckpt_checkpoint_prune(proj, 0, NULL); }
 
 int main(int argc, char **argv) {
     if (argc < 2) {
@@ -199,9 +199,8 @@ int main(int argc, char **argv) {
            "(%.3fx the changing state; target <= 1.1x + 256 KiB = %.1f MiB: %s), %.1f MiB "
            "without (%.1fx); %.1f MiB linked per save; first save %.1f MiB\n",
            (double)bi / mib, (double)bi / state, target / mib,
-           (double)bi <= target ? "met" : "MISSED",
-           (double)bf / mib, (double)bf / (double)(bi ? bi : 1), (double)li / mib,
-           (double)firsti / mib);
+           (double)bi <= target ? "met" : "MISSED", (double)bf / mib,
+           (double)bf / (double)(bi ? bi : 1), (double)li / mib, (double)firsti / mib);
     printf("bench_incremental: save time after the first: %.3f s with linking, %.3f s full "
            "(%.2fx the full save's time)\n",
            ti, tf, ti / tf);

@@ -310,7 +310,7 @@ typedef struct ckpt_param_info {
     int64_t numel;
     void *data;
     void *grad;
-    bool frozen;       /* see ckpt_model_set_frozen */
+    bool frozen; /* see ckpt_model_set_frozen */
 } ckpt_param_info;
 CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info);
 /* Marks every parameter whose name is pattern or matches it as a glob

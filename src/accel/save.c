@@ -80,12 +80,12 @@ struct ckpt_save_op {
     ckpt_metric metrics[CKPT_MAX_METRICS];
     char *post_dir; /* the final folder for the post-hooks (a copy: they may save) */
     /* incremental saves: the checkpoint whose unchanged files are linked */
-    bool link;       /* linking is on (the project option) */
-    bool link_off;   /* a link failed for a reason that will not go away: write */
-    char *prev_dir;  /* rank 0 picks it, every rank reads its manifest */
+    bool link;      /* linking is on (the project option) */
+    bool link_off;  /* a link failed for a reason that will not go away: write */
+    char *prev_dir; /* rank 0 picks it, every rank reads its manifest */
     ckpt_manifest prev;
     bool have_prev;
-    bool split;      /* a model's frozen tensors went to a file of their own */
+    bool split;             /* a model's frozen tensors went to a file of their own */
     uint64_t linked_bytes;  /* this rank's files linked, not written */
     uint64_t written_bytes; /* this rank's files written */
     int64_t nlinked;

@@ -32,7 +32,7 @@ typedef struct ckpt_file_digest {
     uint64_t *tensor_offset; /* owned: absolute file offset of each tensor's data */
     uint64_t *tensor_nbytes; /* owned */
     struct ckpt_chunk *tensor_chunk; /* owned; NULL, or (a shard file) one per tensor */
-    bool has_xxh128;         /* xxh128 below is the XXH3-128 of the whole file */
+    bool has_xxh128;                 /* xxh128 below is the XXH3-128 of the whole file */
     ckpt_h128 xxh128;
 } ckpt_file_digest;
 void ckpt__file_digest_free(ckpt_file_digest *d);

@@ -611,8 +611,10 @@ int ckpt_checkpoint_verify_file(const char *dir, const char *name) {
         uint64_t h = 0;
         rc = ckpt__read_hashed(p, what, f->size, NULL, &h);
         if (rc == 0 && h != f->xxh3)
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: checksum mismatch (XXH3-64 %016" PRIx64
-                           ", the manifest records %016" PRIx64 ")", what, h, f->xxh3);
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: checksum mismatch (XXH3-64 %016" PRIx64
+                           ", the manifest records %016" PRIx64 ")",
+                           what, h, f->xxh3);
     }
     free(p);
     ckpt__manifest_clear(&m);

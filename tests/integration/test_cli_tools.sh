@@ -103,7 +103,10 @@ grep -q "^ckpt verify: $WORK/unrelated is not a checkpoint (no checkpoint.json) 
 # ---- ls of a checkpoint folder lists it
 run_rc 0 "$CKPT_BIN" ls "$cks/checkpoint_2"
 [ "$(wc -l <"$WORK/out")" -eq 2 ] || fail "ls checkpoint: expected a header and one row"
-grep -q "^2  *30  .*  complete  $cks/checkpoint_2  test_loss=[0-9.e-]* test_acc=[0-9.e-]*$" \
+# (the files unchanged since the previous checkpoint, such as the run's
+# settings, are linked: the row says how many bytes it shares)
+shared="\(([0-9.]* [KMG]\?i\?B shared with the previous)  \)\?"
+grep -q "^2  *30  .*  complete  $cks/checkpoint_2  ${shared}test_loss=[0-9.e-]* test_acc=[0-9.e-]*$" \
     "$WORK/out" || fail "ls checkpoint: row (with the metrics ckpt train records)"
 
 # ---- prune: valid checkpoints only; the newest valid one stays

@@ -558,8 +558,10 @@ static void test_a_failing_post_hook_is_a_warning_and_the_save_stands(void **st)
 /* Each with its own copy of every file (no links to the previous one's
  * unchanged files): the tests corrupt one checkpoint's file at a time. */
 static void three_checkpoints(const char *t) {
-    ckpt_project_config cfg = {.project_dir = t, .automatic_checkpoint_naming = true,
-                               .total_limit = 2, .no_link_unchanged = true};
+    ckpt_project_config cfg = {.project_dir = t,
+                               .automatic_checkpoint_naming = true,
+                               .total_limit = 2,
+                               .no_link_unchanged = true};
     ckpt_accelerator *acc = NULL;
     assert_int_equal(ckpt_accelerator_new(&acc, &cfg), CKPT_OK);
     counter c;

@@ -633,8 +633,10 @@ static void rank_job(const ckpt_comm *c, void *arg) {
     ckpt_model *m = NULL;
     ckpt_accelerator *acc = NULL;
     /* every rank writes (and fsyncs) its files at every save: no links */
-    ckpt_project_config cfg = {.project_dir = s->proj, .automatic_checkpoint_naming = true,
-                               .comm = &w.comm, .no_link_unchanged = true};
+    ckpt_project_config cfg = {.project_dir = s->proj,
+                               .automatic_checkpoint_naming = true,
+                               .comm = &w.comm,
+                               .no_link_unchanged = true};
     int rc = ckpt_model_new(&m);
     if (rc == 0) rc = ckpt_model_add_param(m, "p", CKPT_F32, 1, (int64_t[]){4}, p, NULL);
     if (rc == 0) rc = ckpt_accelerator_new(&acc, &cfg);

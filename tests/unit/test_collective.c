@@ -80,8 +80,10 @@ static int rank_setup(rank_state *st, const ckpt_comm *c, const scen *s) {
     st->fl = (flaky){.value = 10, .rank = c->rank, .fail_rank = s->fail_rank};
     /* every file written by every save (no links): the scenarios corrupt
      * one checkpoint's file and count the ranks' writes */
-    ckpt_project_config cfg = {.project_dir = s->proj, .automatic_checkpoint_naming = true,
-                               .comm = c, .no_link_unchanged = true};
+    ckpt_project_config cfg = {.project_dir = s->proj,
+                               .automatic_checkpoint_naming = true,
+                               .comm = c,
+                               .no_link_unchanged = true};
     int rc;
     if ((rc = ckpt_model_new(&st->model)) < 0) return rc;
     if ((rc = ckpt_model_add_param(st->model, "w", CKPT_F32, 1, (int64_t[]){4}, st->w, NULL)) < 0)

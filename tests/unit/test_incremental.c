@@ -47,9 +47,8 @@ static void on_log(void *user, ckpt_log_level level, const char *msg) {
 }
 
 static void open_acc(const char *project, bool no_link) {
-    ckpt_project_config cfg = {.project_dir = project,
-                               .automatic_checkpoint_naming = true,
-                               .no_link_unchanged = no_link};
+    ckpt_project_config cfg = {
+        .project_dir = project, .automatic_checkpoint_naming = true, .no_link_unchanged = no_link};
     assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
     ckpt_accelerator_set_log(fx.acc, on_log, NULL);
     assert_int_equal(ckpt_prepare_model(fx.acc, fx.mbase), 0);
@@ -584,8 +583,8 @@ static void mp_rank(const ckpt_comm *c, void *arg) {
     for (int i = 0; i < NHEAD; i++) h[i] = 1.0f;
     ckpt_model *mb = NULL, *mh = NULL;
     ckpt_accelerator *acc = NULL;
-    ckpt_project_config cfg = {.project_dir = j->proj, .automatic_checkpoint_naming = true,
-                               .comm = c};
+    ckpt_project_config cfg = {
+        .project_dir = j->proj, .automatic_checkpoint_naming = true, .comm = c};
     int rc = ckpt_model_new(&mb);
     if (rc == 0) rc = ckpt_model_new(&mh);
     if (rc == 0)
@@ -648,8 +647,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_async_save_links_too, setup, teardown),
         cmocka_unit_test_setup_teardown(test_link_across_file_systems_falls_back_to_writing, setup,
                                         teardown),
-        cmocka_unit_test_setup_teardown(test_failed_save_after_link_loses_nothing, setup,
-                                        teardown),
+        cmocka_unit_test_setup_teardown(test_failed_save_after_link_loses_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(test_frozen_parameters_go_to_a_file_that_later_saves_link,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_model_of_one_kind_stays_one_file, tu_tmpdir_setup,

@@ -42,8 +42,8 @@ static void build(const char *project) {
     assert_int_equal(ckpt_model_add_param(fx.m2, "b", CKPT_F32, 1, (int64_t[]){NB}, fx.b, NULL), 0);
     assert_int_equal(ckpt_model_add_param(fx.m3, "c", CKPT_F32, 1, (int64_t[]){NC}, fx.c, NULL), 0);
     /* every checkpoint its own copy of each file: the tests corrupt one */
-    ckpt_project_config cfg = {.project_dir = project, .automatic_checkpoint_naming = true,
-                               .no_link_unchanged = true};
+    ckpt_project_config cfg = {
+        .project_dir = project, .automatic_checkpoint_naming = true, .no_link_unchanged = true};
     assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
     assert_int_equal(ckpt_prepare_model(fx.acc, fx.m1), 0);
     assert_int_equal(ckpt_prepare_model(fx.acc, fx.m2), 0);
@@ -161,8 +161,10 @@ static void test_total_limit_rotation_counts_only_valid_checkpoints(void **state
     snprintf(path, sizeof path, "%s/checkpoints/checkpoint_2/model.safetensors", tu_dir());
     tu_flip_byte(path, -1);
     ckpt_accelerator_free(fx.acc);
-    ckpt_project_config cfg = {.project_dir = tu_dir(), .automatic_checkpoint_naming = true,
-                               .total_limit = 2, .no_link_unchanged = true};
+    ckpt_project_config cfg = {.project_dir = tu_dir(),
+                               .automatic_checkpoint_naming = true,
+                               .total_limit = 2,
+                               .no_link_unchanged = true};
     assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
     assert_int_equal(ckpt_prepare_model(fx.acc, fx.m1), 0);
     assert_int_equal(ckpt_prepare_model(fx.acc, fx.m2), 0);

@@ -219,8 +219,8 @@ int main(int argc, char **argv) {
         fprintf(stderr,
                 "io_share %s P=%d: rank %d: second save wrote %llu bytes of state files (%llu "
                 "in all), linked %llu: expected only links\n",
-                layout, size_, rank_, (unsigned long long)written,
-                (unsigned long long)s2.written, (unsigned long long)linked);
+                layout, size_, rank_, (unsigned long long)written, (unsigned long long)s2.written,
+                (unsigned long long)linked);
         bad = 1;
     }
     MPI_Allreduce(MPI_IN_PLACE, &bad, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
