@@ -34,6 +34,20 @@ run_rc 0 "$CKPT_BIN" inspect "$cks/checkpoint_2"
 has "shared with the previous checkpoint" <"$WORK/out" || fail "inspect shows no sharing"
 run_rc 0 "$CKPT_BIN" verify "$base"
 
+# the model split over two files reads as one: export writes one
+# model.safetensors, ckpt_torch loads every parameter
+run_rc 0 "$CKPT_BIN" export "$cks/checkpoint_2" "$WORK/exp"
+run_rc 0 "$CKPT_BIN" inspect "$WORK/exp/model.safetensors"
+for k in fc1.weight fc1.bias fc2.weight fc2.bias fc3.weight fc3.bias; do
+    has "^    $k " <"$WORK/out" || fail "export: $k is missing from model.safetensors"
+done
+PYTHONPATH="$CKPT_SOURCE_DIR/python" "${CKPT_PYTHON:-python3}" -B -c '
+import sys, ckpt_torch
+m = ckpt_torch.load(sys.argv[1], as_torch=False)["files"]["model"]
+assert sorted(m) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "fc3.bias",
+                     "fc3.weight"], sorted(m)
+' "$cks/checkpoint_2" || fail "ckpt_torch does not read the whole model"
+
 # --init-from: the fine-tune's first save links the frozen file of the
 # checkpoint it started from
 ft=$WORK/ft
