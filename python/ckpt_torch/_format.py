@@ -824,6 +824,8 @@ def manifest_text(m):
             L.append('      "kind": %s,' % jstr(f["kind"]))
             L.append('      "size": %d,' % f["size"])
             L.append('      "xxh3": "%s",' % f["xxh3"])
+            if f.get("xxh128"):
+                L.append('      "xxh128": "%s",' % f["xxh128"])
             ts = list(f["tensors"].items())
             if not ts:
                 L.append('      "tensors": {}')
@@ -897,6 +899,7 @@ def _m_str(root, key, required, what):
 
 
 _HEX16 = re.compile(r"[0-9a-f]{16}")
+_HEX32 = re.compile(r"[0-9a-f]{32}")
 
 
 def _m_chunks(jf, tensors, where):
@@ -984,6 +987,11 @@ def parse_manifest(text, what):
         hx = _m_str(jf, "xxh3", True, where)
         if not _HEX16.fullmatch(hx):
             raise CorruptError('%s: "xxh3" must be 16 lowercase hex digits' % where)
+        # the XXH3-128 an incremental save compares with (optional; kept so a
+        # manifest written back is the same)
+        wide = _m_str(jf, "xxh128", False, where)
+        if wide is not None and not _HEX32.fullmatch(wide):
+            raise CorruptError('%s: "xxh128" must be 32 lowercase hex digits' % where)
         jt = jf.get("tensors")
         if "tensors" in jf and not isinstance(jt, dict):
             raise CorruptError('%s: "tensors" must be an object' % where)
@@ -997,7 +1005,7 @@ def parse_manifest(text, what):
             tensors[k] = v
         chunks = _m_chunks(jf, tensors, where)
         m["files"].append({"name": name, "kind": kind, "size": size, "xxh3": hx, "tensors": tensors,
-                           "chunks": chunks})
+                           "chunks": chunks, "xxh128": wide})
     seen = set()
     for f in sorted(m["files"], key=lambda f: f["name"].encode("utf-8")):
         if f["name"] in seen:

@@ -331,13 +331,18 @@ static int try_link(save_op *op, ckpt_writer *w, const char *name, bool shards, 
         free(from);
         return 0;
     }
+    /* Both digests of the file as linked: XXH3-128 against the bytes in
+     * memory (so what is linked is exactly what would have been written,
+     * whatever the old manifest says), XXH3-64 against its record (which
+     * the new manifest copies). */
     uint64_t got = 0;
-    int rc = ckpt__read_hashed(path, path, f->size, NULL, &got);
-    if (rc < 0 || got != f->xxh3) {
+    ckpt_h128 got128 = {0, 0};
+    int rc = ckpt__read_hashed128(path, path, f->size, &got, &got128);
+    if (rc < 0 || got != f->xxh3 || !ckpt__h128_eq(got128, h)) {
         ckpt__log(&op->log, CKPT_LOG_WARNING,
                   "save_state: %s no longer has the bytes its manifest records (%s); not "
                   "linked, written anew",
-                  from, rc < 0 ? ckpt_errmsg() : "XXH3-64 differs");
+                  from, rc < 0 ? ckpt_errmsg() : "its checksum differs");
         free(from);
         ckpt_clear_error();
         if (ckpt__os_unlink(path) != 0)

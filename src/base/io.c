@@ -1006,16 +1006,20 @@ ckpt_h128 ckpt__xxh128(const void *p, size_t n) {
  * 1 MiB pieces ran at a third of the speed of 8 MiB ones). */
 #define HASH_PIECE ((size_t)8 << 20)
 
-int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
-                      uint64_t *digest) {
+static int read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
+                       uint64_t *digest, ckpt_h128 *wide) {
     size_t align = _Alignof(XXH3_state_t) > 64 ? _Alignof(XXH3_state_t) : 64;
-    void *mem = ckpt__malloc(sizeof(XXH3_state_t) + align + (dst ? 0 : HASH_PIECE));
+    void *mem = ckpt__malloc(2 * sizeof(XXH3_state_t) + align + (dst ? 0 : HASH_PIECE));
     if (!mem) return ckpt__err_nomem(what);
     uintptr_t a = ((uintptr_t)mem + align - 1) & ~(uintptr_t)(align - 1);
-    XXH3_state_t *h = (XXH3_state_t *)a;
-    uint8_t *scratch = (uint8_t *)(h + 1);
+    XXH3_state_t *h = (XXH3_state_t *)a, *h2 = h + 1;
+    uint8_t *scratch = (uint8_t *)(h + 2);
     XXH3_INITSTATE(h);
     XXH3_64bits_reset(h);
+    if (wide) {
+        XXH3_INITSTATE(h2);
+        XXH3_128bits_reset(h2);
+    }
     int rc = CKPT_OK;
     struct stat st;
     int fd = ckpt__open_read(path, what, true, &st);
@@ -1052,13 +1056,28 @@ int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t
             if (off + want < size)
                 (void)posix_fadvise(fd, (off_t)(off + want), (off_t)HASH_PIECE, POSIX_FADV_WILLNEED);
             XXH3_64bits_update(h, p, want);
+            if (wide) XXH3_128bits_update(h2, p, want);
             off += want;
         }
     }
     close(fd);
     if (rc == 0 && digest) *digest = XXH3_64bits_digest(h);
+    if (rc == 0 && wide) {
+        XXH128_hash_t v = XXH3_128bits_digest(h2);
+        *wide = (ckpt_h128){v.low64, v.high64};
+    }
     free(mem);
     return rc;
+}
+
+int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
+                      uint64_t *digest) {
+    return read_hashed(path, what, size, dst, digest, NULL);
+}
+
+int ckpt__read_hashed128(const char *path, const char *what, uint64_t size, uint64_t *digest,
+                         ckpt_h128 *wide) {
+    return read_hashed(path, what, size, NULL, digest, wide);
 }
 
 int ckpt__read_private(const char *path, const char *what, uint64_t size, ckpt_mapped *m,

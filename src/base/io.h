@@ -231,6 +231,11 @@ void ckpt__unmap(ckpt_mapped *m);
  * what (e.g. "dir: name"). */
 int ckpt__read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
                       uint64_t *digest);
+/* ckpt__read_hashed (verification only) that also gives the file's
+ * XXH3-128: how an incremental save checks that a file it linked has
+ * exactly the bytes it would have written. */
+int ckpt__read_hashed128(const char *path, const char *what, uint64_t size, uint64_t *digest,
+                         ckpt_h128 *wide);
 /* ckpt__read_hashed into private heap memory it allocates: m owns it (free
  * with ckpt__unmap). A later write to the file cannot change what m holds. */
 int ckpt__read_private(const char *path, const char *what, uint64_t size, ckpt_mapped *m,

@@ -240,6 +240,39 @@ static void test_old_file_changed_after_commit_is_not_linked(void **state) {
     free(old);
 }
 
+/* Worse: the old file changed and its manifest rewritten to match (sealed
+ * again), its "xxh128" left as it was. What is linked is checked against the
+ * bytes in memory, not only against the manifest: not linked either. */
+static void test_old_file_and_manifest_changed_is_not_linked(void **state) {
+    (void)state;
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_0", tu_dir());
+    char *old = ckpt_file(0, "model.safetensors");
+    tu_flip_byte(old, -5);
+    size_t n = 0;
+    char *bytes = tu_read_file(old, &n);
+    ckpt_manifest m;
+    assert_int_equal(ckpt__manifest_read(dir, &m), 0);
+    for (int64_t i = 0; i < m.nfiles; i++)
+        if (strcmp(m.files[i].name, "model.safetensors") == 0) {
+            m.files[i].xxh3 = ckpt__xxh3(bytes, n);
+            m.created[0] = '\0';
+        }
+    assert_int_equal(ckpt__manifest_write(&m, dir), 0);
+    ckpt__manifest_clear(&m);
+    free(bytes);
+    ckpt_checkpoint_info info;
+    assert_int_equal(ckpt_checkpoint_verify(dir, false, &info), 0); /* a valid manifest */
+    train_step();
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    assert_false(same_file(0, 1, "model.safetensors"));
+    assert_int_equal(fx.nwarn, 1);
+    verify_deep(1);
+    load_and_check(1);
+    free(old);
+    free(dir);
+}
+
 /* A link is a full file: deleting the checkpoint it came from (total_limit
  * rotation, prune, rm -r) leaves the newer checkpoint complete. */
 static void test_deleting_old_checkpoint_keeps_newer_complete(void **state) {
@@ -637,6 +670,8 @@ int main(void) {
                                         teardown),
         cmocka_unit_test_setup_teardown(test_links_chain_through_saves, setup, teardown),
         cmocka_unit_test_setup_teardown(test_old_file_changed_after_commit_is_not_linked, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_old_file_and_manifest_changed_is_not_linked, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_deleting_old_checkpoint_keeps_newer_complete, setup,
                                         teardown),
