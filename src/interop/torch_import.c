@@ -19,6 +19,7 @@
 #include "format/statedict.h"
 #include "store/store.h"
 #include "store/txn.h"
+#include "train/optim.h"
 
 typedef struct mparam {
     char *name;
@@ -417,6 +418,53 @@ static int state_tensor(imp *x, const char *file, int64_t i, const ckpt_torch_va
     return ckpt_write_tensor(x->optim, key, CKPT_F32, ndim, shape, z);
 }
 
+/* A torch param_group's hyper-parameters into *op (which holds the kind's
+ * defaults for the fields a file may lack), by the kind's descriptor: lr is
+ * required, a pair ("betas") must be two numbers. */
+static int read_torch_group(const ckpt_torch_value *gr, const ckpt_optim_desc *d,
+                            ckpt_optim_options *op, const char *what) {
+    CKPT_TRY(get_num(gr, "lr", &op->lr, true, 0, what));
+    double v = 0;
+    CKPT_TRY(get_num(gr, "weight_decay", &op->weight_decay, false, 0, what));
+    CKPT_TRY(get_num(gr, "maximize", &v, false, 0, what));
+    op->maximize = v != 0;
+    for (int f = 0; f < d->ntorch_fields; f++) {
+        const ckpt_torch_field *tf = &d->torch_fields[f];
+        const char *keys[2] = {tf->key, tf->key2};
+        double vals[2] = {0, 0};
+        if (tf->kind == CKPT_TF_HPARAM) {
+            if (!strcmp(tf->key, "lr") || !strcmp(tf->key, "weight_decay") ||
+                !strcmp(tf->key, "maximize"))
+                continue;
+        } else if (tf->kind != CKPT_TF_PAIR) {
+            continue;
+        }
+        for (int h = 0; h < d->nhparams; h++) {
+            const ckpt_optim_hparam *hp = &d->hparams[h];
+            char *field = (char *)op + hp->offset;
+            int which = !strcmp(hp->key, keys[0])              ? 0
+                        : keys[1] && !strcmp(hp->key, keys[1]) ? 1
+                                                               : -1;
+            if (which < 0) continue;
+            if (tf->kind == CKPT_TF_PAIR) {
+                const ckpt_torch_value *b = ckpt_torch_dict_get(gr, tf->name);
+                if (!b || (b->kind != CKPT_TORCH_TUPLE && b->kind != CKPT_TORCH_LIST) ||
+                    b->n != 2 || number(b->items[0], &vals[0]) < 0 ||
+                    number(b->items[1], &vals[1]) < 0)
+                    return ckpt__err(CKPT_ECORRUPT, "import: %s: '%s' is not a pair of numbers",
+                                     what, tf->name);
+                v = vals[which];
+            } else {
+                double dflt = hp->is_bool ? *(const bool *)field : *(const double *)field;
+                CKPT_TRY(get_num(gr, tf->name, &v, false, dflt, what));
+            }
+            if (hp->is_bool) *(bool *)field = v != 0;
+            else *(double *)field = v;
+        }
+    }
+    return CKPT_OK;
+}
+
 static int import_optimizer(imp *x, const char *path) {
     const ckpt_torch_value *root = NULL;
     CKPT_TRY(open_torch(x, path, &root));
@@ -428,9 +476,22 @@ static int import_optimizer(imp *x, const char *path) {
                          "and 'param_groups' list)", path);
     ckpt_optim_kind kind = x->o.optimizer;
     if (!kind) {
+        /* the kind whose own number fields the group has (Adam and AdamW
+         * share theirs) */
         const ckpt_torch_value *g0 = groups->items[0];
-        if (ckpt_torch_dict_get(g0, "momentum") && ckpt_torch_dict_get(g0, "nesterov")) kind = CKPT_OPTIM_SGD;
-        else if (ckpt_torch_dict_get(g0, "betas")) {
+        for (int i = 0; i < ckpt__optim_desc_count() && !kind; i++) {
+            const ckpt_optim_desc *d = ckpt__optim_desc_at(i);
+            bool all = true;
+            for (int h = 0; h < d->nhparams && all; h++) {
+                char field[32];
+                snprintf(field, sizeof field, "%s", d->hparams[h].key);
+                char *dot = strchr(field, '.'); /* "betas.0": the pair "betas" */
+                if (dot) *dot = '\0';
+                all = d->hparams[h].is_bool || ckpt_torch_dict_get(g0, field) != NULL;
+            }
+            if (all) kind = d->kind;
+        }
+        if (kind == CKPT_OPTIM_ADAM || kind == CKPT_OPTIM_ADAMW) {
             /* Adam and AdamW keep the same fields; without weight decay they
              * compute the same thing */
             bool decay = false;
@@ -444,14 +505,17 @@ static int import_optimizer(imp *x, const char *path) {
                                  "(the file cannot say which); give the optimizer kind "
                                  "(--optimizer adam|adamw)", path);
             kind = CKPT_OPTIM_ADAM;
-        } else {
-            return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: an optimizer other than SGD, Adam or "
-                             "AdamW", path);
+        } else if (!kind) {
+            return ckpt__err(CKPT_EUNSUPPORTED,
+                             "import: %s: an optimizer other than SGD, Adam, "
+                             "AdamW or RMSprop",
+                             path);
         }
     }
-    bool sgd = kind == CKPT_OPTIM_SGD;
+    const ckpt_optim_desc *d = ckpt__optim_desc(kind);
+    if (!d) return ckpt__err(CKPT_EINVAL, "import: optimizer kind %d", (int)kind);
     CKPT_TRY(ckpt_writer_new(&x->optim));
-    CKPT_TRY(ckpt_write_str(x->optim, "kind", sgd ? "sgd" : kind == CKPT_OPTIM_ADAM ? "adam" : "adamw"));
+    CKPT_TRY(ckpt_write_str(x->optim, "kind", d->name));
     char key[160], what[200];
     int64_t idx = 0;
     for (int64_t g = 0; g < groups->n; g++) {
@@ -461,34 +525,17 @@ static int import_optimizer(imp *x, const char *path) {
         const ckpt_torch_value *params = ckpt_torch_dict_get(gr, "params");
         if (!params || params->kind != CKPT_TORCH_LIST)
             return ckpt__err(CKPT_ECORRUPT, "import: %s has no 'params' list", what);
-        double lr = 0, wd = 0, maxi = 0, v = 0;
 #define GK(name) (snprintf(key, sizeof key, "param_groups.%" PRId64 ".%s", g, name), key)
-        CKPT_TRY(get_num(gr, "lr", &lr, true, 0, what));
-        CKPT_TRY(get_num(gr, "weight_decay", &wd, false, 0, what));
-        CKPT_TRY(get_num(gr, "maximize", &maxi, false, 0, what));
-        CKPT_TRY(ckpt_write_f64(x->optim, GK("lr"), lr));
-        CKPT_TRY(ckpt_write_f64(x->optim, GK("weight_decay"), wd));
-        CKPT_TRY(ckpt_write_i64(x->optim, GK("maximize"), maxi != 0));
-        double momentum = 0, amsgrad = 0;
-        if (sgd) {
-            CKPT_TRY(get_num(gr, "momentum", &momentum, false, 0, what));
-            CKPT_TRY(ckpt_write_f64(x->optim, GK("momentum"), momentum));
-            CKPT_TRY(get_num(gr, "dampening", &v, false, 0, what));
-            CKPT_TRY(ckpt_write_f64(x->optim, GK("dampening"), v));
-            CKPT_TRY(get_num(gr, "nesterov", &v, false, 0, what));
-            CKPT_TRY(ckpt_write_i64(x->optim, GK("nesterov"), v != 0));
-        } else {
-            const ckpt_torch_value *b = ckpt_torch_dict_get(gr, "betas");
-            double b1 = 0, b2 = 0;
-            if (!b || (b->kind != CKPT_TORCH_TUPLE && b->kind != CKPT_TORCH_LIST) || b->n != 2 ||
-                number(b->items[0], &b1) < 0 || number(b->items[1], &b2) < 0)
-                return ckpt__err(CKPT_ECORRUPT, "import: %s: 'betas' is not a pair of numbers", what);
-            CKPT_TRY(ckpt_write_f64(x->optim, GK("betas.0"), b1));
-            CKPT_TRY(ckpt_write_f64(x->optim, GK("betas.1"), b2));
-            CKPT_TRY(get_num(gr, "eps", &v, true, 0, what));
-            CKPT_TRY(ckpt_write_f64(x->optim, GK("eps"), v));
-            CKPT_TRY(get_num(gr, "amsgrad", &amsgrad, false, 0, what));
-            CKPT_TRY(ckpt_write_i64(x->optim, GK("amsgrad"), amsgrad != 0));
+        ckpt_optim_options op = ckpt_optim_defaults(kind);
+        CKPT_TRY(read_torch_group(gr, d, &op, what));
+        CKPT_TRY(ckpt_write_f64(x->optim, GK("lr"), op.lr));
+        CKPT_TRY(ckpt_write_f64(x->optim, GK("weight_decay"), op.weight_decay));
+        CKPT_TRY(ckpt_write_i64(x->optim, GK("maximize"), op.maximize));
+        for (int h = 0; h < d->nhparams; h++) {
+            const char *field = (const char *)&op + d->hparams[h].offset;
+            if (d->hparams[h].is_bool)
+                CKPT_TRY(ckpt_write_i64(x->optim, GK(d->hparams[h].key), *(const bool *)field));
+            else CKPT_TRY(ckpt_write_f64(x->optim, GK(d->hparams[h].key), *(const double *)field));
         }
         /* PyTorch 2.6 on keeps the parameters' names beside their indices */
         const ckpt_torch_value *names = ckpt_torch_dict_get(gr, "param_names");
@@ -517,24 +564,26 @@ static int import_optimizer(imp *x, const char *path) {
                 return ckpt__err(CKPT_ECORRUPT, "import: %s: state %" PRId64 " is not a dict", path, idx);
             float *step = keep(x, ckpt__calloc(1, sizeof *step));
             if (!step) return ckpt__err_nomem("import");
-            if (sgd) {
+            if (d->torch_step == CKPT_TORCH_STEP_NONE) {
                 *step = st ? 1.0f : 0.0f; /* PyTorch's SGD keeps no count; ckpt needs "stepped" */
-                if (momentum != 0) {
-                    const ckpt_torch_value *mb = ckpt_torch_dict_get(st, "momentum_buffer");
-                    if (mb && mb->kind == CKPT_TORCH_NONE) *step = 0.0f;
-                    CKPT_TRY(state_tensor(x, path, idx, st, "momentum_buffer", NULL, key, sizeof key));
-                }
             } else {
-                double s = 0;
-                if (st) CKPT_TRY(get_num(st, "step", &s, true, 0, path));
-                *step = (float)s;
-                if (s > (double)x->opt_step) x->opt_step = (int64_t)s;
-                const ckpt_torch_value *like = ckpt_torch_dict_get(st, "exp_avg");
+                double sv = 0;
+                if (st) CKPT_TRY(get_num(st, "step", &sv, true, 0, path));
+                *step = (float)sv;
+                if (sv > (double)x->opt_step) x->opt_step = (int64_t)sv;
+            }
+            /* zeros of the first state tensor's shape where a buffer is missing */
+            const ckpt_torch_value *like = NULL;
+            for (int b = 0; b < d->nbuffers && !like && d->torch_step != CKPT_TORCH_STEP_NONE;
+                 b++) {
+                like = ckpt_torch_dict_get(st, d->buffers[b]);
                 if (like && like->kind != CKPT_TORCH_TENSOR) like = NULL;
-                CKPT_TRY(state_tensor(x, path, idx, st, "exp_avg", like, key, sizeof key));
-                CKPT_TRY(state_tensor(x, path, idx, st, "exp_avg_sq", like, key, sizeof key));
-                if (amsgrad != 0)
-                    CKPT_TRY(state_tensor(x, path, idx, st, "max_exp_avg_sq", like, key, sizeof key));
+            }
+            for (int b = 0; b < d->nbuffers; b++) {
+                if (!d->needs(b, &op)) continue;
+                const ckpt_torch_value *bv = ckpt_torch_dict_get(st, d->buffers[b]);
+                if (d->torch_none_buffer && bv && bv->kind == CKPT_TORCH_NONE) *step = 0.0f;
+                CKPT_TRY(state_tensor(x, path, idx, st, d->buffers[b], like, key, sizeof key));
             }
             snprintf(key, sizeof key, "state.%" PRId64 ".step", idx);
             CKPT_TRY(ckpt_write_tensor(x->optim, key, CKPT_F32, 0, NULL, step));
