@@ -87,7 +87,9 @@ static int open_state(exp_ctx *c, const char *file, ckpt_reader **out) {
     return rc;
 }
 
-static bool has(const ckpt_reader *r, const char *key) { return ckpt_reader_find(r, key, NULL) == 0; }
+static bool has(const ckpt_reader *r, const char *key) {
+    return ckpt_reader_find(r, key, NULL) == 0;
+}
 
 static int get_f64(const ckpt_reader *r, const char *key, double *v, const char *file) {
     int rc = ckpt_read_f64((ckpt_reader *)r, key, v);
@@ -420,14 +422,16 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
         const void *pv = NULL;
         snprintf(key, sizeof key, "param_groups.%d.params", g);
         rc = ckpt_reader_tensor_view(r, key, &pv, &pe);
-        if (rc == 0 && (pe.dtype != CKPT_I64 || pe.ndim != 1)) rc = ckpt__err(CKPT_ECORRUPT, "%s: %s is not I64 [n]", file, key);
+        if (rc == 0 && (pe.dtype != CKPT_I64 || pe.ndim != 1))
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s is not I64 [n]", file, key);
         ckpt_optim_options op;
         if (rc == 0) rc = read_group_options(r, d, g, &op, file);
         for (int64_t j = 0; j < (rc == 0 ? pe.shape[0] : 0) && rc == 0; j++) {
             int64_t i = 0;
             memcpy(&i, (const char *)pv + 8 * j, 8);
             if (i != idx) {
-                rc = ckpt__err(CKPT_ECORRUPT, "%s: parameter %" PRId64 " of group %d is %" PRId64, file, j, g, i);
+                rc = ckpt__err(CKPT_ECORRUPT, "%s: parameter %" PRId64 " of group %d is %" PRId64,
+                               file, j, g, i);
                 break;
             }
             idx++;
@@ -475,7 +479,8 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
         if (rc == 0) rc = ckpt_torch_put_str(w, "params");
         if (rc == 0) rc = ckpt_torch_begin_list(w);
         int64_t first = idx;
-        for (int64_t j = 0; j < (rc == 0 ? pe.shape[0] : 0) && rc == 0; j++) rc = ckpt_torch_put_int(w, idx++);
+        for (int64_t j = 0; j < (rc == 0 ? pe.shape[0] : 0) && rc == 0; j++)
+            rc = ckpt_torch_put_int(w, idx++);
         if (rc == 0) rc = ckpt_torch_end(w);
         /* the parameters' names, as PyTorch (2.6 on) keeps them for an
          * optimizer made from named_parameters(); older versions keep the
@@ -536,12 +541,16 @@ static int export_scheduler(exp_ctx *c, const char *file, int k, ckpt_reader *r)
         snprintf(key, sizeof key, "base_lrs.%d", n);
         if (!has(r, key)) break;
     }
-    bool lambda = !strcmp(kind, "warmup_cosine") || !strcmp(kind, "warmup_linear") || !strcmp(kind, "constant");
+    bool lambda = !strcmp(kind, "warmup_cosine") || !strcmp(kind, "warmup_linear") ||
+                  !strcmp(kind, "constant");
     if (!strcmp(kind, "multisteplr"))
-        return ckpt__err(CKPT_EUNSUPPORTED, "%s: a MultiStepLR's state holds a collections.Counter, "
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "%s: a MultiStepLR's state holds a collections.Counter, "
                          "which torch.load(weights_only=True) refuses; export it without "
-                         "the scheduler (--weights-only) or use another schedule", file);
-    if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "exponentiallr") && strcmp(kind, "cosineannealinglr"))
+                         "the scheduler (--weights-only) or use another schedule",
+                         file);
+    if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "exponentiallr") &&
+        strcmp(kind, "cosineannealinglr"))
         return ckpt__err(CKPT_EUNSUPPORTED, "%s: scheduler kind '%s'", file, kind);
     int64_t last_epoch = 0, step_count = 0, iv = 0;
     double v = 0;
@@ -583,7 +592,8 @@ static int export_scheduler(exp_ctx *c, const char *file, int k, ckpt_reader *r)
         for (int g = 0; g < n && rc == 0; g++) {
             rc = ckpt_torch_begin_dict(w, false);
             if (rc == 0) rc = put_key_i64(w, "num_warmup_steps", warmup);
-            if (rc == 0 && strcmp(kind, "constant")) rc = put_key_i64(w, "num_training_steps", total);
+            if (rc == 0 && strcmp(kind, "constant"))
+                rc = put_key_i64(w, "num_training_steps", total);
             if (rc == 0 && !strcmp(kind, "warmup_cosine")) rc = put_key_f64(w, "num_cycles", 0.5);
             if (rc == 0) rc = ckpt_torch_end(w);
         }
@@ -665,7 +675,8 @@ static int export_all(exp_ctx *c, const ckpt_export_options *o) {
     return CKPT_OK;
 }
 
-int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir, const ckpt_export_options *opt) {
+int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir,
+                      const ckpt_export_options *opt) {
     if (!checkpoint_dir || !out_dir) return ckpt__err(CKPT_EINVAL, "export: NULL argument");
     ckpt_export_options o = {0};
     if (opt) o = *opt;

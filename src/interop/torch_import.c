@@ -193,8 +193,9 @@ static int model_from_torch(imp *x, const char *path) {
     for (int64_t i = 0; i < root->n; i++) {
         const ckpt_torch_value *k = root->items[2 * i], *v = root->items[2 * i + 1];
         if (k->kind != CKPT_TORCH_STR)
-            return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: a key of kind %s in a model state dict",
-                             path, ckpt_torch_kind_name(k->kind));
+            return ckpt__err(CKPT_EUNSUPPORTED,
+                             "import: %s: a key of kind %s in a model state dict", path,
+                             ckpt_torch_kind_name(k->kind));
         if (v->kind != CKPT_TORCH_TENSOR)
             return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: '%s' is a %s, not a tensor (not a "
                              "model state dict; an Accelerate folder keeps the optimizer in "
@@ -258,8 +259,8 @@ static int model_from_index(imp *x, const char *dir, const char *index) {
         free(sp);
     }
     if (rc == 0 && (size_t)(x->nparams - before) != json_object_size(map))
-        rc = ckpt__err(CKPT_ECORRUPT, "import: %s lists %zu tensors, its shards hold %" PRId64, path,
-                       json_object_size(map), x->nparams - before);
+        rc = ckpt__err(CKPT_ECORRUPT, "import: %s lists %zu tensors, its shards hold %" PRId64,
+                       path, json_object_size(map), x->nparams - before);
     /* the index's order is the model's (the shards' own order is by name) */
     if (rc == 0) {
         int64_t pos = before;
@@ -363,7 +364,8 @@ static int get_int(const ckpt_torch_value *d, const char *key, int64_t *out, con
 static const ckpt_torch_value *int_key(const ckpt_torch_value *d, int64_t i) {
     if (!d || d->kind != CKPT_TORCH_DICT) return NULL;
     for (int64_t k = 0; k < d->n; k++)
-        if (d->items[2 * k]->kind == CKPT_TORCH_INT && d->items[2 * k]->i == i) return d->items[2 * k + 1];
+        if (d->items[2 * k]->kind == CKPT_TORCH_INT && d->items[2 * k]->i == i)
+            return d->items[2 * k + 1];
     return NULL;
 }
 
@@ -521,7 +523,8 @@ static int import_optimizer(imp *x, const char *path) {
     for (int64_t g = 0; g < groups->n; g++) {
         const ckpt_torch_value *gr = groups->items[g];
         snprintf(what, sizeof what, "%s: param_groups[%" PRId64 "]", path, g);
-        if (gr->kind != CKPT_TORCH_DICT) return ckpt__err(CKPT_ECORRUPT, "import: %s is not a dict", what);
+        if (gr->kind != CKPT_TORCH_DICT)
+            return ckpt__err(CKPT_ECORRUPT, "import: %s is not a dict", what);
         const ckpt_torch_value *params = ckpt_torch_dict_get(gr, "params");
         if (!params || params->kind != CKPT_TORCH_LIST)
             return ckpt__err(CKPT_ECORRUPT, "import: %s has no 'params' list", what);
@@ -546,8 +549,8 @@ static int import_optimizer(imp *x, const char *path) {
         for (int64_t j = 0; names && j < names->n; j++) {
             const ckpt_torch_value *nm = names->items[j];
             if (nm->kind != CKPT_TORCH_STR)
-                return ckpt__err(CKPT_ECORRUPT, "import: %s: param_names[%" PRId64 "] is not a string",
-                                 what, j);
+                return ckpt__err(CKPT_ECORRUPT,
+                                 "import: %s: param_names[%" PRId64 "] is not a string", what, j);
             snprintf(key, sizeof key, "param_names.%" PRId64, idx + j);
             CKPT_TRY(ckpt_write_str(x->optim, key, nm->s));
         }
@@ -556,12 +559,15 @@ static int import_optimizer(imp *x, const char *path) {
         for (int64_t j = 0; j < params->n; j++) {
             const ckpt_torch_value *p = params->items[j];
             if (p->kind != CKPT_TORCH_INT || p->i != idx)
-                return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: params[%" PRId64 "] is not %" PRId64
-                                 " (ckpt numbers parameters group by group, in order)", what, j, idx);
+                return ckpt__err(CKPT_EUNSUPPORTED,
+                                 "import: %s: params[%" PRId64 "] is not %" PRId64
+                                 " (ckpt numbers parameters group by group, in order)",
+                                 what, j, idx);
             ids[j] = idx;
             const ckpt_torch_value *st = int_key(state, idx);
             if (st && st->kind != CKPT_TORCH_DICT)
-                return ckpt__err(CKPT_ECORRUPT, "import: %s: state %" PRId64 " is not a dict", path, idx);
+                return ckpt__err(CKPT_ECORRUPT, "import: %s: state %" PRId64 " is not a dict", path,
+                                 idx);
             float *step = keep(x, ckpt__calloc(1, sizeof *step));
             if (!step) return ckpt__err_nomem("import");
             if (d->torch_step == CKPT_TORCH_STEP_NONE) {
@@ -603,7 +609,8 @@ static int import_optimizer(imp *x, const char *path) {
 
 /* ---- scheduler, scaler ------------------------------------------------------------ */
 
-static int lr_list(imp *x, const ckpt_torch_value *root, const char *name, const char *path, int *n) {
+static int lr_list(imp *x, const ckpt_torch_value *root, const char *name, const char *path,
+                   int *n) {
     const ckpt_torch_value *l = ckpt_torch_dict_get(root, name);
     if (!l || l->kind != CKPT_TORCH_LIST)
         return ckpt__err(CKPT_ECORRUPT, "import: %s: '%s' is not a list", path, name);
@@ -611,7 +618,8 @@ static int lr_list(imp *x, const ckpt_torch_value *root, const char *name, const
     for (int64_t g = 0; g < l->n; g++) {
         double v = 0;
         if (number(l->items[g], &v) < 0)
-            return ckpt__err(CKPT_ECORRUPT, "import: %s: %s[%" PRId64 "] is not a number", path, name, g);
+            return ckpt__err(CKPT_ECORRUPT, "import: %s: %s[%" PRId64 "] is not a number", path,
+                             name, g);
         snprintf(key, sizeof key, "%s.%" PRId64, name, g);
         CKPT_TRY(ckpt_write_f64(x->sched, key, v));
     }
@@ -624,7 +632,8 @@ static int import_scheduler(imp *x, const char *path) {
     CKPT_TRY(open_torch(x, path, &root));
     const char *kind = x->o.scheduler;
     const ckpt_torch_value *lambdas = ckpt_torch_dict_get(root, "lr_lambdas");
-    const ckpt_torch_value *l0 = lambdas && lambdas->kind == CKPT_TORCH_LIST && lambdas->n ? lambdas->items[0] : NULL;
+    const ckpt_torch_value *l0 =
+        lambdas && lambdas->kind == CKPT_TORCH_LIST && lambdas->n ? lambdas->items[0] : NULL;
     if (l0 && l0->kind != CKPT_TORCH_DICT) l0 = NULL;
     if (!kind) {
         if (lambdas) {
@@ -638,10 +647,13 @@ static int import_scheduler(imp *x, const char *path) {
         } else if (ckpt_torch_dict_get(root, "step_size")) kind = "steplr";
         else if (ckpt_torch_dict_get(root, "T_max")) kind = "cosineannealinglr";
         else if (ckpt_torch_dict_get(root, "gamma")) kind = "exponentiallr";
-        else return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: a scheduler ckpt does not know", path);
+        else
+            return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: a scheduler ckpt does not know", path);
     }
-    bool lambda = !strcmp(kind, "warmup_cosine") || !strcmp(kind, "warmup_linear") || !strcmp(kind, "constant");
-    if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "cosineannealinglr") && strcmp(kind, "exponentiallr"))
+    bool lambda = !strcmp(kind, "warmup_cosine") || !strcmp(kind, "warmup_linear") ||
+                  !strcmp(kind, "constant");
+    if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "cosineannealinglr") &&
+        strcmp(kind, "exponentiallr"))
         return ckpt__err(CKPT_EUNSUPPORTED, "import: scheduler kind '%s' (steplr, exponentiallr, "
                          "cosineannealinglr, warmup_cosine, warmup_linear, constant)", kind);
     CKPT_TRY(ckpt_writer_new(&x->sched));
@@ -656,8 +668,10 @@ static int import_scheduler(imp *x, const char *path) {
     CKPT_TRY(lr_list(x, root, "base_lrs", path, &nb));
     CKPT_TRY(lr_list(x, root, "_last_lr", path, &nl));
     if (nb != nl || (x->opt_groups && nb != x->opt_groups))
-        return ckpt__err(CKPT_EMISMATCH, "import: %s: %d base_lrs, %d _last_lr, the optimizer has %d "
-                         "groups", path, nb, nl, x->opt_groups);
+        return ckpt__err(CKPT_EMISMATCH,
+                         "import: %s: %d base_lrs, %d _last_lr, the optimizer has %d "
+                         "groups",
+                         path, nb, nl, x->opt_groups);
     if (!strcmp(kind, "steplr")) {
         CKPT_TRY(get_int(root, "step_size", &iv, path));
         CKPT_TRY(ckpt_write_i64(x->sched, "step_size", iv));
@@ -679,8 +693,10 @@ static int import_scheduler(imp *x, const char *path) {
         if (total < 0 && l0 && ckpt_torch_dict_get(l0, "num_training_steps"))
             CKPT_TRY(get_int(l0, "num_training_steps", &total, path));
         if (warmup < 0 || (total < 0 && strcmp(kind, "constant")))
-            return ckpt__err(CKPT_EINVAL, "import: %s: the %s schedule's warmup and total steps are "
-                             "not in the file; give them (--warmup N --total N)", path, kind);
+            return ckpt__err(CKPT_EINVAL,
+                             "import: %s: the %s schedule's warmup and total steps are "
+                             "not in the file; give them (--warmup N --total N)",
+                             path, kind);
         CKPT_TRY(ckpt_write_i64(x->sched, "warmup", warmup));
         if (strcmp(kind, "constant")) CKPT_TRY(ckpt_write_i64(x->sched, "total", total));
     }
@@ -824,7 +840,8 @@ static int import_sources(imp *x, const char *src) {
     CKPT_TRY(import_model(x, src, dir));
     if (dir) {
         static const char *const files[] = {"optimizer.bin", "scheduler.bin", "scaler.pt"};
-        int (*const fns[])(imp *, const char *) = {import_optimizer, import_scheduler, import_scaler};
+        int (*const fns[])(imp *, const char *) = {import_optimizer, import_scheduler,
+                                                   import_scaler};
         for (int i = 0; i < 3; i++) {
             char *p = ckpt__path_join(src, files[i]);
             if (!p) return ckpt__err_nomem("import");

@@ -1140,7 +1140,8 @@ static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bo
                          "a load by position (ckpt_optimizer_set_match_by_position)");
     snprintf(k, sizeof k, "param_names.%lld", (long long)o->np);
     if (ckpt__reader_has(r, k, NULL))
-        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict names more than %lld parameters",
+        return ckpt__err(CKPT_EMISMATCH,
+                         "optimizer: the state dict names more than %lld parameters",
                          (long long)o->np);
     for (int64_t i = 0; i < o->np; i++) map[i] = -1;
     char name[CKPT_MAX_KEY + 1];
@@ -1148,14 +1149,18 @@ static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bo
         snprintf(k, sizeof k, "param_names.%lld", (long long)j);
         int rc = ckpt_read_str(r, k, name, sizeof name);
         if (rc == CKPT_ENOENT)
-            return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict names %lld parameters, this "
-                             "optimizer has %lld", (long long)j, (long long)o->np);
+            return ckpt__err(CKPT_EMISMATCH,
+                             "optimizer: the state dict names %lld parameters, this "
+                             "optimizer has %lld",
+                             (long long)j, (long long)o->np);
         if (rc < 0) return rc;
         int64_t i = 0;
         while (i < o->np && strcmp(o->p[i].name, name) != 0) i++;
         if (i == o->np)
-            return ckpt__err(CKPT_EMISMATCH, "optimizer: %s: the state dict has state for parameter "
-                             "'%s', which this optimizer does not optimize", k, name);
+            return ckpt__err(CKPT_EMISMATCH,
+                             "optimizer: %s: the state dict has state for parameter "
+                             "'%s', which this optimizer does not optimize",
+                             k, name);
         if (map[i] >= 0)
             return ckpt__err(CKPT_ECORRUPT, "optimizer: %s: parameter '%s' named twice", k, name);
         map[i] = j;
