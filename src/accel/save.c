@@ -88,7 +88,6 @@ struct ckpt_save_op {
     bool split;             /* a model's frozen tensors went to a file of their own */
     uint64_t linked_bytes;  /* this rank's files linked, not written */
     uint64_t written_bytes; /* this rank's files written */
-    int64_t nlinked;
 };
 typedef struct ckpt_save_op save_op;
 
@@ -304,8 +303,8 @@ static int digest_from_record(const ckpt_manifest_file *f, ckpt_file_digest *d) 
  * XXH3-128 as its manifest records. If so it is hard-linked into the
  * temporary folder at path (1; d from the record). 0: write it (d->xxh128
  * may already hold its hash). The old file is never read to decide; it is
- * read once linked, to check that its bytes are still the ones its manifest
- * records (a file changed after its commit is never linked). */
+ * read once linked, to check that its bytes are those in memory and those
+ * its manifest records (a file changed after its commit is never linked). */
 static int try_link(save_op *op, ckpt_writer *w, const char *name, bool shards, const char *path,
                     ckpt_file_digest *d) {
     if (!op->have_prev || op->link_off) return 0;
@@ -352,7 +351,6 @@ static int try_link(save_op *op, ckpt_writer *w, const char *name, bool shards, 
     free(from);
     CKPT_TRY(digest_from_record(f, d));
     op->linked_bytes += f->size;
-    op->nlinked++;
     return 1;
 }
 
