@@ -304,10 +304,16 @@ static bool plan_entry(const save_op *op, int i, int64_t j, int64_t *rows, uint6
 /* With several processes, the replicated tensors of every object (a
  * replicated model, an optimizer's replicated part, custom objects) are
  * placed on the ranks so that each writes about 1/P of their bytes: laid
- * end to end in state order, rank r takes the bytes from r/P to (r+1)/P of
- * the total. A tensor of at least PLAN_CUT_MIN bytes is cut at the row
- * nearest each boundary (each rank's part is a run of whole rows: one box
- * chunk); a smaller one goes whole to the rank its middle byte falls in.
+ * end to end, the tensors under PLAN_CUT_MIN bytes first and then the
+ * others, each group in state order, rank r takes the bytes from r/P to
+ * (r+1)/P of the total. A tensor of at least PLAN_CUT_MIN bytes is cut at
+ * the row nearest each boundary (each rank's part is a run of whole rows:
+ * one box chunk); a smaller one goes whole to the rank its middle byte falls
+ * in. A tensor that falls whole to rank 0 stays a plain tensor of its
+ * object's file, which rank 0 writes anyway: no chunk record. Small tensors
+ * go first so that they are those (biases, norms, an optimizer's step
+ * counts: most of the keys, few of the bytes), and the manifest's chunk
+ * records are those of the large tensors and of the cuts, O(K_large + P).
  * Every rank computes the same plan from the same state dicts, with no
  * communication; the chunk check at the commit catches ranks whose
  * replicated state differs in shape. A model saved as Hugging Face shards
@@ -328,21 +334,28 @@ static int plan_spread(save_op *op) {
     uint64_t pos = 0;
     int p = c->size, me = c->rank;
     uint64_t lo_b = share_start(me, p, total), hi_b = share_start(me + 1, p, total);
-    for (int i = 0; i < op->nobjs; i++) {
-        if (op->objs[i].kind == K_RNG || op->hf_model[i]) continue;
-        for (int64_t j = 0; j < ckpt_writer_entry_count(op->writers[i]); j++) {
-            if (!plan_entry(op, i, j, &rows, &nb)) continue;
-            uint64_t row_bytes = nb / (uint64_t)rows;
-            int64_t lo = 0, hi = 0;
-            if (nb < PLAN_CUT_MIN || rows < 2 || row_bytes * (uint64_t)rows != nb) {
-                uint64_t mid = pos + nb / 2;
-                if (mid >= lo_b && (mid < hi_b || me == p - 1)) hi = rows;
-            } else {
-                lo = me == 0 ? 0 : nearest_row(lo_b, pos, row_bytes, rows);
-                hi = me == p - 1 ? rows : nearest_row(hi_b, pos, row_bytes, rows);
+    uint64_t end0 = share_start(1, p, total); /* where rank 0's share ends */
+    for (int pass = 0; pass < 2; pass++) { /* the small tensors, then the others */
+        for (int i = 0; i < op->nobjs; i++) {
+            if (op->objs[i].kind == K_RNG || op->hf_model[i]) continue;
+            for (int64_t j = 0; j < ckpt_writer_entry_count(op->writers[i]); j++) {
+                if (!plan_entry(op, i, j, &rows, &nb) || (nb < PLAN_CUT_MIN) != (pass == 0))
+                    continue;
+                uint64_t row_bytes = nb / (uint64_t)rows;
+                int64_t lo = 0, hi = 0;
+                bool whole0; /* all of it falls to rank 0: left in the object's file */
+                if (nb < PLAN_CUT_MIN || rows < 2 || row_bytes * (uint64_t)rows != nb) {
+                    uint64_t mid = pos + nb / 2;
+                    whole0 = mid < end0;
+                    if (mid >= lo_b && (mid < hi_b || me == p - 1)) hi = rows;
+                } else {
+                    whole0 = nearest_row(end0, pos, row_bytes, rows) == rows;
+                    lo = me == 0 ? 0 : nearest_row(lo_b, pos, row_bytes, rows);
+                    hi = me == p - 1 ? rows : nearest_row(hi_b, pos, row_bytes, rows);
+                }
+                if (!whole0) CKPT_TRY(ckpt__writer_spread(op->writers[i], j, lo, hi));
+                pos += nb;
             }
-            CKPT_TRY(ckpt__writer_spread(op->writers[i], j, lo, hi));
-            pos += nb;
         }
     }
     return CKPT_OK;

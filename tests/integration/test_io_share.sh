@@ -29,6 +29,15 @@ for layout in dp zero1 sharded; do
     one=$(latest_checkpoint "$WORK/$layout-1") three=$(latest_checkpoint "$WORK/$layout-3")
     grep -q '"format_version": 2' "$three/checkpoint.json" || fail "$three: not format version 2"
     grep -q '"format_version": 1' "$one/checkpoint.json" || fail "$one: not format version 1"
+    # The plan lays the small tensors first, so those falling to rank 0 (here
+    # the optimizer's step counts, scalars) stay in their object's file: no
+    # chunk record for them. Every chunk record is one compact line.
+    if grep -q '"global_shape":\[\]' "$three/checkpoint.json"; then
+        fail "$three: a scalar has a chunk record"
+    fi
+    dims='\[[0-9,]+\]'
+    rec="^      \"[^\"]+\": \\{\"dtype\":\"F32\",\"global_shape\":$dims,\"offsets\":$dims,\"shape\":$dims\\}"
+    grep -qE "$rec" "$three/checkpoint.json" || fail "$three: no chunk record on a line of its own"
     run_rc 0 "$CKPT_BIN" verify "$WORK/$layout-3"
     # (the generators of ranks 1 and 2 are the only files one process lacks)
     run_rc 1 "$CKPT_BIN" diff "$one" "$three"
