@@ -108,8 +108,7 @@ int main(int argc, char **argv) {
     if (ckpt_comm_mpi(&comm, MPI_COMM_WORLD) < 0) die("comm");
     rank_ = comm->rank;
     char project[4096];
-    snprintf(project, sizeof project, "%s/mpi%d%s", folder, comm->size,
-             manifest_only ? "m" : "");
+    snprintf(project, sizeof project, "%s/mpi%d%s", folder, comm->size, manifest_only ? "m" : "");
 
     size_t zero_len = (size_t)VOCAB * D * sizeof(float); /* the largest tensor */
     if (manifest_only) {

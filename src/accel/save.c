@@ -67,7 +67,7 @@ struct ckpt_save_op {
     ckpt_acc_obj *objs;
     int nobjs;
     ckpt_writer **writers;
-    bool *hf_model; /* per object: a model saved as Hugging Face shards */
+    bool *hf_model;      /* per object: a model saved as Hugging Face shards */
     ckpt_hf_layout *hfl; /* per object: its shards, if hf_model (made by the plan) */
     int **hf_owner;      /* per object: the rank that writes each of its shards */
     /* write: two slots per object (its file, its shard file), and the
@@ -499,7 +499,8 @@ static int write_hf(save_op *op, int i, const char *file) {
     int rc = CKPT_OK;
     if (!(op->hf[i] = ckpt__calloc((size_t)l->nshards + 2, sizeof *op->hf[i])))
         return ckpt__err_nomem("save shards"); /* one spare slot: see op_free */
-    op->nhf[i] = (int)l->nshards + 1; /* the slots not written are skipped */
+    /* every rank records the slots it wrote; the others stay empty */
+    op->nhf[i] = (int)l->nshards + 1;
     for (int64_t s = 0; s < l->nshards && rc == 0; s++) {
         if (op->hf_owner[i][s] != op->comm->rank) continue;
         ckpt_writer *part = NULL;
@@ -539,8 +540,7 @@ static int write_object(save_op *op, int i) {
     char name[96];
     ckpt__acc_file_name(op->acc, o, name, sizeof name);
     int rc = 0;
-    if (hf_sharded(op, i))
-        rc = write_hf(op, i, name);
+    if (hf_sharded(op, i)) rc = write_hf(op, i, name);
     else if (o->kind == K_RNG || op->committer)
         rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false, &op->slots[2 * i]);
     if (rc == 0 && ckpt__writer_shard_file_needed(op->writers[i])) {

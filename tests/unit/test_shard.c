@@ -413,12 +413,13 @@ static void test_manifest_chunks_round_trip(void **state) {
     size_t n = 0;
     char *text = tu_read_file(mp, &n);
     assert_non_null(text);
-    tu_assert_contains(text, "\n    {\"name\": \"optimizer-00002-of-00002.safetensors\", "
-                             "\"kind\": \"optimizer\", \"rank\": 1, \"size\": 0, "
-                             "\"xxh3\": \"0000000000000000\",\n     \"tensors\": {\n      "
-                             "\"state.0.exp_avg\": \"0000000000001234\"},\n     \"chunks\": {\n"
-                             "      \"state.0.exp_avg\": {\"dtype\":\"BF16\",\"global_shape\":[3,6],"
-                             "\"offsets\":[0,3],\"shape\":[3,3]}}}\n");
+    tu_assert_contains(text,
+                       "\n    {\"name\": \"optimizer-00002-of-00002.safetensors\", "
+                       "\"kind\": \"optimizer\", \"rank\": 1, \"size\": 0, "
+                       "\"xxh3\": \"0000000000000000\",\n     \"tensors\": {\n      "
+                       "\"state.0.exp_avg\": \"0000000000001234\"},\n     \"chunks\": {\n"
+                       "      \"state.0.exp_avg\": {\"dtype\":\"BF16\",\"global_shape\":[3,6],"
+                       "\"offsets\":[0,3],\"shape\":[3,3]}}}\n");
     /* The same manifest indented throughout, as earlier versions wrote it,
      * reads the same (its checksum recomputed over the new bytes). */
     json_error_t je;

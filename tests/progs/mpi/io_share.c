@@ -123,8 +123,10 @@ int main(int argc, char **argv) {
     size_ = comm->size;
     char project[4096];
     snprintf(project, sizeof project, "%s/%s-%d", argv[1], layout, size_);
-    ckpt_project_config cfg = {.project_dir = project, .automatic_checkpoint_naming = true,
-                               .comm = comm, .max_shard_size = hf ? 2 * MIB : 0};
+    ckpt_project_config cfg = {.project_dir = project,
+                               .automatic_checkpoint_naming = true,
+                               .comm = comm,
+                               .max_shard_size = hf ? 2 * MIB : 0};
     ckpt_accelerator *acc = NULL;
     if (ckpt_accelerator_new(&acc, &cfg) < 0) die("accelerator");
 
