@@ -26,6 +26,15 @@
  * Every state file is a standard safetensors file: tensors as tensors, every
  * other entry (int, float, string, bytes) in __metadata__["ckpt"], one JSON
  * document that keeps each entry's type (see docs/FORMAT.md).
+ *
+ * This header holds the everyday API: errors, state dicts, stateful objects,
+ * the training blocks and the accelerator. The specialised parts are in
+ * headers of their own, which this one includes at its end (so
+ * #include <ckpt.h> gives everything) and which may be included alone:
+ *   ckpt/comm.h    communicators (the process group of a multi-process save)
+ *   ckpt/files.h   standalone state-dict files, checkpoint folders for tools
+ *   ckpt/torch.h   PyTorch files and the PyTorch / Hugging Face bridge
+ * ckpt_mpi.h (libckpt_mpi) makes a communicator from an MPI one.
  */
 #ifndef CKPT_H
 #define CKPT_H
@@ -205,69 +214,6 @@ CKPT_API int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype 
                                     const int64_t *global_shape, const int64_t *offsets,
                                     const int64_t *local_shape, void *dst);
 
-/* --- standalone state-dict files (one safetensors file each) ------------- */
-
-/* A writer that collects entries in memory (tensor data borrowed). */
-CKPT_API int ckpt_writer_new(ckpt_writer **out);
-/* A schema writer: records keys, kinds, dtypes and shapes only, never reads
- * data (used for transactional loads: compare before touching anything). */
-CKPT_API int ckpt_writer_new_schema(ckpt_writer **out);
-CKPT_API void ckpt_writer_free(ckpt_writer *w);
-/* Writes every entry to path as one safetensors file, crash-safely: a
- * temporary file beside path, fsync, rename over path, fsync of the folder.
- * On failure nothing is left at path (or the old file is intact) and no
- * temporary file remains. The writer can be saved again or freed. */
-CKPT_API int ckpt_writer_save(ckpt_writer *w, const char *path);
-/* Number of entries added so far. */
-CKPT_API int64_t ckpt_writer_count(const ckpt_writer *w);
-
-/* Opens and fully validates a safetensors file (every rule of the format,
- * and our __metadata__ document if present). Files written by other tools
- * open too: their tensors are readable, they simply have no scalar entries. */
-CKPT_API int ckpt_reader_open(ckpt_reader **out, const char *path);
-/* The same over a caller's buffer (borrowed until the reader is freed). name
- * is used in messages. */
-CKPT_API int ckpt_reader_open_memory(ckpt_reader **out, const void *buf, size_t len,
-                                     const char *name);
-CKPT_API void ckpt_reader_free(ckpt_reader *r);
-
-typedef enum ckpt_entry_kind {
-    CKPT_ENTRY_TENSOR = 1,
-    CKPT_ENTRY_I64 = 2,
-    CKPT_ENTRY_F64 = 3,
-    CKPT_ENTRY_STR = 4,
-    CKPT_ENTRY_BYTES = 5
-} ckpt_entry_kind;
-
-/* "tensor", "i64", "f64", "str", "bytes"; NULL for an invalid value. Static. */
-CKPT_API const char *ckpt_entry_kind_name(ckpt_entry_kind kind);
-
-typedef struct ckpt_entry_info {
-    const char *key;       /* view valid until the reader/writer is freed */
-    ckpt_entry_kind kind;
-    ckpt_dtype dtype;      /* tensors only */
-    int ndim;              /* tensors only */
-    int64_t shape[CKPT_MAX_NDIM];
-    uint64_t nbytes;       /* tensor bytes; string length; bytes length; 8 for i64/f64 */
-    uint64_t offset;       /* tensors in a reader: byte offset of the data in the file */
-} ckpt_entry_info;
-
-/* Entries in file order (tensors by data offset, then scalar entries in the
- * order they were written). */
-CKPT_API int64_t ckpt_reader_count(const ckpt_reader *r);
-CKPT_API int ckpt_reader_entry(const ckpt_reader *r, int64_t i, ckpt_entry_info *info);
-/* CKPT_ENOENT if absent. */
-CKPT_API int ckpt_reader_find(const ckpt_reader *r, const char *key, ckpt_entry_info *info);
-/* Zero-copy view of a tensor's bytes (mmap of the file). View valid until the
- * reader is freed. A tensor a checkpoint holds in several chunks (saved by
- * several processes) is assembled whole into memory the reader owns: a copy,
- * made at every call. */
-CKPT_API int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
-                                     ckpt_entry_info *info);
-/* The same entry listing for a writer (schema writers included). */
-CKPT_API int64_t ckpt_writer_entry_count(const ckpt_writer *w);
-CKPT_API int ckpt_writer_entry(const ckpt_writer *w, int64_t i, ckpt_entry_info *info);
-
 /* ------------------------------------------------------------------------ */
 /* Stateful objects                                                          */
 /* ------------------------------------------------------------------------ */
@@ -296,65 +242,11 @@ typedef struct ckpt_stateful_ops {
 } ckpt_stateful_ops;
 
 /* ------------------------------------------------------------------------ */
-/* Communicators: many processes                                             */
+/* Communicators: many processes (ckpt/comm.h)                              */
 /* ------------------------------------------------------------------------ */
 
-/* What a checkpoint needs from a process group. The core library has no MPI
- * dependency: libckpt_mpi fills this struct from an MPI communicator
- * (ckpt_mpi.h), and users of another launcher (NCCL, gloo, their own) fill
- * it themselves. Every function is collective: all ranks call it, in the
- * same order. Each returns 0 or a negative ckpt_status (setting a message). */
-typedef enum ckpt_reduce_op { CKPT_REDUCE_MIN = 0, CKPT_REDUCE_MAX = 1, CKPT_REDUCE_SUM = 2 } ckpt_reduce_op;
-
-typedef struct ckpt_comm {
-    int rank;       /* 0..size-1 */
-    int size;       /* number of processes, >= 1 */
-    int local_rank; /* rank among the processes of this node */
-    int local_size;
-    int node;       /* index of this node, 0..num_nodes-1 */
-    int num_nodes;
-    void *ctx;      /* the implementation's state, passed to every function */
-    int (*barrier)(void *ctx);
-    /* n bytes at buf from root to every rank. */
-    int (*bcast)(void *ctx, void *buf, size_t n, int root);
-    /* Every rank sends n bytes (n may differ between ranks); at root, *out
-     * gets every rank's bytes back to back in rank order (malloc'd: the
-     * caller free()s it) and lens[r] the byte count of rank r (lens has size
-     * entries). Elsewhere out and lens are not used. */
-    int (*gather)(void *ctx, const void *buf, size_t n, void **out, size_t *lens, int root);
-    /* Every rank sends lens[rank] bytes; every rank receives all of them back
-     * to back in rank order into out (sum of lens bytes). */
-    int (*allgather)(void *ctx, const void *buf, void *out, const size_t *lens);
-    /* Elementwise over n values, in place, on every rank. */
-    int (*allreduce_i64)(void *ctx, int64_t *v, int n, ckpt_reduce_op op);
-    /* Releases ctx (may be NULL); called by ckpt_comm_free. */
-    void (*destroy)(void *ctx);
-    /* Optional (NULL: no deadlines, every collective waits as long as it
-     * takes). A save or load calls it on every rank at the same points:
-     * deadline(ctx, s, phase) says that until the next call each collective
-     * waits at most s seconds (s <= 0: no limit) and then returns
-     * CKPT_ETIMEDOUT with a message naming phase and the ranks that did not
-     * arrive; deadline(ctx, 0, NULL) ends the operation. The first call with
-     * a phase after that (or since the comm was made) starts a new
-     * operation: a rank that is late for one operation must not have its
-     * messages paired with a later one's (ckpt_comm_mpi runs each operation
-     * on a communicator of its own), and after a timeout the rest of the
-     * operation's collectives fail at once. phase is borrowed for the call
-     * only. Collectives called outside an operation (ZeRO-1 optimizer steps,
-     * ckpt_should_save) have no deadline. See docs/DISTRIBUTED.md. */
-    void (*deadline)(void *ctx, double seconds, const char *phase);
-} ckpt_comm;
-
-/* For communicator implementations: ckpt_set_error (see Errors above) sets
- * this thread's message and returns the code, so a collective can `return
- * ckpt_set_error(CKPT_EIO, "allgather: %s", why);` and the caller's
- * ckpt_errmsg names it. */
-
-/* A communicator of one process (rank 0 of 1): static, never freed. */
-CKPT_API const ckpt_comm *ckpt_comm_self(void);
-/* Calls c->destroy(c->ctx) and frees c; for communicators made by a ckpt
- * constructor (ckpt_comm_mpi). NULL is a no-op. */
-CKPT_API void ckpt_comm_free(ckpt_comm *c);
+/* A process group (the struct is in ckpt/comm.h, included below). */
+typedef struct ckpt_comm ckpt_comm;
 
 /* ------------------------------------------------------------------------ */
 /* Random numbers: Philox4x32-10                                             */
@@ -429,23 +321,31 @@ CKPT_API const ckpt_stateful_ops *ckpt_model_ops(void);
 
 typedef struct ckpt_optimizer ckpt_optimizer;
 
-typedef enum ckpt_optim_kind { CKPT_OPTIM_SGD = 1, CKPT_OPTIM_ADAM = 2, CKPT_OPTIM_ADAMW = 3 } ckpt_optim_kind;
+typedef enum ckpt_optim_kind {
+    CKPT_OPTIM_SGD = 1,
+    CKPT_OPTIM_ADAM = 2,
+    CKPT_OPTIM_ADAMW = 3,
+    CKPT_OPTIM_RMSPROP = 4
+} ckpt_optim_kind;
 
 /* Every hyper-parameter of one parameter group (PyTorch's names). */
 typedef struct ckpt_optim_options {
     double lr;
-    double momentum;      /* SGD */
+    double momentum;      /* SGD, RMSprop */
     double dampening;     /* SGD */
     double weight_decay;
     bool nesterov;        /* SGD */
     bool maximize;
     double beta1, beta2;  /* Adam/AdamW */
-    double eps;           /* Adam/AdamW */
+    double eps;           /* Adam/AdamW, RMSprop */
     bool amsgrad;         /* Adam/AdamW */
+    double alpha;         /* RMSprop: smoothing of the squared gradients' average */
+    bool centered;        /* RMSprop: divide by the gradients' estimated variance */
 } ckpt_optim_options;
 
 /* PyTorch's defaults for a kind (SGD lr 1e-3; Adam lr 1e-3, betas (0.9,
- * 0.999), eps 1e-8; AdamW the same with weight_decay 1e-2). */
+ * 0.999), eps 1e-8; AdamW the same with weight_decay 1e-2; RMSprop lr 1e-2,
+ * alpha 0.99, eps 1e-8). */
 CKPT_API ckpt_optim_options ckpt_optim_defaults(ckpt_optim_kind kind);
 
 /* An optimizer over all of m's parameters (fp32) in one group. Borrows m
@@ -459,6 +359,13 @@ CKPT_API int ckpt_adam_new(ckpt_optimizer **out, ckpt_model *m, double lr, doubl
                            double beta2, double eps, double weight_decay);
 CKPT_API int ckpt_adamw_new(ckpt_optimizer **out, ckpt_model *m, double lr, double beta1,
                             double beta2, double eps, double weight_decay);
+/* torch.optim.RMSprop, bit for bit (no maximize): square_avg = alpha *
+ * square_avg + (1 - alpha) * g^2; with centered, grad_avg likewise and the
+ * denominator sqrt(square_avg - grad_avg^2) + eps; with momentum > 0 a
+ * momentum_buffer. State keys as PyTorch's (state.<i>.square_avg,
+ * .momentum_buffer, .grad_avg). */
+CKPT_API int ckpt_rmsprop_new(ckpt_optimizer **out, ckpt_model *model, double lr, double alpha,
+                              double eps, double weight_decay, double momentum, bool centered);
 CKPT_API void ckpt_optimizer_free(ckpt_optimizer *o);
 /* Splits parameters into groups: group_of[i] is the group of the model's i-th
  * parameter (0..ngroups-1, or -1: not optimized, e.g. a frozen parameter
@@ -1127,346 +1034,14 @@ CKPT_API int ckpt_register_load_state_post_hook(ckpt_accelerator *acc, ckpt_stat
  * freed with the accelerator. */
 CKPT_API void ckpt_hook_remove(ckpt_hook_handle *handle);
 
-/* ------------------------------------------------------------------------ */
-/* Checkpoint folders (for tools: ls, verify, prune)                         */
-/* ------------------------------------------------------------------------ */
-
-typedef enum ckpt_checkpoint_status {
-    CKPT_CHECKPOINT_COMPLETE = 0, /* manifest valid, every file matches */
-    CKPT_CHECKPOINT_PARTIAL = 1,  /* no manifest: not a checkpoint (CKPT_ENOENT) */
-    CKPT_CHECKPOINT_CORRUPT = 2   /* manifest or a file fails verification */
-} ckpt_checkpoint_status;
-
-typedef struct ckpt_checkpoint_info {
-    char path[4096];
-    int64_t number;          /* n of checkpoint_<n>; -1 for other folders */
-    int64_t step;
-    int64_t iteration;
-    int64_t created_unix;    /* seconds since the epoch */
-    uint64_t total_bytes;
-    int num_files;
-    int num_processes;
-    int format_version;
-    char library_version[32];
-    ckpt_checkpoint_status status;
-    int num_metrics;         /* the metrics recorded with it (ckpt_set_metric) */
-    ckpt_metric metrics[CKPT_MAX_METRICS];
-} ckpt_checkpoint_info;
-
-/* Reads dir's manifest and, if deep, verifies every file's size and
- * checksum. Returns CKPT_OK when the checkpoint is complete and valid;
- * otherwise the error (ckpt_errmsg names the file) with info->status set:
- * CKPT_ENOENT for a folder without a manifest (PARTIAL: not a checkpoint),
- * CKPT_ECORRUPT for a bad manifest or file. info is filled as far as could
- * be read. */
-CKPT_API int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *info);
-/* One file a checkpoint's manifest lists. */
-typedef struct ckpt_checkpoint_file {
-    char name[256];  /* plain file name inside the folder */
-    char kind[65];   /* "model", "optimizer", ..., "random_states", "extra" (a
-                        save pre-hook's file) */
-    uint64_t size;
-    uint64_t xxh3;   /* XXH3-64 of the whole file */
-} ckpt_checkpoint_file;
-/* The files dir's manifest lists, in manifest order (the manifest is read and
- * parsed, the files are not checked: see ckpt_checkpoint_verify). *out is
- * malloc'd (NULL when *count is 0); free() it. Same errors as a load's
- * manifest read. */
-CKPT_API int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *count);
-/* Lists <project_dir>/checkpoints/checkpoint_<n> folders, ascending n, with
- * their status (deep verification if deep). *out is malloc'd; free() it. */
-CKPT_API int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
-                                  int64_t *count);
-/* Opens one object of the checkpoint folder dir as a reader: file names its
- * file ("optimizer.safetensors"), and every shard file of it the manifest
- * lists (optimizer-<i>-of-<P>.safetensors) is attached, so sharded tensors
- * read whole (ckpt_read_tensor) or in any slice (ckpt_read_tensor_shard)
- * whatever process count saved them. Each file is checked against the
- * manifest (size and XXH3-64) first. CKPT_ENOENT if the manifest lists no
- * such object, CKPT_ECORRUPT for a bad file or chunk table. *out is freed
- * with ckpt_reader_free. */
-CKPT_API int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader **out);
-/* Removes old automatic checkpoints of <project_dir>/checkpoints so that the
- * newest `keep` VALID ones remain (complete and deep-verified; partial and
- * corrupt folders do not count toward keep), and removes leftover temporary
- * folders of interrupted saves. The rule (the same as total_limit rotation
- * after each save):
- *   - the newest valid checkpoint is never removed (keep >= 1);
- *   - valid checkpoints older than the newest `keep` valid ones go;
- *   - partial or corrupt ones older than the newest valid checkpoint go
- *     (nothing could fall back to them before it); newer ones stay, as the
- *     evidence of what went wrong; with no valid checkpoint nothing goes;
- *   - a checkpoint of a newer format version (CKPT_EUNSUPPORTED) stays;
- *   - keep == 0 removes every checkpoint, valid or not.
- * Runs under the project lock: CKPT_EBUSY (nothing removed), naming the
- * owner's pid and host, while a save holds it or a run (an accelerator not
- * yet freed) owns the project. ckpt_checkpoint_list and
- * ckpt_checkpoint_verify take no lock. *removed (may be NULL) gets how many checkpoints went.
- * Equivalent to ckpt_checkpoint_prune_ex with only keep set. */
-CKPT_API int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed);
-
-/* Why a prune removes a folder. */
-typedef enum ckpt_prune_reason {
-    CKPT_PRUNE_OLD = 0,      /* a checkpoint older than the newest `keep` valid ones */
-    CKPT_PRUNE_INVALID = 1,  /* partial or corrupt, older than the newest valid checkpoint */
-    CKPT_PRUNE_LEFTOVER = 2  /* a temporary folder an interrupted save or rotation left */
-} ckpt_prune_reason;
-
-/* Called once for each folder a prune removes (in a dry run: would remove),
- * before it goes. `why` is the verification error of an invalid checkpoint
- * (and of an old one that fails verification), else NULL; both strings are
- * valid only during the call. */
-typedef void (*ckpt_prune_fn)(void *user, const char *path, ckpt_prune_reason reason,
-                              const char *why);
-
-typedef struct ckpt_prune_options {
-    int keep;             /* valid checkpoints to keep (>= 0; 0 removes them all) */
-    bool dry_run;         /* decide and report, remove nothing, take no lock; leftovers of a
-                             process that is still running are not reported */
-    ckpt_prune_fn report; /* may be NULL */
-    void *user;           /* passed to report */
-    /* Retention policies (0 / NULL: off), as in ckpt_project_config: */
-    int64_t keep_every_steps;
-    const char *best_metric;
-    ckpt_best_mode best_mode;
-    int best_k;
-} ckpt_prune_options;
-
-/* Retention with policies. When keep_every_steps or best_k is set (here or
- * in the project config) the kept set is the union of
- *   - the newest valid checkpoint (always: a run can resume);
- *   - the newest `keep` (total_limit) valid ones, if keep > 0 (with a policy
- *     set, 0 adds nothing here instead of keeping or removing all);
- *   - every valid one whose step is a positive multiple of keep_every_steps
- *     (and step 0 too: 0 is a multiple);
- *   - the best_k valid ones by best_metric (lowest with CKPT_BEST_MIN,
- *     highest with CKPT_BEST_MAX; one without the metric is never among
- *     them; equal values: the newer ranks first).
- * Every other valid checkpoint goes; partial and corrupt ones as above. The
- * newest `keep` are deep-verified; older ones are checked against their
- * manifest (sizes; their checksums are ckpt verify's job) to read their
- * step and metrics. CKPT_EINVAL for best_k < 0, keep_every_steps < 0, or
- * best_k without a valid best_metric name. */
-
-/* ckpt_checkpoint_prune with options (rule above). Leftovers are removed
- * (reported) first, then checkpoints, oldest first. *removed (may be NULL)
- * gets how many checkpoints went (would go, in a dry run); leftovers are
- * only reported. */
-CKPT_API int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *opts,
-                                      int64_t *removed);
-
-/* A hidden temporary folder in <project_dir>/checkpoints that a save or a
- * rotation left (".checkpoint_<n>.tmp.<pid>", ".checkpoint_<n>.old.<pid>"). */
-typedef struct ckpt_leftover_info {
-    char path[4096];
-    int64_t pid;  /* the pid in its name, -1 if none */
-    bool running; /* a process with that pid runs: possibly a save in progress */
-} ckpt_leftover_info;
-
-/* Lists the leftover temporary folders of a project, sorted by path. The
- * next save, or ckpt_checkpoint_prune, removes them. *out is malloc'd;
- * free() it. A project without a checkpoints folder has none. */
-CKPT_API int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_info **out,
-                                       int64_t *count);
-
-/* ------------------------------------------------------------------------ */
-/* PyTorch files (torch.save) and the PyTorch / Hugging Face bridge          */
-/* ------------------------------------------------------------------------ */
-
-/* A torch.save file is a zip archive holding a pickle (data.pkl) and one
- * record per tensor storage (docs/PYTORCH.md). The reader runs the pickle on
- * an allow-list machine that knows only what a state dict needs: dicts
- * (OrderedDict too), lists, tuples, sets, None, bools, ints (to 64 bits),
- * floats, strings, bytes, and tensors rebuilt by
- * torch._utils._rebuild_tensor_v2 / _rebuild_parameter from storages of
- * dtype F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL. Any other global, callable
- * or opcode is CKPT_EUNSUPPORTED naming it; nothing in a file can make the
- * reader run code. Malformed input (bad zip records, overlapping records, a
- * storage shorter than a tensor claims, containers that contain themselves,
- * nesting deeper than CKPT_TORCH_MAX_DEPTH...) is CKPT_ECORRUPT. Files of the
- * legacy format (PyTorch < 1.6) are CKPT_EUNSUPPORTED with a message saying
- * how to re-save them. */
-
-/* Deepest nesting of containers a torch file may have. */
-#define CKPT_TORCH_MAX_DEPTH 256
-
-typedef enum ckpt_torch_kind {
-    CKPT_TORCH_NONE = 1,
-    CKPT_TORCH_BOOL = 2,
-    CKPT_TORCH_INT = 3,
-    CKPT_TORCH_FLOAT = 4,
-    CKPT_TORCH_STR = 5,
-    CKPT_TORCH_BYTES = 6,
-    CKPT_TORCH_TUPLE = 7,
-    CKPT_TORCH_LIST = 8,
-    CKPT_TORCH_SET = 9,
-    CKPT_TORCH_DICT = 10,
-    CKPT_TORCH_TENSOR = 11
-} ckpt_torch_kind;
-
-/* "none", "bool", "int", "float", "str", "bytes", "tuple", "list", "set",
- * "dict", "tensor"; NULL for an invalid value. Static. */
-CKPT_API const char *ckpt_torch_kind_name(ckpt_torch_kind kind);
-
-/* One value of the tree a torch file holds. Read-only views, valid until the
- * file is closed. A value may be reachable from several places (the pickle's
- * memo shares objects, as PyTorch does for tied weights), never from itself. */
-typedef struct ckpt_torch_value {
-    ckpt_torch_kind kind;
-    bool b;                 /* BOOL */
-    int64_t i;              /* INT */
-    double f;               /* FLOAT */
-    const char *s;          /* STR: UTF-8, NUL-terminated; BYTES: len bytes */
-    size_t len;             /* STR, BYTES: bytes (without the NUL) */
-    int64_t n;              /* TUPLE, LIST, SET: items; DICT: key/value pairs */
-    struct ckpt_torch_value *const *items; /* DICT: 2n, key then value, in file order */
-    bool ordered;           /* DICT: a collections.OrderedDict */
-    /* TENSOR: contiguous row-major data (a view into the file when the
-     * tensor is contiguous in its storage, else a copy owned by the file) */
-    ckpt_dtype dtype;
-    int ndim;
-    int64_t shape[CKPT_MAX_NDIM];
-    uint64_t nbytes;
-    const void *data;
-    bool requires_grad;
-    bool parameter;         /* rebuilt as an nn.Parameter */
-} ckpt_torch_value;
-
-typedef struct ckpt_torch_file ckpt_torch_file;
-
-/* Opens, checks and unpickles a whole torch.save file (mapped read-only). */
-CKPT_API int ckpt_torch_open(ckpt_torch_file **out, const char *path);
-/* The same over a caller's buffer, borrowed until the file is closed. name is
- * used in messages. */
-CKPT_API int ckpt_torch_open_memory(ckpt_torch_file **out, const void *buf, size_t len,
-                                    const char *name);
-CKPT_API void ckpt_torch_close(ckpt_torch_file *f);
-/* The object torch.save was given. View valid until the file is closed. */
-CKPT_API const ckpt_torch_value *ckpt_torch_root(const ckpt_torch_file *f);
-/* The value under a string key of a dict; NULL if dict is not a dict or has
- * no such key. */
-CKPT_API const ckpt_torch_value *ckpt_torch_dict_get(const ckpt_torch_value *dict,
-                                                     const char *key);
-/* Adds v to w as a flat state dict: nested dicts, lists and tuples become
- * dotted keys ("state.0.exp_avg", "param_groups.0.betas.1") under prefix
- * (NULL or "" for none); tensors become tensors (data borrowed from the file,
- * which must stay open until w is saved or freed), ints and bools i64,
- * floats f64, strings str, bytes bytes. None and empty containers add
- * nothing. CKPT_EUNSUPPORTED for a set or a dict key that is not a string or
- * an int; key rules as ckpt_write_*. */
-CKPT_API int ckpt_torch_flatten(const ckpt_torch_value *v, const char *prefix, ckpt_writer *w);
-
-/* Writes torch.save files: build one object with begin/put/end calls (a dict
- * takes key, value, key, value...; keys are strings, ints, bools, floats or
- * None), then save. The file holds STORED zip records with 64-byte aligned
- * data and real CRC-32s and a protocol-2 pickle using only the opcodes and
- * globals torch.load(..., weights_only=True) accepts (PyTorch 1.13 to 2.x).
- * A misuse (a value where a key must be, end without begin, save of an
- * unfinished object...) is CKPT_EINVAL and spoils the writer for saving. */
-typedef struct ckpt_torch_writer ckpt_torch_writer;
-
-CKPT_API int ckpt_torch_writer_new(ckpt_torch_writer **out);
-CKPT_API void ckpt_torch_writer_free(ckpt_torch_writer *w);
-/* ordered: a collections.OrderedDict (what module.state_dict() returns). */
-CKPT_API int ckpt_torch_begin_dict(ckpt_torch_writer *w, bool ordered);
-CKPT_API int ckpt_torch_begin_list(ckpt_torch_writer *w);
-CKPT_API int ckpt_torch_begin_tuple(ckpt_torch_writer *w);
-/* Ends the innermost open dict, list or tuple. */
-CKPT_API int ckpt_torch_end(ckpt_torch_writer *w);
-CKPT_API int ckpt_torch_put_none(ckpt_torch_writer *w);
-CKPT_API int ckpt_torch_put_bool(ckpt_torch_writer *w, bool v);
-CKPT_API int ckpt_torch_put_int(ckpt_torch_writer *w, int64_t v);
-CKPT_API int ckpt_torch_put_float(ckpt_torch_writer *w, double v);
-/* Copies v (valid UTF-8). */
-CKPT_API int ckpt_torch_put_str(ckpt_torch_writer *w, const char *v);
-/* A tensor in its own storage. Copies shape; borrows data until the writer is
- * saved or freed. dtype: one of the ten above (else CKPT_EUNSUPPORTED). */
-CKPT_API int ckpt_torch_put_tensor(ckpt_torch_writer *w, ckpt_dtype dt, int ndim,
-                                   const int64_t *shape, const void *data);
-/* Writes the file crash-safely (temporary file, fsync, rename, folder
- * fsync). The archive's folder is the file name's stem, as torch.save names
- * it. The writer can be saved again or freed. */
-CKPT_API int ckpt_torch_writer_save(ckpt_torch_writer *w, const char *path);
-
-/* --- checkpoint <-> PyTorch / Hugging Face folders ------------------------ */
-
-typedef struct ckpt_export_options {
-    bool weights_only;        /* only the model(s): for inference and the Hub */
-    uint64_t max_shard_size;  /* 0: one model.safetensors; else HF shards
-                                 (model-00001-of-0000N.safetensors) of at most
-                                 this many bytes (a larger tensor gets a shard
-                                 of its own) + model.safetensors.index.json */
-    /* The model(s) as torch.save files instead of safetensors, for PyTorch
-     * without the safetensors package: pytorch_model.bin (an OrderedDict of
-     * tensors, which torch.load(..., weights_only=True) opens from PyTorch
-     * 1.13 on), or with max_shard_size, or when the checkpoint's model is
-     * itself saved as Hugging Face shards (the same split then),
-     * pytorch_model-0000k-of-0000N.bin + pytorch_model.bin.index.json as
-     * transformers writes them. The k-th model is pytorch_model_<k>. */
-    bool torch_bin;
-} ckpt_export_options;
-
-/* Writes an Accelerate-style folder PyTorch loads as is from a complete
- * checkpoint (verified first): model.safetensors (model_<k> for the k-th
- * model), optimizer.bin / scheduler.bin (torch.optim and lr_scheduler
- * state_dict() structures of PyTorch 1.13 and later), scaler.pt (a
- * GradScaler state dict) and README.md saying what does not carry over.
- * Crash-safe: out_dir appears complete or not at all; an existing out_dir is
- * CKPT_EEXIST. opt may be NULL (defaults). A scheduler PyTorch cannot load
- * with weights_only (multisteplr: a collections.Counter) is CKPT_EUNSUPPORTED. */
-CKPT_API int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir,
-                               const ckpt_export_options *opt);
-
-typedef struct ckpt_import_options {
-    ckpt_optim_kind optimizer; /* 0: from the file; needed for Adam vs AdamW
-                                  state with weight decay (the file cannot say) */
-    const char *scheduler;     /* NULL: from the file; else a scheduler kind
-                                  (docs/TRAINING.md), needed for a LambdaLR */
-    int64_t warmup, total;     /* the LambdaLR schedule's steps, when the file
-                                  does not carry them; -1: not given */
-    int64_t step;              /* the checkpoint's step; -1: the optimizer's */
-    uint64_t seed;             /* seed of random_states_0 (torch's generator
-                                  state does not carry over) */
-    /* The name of each of optimizer.bin's parameters, in its index order
-     * (group by group), for a file without param_names (torch before 2.6);
-     * each must be a tensor of the model with its state's shape. NULL: the
-     * import names them itself only where the order is certain (one
-     * pickled model state dict, one group, counts and shapes pairing one to
-     * one), else leaves them unnamed (see ckpt_optimizer_set_match_by_position).
-     * Borrowed for the call. */
-    const char *const *param_names;
-    int64_t num_param_names;
-    /* A torch file's storage may be referenced by many tensors (a few KiB
-     * of deflated zeros can stand for gigabytes), so the checkpoint's tensor
-     * bytes are capped before anything is written: at most this many; 0:
-     * 64 times the bytes of the files read, and at least 1 MiB. Over it:
-     * CKPT_EUNSUPPORTED naming both sizes, nothing written. */
-    uint64_t max_output_size;
-    /* Called once (may be NULL) after SRC is read and before anything is
-     * written, with the bytes of the files read and the tensor bytes the
-     * checkpoint will hold, whether or not they pass the cap. */
-    void (*on_sizes)(void *user, uint64_t input_bytes, uint64_t output_bytes);
-    void *user;
-} ckpt_import_options;
-
-/* warmup, total and step -1; the rest 0. */
-CKPT_API ckpt_import_options ckpt_import_defaults(void);
-
-/* Makes a ckpt checkpoint at checkpoint_dir (crash-safely; an existing
- * folder is CKPT_EEXIST) from src: an Accelerate folder (model.safetensors or
- * pytorch_model.bin, sharded or not, optimizer.bin, scheduler.bin,
- * scaler.pt), a folder of Hugging Face weights, or one file (a torch.save'd
- * state dict or a .safetensors file). The checkpoint has model.safetensors,
- * optimizer / scheduler / scaler files where src has them, and
- * random_states_0 seeded with opt->seed; a program that prepares the same
- * objects loads it with ckpt_load_state (optimizer state by parameter name:
- * see ckpt_import_options.param_names). opt may be NULL (defaults).
- * CKPT_EINVAL / CKPT_EMISMATCH for parameter names that do not fit. */
-CKPT_API int ckpt_import_torch(const char *src, const char *checkpoint_dir,
-                               const ckpt_import_options *opt);
-
 #ifdef __cplusplus
 }
 #endif
+
+/* The specialised parts, each in a header of its own that includes this one:
+ * #include <ckpt.h> gives them all, as before. */
+#include "ckpt/comm.h"  /* communicators: the process group a save spans */
+#include "ckpt/files.h" /* state-dict files and checkpoint folders, for tools */
+#include "ckpt/torch.h" /* PyTorch files and the PyTorch / Hugging Face bridge */
 
 #endif /* CKPT_H */
