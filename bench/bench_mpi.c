@@ -3,7 +3,7 @@
  * fp32 parameters, HF transformers' shapes) is replicated, and the save
  * plan spreads its tensors over the ranks; AdamW is sharded ZeRO-1 style
  * (ckpt_optimizer_set_shard), so its moments (2x the model) are written 1/P
- * by every rank. Run under `mpirun -np P` for P = 1, 2, 4, 8; bench/run
+ * by every rank. Run under `mpirun -np P` for P = 1, 2, 4; bench/run
  * prints each P's times as ratios against P = 1 measured in the same run.
  *
  *   mpirun -np P bench_mpi FOLDER
