@@ -148,8 +148,10 @@ static int rmsprop_check(const ckpt_optim_options *o, int g) {
     if (!(o->momentum >= 0) || !isfinite(o->momentum)) return BAD("momentum", ">= 0", o->momentum);
     if (!(o->alpha >= 0) || !isfinite(o->alpha)) return BAD("alpha", ">= 0", o->alpha);
     if (o->maximize)
-        return ckpt__err(CKPT_EUNSUPPORTED, "optimizer: param_groups.%d.maximize: RMSprop "
-                         "supports only maximize = false", g);
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "optimizer: param_groups.%d.maximize: RMSprop "
+                         "supports only maximize = false",
+                         g);
     return CKPT_OK;
 }
 #undef BAD
@@ -753,8 +755,12 @@ static void adam_like_update(opt_param *prm, const ckpt_optim_options *o, bool d
                             prm->buf[2], prm->hi - prm->lo, &c);
 }
 
-static void adam_update(opt_param *p, const ckpt_optim_options *g) { adam_like_update(p, g, false); }
-static void adamw_update(opt_param *p, const ckpt_optim_options *g) { adam_like_update(p, g, true); }
+static void adam_update(opt_param *p, const ckpt_optim_options *g) {
+    adam_like_update(p, g, false);
+}
+static void adamw_update(opt_param *p, const ckpt_optim_options *g) {
+    adam_like_update(p, g, true);
+}
 
 static void sgd_param_update(opt_param *p, const ckpt_optim_options *g) {
     if (p->hi > p->lo)
@@ -808,48 +814,85 @@ static void rmsprop_update(opt_param *p, const ckpt_optim_options *g) {
 
 /* The kinds: hyper-parameters in state-dict order (after lr, weight_decay,
  * maximize), state buffers, PyTorch 1.13's param_group fields in its order. */
-#define HP(key, field, isb) {key, offsetof(ckpt_optim_options, field), isb}
-#define TF_HP(name) {name, CKPT_TF_HPARAM, name, NULL}
+#define HP(k, field, isb)                                                                          \
+    { .key = k, .offset = offsetof(ckpt_optim_options, field), .is_bool = isb }
+#define TF_HP(n)                                                                                   \
+    { .name = n, .kind = CKPT_TF_HPARAM, .key = n }
+#define TF_NONE(n)                                                                                 \
+    { .name = n, .kind = CKPT_TF_NONE }
+#define TF_FALSE(n)                                                                                \
+    { .name = n, .kind = CKPT_TF_FALSE }
+#define TF_BETAS                                                                                   \
+    { .name = "betas", .kind = CKPT_TF_PAIR, .key = "betas.0", .key2 = "betas.1" }
+#define ADAM_HPARAMS                                                                               \
+    .nhparams = 4,                                                                                 \
+    .hparams = {HP("betas.0", beta1, false), HP("betas.1", beta2, false), HP("eps", eps, false),   \
+                HP("amsgrad", amsgrad, true)},                                                     \
+    .nbuffers = 3, .buffers = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, .needs = adam_needs,    \
+    .needs_what = "amsgrad", .check = adam_check, .torch_step = CKPT_TORCH_STEP_TENSOR
 static const kind_impl KINDS[4] = {
-    {{CKPT_OPTIM_SGD, "sgd", "SGD", 3,
-      {HP("momentum", momentum, false), HP("dampening", dampening, false),
-       HP("nesterov", nesterov, true)},
-      1, {"momentum_buffer"}, sgd_needs, "momentum (zero vs non-zero)", sgd_check, sgd_defaults,
-      CKPT_TORCH_STEP_NONE, true, 8,
-      {TF_HP("lr"), TF_HP("momentum"), TF_HP("dampening"), TF_HP("weight_decay"),
-       TF_HP("nesterov"), TF_HP("maximize"), {"foreach", CKPT_TF_NONE, NULL, NULL},
-       {"differentiable", CKPT_TF_FALSE, NULL, NULL}}},
-     sgd_param_update},
-    {{CKPT_OPTIM_ADAM, "adam", "Adam", 4,
-      {HP("betas.0", beta1, false), HP("betas.1", beta2, false), HP("eps", eps, false),
-       HP("amsgrad", amsgrad, true)},
-      3, {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, adam_needs, "amsgrad", adam_check,
-      adam_defaults, CKPT_TORCH_STEP_TENSOR, false, 10,
-      {TF_HP("lr"), {"betas", CKPT_TF_PAIR, "betas.0", "betas.1"}, TF_HP("eps"),
-       TF_HP("weight_decay"), TF_HP("amsgrad"), TF_HP("maximize"),
-       {"foreach", CKPT_TF_NONE, NULL, NULL}, {"capturable", CKPT_TF_FALSE, NULL, NULL},
-       {"differentiable", CKPT_TF_FALSE, NULL, NULL}, {"fused", CKPT_TF_FALSE, NULL, NULL}}},
-     adam_update},
-    {{CKPT_OPTIM_ADAMW, "adamw", "AdamW", 4,
-      {HP("betas.0", beta1, false), HP("betas.1", beta2, false), HP("eps", eps, false),
-       HP("amsgrad", amsgrad, true)},
-      3, {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, adam_needs, "amsgrad", adam_check,
-      adamw_defaults, CKPT_TORCH_STEP_TENSOR, false, 8,
-      {TF_HP("lr"), {"betas", CKPT_TF_PAIR, "betas.0", "betas.1"}, TF_HP("eps"),
-       TF_HP("weight_decay"), TF_HP("amsgrad"), {"foreach", CKPT_TF_NONE, NULL, NULL},
-       TF_HP("maximize"), {"capturable", CKPT_TF_FALSE, NULL, NULL}}},
-     adamw_update},
-    {{CKPT_OPTIM_RMSPROP, "rmsprop", "RMSprop", 4,
-      {HP("alpha", alpha, false), HP("eps", eps, false), HP("momentum", momentum, false),
-       HP("centered", centered, true)},
-      3, {"square_avg", "momentum_buffer", "grad_avg"}, rmsprop_needs,
-      "momentum (zero vs non-zero) or centered", rmsprop_check, rmsprop_defaults,
-      CKPT_TORCH_STEP_INT, false, 9,
-      {TF_HP("lr"), TF_HP("momentum"), TF_HP("alpha"), TF_HP("eps"), TF_HP("centered"),
-       TF_HP("weight_decay"), {"foreach", CKPT_TF_NONE, NULL, NULL}, TF_HP("maximize"),
-       {"differentiable", CKPT_TF_FALSE, NULL, NULL}}},
-     rmsprop_update},
+    {.d = {.kind = CKPT_OPTIM_SGD,
+           .name = "sgd",
+           .torch_name = "SGD",
+           .nhparams = 3,
+           .hparams = {HP("momentum", momentum, false), HP("dampening", dampening, false),
+                       HP("nesterov", nesterov, true)},
+           .nbuffers = 1,
+           .buffers = {"momentum_buffer"},
+           .needs = sgd_needs,
+           .needs_what = "momentum (zero vs non-zero)",
+           .check = sgd_check,
+           .defaults = sgd_defaults,
+           .torch_step = CKPT_TORCH_STEP_NONE,
+           .torch_none_buffer = true,
+           .ntorch_fields = 8,
+           .torch_fields = {TF_HP("lr"), TF_HP("momentum"), TF_HP("dampening"),
+                            TF_HP("weight_decay"), TF_HP("nesterov"), TF_HP("maximize"),
+                            TF_NONE("foreach"), TF_FALSE("differentiable")}},
+     .update = sgd_param_update},
+    {.d = {.kind = CKPT_OPTIM_ADAM,
+           .name = "adam",
+           .torch_name = "Adam",
+           ADAM_HPARAMS,
+           .defaults = adam_defaults,
+           .ntorch_fields = 10,
+           .torch_fields = {TF_HP("lr"), TF_BETAS, TF_HP("eps"), TF_HP("weight_decay"),
+                            TF_HP("amsgrad"), TF_HP("maximize"), TF_NONE("foreach"),
+                            TF_FALSE("capturable"), TF_FALSE("differentiable"), TF_FALSE("fused")}},
+     .update = adam_update},
+    {.d = {.kind = CKPT_OPTIM_ADAMW,
+           .name = "adamw",
+           .torch_name = "AdamW",
+           ADAM_HPARAMS,
+           .defaults = adamw_defaults,
+           .ntorch_fields = 8,
+           .torch_fields = {TF_HP("lr"), TF_BETAS, TF_HP("eps"), TF_HP("weight_decay"),
+                            TF_HP("amsgrad"), TF_NONE("foreach"), TF_HP("maximize"),
+                            TF_FALSE("capturable")}},
+     .update = adamw_update},
+    {.d = {.kind = CKPT_OPTIM_RMSPROP,
+           .name = "rmsprop",
+           .torch_name = "RMSprop",
+           .nhparams = 4,
+           .hparams = {HP("alpha", alpha, false), HP("eps", eps, false),
+                       HP("momentum", momentum, false), HP("centered", centered, true)},
+           .nbuffers = 3,
+           .buffers = {"square_avg", "momentum_buffer", "grad_avg"},
+           .needs = rmsprop_needs,
+           .needs_what = "momentum (zero vs non-zero) or centered",
+           .check = rmsprop_check,
+           .defaults = rmsprop_defaults,
+           .torch_step = CKPT_TORCH_STEP_INT,
+           .ntorch_fields = 9,
+           .torch_fields = {TF_HP("lr"), TF_HP("momentum"), TF_HP("alpha"), TF_HP("eps"),
+                            TF_HP("centered"), TF_HP("weight_decay"), TF_NONE("foreach"),
+                            TF_HP("maximize"), TF_FALSE("differentiable")}},
+     .update = rmsprop_update},
 };
+#undef ADAM_HPARAMS
+#undef TF_BETAS
+#undef TF_FALSE
+#undef TF_NONE
 #undef HP
 #undef TF_HP
 
@@ -1097,7 +1140,8 @@ static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bo
                          "a load by position (ckpt_optimizer_set_match_by_position)");
     snprintf(k, sizeof k, "param_names.%lld", (long long)o->np);
     if (ckpt__reader_has(r, k, NULL))
-        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict names more than %lld parameters",
+        return ckpt__err(CKPT_EMISMATCH,
+                         "optimizer: the state dict names more than %lld parameters",
                          (long long)o->np);
     for (int64_t i = 0; i < o->np; i++) map[i] = -1;
     char name[CKPT_MAX_KEY + 1];
@@ -1105,14 +1149,18 @@ static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bo
         snprintf(k, sizeof k, "param_names.%lld", (long long)j);
         int rc = ckpt_read_str(r, k, name, sizeof name);
         if (rc == CKPT_ENOENT)
-            return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict names %lld parameters, this "
-                             "optimizer has %lld", (long long)j, (long long)o->np);
+            return ckpt__err(CKPT_EMISMATCH,
+                             "optimizer: the state dict names %lld parameters, this "
+                             "optimizer has %lld",
+                             (long long)j, (long long)o->np);
         if (rc < 0) return rc;
         int64_t i = 0;
         while (i < o->np && strcmp(o->p[i].name, name) != 0) i++;
         if (i == o->np)
-            return ckpt__err(CKPT_EMISMATCH, "optimizer: %s: the state dict has state for parameter "
-                             "'%s', which this optimizer does not optimize", k, name);
+            return ckpt__err(CKPT_EMISMATCH,
+                             "optimizer: %s: the state dict has state for parameter "
+                             "'%s', which this optimizer does not optimize",
+                             k, name);
         if (map[i] >= 0)
             return ckpt__err(CKPT_ECORRUPT, "optimizer: %s: parameter '%s' named twice", k, name);
         map[i] = j;
@@ -1137,8 +1185,10 @@ static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map
     char kind[16], k[KEY_CAP];
     int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
     if (rc == CKPT_EINVAL || (rc == CKPT_OK && strcmp(kind, o->impl->d.name) != 0))
-        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict is for a%s %s optimizer, this "
-                         "one is %s", rc == CKPT_OK && kind[0] == 'a' ? "n" : "",
+        return ckpt__err(CKPT_EMISMATCH,
+                         "optimizer: the state dict is for a%s %s optimizer, this "
+                         "one is %s",
+                         rc == CKPT_OK && kind[0] == 'a' ? "n" : "",
                          rc == CKPT_OK ? kind : "different", o->impl->d.name);
     if (rc < 0) return rc;
     for (int g = 0; g < o->ngroups; g++) {

@@ -29,8 +29,8 @@ void ckpt__optimizer_set_log(ckpt_optimizer *o, ckpt_log_fn fn, void *user);
  * PyTorch's pair "betas"), and its field of ckpt_optim_options. */
 typedef struct ckpt_optim_hparam {
     const char *key;
-    size_t offset;  /* offsetof(ckpt_optim_options, field) */
-    bool is_bool;   /* a bool field, kept as i64 0/1; else a double, kept as f64 */
+    size_t offset; /* offsetof(ckpt_optim_options, field) */
+    bool is_bool;  /* a bool field, kept as i64 0/1; else a double, kept as f64 */
 } ckpt_optim_hparam;
 
 /* One field of PyTorch's param_groups[g] dict, in the order PyTorch 1.13
