@@ -3,7 +3,7 @@
  * fp32 parameters, HF transformers' shapes) is replicated, and the save
  * plan spreads its tensors over the ranks; AdamW is sharded ZeRO-1 style
  * (ckpt_optimizer_set_shard), so its moments (2x the model) are written 1/P
- * by every rank. Run under `mpirun -np P` for P = 1, 2, 4, 8; bench/run
+ * by every rank. Run under `mpirun -np P` for P = 1, 2, 4; bench/run
  * prints each P's times as ratios against P = 1 measured in the same run.
  *
  *   mpirun -np P bench_mpi FOLDER
@@ -20,12 +20,31 @@
  * I/O layer), over state/P; load_total: the bytes all ranks read, over the
  * state. rss_max: the highest peak resident set of a rank (its own copy of
  * the model, its share of the moments, and what a save and a load add).
- * manifest: checkpoint.json's size. FOLDER/mpi<p> is removed at the end. */
+ * manifest: checkpoint.json's size. FOLDER/mpi<p> is removed at the end.
+ *
+ *   mpirun -np P bench_mpi --manifest FOLDER
+ *
+ * The cheap mode, for process counts whose full state does not fit the
+ * machine: the same model and ZeRO-1 AdamW (the same 148 tensors, shapes and
+ * sharding), but every parameter and gradient points into one read-only
+ * mapping of zero pages shared by all of them, and no optimizer step runs
+ * (the moments are the zeros AdamW allocates), so a rank holds only its
+ * share of the moments. It makes one real collective save (the save plan,
+ * every file written, fsynced and hashed, the manifest committed by rank 0)
+ * and prints, on rank 0:
+ *
+ *   bench_mpi_manifest P=<p> manifest=<bytes> files=<n> chunks=<n>
+ *
+ * The manifest is the one a save of the trained state would commit, byte for
+ * byte as long: only values differ (zeros), and a value changes no field's
+ * length in it (digests are 16 hex digits). Point FOLDER at a tmpfs to spare
+ * the disk: the manifest does not depend on the file system. */
 #include <mpi.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -34,6 +53,7 @@
 #include "gpt2.h"
 #include "ckpt_mpi.h"
 #include "base/io.h"
+#include "format/manifest.h"
 
 #define REPS 3 /* BENCH_REPS=<n> in the environment: n instead */
 
@@ -52,9 +72,17 @@ static double now(void) {
 
 static ckpt_model *model;
 static int64_t total_elems;
+static float *zero_pages; /* --manifest: every parameter and gradient, read-only */
 
 static void add(const char *name, int ndim, int64_t a, int64_t b) {
     int64_t numel = ndim == 1 ? a : a * b;
+    int64_t shape[2] = {a, b};
+    if (zero_pages) {
+        if (ckpt_model_add_param(model, name, CKPT_F32, ndim, shape, zero_pages, zero_pages) < 0)
+            die(name);
+        total_elems += numel;
+        return;
+    }
     float *data = malloc((size_t)numel * sizeof *data);
     float *grad = malloc((size_t)numel * sizeof *grad);
     if (!data || !grad) die("out of memory");
@@ -62,7 +90,6 @@ static void add(const char *name, int ndim, int64_t a, int64_t b) {
         data[i] = (float)((i * 7 + total_elems) % 1000) * 1e-3f;
         grad[i] = (float)((i * 13 + total_elems) % 997) * 1e-4f - 0.05f;
     }
-    int64_t shape[2] = {a, b};
     if (ckpt_model_add_param(model, name, CKPT_F32, ndim, shape, data, grad) < 0) die(name);
     total_elems += numel;
 }
@@ -71,22 +98,30 @@ static void gpt2_small(void) { gpt2_small_each(add); }
 
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
-    if (argc != 2) {
-        fprintf(stderr, "usage: mpirun -np P bench_mpi FOLDER\n");
+    bool manifest_only = argc == 3 && strcmp(argv[1], "--manifest") == 0;
+    if (argc != 2 && !manifest_only) {
+        fprintf(stderr, "usage: mpirun -np P bench_mpi [--manifest] FOLDER\n");
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
+    const char *folder = argv[argc - 1];
     ckpt_comm *comm = NULL;
     if (ckpt_comm_mpi(&comm, MPI_COMM_WORLD) < 0) die("comm");
     rank_ = comm->rank;
     char project[4096];
-    snprintf(project, sizeof project, "%s/mpi%d", argv[1], comm->size);
+    snprintf(project, sizeof project, "%s/mpi%d%s", folder, comm->size, manifest_only ? "m" : "");
 
+    size_t zero_len = (size_t)VOCAB * D * sizeof(float); /* the largest tensor */
+    if (manifest_only) {
+        void *z = mmap(NULL, zero_len, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (z == MAP_FAILED) die("mmap");
+        zero_pages = z;
+    }
     if (ckpt_model_new(&model) < 0) die("model");
     gpt2_small();
     ckpt_optimizer *opt = NULL;
     if (ckpt_adamw_new(&opt, model, 1e-4, 0.9, 0.999, 1e-8, 0.01) < 0) die("adamw");
     if (ckpt_optimizer_set_shard(opt, comm) < 0) die("set_shard");
-    if (ckpt_optimizer_step(opt) < 0) die("step"); /* non-zero moments */
+    if (!manifest_only && ckpt_optimizer_step(opt) < 0) die("step"); /* non-zero moments */
 
     ckpt_project_config cfg = {.project_dir = project, .automatic_checkpoint_naming = true,
                                .total_limit = 1, .comm = comm};
@@ -94,10 +129,31 @@ int main(int argc, char **argv) {
     if (ckpt_accelerator_new(&acc, &cfg) < 0) die("accelerator");
     if (ckpt_prepare_model(acc, model) < 0 || ckpt_prepare_optimizer(acc, opt) < 0) die("prepare");
 
+    if (manifest_only) {
+        if (ckpt_save_state(acc, NULL) < 0) die("save");
+        if (rank_ == 0) {
+            ckpt_manifest m;
+            int64_t chunks = 0;
+            const char *dir = ckpt_accelerator_last_dir(acc);
+            ckpt__manifest_init(&m);
+            if (ckpt__manifest_read(dir, &m) < 0) die("manifest");
+            for (int64_t i = 0; i < m.nfiles; i++)
+                if (m.files[i].chunks) chunks += m.files[i].ntensors;
+            long long nfiles = (long long)m.nfiles;
+            ckpt__manifest_clear(&m);
+            char mp[4200];
+            struct stat st;
+            snprintf(mp, sizeof mp, "%s/checkpoint.json", dir);
+            long long msize = stat(mp, &st) == 0 ? (long long)st.st_size : -1;
+            printf("bench_mpi_manifest P=%d manifest=%lld files=%lld chunks=%lld\n", comm->size,
+                   msize, nfiles, (long long)chunks);
+        }
+    }
     double best_save = 1e30, best_load = 1e30;
     uint64_t io[3] = {0, 0, 0}; /* this rank: written by a save, read by a load, read by a save */
     int reps = getenv("BENCH_REPS") ? atoi(getenv("BENCH_REPS")) : REPS;
-    for (int rep = 0; rep < (reps > 0 ? reps : 1); rep++) {
+    if (manifest_only) reps = 0;
+    for (int rep = 0; rep < reps || (!manifest_only && rep == 0); rep++) {
         ckpt_io_bytes b0, b1, b2;
         MPI_Barrier(MPI_COMM_WORLD);
         ckpt__io_bytes(&b0);
@@ -122,7 +178,7 @@ int main(int argc, char **argv) {
     uint64_t mine[4] = {io[0], io[1], io[2], (uint64_t)ru.ru_maxrss}, most[4], sum[4];
     MPI_Reduce(mine, most, 4, MPI_UINT64_T, MPI_MAX, 0, MPI_COMM_WORLD);
     MPI_Reduce(mine, sum, 4, MPI_UINT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
-    if (rank_ == 0) {
+    if (rank_ == 0 && !manifest_only) {
         char mp[4200];
         struct stat st;
         snprintf(mp, sizeof mp, "%s/checkpoint.json", ckpt_accelerator_last_dir(acc));
@@ -136,13 +192,13 @@ int main(int argc, char **argv) {
     }
     ckpt_accelerator_free(acc);
     MPI_Barrier(MPI_COMM_WORLD);
-    if (rank_ == 0) {
+    if (rank_ == 0 && !getenv("BENCH_KEEP")) { /* BENCH_KEEP=1: leave FOLDER/mpi<p>[m] */
         char cmd[4200];
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", project);
         if (system(cmd) != 0) fprintf(stderr, "bench_mpi: could not remove %s\n", project);
     }
     ckpt_optimizer_free(opt);
-    for (int64_t i = 0; i < ckpt_model_num_params(model); i++) {
+    for (int64_t i = 0; !manifest_only && i < ckpt_model_num_params(model); i++) {
         ckpt_param_info pi;
         if (ckpt_model_param(model, i, &pi) == 0) {
             free(pi.data);
@@ -150,6 +206,7 @@ int main(int argc, char **argv) {
         }
     }
     ckpt_model_free(model);
+    if (zero_pages) munmap(zero_pages, zero_len);
     ckpt_comm_free(comm);
     MPI_Finalize();
     return 0;

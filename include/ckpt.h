@@ -630,8 +630,10 @@ typedef struct ckpt_project_config {
      * shards, <model>-00001-of-0000N.safetensors plus
      * <model>.safetensors.index.json (as Accelerate's save_model and
      * transformers' save_pretrained with max_shard_size), inside the same
-     * atomic commit; loads read either layout. 0 = one file. A model with
-     * tensors sharded across processes is always one file per process. */
+     * atomic commit; loads read either layout. 0 = one file. With several
+     * processes the shard files are spread over the ranks by bytes (rank 0
+     * writes the index). A model with tensors sharded across processes is
+     * always one file per process. */
     uint64_t max_shard_size;
     /* With a comm of several processes: how long a save or load waits for
      * the other ranks at each collective before it gives up with

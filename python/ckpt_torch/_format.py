@@ -798,8 +798,10 @@ def _jreal(v):
 
 
 def manifest_text(m):
-    """checkpoint.json exactly as the C library writes it (jansson,
-    two-space indent), its manifest_xxh3 filled in."""
+    """checkpoint.json exactly as the C library writes it (docs/FORMAT.md:
+    the top level's members one a line, each file's scalar members on one
+    line, then each tensor digest on a line of its own), its manifest_xxh3
+    filled in."""
     L = ["{"]
     top = [("format", jstr("ckpt")), ("format_version", str(m["format_version"])),
            ("library_version", jstr(m["library_version"])), ("iteration", str(m["iteration"])),
@@ -819,22 +821,13 @@ def manifest_text(m):
     else:
         L.append('  "files": [')
         for i, f in enumerate(m["files"]):
-            L.append("    {")
-            L.append('      "name": %s,' % jstr(f["name"]))
-            L.append('      "kind": %s,' % jstr(f["kind"]))
-            L.append('      "size": %d,' % f["size"])
-            L.append('      "xxh3": "%s",' % f["xxh3"])
+            head = '    {"name": %s, "kind": %s, "size": %d, "xxh3": "%s"' % (
+                jstr(f["name"]), jstr(f["kind"]), f["size"], f["xxh3"])
             if f.get("xxh128"):
-                L.append('      "xxh128": "%s",' % f["xxh128"])
-            ts = list(f["tensors"].items())
-            if not ts:
-                L.append('      "tensors": {}')
-            else:
-                L.append('      "tensors": {')
-                for j, (k, h) in enumerate(ts):
-                    L.append('        %s: "%s"%s' % (jstr(k), h, "," if j + 1 < len(ts) else ""))
-                L.append("      }")
-            L.append("    }" + ("," if i + 1 < len(m["files"]) else ""))
+                head += ', "xxh128": "%s"' % f["xxh128"]
+            ts = ",".join('\n      %s: "%s"' % (jstr(k), h) for k, h in f["tensors"].items())
+            L.append(head + ',\n     "tensors": {' + ts + "}}" +
+                     ("," if i + 1 < len(m["files"]) else ""))
         L.append("  ],")
     L.append('  "%s": "%s"' % (_SUM_KEY, "0" * 16))
     L.append("}")

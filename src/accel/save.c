@@ -5,9 +5,10 @@
  *             temporary folder, and tells every rank (or why it cannot)
  *   snapshot  every rank runs the pre-hooks (with the temporary folder) and
  *             every object's state_dict
- *   write     rank 0 writes the replicated objects, every rank its own
- *             random state and its shard of every sharded object, each file
- *             fsynced, its digest recorded
+ *   write     rank 0 writes the objects' own files, every rank its own
+ *             random state and its part by the save plan (its share of the
+ *             replicated tensors, its Hugging Face shards, its shard of every
+ *             sharded object), each file fsynced, its digest recorded
  *   agree     every rank's status, then its file records, reach rank 0
  *   commit    rank 0 lists the files the pre-hooks left, writes the
  *             manifest last, renames, fsyncs; only if every rank succeeded
@@ -66,7 +67,9 @@ struct ckpt_save_op {
     ckpt_acc_obj *objs;
     int nobjs;
     ckpt_writer **writers;
-    bool *hf_model; /* per object: a model saved as Hugging Face shards (rank 0) */
+    bool *hf_model;      /* per object: a model saved as Hugging Face shards */
+    ckpt_hf_layout *hfl; /* per object: its shards, if hf_model (made by the plan) */
+    int **hf_owner;      /* per object: the rank that writes each of its shards */
     /* write: two slots per object (its file, its shard file), and the
      * files of a model saved as Hugging Face shards (hf[i], nhf[i]) */
     save_slot *slots;
@@ -400,7 +403,7 @@ static bool hf_decide(const save_op *op, int i) {
 
 /* The same, as the plan decided it (before it spread the model's tensors). */
 static bool hf_sharded(const save_op *op, int i) {
-    return op->hf_model ? op->hf_model[i] : hf_decide(op, i);
+    return op->hf_model && op->hfl && op->hf_owner && op->hf_model[i] && op->hf_owner[i];
 }
 
 /* ---- the save plan: every replicated tensor written once ------------------ */
@@ -408,9 +411,22 @@ static bool hf_sharded(const save_op *op, int i) {
 /* Tensors smaller than this are never cut: each goes whole to one rank. */
 #define PLAN_CUT_MIN ((uint64_t)1 << 20)
 
-/* Where rank r's share of the replicated bytes starts: floor(r * total / P). */
-static uint64_t share_start(int r, int p, uint64_t total) {
-    return (uint64_t)((unsigned __int128)total * (unsigned)r / (unsigned)p);
+/* Where rank r's share of the replicated bytes starts, total of them, when
+ * rank k already writes hf[k] bytes of Hugging Face shards: each rank's
+ * share is what it lacks of 1/P of everything, max(0, (total + sum hf) / P -
+ * hf[k]), scaled so that the shares add up to total. Without shards it is
+ * floor(r * total / P). */
+static uint64_t share_start(const uint64_t *hf, int r, int p, uint64_t total) {
+    unsigned __int128 all = total, below = 0, sum = 0;
+    for (int k = 0; k < p; k++) all += hf[k];
+    for (int k = 0; k < p; k++) {
+        unsigned __int128 mine = (unsigned __int128)hf[k] * (unsigned)p;
+        unsigned __int128 q = all > mine ? all - mine : 0; /* P x the rank's quota */
+        sum += q;
+        if (k < r) below += q;
+    }
+    if (r >= p || sum == 0) return r >= p ? total : 0;
+    return (uint64_t)((unsigned __int128)total * below / sum);
 }
 
 /* The row (0..rows) nearest to byte position b of a tensor that starts at
@@ -419,6 +435,82 @@ static int64_t nearest_row(uint64_t b, uint64_t s, uint64_t row_bytes, int64_t r
     if (b <= s) return 0;
     uint64_t k = (b - s + row_bytes / 2) / row_bytes;
     return k > (uint64_t)rows ? rows : (int64_t)k;
+}
+
+/* The Hugging Face layout of object i (a model saved as shards): greedy in
+ * state order, as transformers splits. */
+static int hf_layout(save_op *op, int i, const char *file, ckpt_hf_layout *l) {
+    const ckpt_writer *w = op->writers[i];
+    int64_t n = ckpt_writer_entry_count(w);
+    char stem[96];
+    snprintf(stem, sizeof stem, "%.*s", (int)(strlen(file) - 12), file); /* without .safetensors */
+    uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
+    const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
+    int rc = nb && keys ? CKPT_OK : ckpt__err_nomem("save shards");
+    for (int64_t j = 0; j < n && rc == 0; j++) {
+        ckpt_entry_info e;
+        rc = ckpt_writer_entry(w, j, &e);
+        nb[j] = e.nbytes;
+        keys[j] = e.key;
+    }
+    if (rc == 0) rc = ckpt__hf_layout_make(keys, nb, n, op->acc->max_shard_size, stem, l);
+    free(keys);
+    free(nb);
+    return rc;
+}
+
+typedef struct hf_item {
+    uint64_t bytes;
+    int64_t shard;
+} hf_item;
+
+/* Largest first; ties: the first shard. */
+static int cmp_hf_item(const void *a, const void *b) {
+    const hf_item *x = a, *y = b;
+    if (x->bytes != y->bytes) return x->bytes < y->bytes ? 1 : -1;
+    return (x->shard > y->shard) - (x->shard < y->shard);
+}
+
+/* The shards of every model saved as Hugging Face shards go to the ranks,
+ * largest first, each to the rank with the fewest such bytes so far (ties:
+ * the lowest rank); hf_bytes[r] gets each rank's total. With one process,
+ * all to rank 0. */
+static int plan_hf(save_op *op, uint64_t *hf_bytes) {
+    int p = op->comm->size;
+    op->hfl = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->hfl);
+    op->hf_owner = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->hf_owner);
+    if (!op->hfl || !op->hf_owner) return ckpt__err_nomem("save plan");
+    for (int i = 0; i < op->nobjs; i++) {
+        if (!op->hf_model[i]) continue;
+        char name[96];
+        ckpt__acc_file_name(op->acc, &op->objs[i], name, sizeof name);
+        CKPT_TRY(hf_layout(op, i, name, &op->hfl[i]));
+        const ckpt_hf_layout *l = &op->hfl[i];
+        int64_t ns = l->nshards;
+        int *own = op->hf_owner[i] = ckpt__calloc((size_t)(ns ? ns : 1), sizeof *own);
+        hf_item *v = ckpt__calloc((size_t)(ns ? ns : 1), sizeof *v);
+        if (!own || !v) {
+            free(v);
+            return ckpt__err_nomem("save plan");
+        }
+        for (int64_t t = 0; t < ns; t++) {
+            v[t].shard = t;
+            for (int64_t j = l->starts[t]; j < l->starts[t + 1]; j++) {
+                ckpt_entry_info e;
+                if (ckpt_writer_entry(op->writers[i], j, &e) == 0) v[t].bytes += e.nbytes;
+            }
+        }
+        qsort(v, (size_t)ns, sizeof *v, cmp_hf_item);
+        for (int64_t k = 0; k < ns; k++) {
+            int best = 0;
+            for (int r = 1; r < p; r++)
+                if (hf_bytes[r] < hf_bytes[best]) best = r;
+            own[v[k].shard] = best;
+            hf_bytes[best] += v[k].bytes;
+        }
+        free(v);
+    }
+    return CKPT_OK;
 }
 
 /* Whether entry j of object i is a replicated tensor the plan places. */
@@ -464,20 +556,37 @@ static int split_frozen(save_op *op) {
 /* With several processes, the replicated tensors of every object (a
  * replicated model, an optimizer's replicated part, custom objects) are
  * placed on the ranks so that each writes about 1/P of their bytes: laid
- * end to end in state order, rank r takes the bytes from r/P to (r+1)/P of
- * the total. A tensor of at least PLAN_CUT_MIN bytes is cut at the row
- * nearest each boundary (each rank's part is a run of whole rows: one box
- * chunk); a smaller one goes whole to the rank its middle byte falls in.
+ * end to end, the tensors under PLAN_CUT_MIN bytes first and then the
+ * others, each group in state order, rank r takes the bytes from r/P to
+ * (r+1)/P of the total. A tensor of at least PLAN_CUT_MIN bytes is cut at
+ * the row nearest each boundary (each rank's part is a run of whole rows:
+ * one box chunk); a smaller one goes whole to the rank its middle byte falls
+ * in. A tensor that falls whole to rank 0 stays a plain tensor of its
+ * object's file, which rank 0 writes anyway: no chunk record. Small tensors
+ * go first so that they are those (biases, norms, an optimizer's step
+ * counts: most of the keys, few of the bytes), and the manifest's chunk
+ * records are those of the large tensors and of the cuts, O(K_large + P).
  * Every rank computes the same plan from the same state dicts, with no
  * communication; the chunk check at the commit catches ranks whose
  * replicated state differs in shape. A model saved as Hugging Face shards
- * stays whole on rank 0, and the generators are per process. */
+ * keeps its layout, its shard files placed on the ranks by plan_hf; the
+ * other tensors' shares then make up each rank's total to about 1/P of
+ * everything (share_start). The generators are per process. */
 static int plan_spread(save_op *op) {
     const ckpt_comm *c = op->comm;
+    int p = c->size, me = c->rank;
     op->hf_model = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->hf_model);
-    if (!op->hf_model) return ckpt__err_nomem("save plan");
+    uint64_t *hf_bytes = ckpt__calloc((size_t)p + 1, sizeof *hf_bytes);
+    if (!op->hf_model || !hf_bytes) {
+        free(hf_bytes);
+        return ckpt__err_nomem("save plan");
+    }
     for (int i = 0; i < op->nobjs; i++) op->hf_model[i] = hf_decide(op, i);
-    if (c->size <= 1) return split_frozen(op);
+    int rc = plan_hf(op, hf_bytes);
+    if (rc < 0 || p <= 1) {
+        free(hf_bytes);
+        return rc < 0 ? rc : split_frozen(op);
+    }
     uint64_t total = 0, nb;
     int64_t rows;
     for (int i = 0; i < op->nobjs; i++) {
@@ -486,23 +595,32 @@ static int plan_spread(save_op *op) {
             if (plan_entry(op, i, j, &rows, &nb)) total += nb;
     }
     uint64_t pos = 0;
-    int p = c->size, me = c->rank;
-    uint64_t lo_b = share_start(me, p, total), hi_b = share_start(me + 1, p, total);
-    for (int i = 0; i < op->nobjs; i++) {
-        if (op->objs[i].kind == K_RNG || op->hf_model[i]) continue;
-        for (int64_t j = 0; j < ckpt_writer_entry_count(op->writers[i]); j++) {
-            if (!plan_entry(op, i, j, &rows, &nb)) continue;
-            uint64_t row_bytes = nb / (uint64_t)rows;
-            int64_t lo = 0, hi = 0;
-            if (nb < PLAN_CUT_MIN || rows < 2 || row_bytes * (uint64_t)rows != nb) {
-                uint64_t mid = pos + nb / 2;
-                if (mid >= lo_b && (mid < hi_b || me == p - 1)) hi = rows;
-            } else {
-                lo = me == 0 ? 0 : nearest_row(lo_b, pos, row_bytes, rows);
-                hi = me == p - 1 ? rows : nearest_row(hi_b, pos, row_bytes, rows);
+    /* this rank's share [lo_b, hi_b); where rank 0's share ends */
+    uint64_t lo_b = share_start(hf_bytes, me, p, total);
+    uint64_t hi_b = share_start(hf_bytes, me + 1, p, total);
+    uint64_t end0 = share_start(hf_bytes, 1, p, total);
+    free(hf_bytes);
+    for (int pass = 0; pass < 2; pass++) { /* the small tensors, then the others */
+        for (int i = 0; i < op->nobjs; i++) {
+            if (op->objs[i].kind == K_RNG || op->hf_model[i]) continue;
+            for (int64_t j = 0; j < ckpt_writer_entry_count(op->writers[i]); j++) {
+                if (!plan_entry(op, i, j, &rows, &nb) || (nb < PLAN_CUT_MIN) != (pass == 0))
+                    continue;
+                uint64_t row_bytes = nb / (uint64_t)rows;
+                int64_t lo = 0, hi = 0;
+                bool whole0; /* all of it falls to rank 0: left in the object's file */
+                if (nb < PLAN_CUT_MIN || rows < 2 || row_bytes * (uint64_t)rows != nb) {
+                    uint64_t mid = pos + nb / 2;
+                    whole0 = mid < end0;
+                    if (mid >= lo_b && (mid < hi_b || me == p - 1)) hi = rows;
+                } else {
+                    whole0 = nearest_row(end0, pos, row_bytes, rows) == rows;
+                    lo = me == 0 ? 0 : nearest_row(lo_b, pos, row_bytes, rows);
+                    hi = me == p - 1 ? rows : nearest_row(hi_b, pos, row_bytes, rows);
+                }
+                if (!whole0) CKPT_TRY(ckpt__writer_spread(op->writers[i], j, lo, hi));
+                pos += nb;
             }
-            CKPT_TRY(ckpt__writer_spread(op->writers[i], j, lo, hi));
-            pos += nb;
         }
     }
     return CKPT_OK;
@@ -532,62 +650,57 @@ static int write_text_file(save_op *op, const char *name, const char *text, save
 }
 
 /* A model as <stem>-0000k-of-0000N.safetensors files of at most
- * max_shard_size bytes (greedy, in state-dict order, as transformers
- * splits) and <stem>.safetensors.index.json, each recorded for the
- * manifest; the index last. */
+ * max_shard_size bytes (the plan's layout) and <stem>.safetensors.index.json:
+ * this rank writes the shards the plan gave it, rank 0 the index too (last),
+ * each recorded for the manifest. */
 static int write_hf(save_op *op, int i, const char *file) {
     const ckpt_writer *w = op->writers[i];
-    int64_t n = ckpt_writer_entry_count(w);
-    char stem[96];
-    snprintf(stem, sizeof stem, "%.*s", (int)(strlen(file) - 12), file); /* without .safetensors */
-    uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
-    const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
-    int rc = nb && keys ? CKPT_OK : ckpt__err_nomem("save shards");
-    for (int64_t j = 0; j < n && rc == 0; j++) {
-        ckpt_entry_info e;
-        rc = ckpt_writer_entry(w, j, &e);
-        nb[j] = e.nbytes;
-        keys[j] = e.key;
-    }
-    ckpt_hf_layout l;
-    memset(&l, 0, sizeof l);
-    if (rc == 0) rc = ckpt__hf_layout_make(keys, nb, n, op->acc->max_shard_size, stem, &l);
-    if (rc == 0 && !(op->hf[i] = ckpt__calloc((size_t)l.nshards + 2, sizeof *op->hf[i])))
-        rc = ckpt__err_nomem("save shards"); /* one spare slot: see op_free */
-    for (int64_t s = 0; s < l.nshards && rc == 0; s++) {
+    const ckpt_hf_layout *l = &op->hfl[i];
+    int rc = CKPT_OK;
+    if (!(op->hf[i] = ckpt__calloc((size_t)l->nshards + 2, sizeof *op->hf[i])))
+        return ckpt__err_nomem("save shards"); /* one spare slot: see op_free */
+    /* every rank records the slots it wrote; the others stay empty */
+    op->nhf[i] = (int)l->nshards + 1;
+    for (int64_t s = 0; s < l->nshards && rc == 0; s++) {
+        if (op->hf_owner[i][s] != op->comm->rank) continue;
         ckpt_writer *part = NULL;
         rc = ckpt_writer_new(&part);
-        for (int64_t j = l.starts[s]; j < l.starts[s + 1] && rc == 0; j++) {
+        for (int64_t j = l->starts[s]; j < l->starts[s + 1] && rc == 0; j++) {
             ckpt_entry_info e;
             rc = ckpt_writer_entry(w, j, &e);
             if (rc == 0)
                 rc = ckpt_write_tensor(part, e.key, e.dtype, e.ndim, e.shape,
                                        ckpt__writer_tensor_data(w, j));
         }
-        if (rc == 0) rc = write_file(op, part, l.names[s], ckpt__kind_name[K_MODEL], false, &op->hf[i][s]);
-        if (rc == 0) op->nhf[i] = (int)s + 1;
+        if (rc == 0)
+            rc = write_file(op, part, l->names[s], ckpt__kind_name[K_MODEL], false, &op->hf[i][s]);
         ckpt_writer_free(part);
     }
     char iname[160];
-    snprintf(iname, sizeof iname, "%s.safetensors.index.json", stem);
-    if (rc == 0) rc = write_text_file(op, iname, l.index, &op->hf[i][l.nshards]);
-    if (rc == 0) op->nhf[i] = (int)l.nshards + 1;
-    ckpt__hf_layout_free(&l);
-    free(keys);
-    free(nb);
+    snprintf(iname, sizeof iname, "%s.index.json", file);
+    if (rc == 0 && op->committer) rc = write_text_file(op, iname, l->index, &op->hf[i][l->nshards]);
     return rc;
 }
 
-/* Who writes what: rank 0 the replicated objects, every rank its random
- * state and, for an object that put sharded tensors, its own shard file. */
+/* Whether this rank writes a shard of object i, a model saved as Hugging
+ * Face shards. */
+static bool hf_writes(const save_op *op, int i) {
+    for (int64_t s = 0; op->hf_owner && op->hf_owner[i] && s < op->hfl[i].nshards; s++)
+        if (op->hf_owner[i][s] == op->comm->rank) return true;
+    return false;
+}
+
+/* Who writes what: rank 0 the objects' own files, every rank its random
+ * state, its Hugging Face shards of a model saved so (the plan's), and, for
+ * an object it holds chunks of (the plan's share of the replicated tensors,
+ * its own sharded tensors), its own shard file. */
 static int write_object(save_op *op, int i) {
     const ckpt_comm *c = op->comm;
     const ckpt_acc_obj *o = &op->objs[i];
     char name[96];
     ckpt__acc_file_name(op->acc, o, name, sizeof name);
     int rc = 0;
-    if (op->committer && hf_sharded(op, i))
-        rc = write_hf(op, i, name);
+    if (hf_sharded(op, i)) rc = write_hf(op, i, name);
     else if (o->kind == K_RNG || op->committer)
         rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false, &op->slots[2 * i]);
     if (rc == 0 && ckpt__writer_shard_file_needed(op->writers[i])) {
@@ -626,13 +739,13 @@ static bool writes_name(const save_op *op, const char *name) {
         char own[96], shard[160];
         ckpt__acc_file_name(op->acc, o, own, sizeof own);
         if ((o->kind == K_RNG || op->committer) && strcmp(name, own) == 0) return true;
-        if (op->committer && hf_sharded(op, i)) { /* its Hugging Face shards and index */
-            size_t stem = strlen(own) - strlen(".safetensors"), sl = 0;
+        if (hf_sharded(op, i)) { /* its Hugging Face shards (the plan's), rank 0 the index */
             char index[128];
             snprintf(index, sizeof index, "%s.index.json", own);
-            if (strcmp(name, index) == 0) return true;
-            if (ckpt__shard_file_parse(name, &sl, NULL, NULL) && sl == stem && !strncmp(name, own, stem))
-                return true;
+            if (op->committer && strcmp(name, index) == 0) return true;
+            for (int64_t s = 0; s < op->hfl[i].nshards; s++)
+                if (op->hf_owner[i][s] == op->comm->rank && strcmp(name, op->hfl[i].names[s]) == 0)
+                    return true;
         }
         if (ckpt__writer_shard_file_needed(op->writers[i]) &&
             ckpt__acc_shard_name(own, op->comm->rank, op->comm->size, shard, sizeof shard) == 0 &&
@@ -848,6 +961,10 @@ void ckpt__save_op_free(save_op *op) {
     free(op->hf);
     free(op->nhf);
     free(op->written);
+    for (int i = 0; op->hfl && i < op->nobjs; i++) ckpt__hf_layout_free(&op->hfl[i]);
+    free(op->hfl);
+    for (int i = 0; op->hf_owner && i < op->nobjs; i++) free(op->hf_owner[i]);
+    free(op->hf_owner);
     free(op->hf_model);
     free(op->writers);
     free(op->objs);
@@ -955,7 +1072,7 @@ int ckpt__save_agree_snapshot(save_op *op) {
 }
 
 bool ckpt__save_writes(const save_op *op, int i) {
-    return op->objs[i].kind == K_RNG || op->committer ||
+    return op->objs[i].kind == K_RNG || op->committer || hf_writes(op, i) ||
            ckpt__writer_shard_file_needed(op->writers[i]);
 }
 

@@ -255,6 +255,104 @@ nomem:
     return NULL;
 }
 
+/* ---- the manifest's layout ------------------------------------------------- */
+
+/* One JSON value, compact (no spaces), or a member's key. */
+static bool put_json(FILE *f, const json_t *v) {
+    return json_dumpf(v, f, JSON_COMPACT | JSON_ENCODE_ANY | JSON_PRESERVE_ORDER) == 0;
+}
+
+static bool put_key(FILE *f, const char *key) {
+    json_t *k = json_string(key);
+    bool ok = k && put_json(f, k) && fputs(": ", f) >= 0;
+    json_decref(k);
+    return ok;
+}
+
+/* A file's entry: its scalar members on the first line, then each member of
+ * "tensors" and "chunks" on a line of its own:
+ *
+ *     {"name": "optimizer-00002-of-00004.safetensors", "kind": "optimizer", ...,
+ *      "tensors": {
+ *       "state.0.exp_avg": "6ed3c2dc87f8400f"},
+ *      "chunks": {
+ *       "state.0.exp_avg": {"dtype":"F32","global_shape":[50257,768],...}}}
+ */
+static bool put_file(FILE *f, json_t *jf) {
+    const char *key;
+    json_t *v;
+    bool first = true, ok = fputs("    {", f) >= 0;
+    json_object_foreach(jf, key, v) {
+        if (!ok) break;
+        bool nested = json_is_object(v);
+        ok = fputs(first ? "" : nested ? ",\n     " : ", ", f) >= 0 && put_key(f, key);
+        first = false;
+        if (!ok || !nested) {
+            ok = ok && put_json(f, v);
+            continue;
+        }
+        const char *k2;
+        json_t *v2;
+        bool first2 = true;
+        ok = fputc('{', f) != EOF;
+        json_object_foreach(v, k2, v2) {
+            ok = ok && fputs(first2 ? "\n      " : ",\n      ", f) >= 0 && put_key(f, k2) &&
+                 put_json(f, v2);
+            first2 = false;
+        }
+        ok = ok && fputc('}', f) != EOF;
+    }
+    return ok && fputc('}', f) != EOF;
+}
+
+/* The manifest's text: one member of the top level a line, as indented
+ * JSON (the metrics one a line), and each file's entry as put_file lays it out; about 100 bytes a
+ * chunk record against 250 for JSON indented throughout (docs/FORMAT.md).
+ * The checksum member keeps its spelling ("manifest_xxh3": "..."). NULL when
+ * out of memory. */
+static char *layout_text(json_t *root) {
+    char *text = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&text, &len);
+    if (!f) return NULL;
+    const char *key;
+    json_t *v;
+    bool first = true, ok = fputc('{', f) != EOF;
+    json_object_foreach(root, key, v) {
+        ok = ok && fputs(first ? "\n  " : ",\n  ", f) >= 0 && put_key(f, key);
+        first = false;
+        if (ok && strcmp(key, "files") == 0 && json_is_array(v)) {
+            size_t i;
+            json_t *jf;
+            ok = fputc('[', f) != EOF;
+            json_array_foreach(v, i, jf) {
+                ok = ok && fputs(i ? ",\n" : "\n", f) >= 0 && put_file(f, jf);
+            }
+            ok = ok && fputs(json_array_size(v) ? "\n  ]" : "]", f) >= 0;
+        } else if (ok && json_is_object(v) && json_object_size(v) > 0) { /* "metrics" */
+            const char *k2;
+            json_t *v2;
+            bool first2 = true;
+            ok = fputc('{', f) != EOF;
+            json_object_foreach(v, k2, v2) {
+                ok = ok && fputs(first2 ? "\n    " : ",\n    ", f) >= 0 && put_key(f, k2) &&
+                     put_json(f, v2);
+                first2 = false;
+            }
+            ok = ok && fputs("\n  }", f) >= 0;
+        } else {
+            ok = ok && put_json(f, v);
+        }
+    }
+    ok = ok && fputs("\n}", f) >= 0;
+    if (fclose(f) != 0) ok = false;
+    if (!ok) {
+        free(text);
+        return NULL;
+    }
+    return text;
+}
+
 typedef struct text_ctx {
     const char *p;
     size_t n;
@@ -276,7 +374,7 @@ int ckpt__manifest_write(ckpt_manifest *m, const char *dir) {
         snprintf(m->library_version, sizeof m->library_version, "%s", CKPT_VERSION_STRING);
     json_t *root = build_json(m);
     if (!root) return ckpt__err_nomem("manifest JSON");
-    char *text = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    char *text = layout_text(root);
     json_decref(root);
     if (!text) return ckpt__err_nomem("manifest JSON text");
     size_t n = strlen(text);

@@ -2,7 +2,8 @@
 # Proof by counting that a job of P processes saves and loads its checkpoint
 # at about 1/P per rank: tests/progs/mpi/io_share.c counts the bytes each rank's
 # library reads and writes on files (every pread, mmap, write), for a data
-# parallel state, a ZeRO-1 one and a fully sharded custom object, under
+# parallel state, a ZeRO-1 one, a fully sharded custom object and a data
+# parallel state whose model is saved as Hugging Face shards, under
 # mpirun -np 1, 2, 3 and 4. For the save and for the load: the most one rank
 # moves is at most 1.25 x state/P + 1 MiB, the bytes read by all ranks at
 # most 1.25 x state; the load gives back the saved values bit for bit; a
@@ -16,7 +17,7 @@ mpi_setup
 PROG=$CKPT_BUILD_DIR/tests/io_share
 [ -x "$PROG" ] || fail "$PROG was not built"
 
-for layout in dp zero1 sharded; do
+for layout in dp zero1 sharded hf; do
     for p in 1 2 3 4; do
         mpirun --oversubscribe -np "$p" "$PROG" "$WORK" "$layout" >"$WORK/out" 2>"$WORK/err" || {
             cat "$WORK/out" "$WORK/err" >&2
@@ -33,6 +34,31 @@ for layout in dp zero1 sharded; do
     one=$(latest_checkpoint "$WORK/$layout-1") three=$(latest_checkpoint "$WORK/$layout-3")
     grep -q '"format_version": 2' "$three/checkpoint.json" || fail "$three: not format version 2"
     grep -q '"format_version": 1' "$one/checkpoint.json" || fail "$one: not format version 1"
+    # The plan lays the small tensors first, so those falling to rank 0 (here
+    # the optimizer's step counts, scalars) stay in their object's file: no
+    # chunk record for them. Every chunk record is one compact line.
+    if grep -q '"global_shape":\[\]' "$three/checkpoint.json"; then
+        fail "$three: a scalar has a chunk record"
+    fi
+    dims='\[[0-9,]+\]'
+    rec="^      \"[^\"]+\": \\{\"dtype\":\"F32\",\"global_shape\":$dims,"
+    rec+="\"offsets\":$dims,\"shape\":$dims\\}"
+    grep -qE "$rec" "$three/checkpoint.json" || fail "$three: no chunk record on a line of its own"
+    if [ "$layout" = hf ]; then
+        # The model's four Hugging Face shards, 2 MiB each, are spread over
+        # the 3 ranks by bytes (largest first to the rank with the fewest:
+        # 0, 1, 2, 0); rank 0 writes the index.
+        for s in 1:0 2:1 3:2 4:0; do
+            k=${s%:*} r=${s#*:} rk=
+            [ "$r" = 0 ] || rk=" \"rank\": $r,"
+            head="{\"name\": \"model-0000$k-of-00004.safetensors\", \"kind\": \"model\","
+            grep -qF "$head$rk \"size\"" "$three/checkpoint.json" ||
+                fail "$three: shard $k is not rank $r's"
+        done
+        grep -q '{"name": "model.safetensors.index.json", "kind": "model", "size"' \
+            "$three/checkpoint.json" || fail "$three: the index is not rank 0's"
+        run_rc 0 "$CKPT_BIN" inspect "$three"
+    fi
     run_rc 0 "$CKPT_BIN" verify "$WORK/$layout-3"
     # (the generators of ranks 1 and 2 are the only files one process lacks)
     run_rc 1 "$CKPT_BIN" diff "$one" "$three"

@@ -9,12 +9,14 @@
 #include <cmocka.h>
 
 #include <inttypes.h>
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ckpt.h"
 #include "base/error.h"
+#include "base/io.h"
 #include "format/manifest.h"
 #include "format/shard.h"
 #include "format/statedict.h"
@@ -404,6 +406,42 @@ static void test_manifest_chunks_round_trip(void **state) {
     assert_int_equal(f->chunks[0].shape[0], 3);
     assert_int_equal(f->chunks[0].global_shape[1], 6);
     ckpt__manifest_clear(&m);
+
+    /* The layout: a file's scalar members on one line, each tensor digest and
+     * each chunk record (compact) on a line of its own. */
+    char *mp = tu_pathf("%s/checkpoint.json", tu_dir());
+    size_t n = 0;
+    char *text = tu_read_file(mp, &n);
+    assert_non_null(text);
+    tu_assert_contains(text,
+                       "\n    {\"name\": \"optimizer-00002-of-00002.safetensors\", "
+                       "\"kind\": \"optimizer\", \"rank\": 1, \"size\": 0, "
+                       "\"xxh3\": \"0000000000000000\",\n     \"tensors\": {\n      "
+                       "\"state.0.exp_avg\": \"0000000000001234\"},\n     \"chunks\": {\n"
+                       "      \"state.0.exp_avg\": {\"dtype\":\"BF16\",\"global_shape\":[3,6],"
+                       "\"offsets\":[0,3],\"shape\":[3,3]}}}\n");
+    /* The same manifest indented throughout, as earlier versions wrote it,
+     * reads the same (its checksum recomputed over the new bytes). */
+    json_error_t je;
+    json_t *doc = json_loadb(text, n, 0, &je);
+    assert_non_null(doc);
+    char *old = json_dumps(doc, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    json_decref(doc);
+    assert_non_null(old);
+    size_t on = strlen(old);
+    char *sum = strstr(old, "\"manifest_xxh3\": \"") + strlen("\"manifest_xxh3\": \"");
+    memset(sum, '0', 16);
+    char hex[17];
+    snprintf(hex, sizeof hex, "%016" PRIx64, ckpt__xxh3(old, on));
+    memcpy(sum, hex, 16);
+    assert_int_equal(ckpt__manifest_parse(old, on, "indented", &m), CKPT_OK);
+    f = ckpt__manifest_find(&m, "optimizer-00002-of-00002.safetensors");
+    assert_non_null(f);
+    assert_int_equal(f->chunks[0].offsets[1], 3);
+    ckpt__manifest_clear(&m);
+    free(old);
+    free(text);
+    free(mp);
 
     /* 4000 columns of a [2, 4000] tensor, one chunk each, shuffled. */
     enum { N = 4000 };

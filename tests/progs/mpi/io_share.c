@@ -4,6 +4,8 @@
  *   dp       a model and AdamW, both replicated (data parallel)
  *   zero1    the model replicated, AdamW sharded (ckpt_optimizer_set_shard)
  *   sharded  one custom object whose tensor is split by rows over the ranks
+ *   hf       dp, with the model saved as Hugging Face shards (max_shard_size
+ *            2 MiB: four shards, spread over the ranks by the save plan)
  *
  * The state is 24 MiB of tensors in each layout. Every rank counts the bytes
  * the library reads and writes on files (ckpt__io_bytes: every pread, mmap,
@@ -113,21 +115,23 @@ static int report(const char *layout, const char *phase, counts mine, uint64_t s
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     if (argc != 3) {
-        fprintf(stderr, "usage: mpirun -np P io_share FOLDER dp|zero1|sharded\n");
+        fprintf(stderr, "usage: mpirun -np P io_share FOLDER dp|zero1|sharded|hf\n");
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
     const char *layout = argv[2];
     bool dp = !strcmp(layout, "dp"), zero1 = !strcmp(layout, "zero1");
-    bool sharded = !strcmp(layout, "sharded");
-    if (!dp && !zero1 && !sharded) die("unknown layout");
+    bool sharded = !strcmp(layout, "sharded"), hf = !strcmp(layout, "hf");
+    if (!dp && !zero1 && !sharded && !hf) die("unknown layout");
     ckpt_comm *comm = NULL;
     if (ckpt_comm_mpi(&comm, MPI_COMM_WORLD) < 0) die("comm");
     rank_ = comm->rank;
     size_ = comm->size;
     char project[4096];
     snprintf(project, sizeof project, "%s/%s-%d", argv[1], layout, size_);
-    ckpt_project_config cfg = {.project_dir = project, .automatic_checkpoint_naming = true,
-                               .comm = comm};
+    ckpt_project_config cfg = {.project_dir = project,
+                               .automatic_checkpoint_naming = true,
+                               .comm = comm,
+                               .max_shard_size = hf ? 2 * MIB : 0};
     ckpt_accelerator *acc = NULL;
     if (ckpt_accelerator_new(&acc, &cfg) < 0) die("accelerator");
 
