@@ -820,10 +820,13 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * the files, commits the checkpoint and applies total_limit, exactly as
  * ckpt_save_state would: same files, same atomicity (a failed or killed save
  * leaves nothing partial and the previous checkpoints intact).
- * Memory: the staging area costs the state's tensor bytes while a save is
- * pending; it is allocated by the first call, kept and reused by the next
- * ones, grown only when the state grows, and freed with the accelerator.
- * ckpt_accelerator_set_async_staging_limit bounds it.
+ * Memory: the staging area costs the state's tensor bytes (resident: every
+ * page is touched once and stays) from the first call, or from
+ * ckpt_accelerator_prepare_async, until the accelerator is freed; it is
+ * reused by every later save, grown only when the state grows.
+ * ckpt_accelerator_set_async_staging_limit bounds it. Without
+ * ckpt_accelerator_prepare_async the first call also allocates it and takes
+ * its page faults, and stalls several times longer than the later ones.
  * Errors: a failure of the call itself (bad arguments, lock held, a
  * state_dict failing, out of memory) is returned at once. A failure in the
  * background (ENOSPC, EIO, ...) is sent to the log callback at once (from the
@@ -847,6 +850,21 @@ CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir
  * returns the save's status (CKPT_OK when none is pending and no failure is
  * waiting to be reported). Collective with several processes. */
 CKPT_API int ckpt_save_wait(ckpt_accelerator *acc);
+/* Prepares the staging area of ckpt_save_state_async now, so that the first
+ * asynchronous save stalls no longer than any later one: runs every
+ * registered object's state_dict to learn the tensor bytes a save would
+ * stage (under the staging limit; nothing is copied or written), allocates
+ * the area and starts the background thread, which touches every page of it
+ * (MADV_POPULATE_WRITE) while the caller goes on; the next save, load, wait
+ * or free waits for that first (ckpt_save_wait waits for it too).
+ * Memory cost: the state's tensor bytes (for a GPT-2-small model with AdamW,
+ * 1.49 GB), resident from this call until ckpt_accelerator_free, the same
+ * area the first asynchronous save would otherwise allocate. With several
+ * processes it is sized for every tensor of the registered objects, more
+ * than the part a rank's save plan gives it. Call it after the objects are
+ * prepared (again after registering more: it only grows the area).
+ * Errors: a state_dict failing (named), out of memory. */
+CKPT_API int ckpt_accelerator_prepare_async(ckpt_accelerator *acc);
 /* Bounds the staging area of asynchronous saves to bytes (0, the default:
  * no bound). The call then stages whole files in save order while they fit
  * and writes every other file itself, in the caller's thread, before it

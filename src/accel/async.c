@@ -19,6 +19,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "accel/accel.h"
 #include "base/error.h"
@@ -35,6 +37,8 @@ typedef struct ckpt_async {
     ckpt_save_op *job;   /* under mu: handed to the thread, NULL once it is done */
     bool job_finish;     /* under mu: the thread also finishes it (one process) */
     char bg_msg[MSG_CAP]; /* the thread's message of a failed job (read after it is done) */
+    uint8_t *prefault;   /* under mu: pages the thread touches once, NULL when done */
+    uint64_t prefault_len;
     /* The caller's side, never touched by the thread. */
     ckpt_save_op *pending;
     int64_t iteration_before;
@@ -57,11 +61,34 @@ static void run_job(ckpt_async *as, ckpt_save_op *op, bool finish) {
     }
 }
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
+
+/* Every page of [p, p + n) backed by memory, so that the first copy into it
+ * takes no page faults. The kernel does it in one call where it can; else
+ * one write per page (the contents do not matter: nobody uses them yet). */
+static void touch_pages(uint8_t *p, uint64_t n) {
+    if (n == 0 || madvise(p, (size_t)n, MADV_POPULATE_WRITE) == 0) return;
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE);
+    for (uint64_t off = 0; off < n; off += page) ((volatile uint8_t *)p)[off] = 0;
+}
+
 static void *worker(void *arg) {
     ckpt_async *as = arg;
     pthread_mutex_lock(&as->mu);
     for (;;) {
-        while (!as->job && !as->quit) pthread_cond_wait(&as->cv, &as->mu);
+        while (!as->job && !as->quit && !as->prefault) pthread_cond_wait(&as->cv, &as->mu);
+        if (as->prefault) {
+            uint8_t *p = as->prefault;
+            uint64_t n = as->prefault_len;
+            pthread_mutex_unlock(&as->mu);
+            touch_pages(p, n);
+            pthread_mutex_lock(&as->mu);
+            as->prefault = NULL;
+            pthread_cond_broadcast(&as->cv);
+            continue;
+        }
         if (!as->job) break;
         ckpt_save_op *op = as->job;
         bool finish = as->job_finish;
@@ -102,9 +129,18 @@ static int start_thread(ckpt_async *as) {
     return CKPT_OK;
 }
 
+/* Waits for the thread to finish touching the staging area's pages. */
+static void wait_prefault(ckpt_async *as) {
+    pthread_mutex_lock(&as->mu);
+    while (as->prefault) pthread_cond_wait(&as->cv, &as->mu);
+    pthread_mutex_unlock(&as->mu);
+}
+
 int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
     ckpt_async *as = acc->async;
     if (!as) return CKPT_OK;
+    /* Nothing uses the buffer area while the thread is touching it. */
+    wait_prefault(as);
     if (as->pending) {
         ckpt_save_op *op = as->pending;
         as->pending = NULL;
@@ -138,6 +174,15 @@ int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
     return CKPT_OK;
 }
 
+/* Whether a file of b staging bytes still fits under limit (0: none) with
+ * *total staged before it; if so it is counted. Whole files, in object
+ * order: the rule of stage() and of ckpt_accelerator_prepare_async. */
+static bool fits(uint64_t limit, uint64_t *total, uint64_t b) {
+    if (limit && (b > limit || *total > limit - b)) return false;
+    *total += b;
+    return true;
+}
+
 /* Copies what fits under the limit (whole files, in object order) into the
  * staging area; every other file this rank writes is written now. */
 static int stage(ckpt_accelerator *acc, ckpt_save_op *op) {
@@ -145,13 +190,9 @@ static int stage(ckpt_accelerator *acc, ckpt_save_op *op) {
     uint64_t limit = acc->async_staging_limit, total = 0;
     bool *staged = ckpt__calloc((size_t)(n ? n : 1), sizeof *staged);
     if (!staged) return ckpt__err_nomem("staging plan");
-    for (int i = 0; i < n; i++) {
-        if (!ckpt__save_writes(op, i)) continue;
-        uint64_t b = ckpt__writer_stage_bytes(ckpt__save_writer(op, i));
-        if (limit && (b > limit || total > limit - b)) continue;
-        staged[i] = true;
-        total += b;
-    }
+    for (int i = 0; i < n; i++)
+        if (ckpt__save_writes(op, i))
+            staged[i] = fits(limit, &total, ckpt__writer_stage_bytes(ckpt__save_writer(op, i)));
     /* Reused from save to save (and shared with loads, which wait first). */
     int rc = ckpt__arena_reserve(&acc->arena, total);
     uint64_t off = 0;
@@ -201,6 +242,51 @@ int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir) {
         pthread_mutex_unlock(&as->mu);
         acc->nmetrics = 0; /* the pending save carries them */
     }
+    return CKPT_OK;
+}
+
+int ckpt_accelerator_prepare_async(ckpt_accelerator *acc) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "prepare_async: acc is NULL");
+    /* The area is not resized under a pending save (or a touch in progress). */
+    ckpt__async_settle(acc, false);
+    ckpt_async *as = async_get(acc);
+    if (!as) return ckpt__err_nomem("prepare_async");
+    /* The sizes as a save would stage them: every object's state_dict into
+     * a writer that only borrows the tensors (nothing is copied). */
+    int n = 0;
+    ckpt_acc_obj *objs = ckpt__acc_plan_objects(acc, &n);
+    if (!objs) return ckpt__err_nomem("prepare_async");
+    uint64_t total = 0;
+    int rc = CKPT_OK;
+    for (int i = 0; i < n && rc == 0; i++) {
+        ckpt_writer *w = NULL;
+        rc = ckpt_writer_new(&w);
+        if (rc < 0) break;
+        ckpt_clear_error();
+        int src = objs[i].ops->state_dict(objs[i].self, w);
+        if (src != 0) {
+            bool own = ckpt_errmsg()[0] != '\0';
+            char name[96];
+            ckpt__acc_file_name(acc, &objs[i], name, sizeof name);
+            rc = ckpt__callback_failed(src, "state_dict");
+            rc = ckpt__err_prefix(rc, own ? "prepare_async: %s: state_dict" : "prepare_async: %s",
+                                  name);
+        } else {
+            fits(acc->async_staging_limit, &total, ckpt__writer_stage_bytes(w));
+        }
+        ckpt_writer_free(w);
+    }
+    free(objs);
+    if (rc == 0 && total > acc->arena.cap) rc = ckpt__arena_reserve(&acc->arena, total);
+    if (rc == 0 && total > 0) rc = start_thread(as);
+    if (rc < 0 || total == 0) return rc;
+    /* The pages are touched in the background; the next save, load, wait
+     * or free waits for that first. */
+    pthread_mutex_lock(&as->mu);
+    as->prefault = acc->arena.p;
+    as->prefault_len = acc->arena.cap;
+    pthread_cond_broadcast(&as->cv);
+    pthread_mutex_unlock(&as->mu);
     return CKPT_OK;
 }
 
