@@ -36,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -233,6 +234,12 @@ static void step(ckpt_optimizer *opt, long rounds) {
     if (ckpt_optimizer_step(opt)) die("optimizer step");
 }
 
+/* Page faults of the calling thread so far (memory touched the first time). */
+static long minor_faults(void) {
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_minflt : 0;
+}
+
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -317,13 +324,26 @@ int main(int argc, char **argv) {
     ckpt_accelerator *acc;
     if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
     if (ckpt_prepare_model(acc, model) || ckpt_prepare_optimizer(acc, opt)) die("prepare");
+    unsigned background = (unsigned)env_num("BENCH_BACKGROUND", CKPT_ASYNC_IDLE);
+    if (ckpt_accelerator_set_async_background(acc, background)) die("set_async_background");
+    bool only_loop = env_num("BENCH_ONLY_LOOP", 0) != 0;
     ckpt_accelerator_set_step(acc, 1);
     uint64_t state_bytes = (uint64_t)numel * 4 * 3;
 
+    uint8_t *copy = NULL, *rbuf = NULL;
+    files fl;
+    memset(&fl, 0, sizeof fl);
+    double t_stall[MAXSAVES], t_memcpy[MAXSAVES], t_prep = -1, t_loop[4][MAXREPS];
+    long faults[MAXSAVES];
+    double t_torch = 0, t_tload = 1e30;
+    bool cold = false, ab = false, torch_ok = false;
+    int loop_reps = 1, nsaves = 0;
+    double gb = 0, sgb = (double)state_bytes / 1e9;
+    if (only_loop) goto loop; /* BENCH_ONLY_LOOP: the loop's paired runs alone */
+
     /* ---- stall: the async call vs memcpy of the state's bytes ---- */
-    uint8_t *copy = xmalloc((size_t)state_bytes);
+    copy = xmalloc((size_t)state_bytes);
     memset(copy, 1, (size_t)state_bytes);
-    double t_stall[MAXSAVES], t_memcpy[MAXSAVES], t_prep = -1;
     double t0;
     if (prepare) {
         /* The staging area sized, allocated and touched in the background
@@ -335,9 +355,11 @@ int main(int argc, char **argv) {
     }
     for (int r = 0; r < nsaves_stall; r++) {
         if (r > 0 && ckpt_optimizer_step(opt)) die("step"); /* the state moves on */
+        long f0 = minor_faults();
         t0 = now();
         if (ckpt_save_state_async(acc, NULL)) die("save_state_async");
         t_stall[r] = now() - t0;
+        faults[r] = minor_faults() - f0;
         if (ckpt_save_wait(acc)) die("save_wait");
         t0 = now();
         /* as many bytes from as many arrays: parameters, then the gradients
@@ -350,9 +372,10 @@ int main(int argc, char **argv) {
             }
         t_memcpy[r] = now() - t0;
     }
+    if (env_num("BENCH_ONLY_STALL", 0) != 0) goto report_stall;
     char ckdir[4096];
     snprintf(ckdir, sizeof ckdir, "%s", ckpt_accelerator_last_dir(acc));
-    files fl = list_files(ckdir);
+    fl = list_files(ckdir);
 
     /* ---- durable: ckpt_save_state vs write + fsync of the same bytes ---- */
     double t_save[MAXREPS], t_raww[MAXREPS];
@@ -374,7 +397,7 @@ int main(int argc, char **argv) {
     fl = list_files(ckdir);
 
     /* ---- load: warm, then cold ---- */
-    uint8_t *rbuf = xmalloc((size_t)fl.total);
+    rbuf = xmalloc((size_t)fl.total);
     memset(rbuf, 2, (size_t)fl.total);
     uint64_t fp = fingerprint();
     double t_load[MAXREPS], t_raw[MAXREPS];
@@ -394,7 +417,7 @@ int main(int argc, char **argv) {
         }
     }
     double t_cload[MAXREPS], t_craw[MAXREPS];
-    bool cold = true;
+    cold = true;
     for (int r = 0; r < reps && cold; r++) {
         if (!(cold = drop_caches())) break;
         t0 = now();
@@ -407,6 +430,9 @@ int main(int argc, char **argv) {
     }
 
     /* ---- the loop: no saves, async saves, sync saves ---- */
+loop:
+    if (only_loop && prepare && (ckpt_accelerator_prepare_async(acc) || ckpt_save_wait(acc)))
+        die("prepare_async");
     long rounds = 1;
     {
         /* calibrate the kernel to step_s minus the AdamW update */
@@ -420,31 +446,43 @@ int main(int argc, char **argv) {
         rounds = want > 0 ? (long)(want / per) : 1;
         if (rounds < 1) rounds = 1;
     }
-    double t_loop[3];
-    int nsaves = 0;
-    for (int mode = 0; mode < 3; mode++) { /* 0: no saves, 1: async, 2: sync */
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'/checkpoints/checkpoint_*", proj);
-        shell(cmd);
-        shell("sync");
-        nsaves = 0;
-        t0 = now();
-        for (int s = 1; s <= nsteps; s++) {
-            step(opt, rounds);
-            ckpt_accelerator_set_step(acc, s);
-            if (mode && s % save_every == 0) {
-                int rc = mode == 1 ? ckpt_save_state_async(acc, NULL) : ckpt_save_state(acc, NULL);
-                if (rc) die("save in the loop");
-                nsaves++;
+    /* Paired runs: each rep runs every mode once, in turn, and each mode's
+     * ratio is taken against the no-save loop of the same rep. Modes: 0 no
+     * saves, 1 async (the background classes of BENCH_BACKGROUND), 2 sync,
+     * 3 async with the writer at normal priority (BENCH_LOOP_AB=1 only). */
+    loop_reps = (int)env_num("BENCH_LOOP_REPS", only_loop ? 5 : 1);
+    if (loop_reps < 1) loop_reps = 1;
+    if (loop_reps > MAXREPS) loop_reps = MAXREPS;
+    ab = env_num("BENCH_LOOP_AB", 0) != 0;
+    for (int r = 0; r < loop_reps; r++)
+        for (int mode = 0; mode < 4; mode++) {
+            if ((mode == 2 && only_loop) || (mode == 3 && !ab)) continue;
+            if (ckpt_accelerator_set_async_background(acc, mode == 3 ? 0 : background))
+                die("set_async_background");
+            snprintf(cmd, sizeof cmd, "rm -rf '%s'/checkpoints/checkpoint_*", proj);
+            shell(cmd);
+            shell("sync");
+            nsaves = 0;
+            t0 = now();
+            for (int s = 1; s <= nsteps; s++) {
+                step(opt, rounds);
+                ckpt_accelerator_set_step(acc, s);
+                /* Not after the last step: every save has steps to hide behind. */
+                if (mode && s % save_every == 0 && s < nsteps) {
+                    int rc = mode == 2 ? ckpt_save_state(acc, NULL) : ckpt_save_state_async(acc, NULL);
+                    if (rc) die("save in the loop");
+                    nsaves++;
+                }
             }
+            if (ckpt_save_wait(acc)) die("save_wait");
+            t_loop[mode][r] = now() - t0;
         }
-        if (ckpt_save_wait(acc)) die("save_wait");
-        t_loop[mode] = now() - t0;
-    }
+    if (ckpt_accelerator_set_async_background(acc, background)) die("set_async_background");
+
+    if (only_loop) goto report_loop;
 
     /* ---- torch.load ---- */
-    double t_torch = 0;
-    bool torch_ok = run_torch(script, dir, &t_torch);
-    double t_tload = 1e30;
+    torch_ok = run_torch(script, dir, &t_torch);
     for (int r = 0; r < reps; r++) {
         t0 = now();
         if (ckpt_load_state(acc, NULL)) die("load_state");
@@ -452,14 +490,12 @@ int main(int argc, char **argv) {
         t_tload = t < t_tload ? t : t_tload;
     }
 
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", proj);
-    shell(cmd);
-
     /* ---- report ---- */
-    double gb = (double)fl.total / 1e9, sgb = (double)state_bytes / 1e9;
+    gb = (double)fl.total / 1e9;
     printf("bench_async: GPT-2 small + AdamW, %.3f GB of state, checkpoint %.3f GB in %d files; "
            "%d reps\n",
            sgb, gb, fl.n, reps);
+report_stall:
     {
         double first = t_stall[0], second = t_stall[1], worst = t_stall[0];
         for (int r = 1; r < nsaves_stall; r++) worst = t_stall[r] > worst ? t_stall[r] : worst;
@@ -473,11 +509,14 @@ int main(int argc, char **argv) {
         printf("         save_state_async call, %d saves: first %.3f s, second %.3f s, "
                "worst %.3f s, median %.3f s, best %.3f s\n",
                nsaves_stall, first, second, worst, ms_, bs);
+        printf("         page faults in the call: first %ld, second %ld, last %ld\n", faults[0],
+               faults[1], faults[nsaves_stall - 1]);
         printf("         memcpy of the state     %7.3f s median  %6.2f GB/s\n", mm, sgb / mm);
         printf("    stall / memcpy: first %.2fx, second %.2fx, worst %.2fx, median %.2fx  "
                "(target: worst <= 1.5)  %s\n",
                first / mm, second / mm, worst / mm, ms_ / mm, worst / mm <= 1.5 ? "met" : "NOT met");
     }
+    if (env_num("BENCH_ONLY_STALL", 0) != 0) goto done;
     double ms = median(t_save, reps), mr = median(t_raww, reps);
     double bsv = best(t_save, reps), brw = best(t_raww, reps);
     printf("  durable ckpt_save_state        %7.3f s best, %7.3f s median\n", bsv, ms);
@@ -503,14 +542,38 @@ int main(int argc, char **argv) {
                t_torch / t_tload, t_torch / t_tload >= 3 ? "met" : "NOT met", t_tload, t_torch);
     else
         printf("    verified load / torch.load          skipped (no /usr/bin/python3 with torch)\n");
-    printf("  loop   %d steps of ~%.2f s (cache-resident kernel + AdamW over 124M params), a save "
-           "every %d (%d saves)\n",
-           nsteps, t_loop[0] / nsteps, save_every, nsaves);
-    printf("         no saves %.2f s, async %.2f s, sync %.2f s\n", t_loop[0], t_loop[1], t_loop[2]);
-    printf("    throughput async / no saves         %5.3fx  (target >= 0.97) %s  (sync: %.3fx)\n",
-           t_loop[0] / t_loop[1], t_loop[0] / t_loop[1] >= 0.97 ? "met" : "NOT met",
-           t_loop[0] / t_loop[2]);
+report_loop:
+    {
+        double ra[MAXREPS], rs[MAXREPS], rn[MAXREPS];
+        for (int r = 0; r < loop_reps; r++) {
+            ra[r] = t_loop[0][r] / t_loop[1][r];
+            rs[r] = only_loop ? 0 : t_loop[0][r] / t_loop[2][r];
+            rn[r] = ab ? t_loop[0][r] / t_loop[3][r] : 0;
+        }
+        printf("  loop   %d steps of ~%.2f s (cache-resident kernel + AdamW over 124M params), a "
+               "save every %d (%d saves, none at the last step), %d paired runs, writer classes "
+               "0x%x\n",
+               nsteps, t_loop[0][0] / nsteps, save_every, nsaves, loop_reps, background);
+        for (int r = 0; r < loop_reps; r++) {
+            printf("         run %d: no saves %.2f s, async %.2f s (%.3fx)", r + 1, t_loop[0][r],
+                   t_loop[1][r], ra[r]);
+            if (!only_loop) printf(", sync %.2f s (%.3fx)", t_loop[2][r], rs[r]);
+            if (ab) printf(", async normal priority %.2f s (%.3fx)", t_loop[3][r], rn[r]);
+            printf("\n");
+        }
+        double ma = median(ra, loop_reps);
+        printf("    throughput async / no saves, median %5.3fx  (target >= 0.97) %s\n", ma,
+               ma >= 0.97 ? "met" : "NOT met");
+        if (!only_loop)
+            printf("    throughput sync / no saves, median  %5.3fx\n", median(rs, loop_reps));
+        if (ab)
+            printf("    throughput async, writer at normal priority / no saves, median %5.3fx\n",
+                   median(rn, loop_reps));
+    }
 
+done:
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", proj);
+    shell(cmd);
     ckpt_accelerator_free(acc);
     ckpt_optimizer_free(opt);
     ckpt_model_free(model);

@@ -554,6 +554,30 @@ static void test_prepare_async_names_a_failing_state_dict(void **st) {
     tu_tmpdir_free(t);
 }
 
+/* The writer's classes: unknown bits refused; saves at either setting are
+ * the same checkpoints, and a wait on an idle-class job returns. */
+static void test_async_background_classes(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("async");
+    run r;
+    run_open(&r, t, NULL);
+    assert_int_equal(ckpt_accelerator_set_async_background(r.acc, 0x10), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "unknown bits 0x10"));
+    assert_int_equal(ckpt_accelerator_set_async_background(NULL, 0), CKPT_EINVAL);
+    const unsigned modes[] = {CKPT_ASYNC_IDLE, 0, CKPT_ASYNC_CPU_IDLE, CKPT_ASYNC_IO_IDLE};
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(ckpt_accelerator_set_async_background(r.acc, modes[i]), 0);
+        run_set(&r, i + 1);
+        assert_int_equal(ckpt_save_state_async(r.acc, NULL), 0);
+        run_set(&r, 100);
+        assert_int_equal(ckpt_save_wait(r.acc), 0);
+        assert_int_equal(load_fresh(t, NULL), i + 1);
+    }
+    assert_int_equal(r.log.errors, 0);
+    run_close(&r);
+    tu_tmpdir_free(t);
+}
+
 /* ---- hooks ------------------------------------------------------------------ */
 
 typedef struct hook_log {
@@ -774,6 +798,7 @@ int main(void) {
         cmocka_unit_test(test_past_the_staging_limit_files_are_written_at_the_call),
         cmocka_unit_test(test_a_prepared_first_save_takes_no_page_faults_for_staging),
         cmocka_unit_test(test_prepare_async_names_a_failing_state_dict),
+        cmocka_unit_test(test_async_background_classes),
         cmocka_unit_test(test_hooks_run_at_the_call_and_at_the_wait),
         cmocka_unit_test(test_load_through_the_hashed_read),
         cmocka_unit_test(test_several_processes_commit_in_the_callers_thread),
