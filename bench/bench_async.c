@@ -335,7 +335,10 @@ int main(int argc, char **argv) {
     memset(&fl, 0, sizeof fl);
     double t_stall[MAXSAVES], t_memcpy[MAXSAVES], t_prep = -1, t_loop[4][MAXREPS];
     long faults[MAXSAVES];
-    double t_torch = 0, t_tload = 1e30;
+    double t_torch = 0, t_tload = 1e30, t_tload1 = 1e30, t_fresh1[2], t_fresh2[2];
+    ckpt_load_options one;
+    memset(&one, 0, sizeof one);
+    one.one_pass = true;
     bool cold = false, ab = false, torch_ok = false;
     int loop_reps = 1, nsaves = 0;
     double gb = 0, sgb = (double)state_bytes / 1e9;
@@ -400,8 +403,32 @@ int main(int argc, char **argv) {
     rbuf = xmalloc((size_t)fl.total);
     memset(rbuf, 2, (size_t)fl.total);
     uint64_t fp = fingerprint();
-    double t_load[MAXREPS], t_raw[MAXREPS];
+    double t_load[MAXREPS], t_raw[MAXREPS], t_load1[MAXREPS];
     raw_read(ckdir, &fl, rbuf); /* warm */
+    /* The first load of a process, on accelerators of their own with no
+     * buffer area yet (a resumed run): the two passes need one, and its
+     * pages are touched for the first time; the one-pass load needs none. */
+    for (int k = 0; k < 2; k++) {
+        ckpt_project_config c2;
+        memset(&c2, 0, sizeof c2);
+        ckpt_accelerator *a2;
+        if (ckpt_accelerator_new(&a2, &c2)) die("accelerator_new");
+        if (ckpt_prepare_model(a2, model) || ckpt_prepare_optimizer(a2, opt)) die("prepare");
+        P[0].data[0] += 1.0f;
+        t0 = now();
+        int rc = k == 0 ? ckpt_load_state(a2, ckdir) : ckpt_load_state_ex(a2, ckdir, &one, NULL);
+        if (rc) die("load_state (fresh accelerator)");
+        (k == 0 ? t_fresh2 : t_fresh1)[0] = now() - t0;
+        t0 = now();
+        rc = k == 0 ? ckpt_load_state(a2, ckdir) : ckpt_load_state_ex(a2, ckdir, &one, NULL);
+        if (rc) die("load_state (fresh accelerator)");
+        (k == 0 ? t_fresh2 : t_fresh1)[1] = now() - t0;
+        ckpt_accelerator_free(a2);
+    }
+    if (fingerprint() != fp) {
+        fprintf(stderr, "bench_async: the load did not restore the parameters\n");
+        return 1;
+    }
     if (ckpt_load_state(acc, NULL)) die("load_state"); /* and the load's buffers */
     for (int r = 0; r < reps; r++) {
         t0 = now();
@@ -415,8 +442,16 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_async: the load did not restore the parameters\n");
             return 1;
         }
+        P[0].data[0] += 1.0f;
+        t0 = now();
+        if (ckpt_load_state_ex(acc, NULL, &one, NULL)) die("load_state one_pass");
+        t_load1[r] = now() - t0;
+        if (fingerprint() != fp) {
+            fprintf(stderr, "bench_async: the one-pass load did not restore the parameters\n");
+            return 1;
+        }
     }
-    double t_cload[MAXREPS], t_craw[MAXREPS];
+    double t_cload[MAXREPS], t_craw[MAXREPS], t_cload1[MAXREPS];
     cold = true;
     for (int r = 0; r < reps && cold; r++) {
         if (!(cold = drop_caches())) break;
@@ -427,6 +462,10 @@ int main(int argc, char **argv) {
         t0 = now();
         if (ckpt_load_state(acc, NULL)) die("load_state");
         t_cload[r] = now() - t0;
+        if (!(cold = drop_caches())) break;
+        t0 = now();
+        if (ckpt_load_state_ex(acc, NULL, &one, NULL)) die("load_state one_pass");
+        t_cload1[r] = now() - t0;
     }
 
     /* ---- the loop: no saves, async saves, sync saves ---- */
@@ -435,10 +474,15 @@ loop:
         die("prepare_async");
     long rounds = 1;
     {
-        /* calibrate the kernel to step_s minus the AdamW update */
-        double a0 = now();
-        if (ckpt_optimizer_step(opt)) die("step");
-        double t_adam = now() - a0;
+        /* calibrate the kernel to step_s minus the AdamW update (the
+         * fastest of three: a busy moment must not leave no kernel at all) */
+        double a0, t_adam = 1e30;
+        for (int k = 0; k < 3; k++) {
+            a0 = now();
+            if (ckpt_optimizer_step(opt)) die("step");
+            double t = now() - a0;
+            t_adam = t < t_adam ? t : t_adam;
+        }
         a0 = now();
         sink = compute(200);
         double per = (now() - a0) / 200;
@@ -488,6 +532,10 @@ loop:
         if (ckpt_load_state(acc, NULL)) die("load_state");
         double t = now() - t0;
         t_tload = t < t_tload ? t : t_tload;
+        t0 = now();
+        if (ckpt_load_state_ex(acc, NULL, &one, NULL)) die("load_state one_pass");
+        t = now() - t0;
+        t_tload1 = t < t_tload1 ? t : t_tload1;
     }
 
     /* ---- report ---- */
@@ -523,23 +571,32 @@ report_stall:
     printf("          write+fsync, same bytes %7.3f s best, %7.3f s median\n", brw, mr);
     printf("    save / raw write+fsync (median)     %5.2fx  (target >= 0.95) %s   (best: %.2fx)\n",
            mr / ms, mr / ms >= 0.95 ? "met" : "NOT met", brw / bsv);
-    double bl = best(t_load, reps), br = best(t_raw, reps);
-    printf("  load   ckpt_load_state, warm   %7.3f s best  %6.2f GB/s\n", bl, gb / bl);
-    printf("         pread into buffers      %7.3f s best  %6.2f GB/s\n", br, gb / br);
-    printf("    verified load / raw pread, warm     %5.2fx  (target >= 0.5)  %s\n", br / bl,
-           br / bl >= 0.5 ? "met" : "NOT met");
+    printf("  load   first load of a process (fresh accelerator): two passes %.3f s (then %.3f s), "
+           "one pass %.3f s (then %.3f s)\n",
+           t_fresh2[0], t_fresh2[1], t_fresh1[0], t_fresh1[1]);
+    double bl = median(t_load, reps), bl1 = median(t_load1, reps), br = median(t_raw, reps);
+    printf("  load   ckpt_load_state, warm   %7.3f s median  %6.2f GB/s\n", bl, gb / bl);
+    printf("         one_pass, warm          %7.3f s median  %6.2f GB/s\n", bl1, gb / bl1);
+    printf("         pread into buffers      %7.3f s median  %6.2f GB/s\n", br, gb / br);
+    printf("    verified load / raw pread, warm     %5.2fx two passes, %5.2fx one pass  (target >= "
+           "0.9)  %s\n",
+           br / bl, br / bl1, br / bl1 >= 0.9 ? "met (one pass)" : "NOT met");
     if (cold) {
-        double cl = median(t_cload, reps), cr = median(t_craw, reps);
+        double cl = median(t_cload, reps), cl1 = median(t_cload1, reps), cr = median(t_craw, reps);
         printf("  load   ckpt_load_state, cold   %7.3f s median  %6.2f GB/s\n", cl, gb / cl);
+        printf("         one_pass, cold          %7.3f s median  %6.2f GB/s\n", cl1, gb / cl1);
         printf("         pread, cold             %7.3f s median  %6.2f GB/s\n", cr, gb / cr);
-        printf("    verified load / raw pread, cold     %5.2fx  (target >= 0.9)  %s\n", cr / cl,
-               cr / cl >= 0.9 ? "met" : "NOT met");
+        printf("    verified load / raw pread, cold     %5.2fx two passes, %5.2fx one pass  (target "
+               ">= 0.9)  %s\n",
+               cr / cl, cr / cl1, cr / cl1 >= 0.9 ? "met (one pass)" : "NOT met");
     } else {
         printf("    verified load, cold                 skipped (dropping the page cache needs root)\n");
     }
     if (torch_ok)
-        printf("    verified load / torch.load, warm    %5.2fx  (target >= 3)    %s  (%.3f s vs %.3f s)\n",
-               t_torch / t_tload, t_torch / t_tload >= 3 ? "met" : "NOT met", t_tload, t_torch);
+        printf("    verified load / torch.load, warm    %5.2fx two passes, %5.2fx one pass  (target "
+               ">= 3)  %s  (%.3f s, %.3f s vs %.3f s)\n",
+               t_torch / t_tload, t_torch / t_tload1,
+               t_torch / t_tload1 >= 3 ? "met (one pass)" : "NOT met", t_tload, t_tload1, t_torch);
     else
         printf("    verified load / torch.load          skipped (no /usr/bin/python3 with torch)\n");
 report_loop:

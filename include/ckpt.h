@@ -983,6 +983,21 @@ typedef struct ckpt_load_options {
     int num_prefix_map;
     ckpt_key_rename_fn rename;
     void *rename_user;
+    /* Verify and copy in one pass (docs/CHECKPOINTS.md, "One-pass load"):
+     * each file is read straight into the objects' buffers, its checksum
+     * computed on the bytes as they land there, instead of read and
+     * verified whole into the accelerator's buffer area first and copied
+     * after. Faster (one copy, no buffer area) and no memory beyond the
+     * objects', but not transactional: a checksum mismatch is found while
+     * or after the objects are loaded, so the load fails (CKPT_ECORRUPT
+     * naming the file, and the tensor when it can), the objects hold a
+     * mix of old and new values, and saves refuse as after any failed
+     * load until a load succeeds; there is no fallback to an older
+     * checkpoint. Schemas and check_state_dict still run before anything
+     * changes. Applies with one process, without the adapting options
+     * above, to checkpoints of plain files; elsewhere the load makes its
+     * two passes as without it. */
+    bool one_pass;
 } ckpt_load_options;
 
 /* One key the report names. */
