@@ -898,7 +898,9 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * Each file is read once (pread, hashed piece by piece as it is read) into a
  * buffer area the accelerator keeps and reuses for the next load and for
  * asynchronous saves: it costs the size of the files this process reads
- * until ckpt_accelerator_free.
+ * until ckpt_accelerator_free. (ckpt_load_state_ex with one_pass reads
+ * straight into the objects instead: one copy, no buffer area, not
+ * transactional; see ckpt_load_options.one_pass.)
  * With a comm of several processes it is collective: every rank loads the
  * same checkpoint (a candidate any rank finds corrupt is skipped by all), and
  * nothing is applied on any rank unless every rank's checks pass; every rank
