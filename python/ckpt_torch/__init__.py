@@ -644,12 +644,17 @@ def _adapt_model(module, flat, name, obj, strict, pairs, rename, report):
     return {k: v for k, v in named.items() if k in mine}
 
 
-def _merge_optimizer(opt, kind, nested, name, names=None):
+def _merge_optimizer(opt, kind, nested, name, names=None, by_position=False):
     """The optimizer's own state_dict() with the file's values: every
     param_groups field this torch version has is kept, the file's
     hyper-parameters and state replace the rest. When the file names its
     parameters and names (id(param) -> name) covers the optimizer's, each
-    parameter gets the state of its own name, wherever the file has it."""
+    parameter gets the state of its own name, wherever the file has it.
+    Otherwise which state belongs to which parameter is not known, and two
+    same-shaped parameters registered in another order would silently get
+    each other's moments: refused unless by_position (then state index i
+    goes to the optimizer's i-th parameter, as PyTorch does, with a
+    warning), as ckpt_optimizer_set_match_by_position in C."""
     mine_kind = _optim_kind(opt)
     if mine_kind != kind:
         raise MismatchError("%s: the state dict is for a%s %s optimizer, this one is %s"
@@ -670,7 +675,23 @@ def _merge_optimizer(opt, kind, nested, name, names=None):
         raise MismatchError("%s: the file has state for %d parameters, the optimizer has %d"
                             % (name, len(nested["state"]), len(params)))
     src = {i: i for i in params}  # torch index -> the file's state index
-    named = names is not None and all("param_names" in fg for fg in nested["param_groups"])
+    file_named = all("param_names" in fg for fg in nested["param_groups"])
+    named = names is not None and file_named
+    if not named and params:
+        if not file_named:
+            why = ("%s: the state dict does not name its parameters (no param_names.<i>, as in "
+                   "state imported from a torch 1.13 optimizer.bin), so which state belongs to "
+                   "which parameter is not known; import again with the names (ckpt import "
+                   "--param-names FILE), or, if this model registers its parameters in the "
+                   "file's order, allow a load by position (match_by_position=True)" % name)
+        else:
+            why = ("%s: the file names its parameters but this optimizer's parameters have no "
+                   "names: give the model they belong to (model=...) so each parameter gets "
+                   "its own state, or allow a load by position (match_by_position=True)" % name)
+        if not by_position:
+            raise MismatchError(why)
+        warnings.warn("%s: its state was matched by position (match_by_position=True)" % name,
+                      stacklevel=3)
     if named:
         where = {}
         for g, fg in enumerate(nested["param_groups"]):
@@ -855,7 +876,7 @@ def _stem(name):
 
 
 def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, project_dir=None,
-         as_torch=None, strict=True, prefix_map=None, rename=None):
+         as_torch=None, strict=True, prefix_map=None, rename=None, match_by_position=False):
     """Loads the checkpoint folder `dir` (or, with dir=None, the newest valid
     checkpoint of project_dir: a damaged newer one, including one whose
     files do not parse, is skipped with a warning, as ckpt_load_state(acc,
@@ -869,7 +890,13 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
       model      (nn.Module, or a list for model.safetensors, model_1, ...)
                  .load_state_dict of the file's tensors;
       optimizer  (torch SGD, Adam, AdamW, or a list) .load_state_dict with
-                 the nested structure rebuilt from the flattened keys;
+                 the nested structure rebuilt from the flattened keys; each
+                 parameter gets the state the file names it with (the names
+                 come from the optimizer's own param_names or the given
+                 models' named_parameters()); state the file does not name,
+                 or an optimizer whose parameters have no names, is refused
+                 (MismatchError) unless match_by_position=True, which maps
+                 state index i to the i-th parameter, with a warning;
       scheduler  (StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR, or
                  LambdaLR with a ckpt_torch schedule) .load_state_dict;
       scaler     (GradScaler) .load_state_dict; a disabled GradScaler (torch
@@ -938,7 +965,8 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
         name = file_for("optimizer", i)
         kind, nested = optimizer_from_flat(flats[name], name)
         plan.append(("optimizer", opt, name,
-                     _merge_optimizer(opt, kind, nested, name, _param_names(opt, _as_list(model)))))
+                     _merge_optimizer(opt, kind, nested, name, _param_names(opt, _as_list(model)),
+                                      match_by_position)))
     for i, sch in enumerate(_as_list(scheduler)):
         name = file_for("scheduler", i)
         kind, lam, sd = scheduler_from_flat(flats[name], name)

@@ -29,7 +29,9 @@ enum {
  * environment variable CKPT_FAULT="<kinds>:<n>:<errno name>[:persist]"
  * (kinds: open,write,fsync,rename,mkdir,read,any joined by '+'; e.g.
  * "write:3:ENOSPC") arms it at the first I/O call of a process, so tools and
- * end-to-end tests can inject faults through the public API. */
+ * end-to-end tests can inject faults through the public API. The variables
+ * are read only by a library built with CKPT_FAULT_ENV (CMake option, on
+ * when the tests are built); the release build ignores them. */
 void ckpt__fault_arm(unsigned mask, uint64_t n, int errnum, bool persist);
 /* Many processes: with CKPT_FAULT_RANK=<r> in the environment as well,
  * CKPT_FAULT is not armed at the first I/O call but here, and only in the

@@ -663,7 +663,7 @@ int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir, const ckp
     ckpt__manifest_init(&c.m);
     rc = ckpt__manifest_read(checkpoint_dir, &c.m);
     ckpt_txn t = {0};
-    if (rc == 0) rc = ckpt__txn_begin(&t, out_dir, "export", true);
+    if (rc == 0) rc = ckpt__txn_begin(&t, out_dir, "export", true, NULL);
     c.tmp = t.tmp;
     if (rc == 0) rc = export_all(&c, &o);
     if (rc == 0) rc = write_text(&c, "README.md", readme_text);

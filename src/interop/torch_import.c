@@ -804,7 +804,7 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
     ckpt_manifest m;
     ckpt__manifest_init(&m);
     ckpt_txn t = {0};
-    if (rc == 0) rc = ckpt__txn_begin(&t, checkpoint_dir, "import", true);
+    if (rc == 0) rc = ckpt__txn_begin(&t, checkpoint_dir, "import", true, NULL);
     const char *tmp = t.tmp;
     if (rc == 0) rc = write_obj(x.model, tmp, "model.safetensors", "model", &m);
     if (rc == 0) rc = write_obj(x.optim, tmp, "optimizer.safetensors", "optimizer", &m);

@@ -3,10 +3,13 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "base/error.h"
 #include "base/io.h"
@@ -36,8 +39,56 @@ static int split(ckpt_txn *t, const char *path) {
     return CKPT_OK;
 }
 
-int ckpt__txn_begin(ckpt_txn *t, const char *target, const char *what, bool create) {
-    *t = (ckpt_txn){.what = what};
+/* ".<base>.tmp.<digits>" */
+static bool is_temp_of(const char *name, const char *base) {
+    size_t b = strlen(base);
+    if (name[0] != '.' || strncmp(name + 1, base, b) != 0 || strncmp(name + 1 + b, ".tmp.", 5))
+        return false;
+    const char *d = name + 1 + b + 5;
+    size_t n = 0;
+    while (d[n] >= '0' && d[n] <= '9') n++;
+    return n > 0 && n <= 20 && d[n] == '\0';
+}
+
+/* An exclusive flock on the folder at path, without blocking; the open
+ * descriptor in *fd. 1 if taken, 0 if another open file holds it, < 0 if
+ * the folder cannot be opened or locked (not a folder, a link, gone). */
+static int lock_folder(const char *path, int *fd) {
+    *fd = open(path, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (*fd < 0) return -1;
+    if (flock(*fd, LOCK_EX | LOCK_NB) == 0) return 1;
+    int e = errno;
+    close(*fd);
+    *fd = -1;
+    return e == EWOULDBLOCK ? 0 : -1;
+}
+
+/* Removes the temporary folders of t's target that no live transaction
+ * holds (their process died: killed, or the machine lost power). */
+static void remove_dead_temps(const ckpt_txn *t, const ckpt_logger *lg) {
+    DIR *d = opendir(t->parent);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (!is_temp_of(e->d_name, t->base)) continue;
+        char *p = ckpt__path_join(t->parent, e->d_name);
+        int fd = -1;
+        if (p && lock_folder(p, &fd) == 1) {
+            ckpt__log(lg, CKPT_LOG_WARNING,
+                      "%s: removing %s, the temporary folder of an interrupted %s", t->what, p,
+                      t->what);
+            if (ckpt__remove_tree(p) < 0)
+                ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s: %s", p, ckpt_errmsg());
+        }
+        if (fd >= 0) close(fd);
+        free(p);
+    }
+    closedir(d);
+}
+
+int ckpt__txn_begin(ckpt_txn *t, const char *target, const char *what, bool create,
+                    const ckpt_logger *lg) {
+    *t = (ckpt_txn){.what = what, .lock_fd = -1};
     int rc = split(t, target);
     char *tname = NULL;
     if (rc == 0 && (!(tname = ckpt__temp_name(t->base)) || !(t->tmp = ckpt__path_join(t->parent, tname))))
@@ -46,8 +97,14 @@ int ckpt__txn_begin(ckpt_txn *t, const char *target, const char *what, bool crea
     if (rc == 0 && create) {
         rc = ckpt__mkdirs(t->parent);
         if (rc < 0) rc = ckpt__err_prefix(rc, "%s", what);
-        else if (ckpt__os_mkdir(t->tmp, 0755) != 0) rc = ckpt__err_os(errno, "%s: %s", what, t->tmp);
-        else t->made = true;
+        if (rc == 0) remove_dead_temps(t, lg);
+        if (rc == 0 && ckpt__os_mkdir(t->tmp, 0755) != 0)
+            rc = ckpt__err_os(errno, "%s: %s%s", what, t->tmp,
+                              errno == EEXIST ? " (another transaction of this process)" : "");
+        else if (rc == 0) t->made = true;
+        if (rc == 0 && lock_folder(t->tmp, &t->lock_fd) != 1)
+            rc = ckpt__err(CKPT_EEXIST, "%s: %s: taken by another process", what, t->tmp);
+        if (rc == 0) t->locked = true;
     }
     if (rc < 0) ckpt__txn_end(t, NULL);
     return rc;
@@ -130,6 +187,9 @@ void ckpt__txn_end(ckpt_txn *t, const ckpt_logger *lg) {
         ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s after a failed %s: %s", t->tmp,
                   t->what ? t->what : "write", ckpt_errmsg());
     t->made = false;
+    if (t->locked) close(t->lock_fd); /* after the removal: nobody takes it for dead before */
+    t->locked = false;
+    t->lock_fd = -1;
     free(t->target);
     free(t->parent);
     free(t->base);

@@ -12,8 +12,9 @@
  * target, tmp, what and made and calls only check_replaceable and commit,
  * which read nothing else (it never calls begin or end).
  *
- * The power-loss simulator (tests/unit/test_powerloss.c) runs every user of
- * it through the same commit. */
+ * The power-loss simulator runs every user of it through the same commit
+ * (tests/unit/test_powerloss.c: saves; test_powerloss_interop.c: export and
+ * import). */
 #ifndef CKPT_TXN_H
 #define CKPT_TXN_H
 
@@ -28,15 +29,23 @@ typedef struct ckpt_txn {
     char *tmp;    /* "<parent>/.<base>.tmp.<pid>" */
     const char *what; /* the operation, for messages ("export", ...) */
     bool made;        /* tmp exists and is ours to remove */
+    bool locked;      /* lock_fd holds an flock on tmp while the transaction lives */
+    int lock_fd;
 } ckpt_txn;
 
 /* Splits target into parent and base, refusing a name that is empty, "." or
  * ".." (CKPT_EINVAL naming target). With create, makes the parent folders and
- * the empty temporary folder (CKPT_EEXIST if that is there already: another
- * process of the same pid namespace is using it). Without create only the
- * names are set (a process that writes into a folder another one made). On
- * failure every field is freed. */
-int ckpt__txn_begin(ckpt_txn *t, const char *target, const char *what, bool create);
+ * the empty temporary folder, and holds an flock on it until the end, so
+ * that another process can tell a live transaction from the leftover of a
+ * dead one. Leftovers of this target (".<base>.tmp.<pid>" folders nobody
+ * holds, left by a process that was killed or lost power, whose pid may
+ * even be this process's own after a reboot) are removed first, with a
+ * warning through lg; a temporary folder another live process holds is
+ * left alone (CKPT_EEXIST if it has this process's name). Without create
+ * only the names are set (a process that writes into a folder another one
+ * made). On failure every field is freed. */
+int ckpt__txn_begin(ckpt_txn *t, const char *target, const char *what, bool create,
+                    const ckpt_logger *lg);
 
 /* Whether an existing target may be replaced: a checkpoint folder (it has a
  * manifest) or an empty folder; a missing target is fine. CKPT_EEXIST naming

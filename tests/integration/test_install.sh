@@ -41,8 +41,12 @@ run install.log cmake --install "$BUILD" --prefix "$PREFIX"
 LIBDIR=$(ls -d "$PREFIX"/lib*/ | head -n1)
 LIBDIR=${LIBDIR%/}
 [ -f "$PREFIX/include/ckpt.h" ] || fail "ckpt.h not installed"
-extra=$(cd "$PREFIX/include" && ls | grep -vxE 'ckpt.h|ckpt_mpi.h' || true)
+extra=$(cd "$PREFIX/include" && find . -type f | sed 's|^\./||' |
+        grep -vxE 'ckpt.h|ckpt_mpi.h|ckpt/(comm|files|torch)\.h' || true)
 [ -z "$extra" ] || fail "internal headers installed: $extra"
+for h in comm files torch; do
+    [ -f "$PREFIX/include/ckpt/$h.h" ] || fail "ckpt/$h.h not installed"
+done
 for f in libckpt.so libckpt.a pkgconfig/ckpt.pc cmake/ckpt/ckptConfig.cmake \
          cmake/ckpt/ckptConfigVersion.cmake cmake/ckpt/ckptTargets.cmake; do
     [ -e "$LIBDIR/$f" ] || fail "$LIBDIR/$f not installed"
@@ -142,6 +146,18 @@ run cc-shared.log "$CC" -std=c11 -Wall -Werror -o "$WORK/app/app_shared" "$WORK/
 LD_LIBRARY_PATH=$LIBDIR ldd "$WORK/app/app_shared" | has "$LIBDIR/libckpt.so" ||
     fail "app_shared does not load $LIBDIR/libckpt.so"
 LD_LIBRARY_PATH=$LIBDIR run_app shared "$WORK/app/app_shared"
+# each tier header compiles on its own (it includes ckpt.h), in C and C++
+for h in ckpt.h ckpt/comm.h ckpt/files.h ckpt/torch.h; do
+    printf '#include <%s>\nint main(void) { return ckpt_version() == 0; }\n' "$h" >"$WORK/app/tier.c"
+    # shellcheck disable=SC2046
+    run tier.log "$CC" -std=c11 -Wall -Wextra -pedantic -Werror -c -o "$WORK/app/tier.o" \
+        "$WORK/app/tier.c" $(pkg-config --cflags ckpt)
+    if command -v c++ >/dev/null; then
+        # shellcheck disable=SC2046
+        run tier.log c++ -x c++ -Wall -Werror -c -o "$WORK/app/tier.o" "$WORK/app/tier.c" \
+            $(pkg-config --cflags ckpt)
+    fi
+done
 
 # (a) pkg-config --static: everything, libc included, in one binary, so
 # Requires.private / Libs.private must name every dependency.

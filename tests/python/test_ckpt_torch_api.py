@@ -19,6 +19,7 @@ Usage: test_ckpt_torch_api.py <build dir>   (CKPT_BIN: the ckpt CLI)
 """
 import json
 import os
+import warnings
 import shutil
 import subprocess
 import sys
@@ -241,8 +242,30 @@ def check_lambdalr(tmp):
     opt2 = torch.optim.AdamW(Net().parameters(), lr=0.01)
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, functools.partial(
         fn, num_warmup_steps=2, num_training_steps=20, num_cycles=0.5))
-    ckpt_torch.load(out, optimizer=opt2, scheduler=sched2)
+    expect_error(ckpt_torch.MismatchError, "give the model they belong to (model=...)",
+                 ckpt_torch.load, out, optimizer=opt2, scheduler=sched2)
+    ckpt_torch.load(out, optimizer=opt2, scheduler=sched2, match_by_position=True)
     assert sched2.get_last_lr() == sched.get_last_lr()
+    # state saved without names (no model given) is never matched by position unasked
+    unnamed = os.path.join(tmp, "unnamed")
+    ckpt_torch.save(unnamed, model=net.state_dict(), optimizer=opt, step=3)  # a dict: no names
+    flat = ckpt_torch.load_state_dict(os.path.join(unnamed, "optimizer.safetensors"))
+    assert not any(k.startswith("param_names.") for k in flat), list(flat)
+    net4 = Net()
+    opt4 = torch.optim.AdamW(net4.parameters(), lr=0.01)
+    before = {k: v.clone() for k, v in net4.state_dict().items()}
+    expect_error(ckpt_torch.MismatchError, "does not name its parameters", ckpt_torch.load,
+                 unnamed, model=net4, optimizer=opt4)
+    assert not opt4.state_dict()["state"] and \
+        all(torch.equal(before[k], v) for k, v in net4.state_dict().items())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt_torch.load(unnamed, model=net4, optimizer=opt4, match_by_position=True)
+    assert any("matched by position" in str(w.message) for w in caught), caught
+    assert np.array_equal(opt4.state_dict()["state"][0]["exp_avg"].numpy(),
+                          flat["state.0.exp_avg"])
+    print("ok: optimizer state without names, or without the model to name the parameters, is "
+          "refused unless match_by_position=True (then loaded by position with a warning)")
     odd = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW(net.parameters(), lr=0.01),
                                             functools.partial(fn, num_warmup_steps=2,
                                                               num_training_steps=20,

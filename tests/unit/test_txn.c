@@ -8,9 +8,11 @@
 #include <cmocka.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -30,7 +32,7 @@ static void test_txn_refuses_names_that_are_not_folders(void **state) {
     const char *bad[] = {"", ".", "..", "a/.", "a/..", "a/../", "./"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         ckpt_txn t;
-        assert_int_equal(ckpt__txn_begin(&t, bad[i], "export", true), CKPT_EINVAL);
+        assert_int_equal(ckpt__txn_begin(&t, bad[i], "export", true, NULL), CKPT_EINVAL);
         tu_assert_errmsg_has("export");
         tu_assert_errmsg_has("not a folder name");
         assert_null(t.tmp);
@@ -41,7 +43,7 @@ static void test_txn_commit_publishes_and_removes_the_temporary_folder(void **st
     (void)state;
     char *target = tu_pathf("%s/deep/er/out//", tu_dir());
     ckpt_txn t;
-    assert_int_equal(ckpt__txn_begin(&t, target, "import", true), CKPT_OK);
+    assert_int_equal(ckpt__txn_begin(&t, target, "import", true, NULL), CKPT_OK);
     assert_string_equal(t.base, "out");
     char *parent = tu_pathf("%s/deep/er", tu_dir());
     assert_string_equal(t.parent, parent);
@@ -62,7 +64,7 @@ static void test_txn_end_without_commit_aborts(void **state) {
     (void)state;
     char *target = tu_pathf("%s/out", tu_dir());
     ckpt_txn t;
-    assert_int_equal(ckpt__txn_begin(&t, target, "export", true), CKPT_OK);
+    assert_int_equal(ckpt__txn_begin(&t, target, "export", true, NULL), CKPT_OK);
     fill(&t, "half");
     ckpt__txn_end(&t, NULL);
     assert_false(tu_exists(target));
@@ -78,7 +80,7 @@ static void test_txn_never_replaces_unasked_or_a_users_folder(void **state) {
     assert_int_equal(mkdir(target, 0755), 0);
     tu_write_text(keep, "mine");
     ckpt_txn t;
-    assert_int_equal(ckpt__txn_begin(&t, target, "export", true), CKPT_OK);
+    assert_int_equal(ckpt__txn_begin(&t, target, "export", true, NULL), CKPT_OK);
     fill(&t, "new");
     assert_int_equal(ckpt__txn_commit(&t, false, NULL), CKPT_EEXIST);
     tu_assert_errmsg_has("already exists");
@@ -99,7 +101,7 @@ static void test_txn_replaces_a_checkpoint_folder(void **state) {
     assert_int_equal(mkdir(target, 0755), 0);
     tu_write_text(man, "{}");
     ckpt_txn t;
-    assert_int_equal(ckpt__txn_begin(&t, target, "save_state", true), CKPT_OK);
+    assert_int_equal(ckpt__txn_begin(&t, target, "save_state", true, NULL), CKPT_OK);
     fill(&t, "new");
     assert_int_equal(ckpt__txn_commit(&t, true, NULL), CKPT_OK);
     ckpt__txn_end(&t, NULL);
@@ -127,7 +129,7 @@ static void test_txn_every_commit_fault_leaves_old_or_new(void **state) {
                 free(man);
             }
             ckpt_txn t;
-            assert_int_equal(ckpt__txn_begin(&t, target, "save_state", true), CKPT_OK);
+            assert_int_equal(ckpt__txn_begin(&t, target, "save_state", true, NULL), CKPT_OK);
             fill(&t, "new");
             ckpt__fault_arm(CKPT_FAULT_FSYNC | CKPT_FAULT_RENAME, n, EIO, false);
             int rc = ckpt__txn_commit(&t, replace, NULL);
@@ -150,6 +152,48 @@ static void test_txn_every_commit_fault_leaves_old_or_new(void **state) {
     }
 }
 
+/* A process killed (or a machine that lost power) mid-export leaves its
+ * temporary folder; after a reboot the next process may even get the same
+ * pid. Such a folder, which no live transaction holds, is removed by the
+ * next begin for the same target; one a live transaction holds (its flock)
+ * is left alone. */
+static void test_txn_removes_dead_temporaries_only(void **state) {
+    (void)state;
+    char *target = tu_pathf("%s/out", tu_dir());
+    char *mine = tu_pathf("%s/.out.tmp.%ld", tu_dir(), (long)getpid());
+    char *dead = tu_pathf("%s/.out.tmp.999998", tu_dir());
+    char *live = tu_pathf("%s/.out.tmp.999999", tu_dir());
+    char *other = tu_pathf("%s/.other.tmp.999997", tu_dir());
+    const char *all[] = {mine, dead, live, other};
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(mkdir(all[i], 0755), 0);
+        char p[600];
+        tu_write_text(tu_path(p, sizeof p, all[i], "half-written"), "x");
+    }
+    int fd = open(live, O_RDONLY | O_DIRECTORY);
+    assert_true(fd >= 0);
+    assert_int_equal(flock(fd, LOCK_EX | LOCK_NB), 0); /* a live transaction's hold */
+    ckpt_txn t;
+    assert_int_equal(ckpt__txn_begin(&t, target, "export", true, NULL), CKPT_OK);
+    assert_string_equal(t.tmp, mine);
+    char p[600];
+    assert_false(tu_exists(tu_path(p, sizeof p, mine, "half-written"))); /* fresh, empty */
+    assert_false(tu_exists(dead));
+    assert_true(tu_exists(live));
+    assert_true(tu_exists(other)); /* another target's */
+    /* while t lives, its folder is held: a second begin leaves it alone */
+    ckpt_txn u;
+    tu_expect_error(ckpt__txn_begin(&u, target, "export", true, NULL), CKPT_EEXIST, mine);
+    assert_true(tu_exists(mine));
+    fill(&t, "new");
+    assert_int_equal(ckpt__txn_commit(&t, false, NULL), CKPT_OK);
+    ckpt__txn_end(&t, NULL);
+    assert_true(tu_exists(live));
+    close(fd);
+    free(target);
+    for (int i = 0; i < 4; i++) free((char *)all[i]);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_txn_refuses_names_that_are_not_folders),
@@ -163,6 +207,8 @@ int main(void) {
                                         tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_txn_every_commit_fault_leaves_old_or_new,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_txn_removes_dead_temporaries_only, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
