@@ -324,7 +324,7 @@ int main(int argc, char **argv) {
     ckpt_accelerator *acc;
     if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
     if (ckpt_prepare_model(acc, model) || ckpt_prepare_optimizer(acc, opt)) die("prepare");
-    unsigned background = (unsigned)env_num("BENCH_BACKGROUND", CKPT_ASYNC_IDLE);
+    unsigned background = (unsigned)env_num("BENCH_BACKGROUND", 0);
     if (ckpt_accelerator_set_async_background(acc, background)) die("set_async_background");
     bool only_loop = env_num("BENCH_ONLY_LOOP", 0) != 0;
     ckpt_accelerator_set_step(acc, 1);
@@ -335,6 +335,8 @@ int main(int argc, char **argv) {
     memset(&fl, 0, sizeof fl);
     double t_stall[MAXSAVES], t_memcpy[MAXSAVES], t_prep = -1, t_loop[4][MAXREPS];
     long faults[MAXSAVES];
+    double t_save[MAXREPS], t_raww[MAXREPS];
+    bool only_load = env_num("BENCH_ONLY_LOAD", 0) != 0;
     double t_torch = 0, t_tload = 1e30, t_tload1 = 1e30, t_fresh1[2], t_fresh2[2];
     ckpt_load_options one;
     memset(&one, 0, sizeof one);
@@ -380,8 +382,8 @@ int main(int argc, char **argv) {
     snprintf(ckdir, sizeof ckdir, "%s", ckpt_accelerator_last_dir(acc));
     fl = list_files(ckdir);
 
+    if (only_load) goto load; /* the loads alone */
     /* ---- durable: ckpt_save_state vs write + fsync of the same bytes ---- */
-    double t_save[MAXREPS], t_raww[MAXREPS];
     for (int r = 0; r < reps; r++) {
         snprintf(cmd, sizeof cmd, "rm -rf '%s'/checkpoints/checkpoint_*", proj);
         shell(cmd); /* the older checkpoints go outside the timing */
@@ -400,6 +402,7 @@ int main(int argc, char **argv) {
     fl = list_files(ckdir);
 
     /* ---- load: warm, then cold ---- */
+load:
     rbuf = xmalloc((size_t)fl.total);
     memset(rbuf, 2, (size_t)fl.total);
     uint64_t fp = fingerprint();
@@ -493,7 +496,8 @@ loop:
     /* Paired runs: each rep runs every mode once, in turn, and each mode's
      * ratio is taken against the no-save loop of the same rep. Modes: 0 no
      * saves, 1 async (the background classes of BENCH_BACKGROUND), 2 sync,
-     * 3 async with the writer at normal priority (BENCH_LOOP_AB=1 only). */
+     * 3 async with the writer at the idle classes, CKPT_ASYNC_IDLE
+     * (BENCH_LOOP_AB=1 only). */
     loop_reps = (int)env_num("BENCH_LOOP_REPS", only_loop ? 5 : 1);
     if (loop_reps < 1) loop_reps = 1;
     if (loop_reps > MAXREPS) loop_reps = MAXREPS;
@@ -501,7 +505,7 @@ loop:
     for (int r = 0; r < loop_reps; r++)
         for (int mode = 0; mode < 4; mode++) {
             if ((mode == 2 && only_loop) || (mode == 3 && !ab)) continue;
-            if (ckpt_accelerator_set_async_background(acc, mode == 3 ? 0 : background))
+            if (ckpt_accelerator_set_async_background(acc, mode == 3 ? CKPT_ASYNC_IDLE : background))
                 die("set_async_background");
             snprintf(cmd, sizeof cmd, "rm -rf '%s'/checkpoints/checkpoint_*", proj);
             shell(cmd);
@@ -565,12 +569,14 @@ report_stall:
                first / mm, second / mm, worst / mm, ms_ / mm, worst / mm <= 1.5 ? "met" : "NOT met");
     }
     if (env_num("BENCH_ONLY_STALL", 0) != 0) goto done;
+    if (only_load) goto report_load;
     double ms = median(t_save, reps), mr = median(t_raww, reps);
     double bsv = best(t_save, reps), brw = best(t_raww, reps);
     printf("  durable ckpt_save_state        %7.3f s best, %7.3f s median\n", bsv, ms);
     printf("          write+fsync, same bytes %7.3f s best, %7.3f s median\n", brw, mr);
     printf("    save / raw write+fsync (median)     %5.2fx  (target >= 0.95) %s   (best: %.2fx)\n",
            mr / ms, mr / ms >= 0.95 ? "met" : "NOT met", brw / bsv);
+report_load:
     printf("  load   first load of a process (fresh accelerator): two passes %.3f s (then %.3f s), "
            "one pass %.3f s (then %.3f s)\n",
            t_fresh2[0], t_fresh2[1], t_fresh1[0], t_fresh1[1]);
@@ -615,7 +621,7 @@ report_loop:
             printf("         run %d: no saves %.2f s, async %.2f s (%.3fx)", r + 1, t_loop[0][r],
                    t_loop[1][r], ra[r]);
             if (!only_loop) printf(", sync %.2f s (%.3fx)", t_loop[2][r], rs[r]);
-            if (ab) printf(", async normal priority %.2f s (%.3fx)", t_loop[3][r], rn[r]);
+            if (ab) printf(", async idle classes %.2f s (%.3fx)", t_loop[3][r], rn[r]);
             printf("\n");
         }
         double ma = median(ra, loop_reps);
@@ -624,7 +630,7 @@ report_loop:
         if (!only_loop)
             printf("    throughput sync / no saves, median  %5.3fx\n", median(rs, loop_reps));
         if (ab)
-            printf("    throughput async, writer at normal priority / no saves, median %5.3fx\n",
+            printf("    throughput async, writer at the idle classes / no saves, median %5.3fx\n",
                    median(rn, loop_reps));
     }
 

@@ -749,8 +749,12 @@ CKPT_API int ckpt_save_wait(ckpt_accelerator *acc);
  * honoured by I/O schedulers that have classes). When a caller waits for
  * the job (the next save, a load, ckpt_save_wait, free) the thread goes back
  * to the normal classes at once, so a wait never waits on an idle thread.
- * Default: CKPT_ASYNC_IDLE (both); 0: the normal classes throughout. A class
- * the system refuses is ignored. CKPT_EINVAL for unknown bits. */
+ * Default 0: the normal classes throughout. Measured on a 2-vCPU VM shared
+ * with other jobs (bench/README.md), CKPT_ASYNC_CPU_IDLE made a run of small
+ * asynchronous saves 10-20x slower (the idle thread hardly ran while other
+ * processes kept both cores busy) without a measurable gain for the loop,
+ * hence opt-in; CKPT_ASYNC_IO_IDLE cost nothing measurable. A class the
+ * system refuses is ignored. CKPT_EINVAL for unknown bits. */
 #define CKPT_ASYNC_CPU_IDLE 0x1u
 #define CKPT_ASYNC_IO_IDLE 0x2u
 #define CKPT_ASYNC_IDLE 0x3u

@@ -77,7 +77,6 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     acc->save_interval_steps = cfg->save_interval_steps;
     acc->max_shard_size = cfg->max_shard_size;
     acc->save_interval_seconds = cfg->save_interval_seconds;
-    acc->async_background = CKPT_ASYNC_IDLE; /* the writer yields to the training loop */
     acc->coll_timeout = cfg->collective_timeout_s == 0 ? CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S
                         : cfg->collective_timeout_s < 0 || isinf(cfg->collective_timeout_s)
                             ? -1.0
