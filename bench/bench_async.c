@@ -570,6 +570,14 @@ report_stall:
     }
     if (env_num("BENCH_ONLY_STALL", 0) != 0) goto done;
     if (only_load) goto report_load;
+    double rr[MAXREPS];
+    for (int r = 0; r < reps; r++) rr[r] = t_raww[r] / t_save[r];
+    printf("  durable every pair (ckpt, raw):");
+    for (int r = 0; r < reps; r++) printf(" (%.2f, %.2f)", t_save[r], t_raww[r]);
+    printf("\n");
+    printf("  durable raw/ckpt per pair: ");
+    for (int r = 0; r < reps; r++) printf(" %.2fx", rr[r]);
+    printf("  (median of the pairs %.2fx)\n", median(rr, reps));
     double ms = median(t_save, reps), mr = median(t_raww, reps);
     double bsv = best(t_save, reps), brw = best(t_raww, reps);
     printf("  durable ckpt_save_state        %7.3f s best, %7.3f s median\n", bsv, ms);
