@@ -43,8 +43,9 @@ bench: build
 	@bash scripts/setup all
 	@bash bench/run build
 
-# Host memory over 1,000 saves and loads of a ~100 MB state (counts bytes; a
-# few minutes, most of it the disk). MEMFLAT_DIR: where the checkpoints go.
+# Host memory over 1,000 saves and loads of a ~100 MB state (counts bytes, times
+# nothing; 3,000 operations: minutes to most of an hour on a busy machine).
+# MEMFLAT_DIR: where the checkpoints go (a tmpfs folder spares the disk).
 MEMFLAT_DIR ?= build
 memflat: build
 	@./build/bench_memflat $(MEMFLAT_DIR) 100 1000
