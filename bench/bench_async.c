@@ -505,7 +505,8 @@ loop:
     for (int r = 0; r < loop_reps; r++)
         for (int mode = 0; mode < 4; mode++) {
             if ((mode == 2 && only_loop) || (mode == 3 && !ab)) continue;
-            if (ckpt_accelerator_set_async_background(acc, mode == 3 ? CKPT_ASYNC_IDLE : background))
+            unsigned cls = mode == 3 ? CKPT_ASYNC_IDLE : background;
+            if (ckpt_accelerator_set_async_background(acc, cls))
                 die("set_async_background");
             snprintf(cmd, sizeof cmd, "rm -rf '%s'/checkpoints/checkpoint_*", proj);
             shell(cmd);
@@ -517,7 +518,8 @@ loop:
                 ckpt_accelerator_set_step(acc, s);
                 /* Not after the last step: every save has steps to hide behind. */
                 if (mode && s % save_every == 0 && s < nsteps) {
-                    int rc = mode == 2 ? ckpt_save_state(acc, NULL) : ckpt_save_state_async(acc, NULL);
+                    int rc = mode == 2 ? ckpt_save_state(acc, NULL)
+                                       : ckpt_save_state_async(acc, NULL);
                     if (rc) die("save in the loop");
                     nsaves++;
                 }
@@ -566,7 +568,8 @@ report_stall:
         printf("         memcpy of the state     %7.3f s median  %6.2f GB/s\n", mm, sgb / mm);
         printf("    stall / memcpy: first %.2fx, second %.2fx, worst %.2fx, median %.2fx  "
                "(target: worst <= 1.5)  %s\n",
-               first / mm, second / mm, worst / mm, ms_ / mm, worst / mm <= 1.5 ? "met" : "NOT met");
+               first / mm, second / mm, worst / mm, ms_ / mm,
+               worst / mm <= 1.5 ? "met" : "NOT met");
     }
     if (env_num("BENCH_ONLY_STALL", 0) != 0) goto done;
     if (only_load) goto report_load;
@@ -600,15 +603,15 @@ report_load:
         printf("  load   ckpt_load_state, cold   %7.3f s median  %6.2f GB/s\n", cl, gb / cl);
         printf("         one_pass, cold          %7.3f s median  %6.2f GB/s\n", cl1, gb / cl1);
         printf("         pread, cold             %7.3f s median  %6.2f GB/s\n", cr, gb / cr);
-        printf("    verified load / raw pread, cold     %5.2fx two passes, %5.2fx one pass  (target "
-               ">= 0.9)  %s\n",
+        printf("    verified load / raw pread, cold     %5.2fx two passes, %5.2fx one pass  "
+               "(target >= 0.9)  %s\n",
                cr / cl, cr / cl1, cr / cl1 >= 0.9 ? "met (one pass)" : "NOT met");
     } else {
         printf("    verified load, cold                 skipped (dropping the page cache needs root)\n");
     }
     if (torch_ok)
-        printf("    verified load / torch.load, warm    %5.2fx two passes, %5.2fx one pass  (target "
-               ">= 3)  %s  (%.3f s, %.3f s vs %.3f s)\n",
+        printf("    verified load / torch.load, warm    %5.2fx two passes, %5.2fx one pass  "
+               "(target >= 3)  %s  (%.3f s, %.3f s vs %.3f s)\n",
                t_torch / t_tload, t_torch / t_tload1,
                t_torch / t_tload1 >= 3 ? "met (one pass)" : "NOT met", t_tload, t_tload1, t_torch);
     else

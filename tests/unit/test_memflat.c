@@ -113,7 +113,8 @@ static void run_phase(state *s, int kind, const char *name) {
         } else {
             s->w[i % NT][i] += 1.0f;
             ckpt_accelerator_set_step(s->acc, i);
-            int rc = kind == ASYNC ? ckpt_save_state_async(s->acc, NULL) : ckpt_save_state(s->acc, NULL);
+            int rc = kind == ASYNC ? ckpt_save_state_async(s->acc, NULL)
+                                   : ckpt_save_state(s->acc, NULL);
             assert_int_equal(rc, 0);
         }
         if (i == 10 || i == OPS) {

@@ -79,8 +79,9 @@ static void run_open(run *r) {
     assert_int_equal(ckpt_accelerator_new(&r->acc, &cfg), 0);
     ckpt_accelerator_set_log(r->acc, quiet, NULL);
     assert_int_equal(ckpt_model_new(&r->model), 0);
-    assert_int_equal(ckpt_model_add_param(r->model, "w", CKPT_F32, 1, (int64_t[]){N}, r->w, NULL), 0);
-    assert_int_equal(ckpt_model_add_param(r->model, "v", CKPT_F32, 1, (int64_t[]){N}, r->v, NULL), 0);
+    int64_t shape[1] = {N};
+    assert_int_equal(ckpt_model_add_param(r->model, "w", CKPT_F32, 1, shape, r->w, NULL), 0);
+    assert_int_equal(ckpt_model_add_param(r->model, "v", CKPT_F32, 1, shape, r->v, NULL), 0);
     assert_int_equal(ckpt_prepare_model(r->acc, r->model), 0);
     assert_int_equal(ckpt_register_for_checkpointing(r->acc, &rev_ops, &r->c), 0);
 }
@@ -172,7 +173,8 @@ static void test_a_corrupted_tensor_read_out_of_order_is_named(void **st) {
     (void)st;
     /* 'b' is read first, then 'a' (before it in the file): 'a' is checked
      * against its own digest and named. 'a' ends 4 N bytes before the end. */
-    corrupted("custom_checkpoint_0.safetensors", -(long)(4 * N) - 1, "tensor 'a': checksum mismatch");
+    corrupted("custom_checkpoint_0.safetensors", -(long)(4 * N) - 1,
+              "tensor 'a': checksum mismatch");
 }
 
 static void test_options_one_pass_does_not_apply_to_fall_back_to_two_passes(void **st) {
