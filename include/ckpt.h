@@ -321,23 +321,31 @@ CKPT_API const ckpt_stateful_ops *ckpt_model_ops(void);
 
 typedef struct ckpt_optimizer ckpt_optimizer;
 
-typedef enum ckpt_optim_kind { CKPT_OPTIM_SGD = 1, CKPT_OPTIM_ADAM = 2, CKPT_OPTIM_ADAMW = 3 } ckpt_optim_kind;
+typedef enum ckpt_optim_kind {
+    CKPT_OPTIM_SGD = 1,
+    CKPT_OPTIM_ADAM = 2,
+    CKPT_OPTIM_ADAMW = 3,
+    CKPT_OPTIM_RMSPROP = 4
+} ckpt_optim_kind;
 
 /* Every hyper-parameter of one parameter group (PyTorch's names). */
 typedef struct ckpt_optim_options {
     double lr;
-    double momentum;      /* SGD */
+    double momentum;      /* SGD, RMSprop */
     double dampening;     /* SGD */
     double weight_decay;
     bool nesterov;        /* SGD */
     bool maximize;
     double beta1, beta2;  /* Adam/AdamW */
-    double eps;           /* Adam/AdamW */
+    double eps;           /* Adam/AdamW, RMSprop */
     bool amsgrad;         /* Adam/AdamW */
+    double alpha;         /* RMSprop: smoothing of the squared gradients' average */
+    bool centered;        /* RMSprop: divide by the gradients' estimated variance */
 } ckpt_optim_options;
 
 /* PyTorch's defaults for a kind (SGD lr 1e-3; Adam lr 1e-3, betas (0.9,
- * 0.999), eps 1e-8; AdamW the same with weight_decay 1e-2). */
+ * 0.999), eps 1e-8; AdamW the same with weight_decay 1e-2; RMSprop lr 1e-2,
+ * alpha 0.99, eps 1e-8). */
 CKPT_API ckpt_optim_options ckpt_optim_defaults(ckpt_optim_kind kind);
 
 /* An optimizer over all of m's parameters (fp32) in one group. Borrows m
@@ -351,6 +359,13 @@ CKPT_API int ckpt_adam_new(ckpt_optimizer **out, ckpt_model *m, double lr, doubl
                            double beta2, double eps, double weight_decay);
 CKPT_API int ckpt_adamw_new(ckpt_optimizer **out, ckpt_model *m, double lr, double beta1,
                             double beta2, double eps, double weight_decay);
+/* torch.optim.RMSprop, bit for bit (no maximize): square_avg = alpha *
+ * square_avg + (1 - alpha) * g^2; with centered, grad_avg likewise and the
+ * denominator sqrt(square_avg - grad_avg^2) + eps; with momentum > 0 a
+ * momentum_buffer. State keys as PyTorch's (state.<i>.square_avg,
+ * .momentum_buffer, .grad_avg). */
+CKPT_API int ckpt_rmsprop_new(ckpt_optimizer **out, ckpt_model *model, double lr, double alpha,
+                              double eps, double weight_decay, double momentum, bool centered);
 CKPT_API void ckpt_optimizer_free(ckpt_optimizer *o);
 /* Splits parameters into groups: group_of[i] is the group of the model's i-th
  * parameter (0..ngroups-1, or -1: not optimized, e.g. a frozen parameter

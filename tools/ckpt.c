@@ -274,7 +274,8 @@ bool cli_parse_size(const char *s, uint64_t *out) {
     return false;
 }
 
-bool cli_parse_keep_best(const char *s, char *metric, size_t cap, ckpt_best_mode *mode, int64_t *k) {
+bool cli_parse_keep_best(const char *s, char *metric, size_t cap, ckpt_best_mode *mode,
+                         int64_t *k) {
     const char *c1 = strchr(s, ':');
     if (!c1 || c1 == s || (size_t)(c1 - s) >= cap) return false;
     const char *c2 = strchr(c1 + 1, ':');

@@ -46,7 +46,7 @@ static const char import_help[] =
     "code. CHECKPOINT must not exist.\n"
     "\n"
     "options:\n"
-    "  --optimizer KIND      sgd, adam or adamw (needed for Adam/AdamW state with\n"
+    "  --optimizer KIND      sgd, adam, adamw or rmsprop (needed for Adam/AdamW state with\n"
     "                        weight decay: the file cannot say which)\n"
     "  --scheduler KIND      steplr, exponentiallr, cosineannealinglr, warmup_cosine,\n"
     "                        warmup_linear or constant (needed for a LambdaLR)\n"
@@ -212,7 +212,10 @@ int cli_import(int argc, char **argv) {
             if (!strcmp(v, "sgd")) o.optimizer = CKPT_OPTIM_SGD;
             else if (!strcmp(v, "adam")) o.optimizer = CKPT_OPTIM_ADAM;
             else if (!strcmp(v, "adamw")) o.optimizer = CKPT_OPTIM_ADAMW;
-            else return cli_usage_error("import", "--optimizer must be sgd, adam or adamw, not '%s'", v);
+            else if (!strcmp(v, "rmsprop")) o.optimizer = CKPT_OPTIM_RMSPROP;
+            else
+                return cli_usage_error(
+                    "import", "--optimizer must be sgd, adam, adamw or rmsprop, not '%s'", v);
         } else if ((v = opt_value(a, "--scheduler", argc, argv, &i, &missing)) || missing) {
             if (missing) return cli_usage_error("import", "--scheduler needs a value");
             o.scheduler = v;

@@ -76,8 +76,10 @@ void mlp_init_params(mlp *m, ckpt_rng *g) {
     for (int l = 0; l < MLP_LAYERS; l++) {
         float bound = 1.0f / sqrtf((float)m->sizes[l]);
         size_t nw = (size_t)m->sizes[l + 1] * (size_t)m->sizes[l];
-        for (size_t i = 0; i < nw; i++) m->w[l][i] = (2.0f * ckpt_rng_uniform_f32(g) - 1.0f) * bound;
-        for (int i = 0; i < m->sizes[l + 1]; i++) m->b[l][i] = (2.0f * ckpt_rng_uniform_f32(g) - 1.0f) * bound;
+        for (size_t i = 0; i < nw; i++)
+            m->w[l][i] = (2.0f * ckpt_rng_uniform_f32(g) - 1.0f) * bound;
+        for (int i = 0; i < m->sizes[l + 1]; i++)
+            m->b[l][i] = (2.0f * ckpt_rng_uniform_f32(g) - 1.0f) * bound;
     }
 }
 
@@ -196,7 +198,8 @@ void mlp_backward(mlp *m, const int32_t *y, float loss_scale) {
     for (int l = L; l >= 0; l--) {
         const float *in = l == 0 ? m->input : m->act[l - 1];
         float *din = l == 0 ? NULL : m->dact;
-        linear_backward(din, m->gw[l], m->gb[l], m->dpre, in, m->w[l], B, m->sizes[l], m->sizes[l + 1]);
+        linear_backward(din, m->gw[l], m->gb[l], m->dpre, in, m->w[l], B, m->sizes[l],
+                        m->sizes[l + 1]);
         if (l == 0) break;
         /* through dropout and ReLU of hidden layer l-1 */
         size_t n = (size_t)B * (size_t)m->sizes[l];

@@ -23,7 +23,11 @@ extern "C" {
  * (ckpt_mpi.h), and users of another launcher (NCCL, gloo, their own) fill
  * it themselves. Every function is collective: all ranks call it, in the
  * same order. Each returns 0 or a negative ckpt_status (setting a message). */
-typedef enum ckpt_reduce_op { CKPT_REDUCE_MIN = 0, CKPT_REDUCE_MAX = 1, CKPT_REDUCE_SUM = 2 } ckpt_reduce_op;
+typedef enum ckpt_reduce_op {
+    CKPT_REDUCE_MIN = 0,
+    CKPT_REDUCE_MAX = 1,
+    CKPT_REDUCE_SUM = 2
+} ckpt_reduce_op;
 
 typedef struct ckpt_comm {
     int rank;       /* 0..size-1 */

@@ -214,7 +214,46 @@ _SCHEDULES = {c.kind: c for c in (WarmupCosine, WarmupLinear, Constant)}
 
 # ---- flat (file) <-> torch-style state dicts ------------------------------------
 
-_OPT_BUFFERS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+# Each optimizer kind as src/train/optim.c's descriptors have it: its own
+# hyper-parameters in state-dict order ("betas.0" is element 0 of torch's
+# pair "betas"), its state buffers (torch's names) and when each exists, and
+# how torch 1.13 keeps state["step"] (SGD keeps none).
+_ADAM_LIKE = dict(hparams=(("betas.0", float), ("betas.1", float), ("eps", float),
+                           ("amsgrad", bool)),
+                  buffers=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+                  needs=lambda b, g: b != "max_exp_avg_sq" or bool(g["amsgrad"]), step="tensor")
+_OPT_KINDS = {
+    "sgd": dict(hparams=(("momentum", float), ("dampening", float), ("nesterov", bool)),
+                buffers=("momentum_buffer",), needs=lambda b, g: g["momentum"] != 0,
+                step="none"),
+    "adam": _ADAM_LIKE,
+    "adamw": _ADAM_LIKE,
+    "rmsprop": dict(hparams=(("alpha", float), ("eps", float), ("momentum", float),
+                             ("centered", bool)),
+                    buffers=("square_avg", "momentum_buffer", "grad_avg"),
+                    needs=lambda b, g: (b == "square_avg" or (b == "momentum_buffer" and
+                                                              g["momentum"] > 0) or
+                                        (b == "grad_avg" and bool(g["centered"]))),
+                    step="int"),
+}
+_OPT_BUFFERS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg",
+                "grad_avg")
+
+
+def _group_get(grp, key):
+    """A torch param_group's hyper-parameter by its state-dict key."""
+    if key.startswith("betas."):
+        return grp["betas"][int(key[6:])]
+    return grp[key]
+
+
+def _group_set(grp, key, v):
+    if key.startswith("betas."):
+        b = list(grp.get("betas", (0.0, 0.0)))
+        b[int(key[6:])] = v
+        grp["betas"] = tuple(b)
+    else:
+        grp[key] = v
 
 
 def _flat_get(flat, key, types, what):
@@ -237,22 +276,20 @@ def optimizer_from_flat(flat, what="optimizer.safetensors"):
     """(kind, torch-style nested state dict) from an optimizer file's flat
     dict: {'state': {i: {...}}, 'param_groups': [{..., 'params': [...]}]}."""
     kind = _flat_get(flat, "kind", str, what)
-    if kind not in ("sgd", "adam", "adamw"):
-        raise UnsupportedError("%s: optimizer kind '%s' is not sgd, adam or adamw" % (what, kind))
+    if kind not in _OPT_KINDS:
+        raise UnsupportedError("%s: optimizer kind '%s' is not sgd, adam, adamw or rmsprop"
+                               % (what, kind))
+    desc = _OPT_KINDS[kind]
     groups = []
     for g in range(_count(flat, "param_groups.%d.lr")):
         p = "param_groups.%d." % g
         grp = {"lr": float(_flat_get(flat, p + "lr", (float, int), what)),
                "weight_decay": float(_flat_get(flat, p + "weight_decay", (float, int), what))}
-        if kind == "sgd":
-            grp["momentum"] = float(_flat_get(flat, p + "momentum", (float, int), what))
-            grp["dampening"] = float(_flat_get(flat, p + "dampening", (float, int), what))
-            grp["nesterov"] = bool(_flat_get(flat, p + "nesterov", int, what))
-        else:
-            grp["betas"] = (float(_flat_get(flat, p + "betas.0", (float, int), what)),
-                            float(_flat_get(flat, p + "betas.1", (float, int), what)))
-            grp["eps"] = float(_flat_get(flat, p + "eps", (float, int), what))
-            grp["amsgrad"] = bool(_flat_get(flat, p + "amsgrad", int, what))
+        for key, typ in desc["hparams"]:
+            if typ is bool:
+                _group_set(grp, key, bool(_flat_get(flat, p + key, int, what)))
+            else:
+                _group_set(grp, key, float(_flat_get(flat, p + key, (float, int), what)))
         grp["maximize"] = bool(_flat_get(flat, p + "maximize", int, what))
         params = _flat_get(flat, p + "params", np.ndarray, what)
         if params.dtype != np.int64 or params.ndim != 1:
@@ -284,7 +321,9 @@ def _optim_kind(opt):
         return "adamw" if decoupled else "adam"
     if isinstance(opt, torch.optim.SGD):
         return "sgd"
-    raise UnsupportedError("optimizer: %s is not supported (SGD, Adam and AdamW are)"
+    if isinstance(opt, torch.optim.RMSprop):
+        return "rmsprop"
+    raise UnsupportedError("optimizer: %s is not supported (SGD, Adam, AdamW and RMSprop are)"
                            % type(opt).__name__)
 
 
@@ -303,6 +342,20 @@ def _param_names(opt, models):
     if all(id(p) in names for g in opt.param_groups for p in g["params"]):
         return names
     return None
+
+
+def _group_view(grp, desc):
+    """A torch param_group's hyper-parameters by state-dict key (a bool a
+    torch version lacks, such as amsgrad, is False)."""
+    out = {}
+    for key, typ in desc["hparams"]:
+        try:
+            out[key] = _group_get(grp, key)
+        except KeyError:
+            if typ is not bool:
+                raise
+            out[key] = False
+    return out
 
 
 def optimizer_to_flat(opt, names=None):
@@ -348,28 +401,18 @@ def optimizer_to_flat(opt, names=None):
         else:
             step = float(st["step"]) if "step" in st else 0.0
         flat["state.%d.step" % i] = np.array(step, dtype=np.float32)
-        if kind == "sgd":
-            if grp["momentum"] != 0:
-                flat["state.%d.momentum_buffer" % i] = buf("momentum_buffer")
-        else:
-            flat["state.%d.exp_avg" % i] = buf("exp_avg")
-            flat["state.%d.exp_avg_sq" % i] = buf("exp_avg_sq")
-            if grp.get("amsgrad"):
-                flat["state.%d.max_exp_avg_sq" % i] = buf("max_exp_avg_sq")
+        desc = _OPT_KINDS[kind]
+        for b in desc["buffers"]:
+            if desc["needs"](b, _group_view(grp, desc)):
+                flat["state.%d.%s" % (i, b)] = buf(b)
     for g, grp in enumerate(sd["param_groups"]):
         p = "param_groups.%d." % g
         flat[p + "lr"] = float(grp["lr"])
         flat[p + "weight_decay"] = float(grp["weight_decay"])
         flat[p + "maximize"] = int(bool(grp.get("maximize", False)))
-        if kind == "sgd":
-            flat[p + "momentum"] = float(grp["momentum"])
-            flat[p + "dampening"] = float(grp["dampening"])
-            flat[p + "nesterov"] = int(bool(grp["nesterov"]))
-        else:
-            flat[p + "betas.0"] = float(grp["betas"][0])
-            flat[p + "betas.1"] = float(grp["betas"][1])
-            flat[p + "eps"] = float(grp["eps"])
-            flat[p + "amsgrad"] = int(bool(grp.get("amsgrad", False)))
+        for key, typ in _OPT_KINDS[kind]["hparams"]:
+            v = _group_view(grp, _OPT_KINDS[kind])[key]
+            flat[p + key] = int(bool(v)) if typ is bool else float(v)
         flat[p + "params"] = np.array(grp["params"], dtype=np.int64)
     return flat
 
@@ -730,10 +773,12 @@ def _merge_optimizer(opt, kind, nested, name, names=None, by_position=False):
                 st["momentum_buffer"] = _to_torch(s["momentum_buffer"]) if step > 0 else None
             st["step"] = _to_torch(s["step"])
         else:
-            for b in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            # torch 1.13 keeps RMSprop's step as an int, Adam's as a tensor
+            st["step"] = (int(float(s["step"])) if _OPT_KINDS[kind]["step"] == "int"
+                          else _to_torch(s["step"]))
+            for b in _OPT_KINDS[kind]["buffers"]:
                 if b in s:
                     st[b] = _to_torch(s[b])
-            st["step"] = _to_torch(s["step"])
         state[i] = st
     return {"state": state, "param_groups": groups}
 
@@ -889,7 +934,7 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
     schedule) before any of them is changed. Then:
       model      (nn.Module, or a list for model.safetensors, model_1, ...)
                  .load_state_dict of the file's tensors;
-      optimizer  (torch SGD, Adam, AdamW, or a list) .load_state_dict with
+      optimizer  (torch SGD, Adam, AdamW, RMSprop, or a list) .load_state_dict with
                  the nested structure rebuilt from the flattened keys; each
                  parameter gets the state the file names it with (the names
                  come from the optimizer's own param_names or the given
@@ -1099,7 +1144,7 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
     the layout and metadata document the C writer produces.
 
       model       nn.Module or a dict of tensors (a list: model, model_1, ...)
-      optimizer   torch SGD, Adam or AdamW, or a flat dict as load_state_dict()
+      optimizer   torch SGD, Adam, AdamW or RMSprop, or a flat dict as load_state_dict()
                   returns it (a list for several)
       scheduler   StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR or a
                   LambdaLR whose lambdas are ckpt_torch.WarmupCosine /

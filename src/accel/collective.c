@@ -137,7 +137,8 @@ int ckpt__coll_bcast_bytes(const ckpt_comm *c, char **buf, size_t *n) {
     uint64_t len = c->rank == 0 ? (uint64_t)*n : 0;
     int crc = c->bcast(c->ctx, &len, sizeof len, 0);
     if (crc < 0) return comm_failed(crc, "bcast");
-    if (len > SIZE_MAX - 1) return ckpt__err(CKPT_EINVAL, "communicator: bcast of %" PRIu64 " bytes", len);
+    if (len > SIZE_MAX - 1)
+        return ckpt__err(CKPT_EINVAL, "communicator: bcast of %" PRIu64 " bytes", len);
     char *p = c->rank == 0 ? *buf : malloc((size_t)len + 1);
     if (!p) return ckpt__err_nomem("bcast");
     if (len) {

@@ -21,8 +21,8 @@ const char *const ckpt__kind_stem[K_COUNT] = {"model",      "optimizer", "schedu
                                              "random_states"};
 const char *const ckpt__kind_name[K_COUNT] = {"model",  "optimizer", "scheduler",    "dataloader",
                                              "scaler", "custom",    "random_states"};
-const char *const ckpt__kind_noun[K_COUNT] = {"model",  "optimizer",     "scheduler",   "data loader",
-                                             "scaler", "custom object", "random state"};
+const char *const ckpt__kind_noun[K_COUNT] = {
+    "model", "optimizer", "scheduler", "data loader", "scaler", "custom object", "random state"};
 
 /* ---- the project lock -------------------------------------------------------- */
 
@@ -82,7 +82,8 @@ int ckpt__acc_run_hooks(ckpt_accelerator *acc, int which, const char *dir, const
 
 /* ---- file names and the save plan ------------------------------------------ */
 
-void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, char *buf, size_t cap) {
+void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, char *buf,
+                         size_t cap) {
     if (o->kind == K_RNG)
         snprintf(buf, cap, "%s_%d.safetensors", ckpt__kind_stem[K_RNG], acc->process_index);
     else if (o->kind == K_CUSTOM)

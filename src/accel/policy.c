@@ -89,7 +89,8 @@ void ckpt_preemption_clear(void) { atomic_store(&caught, 0); }
 
 int ckpt_should_save(ckpt_accelerator *acc, int64_t step) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "should_save: acc is NULL");
-    if (step < 0) return ckpt__err(CKPT_EINVAL, "should_save: step is %" PRId64 ", expected >= 0", step);
+    if (step < 0)
+        return ckpt__err(CKPT_EINVAL, "should_save: step is %" PRId64 ", expected >= 0", step);
     int64_t yes = ckpt_preemption_requested();
     if (acc->save_interval_steps > 0 && step > 0 && step % acc->save_interval_steps == 0) yes = 1;
     if (acc->save_interval_seconds > 0 &&

@@ -77,7 +77,8 @@ int ckpt__base64_decode(const char *s, size_t len, uint8_t **out, size_t *n) {
                                  i + (size_t)k);
             }
         }
-        uint32_t v = (uint32_t)d[0] << 18 | (uint32_t)d[1] << 12 | (uint32_t)d[2] << 6 | (uint32_t)d[3];
+        uint32_t v =
+            (uint32_t)d[0] << 18 | (uint32_t)d[1] << 12 | (uint32_t)d[2] << 6 | (uint32_t)d[3];
         if (last && pad == 2 && (v & 0xffff) != 0) goto bits;
         if (last && pad == 1 && (v & 0xff) != 0) goto bits;
         b[o++] = (uint8_t)(v >> 16);

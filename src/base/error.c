@@ -164,7 +164,9 @@ void *ckpt__calloc(size_t n, size_t size) {
     return alloc_should_fail() ? NULL : calloc(n ? n : 1, size ? size : 1);
 }
 
-void *ckpt__realloc(void *p, size_t n) { return alloc_should_fail() ? NULL : realloc(p, n ? n : 1); }
+void *ckpt__realloc(void *p, size_t n) {
+    return alloc_should_fail() ? NULL : realloc(p, n ? n : 1);
+}
 
 char *ckpt__strdup(const char *s) {
     size_t n = strlen(s) + 1;
@@ -184,5 +186,8 @@ void ckpt__log(const ckpt_logger *lg, ckpt_log_level level, const char *fmt, ...
         return;
     }
     fprintf(stderr, "ckpt: %s%s\n",
-            level == CKPT_LOG_WARNING ? "warning: " : level == CKPT_LOG_ERROR ? "error: " : "", msg);
+            level == CKPT_LOG_WARNING ? "warning: "
+            : level == CKPT_LOG_ERROR ? "error: "
+                                      : "",
+            msg);
 }

@@ -45,7 +45,7 @@ const char *ckpt__shape_str(char *buf, size_t cap, int ndim, const int64_t *shap
 int ckpt__err_nomem(const char *what);
 
 /* Return early on error: CKPT_TRY(call) */
-#define CKPT_TRY(expr)                                                                              \
+#define CKPT_TRY(expr)                                                                             \
     do {                                                                                           \
         int ckpt_try_rc_ = (expr);                                                                 \
         if (ckpt_try_rc_ < 0) return ckpt_try_rc_;                                                 \

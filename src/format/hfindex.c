@@ -28,7 +28,8 @@ static void hf_plan(const uint64_t *nbytes, int64_t n, uint64_t max, int64_t *st
 static int hf_shard_name(char *buf, size_t cap, const char *stem, int64_t s, int64_t n,
                          const char *ext) {
     int k = snprintf(buf, cap, "%s-%05" PRId64 "-of-%05" PRId64 "%s", stem, s + 1, n, ext);
-    if (k < 0 || (size_t)k >= cap) return ckpt__err(CKPT_EINVAL, "shard name of '%s' too long", stem);
+    if (k < 0 || (size_t)k >= cap)
+        return ckpt__err(CKPT_EINVAL, "shard name of '%s' too long", stem);
     return CKPT_OK;
 }
 
@@ -39,8 +40,9 @@ int ckpt__hf_index_text(const char *const *keys, const char *const *files, int64
     int rc = root && map && meta ? CKPT_OK : CKPT_ENOMEM;
     for (int64_t i = 0; i < n && rc == 0; i++)
         if (json_object_set_new(map, keys[i], json_string(files[i])) != 0) rc = CKPT_ENOMEM;
-    if (rc == 0 && (json_object_set_new(meta, "total_size", json_integer((json_int_t)total)) ||
-                    json_object_set(root, "metadata", meta) || json_object_set(root, "weight_map", map)))
+    if (rc == 0 &&
+        (json_object_set_new(meta, "total_size", json_integer((json_int_t)total)) ||
+         json_object_set(root, "metadata", meta) || json_object_set(root, "weight_map", map)))
         rc = CKPT_ENOMEM;
     if (rc == 0 && !(*out = json_dumps(root, JSON_INDENT(2) | JSON_SORT_KEYS))) rc = CKPT_ENOMEM;
     json_decref(root);
@@ -106,12 +108,14 @@ int ckpt__hf_index_parse(const char *text, size_t len, const char *what, ckpt_hf
     memset(out, 0, sizeof *out);
     json_error_t je;
     json_t *root = json_loadb(text, len, JSON_REJECT_DUPLICATES, &je);
-    if (!root) return ckpt__err(CKPT_ECORRUPT, "%s: not valid JSON: %s (line %d)", what, je.text, je.line);
+    if (!root)
+        return ckpt__err(CKPT_ECORRUPT, "%s: not valid JSON: %s (line %d)", what, je.text, je.line);
     int rc = CKPT_OK;
     json_t *map = json_object_get(root, "weight_map");
     size_t n = json_is_object(root) && json_is_object(map) ? json_object_size(map) : 0;
     if (!json_is_object(root) || !json_is_object(map) || n == 0) {
-        rc = ckpt__err(CKPT_ECORRUPT, "%s: expected an object with a non-empty \"weight_map\" object", what);
+        rc = ckpt__err(CKPT_ECORRUPT,
+                       "%s: expected an object with a non-empty \"weight_map\" object", what);
         goto out;
     }
     out->keys = ckpt__calloc(n, sizeof *out->keys);
@@ -126,8 +130,10 @@ int ckpt__hf_index_parse(const char *text, size_t len, const char *what, ckpt_hf
     json_object_foreach(map, key, val) {
         const char *f = json_string_value(val);
         if (!f || !plain_name(f)) {
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: weight_map['%.128s'] is not a .safetensors file name "
-                           "in the folder", what, key);
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: weight_map['%.128s'] is not a .safetensors file name "
+                           "in the folder",
+                           what, key);
             goto out;
         }
         rc = ckpt__check_key(key, what);
@@ -171,17 +177,20 @@ int ckpt__hf_combine(const ckpt_hf_index *x, ckpt_reader *const *part_readers, c
         while (strcmp(x->parts[p], x->files[i]) != 0) p++;
         ckpt_entry_info e;
         if (!ckpt__reader_has(part_readers[p], x->keys[i], &e) || e.kind != CKPT_ENTRY_TENSOR) {
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: the index puts tensor '%s' in %s, which has no such tensor",
-                           what, x->keys[i], x->files[i]);
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: the index puts tensor '%s' in %s, which has no such tensor", what,
+                           x->keys[i], x->files[i]);
             break;
         }
         used[p]++;
-        rc = ckpt__reader_put_from_reader(r, x->keys[i], part_readers[p], x->keys[i], CKPT_DTYPE_INVALID);
+        rc = ckpt__reader_put_from_reader(r, x->keys[i], part_readers[p], x->keys[i],
+                                          CKPT_DTYPE_INVALID);
     }
     for (int64_t p = 0; p < x->nparts && rc == 0; p++)
         if (used[p] != ckpt_reader_count(part_readers[p]))
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s holds %" PRId64 " entries, the index names %" PRId64,
-                           what, x->parts[p], ckpt_reader_count(part_readers[p]), used[p]);
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: %s holds %" PRId64 " entries, the index names %" PRId64, what,
+                           x->parts[p], ckpt_reader_count(part_readers[p]), used[p]);
     free(used);
     if (rc) {
         ckpt_reader_free(r);

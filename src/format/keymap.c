@@ -87,7 +87,8 @@ void ckpt_load_report_free(ckpt_load_report *r) {
 /* ---- key names --------------------------------------------------------- */
 
 bool ckpt__adapt_wanted(const ckpt_load_options *opt) {
-    return opt && (opt->non_strict || opt->convert_dtypes || opt->num_prefix_map > 0 || opt->rename);
+    return opt &&
+           (opt->non_strict || opt->convert_dtypes || opt->num_prefix_map > 0 || opt->rename);
 }
 
 int ckpt__keymap_check(const ckpt_load_options *opt, const char *what) {
@@ -140,7 +141,8 @@ int ckpt__keymap_apply(const ckpt_load_options *opt, const char *object, const c
                                  "%s: rename hook left the new name of '%s' unterminated", object,
                                  out);
             if (strlen(hb) > CKPT_MAX_KEY)
-                return ckpt__err(CKPT_EINVAL, "%s: rename hook: new name of '%s' is longer than %d bytes",
+                return ckpt__err(CKPT_EINVAL,
+                                 "%s: rename hook: new name of '%s' is longer than %d bytes",
                                  object, out, CKPT_MAX_KEY);
             snprintf(out, cap, "%s", hb);
         }
@@ -204,8 +206,9 @@ static int match(const ckpt_writer *schema, ckpt_reader *named, const char **ori
                                  "load would keep its value",
                                  what, m.key, ckpt_entry_kind_name(m.kind),
                                  m.kind == CKPT_ENTRY_TENSOR ? " tensor" : "");
-            CKPT_TRY(ckpt__key_list_add(&res->missing, object, m.key, NULL, CKPT_DTYPE_INVALID,
-                                        m.kind == CKPT_ENTRY_TENSOR ? m.dtype : CKPT_DTYPE_INVALID));
+            CKPT_TRY(
+                ckpt__key_list_add(&res->missing, object, m.key, NULL, CKPT_DTYPE_INVALID,
+                                   m.kind == CKPT_ENTRY_TENSOR ? m.dtype : CKPT_DTYPE_INVALID));
             *need = true;
             continue;
         }
@@ -221,8 +224,8 @@ static int match(const ckpt_writer *schema, ckpt_reader *named, const char **ori
         bool same = f.ndim == m.ndim;
         for (int d = 0; same && d < m.ndim; d++) same = f.shape[d] == m.shape[d];
         if (!same)
-            return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': shape %s in file, %s in memory", what,
-                             m.key, ckpt__shape_str(a, sizeof a, f.ndim, f.shape),
+            return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': shape %s in file, %s in memory",
+                             what, m.key, ckpt__shape_str(a, sizeof a, f.ndim, f.shape),
                              ckpt__shape_str(b, sizeof b, m.ndim, m.shape));
         if (f.dtype == m.dtype) continue;
         if (!opt->convert_dtypes || !convertible(f.dtype) || !convertible(m.dtype))
@@ -284,7 +287,8 @@ int ckpt__adapt(const ckpt_writer *schema, ckpt_reader *src, const ckpt_load_opt
         if ((rc = ckpt_writer_entry(schema, i, &m))) break;
         if (ckpt__reader_has(named, m.key, NULL)) {
             rc = ckpt__reader_put_from_reader(fin, m.key, named, m.key,
-                                              m.kind == CKPT_ENTRY_TENSOR ? m.dtype : CKPT_DTYPE_INVALID);
+                                              m.kind == CKPT_ENTRY_TENSOR ? m.dtype
+                                                                          : CKPT_DTYPE_INVALID);
             continue;
         }
         if (!cur) { /* the object's present values, for the keys the file lacks */

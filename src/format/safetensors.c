@@ -32,7 +32,8 @@ int ckpt__st_header_len(const uint8_t *prefix, uint64_t file_size, const char *n
                          name, len, CKPT_ST_MAX_HEADER);
     if (8 + len > file_size)
         return ckpt__err(CKPT_ECORRUPT,
-                         "%s: header extends past end of file (8 + %" PRIu64 " bytes, file has %" PRIu64 ")",
+                         "%s: header extends past end of file (8 + %" PRIu64
+                         " bytes, file has %" PRIu64 ")",
                          name, len, file_size);
     *n = len;
     return CKPT_OK;
@@ -58,7 +59,8 @@ static int parse_tensor(const char *file, const char *key, json_t *v, ckpt_st_te
     json_t *fv;
     json_object_foreach(v, field, fv) {
         if (strcmp(field, "dtype") && strcmp(field, "shape") && strcmp(field, "data_offsets"))
-            return ckpt__err(CKPT_ECORRUPT, "%s: tensor '%s': unknown field '%s'", file, key, field);
+            return ckpt__err(CKPT_ECORRUPT, "%s: tensor '%s': unknown field '%s'", file, key,
+                             field);
     }
     t->name = key;
     if (!json_is_string(jd))
@@ -113,9 +115,8 @@ static int parse_tensor(const char *file, const char *key, json_t *v, ckpt_st_te
         return ckpt__err(CKPT_ECORRUPT,
                          "%s: tensor '%s': data_offsets [%" PRIu64 ", %" PRIu64 "] hold %" PRIu64
                          " bytes, %s shape %s needs %" PRIu64,
-                         file, key, t->begin, t->end, t->end - t->begin,
-                         ckpt_dtype_name(t->dtype), ckpt__shape_str(sb, sizeof sb, t->ndim, t->shape),
-                         need);
+                         file, key, t->begin, t->end, t->end - t->begin, ckpt_dtype_name(t->dtype),
+                         ckpt__shape_str(sb, sizeof sb, t->ndim, t->shape), need);
     return CKPT_OK;
 }
 

@@ -95,7 +95,8 @@ int ckpt__chunks_cover(ckpt_chunk_ref *v, int64_t n, int code, const char *what,
         const ckpt_chunk *c = v[i].c;
         CKPT_TRY(ckpt__chunk_check(c, code, file_of(&v[i]), key, NULL));
         bool same = c->dtype == first->dtype && c->ndim == first->ndim;
-        for (int d = 0; same && d < c->ndim; d++) same = c->global_shape[d] == first->global_shape[d];
+        for (int d = 0; same && d < c->ndim; d++)
+            same = c->global_shape[d] == first->global_shape[d];
         if (!same)
             return ckpt__err(code,
                              "%s: tensor '%s': chunks disagree on the tensor: %s %s in %s, %s %s "
@@ -103,7 +104,8 @@ int ckpt__chunks_cover(ckpt_chunk_ref *v, int64_t n, int code, const char *what,
                              what, key, ckpt_dtype_name(first->dtype),
                              ckpt__shape_str(a, sizeof a, first->ndim, first->global_shape),
                              file_of(&v[0]), ckpt_dtype_name(c->dtype),
-                             ckpt__shape_str(b, sizeof b, c->ndim, c->global_shape), file_of(&v[i]));
+                             ckpt__shape_str(b, sizeof b, c->ndim, c->global_shape),
+                             file_of(&v[i]));
         /* Disjoint chunks inside the tensor never sum past its volume, so
          * an overflow here already means overlap. */
         if (__builtin_add_overflow(covered, volume(c), &covered)) covered = UINT64_MAX;
@@ -177,8 +179,8 @@ int ckpt__chunks_cover(ckpt_chunk_ref *v, int64_t n, int code, const char *what,
     if (rc) return rc;
     if (covered != total)
         return ckpt__err(code,
-                         "%s: tensor '%s': chunks leave a hole: they cover %" PRIu64 " of the %" PRIu64
-                         " elements of %s",
+                         "%s: tensor '%s': chunks leave a hole: they cover %" PRIu64
+                         " of the %" PRIu64 " elements of %s",
                          what, key, covered, total,
                          ckpt__shape_str(a, sizeof a, nd, first->global_shape));
     return CKPT_OK;
@@ -203,7 +205,8 @@ int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_
         memcpy(dst, src, (size_t)bits / 8);
         return CKPT_OK;
     }
-    int64_t lo[CKPT_MAX_NDIM] = {0}, ext[CKPT_MAX_NDIM] = {0}; /* (zeroed: -O2 cannot see ndim > 0) */
+    int64_t lo[CKPT_MAX_NDIM] = {0},
+            ext[CKPT_MAX_NDIM] = {0}; /* (zeroed: -O2 cannot see ndim > 0) */
     for (int d = 0; d < ndim; d++) {
         int64_t a = src_off[d] > dst_off[d] ? src_off[d] : dst_off[d];
         int64_t se = src_off[d] + src_shape[d], de = dst_off[d] + dst_shape[d];

@@ -16,6 +16,7 @@
 #include "format/statedict.h"
 #include "store/store.h"
 #include "store/txn.h"
+#include "train/optim.h"
 
 static const char readme_text[] =
     "# PyTorch export of a ckpt checkpoint\n"
@@ -86,7 +87,9 @@ static int open_state(exp_ctx *c, const char *file, ckpt_reader **out) {
     return rc;
 }
 
-static bool has(const ckpt_reader *r, const char *key) { return ckpt_reader_find(r, key, NULL) == 0; }
+static bool has(const ckpt_reader *r, const char *key) {
+    return ckpt_reader_find(r, key, NULL) == 0;
+}
 
 static int get_f64(const ckpt_reader *r, const char *key, double *v, const char *file) {
     int rc = ckpt_read_f64((ckpt_reader *)r, key, v);
@@ -326,15 +329,85 @@ static int count_groups(const ckpt_reader *r) {
     }
 }
 
+/* Group g's hyper-parameters as the descriptor lists them (lr,
+ * weight_decay, maximize, then the kind's own). */
+static int read_group_options(const ckpt_reader *r, const ckpt_optim_desc *d, int g,
+                              ckpt_optim_options *op, const char *file) {
+    char key[128];
+    int64_t iv = 0;
+    memset(op, 0, sizeof *op);
+    snprintf(key, sizeof key, "param_groups.%d.lr", g);
+    CKPT_TRY(get_f64(r, key, &op->lr, file));
+    snprintf(key, sizeof key, "param_groups.%d.weight_decay", g);
+    CKPT_TRY(get_f64(r, key, &op->weight_decay, file));
+    snprintf(key, sizeof key, "param_groups.%d.maximize", g);
+    CKPT_TRY(get_i64(r, key, &iv, file));
+    op->maximize = iv != 0;
+    for (int h = 0; h < d->nhparams; h++) {
+        char *field = (char *)op + d->hparams[h].offset;
+        snprintf(key, sizeof key, "param_groups.%d.%s", g, d->hparams[h].key);
+        if (d->hparams[h].is_bool) {
+            CKPT_TRY(get_i64(r, key, &iv, file));
+            *(bool *)field = iv != 0;
+        } else {
+            CKPT_TRY(get_f64(r, key, (double *)field, file));
+        }
+    }
+    return CKPT_OK;
+}
+
+/* The value of the hyper-parameter key of a group: *is_bool says its type. */
+static double option_value(const ckpt_optim_desc *d, const ckpt_optim_options *op, const char *key,
+                           bool *is_bool) {
+    *is_bool = false;
+    if (!strcmp(key, "lr")) return op->lr;
+    if (!strcmp(key, "weight_decay")) return op->weight_decay;
+    *is_bool = true;
+    if (!strcmp(key, "maximize")) return op->maximize;
+    for (int h = 0; h < d->nhparams; h++) {
+        if (strcmp(d->hparams[h].key, key) != 0) continue;
+        const char *field = (const char *)op + d->hparams[h].offset;
+        *is_bool = d->hparams[h].is_bool;
+        return *is_bool ? *(const bool *)field : *(const double *)field;
+    }
+    return 0; /* the descriptors name only their own keys */
+}
+
+/* One param_groups entry's fields, in the order PyTorch 1.13 writes them. */
+static int put_group_fields(ckpt_torch_writer *w, const ckpt_optim_desc *d,
+                            const ckpt_optim_options *op) {
+    int rc = 0;
+    bool b1 = false, b2 = false;
+    for (int f = 0; f < d->ntorch_fields && rc == 0; f++) {
+        const ckpt_torch_field *tf = &d->torch_fields[f];
+        switch (tf->kind) {
+        case CKPT_TF_HPARAM: {
+            double v = option_value(d, op, tf->key, &b1);
+            rc = b1 ? put_key_bool(w, tf->name, v != 0) : put_key_f64(w, tf->name, v);
+            break;
+        }
+        case CKPT_TF_PAIR:
+            rc = ckpt_torch_put_str(w, tf->name);
+            if (rc == 0) rc = ckpt_torch_begin_tuple(w);
+            if (rc == 0) rc = ckpt_torch_put_float(w, option_value(d, op, tf->key, &b1));
+            if (rc == 0) rc = ckpt_torch_put_float(w, option_value(d, op, tf->key2, &b2));
+            if (rc == 0) rc = ckpt_torch_end(w);
+            break;
+        case CKPT_TF_NONE: rc = put_key_none(w, tf->name); break;
+        case CKPT_TF_FALSE: rc = put_key_bool(w, tf->name, false); break;
+        }
+    }
+    return rc;
+}
+
 static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_reader *sched) {
     ckpt_reader *r = NULL;
     CKPT_TRY(open_state(c, file, &r));
     char kind[16];
     int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
     if (rc < 0) return ckpt__err_prefix(rc, "%s", file);
-    bool sgd = !strcmp(kind, "sgd"), adam = !strcmp(kind, "adam"), adamw = !strcmp(kind, "adamw");
-    if (!sgd && !adam && !adamw)
-        return ckpt__err(CKPT_EUNSUPPORTED, "%s: optimizer kind '%s'", file, kind);
+    const ckpt_optim_desc *d = ckpt__optim_desc_by_name(kind);
+    if (!d) return ckpt__err(CKPT_EUNSUPPORTED, "%s: optimizer kind '%s'", file, kind);
     int ngroups = count_groups(r);
     ckpt_torch_writer *w = NULL;
     CKPT_TRY(ckpt_torch_writer_new(&w));
@@ -349,23 +422,16 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
         const void *pv = NULL;
         snprintf(key, sizeof key, "param_groups.%d.params", g);
         rc = ckpt_reader_tensor_view(r, key, &pv, &pe);
-        if (rc == 0 && (pe.dtype != CKPT_I64 || pe.ndim != 1)) rc = ckpt__err(CKPT_ECORRUPT, "%s: %s is not I64 [n]", file, key);
-        double amsgrad = 0, momentum = 0;
-        int64_t ams = 0;
-        if (rc == 0 && !sgd) {
-            snprintf(key, sizeof key, "param_groups.%d.amsgrad", g);
-            rc = get_i64(r, key, &ams, file);
-            amsgrad = (double)ams;
-        }
-        if (rc == 0 && sgd) {
-            snprintf(key, sizeof key, "param_groups.%d.momentum", g);
-            rc = get_f64(r, key, &momentum, file);
-        }
+        if (rc == 0 && (pe.dtype != CKPT_I64 || pe.ndim != 1))
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s is not I64 [n]", file, key);
+        ckpt_optim_options op;
+        if (rc == 0) rc = read_group_options(r, d, g, &op, file);
         for (int64_t j = 0; j < (rc == 0 ? pe.shape[0] : 0) && rc == 0; j++) {
             int64_t i = 0;
             memcpy(&i, (const char *)pv + 8 * j, 8);
             if (i != idx) {
-                rc = ckpt__err(CKPT_ECORRUPT, "%s: parameter %" PRId64 " of group %d is %" PRId64, file, j, g, i);
+                rc = ckpt__err(CKPT_ECORRUPT, "%s: parameter %" PRId64 " of group %d is %" PRId64,
+                               file, j, g, i);
                 break;
             }
             idx++;
@@ -379,24 +445,21 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
             if (step == 0.0f) continue; /* never stepped: PyTorch has no state yet */
             rc = ckpt_torch_put_int(w, i);
             if (rc == 0) rc = ckpt_torch_begin_dict(w, false);
-            static const char *const adam_bufs[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-            if (sgd) {
-                rc = ckpt_torch_put_str(w, "momentum_buffer");
-                if (rc == 0 && momentum == 0.0) rc = ckpt_torch_put_none(w);
-                else if (rc == 0) {
-                    snprintf(key, sizeof key, "state.%" PRId64 ".momentum_buffer", i);
-                    rc = ckpt_reader_tensor_view(r, key, &sv, &se);
-                    if (rc == 0) rc = ckpt_torch_put_tensor(w, se.dtype, se.ndim, se.shape, sv);
-                }
-            } else {
+            if (rc == 0 && d->torch_step != CKPT_TORCH_STEP_NONE)
                 rc = ckpt_torch_put_str(w, "step");
-                if (rc == 0) rc = ckpt_torch_put_tensor(w, CKPT_F32, 0, NULL, sv);
-                for (int b = 0; b < (amsgrad != 0 ? 3 : 2) && rc == 0; b++) {
-                    snprintf(key, sizeof key, "state.%" PRId64 ".%s", i, adam_bufs[b]);
-                    rc = ckpt_reader_tensor_view(r, key, &sv, &se);
-                    if (rc == 0) rc = ckpt_torch_put_str(w, adam_bufs[b]);
-                    if (rc == 0) rc = ckpt_torch_put_tensor(w, se.dtype, se.ndim, se.shape, sv);
-                }
+            if (rc == 0 && d->torch_step == CKPT_TORCH_STEP_TENSOR)
+                rc = ckpt_torch_put_tensor(w, CKPT_F32, 0, NULL, sv);
+            if (rc == 0 && d->torch_step == CKPT_TORCH_STEP_INT)
+                rc = ckpt_torch_put_int(w, (int64_t)step);
+            for (int b = 0; b < d->nbuffers && rc == 0; b++) {
+                bool there = d->needs(b, &op);
+                if (!there && !d->torch_none_buffer) continue;
+                rc = ckpt_torch_put_str(w, d->buffers[b]);
+                if (rc == 0 && !there) rc = ckpt_torch_put_none(w);
+                if (rc < 0 || !there) continue;
+                snprintf(key, sizeof key, "state.%" PRId64 ".%s", i, d->buffers[b]);
+                rc = ckpt_reader_tensor_view(r, key, &sv, &se);
+                if (rc == 0) rc = ckpt_torch_put_tensor(w, se.dtype, se.ndim, se.shape, sv);
             }
             if (rc == 0) rc = ckpt_torch_end(w);
         }
@@ -406,60 +469,18 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
     if (rc == 0) rc = ckpt_torch_begin_list(w);
     idx = 0;
     for (int g = 0; g < ngroups && rc == 0; g++) {
-        double lr = 0, wd = 0, v = 0;
-        int64_t iv = 0;
 #define GK(name) (snprintf(key, sizeof key, "param_groups.%d.%s", g, name), key)
+        ckpt_optim_options op;
         rc = ckpt_torch_begin_dict(w, false);
-        if (rc == 0) rc = get_f64(r, GK("lr"), &lr, file);
-        if (rc == 0) rc = get_f64(r, GK("weight_decay"), &wd, file);
-        if (rc == 0) rc = put_key_f64(w, "lr", lr);
-        if (sgd) {
-            if (rc == 0) rc = get_f64(r, GK("momentum"), &v, file);
-            if (rc == 0) rc = put_key_f64(w, "momentum", v);
-            if (rc == 0) rc = get_f64(r, GK("dampening"), &v, file);
-            if (rc == 0) rc = put_key_f64(w, "dampening", v);
-            if (rc == 0) rc = put_key_f64(w, "weight_decay", wd);
-            if (rc == 0) rc = get_i64(r, GK("nesterov"), &iv, file);
-            if (rc == 0) rc = put_key_bool(w, "nesterov", iv != 0);
-            if (rc == 0) rc = get_i64(r, GK("maximize"), &iv, file);
-            if (rc == 0) rc = put_key_bool(w, "maximize", iv != 0);
-            if (rc == 0) rc = put_key_none(w, "foreach");
-            if (rc == 0) rc = put_key_bool(w, "differentiable", false);
-        } else {
-            double b1 = 0, b2 = 0, eps = 0;
-            int64_t ams = 0, maxi = 0;
-            if (rc == 0) rc = get_f64(r, GK("betas.0"), &b1, file);
-            if (rc == 0) rc = get_f64(r, GK("betas.1"), &b2, file);
-            if (rc == 0) rc = get_f64(r, GK("eps"), &eps, file);
-            if (rc == 0) rc = get_i64(r, GK("amsgrad"), &ams, file);
-            if (rc == 0) rc = get_i64(r, GK("maximize"), &maxi, file);
-            if (rc == 0) rc = ckpt_torch_put_str(w, "betas");
-            if (rc == 0) rc = ckpt_torch_begin_tuple(w);
-            if (rc == 0) rc = ckpt_torch_put_float(w, b1);
-            if (rc == 0) rc = ckpt_torch_put_float(w, b2);
-            if (rc == 0) rc = ckpt_torch_end(w);
-            if (rc == 0) rc = put_key_f64(w, "eps", eps);
-            if (rc == 0) rc = put_key_f64(w, "weight_decay", wd);
-            if (rc == 0) rc = put_key_bool(w, "amsgrad", ams != 0);
-            /* the field order of each class's defaults in PyTorch 1.13 */
-            if (adam) {
-                if (rc == 0) rc = put_key_bool(w, "maximize", maxi != 0);
-                if (rc == 0) rc = put_key_none(w, "foreach");
-                if (rc == 0) rc = put_key_bool(w, "capturable", false);
-                if (rc == 0) rc = put_key_bool(w, "differentiable", false);
-                if (rc == 0) rc = put_key_bool(w, "fused", false);
-            } else {
-                if (rc == 0) rc = put_key_none(w, "foreach");
-                if (rc == 0) rc = put_key_bool(w, "maximize", maxi != 0);
-                if (rc == 0) rc = put_key_bool(w, "capturable", false);
-            }
-        }
+        if (rc == 0) rc = read_group_options(r, d, g, &op, file);
+        if (rc == 0) rc = put_group_fields(w, d, &op);
         ckpt_entry_info pe;
         if (rc == 0) rc = ckpt_reader_find(r, GK("params"), &pe);
         if (rc == 0) rc = ckpt_torch_put_str(w, "params");
         if (rc == 0) rc = ckpt_torch_begin_list(w);
         int64_t first = idx;
-        for (int64_t j = 0; j < (rc == 0 ? pe.shape[0] : 0) && rc == 0; j++) rc = ckpt_torch_put_int(w, idx++);
+        for (int64_t j = 0; j < (rc == 0 ? pe.shape[0] : 0) && rc == 0; j++)
+            rc = ckpt_torch_put_int(w, idx++);
         if (rc == 0) rc = ckpt_torch_end(w);
         /* the parameters' names, as PyTorch (2.6 on) keeps them for an
          * optimizer made from named_parameters(); older versions keep the
@@ -520,12 +541,16 @@ static int export_scheduler(exp_ctx *c, const char *file, int k, ckpt_reader *r)
         snprintf(key, sizeof key, "base_lrs.%d", n);
         if (!has(r, key)) break;
     }
-    bool lambda = !strcmp(kind, "warmup_cosine") || !strcmp(kind, "warmup_linear") || !strcmp(kind, "constant");
+    bool lambda = !strcmp(kind, "warmup_cosine") || !strcmp(kind, "warmup_linear") ||
+                  !strcmp(kind, "constant");
     if (!strcmp(kind, "multisteplr"))
-        return ckpt__err(CKPT_EUNSUPPORTED, "%s: a MultiStepLR's state holds a collections.Counter, "
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "%s: a MultiStepLR's state holds a collections.Counter, "
                          "which torch.load(weights_only=True) refuses; export it without "
-                         "the scheduler (--weights-only) or use another schedule", file);
-    if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "exponentiallr") && strcmp(kind, "cosineannealinglr"))
+                         "the scheduler (--weights-only) or use another schedule",
+                         file);
+    if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "exponentiallr") &&
+        strcmp(kind, "cosineannealinglr"))
         return ckpt__err(CKPT_EUNSUPPORTED, "%s: scheduler kind '%s'", file, kind);
     int64_t last_epoch = 0, step_count = 0, iv = 0;
     double v = 0;
@@ -567,7 +592,8 @@ static int export_scheduler(exp_ctx *c, const char *file, int k, ckpt_reader *r)
         for (int g = 0; g < n && rc == 0; g++) {
             rc = ckpt_torch_begin_dict(w, false);
             if (rc == 0) rc = put_key_i64(w, "num_warmup_steps", warmup);
-            if (rc == 0 && strcmp(kind, "constant")) rc = put_key_i64(w, "num_training_steps", total);
+            if (rc == 0 && strcmp(kind, "constant"))
+                rc = put_key_i64(w, "num_training_steps", total);
             if (rc == 0 && !strcmp(kind, "warmup_cosine")) rc = put_key_f64(w, "num_cycles", 0.5);
             if (rc == 0) rc = ckpt_torch_end(w);
         }
@@ -649,7 +675,8 @@ static int export_all(exp_ctx *c, const ckpt_export_options *o) {
     return CKPT_OK;
 }
 
-int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir, const ckpt_export_options *opt) {
+int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir,
+                      const ckpt_export_options *opt) {
     if (!checkpoint_dir || !out_dir) return ckpt__err(CKPT_EINVAL, "export: NULL argument");
     ckpt_export_options o = {0};
     if (opt) o = *opt;

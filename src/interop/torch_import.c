@@ -19,6 +19,7 @@
 #include "format/statedict.h"
 #include "store/store.h"
 #include "store/txn.h"
+#include "train/optim.h"
 
 typedef struct mparam {
     char *name;
@@ -192,8 +193,9 @@ static int model_from_torch(imp *x, const char *path) {
     for (int64_t i = 0; i < root->n; i++) {
         const ckpt_torch_value *k = root->items[2 * i], *v = root->items[2 * i + 1];
         if (k->kind != CKPT_TORCH_STR)
-            return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: a key of kind %s in a model state dict",
-                             path, ckpt_torch_kind_name(k->kind));
+            return ckpt__err(CKPT_EUNSUPPORTED,
+                             "import: %s: a key of kind %s in a model state dict", path,
+                             ckpt_torch_kind_name(k->kind));
         if (v->kind != CKPT_TORCH_TENSOR)
             return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: '%s' is a %s, not a tensor (not a "
                              "model state dict; an Accelerate folder keeps the optimizer in "
@@ -257,8 +259,8 @@ static int model_from_index(imp *x, const char *dir, const char *index) {
         free(sp);
     }
     if (rc == 0 && (size_t)(x->nparams - before) != json_object_size(map))
-        rc = ckpt__err(CKPT_ECORRUPT, "import: %s lists %zu tensors, its shards hold %" PRId64, path,
-                       json_object_size(map), x->nparams - before);
+        rc = ckpt__err(CKPT_ECORRUPT, "import: %s lists %zu tensors, its shards hold %" PRId64,
+                       path, json_object_size(map), x->nparams - before);
     /* the index's order is the model's (the shards' own order is by name) */
     if (rc == 0) {
         int64_t pos = before;
@@ -362,7 +364,8 @@ static int get_int(const ckpt_torch_value *d, const char *key, int64_t *out, con
 static const ckpt_torch_value *int_key(const ckpt_torch_value *d, int64_t i) {
     if (!d || d->kind != CKPT_TORCH_DICT) return NULL;
     for (int64_t k = 0; k < d->n; k++)
-        if (d->items[2 * k]->kind == CKPT_TORCH_INT && d->items[2 * k]->i == i) return d->items[2 * k + 1];
+        if (d->items[2 * k]->kind == CKPT_TORCH_INT && d->items[2 * k]->i == i)
+            return d->items[2 * k + 1];
     return NULL;
 }
 
@@ -417,6 +420,53 @@ static int state_tensor(imp *x, const char *file, int64_t i, const ckpt_torch_va
     return ckpt_write_tensor(x->optim, key, CKPT_F32, ndim, shape, z);
 }
 
+/* A torch param_group's hyper-parameters into *op (which holds the kind's
+ * defaults for the fields a file may lack), by the kind's descriptor: lr is
+ * required, a pair ("betas") must be two numbers. */
+static int read_torch_group(const ckpt_torch_value *gr, const ckpt_optim_desc *d,
+                            ckpt_optim_options *op, const char *what) {
+    CKPT_TRY(get_num(gr, "lr", &op->lr, true, 0, what));
+    double v = 0;
+    CKPT_TRY(get_num(gr, "weight_decay", &op->weight_decay, false, 0, what));
+    CKPT_TRY(get_num(gr, "maximize", &v, false, 0, what));
+    op->maximize = v != 0;
+    for (int f = 0; f < d->ntorch_fields; f++) {
+        const ckpt_torch_field *tf = &d->torch_fields[f];
+        const char *keys[2] = {tf->key, tf->key2};
+        double vals[2] = {0, 0};
+        if (tf->kind == CKPT_TF_HPARAM) {
+            if (!strcmp(tf->key, "lr") || !strcmp(tf->key, "weight_decay") ||
+                !strcmp(tf->key, "maximize"))
+                continue;
+        } else if (tf->kind != CKPT_TF_PAIR) {
+            continue;
+        }
+        for (int h = 0; h < d->nhparams; h++) {
+            const ckpt_optim_hparam *hp = &d->hparams[h];
+            char *field = (char *)op + hp->offset;
+            int which = !strcmp(hp->key, keys[0])              ? 0
+                        : keys[1] && !strcmp(hp->key, keys[1]) ? 1
+                                                               : -1;
+            if (which < 0) continue;
+            if (tf->kind == CKPT_TF_PAIR) {
+                const ckpt_torch_value *b = ckpt_torch_dict_get(gr, tf->name);
+                if (!b || (b->kind != CKPT_TORCH_TUPLE && b->kind != CKPT_TORCH_LIST) ||
+                    b->n != 2 || number(b->items[0], &vals[0]) < 0 ||
+                    number(b->items[1], &vals[1]) < 0)
+                    return ckpt__err(CKPT_ECORRUPT, "import: %s: '%s' is not a pair of numbers",
+                                     what, tf->name);
+                v = vals[which];
+            } else {
+                double dflt = hp->is_bool ? *(const bool *)field : *(const double *)field;
+                CKPT_TRY(get_num(gr, tf->name, &v, false, dflt, what));
+            }
+            if (hp->is_bool) *(bool *)field = v != 0;
+            else *(double *)field = v;
+        }
+    }
+    return CKPT_OK;
+}
+
 static int import_optimizer(imp *x, const char *path) {
     const ckpt_torch_value *root = NULL;
     CKPT_TRY(open_torch(x, path, &root));
@@ -428,9 +478,22 @@ static int import_optimizer(imp *x, const char *path) {
                          "and 'param_groups' list)", path);
     ckpt_optim_kind kind = x->o.optimizer;
     if (!kind) {
+        /* the kind whose own number fields the group has (Adam and AdamW
+         * share theirs) */
         const ckpt_torch_value *g0 = groups->items[0];
-        if (ckpt_torch_dict_get(g0, "momentum") && ckpt_torch_dict_get(g0, "nesterov")) kind = CKPT_OPTIM_SGD;
-        else if (ckpt_torch_dict_get(g0, "betas")) {
+        for (int i = 0; i < ckpt__optim_desc_count() && !kind; i++) {
+            const ckpt_optim_desc *d = ckpt__optim_desc_at(i);
+            bool all = true;
+            for (int h = 0; h < d->nhparams && all; h++) {
+                char field[32];
+                snprintf(field, sizeof field, "%s", d->hparams[h].key);
+                char *dot = strchr(field, '.'); /* "betas.0": the pair "betas" */
+                if (dot) *dot = '\0';
+                all = d->hparams[h].is_bool || ckpt_torch_dict_get(g0, field) != NULL;
+            }
+            if (all) kind = d->kind;
+        }
+        if (kind == CKPT_OPTIM_ADAM || kind == CKPT_OPTIM_ADAMW) {
             /* Adam and AdamW keep the same fields; without weight decay they
              * compute the same thing */
             bool decay = false;
@@ -444,51 +507,38 @@ static int import_optimizer(imp *x, const char *path) {
                                  "(the file cannot say which); give the optimizer kind "
                                  "(--optimizer adam|adamw)", path);
             kind = CKPT_OPTIM_ADAM;
-        } else {
-            return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: an optimizer other than SGD, Adam or "
-                             "AdamW", path);
+        } else if (!kind) {
+            return ckpt__err(CKPT_EUNSUPPORTED,
+                             "import: %s: an optimizer other than SGD, Adam, "
+                             "AdamW or RMSprop",
+                             path);
         }
     }
-    bool sgd = kind == CKPT_OPTIM_SGD;
+    const ckpt_optim_desc *d = ckpt__optim_desc(kind);
+    if (!d) return ckpt__err(CKPT_EINVAL, "import: optimizer kind %d", (int)kind);
     CKPT_TRY(ckpt_writer_new(&x->optim));
-    CKPT_TRY(ckpt_write_str(x->optim, "kind", sgd ? "sgd" : kind == CKPT_OPTIM_ADAM ? "adam" : "adamw"));
+    CKPT_TRY(ckpt_write_str(x->optim, "kind", d->name));
     char key[160], what[200];
     int64_t idx = 0;
     for (int64_t g = 0; g < groups->n; g++) {
         const ckpt_torch_value *gr = groups->items[g];
         snprintf(what, sizeof what, "%s: param_groups[%" PRId64 "]", path, g);
-        if (gr->kind != CKPT_TORCH_DICT) return ckpt__err(CKPT_ECORRUPT, "import: %s is not a dict", what);
+        if (gr->kind != CKPT_TORCH_DICT)
+            return ckpt__err(CKPT_ECORRUPT, "import: %s is not a dict", what);
         const ckpt_torch_value *params = ckpt_torch_dict_get(gr, "params");
         if (!params || params->kind != CKPT_TORCH_LIST)
             return ckpt__err(CKPT_ECORRUPT, "import: %s has no 'params' list", what);
-        double lr = 0, wd = 0, maxi = 0, v = 0;
 #define GK(name) (snprintf(key, sizeof key, "param_groups.%" PRId64 ".%s", g, name), key)
-        CKPT_TRY(get_num(gr, "lr", &lr, true, 0, what));
-        CKPT_TRY(get_num(gr, "weight_decay", &wd, false, 0, what));
-        CKPT_TRY(get_num(gr, "maximize", &maxi, false, 0, what));
-        CKPT_TRY(ckpt_write_f64(x->optim, GK("lr"), lr));
-        CKPT_TRY(ckpt_write_f64(x->optim, GK("weight_decay"), wd));
-        CKPT_TRY(ckpt_write_i64(x->optim, GK("maximize"), maxi != 0));
-        double momentum = 0, amsgrad = 0;
-        if (sgd) {
-            CKPT_TRY(get_num(gr, "momentum", &momentum, false, 0, what));
-            CKPT_TRY(ckpt_write_f64(x->optim, GK("momentum"), momentum));
-            CKPT_TRY(get_num(gr, "dampening", &v, false, 0, what));
-            CKPT_TRY(ckpt_write_f64(x->optim, GK("dampening"), v));
-            CKPT_TRY(get_num(gr, "nesterov", &v, false, 0, what));
-            CKPT_TRY(ckpt_write_i64(x->optim, GK("nesterov"), v != 0));
-        } else {
-            const ckpt_torch_value *b = ckpt_torch_dict_get(gr, "betas");
-            double b1 = 0, b2 = 0;
-            if (!b || (b->kind != CKPT_TORCH_TUPLE && b->kind != CKPT_TORCH_LIST) || b->n != 2 ||
-                number(b->items[0], &b1) < 0 || number(b->items[1], &b2) < 0)
-                return ckpt__err(CKPT_ECORRUPT, "import: %s: 'betas' is not a pair of numbers", what);
-            CKPT_TRY(ckpt_write_f64(x->optim, GK("betas.0"), b1));
-            CKPT_TRY(ckpt_write_f64(x->optim, GK("betas.1"), b2));
-            CKPT_TRY(get_num(gr, "eps", &v, true, 0, what));
-            CKPT_TRY(ckpt_write_f64(x->optim, GK("eps"), v));
-            CKPT_TRY(get_num(gr, "amsgrad", &amsgrad, false, 0, what));
-            CKPT_TRY(ckpt_write_i64(x->optim, GK("amsgrad"), amsgrad != 0));
+        ckpt_optim_options op = ckpt_optim_defaults(kind);
+        CKPT_TRY(read_torch_group(gr, d, &op, what));
+        CKPT_TRY(ckpt_write_f64(x->optim, GK("lr"), op.lr));
+        CKPT_TRY(ckpt_write_f64(x->optim, GK("weight_decay"), op.weight_decay));
+        CKPT_TRY(ckpt_write_i64(x->optim, GK("maximize"), op.maximize));
+        for (int h = 0; h < d->nhparams; h++) {
+            const char *field = (const char *)&op + d->hparams[h].offset;
+            if (d->hparams[h].is_bool)
+                CKPT_TRY(ckpt_write_i64(x->optim, GK(d->hparams[h].key), *(const bool *)field));
+            else CKPT_TRY(ckpt_write_f64(x->optim, GK(d->hparams[h].key), *(const double *)field));
         }
         /* PyTorch 2.6 on keeps the parameters' names beside their indices */
         const ckpt_torch_value *names = ckpt_torch_dict_get(gr, "param_names");
@@ -499,8 +549,8 @@ static int import_optimizer(imp *x, const char *path) {
         for (int64_t j = 0; names && j < names->n; j++) {
             const ckpt_torch_value *nm = names->items[j];
             if (nm->kind != CKPT_TORCH_STR)
-                return ckpt__err(CKPT_ECORRUPT, "import: %s: param_names[%" PRId64 "] is not a string",
-                                 what, j);
+                return ckpt__err(CKPT_ECORRUPT,
+                                 "import: %s: param_names[%" PRId64 "] is not a string", what, j);
             snprintf(key, sizeof key, "param_names.%" PRId64, idx + j);
             CKPT_TRY(ckpt_write_str(x->optim, key, nm->s));
         }
@@ -509,32 +559,37 @@ static int import_optimizer(imp *x, const char *path) {
         for (int64_t j = 0; j < params->n; j++) {
             const ckpt_torch_value *p = params->items[j];
             if (p->kind != CKPT_TORCH_INT || p->i != idx)
-                return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: params[%" PRId64 "] is not %" PRId64
-                                 " (ckpt numbers parameters group by group, in order)", what, j, idx);
+                return ckpt__err(CKPT_EUNSUPPORTED,
+                                 "import: %s: params[%" PRId64 "] is not %" PRId64
+                                 " (ckpt numbers parameters group by group, in order)",
+                                 what, j, idx);
             ids[j] = idx;
             const ckpt_torch_value *st = int_key(state, idx);
             if (st && st->kind != CKPT_TORCH_DICT)
-                return ckpt__err(CKPT_ECORRUPT, "import: %s: state %" PRId64 " is not a dict", path, idx);
+                return ckpt__err(CKPT_ECORRUPT, "import: %s: state %" PRId64 " is not a dict", path,
+                                 idx);
             float *step = keep(x, ckpt__calloc(1, sizeof *step));
             if (!step) return ckpt__err_nomem("import");
-            if (sgd) {
+            if (d->torch_step == CKPT_TORCH_STEP_NONE) {
                 *step = st ? 1.0f : 0.0f; /* PyTorch's SGD keeps no count; ckpt needs "stepped" */
-                if (momentum != 0) {
-                    const ckpt_torch_value *mb = ckpt_torch_dict_get(st, "momentum_buffer");
-                    if (mb && mb->kind == CKPT_TORCH_NONE) *step = 0.0f;
-                    CKPT_TRY(state_tensor(x, path, idx, st, "momentum_buffer", NULL, key, sizeof key));
-                }
             } else {
-                double s = 0;
-                if (st) CKPT_TRY(get_num(st, "step", &s, true, 0, path));
-                *step = (float)s;
-                if (s > (double)x->opt_step) x->opt_step = (int64_t)s;
-                const ckpt_torch_value *like = ckpt_torch_dict_get(st, "exp_avg");
+                double sv = 0;
+                if (st) CKPT_TRY(get_num(st, "step", &sv, true, 0, path));
+                *step = (float)sv;
+                if (sv > (double)x->opt_step) x->opt_step = (int64_t)sv;
+            }
+            /* zeros of the first state tensor's shape where a buffer is missing */
+            const ckpt_torch_value *like = NULL;
+            for (int b = 0; b < d->nbuffers && !like && d->torch_step != CKPT_TORCH_STEP_NONE;
+                 b++) {
+                like = ckpt_torch_dict_get(st, d->buffers[b]);
                 if (like && like->kind != CKPT_TORCH_TENSOR) like = NULL;
-                CKPT_TRY(state_tensor(x, path, idx, st, "exp_avg", like, key, sizeof key));
-                CKPT_TRY(state_tensor(x, path, idx, st, "exp_avg_sq", like, key, sizeof key));
-                if (amsgrad != 0)
-                    CKPT_TRY(state_tensor(x, path, idx, st, "max_exp_avg_sq", like, key, sizeof key));
+            }
+            for (int b = 0; b < d->nbuffers; b++) {
+                if (!d->needs(b, &op)) continue;
+                const ckpt_torch_value *bv = ckpt_torch_dict_get(st, d->buffers[b]);
+                if (d->torch_none_buffer && bv && bv->kind == CKPT_TORCH_NONE) *step = 0.0f;
+                CKPT_TRY(state_tensor(x, path, idx, st, d->buffers[b], like, key, sizeof key));
             }
             snprintf(key, sizeof key, "state.%" PRId64 ".step", idx);
             CKPT_TRY(ckpt_write_tensor(x->optim, key, CKPT_F32, 0, NULL, step));
@@ -554,7 +609,8 @@ static int import_optimizer(imp *x, const char *path) {
 
 /* ---- scheduler, scaler ------------------------------------------------------------ */
 
-static int lr_list(imp *x, const ckpt_torch_value *root, const char *name, const char *path, int *n) {
+static int lr_list(imp *x, const ckpt_torch_value *root, const char *name, const char *path,
+                   int *n) {
     const ckpt_torch_value *l = ckpt_torch_dict_get(root, name);
     if (!l || l->kind != CKPT_TORCH_LIST)
         return ckpt__err(CKPT_ECORRUPT, "import: %s: '%s' is not a list", path, name);
@@ -562,7 +618,8 @@ static int lr_list(imp *x, const ckpt_torch_value *root, const char *name, const
     for (int64_t g = 0; g < l->n; g++) {
         double v = 0;
         if (number(l->items[g], &v) < 0)
-            return ckpt__err(CKPT_ECORRUPT, "import: %s: %s[%" PRId64 "] is not a number", path, name, g);
+            return ckpt__err(CKPT_ECORRUPT, "import: %s: %s[%" PRId64 "] is not a number", path,
+                             name, g);
         snprintf(key, sizeof key, "%s.%" PRId64, name, g);
         CKPT_TRY(ckpt_write_f64(x->sched, key, v));
     }
@@ -575,7 +632,8 @@ static int import_scheduler(imp *x, const char *path) {
     CKPT_TRY(open_torch(x, path, &root));
     const char *kind = x->o.scheduler;
     const ckpt_torch_value *lambdas = ckpt_torch_dict_get(root, "lr_lambdas");
-    const ckpt_torch_value *l0 = lambdas && lambdas->kind == CKPT_TORCH_LIST && lambdas->n ? lambdas->items[0] : NULL;
+    const ckpt_torch_value *l0 =
+        lambdas && lambdas->kind == CKPT_TORCH_LIST && lambdas->n ? lambdas->items[0] : NULL;
     if (l0 && l0->kind != CKPT_TORCH_DICT) l0 = NULL;
     if (!kind) {
         if (lambdas) {
@@ -589,10 +647,13 @@ static int import_scheduler(imp *x, const char *path) {
         } else if (ckpt_torch_dict_get(root, "step_size")) kind = "steplr";
         else if (ckpt_torch_dict_get(root, "T_max")) kind = "cosineannealinglr";
         else if (ckpt_torch_dict_get(root, "gamma")) kind = "exponentiallr";
-        else return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: a scheduler ckpt does not know", path);
+        else
+            return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: a scheduler ckpt does not know", path);
     }
-    bool lambda = !strcmp(kind, "warmup_cosine") || !strcmp(kind, "warmup_linear") || !strcmp(kind, "constant");
-    if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "cosineannealinglr") && strcmp(kind, "exponentiallr"))
+    bool lambda = !strcmp(kind, "warmup_cosine") || !strcmp(kind, "warmup_linear") ||
+                  !strcmp(kind, "constant");
+    if (!lambda && strcmp(kind, "steplr") && strcmp(kind, "cosineannealinglr") &&
+        strcmp(kind, "exponentiallr"))
         return ckpt__err(CKPT_EUNSUPPORTED, "import: scheduler kind '%s' (steplr, exponentiallr, "
                          "cosineannealinglr, warmup_cosine, warmup_linear, constant)", kind);
     CKPT_TRY(ckpt_writer_new(&x->sched));
@@ -607,8 +668,10 @@ static int import_scheduler(imp *x, const char *path) {
     CKPT_TRY(lr_list(x, root, "base_lrs", path, &nb));
     CKPT_TRY(lr_list(x, root, "_last_lr", path, &nl));
     if (nb != nl || (x->opt_groups && nb != x->opt_groups))
-        return ckpt__err(CKPT_EMISMATCH, "import: %s: %d base_lrs, %d _last_lr, the optimizer has %d "
-                         "groups", path, nb, nl, x->opt_groups);
+        return ckpt__err(CKPT_EMISMATCH,
+                         "import: %s: %d base_lrs, %d _last_lr, the optimizer has %d "
+                         "groups",
+                         path, nb, nl, x->opt_groups);
     if (!strcmp(kind, "steplr")) {
         CKPT_TRY(get_int(root, "step_size", &iv, path));
         CKPT_TRY(ckpt_write_i64(x->sched, "step_size", iv));
@@ -630,8 +693,10 @@ static int import_scheduler(imp *x, const char *path) {
         if (total < 0 && l0 && ckpt_torch_dict_get(l0, "num_training_steps"))
             CKPT_TRY(get_int(l0, "num_training_steps", &total, path));
         if (warmup < 0 || (total < 0 && strcmp(kind, "constant")))
-            return ckpt__err(CKPT_EINVAL, "import: %s: the %s schedule's warmup and total steps are "
-                             "not in the file; give them (--warmup N --total N)", path, kind);
+            return ckpt__err(CKPT_EINVAL,
+                             "import: %s: the %s schedule's warmup and total steps are "
+                             "not in the file; give them (--warmup N --total N)",
+                             path, kind);
         CKPT_TRY(ckpt_write_i64(x->sched, "warmup", warmup));
         if (strcmp(kind, "constant")) CKPT_TRY(ckpt_write_i64(x->sched, "total", total));
     }
@@ -775,7 +840,8 @@ static int import_sources(imp *x, const char *src) {
     CKPT_TRY(import_model(x, src, dir));
     if (dir) {
         static const char *const files[] = {"optimizer.bin", "scheduler.bin", "scaler.pt"};
-        int (*const fns[])(imp *, const char *) = {import_optimizer, import_scheduler, import_scaler};
+        int (*const fns[])(imp *, const char *) = {import_optimizer, import_scheduler,
+                                                   import_scaler};
         for (int i = 0; i < 3; i++) {
             char *p = ckpt__path_join(src, files[i]);
             if (!p) return ckpt__err_nomem("import");

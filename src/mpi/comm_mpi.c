@@ -589,7 +589,8 @@ static int mpi_gather(void *ctx, const void *buf, size_t n, void **out, size_t *
             if (!data) rc = ckpt_set_error(CKPT_ENOMEM, "out of memory (gather)");
         }
     } else if (n > INT_MAX) {
-        rc = ckpt_set_error(CKPT_EINVAL, "gather: %zu bytes from one rank, more than %d", n, INT_MAX);
+        rc = ckpt_set_error(CKPT_EINVAL, "gather: %zu bytes from one rank, more than %d", n,
+                            INT_MAX);
     }
     free(all);
     /* A size MPI cannot count, on any rank, stops every rank here alike. */
@@ -602,7 +603,8 @@ static int mpi_gather(void *ctx, const void *buf, size_t n, void **out, size_t *
         crc = e == MPI_SUCCESS ? CKPT_OK : mpi_fail(e, "MPI_Allreduce");
     }
     if (crc < 0 && rc == 0) rc = crc;
-    if (bad && rc == 0) rc = ckpt_set_error(CKPT_EINVAL, "gather: another rank's data is too large");
+    if (bad && rc == 0)
+        rc = ckpt_set_error(CKPT_EINVAL, "gather: another rank's data is too large");
     if (rc < 0) {
         free(counts), free(displs), free(data);
         return rc;
@@ -738,7 +740,8 @@ int ckpt_comm_mpi(ckpt_comm **out, MPI_Comm comm) {
     int inited = 0;
     MPI_Initialized(&inited);
     if (!inited) return ckpt_set_error(CKPT_EINVAL, "comm_mpi: MPI is not initialised (MPI_Init)");
-    if (comm == MPI_COMM_NULL) return ckpt_set_error(CKPT_EINVAL, "comm_mpi: comm is MPI_COMM_NULL");
+    if (comm == MPI_COMM_NULL)
+        return ckpt_set_error(CKPT_EINVAL, "comm_mpi: comm is MPI_COMM_NULL");
     ckpt_comm *c = calloc(1, sizeof *c);
     mpi_ctx *ctx = calloc(1, sizeof *ctx);
     if (!c || !ctx) {

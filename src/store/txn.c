@@ -91,7 +91,8 @@ int ckpt__txn_begin(ckpt_txn *t, const char *target, const char *what, bool crea
     *t = (ckpt_txn){.what = what, .lock_fd = -1};
     int rc = split(t, target);
     char *tname = NULL;
-    if (rc == 0 && (!(tname = ckpt__temp_name(t->base)) || !(t->tmp = ckpt__path_join(t->parent, tname))))
+    if (rc == 0 &&
+        (!(tname = ckpt__temp_name(t->base)) || !(t->tmp = ckpt__path_join(t->parent, tname))))
         rc = ckpt__err_nomem("folder names");
     free(tname);
     if (rc == 0 && create) {

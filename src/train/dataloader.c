@@ -150,7 +150,8 @@ static int64_t batch_indices(const ckpt_dataloader *dl, int64_t epoch, int64_t i
     int64_t b = dl->cfg.batch_size, g = b * nprocs(&dl->cfg);
     int64_t start = index * g + (int64_t)dl->cfg.process_index * b;
     int64_t size = b;
-    if (index >= dl->full && !(dl->cfg.even_batches && nprocs(&dl->cfg) > 1)) size = dl->n - start < b ? dl->n - start : b;
+    if (index >= dl->full && !(dl->cfg.even_batches && nprocs(&dl->cfg) > 1))
+        size = dl->n - start < b ? dl->n - start : b;
     for (int64_t k = 0; k < size; k++) {
         int64_t q = start + k;
         /* even_batches (several processes): positions past the end wrap to

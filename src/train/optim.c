@@ -36,10 +36,11 @@ typedef struct opt_param {
     float *grad;
     int group;
     float step; /* PyTorch keeps a float32 0-d tensor */
-    float *exp_avg;
-    float *exp_avg_sq;
-    float *max_exp_avg_sq;
-    float *momentum_buffer;
+    /* The kind's state buffers (its descriptor's buffers[b]), NULL where
+     * the group's options need none: Adam's exp_avg, exp_avg_sq,
+     * max_exp_avg_sq; SGD's momentum_buffer; RMSprop's square_avg,
+     * momentum_buffer, grad_avg. */
+    float *buf[CKPT_OPTIM_MAX_BUFFERS];
     /* ZeRO-1: this rank updates and keeps state for elements [lo, hi) only
      * (whole rows); unsharded, and for parameters that are never split
      * (scalars, empty tensors), lo = 0 and hi = numel. */
@@ -49,6 +50,7 @@ typedef struct opt_param {
 
 struct ckpt_optimizer {
     ckpt_optim_kind kind;
+    const struct kind_impl *impl; /* the kind's descriptor and step */
     ckpt_model *model;
     int64_t np;
     opt_param *p; /* in PyTorch's numbering: group 0's parameters, then group 1's... */
@@ -68,69 +70,123 @@ struct ckpt_optimizer {
     void *log_user;
 };
 
-static const char *kind_name(ckpt_optim_kind k) {
-    switch (k) {
-    case CKPT_OPTIM_SGD: return "sgd";
-    case CKPT_OPTIM_ADAM: return "adam";
-    case CKPT_OPTIM_ADAMW: return "adamw";
-    }
-    return "?";
+/* ---- the kinds --------------------------------------------------------- */
+
+typedef struct kind_impl {
+    ckpt_optim_desc d; /* first: a descriptor pointer is its kind_impl's */
+    /* One parameter's update (this rank's elements [lo, hi)), step count
+     * included. */
+    void (*update)(opt_param *p, const ckpt_optim_options *g);
+} kind_impl;
+
+static const kind_impl KINDS[4];
+
+const ckpt_optim_desc *ckpt__optim_desc(ckpt_optim_kind kind) {
+    for (size_t i = 0; i < sizeof KINDS / sizeof KINDS[0]; i++)
+        if (KINDS[i].d.kind == kind) return &KINDS[i].d;
+    return NULL;
+}
+
+const ckpt_optim_desc *ckpt__optim_desc_by_name(const char *name) {
+    for (size_t i = 0; i < sizeof KINDS / sizeof KINDS[0]; i++)
+        if (strcmp(KINDS[i].d.name, name) == 0) return &KINDS[i].d;
+    return NULL;
+}
+
+int ckpt__optim_desc_count(void) { return (int)(sizeof KINDS / sizeof KINDS[0]); }
+
+const ckpt_optim_desc *ckpt__optim_desc_at(int i) {
+    return i >= 0 && i < ckpt__optim_desc_count() ? &KINDS[i].d : NULL;
+}
+
+static const kind_impl *impl_of(ckpt_optim_kind kind) {
+    return (const kind_impl *)ckpt__optim_desc(kind);
 }
 
 ckpt_optim_options ckpt_optim_defaults(ckpt_optim_kind kind) {
     ckpt_optim_options o;
     memset(&o, 0, sizeof o);
     o.lr = 1e-3;
-    if (kind == CKPT_OPTIM_ADAM || kind == CKPT_OPTIM_ADAMW) {
-        o.beta1 = 0.9;
-        o.beta2 = 0.999;
-        o.eps = 1e-8;
-        o.weight_decay = kind == CKPT_OPTIM_ADAMW ? 1e-2 : 0.0;
-    }
+    const ckpt_optim_desc *d = ckpt__optim_desc(kind);
+    if (d) d->defaults(&o);
     return o;
 }
 
-/* PyTorch's argument checks (plus finiteness), naming the group's key. */
-static int check_options(ckpt_optim_kind kind, const ckpt_optim_options *o, int g) {
 #define BAD(field, want, val)                                                                      \
     ckpt__err(CKPT_EINVAL, "optimizer: param_groups.%d." field ": expected " want ", got %g", g,   \
               (double)(val))
+
+/* PyTorch's argument checks (plus finiteness), naming the group's key: the
+ * ones every kind has, then the kind's own. */
+static int check_options(const kind_impl *k, const ckpt_optim_options *o, int g) {
     if (!(o->lr >= 0) || !isfinite(o->lr)) return BAD("lr", ">= 0", o->lr);
     if (!(o->weight_decay >= 0) || !isfinite(o->weight_decay))
         return BAD("weight_decay", ">= 0", o->weight_decay);
-    if (kind == CKPT_OPTIM_SGD) {
-        if (!(o->momentum >= 0) || !isfinite(o->momentum))
-            return BAD("momentum", ">= 0", o->momentum);
-        if (!isfinite(o->dampening)) return BAD("dampening", "a finite value", o->dampening);
-        if (o->nesterov && (o->momentum <= 0 || o->dampening != 0))
-            return ckpt__err(CKPT_EINVAL,
-                             "optimizer: param_groups.%d.nesterov: needs momentum > 0 and "
-                             "dampening 0, got momentum %g, dampening %g",
-                             g, o->momentum, o->dampening);
-    } else {
-        if (!(o->eps >= 0) || !isfinite(o->eps)) return BAD("eps", ">= 0", o->eps);
-        if (!(o->beta1 >= 0 && o->beta1 < 1)) return BAD("betas.0", "in [0, 1)", o->beta1);
-        if (!(o->beta2 >= 0 && o->beta2 < 1)) return BAD("betas.1", "in [0, 1)", o->beta2);
-    }
+    return k->d.check(o, g);
+}
+
+static int sgd_check(const ckpt_optim_options *o, int g) {
+    if (!(o->momentum >= 0) || !isfinite(o->momentum)) return BAD("momentum", ">= 0", o->momentum);
+    if (!isfinite(o->dampening)) return BAD("dampening", "a finite value", o->dampening);
+    if (o->nesterov && (o->momentum <= 0 || o->dampening != 0))
+        return ckpt__err(CKPT_EINVAL,
+                         "optimizer: param_groups.%d.nesterov: needs momentum > 0 and "
+                         "dampening 0, got momentum %g, dampening %g",
+                         g, o->momentum, o->dampening);
     return CKPT_OK;
+}
+
+static int adam_check(const ckpt_optim_options *o, int g) {
+    if (!(o->eps >= 0) || !isfinite(o->eps)) return BAD("eps", ">= 0", o->eps);
+    if (!(o->beta1 >= 0 && o->beta1 < 1)) return BAD("betas.0", "in [0, 1)", o->beta1);
+    if (!(o->beta2 >= 0 && o->beta2 < 1)) return BAD("betas.1", "in [0, 1)", o->beta2);
+    return CKPT_OK;
+}
+
+static int rmsprop_check(const ckpt_optim_options *o, int g) {
+    if (!(o->eps >= 0) || !isfinite(o->eps)) return BAD("eps", ">= 0", o->eps);
+    if (!(o->momentum >= 0) || !isfinite(o->momentum)) return BAD("momentum", ">= 0", o->momentum);
+    if (!(o->alpha >= 0) || !isfinite(o->alpha)) return BAD("alpha", ">= 0", o->alpha);
+    if (o->maximize)
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "optimizer: param_groups.%d.maximize: RMSprop "
+                         "supports only maximize = false",
+                         g);
+    return CKPT_OK;
+}
 #undef BAD
+
+static void sgd_defaults(ckpt_optim_options *o) { (void)o; }
+
+static void adam_defaults(ckpt_optim_options *o) {
+    o->beta1 = 0.9;
+    o->beta2 = 0.999;
+    o->eps = 1e-8;
+}
+
+static void adamw_defaults(ckpt_optim_options *o) {
+    adam_defaults(o);
+    o->weight_decay = 1e-2;
+}
+
+static void rmsprop_defaults(ckpt_optim_options *o) {
+    o->lr = 1e-2;
+    o->alpha = 0.99;
+    o->eps = 1e-8;
 }
 
 /* Which state buffers a parameter needs under its group's options. */
-static bool needs_moments(const ckpt_optimizer *o) { return o->kind != CKPT_OPTIM_SGD; }
-static bool needs_max(const ckpt_optimizer *o, const ckpt_optim_options *g) {
-    return o->kind != CKPT_OPTIM_SGD && g->amsgrad;
-}
-static bool needs_momentum(const ckpt_optimizer *o, const ckpt_optim_options *g) {
-    return o->kind == CKPT_OPTIM_SGD && g->momentum != 0;
+static bool sgd_needs(int b, const ckpt_optim_options *g) { return b == 0 && g->momentum != 0; }
+static bool adam_needs(int b, const ckpt_optim_options *g) { return b < 2 || g->amsgrad; }
+static bool rmsprop_needs(int b, const ckpt_optim_options *g) {
+    return b == 0 || (b == 1 && g->momentum > 0) || (b == 2 && g->centered);
 }
 
 static void free_state(opt_param *p) {
-    free(p->exp_avg);
-    free(p->exp_avg_sq);
-    free(p->max_exp_avg_sq);
-    free(p->momentum_buffer);
-    p->exp_avg = p->exp_avg_sq = p->max_exp_avg_sq = p->momentum_buffer = NULL;
+    for (int b = 0; b < CKPT_OPTIM_MAX_BUFFERS; b++) {
+        free(p->buf[b]);
+        p->buf[b] = NULL;
+    }
 }
 
 static void free_params(opt_param *p, int64_t n) {
@@ -150,12 +206,8 @@ static int alloc_state(const ckpt_optimizer *o, opt_param *p, int64_t n,
         const ckpt_optim_options *g = &opts[p[i].group];
         bool ok = true;
         int64_t own = p[i].hi - p[i].lo; /* the whole parameter unless sharded */
-        if (needs_moments(o)) {
-            ok = ok && (p[i].exp_avg = zeros(own)) != NULL;
-            ok = ok && (p[i].exp_avg_sq = zeros(own)) != NULL;
-        }
-        if (needs_max(o, g)) ok = ok && (p[i].max_exp_avg_sq = zeros(own)) != NULL;
-        if (needs_momentum(o, g)) ok = ok && (p[i].momentum_buffer = zeros(own)) != NULL;
+        for (int b = 0; b < o->impl->d.nbuffers; b++)
+            if (o->impl->d.needs(b, g)) ok = ok && (p[i].buf[b] = zeros(own)) != NULL;
         if (!ok) return ckpt__err_nomem("optimizer state");
     }
     return CKPT_OK;
@@ -180,11 +232,11 @@ int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m
     if (!out) return ckpt__err(CKPT_EINVAL, "optimizer_new: out is NULL");
     *out = NULL;
     if (!m || !opt) return ckpt__err(CKPT_EINVAL, "optimizer_new: model or options is NULL");
-    if (kind != CKPT_OPTIM_SGD && kind != CKPT_OPTIM_ADAM && kind != CKPT_OPTIM_ADAMW)
-        return ckpt__err(CKPT_EINVAL, "optimizer_new: unknown kind %d", (int)kind);
+    const kind_impl *impl = impl_of(kind);
+    if (!impl) return ckpt__err(CKPT_EINVAL, "optimizer_new: unknown kind %d", (int)kind);
     int64_t np = ckpt_model_num_params(m);
     if (np == 0) return ckpt__err(CKPT_EINVAL, "optimizer: the model has no parameters");
-    CKPT_TRY(check_options(kind, opt, 0));
+    CKPT_TRY(check_options(impl, opt, 0));
     for (int64_t i = 0; i < np; i++) {
         ckpt_param_info info;
         CKPT_TRY(ckpt_model_param(m, i, &info));
@@ -198,6 +250,7 @@ int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m
     ckpt_optimizer *o = ckpt__calloc(1, sizeof *o);
     if (!o) return ckpt__err_nomem("optimizer");
     o->kind = kind;
+    o->impl = impl;
     o->model = m;
     o->np = np;
     o->ngroups = 1;
@@ -264,6 +317,18 @@ int ckpt_adam_new(ckpt_optimizer **out, ckpt_model *m, double lr, double beta1, 
 int ckpt_adamw_new(ckpt_optimizer **out, ckpt_model *m, double lr, double beta1, double beta2,
                    double eps, double weight_decay) {
     return adam_like_new(out, CKPT_OPTIM_ADAMW, m, lr, beta1, beta2, eps, weight_decay);
+}
+
+int ckpt_rmsprop_new(ckpt_optimizer **out, ckpt_model *model, double lr, double alpha, double eps,
+                     double weight_decay, double momentum, bool centered) {
+    ckpt_optim_options o = ckpt_optim_defaults(CKPT_OPTIM_RMSPROP);
+    o.lr = lr;
+    o.alpha = alpha;
+    o.eps = eps;
+    o.weight_decay = weight_decay;
+    o.momentum = momentum;
+    o.centered = centered;
+    return ckpt_optimizer_new(out, CKPT_OPTIM_RMSPROP, model, &o);
 }
 
 static bool has_stepped(const ckpt_optimizer *o) {
@@ -354,7 +419,7 @@ int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm) {
     }
     for (int64_t i = 0; i < o->np; i++) {
         p[i] = o->p[i];
-        p[i].exp_avg = p[i].exp_avg_sq = p[i].max_exp_avg_sq = p[i].momentum_buffer = NULL;
+        memset(p[i].buf, 0, sizeof p[i].buf);
     }
     int rc = shard_layout(comm, p, o->np, &cuts);
     if (rc == 0) rc = alloc_state(o, p, o->np, o->opts);
@@ -423,7 +488,7 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
         return ckpt__err(CKPT_EINVAL, "optimizer_set_groups: only before the first step");
     if (ngroups < 1) return ckpt__err(CKPT_EINVAL, "optimizer_set_groups: %d groups", ngroups);
     int64_t nm = ckpt_model_num_params(o->model);
-    for (int g = 0; g < ngroups; g++) CKPT_TRY(check_options(o->kind, &opts[g], g));
+    for (int g = 0; g < ngroups; g++) CKPT_TRY(check_options(o->impl, &opts[g], g));
     int64_t *count = ckpt__calloc((size_t)ngroups + 1, sizeof *count);
     if (!count) return ckpt__err_nomem("optimizer groups");
     int64_t np = 0;
@@ -666,7 +731,7 @@ void ckpt__optim_force_generic(bool on) { (void)on; }
 static const adam_fn *adam_kernels(void) { return adam_generic; }
 #endif
 
-static void adam_update(opt_param *prm, const ckpt_optim_options *o, bool decoupled) {
+static void adam_like_update(opt_param *prm, const ckpt_optim_options *o, bool decoupled) {
     /* Only this rank's elements [lo, hi); the state buffers hold just those. */
     prm->step += 1.0f;
     double step = prm->step;
@@ -686,9 +751,150 @@ static void adam_update(opt_param *prm, const ckpt_optim_options *o, bool decoup
     bool l2 = !decoupled && o->weight_decay != 0;
     int variant = (decoupled ? 4 : l2 ? 2 : 0) + (o->amsgrad ? 1 : 0);
     if (prm->hi == prm->lo) return;
-    adam_kernels()[variant](prm->data + prm->lo, prm->grad + prm->lo, prm->exp_avg, prm->exp_avg_sq,
-                            prm->max_exp_avg_sq, prm->hi - prm->lo, &c);
+    adam_kernels()[variant](prm->data + prm->lo, prm->grad + prm->lo, prm->buf[0], prm->buf[1],
+                            prm->buf[2], prm->hi - prm->lo, &c);
 }
+
+static void adam_update(opt_param *p, const ckpt_optim_options *g) {
+    adam_like_update(p, g, false);
+}
+static void adamw_update(opt_param *p, const ckpt_optim_options *g) {
+    adam_like_update(p, g, true);
+}
+
+static void sgd_param_update(opt_param *p, const ckpt_optim_options *g) {
+    if (p->hi > p->lo)
+        sgd_update(p->data + p->lo, p->grad + p->lo, p->buf[0], p->hi - p->lo, g, p->step == 0);
+    p->step += 1.0f;
+}
+
+/* torch.optim.RMSprop (foreach=False), one tensor, with PyTorch's CPU
+ * kernels' roundings: add(alpha=) and addcmul as a fused multiply-add
+ * (square_avg: fma((1 - alpha) * g, g, alpha * square_avg)), addcdiv as
+ * value * t1 / t2 + self, each scalar rounded to float first. */
+UPDATE_CLONES static void rmsprop_loop(float *restrict p, const float *restrict g,
+                                       float *restrict sq, float *restrict buf,
+                                       float *restrict gavg, int64_t n,
+                                       const ckpt_optim_options *o) {
+    const float wd = (float)o->weight_decay, alpha = (float)o->alpha;
+    const float oma = (float)(1.0 - o->alpha), eps = (float)o->eps;
+    const float mom = (float)o->momentum, neg_lr = (float)-o->lr;
+    const bool has_wd = o->weight_decay != 0, has_mom = o->momentum > 0;
+    const bool centered = o->centered;
+    for (int64_t i = 0; i < n; i++) {
+        float d = g[i];
+        if (has_wd) d = FMADD(wd, p[i], d);
+        float s = FMADD(oma * d, d, sq[i] * alpha);
+        sq[i] = s;
+        float avg;
+        if (centered) {
+            float a = FMADD(oma, d, gavg[i] * alpha);
+            gavg[i] = a;
+            avg = sqrtf(FMADD(-1.0f * a, a, s));
+        } else {
+            avg = sqrtf(s);
+        }
+        avg = avg + eps;
+        if (has_mom) {
+            float b = buf[i] * mom + d / avg;
+            buf[i] = b;
+            p[i] = FMADD(neg_lr, b, p[i]);
+        } else {
+            p[i] = p[i] + (neg_lr * d) / avg;
+        }
+    }
+}
+
+static void rmsprop_update(opt_param *p, const ckpt_optim_options *g) {
+    p->step += 1.0f;
+    if (p->hi > p->lo)
+        rmsprop_loop(p->data + p->lo, p->grad + p->lo, p->buf[0], p->buf[1], p->buf[2],
+                     p->hi - p->lo, g);
+}
+
+/* The kinds: hyper-parameters in state-dict order (after lr, weight_decay,
+ * maximize), state buffers, PyTorch 1.13's param_group fields in its order. */
+#define HP(k, field, isb)                                                                          \
+    { .key = k, .offset = offsetof(ckpt_optim_options, field), .is_bool = isb }
+#define TF_HP(n)                                                                                   \
+    { .name = n, .kind = CKPT_TF_HPARAM, .key = n }
+#define TF_NONE(n)                                                                                 \
+    { .name = n, .kind = CKPT_TF_NONE }
+#define TF_FALSE(n)                                                                                \
+    { .name = n, .kind = CKPT_TF_FALSE }
+#define TF_BETAS                                                                                   \
+    { .name = "betas", .kind = CKPT_TF_PAIR, .key = "betas.0", .key2 = "betas.1" }
+#define ADAM_HPARAMS                                                                               \
+    .nhparams = 4,                                                                                 \
+    .hparams = {HP("betas.0", beta1, false), HP("betas.1", beta2, false), HP("eps", eps, false),   \
+                HP("amsgrad", amsgrad, true)},                                                     \
+    .nbuffers = 3, .buffers = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}, .needs = adam_needs,    \
+    .needs_what = "amsgrad", .check = adam_check, .torch_step = CKPT_TORCH_STEP_TENSOR
+static const kind_impl KINDS[4] = {
+    {.d = {.kind = CKPT_OPTIM_SGD,
+           .name = "sgd",
+           .torch_name = "SGD",
+           .nhparams = 3,
+           .hparams = {HP("momentum", momentum, false), HP("dampening", dampening, false),
+                       HP("nesterov", nesterov, true)},
+           .nbuffers = 1,
+           .buffers = {"momentum_buffer"},
+           .needs = sgd_needs,
+           .needs_what = "momentum (zero vs non-zero)",
+           .check = sgd_check,
+           .defaults = sgd_defaults,
+           .torch_step = CKPT_TORCH_STEP_NONE,
+           .torch_none_buffer = true,
+           .ntorch_fields = 8,
+           .torch_fields = {TF_HP("lr"), TF_HP("momentum"), TF_HP("dampening"),
+                            TF_HP("weight_decay"), TF_HP("nesterov"), TF_HP("maximize"),
+                            TF_NONE("foreach"), TF_FALSE("differentiable")}},
+     .update = sgd_param_update},
+    {.d = {.kind = CKPT_OPTIM_ADAM,
+           .name = "adam",
+           .torch_name = "Adam",
+           ADAM_HPARAMS,
+           .defaults = adam_defaults,
+           .ntorch_fields = 10,
+           .torch_fields = {TF_HP("lr"), TF_BETAS, TF_HP("eps"), TF_HP("weight_decay"),
+                            TF_HP("amsgrad"), TF_HP("maximize"), TF_NONE("foreach"),
+                            TF_FALSE("capturable"), TF_FALSE("differentiable"), TF_FALSE("fused")}},
+     .update = adam_update},
+    {.d = {.kind = CKPT_OPTIM_ADAMW,
+           .name = "adamw",
+           .torch_name = "AdamW",
+           ADAM_HPARAMS,
+           .defaults = adamw_defaults,
+           .ntorch_fields = 8,
+           .torch_fields = {TF_HP("lr"), TF_BETAS, TF_HP("eps"), TF_HP("weight_decay"),
+                            TF_HP("amsgrad"), TF_NONE("foreach"), TF_HP("maximize"),
+                            TF_FALSE("capturable")}},
+     .update = adamw_update},
+    {.d = {.kind = CKPT_OPTIM_RMSPROP,
+           .name = "rmsprop",
+           .torch_name = "RMSprop",
+           .nhparams = 4,
+           .hparams = {HP("alpha", alpha, false), HP("eps", eps, false),
+                       HP("momentum", momentum, false), HP("centered", centered, true)},
+           .nbuffers = 3,
+           .buffers = {"square_avg", "momentum_buffer", "grad_avg"},
+           .needs = rmsprop_needs,
+           .needs_what = "momentum (zero vs non-zero) or centered",
+           .check = rmsprop_check,
+           .defaults = rmsprop_defaults,
+           .torch_step = CKPT_TORCH_STEP_INT,
+           .ntorch_fields = 9,
+           .torch_fields = {TF_HP("lr"), TF_HP("momentum"), TF_HP("alpha"), TF_HP("eps"),
+                            TF_HP("centered"), TF_HP("weight_decay"), TF_NONE("foreach"),
+                            TF_HP("maximize"), TF_FALSE("differentiable")}},
+     .update = rmsprop_update},
+};
+#undef ADAM_HPARAMS
+#undef TF_BETAS
+#undef TF_FALSE
+#undef TF_NONE
+#undef HP
+#undef TF_HP
 
 int ckpt_optimizer_step(ckpt_optimizer *o) {
     if (!o) return ckpt__err(CKPT_EINVAL, "optimizer_step: optimizer is NULL");
@@ -698,18 +904,7 @@ int ckpt_optimizer_step(ckpt_optimizer *o) {
             return ckpt__err(CKPT_EINVAL,
                              "optimizer: parameter '%s' (state %lld) has no gradient buffer",
                              o->p[i].name, (long long)i);
-    for (int64_t i = 0; i < o->np; i++) {
-        opt_param *p = &o->p[i];
-        const ckpt_optim_options *g = &o->opts[p->group];
-        if (o->kind == CKPT_OPTIM_SGD) {
-            if (p->hi > p->lo)
-                sgd_update(p->data + p->lo, p->grad + p->lo, p->momentum_buffer, p->hi - p->lo, g,
-                           p->step == 0);
-            p->step += 1.0f;
-        } else {
-            adam_update(p, g, o->kind == CKPT_OPTIM_ADAMW);
-        }
-    }
+    for (int64_t i = 0; i < o->np; i++) o->impl->update(&o->p[i], &o->opts[o->p[i].group]);
     if (o->comm && o->comm->size > 1) return exchange_shares(o);
     return CKPT_OK;
 }
@@ -744,15 +939,13 @@ static int write_group(const ckpt_optimizer *o, ckpt_writer *w, int g) {
     CKPT_TRY(ckpt_write_f64(w, GKEY("lr"), op->lr));
     CKPT_TRY(ckpt_write_f64(w, GKEY("weight_decay"), op->weight_decay));
     CKPT_TRY(ckpt_write_i64(w, GKEY("maximize"), op->maximize));
-    if (o->kind == CKPT_OPTIM_SGD) {
-        CKPT_TRY(ckpt_write_f64(w, GKEY("momentum"), op->momentum));
-        CKPT_TRY(ckpt_write_f64(w, GKEY("dampening"), op->dampening));
-        CKPT_TRY(ckpt_write_i64(w, GKEY("nesterov"), op->nesterov));
-    } else {
-        CKPT_TRY(ckpt_write_f64(w, GKEY("betas.0"), op->beta1));
-        CKPT_TRY(ckpt_write_f64(w, GKEY("betas.1"), op->beta2));
-        CKPT_TRY(ckpt_write_f64(w, GKEY("eps"), op->eps));
-        CKPT_TRY(ckpt_write_i64(w, GKEY("amsgrad"), op->amsgrad));
+    const ckpt_optim_desc *d = &o->impl->d;
+    for (int h = 0; h < d->nhparams; h++) {
+        const ckpt_optim_hparam *hp = &d->hparams[h];
+        const char *field = (const char *)op + hp->offset;
+        snprintf(k, sizeof k, "param_groups.%d.%s", g, hp->key);
+        if (hp->is_bool) CKPT_TRY(ckpt_write_i64(w, k, *(const bool *)field));
+        else CKPT_TRY(ckpt_write_f64(w, k, *(const double *)field));
     }
     int64_t n = o->group_start[g + 1] - o->group_start[g];
     CKPT_TRY(ckpt_write_tensor(w, GKEY("params"), CKPT_I64, 1, &n,
@@ -763,15 +956,14 @@ static int write_group(const ckpt_optimizer *o, ckpt_writer *w, int g) {
 
 /* A parameter's state tensors besides step, in key order: their key suffixes
  * and buffers. Returns how many it has. */
-static int state_buffers(const opt_param *p, const char *names[4], float *bufs[4]) {
+static int state_buffers(const ckpt_optimizer *o, const opt_param *p,
+                         const char *names[CKPT_OPTIM_MAX_BUFFERS],
+                         float *bufs[CKPT_OPTIM_MAX_BUFFERS]) {
     int n = 0;
-    float *all[4] = {p->exp_avg, p->exp_avg_sq, p->max_exp_avg_sq, p->momentum_buffer};
-    static const char *const all_names[4] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq",
-                                             "momentum_buffer"};
-    for (int j = 0; j < 4; j++)
-        if (all[j]) {
-            names[n] = all_names[j];
-            bufs[n++] = all[j];
+    for (int b = 0; b < o->impl->d.nbuffers; b++)
+        if (p->buf[b]) {
+            names[n] = o->impl->d.buffers[b];
+            bufs[n++] = p->buf[b];
         }
     return n;
 }
@@ -812,7 +1004,7 @@ static int read_state(const ckpt_optimizer *o, ckpt_reader *r, const char *k, co
 static int optimizer_state_dict(void *self, ckpt_writer *w) {
     const ckpt_optimizer *o = self;
     char k[KEY_CAP];
-    CKPT_TRY(ckpt_write_str(w, "kind", kind_name(o->kind)));
+    CKPT_TRY(ckpt_write_str(w, "kind", o->impl->d.name));
     /* Each state index's parameter name, so a load maps state by name, not
      * by position (files written before these entries load by position). */
     for (int64_t i = 0; i < o->np; i++) {
@@ -824,9 +1016,9 @@ static int optimizer_state_dict(void *self, ckpt_writer *w) {
         const opt_param *p = &o->p[i];
         snprintf(k, sizeof k, "state.%lld.step", (long long)i);
         CKPT_TRY(ckpt_write_tensor(w, k, CKPT_F32, 0, NULL, &p->step));
-        const char *names[4];
-        float *bufs[4];
-        for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
+        const char *names[CKPT_OPTIM_MAX_BUFFERS];
+        float *bufs[CKPT_OPTIM_MAX_BUFFERS];
+        for (int j = 0, n = state_buffers(o, p, names, bufs); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
             CKPT_TRY(write_state(o, w, k, p, bufs[j]));
             /* the file's state.<i> may be another parameter's (a load maps
@@ -856,15 +1048,13 @@ static int read_group(const ckpt_optimizer *o, ckpt_reader *r, int g, ckpt_optim
     CKPT_TRY(ckpt_read_f64(r, GKEY("lr"), &op->lr));
     CKPT_TRY(ckpt_read_f64(r, GKEY("weight_decay"), &op->weight_decay));
     CKPT_TRY(read_bool(r, GKEY("maximize"), &op->maximize));
-    if (o->kind == CKPT_OPTIM_SGD) {
-        CKPT_TRY(ckpt_read_f64(r, GKEY("momentum"), &op->momentum));
-        CKPT_TRY(ckpt_read_f64(r, GKEY("dampening"), &op->dampening));
-        CKPT_TRY(read_bool(r, GKEY("nesterov"), &op->nesterov));
-    } else {
-        CKPT_TRY(ckpt_read_f64(r, GKEY("betas.0"), &op->beta1));
-        CKPT_TRY(ckpt_read_f64(r, GKEY("betas.1"), &op->beta2));
-        CKPT_TRY(ckpt_read_f64(r, GKEY("eps"), &op->eps));
-        CKPT_TRY(read_bool(r, GKEY("amsgrad"), &op->amsgrad));
+    const ckpt_optim_desc *d = &o->impl->d;
+    for (int h = 0; h < d->nhparams; h++) {
+        const ckpt_optim_hparam *hp = &d->hparams[h];
+        char *field = (char *)op + hp->offset;
+        snprintf(k, sizeof k, "param_groups.%d.%s", g, hp->key);
+        if (hp->is_bool) CKPT_TRY(read_bool(r, k, (bool *)field));
+        else CKPT_TRY(ckpt_read_f64(r, k, (double *)field));
     }
     int64_t n = o->group_start[g + 1] - o->group_start[g];
     ckpt_entry_info e;
@@ -886,14 +1076,15 @@ static int read_group(const ckpt_optimizer *o, ckpt_reader *r, int g, ckpt_optim
                              (long long)o->param_index[o->group_start[g] + j]);
     }
 #undef GKEY
-    int code = check_options(o->kind, op, g);
+    int code = check_options(o->impl, op, g);
     if (code < 0) return ckpt__err_prefix(CKPT_ECORRUPT, "state dict");
     const ckpt_optim_options *cur = &o->opts[g];
-    if (needs_max(o, op) != needs_max(o, cur) || needs_momentum(o, op) != needs_momentum(o, cur))
-        return ckpt__err(CKPT_EMISMATCH,
-                         "optimizer: param_groups.%d: the file's %s differs from this "
-                         "optimizer's (its state buffers would not match)",
-                         g, o->kind == CKPT_OPTIM_SGD ? "momentum (zero vs non-zero)" : "amsgrad");
+    for (int b = 0; b < d->nbuffers; b++)
+        if (d->needs(b, op) != d->needs(b, cur))
+            return ckpt__err(CKPT_EMISMATCH,
+                             "optimizer: param_groups.%d: the file's %s differs from this "
+                             "optimizer's (its state buffers would not match)",
+                             g, d->needs_what);
     return CKPT_OK;
 }
 
@@ -949,7 +1140,8 @@ static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bo
                          "a load by position (ckpt_optimizer_set_match_by_position)");
     snprintf(k, sizeof k, "param_names.%lld", (long long)o->np);
     if (ckpt__reader_has(r, k, NULL))
-        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict names more than %lld parameters",
+        return ckpt__err(CKPT_EMISMATCH,
+                         "optimizer: the state dict names more than %lld parameters",
                          (long long)o->np);
     for (int64_t i = 0; i < o->np; i++) map[i] = -1;
     char name[CKPT_MAX_KEY + 1];
@@ -957,14 +1149,18 @@ static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bo
         snprintf(k, sizeof k, "param_names.%lld", (long long)j);
         int rc = ckpt_read_str(r, k, name, sizeof name);
         if (rc == CKPT_ENOENT)
-            return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict names %lld parameters, this "
-                             "optimizer has %lld", (long long)j, (long long)o->np);
+            return ckpt__err(CKPT_EMISMATCH,
+                             "optimizer: the state dict names %lld parameters, this "
+                             "optimizer has %lld",
+                             (long long)j, (long long)o->np);
         if (rc < 0) return rc;
         int64_t i = 0;
         while (i < o->np && strcmp(o->p[i].name, name) != 0) i++;
         if (i == o->np)
-            return ckpt__err(CKPT_EMISMATCH, "optimizer: %s: the state dict has state for parameter "
-                             "'%s', which this optimizer does not optimize", k, name);
+            return ckpt__err(CKPT_EMISMATCH,
+                             "optimizer: %s: the state dict has state for parameter "
+                             "'%s', which this optimizer does not optimize",
+                             k, name);
         if (map[i] >= 0)
             return ckpt__err(CKPT_ECORRUPT, "optimizer: %s: parameter '%s' named twice", k, name);
         map[i] = j;
@@ -988,10 +1184,12 @@ static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bo
 static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bool *unnamed) {
     char kind[16], k[KEY_CAP];
     int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
-    if (rc == CKPT_EINVAL || (rc == CKPT_OK && strcmp(kind, kind_name(o->kind)) != 0))
-        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict is for a%s %s optimizer, this "
-                         "one is %s", rc == CKPT_OK && kind[0] == 'a' ? "n" : "",
-                         rc == CKPT_OK ? kind : "different", kind_name(o->kind));
+    if (rc == CKPT_EINVAL || (rc == CKPT_OK && strcmp(kind, o->impl->d.name) != 0))
+        return ckpt__err(CKPT_EMISMATCH,
+                         "optimizer: the state dict is for a%s %s optimizer, this "
+                         "one is %s",
+                         rc == CKPT_OK && kind[0] == 'a' ? "n" : "",
+                         rc == CKPT_OK ? kind : "different", o->impl->d.name);
     if (rc < 0) return rc;
     for (int g = 0; g < o->ngroups; g++) {
         ckpt_optim_options op = o->opts[g];
@@ -1006,13 +1204,13 @@ static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map
         return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has state for more than %lld "
                          "parameters", (long long)o->np);
     CKPT_TRY(map_by_name(o, r, map, unnamed));
-    const char *names[4];
-    float *bufs[4];
+    const char *names[CKPT_OPTIM_MAX_BUFFERS];
+    float *bufs[CKPT_OPTIM_MAX_BUFFERS];
     for (int64_t i = 0; i < o->np; i++) {
         const opt_param *p = &o->p[i];
         float step;
         CKPT_TRY(read_step(r, map[i], &step));
-        for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
+        for (int j = 0, n = state_buffers(o, p, names, bufs); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)map[i], names[j]);
             CKPT_TRY(check_state_tensor(r, k, p->ndim, p->shape));
         }
@@ -1068,13 +1266,13 @@ static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *ma
         o->opts[g] = op;
     }
     char k[KEY_CAP];
-    const char *names[4];
-    float *bufs[4];
+    const char *names[CKPT_OPTIM_MAX_BUFFERS];
+    float *bufs[CKPT_OPTIM_MAX_BUFFERS];
     for (int64_t i = 0; i < o->np; i++) {
         opt_param *p = &o->p[i];
         float step;
         CKPT_TRY(read_step(r, map[i], &step));
-        for (int j = 0, n = state_buffers(p, names, bufs); j < n; j++) {
+        for (int j = 0, n = state_buffers(o, p, names, bufs); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)map[i], names[j]);
             CKPT_TRY(read_state(o, r, k, p, bufs[j]));
         }

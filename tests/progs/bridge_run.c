@@ -17,7 +17,9 @@
  *   sgd    SGD lr 0.05, momentum 0.9, nesterov, weight_decay 1e-3; StepLR(3, 0.5)
  *   adam   Adam lr 0.01, weight_decay 0.01; warmup_cosine(3, 20)
  *   adamw  AdamW, two groups: w lr 0.01 wd 0.1, b lr 0.02 wd 0 amsgrad;
- *          warmup_cosine(3, 20); GradScaler(256, 2, 0.5, 3) */
+ *          warmup_cosine(3, 20); GradScaler(256, 2, 0.5, 3)
+ *   rmsprop  RMSprop lr 0.01, alpha 0.9, eps 1e-6, weight_decay 0.01,
+ *          momentum 0.5, centered; StepLR(3, 0.5) */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -77,6 +79,9 @@ static void build(setup *x, const char *config) {
         if (rc == 0) rc = ckpt_warmup_cosine_new(&x->s, x->o, 3, 20);
         if (rc == 0) rc = ckpt_grad_scaler_new(&x->gs, 256.0, 2.0, 0.5, 3);
         x->ngroups = 2;
+    } else if (strcmp(config, "rmsprop") == 0) {
+        rc = ckpt_rmsprop_new(&x->o, x->m, 0.01, 0.9, 1e-6, 0.01, 0.5, true);
+        if (rc == 0) rc = ckpt_steplr_new(&x->s, x->o, 3, 0.5);
     } else {
         fprintf(stderr, "bridge_run: unknown config '%s'\n", config);
         exit(2);

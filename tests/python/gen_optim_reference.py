@@ -27,6 +27,13 @@ CONFIGS = [
      dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     ("sgd_dampening", torch.optim.SGD,
      dict(lr=0.1, momentum=0.8, dampening=0.3, weight_decay=0.02)),
+    ("rmsprop", torch.optim.RMSprop, dict(lr=0.01, alpha=0.99, eps=1e-8)),
+    ("rmsprop_momentum", torch.optim.RMSprop,
+     dict(lr=0.02, alpha=0.9, eps=1e-6, weight_decay=0.05, momentum=0.8)),
+    ("rmsprop_centered", torch.optim.RMSprop,
+     dict(lr=0.005, alpha=0.95, eps=1e-4, weight_decay=0.1, momentum=0.5, centered=True)),
+    ("rmsprop_centered_plain", torch.optim.RMSprop,
+     dict(lr=0.01, alpha=0.99, eps=1e-8, centered=True)),
 ]
 
 

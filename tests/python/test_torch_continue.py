@@ -4,8 +4,8 @@
 For each configuration of tests/progs/bridge_run.c -- SGD with nesterov
 momentum and weight decay under StepLR; Adam with L2 under warmup + cosine;
 AdamW in two groups (one with amsgrad) under warmup + cosine with a loss
-scaler that skips steps on inf -- on a small problem with a fixed gradient
-sequence:
+scaler that skips steps on inf; centered RMSprop with momentum and weight
+decay under StepLR -- on a small problem with a fixed gradient sequence:
 
 C -> PyTorch: C trains K steps and saves; `ckpt export` writes the
   Accelerate folder; PyTorch loads optimizer.bin, scheduler.bin, scaler.pt
@@ -95,6 +95,11 @@ def make(config):
     if config == "sgd":
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, nesterov=True,
                               weight_decay=1e-3, foreach=False)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
+        scaler = None
+    elif config == "rmsprop":
+        opt = torch.optim.RMSprop(net.parameters(), lr=0.01, alpha=0.9, eps=1e-6,
+                                  weight_decay=0.01, momentum=0.5, centered=True, foreach=False)
         sched = torch.optim.lr_scheduler.StepLR(opt, 3, 0.5)
         scaler = None
     elif config == "adam":
@@ -209,9 +214,11 @@ def torch_to_c(tmp, config):
     if scaler is not None:
         torch.save(dict(scaler), os.path.join(folder, "scaler.pt"))
     imported = os.path.join(tmp, "imported_" + config)
-    kind = {"sgd": "sgd", "adam": "adam", "adamw": "adamw"}[config]
-    args = [CKPT, "import", "--optimizer", kind, "--step", str(K)]
-    if config != "sgd":
+    # RMSprop's kind is found from its fields (no --optimizer)
+    args = [CKPT, "import", "--step", str(K)]
+    if config != "rmsprop":
+        args += ["--optimizer", config]
+    if config not in ("sgd", "rmsprop"):
         args += ["--scheduler", "warmup_cosine", "--warmup", "3", "--total", "20"]
     if len(opt.param_groups) > 1:
         # torch 1.13 names no parameters and with several groups the import cannot prove the
@@ -239,7 +246,7 @@ def torch_to_c(tmp, config):
 
 def main():
     with tempfile.TemporaryDirectory() as tmp:
-        for config in ("sgd", "adam", "adamw"):
+        for config in ("sgd", "adam", "adamw", "rmsprop"):
             c_to_torch(tmp, config)
             torch_to_c(tmp, config)
     if failures:

@@ -3,8 +3,9 @@
  * tests/python/gen_optim_reference.py), so that no PyTorch is needed: AdamW
  * with weight decay (and amsgrad), Adam with L2 weight decay, SGD with
  * nesterov momentum and weight decay, SGD with dampening and weight decay,
- * six steps each, every parameter after every step equal bit for bit; and
- * the same run saved after three steps and continued by new objects. */
+ * RMSprop plain, with momentum and weight decay, and centered, six steps
+ * each, every parameter after every step equal bit for bit; and the same run
+ * saved after three steps and continued by new objects. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -148,6 +149,39 @@ static void test_sgd_dampening_with_weight_decay_equals_pytorch(void **state) {
     expect_torch("sgd_dampening", CKPT_OPTIM_SGD, &o, torch_ref_sgd_dampening);
 }
 
+static ckpt_optim_options rmsprop_opts(double lr, double alpha, double eps, double wd,
+                                       double momentum, bool centered) {
+    ckpt_optim_options o = ckpt_optim_defaults(CKPT_OPTIM_RMSPROP);
+    o.lr = lr;
+    o.alpha = alpha;
+    o.eps = eps;
+    o.weight_decay = wd;
+    o.momentum = momentum;
+    o.centered = centered;
+    return o;
+}
+
+static void test_rmsprop_equals_pytorch(void **state) {
+    (void)state;
+    ckpt_optim_options o = rmsprop_opts(0.01, 0.99, 1e-8, 0, 0, false);
+    expect_torch("rmsprop", CKPT_OPTIM_RMSPROP, &o, torch_ref_rmsprop);
+}
+
+static void test_rmsprop_momentum_with_weight_decay_equals_pytorch(void **state) {
+    (void)state;
+    ckpt_optim_options o = rmsprop_opts(0.02, 0.9, 1e-6, 0.05, 0.8, false);
+    expect_torch("rmsprop_momentum", CKPT_OPTIM_RMSPROP, &o, torch_ref_rmsprop_momentum);
+}
+
+static void test_rmsprop_centered_equals_pytorch(void **state) {
+    (void)state;
+    ckpt_optim_options o = rmsprop_opts(0.005, 0.95, 1e-4, 0.1, 0.5, true);
+    expect_torch("rmsprop_centered", CKPT_OPTIM_RMSPROP, &o, torch_ref_rmsprop_centered);
+    o = rmsprop_opts(0.01, 0.99, 1e-8, 0, 0, true);
+    expect_torch("rmsprop_centered_plain", CKPT_OPTIM_RMSPROP, &o,
+                 torch_ref_rmsprop_centered_plain);
+}
+
 /* The comparison can fail: without the weight decay, or as Adam instead of
  * AdamW, the values differ from PyTorch's from the first step on. */
 static void test_reference_comparison_detects_another_update(void **state) {
@@ -173,6 +207,9 @@ int main(void) {
         T(test_adam_with_l2_weight_decay_equals_pytorch),
         T(test_sgd_nesterov_with_weight_decay_equals_pytorch),
         T(test_sgd_dampening_with_weight_decay_equals_pytorch),
+        T(test_rmsprop_equals_pytorch),
+        T(test_rmsprop_momentum_with_weight_decay_equals_pytorch),
+        T(test_rmsprop_centered_equals_pytorch),
         T(test_reference_comparison_detects_another_update),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -246,7 +246,8 @@ static int memo_put(vm *m, uint64_t idx) {
 }
 
 static int memo_get(vm *m, uint64_t idx) {
-    if (idx >= m->memo_cap || !m->memo[idx]) return bad(m, "memo index %" PRIu64 " was never set", idx);
+    if (idx >= m->memo_cap || !m->memo[idx])
+        return bad(m, "memo index %" PRIu64 " was never set", idx);
     return push(m, m->memo[idx]);
 }
 
@@ -255,7 +256,8 @@ static int push_global(vm *m, const char *mod, const char *name) {
     int g = 0;
     ckpt_dtype dt = CKPT_DTYPE_INVALID;
     if (!strcmp(mod, "torch._utils") && !strcmp(name, "_rebuild_tensor_v2")) g = G_REBUILD_V2;
-    else if (!strcmp(mod, "torch._utils") && !strcmp(name, "_rebuild_parameter")) g = G_REBUILD_PARAM;
+    else if (!strcmp(mod, "torch._utils") && !strcmp(name, "_rebuild_parameter"))
+        g = G_REBUILD_PARAM;
     else if (!strcmp(mod, "collections") && !strcmp(name, "OrderedDict")) g = G_ODICT;
     /* protocol 2 pickles a set as set(list) */
     else if ((!strcmp(mod, "__builtin__") || !strcmp(mod, "builtins")) &&
@@ -354,7 +356,8 @@ static int rebuild_tensor(vm *m, const ckpt_torch_value *args) {
     const ckpt_pkl_node *st = (const ckpt_pkl_node *)args->items[0];
     if (st->ikind != IK_STORAGE) return bad(m, "_rebuild_tensor_v2 of %s, not a storage", what(st));
     const ckpt_torch_value *off = args->items[1], *rg = args->items[4], *hooks = args->items[5];
-    if (!is_int(off) || off->i < 0) return bad(m, "tensor storage offset is not a non-negative int");
+    if (!is_int(off) || off->i < 0)
+        return bad(m, "tensor storage offset is not a non-negative int");
     if (rg->kind != CKPT_TORCH_BOOL) return bad(m, "tensor requires_grad is not a bool");
     if (hooks->kind != CKPT_TORCH_DICT) return bad(m, "tensor backward hooks are not a dict");
     if (hooks->n)
@@ -432,13 +435,14 @@ static int reduce(vm *m) {
     if (fn->ikind != IK_GLOBAL)
         return ckpt__err(CKPT_EUNSUPPORTED, "%s: data.pkl at byte %zu: REDUCE of %s, which is "
                          "not an allowed callable", m->name, m->pos, what(fn));
-    if (args->ikind || args->v.kind != CKPT_TORCH_TUPLE) return bad(m, "REDUCE arguments are not a tuple");
+    if (args->ikind || args->v.kind != CKPT_TORCH_TUPLE)
+        return bad(m, "REDUCE arguments are not a tuple");
     switch (fn->global) {
     case G_REBUILD_V2: return rebuild_tensor(m, &args->v);
     case G_REBUILD_PARAM: {
         const ckpt_torch_value *a = &args->v;
-        if (a->n != 3 || a->items[0]->kind != CKPT_TORCH_TENSOR || a->items[1]->kind != CKPT_TORCH_BOOL ||
-            a->items[2]->kind != CKPT_TORCH_DICT)
+        if (a->n != 3 || a->items[0]->kind != CKPT_TORCH_TENSOR ||
+            a->items[1]->kind != CKPT_TORCH_BOOL || a->items[2]->kind != CKPT_TORCH_DICT)
             return bad(m, "_rebuild_parameter takes (tensor, requires_grad, hooks)");
         ckpt_pkl_node *nd = node_new(m, CKPT_TORCH_TENSOR);
         if (!nd) return ckpt__err_nomem("unpickler");
@@ -462,7 +466,8 @@ static int reduce(vm *m) {
         if (!nd) return ckpt__err_nomem("unpickler");
         const ckpt_pkl_node *l = a->n ? (const ckpt_pkl_node *)a->items[0] : NULL;
         for (int64_t i = 0; l && i < l->nitems; i++) {
-            if (!hashable((const ckpt_pkl_node *)l->items[i])) return bad(m, "set item is not hashable");
+            if (!hashable((const ckpt_pkl_node *)l->items[i]))
+                return bad(m, "set item is not hashable");
             CKPT_TRY(add_item(nd, (ckpt_pkl_node *)l->items[i]));
         }
         return push(m, nd);
@@ -474,7 +479,8 @@ static int reduce(vm *m) {
 }
 
 static int set_items(vm *m, ckpt_pkl_node *d, size_t first, const char *op) {
-    if (d->ikind || d->v.kind != CKPT_TORCH_DICT) return bad(m, "%s on %s, not a dict", op, what(d));
+    if (d->ikind || d->v.kind != CKPT_TORCH_DICT)
+        return bad(m, "%s on %s, not a dict", op, what(d));
     if ((m->sp - first) % 2) return bad(m, "%s with an odd number of items", op);
     for (size_t i = first; i < m->sp; i += 2) {
         if (!hashable(m->stack[i])) return bad(m, "%s: dict key is %s", op, what(m->stack[i]));
@@ -485,7 +491,8 @@ static int set_items(vm *m, ckpt_pkl_node *d, size_t first, const char *op) {
     return CKPT_OK;
 }
 
-static int append_items(vm *m, ckpt_pkl_node *l, size_t first, ckpt_torch_kind kind, const char *op) {
+static int append_items(vm *m, ckpt_pkl_node *l, size_t first, ckpt_torch_kind kind,
+                        const char *op) {
     if (l->ikind || l->v.kind != kind)
         return bad(m, "%s on %s, not a %s", op, what(l), ckpt_torch_kind_name(kind));
     for (size_t i = first; i < m->sp; i++) {
@@ -624,7 +631,8 @@ static int run(vm *m) {
         case 0x91: /* FROZENSET */
             CKPT_TRY(pop_mark(m, &first, "FROZENSET"));
             for (size_t i = first; i < m->sp; i++)
-                if (!hashable(m->stack[i])) return bad(m, "FROZENSET item is %s", what(m->stack[i]));
+                if (!hashable(m->stack[i]))
+                    return bad(m, "FROZENSET item is %s", what(m->stack[i]));
             CKPT_TRY(make_seq(m, CKPT_TORCH_SET, first));
             break;
         case 0x85: case 0x86: case 0x87: { /* TUPLE1..3 */
@@ -692,8 +700,9 @@ static int run(vm *m) {
         case 0x93: /* STACK_GLOBAL */
             CKPT_TRY(pop(m, &b, "STACK_GLOBAL"));
             CKPT_TRY(pop(m, &a, "STACK_GLOBAL"));
-            if (a->ikind || b->ikind || a->v.kind != CKPT_TORCH_STR || b->v.kind != CKPT_TORCH_STR ||
-                strlen(a->v.s) != a->v.len || strlen(b->v.s) != b->v.len)
+            if (a->ikind || b->ikind || a->v.kind != CKPT_TORCH_STR ||
+                b->v.kind != CKPT_TORCH_STR || strlen(a->v.s) != a->v.len ||
+                strlen(b->v.s) != b->v.len)
                 return bad(m, "STACK_GLOBAL of something other than two strings");
             CKPT_TRY(push_global(m, a->v.s, b->v.s));
             break;
@@ -716,11 +725,13 @@ static int run(vm *m) {
             static const struct {
                 uint8_t op;
                 const char *name;
-            } known[] = {{'0', "POP"}, {'1', "POP_MARK"}, {'2', "DUP"}, {'F', "FLOAT"}, {'I', "INT"},
-                         {'L', "LONG"}, {'P', "PERSID"}, {'S', "STRING"}, {'V', "UNICODE"},
-                         {'T', "BINSTRING"}, {'d', "DICT"}, {'g', "GET"}, {'i', "INST"},
-                         {'l', "LIST"}, {'o', "OBJ"}, {'p', "PUT"}, {0x81, "NEWOBJ"},
-                         {0x82, "EXT1"}, {0x83, "EXT2"}, {0x84, "EXT4"}, {0x92, "NEWOBJ_EX"},
+            } known[] = {{'0', "POP"},         {'1', "POP_MARK"},     {'2', "DUP"},
+                         {'F', "FLOAT"},       {'I', "INT"},          {'L', "LONG"},
+                         {'P', "PERSID"},      {'S', "STRING"},       {'V', "UNICODE"},
+                         {'T', "BINSTRING"},   {'d', "DICT"},         {'g', "GET"},
+                         {'i', "INST"},        {'l', "LIST"},         {'o', "OBJ"},
+                         {'p', "PUT"},         {0x81, "NEWOBJ"},      {0x82, "EXT1"},
+                         {0x83, "EXT2"},       {0x84, "EXT4"},        {0x92, "NEWOBJ_EX"},
                          {0x96, "BYTEARRAY8"}, {0x97, "NEXT_BUFFER"}, {0x98, "READONLY_BUFFER"}};
             for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
                 if (known[i].op == op)
@@ -782,7 +793,8 @@ static int walk(ckpt_pkl_node *nd, int depth, const char *name) {
                          nd->ikind == IK_GLOBAL ? "a global" : "a storage");
     nd->mark = 1;
     int64_t items = nd->v.kind == CKPT_TORCH_TENSOR ? 0 : nd->nitems;
-    for (int64_t i = 0; i < items; i++) CKPT_TRY(walk((ckpt_pkl_node *)nd->items[i], depth + 1, name));
+    for (int64_t i = 0; i < items; i++)
+        CKPT_TRY(walk((ckpt_pkl_node *)nd->items[i], depth + 1, name));
     if (nd->v.kind == CKPT_TORCH_DICT) CKPT_TRY(check_keys(&nd->v, name));
     nd->mark = 2;
     return CKPT_OK;

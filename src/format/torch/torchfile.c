@@ -39,9 +39,10 @@ static int storage_cb(void *ctx, const char *key, ckpt_dtype dt, int64_t numel,
     uint64_t need = 0;
     int64_t shape[1] = {numel};
     if (ckpt_tensor_nbytes(dt, 1, shape, &need) < 0 || r->usize != need)
-        return ckpt__err(CKPT_ECORRUPT, "%s: storage '%s' (%" PRId64 " elements of %s) needs %" PRIu64
-                         " bytes, its record has %" PRIu64, f->name, key, numel, ckpt_dtype_name(dt),
-                         need, r->usize);
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: storage '%s' (%" PRId64 " elements of %s) needs %" PRIu64
+                         " bytes, its record has %" PRIu64,
+                         f->name, key, numel, ckpt_dtype_name(dt), need, r->usize);
     return ckpt__zip_read(&f->zip, r, data);
 }
 
@@ -84,13 +85,15 @@ static int parse(ckpt_torch_file *f) {
     CKPT_TRY(ckpt__zip_read(&f->zip, vr, &vd));
     int64_t version = 0;
     uint64_t k = 0;
-    while (k < vr->usize && k < 8 && vd[k] >= '0' && vd[k] <= '9') version = version * 10 + (vd[k++] - '0');
+    while (k < vr->usize && k < 8 && vd[k] >= '0' && vd[k] <= '9')
+        version = version * 10 + (vd[k++] - '0');
     while (k < vr->usize && (vd[k] == '\n' || vd[k] == '\r' || vd[k] == ' ')) k++;
     if (k == 0 || k != vr->usize)
         return ckpt__err(CKPT_ECORRUPT, "%s: the version record is not a number", f->name);
     if (version < 1 || version > 10)
-        return ckpt__err(CKPT_EUNSUPPORTED, "%s: archive format version %" PRId64 " (1 to 10 are read)",
-                         f->name, version);
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "%s: archive format version %" PRId64 " (1 to 10 are read)", f->name,
+                         version);
     const uint8_t *pd = NULL;
     CKPT_TRY(ckpt__zip_read(&f->zip, pkl, &pd));
     f->arena.gather_limit = n + (64u << 20);
@@ -151,7 +154,8 @@ const ckpt_torch_value *ckpt_torch_dict_get(const ckpt_torch_value *d, const cha
     size_t n = strlen(key);
     for (int64_t i = 0; i < d->n; i++) {
         const ckpt_torch_value *k = d->items[2 * i];
-        if (k->kind == CKPT_TORCH_STR && k->len == n && memcmp(k->s, key, n) == 0) return d->items[2 * i + 1];
+        if (k->kind == CKPT_TORCH_STR && k->len == n && memcmp(k->s, key, n) == 0)
+            return d->items[2 * i + 1];
     }
     return NULL;
 }
@@ -172,9 +176,11 @@ static int flatten(flat *fl, const ckpt_torch_value *v, size_t klen, int depth) 
     if (++fl->visits > FLATTEN_MAX_VISITS)
         return ckpt__err(CKPT_ECORRUPT, "torch flatten: more than %u values (shared containers)",
                          FLATTEN_MAX_VISITS);
-    if (depth > CKPT_TORCH_MAX_DEPTH) return ckpt__err(CKPT_ECORRUPT, "torch flatten: nested too deep");
+    if (depth > CKPT_TORCH_MAX_DEPTH)
+        return ckpt__err(CKPT_ECORRUPT, "torch flatten: nested too deep");
     const char *key = fl->key;
-    bool leaf = v->kind != CKPT_TORCH_DICT && v->kind != CKPT_TORCH_LIST && v->kind != CKPT_TORCH_TUPLE;
+    bool leaf =
+        v->kind != CKPT_TORCH_DICT && v->kind != CKPT_TORCH_LIST && v->kind != CKPT_TORCH_TUPLE;
     if (leaf && klen == 0 && v->kind != CKPT_TORCH_NONE)
         return ckpt__err(CKPT_EINVAL, "torch flatten: a %s needs a key (give a prefix)",
                          ckpt_torch_kind_name(v->kind));
@@ -188,7 +194,8 @@ static int flatten(flat *fl, const ckpt_torch_value *v, size_t klen, int depth) 
             return ckpt__err(CKPT_EUNSUPPORTED, "torch flatten: '%s': a string with a NUL", key);
         return ckpt_write_str(fl->w, key, v->s);
     case CKPT_TORCH_BYTES: return ckpt_write_bytes(fl->w, key, v->s, v->len);
-    case CKPT_TORCH_TENSOR: return ckpt_write_tensor(fl->w, key, v->dtype, v->ndim, v->shape, v->data);
+    case CKPT_TORCH_TENSOR:
+        return ckpt_write_tensor(fl->w, key, v->dtype, v->ndim, v->shape, v->data);
     case CKPT_TORCH_SET:
         return ckpt__err(CKPT_EUNSUPPORTED, "torch flatten: '%s': a set has no keys", key);
     default: break;
@@ -350,7 +357,9 @@ int ckpt_torch_end(ckpt_torch_writer *w) {
     if (kind == F_DICT && w->frames[w->depth - 1].count % 2)
         return misuse(w, "a dict key without a value", NULL);
     w->depth--;
-    ckpt__pkl_byte(&w->pk, kind == F_DICT ? 'u' : kind == F_LIST ? 'e' : 't'); /* SETITEMS APPENDS TUPLE */
+    ckpt__pkl_byte(&w->pk, kind == F_DICT   ? 'u'
+                           : kind == F_LIST ? 'e'
+                                            : 't'); /* SETITEMS APPENDS TUPLE */
     return emitted(w);
 }
 
@@ -380,7 +389,8 @@ int ckpt_torch_put_float(ckpt_torch_writer *w, double v) {
 
 int ckpt_torch_put_str(ckpt_torch_writer *w, const char *v) {
     if (!v) return misuse(w, "string is NULL", NULL);
-    if (!ckpt__utf8_valid((const unsigned char *)v, strlen(v))) return misuse(w, "string is not valid UTF-8", NULL);
+    if (!ckpt__utf8_valid((const unsigned char *)v, strlen(v)))
+        return misuse(w, "string is not valid UTF-8", NULL);
     CKPT_TRY(slot(w, true));
     ckpt__pkl_str(&w->pk, v, strlen(v));
     return emitted(w);
@@ -474,8 +484,8 @@ int ckpt_torch_writer_save(ckpt_torch_writer *w, const char *path) {
     if (!w || !path) return ckpt__err(CKPT_EINVAL, "torch_writer_save: NULL argument");
     if (w->err) return ckpt__err(CKPT_EINVAL, "torch writer: %s: an earlier call failed", path);
     if (!w->have_root || w->depth)
-        return ckpt__err(CKPT_EINVAL, "torch writer: %s: the object is not finished (%d open)", path,
-                         w->depth);
+        return ckpt__err(CKPT_EINVAL, "torch writer: %s: the object is not finished (%d open)",
+                         path, w->depth);
     /* the archive's folder: the file name's stem, as torch.save names it */
     const char *base = strrchr(path, '/');
     base = base ? base + 1 : path;
@@ -483,8 +493,8 @@ int ckpt_torch_writer_save(ckpt_torch_writer *w, const char *path) {
     size_t n = 0;
     for (const char *q = base; *q && *q != '.' && n < sizeof prefix - 1; q++) {
         char ch = *q;
-        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-                  ch == '_' || ch == '-';
+        bool ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+                  (ch >= '0' && ch <= '9') || ch == '_' || ch == '-';
         prefix[n++] = ok ? ch : '_';
     }
     prefix[n] = '\0';

@@ -59,7 +59,8 @@ static int name_cmp(const void *a, const void *b) {
     return strcmp(((const ckpt_zip_record *)a)->name, ((const ckpt_zip_record *)b)->name);
 }
 static int off_cmp(const void *a, const void *b) {
-    uint64_t x = ((const ckpt_zip_record *)a)->header_off, y = ((const ckpt_zip_record *)b)->header_off;
+    uint64_t x = ((const ckpt_zip_record *)a)->header_off,
+             y = ((const ckpt_zip_record *)b)->header_off;
     return x < y ? -1 : x > y;
 }
 
@@ -86,7 +87,8 @@ static int zip64_extra(const ckpt_zip *z, const uint8_t *extra, uint16_t elen, c
         }
         i = (uint16_t)(i + 4 + len);
     }
-    if (want_u || want_c || want_off) return corrupt(z, "saturated size without a zip64 field", NULL);
+    if (want_u || want_c || want_off)
+        return corrupt(z, "saturated size without a zip64 field", NULL);
     return CKPT_OK;
 }
 
@@ -106,7 +108,8 @@ static int parse_central(ckpt_zip *z, uint64_t cd_off, uint64_t cd_size, uint64_
         if (end - p - 46 < (uint64_t)nlen + elen + clen)
             return corrupt(z, "central directory entry overruns the directory", NULL);
         ckpt_zip_record *r = &z->recs[k];
-        if (nlen == 0 || memchr(e + 46, 0, nlen)) return corrupt(z, "empty or NUL in a record name", NULL);
+        if (nlen == 0 || memchr(e + 46, 0, nlen))
+            return corrupt(z, "empty or NUL in a record name", NULL);
         r->name = ckpt__malloc((size_t)nlen + 1);
         if (!r->name) return ckpt__err_nomem("zip directory");
         memcpy(r->name, e + 46, nlen);
@@ -206,7 +209,8 @@ const ckpt_zip_record *ckpt__zip_find(const ckpt_zip *z, const char *name) {
 
 static int inflate_record(ckpt_zip *z, const ckpt_zip_record *r, uint8_t **out) {
     /* deflate cannot expand more than ~1032:1; a claim beyond that is a lie */
-    if (r->usize / 1032 > r->csize + 1) return corrupt(z, "impossible compression ratio in ", r->name);
+    if (r->usize / 1032 > r->csize + 1)
+        return corrupt(z, "impossible compression ratio in ", r->name);
     uint8_t *buf = ckpt__malloc(r->usize ? (size_t)r->usize : 1);
     if (!buf) return ckpt__err_nomem("zip record");
     z_stream st;

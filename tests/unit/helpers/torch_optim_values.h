@@ -120,6 +120,94 @@ static const float torch_ref_sgd_dampening[6][9] = {
      0x1.7b172ep-2f},
 };
 
+/* RMSprop(lr=0.01, alpha=0.99, eps=1e-08) */
+static const float torch_ref_rmsprop[6][9] = {
+    {-0x1.733328p-1f, -0x1.19999cp-2f, -0x1.ccccc8p-3f, 0x1.9999ep-6f,
+     0x1.e6666p-2f, 0x1.733332p-1f, 0x1.cccc76p-3f, 0x1.666664p-2f,
+     0x1.19999cp-2f},
+    {-0x1.a6456p-1f, -0x1.5c6f18p-2f, -0x1.ad8162p-3f, 0x1.d51fdap-4f,
+     0x1.84472cp-2f, 0x1.69ff14p-1f, 0x1.001c7cp-3f, 0x1.6ca032p-2f,
+     0x1.775d3p-2f},
+    {-0x1.a29d32p-1f, -0x1.149d54p-2f, -0x1.18d448p-2f, 0x1.6a5fc8p-4f,
+     0x1.b0b436p-2f, 0x1.40cdp-1f, 0x1.6e0a4p-3f, 0x1.28b7bcp-2f,
+     0x1.7fa6d6p-2f},
+    {-0x1.c407bp-1f, -0x1.333a5ap-2f, -0x1.01533ap-2f, 0x1.d4ff8p-8f,
+     0x1.761d22p-2f, 0x1.40cdp-1f, 0x1.2bfd78p-3f, 0x1.537c2cp-2f,
+     0x1.41bb9cp-2f},
+    {-0x1.bbbe9ep-1f, -0x1.83d966p-2f, -0x1.307fe8p-2f, 0x1.0d6368p-9f,
+     0x1.a423ecp-2f, 0x1.235126p-1f, 0x1.bcc35cp-3f, 0x1.3c734ep-2f,
+     0x1.6c33d8p-2f},
+    {-0x1.d42582p-1f, -0x1.8d574p-2f, -0x1.124c3p-2f, -0x1.ccd68cp-5f,
+     0x1.7f2a52p-2f, 0x1.27db9cp-1f, 0x1.d433fap-3f, 0x1.7b7aecp-2f,
+     0x1.584414p-2f},
+};
+
+/* RMSprop(lr=0.02, alpha=0.9, eps=1e-06, weight_decay=0.05, momentum=0.8) */
+static const float torch_ref_rmsprop_momentum[6][9] = {
+    {-0x1.3ffec8p-1f, -0x1.3f3cc8p-2f, -0x1.8186ap-3f, 0x1.f9e708p-5f,
+     0x1.c0c2bep-2f, 0x1.6061a4p-1f, 0x1.817bb4p-3f, 0x1.40c356p-2f,
+     0x1.3f3cc4p-2f},
+    {-0x1.605f76p-1f, -0x1.32b63ep-2f, -0x1.d107aap-3f, 0x1.1593f8p-4f,
+     0x1.b5396ep-2f, 0x1.7039a4p-1f, 0x1.6790fp-3f, 0x1.76aff6p-2f,
+     0x1.4622f6p-2f},
+    {-0x1.74d626p-1f, -0x1.f178c6p-3f, -0x1.33d4a6p-2f, 0x1.bf6aap-5f,
+     0x1.c4dd8cp-2f, 0x1.60f726p-1f, 0x1.9843d8p-3f, 0x1.7321bcp-2f,
+     0x1.4f5d3cp-2f},
+    {-0x1.9b0a1ap-1f, -0x1.b9a0f4p-3f, -0x1.5d911ap-2f, -0x1.2853c4p-7f,
+     0x1.a86b02p-2f, 0x1.52c02p-1f, 0x1.9071f4p-3f, 0x1.8c0e0ap-2f,
+     0x1.2bd296p-2f},
+    {-0x1.b0d74ep-1f, -0x1.f5fc02p-3f, -0x1.9ef74ap-2f, -0x1.03acaep-4f,
+     0x1.adedecp-2f, 0x1.32a826p-1f, 0x1.e9dc62p-3f, 0x1.8dc046p-2f,
+     0x1.2b88d2p-2f},
+    {-0x1.d26f94p-1f, -0x1.1875d4p-2f, -0x1.babb12p-2f, -0x1.2c222ap-3f,
+     0x1.961a8ap-2f, 0x1.1a992cp-1f, 0x1.1fe872p-2f, 0x1.ba368cp-2f,
+     0x1.1b9d46p-2f},
+};
+
+/* RMSprop(lr=0.005, alpha=0.95, eps=0.0001, weight_decay=0.1, momentum=0.5, centered=True) */
+static const float torch_ref_rmsprop_centered[6][9] = {
+    {-0x1.346c84p-1f, -0x1.688ccp-2f, -0x1.2eedfep-3f, 0x1.a2494p-4f,
+     0x1.974d56p-2f, 0x1.4bba1ap-1f, 0x1.28f812p-3f, 0x1.17786p-2f,
+     0x1.688c24p-2f},
+    {-0x1.3a4822p-1f, -0x1.68c17cp-2f, -0x1.3d3b26p-3f, 0x1.c41eacp-4f,
+     0x1.8bf308p-2f, 0x1.4cbffcp-1f, 0x1.0e87a4p-3f, 0x1.23664p-2f,
+     0x1.71178ap-2f},
+    {-0x1.3a65f2p-1f, -0x1.5778cp-2f, -0x1.63616p-3f, 0x1.b9c15p-4f,
+     0x1.8da422p-2f, 0x1.4322bp-1f, 0x1.18f992p-3f, 0x1.18ebbcp-2f,
+     0x1.75d17cp-2f},
+    {-0x1.421508p-1f, -0x1.53cf1ap-2f, -0x1.6976f4p-3f, 0x1.675cf6p-4f,
+     0x1.7fc2c8p-2f, 0x1.3d1a5cp-1f, 0x1.0df268p-3f, 0x1.1cdcd4p-2f,
+     0x1.68f34p-2f},
+    {-0x1.42487ep-1f, -0x1.639e72p-2f, -0x1.82bd38p-3f, 0x1.37f65ap-4f,
+     0x1.8174bep-2f, 0x1.32a652p-1f, 0x1.290f02p-3f, 0x1.1882d4p-2f,
+     0x1.6b6402p-2f},
+    {-0x1.47c482p-1f, -0x1.6c8862p-2f, -0x1.7f0c14p-3f, 0x1.cd26ecp-5f,
+     0x1.783e86p-2f, 0x1.2d7728p-1f, 0x1.3b4adap-3f, 0x1.24d648p-2f,
+     0x1.66d6a8p-2f},
+};
+
+/* RMSprop(lr=0.01, alpha=0.99, eps=1e-08, centered=True) */
+static const float torch_ref_rmsprop_centered_plain[6][9] = {
+    {-0x1.73753p-1f, -0x1.19158cp-2f, -0x1.cdd4eap-3f, 0x1.9158ep-6f,
+     0x1.e6ea7p-2f, 0x1.73753ap-1f, 0x1.cdd496p-3f, 0x1.66ea74p-2f,
+     0x1.19158cp-2f},
+    {-0x1.a6d29ep-1f, -0x1.5bebe8p-2f, -0x1.ae6dbep-3f, 0x1.d36fb6p-4f,
+     0x1.84920cp-2f, 0x1.6a398ep-1f, 0x1.002e28p-3f, 0x1.6d2d2ep-2f,
+     0x1.76f91cp-2f},
+    {-0x1.a325d4p-1f, -0x1.13e2f2p-2f, -0x1.19d5fep-2f, 0x1.68ab84p-4f,
+     0x1.b100bcp-2f, 0x1.4101a4p-1f, 0x1.6e268ap-3f, 0x1.29437p-2f,
+     0x1.7f467ep-2f},
+    {-0x1.c4e524p-1f, -0x1.328766p-2f, -0x1.023636p-2f, 0x1.ac26ep-8f,
+     0x1.76439cp-2f, 0x1.4101a4p-1f, 0x1.2bfd22p-3f, 0x1.541726p-2f,
+     0x1.4159dp-2f},
+    {-0x1.bc8c5ap-1f, -0x1.834272p-2f, -0x1.31d26ap-2f, 0x1.7385d8p-10f,
+     0x1.a44c5cp-2f, 0x1.236ab4p-1f, 0x1.bcd37cp-3f, 0x1.3d0bdap-2f,
+     0x1.6bd6b2p-2f},
+    {-0x1.d53e3ap-1f, -0x1.8cc4cep-2f, -0x1.1378a8p-2f, -0x1.d585a8p-5f,
+     0x1.7f456cp-2f, 0x1.27f87p-1f, 0x1.d4492p-3f, 0x1.7c4cbep-2f,
+     0x1.57e6b8p-2f},
+};
+
 /* clang-format on */
 
 #endif
