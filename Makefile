@@ -3,6 +3,7 @@
 #   make test     sanitizer build (build-test/) and every test
 #   make demo     the main job: train, kill -9, resume, compare
 #   make bench    benchmarks (bench/README.md)
+#   make memflat  1,000 async/sync saves and loads of a ~100 MB state: memory stays flat
 #   make tsan     ThreadSanitizer build (build-tsan/) and the threaded tests
 #   make valgrind unit tests and a CLI run under valgrind memcheck (build-valgrind/)
 #   make install  install into PREFIX (default /usr/local)
@@ -14,7 +15,7 @@ CMAKE ?= cmake
 # the build would come wrapped in "Entering/Leaving directory" messages.
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all setup build build-test test demo bench install clean fuzz tsan valgrind format-check
+.PHONY: all setup build build-test test demo bench memflat install clean fuzz tsan valgrind format-check
 
 all: build
 
@@ -41,6 +42,13 @@ demo: build
 bench: build
 	@bash scripts/setup all
 	@bash bench/run build
+
+# Host memory over 1,000 saves and loads of a ~100 MB state (counts bytes, times
+# nothing; 3,000 operations: minutes to most of an hour on a busy machine).
+# MEMFLAT_DIR: where the checkpoints go (a tmpfs folder spares the disk).
+MEMFLAT_DIR ?= build
+memflat: build
+	@./build/bench_memflat $(MEMFLAT_DIR) 100 1000
 
 # The tests that run threads (background saves, thread ranks, loader workers,
 # a preemption signal landing on another thread).

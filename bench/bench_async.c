@@ -5,8 +5,10 @@
  *
  *   stall   ckpt_save_state_async (the call: state_dicts + copy into the
  *           reused staging area)  vs  memcpy of the state's bytes into a
- *           buffer already touched. Steady state (a first save has sized the
- *           staging area), best of REPS; the first call is shown too.
+ *           buffer already touched. SAVES saves in a row (the optimizer
+ *           stepping between them), after ckpt_accelerator_prepare_async
+ *           (BENCH_PREPARE=0: without); the first, second, worst, median
+ *           and best call against the median memcpy.
  *   loop    a training loop — a synthetic step of STEP_S seconds (a compute
  *           kernel that stays in the CPU cache, then the real AdamW update of
  *           all 124M parameters) — saving every SAVE_EVERY steps with
@@ -26,13 +28,15 @@
  *   bench_async FOLDER [torch_baseline.py]
  *
  * Environment: BENCH_REPS (default 3), BENCH_STEP_S (default 2.0),
- * BENCH_STEPS (default 20), BENCH_SAVE_EVERY (default 5). */
+ * BENCH_STEPS (default 20), BENCH_SAVE_EVERY (default 5), BENCH_SAVES (default 8),
+ * BENCH_PREPARE (default 1). */
 #include <fcntl.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -230,6 +234,12 @@ static void step(ckpt_optimizer *opt, long rounds) {
     if (ckpt_optimizer_step(opt)) die("optimizer step");
 }
 
+/* Page faults of the calling thread so far (memory touched the first time). */
+static long minor_faults(void) {
+    struct rusage ru;
+    return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_minflt : 0;
+}
+
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -265,6 +275,7 @@ static bool run_torch(const char *script, const char *dir, double *load_s) {
 }
 
 #define MAXREPS 16
+#define MAXSAVES 64
 
 int main(int argc, char **argv) {
     if (argc < 2) {
@@ -279,6 +290,10 @@ int main(int argc, char **argv) {
     double step_s = env_num("BENCH_STEP_S", 2.0);
     int nsteps = (int)env_num("BENCH_STEPS", 20);
     int save_every = (int)env_num("BENCH_SAVE_EVERY", 5);
+    int nsaves_stall = (int)env_num("BENCH_SAVES", 8);
+    if (nsaves_stall < 2) nsaves_stall = 2;
+    if (nsaves_stall > MAXSAVES) nsaves_stall = MAXSAVES;
+    bool prepare = env_num("BENCH_PREPARE", 1) != 0;
     char proj[4096], rawdir[4096], cmd[16384];
     snprintf(proj, sizeof proj, "%s/async_project", dir);
     snprintf(rawdir, sizeof rawdir, "%s/async_raw", dir);
@@ -309,21 +324,47 @@ int main(int argc, char **argv) {
     ckpt_accelerator *acc;
     if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
     if (ckpt_prepare_model(acc, model) || ckpt_prepare_optimizer(acc, opt)) die("prepare");
+    unsigned background = (unsigned)env_num("BENCH_BACKGROUND", 0);
+    if (ckpt_accelerator_set_async_background(acc, background)) die("set_async_background");
+    bool only_loop = env_num("BENCH_ONLY_LOOP", 0) != 0;
     ckpt_accelerator_set_step(acc, 1);
     uint64_t state_bytes = (uint64_t)numel * 4 * 3;
 
+    uint8_t *copy = NULL, *rbuf = NULL;
+    files fl;
+    memset(&fl, 0, sizeof fl);
+    double t_stall[MAXSAVES], t_memcpy[MAXSAVES], t_prep = -1, t_loop[4][MAXREPS];
+    long faults[MAXSAVES];
+    double t_save[MAXREPS], t_raww[MAXREPS];
+    bool only_load = env_num("BENCH_ONLY_LOAD", 0) != 0;
+    double t_torch = 0, t_tload = 1e30, t_tload1 = 1e30, t_fresh1[2], t_fresh2[2];
+    ckpt_load_options one;
+    memset(&one, 0, sizeof one);
+    one.one_pass = true;
+    bool cold = false, ab = false, torch_ok = false;
+    int loop_reps = 1, nsaves = 0;
+    double gb = 0, sgb = (double)state_bytes / 1e9;
+    if (only_loop) goto loop; /* BENCH_ONLY_LOOP: the loop's paired runs alone */
+
     /* ---- stall: the async call vs memcpy of the state's bytes ---- */
-    uint8_t *copy = xmalloc((size_t)state_bytes);
+    copy = xmalloc((size_t)state_bytes);
     memset(copy, 1, (size_t)state_bytes);
-    double t_stall[MAXREPS], t_memcpy[MAXREPS], t_first;
-    double t0 = now();
-    if (ckpt_save_state_async(acc, NULL)) die("save_state_async");
-    t_first = now() - t0;
-    if (ckpt_save_wait(acc)) die("save_wait");
-    for (int r = 0; r < reps; r++) {
+    double t0;
+    if (prepare) {
+        /* The staging area sized, allocated and touched in the background
+         * (waited for here; in a training run it overlaps the first steps). */
+        t0 = now();
+        if (ckpt_accelerator_prepare_async(acc)) die("prepare_async");
+        if (ckpt_save_wait(acc)) die("save_wait");
+        t_prep = now() - t0;
+    }
+    for (int r = 0; r < nsaves_stall; r++) {
+        if (r > 0 && ckpt_optimizer_step(opt)) die("step"); /* the state moves on */
+        long f0 = minor_faults();
         t0 = now();
         if (ckpt_save_state_async(acc, NULL)) die("save_state_async");
         t_stall[r] = now() - t0;
+        faults[r] = minor_faults() - f0;
         if (ckpt_save_wait(acc)) die("save_wait");
         t0 = now();
         /* as many bytes from as many arrays: parameters, then the gradients
@@ -336,12 +377,13 @@ int main(int argc, char **argv) {
             }
         t_memcpy[r] = now() - t0;
     }
+    if (env_num("BENCH_ONLY_STALL", 0) != 0) goto report_stall;
     char ckdir[4096];
     snprintf(ckdir, sizeof ckdir, "%s", ckpt_accelerator_last_dir(acc));
-    files fl = list_files(ckdir);
+    fl = list_files(ckdir);
 
+    if (only_load) goto load; /* the loads alone */
     /* ---- durable: ckpt_save_state vs write + fsync of the same bytes ---- */
-    double t_save[MAXREPS], t_raww[MAXREPS];
     for (int r = 0; r < reps; r++) {
         snprintf(cmd, sizeof cmd, "rm -rf '%s'/checkpoints/checkpoint_*", proj);
         shell(cmd); /* the older checkpoints go outside the timing */
@@ -360,11 +402,36 @@ int main(int argc, char **argv) {
     fl = list_files(ckdir);
 
     /* ---- load: warm, then cold ---- */
-    uint8_t *rbuf = xmalloc((size_t)fl.total);
+load:
+    rbuf = xmalloc((size_t)fl.total);
     memset(rbuf, 2, (size_t)fl.total);
     uint64_t fp = fingerprint();
-    double t_load[MAXREPS], t_raw[MAXREPS];
+    double t_load[MAXREPS], t_raw[MAXREPS], t_load1[MAXREPS];
     raw_read(ckdir, &fl, rbuf); /* warm */
+    /* The first load of a process, on accelerators of their own with no
+     * buffer area yet (a resumed run): the two passes need one, and its
+     * pages are touched for the first time; the one-pass load needs none. */
+    for (int k = 0; k < 2; k++) {
+        ckpt_project_config c2;
+        memset(&c2, 0, sizeof c2);
+        ckpt_accelerator *a2;
+        if (ckpt_accelerator_new(&a2, &c2)) die("accelerator_new");
+        if (ckpt_prepare_model(a2, model) || ckpt_prepare_optimizer(a2, opt)) die("prepare");
+        P[0].data[0] += 1.0f;
+        t0 = now();
+        int rc = k == 0 ? ckpt_load_state(a2, ckdir) : ckpt_load_state_ex(a2, ckdir, &one, NULL);
+        if (rc) die("load_state (fresh accelerator)");
+        (k == 0 ? t_fresh2 : t_fresh1)[0] = now() - t0;
+        t0 = now();
+        rc = k == 0 ? ckpt_load_state(a2, ckdir) : ckpt_load_state_ex(a2, ckdir, &one, NULL);
+        if (rc) die("load_state (fresh accelerator)");
+        (k == 0 ? t_fresh2 : t_fresh1)[1] = now() - t0;
+        ckpt_accelerator_free(a2);
+    }
+    if (fingerprint() != fp) {
+        fprintf(stderr, "bench_async: the load did not restore the parameters\n");
+        return 1;
+    }
     if (ckpt_load_state(acc, NULL)) die("load_state"); /* and the load's buffers */
     for (int r = 0; r < reps; r++) {
         t0 = now();
@@ -378,9 +445,17 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_async: the load did not restore the parameters\n");
             return 1;
         }
+        P[0].data[0] += 1.0f;
+        t0 = now();
+        if (ckpt_load_state_ex(acc, NULL, &one, NULL)) die("load_state one_pass");
+        t_load1[r] = now() - t0;
+        if (fingerprint() != fp) {
+            fprintf(stderr, "bench_async: the one-pass load did not restore the parameters\n");
+            return 1;
+        }
     }
-    double t_cload[MAXREPS], t_craw[MAXREPS];
-    bool cold = true;
+    double t_cload[MAXREPS], t_craw[MAXREPS], t_cload1[MAXREPS];
+    cold = true;
     for (int r = 0; r < reps && cold; r++) {
         if (!(cold = drop_caches())) break;
         t0 = now();
@@ -390,15 +465,27 @@ int main(int argc, char **argv) {
         t0 = now();
         if (ckpt_load_state(acc, NULL)) die("load_state");
         t_cload[r] = now() - t0;
+        if (!(cold = drop_caches())) break;
+        t0 = now();
+        if (ckpt_load_state_ex(acc, NULL, &one, NULL)) die("load_state one_pass");
+        t_cload1[r] = now() - t0;
     }
 
     /* ---- the loop: no saves, async saves, sync saves ---- */
+loop:
+    if (only_loop && prepare && (ckpt_accelerator_prepare_async(acc) || ckpt_save_wait(acc)))
+        die("prepare_async");
     long rounds = 1;
     {
-        /* calibrate the kernel to step_s minus the AdamW update */
-        double a0 = now();
-        if (ckpt_optimizer_step(opt)) die("step");
-        double t_adam = now() - a0;
+        /* calibrate the kernel to step_s minus the AdamW update (the
+         * fastest of three: a busy moment must not leave no kernel at all) */
+        double a0, t_adam = 1e30;
+        for (int k = 0; k < 3; k++) {
+            a0 = now();
+            if (ckpt_optimizer_step(opt)) die("step");
+            double t = now() - a0;
+            t_adam = t < t_adam ? t : t_adam;
+        }
         a0 = now();
         sink = compute(200);
         double per = (now() - a0) / 200;
@@ -406,86 +493,161 @@ int main(int argc, char **argv) {
         rounds = want > 0 ? (long)(want / per) : 1;
         if (rounds < 1) rounds = 1;
     }
-    double t_loop[3];
-    int nsaves = 0;
-    for (int mode = 0; mode < 3; mode++) { /* 0: no saves, 1: async, 2: sync */
-        snprintf(cmd, sizeof cmd, "rm -rf '%s'/checkpoints/checkpoint_*", proj);
-        shell(cmd);
-        shell("sync");
-        nsaves = 0;
-        t0 = now();
-        for (int s = 1; s <= nsteps; s++) {
-            step(opt, rounds);
-            ckpt_accelerator_set_step(acc, s);
-            if (mode && s % save_every == 0) {
-                int rc = mode == 1 ? ckpt_save_state_async(acc, NULL) : ckpt_save_state(acc, NULL);
-                if (rc) die("save in the loop");
-                nsaves++;
+    /* Paired runs: each rep runs every mode once, in turn, and each mode's
+     * ratio is taken against the no-save loop of the same rep. Modes: 0 no
+     * saves, 1 async (the background classes of BENCH_BACKGROUND), 2 sync,
+     * 3 async with the writer at the idle classes, CKPT_ASYNC_IDLE
+     * (BENCH_LOOP_AB=1 only). */
+    loop_reps = (int)env_num("BENCH_LOOP_REPS", only_loop ? 5 : 1);
+    if (loop_reps < 1) loop_reps = 1;
+    if (loop_reps > MAXREPS) loop_reps = MAXREPS;
+    ab = env_num("BENCH_LOOP_AB", 0) != 0;
+    for (int r = 0; r < loop_reps; r++)
+        for (int mode = 0; mode < 4; mode++) {
+            if ((mode == 2 && only_loop) || (mode == 3 && !ab)) continue;
+            unsigned cls = mode == 3 ? CKPT_ASYNC_IDLE : background;
+            if (ckpt_accelerator_set_async_background(acc, cls))
+                die("set_async_background");
+            snprintf(cmd, sizeof cmd, "rm -rf '%s'/checkpoints/checkpoint_*", proj);
+            shell(cmd);
+            shell("sync");
+            nsaves = 0;
+            t0 = now();
+            for (int s = 1; s <= nsteps; s++) {
+                step(opt, rounds);
+                ckpt_accelerator_set_step(acc, s);
+                /* Not after the last step: every save has steps to hide behind. */
+                if (mode && s % save_every == 0 && s < nsteps) {
+                    int rc = mode == 2 ? ckpt_save_state(acc, NULL)
+                                       : ckpt_save_state_async(acc, NULL);
+                    if (rc) die("save in the loop");
+                    nsaves++;
+                }
             }
+            if (ckpt_save_wait(acc)) die("save_wait");
+            t_loop[mode][r] = now() - t0;
         }
-        if (ckpt_save_wait(acc)) die("save_wait");
-        t_loop[mode] = now() - t0;
-    }
+    if (ckpt_accelerator_set_async_background(acc, background)) die("set_async_background");
+
+    if (only_loop) goto report_loop;
 
     /* ---- torch.load ---- */
-    double t_torch = 0;
-    bool torch_ok = run_torch(script, dir, &t_torch);
-    double t_tload = 1e30;
+    torch_ok = run_torch(script, dir, &t_torch);
     for (int r = 0; r < reps; r++) {
         t0 = now();
         if (ckpt_load_state(acc, NULL)) die("load_state");
         double t = now() - t0;
         t_tload = t < t_tload ? t : t_tload;
+        t0 = now();
+        if (ckpt_load_state_ex(acc, NULL, &one, NULL)) die("load_state one_pass");
+        t = now() - t0;
+        t_tload1 = t < t_tload1 ? t : t_tload1;
     }
 
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", proj);
-    shell(cmd);
-
     /* ---- report ---- */
-    double gb = (double)fl.total / 1e9, sgb = (double)state_bytes / 1e9;
+    gb = (double)fl.total / 1e9;
     printf("bench_async: GPT-2 small + AdamW, %.3f GB of state, checkpoint %.3f GB in %d files; "
            "%d reps\n",
            sgb, gb, fl.n, reps);
-    double bs = best(t_stall, reps), bm = best(t_memcpy, reps);
-    printf("  stall  save_state_async call   %7.3f s best (first call %.3f s: staging area "
-           "allocated)\n",
-           bs, t_first);
-    printf("         memcpy of the state     %7.3f s best  %6.2f GB/s\n", bm, sgb / bm);
-    printf("    stall / memcpy                      %5.2fx  (target <= 1.5)  %s\n", bs / bm,
-           bs / bm <= 1.5 ? "met" : "NOT met");
+report_stall:
+    {
+        double first = t_stall[0], second = t_stall[1], worst = t_stall[0];
+        for (int r = 1; r < nsaves_stall; r++) worst = t_stall[r] > worst ? t_stall[r] : worst;
+        double bs = best(t_stall, nsaves_stall), mm = median(t_memcpy, nsaves_stall);
+        double ms_ = median(t_stall, nsaves_stall);
+        if (prepare)
+            printf("  stall  prepare_async (area allocated + touched, background, waited for) "
+                   "%.3f s\n", t_prep);
+        else
+            printf("  stall  no prepare_async (BENCH_PREPARE=0): the first call allocates\n");
+        printf("         save_state_async call, %d saves: first %.3f s, second %.3f s, "
+               "worst %.3f s, median %.3f s, best %.3f s\n",
+               nsaves_stall, first, second, worst, ms_, bs);
+        printf("         page faults in the call: first %ld, second %ld, last %ld\n", faults[0],
+               faults[1], faults[nsaves_stall - 1]);
+        printf("         memcpy of the state     %7.3f s median  %6.2f GB/s\n", mm, sgb / mm);
+        printf("    stall / memcpy: first %.2fx, second %.2fx, worst %.2fx, median %.2fx  "
+               "(target: worst <= 1.5)  %s\n",
+               first / mm, second / mm, worst / mm, ms_ / mm,
+               worst / mm <= 1.5 ? "met" : "NOT met");
+    }
+    if (env_num("BENCH_ONLY_STALL", 0) != 0) goto done;
+    if (only_load) goto report_load;
+    double rr[MAXREPS];
+    for (int r = 0; r < reps; r++) rr[r] = t_raww[r] / t_save[r];
+    printf("  durable every pair (ckpt, raw):");
+    for (int r = 0; r < reps; r++) printf(" (%.2f, %.2f)", t_save[r], t_raww[r]);
+    printf("\n");
+    printf("  durable raw/ckpt per pair: ");
+    for (int r = 0; r < reps; r++) printf(" %.2fx", rr[r]);
+    printf("  (median of the pairs %.2fx)\n", median(rr, reps));
     double ms = median(t_save, reps), mr = median(t_raww, reps);
     double bsv = best(t_save, reps), brw = best(t_raww, reps);
     printf("  durable ckpt_save_state        %7.3f s best, %7.3f s median\n", bsv, ms);
     printf("          write+fsync, same bytes %7.3f s best, %7.3f s median\n", brw, mr);
     printf("    save / raw write+fsync (median)     %5.2fx  (target >= 0.95) %s   (best: %.2fx)\n",
            mr / ms, mr / ms >= 0.95 ? "met" : "NOT met", brw / bsv);
-    double bl = best(t_load, reps), br = best(t_raw, reps);
-    printf("  load   ckpt_load_state, warm   %7.3f s best  %6.2f GB/s\n", bl, gb / bl);
-    printf("         pread into buffers      %7.3f s best  %6.2f GB/s\n", br, gb / br);
-    printf("    verified load / raw pread, warm     %5.2fx  (target >= 0.5)  %s\n", br / bl,
-           br / bl >= 0.5 ? "met" : "NOT met");
+report_load:
+    printf("  load   first load of a process (fresh accelerator): two passes %.3f s (then %.3f s), "
+           "one pass %.3f s (then %.3f s)\n",
+           t_fresh2[0], t_fresh2[1], t_fresh1[0], t_fresh1[1]);
+    double bl = median(t_load, reps), bl1 = median(t_load1, reps), br = median(t_raw, reps);
+    printf("  load   ckpt_load_state, warm   %7.3f s median  %6.2f GB/s\n", bl, gb / bl);
+    printf("         one_pass, warm          %7.3f s median  %6.2f GB/s\n", bl1, gb / bl1);
+    printf("         pread into buffers      %7.3f s median  %6.2f GB/s\n", br, gb / br);
+    printf("    verified load / raw pread, warm     %5.2fx two passes, %5.2fx one pass  (target >= "
+           "0.9)  %s\n",
+           br / bl, br / bl1, br / bl1 >= 0.9 ? "met (one pass)" : "NOT met");
     if (cold) {
-        double cl = median(t_cload, reps), cr = median(t_craw, reps);
+        double cl = median(t_cload, reps), cl1 = median(t_cload1, reps), cr = median(t_craw, reps);
         printf("  load   ckpt_load_state, cold   %7.3f s median  %6.2f GB/s\n", cl, gb / cl);
+        printf("         one_pass, cold          %7.3f s median  %6.2f GB/s\n", cl1, gb / cl1);
         printf("         pread, cold             %7.3f s median  %6.2f GB/s\n", cr, gb / cr);
-        printf("    verified load / raw pread, cold     %5.2fx  (target >= 0.9)  %s\n", cr / cl,
-               cr / cl >= 0.9 ? "met" : "NOT met");
+        printf("    verified load / raw pread, cold     %5.2fx two passes, %5.2fx one pass  "
+               "(target >= 0.9)  %s\n",
+               cr / cl, cr / cl1, cr / cl1 >= 0.9 ? "met (one pass)" : "NOT met");
     } else {
         printf("    verified load, cold                 skipped (dropping the page cache needs root)\n");
     }
     if (torch_ok)
-        printf("    verified load / torch.load, warm    %5.2fx  (target >= 3)    %s  (%.3f s vs %.3f s)\n",
-               t_torch / t_tload, t_torch / t_tload >= 3 ? "met" : "NOT met", t_tload, t_torch);
+        printf("    verified load / torch.load, warm    %5.2fx two passes, %5.2fx one pass  "
+               "(target >= 3)  %s  (%.3f s, %.3f s vs %.3f s)\n",
+               t_torch / t_tload, t_torch / t_tload1,
+               t_torch / t_tload1 >= 3 ? "met (one pass)" : "NOT met", t_tload, t_tload1, t_torch);
     else
         printf("    verified load / torch.load          skipped (no /usr/bin/python3 with torch)\n");
-    printf("  loop   %d steps of ~%.2f s (cache-resident kernel + AdamW over 124M params), a save "
-           "every %d (%d saves)\n",
-           nsteps, t_loop[0] / nsteps, save_every, nsaves);
-    printf("         no saves %.2f s, async %.2f s, sync %.2f s\n", t_loop[0], t_loop[1], t_loop[2]);
-    printf("    throughput async / no saves         %5.3fx  (target >= 0.97) %s  (sync: %.3fx)\n",
-           t_loop[0] / t_loop[1], t_loop[0] / t_loop[1] >= 0.97 ? "met" : "NOT met",
-           t_loop[0] / t_loop[2]);
+report_loop:
+    {
+        double ra[MAXREPS], rs[MAXREPS], rn[MAXREPS];
+        for (int r = 0; r < loop_reps; r++) {
+            ra[r] = t_loop[0][r] / t_loop[1][r];
+            rs[r] = only_loop ? 0 : t_loop[0][r] / t_loop[2][r];
+            rn[r] = ab ? t_loop[0][r] / t_loop[3][r] : 0;
+        }
+        printf("  loop   %d steps of ~%.2f s (cache-resident kernel + AdamW over 124M params), a "
+               "save every %d (%d saves, none at the last step), %d paired runs, writer classes "
+               "0x%x\n",
+               nsteps, t_loop[0][0] / nsteps, save_every, nsaves, loop_reps, background);
+        for (int r = 0; r < loop_reps; r++) {
+            printf("         run %d: no saves %.2f s, async %.2f s (%.3fx)", r + 1, t_loop[0][r],
+                   t_loop[1][r], ra[r]);
+            if (!only_loop) printf(", sync %.2f s (%.3fx)", t_loop[2][r], rs[r]);
+            if (ab) printf(", async idle classes %.2f s (%.3fx)", t_loop[3][r], rn[r]);
+            printf("\n");
+        }
+        double ma = median(ra, loop_reps);
+        printf("    throughput async / no saves, median %5.3fx  (target >= 0.97) %s\n", ma,
+               ma >= 0.97 ? "met" : "NOT met");
+        if (!only_loop)
+            printf("    throughput sync / no saves, median  %5.3fx\n", median(rs, loop_reps));
+        if (ab)
+            printf("    throughput async, writer at the idle classes / no saves, median %5.3fx\n",
+                   median(rn, loop_reps));
+    }
 
+done:
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", proj);
+    shell(cmd);
     ckpt_accelerator_free(acc);
     ckpt_optimizer_free(opt);
     ckpt_model_free(model);

@@ -762,10 +762,13 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * the files, commits the checkpoint and applies total_limit, exactly as
  * ckpt_save_state would: same files, same atomicity (a failed or killed save
  * leaves nothing partial and the previous checkpoints intact).
- * Memory: the staging area costs the state's tensor bytes while a save is
- * pending; it is allocated by the first call, kept and reused by the next
- * ones, grown only when the state grows, and freed with the accelerator.
- * ckpt_accelerator_set_async_staging_limit bounds it.
+ * Memory: the staging area costs the state's tensor bytes (resident: every
+ * page is touched once and stays) from the first call, or from
+ * ckpt_accelerator_prepare_async, until the accelerator is freed; it is
+ * reused by every later save, grown only when the state grows.
+ * ckpt_accelerator_set_async_staging_limit bounds it. Without
+ * ckpt_accelerator_prepare_async the first call also allocates it and takes
+ * its page faults, and stalls several times longer than the later ones.
  * Errors: a failure of the call itself (bad arguments, lock held, a
  * state_dict failing, out of memory) is returned at once. A failure in the
  * background (ENOSPC, EIO, ...) is sent to the log callback at once (from the
@@ -789,6 +792,41 @@ CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir
  * returns the save's status (CKPT_OK when none is pending and no failure is
  * waiting to be reported). Collective with several processes. */
 CKPT_API int ckpt_save_wait(ckpt_accelerator *acc);
+/* How the background thread of asynchronous saves runs its jobs, so that
+ * the training loop keeps its core and its disk: CKPT_ASYNC_CPU_IDLE, the
+ * scheduler's idle class (SCHED_IDLE: the thread runs only on a core no
+ * other thread wants); CKPT_ASYNC_IO_IDLE, the idle I/O class (ioprio_set;
+ * honoured by I/O schedulers that have classes). When a caller waits for
+ * the job (the next save, a load, ckpt_save_wait, free) the thread goes back
+ * to the normal classes at once, so a wait never waits on an idle thread.
+ * Default 0: the normal classes throughout. Measured on a 2-vCPU VM shared
+ * with other jobs (bench/README.md), CKPT_ASYNC_CPU_IDLE made a run of small
+ * asynchronous saves 10-20x slower (the idle thread hardly ran while other
+ * processes kept both cores busy) without a measurable gain for the loop,
+ * hence opt-in; CKPT_ASYNC_IO_IDLE cost nothing measurable. A class the
+ * system refuses is ignored. CKPT_EINVAL for unknown bits. */
+#define CKPT_ASYNC_CPU_IDLE 0x1u
+#define CKPT_ASYNC_IO_IDLE 0x2u
+#define CKPT_ASYNC_IDLE 0x3u
+CKPT_API int ckpt_accelerator_set_async_background(ckpt_accelerator *acc, unsigned flags);
+/* Prepares the staging area of ckpt_save_state_async now, so that the first
+ * asynchronous save stalls no longer than any later one: runs every
+ * registered object's state_dict to learn the tensor bytes a save would
+ * stage (under the staging limit; nothing is copied or written), allocates
+ * the area and starts the background thread, which maps and writes every
+ * page of it once (at the idle CPU class of ckpt_accelerator_set_async_
+ * background) while the caller goes on; the next save, load, wait or free
+ * waits for that first (ckpt_save_wait waits for it too). On a 2-vCPU VM
+ * that backs guest memory lazily this took 6 s for 1.49 GB: prepare at
+ * start-up, well before the first save.
+ * Memory cost: the state's tensor bytes (for a GPT-2-small model with AdamW,
+ * 1.49 GB), resident from this call until ckpt_accelerator_free, the same
+ * area the first asynchronous save would otherwise allocate. With several
+ * processes it is sized for every tensor of the registered objects, more
+ * than the part a rank's save plan gives it. Call it after the objects are
+ * prepared (again after registering more: it only grows the area).
+ * Errors: a state_dict failing (named), out of memory. */
+CKPT_API int ckpt_accelerator_prepare_async(ckpt_accelerator *acc);
 /* Bounds the staging area of asynchronous saves to bytes (0, the default:
  * no bound). The call then stages whole files in save order while they fit
  * and writes every other file itself, in the caller's thread, before it
@@ -806,7 +844,9 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * Each file is read once (pread, hashed piece by piece as it is read) into a
  * buffer area the accelerator keeps and reuses for the next load and for
  * asynchronous saves: it costs the size of the files this process reads
- * until ckpt_accelerator_free.
+ * until ckpt_accelerator_free. (ckpt_load_state_ex with one_pass reads
+ * straight into the objects instead: one copy, no buffer area, not
+ * transactional; see ckpt_load_options.one_pass.)
  * With a comm of several processes it is collective: every rank loads the
  * same checkpoint (a candidate any rank finds corrupt is skipped by all), and
  * nothing is applied on any rank unless every rank's checks pass; every rank
@@ -891,6 +931,21 @@ typedef struct ckpt_load_options {
     int num_prefix_map;
     ckpt_key_rename_fn rename;
     void *rename_user;
+    /* Verify and copy in one pass (docs/CHECKPOINTS.md, "One-pass load"):
+     * each file is read straight into the objects' buffers, its checksum
+     * computed on the bytes as they land there, instead of read and
+     * verified whole into the accelerator's buffer area first and copied
+     * after. Faster (one copy, no buffer area) and no memory beyond the
+     * objects', but not transactional: a checksum mismatch is found while
+     * or after the objects are loaded, so the load fails (CKPT_ECORRUPT
+     * naming the file, and the tensor when it can), the objects hold a
+     * mix of old and new values, and saves refuse as after any failed
+     * load until a load succeeds; there is no fallback to an older
+     * checkpoint. Schemas and check_state_dict still run before anything
+     * changes. Applies with one process, without the adapting options
+     * above, to checkpoints of plain files; elsewhere the load makes its
+     * two passes as without it. */
+    bool one_pass;
 } ckpt_load_options;
 
 /* One key the report names. */

@@ -708,6 +708,9 @@ static int trainer_setup(trainer *t) {
     t->saved_config = t->config;
     if ((rc = ckpt_register_for_checkpointing(t->acc, &run_config_ops, &t->saved_config)) < 0)
         return lib_fail("register", rc);
+    /* the staging area ready before the first save, so it stalls like the others */
+    if (o->async && (rc = ckpt_accelerator_prepare_async(t->acc)) < 0)
+        return lib_fail("prepare_async", rc);
 
     /* weights come from the seeded default generator; dropout draws from it
      * too, so its saved state carries the rest of the run's randomness */

@@ -81,6 +81,7 @@ struct ckpt_accelerator {
     /* Asynchronous saves (async.c): NULL until the first one. */
     struct ckpt_async *async;
     uint64_t async_staging_limit; /* 0: no limit */
+    unsigned async_background;    /* CKPT_ASYNC_* of the background thread's jobs */
     /* One reusable buffer area: an asynchronous save's staging, then a
      * load's read buffers (never both at once: a load waits for the save). */
     ckpt_arena arena;

@@ -59,6 +59,9 @@ typedef struct load_op {
      * every rank. */
     int *reader;
     bool *shared;
+    /* ckpt_load_options.one_pass, where it applies: the files are checked
+     * shallowly at the choice and verified while the objects read them */
+    bool one_pass;
 } load_op;
 
 /* ---- choose ---------------------------------------------------------------- */
@@ -141,12 +144,33 @@ static bool rank_reads(const ckpt_manifest_file *f, void *ctx) {
     return !op->reader || op->reader[j] < 0 ? false : op->reader[j] == op->comm->rank;
 }
 
+/* Whether every file of the opened checkpoint can be verified in one pass:
+ * plain files (no Hugging Face index, no shard files of several
+ * processes), each tensor with its digest in the manifest. */
+static bool one_pass_fits(const ckpt_manifest *m) {
+    for (int64_t j = 0; j < m->nfiles; j++) {
+        const ckpt_manifest_file *f = &m->files[j];
+        size_t n = strlen(f->name);
+        if (f->chunks || (n > 11 && strcmp(f->name + n - 11, ".index.json") == 0)) return false;
+        if (f->ntensors > 0 && (!f->tensor_keys || !f->tensor_xxh3)) return false;
+    }
+    return true;
+}
+
 static int open_checkpoint(load_op *op, const char *dir) {
     bool many = op->comm->size > 1;
     free(op->reader);
     free(op->shared);
     op->reader = NULL;
     op->shared = NULL;
+    if (op->one_pass) {
+        /* Manifest, sizes, unlisted files now; the checksums as the objects
+         * read (ckpt__reader_open_verified). */
+        int rc = ckpt__checkpoint_open(dir, false, false, &op->c);
+        if (rc < 0 || one_pass_fits(&op->c.m)) return rc;
+        ckpt__checkpoint_close(&op->c);
+        op->one_pass = false; /* this checkpoint: the two passes */
+    }
     /* Read once, hashed on the way, into the accelerator's reusable area. */
     return ckpt__checkpoint_open_into(dir, many ? rank_reads : NULL, op, &op->acc->arena, &op->c);
 }
@@ -412,7 +436,15 @@ static int open_object(load_op *op, int i) {
         return ckpt__err(CKPT_EMISMATCH, "load_state: %s: %s holds a %s, expected a %s", op->dir,
                          name, m->files[idx].kind, ckpt__kind_name[o->kind]);
     int rc = CKPT_OK;
-    if (idx >= 0) {
+    if (idx >= 0 && op->one_pass) {
+        const ckpt_manifest_file *f = &m->files[idx];
+        char *path = ckpt__path_join(op->dir, name);
+        rc = path ? ckpt__reader_open_verified(&op->readers[i], path, name, f->xxh3,
+                                               (const char *const *)f->tensor_keys,
+                                               f->tensor_xxh3, f->ntensors)
+                  : ckpt__err_nomem("load path");
+        free(path);
+    } else if (idx >= 0) {
         const ckpt_mapped *mp = &op->c.maps[idx];
         rc = ckpt_reader_open_memory(&op->readers[i], mp->data, (size_t)mp->size, name);
         if (rc == 0) rc = attach_shards(op, op->readers[i], name, ckpt__kind_name[o->kind]);
@@ -501,6 +533,18 @@ static int apply(load_op *op) {
                                     op->dir, name, done, nsel);
         }
         done++;
+    }
+    /* One pass: what no read covered (the tail, tensors nobody read), and
+     * the whole file's digest. The objects hold the file's bytes already. */
+    for (int i = 0; op->one_pass && i < op->nobjs; i++) {
+        int rc = op->sel[i] ? ckpt__reader_verify_finish(op->readers[i]) : 0;
+        if (rc < 0) {
+            free(last);
+            return ckpt__err_prefix(rc, "load_state: %s (one-pass load: the objects already hold "
+                                        "what was read; they are not to be trusted until a load "
+                                        "succeeds)",
+                                    op->dir);
+        }
     }
     /* What the next save may link its unchanged files from (incremental
      * saves), whether the load was full or partial: a fine-tune's first save
@@ -686,6 +730,8 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     op.acc = acc;
     op.comm = acc->comm;
     op.opt = opt;
+    op.one_pass = opt && opt->one_pass && op.comm->size <= 1 && !opt->non_strict &&
+                  !opt->convert_dtypes && opt->num_prefix_map == 0 && !opt->rename;
     ckpt__coll_begin(acc, "load: agree on the options");
     bool in_op = true;
     /* Bad options change nothing, not even the refusal of saves. */

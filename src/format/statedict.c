@@ -14,6 +14,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
+
 #include "base/base64.h"
 #include "base/error.h"
 #include "base/io.h"
@@ -838,7 +841,27 @@ struct ckpt_reader {
     int64_t nowned, ownedcap;
     ckpt_reader **subs;  /* readers r borrows from and owns (ckpt__reader_adopt_reader) */
     int64_t nsubs, subcap;
+    struct verify_stream *vs; /* a one-pass verified file reader (ckpt__reader_open_verified) */
 };
+
+/* A one-pass verified reader: the file's XXH3-64 computed over the bytes as
+ * they land in the caller's buffers, in file order (the header and the
+ * padding through a scratch piece); a tensor read out of that order is
+ * checked against its own digest instead. */
+typedef struct verify_stream {
+    void *mem;             /* the allocation holding h (aligned) and scratch */
+    XXH3_state_t *h;       /* the whole file, bytes [0, next) so far */
+    XXH3_state_t *t;       /* one tensor read out of order */
+    uint8_t *scratch;
+    uint64_t next;
+    uint64_t xxh3;         /* the manifest's digest of the file */
+    const char *const *keys; /* the manifest's tensor keys and digests (borrowed) */
+    const uint64_t *digests;
+    int64_t n;
+} verify_stream;
+
+/* Pieces small enough to be hashed while still in the CPU cache. */
+#define VERIFY_PIECE ((size_t)1 << 20)
 
 void ckpt__reader_set_name(ckpt_reader *r, const char *name) {
     if (!r || !name) return;
@@ -870,6 +893,8 @@ void ckpt_reader_free(ckpt_reader *r) {
     ckpt__st_header_free(&r->hdr);
     if (r->map) munmap(r->map, r->map_len);
     if (r->fd >= 0) close(r->fd);
+    if (r->vs) free(r->vs->mem);
+    free(r->vs);
     free(r->name);
     free(r);
 }
@@ -1073,12 +1098,51 @@ static int pread_all(const ckpt_reader *r, void *dst, uint64_t n, uint64_t off) 
     return CKPT_OK;
 }
 
+static int reader_open_file(ckpt_reader **out, const char *path, const char *name,
+                            verify_stream *vs);
+
 int ckpt_reader_open(ckpt_reader **out, const char *path) {
     if (!out) return ckpt__err(CKPT_EINVAL, "reader: out is NULL");
     *out = NULL;
     if (!path) return ckpt__err(CKPT_EINVAL, "reader: path is NULL");
+    return reader_open_file(out, path, path, NULL);
+}
+
+int ckpt__reader_open_verified(ckpt_reader **out, const char *path, const char *name,
+                               uint64_t xxh3, const char *const *keys, const uint64_t *digests,
+                               int64_t n) {
+    *out = NULL;
+    verify_stream *vs = ckpt__calloc(1, sizeof *vs);
+    if (!vs) return ckpt__err_nomem("verified reader");
+    size_t align = _Alignof(XXH3_state_t) > 64 ? _Alignof(XXH3_state_t) : 64;
+    vs->mem = ckpt__malloc(2 * sizeof(XXH3_state_t) + align + VERIFY_PIECE);
+    if (!vs->mem) {
+        free(vs);
+        return ckpt__err_nomem("verified reader");
+    }
+    uintptr_t a = ((uintptr_t)vs->mem + align - 1) & ~(uintptr_t)(align - 1);
+    vs->h = (XXH3_state_t *)a;
+    vs->t = vs->h + 1;
+    vs->scratch = (uint8_t *)(vs->t + 1);
+    XXH3_INITSTATE(vs->h);
+    XXH3_INITSTATE(vs->t);
+    XXH3_64bits_reset(vs->h);
+    vs->xxh3 = xxh3;
+    vs->keys = keys;
+    vs->digests = digests;
+    vs->n = n;
+    int rc = reader_open_file(out, path, name, vs);
+    if (rc < 0) {
+        free(vs->mem);
+        free(vs);
+    }
+    return rc;
+}
+
+static int reader_open_file(ckpt_reader **out, const char *path, const char *name,
+                            verify_stream *vs) {
     ckpt_reader *r = NULL;
-    CKPT_TRY(reader_alloc(&r, path));
+    CKPT_TRY(reader_alloc(&r, name));
     int rc = CKPT_OK;
     uint8_t *hbuf = NULL;
     struct stat st;
@@ -1104,6 +1168,12 @@ int ckpt_reader_open(ckpt_reader **out, const char *path) {
         goto out;
     }
     rc = pread_all(r, hbuf, n, 8);
+    if (!rc && vs) {
+        /* The header parsed is the header hashed. */
+        XXH3_64bits_update(vs->h, prefix, 8);
+        XXH3_64bits_update(vs->h, hbuf, (size_t)n);
+        vs->next = 8 + n;
+    }
     if (!rc) rc = ckpt__st_parse(hbuf, n, r->file_size, r->name, &r->hdr);
     if (!rc) rc = reader_build(r);
 out:
@@ -1112,6 +1182,7 @@ out:
         ckpt_reader_free(r);
         return rc;
     }
+    r->vs = vs;
     *out = r;
     return CKPT_OK;
 }
@@ -1148,6 +1219,66 @@ bool ckpt__reader_has(const ckpt_reader *r, const char *key, ckpt_entry_info *in
     const entry *e = r && key ? reader_get(r, key) : NULL;
     if (e && info) entry_info(e, info);
     return e != NULL;
+}
+
+/* Hashes the file's bytes [v->next, end) into the whole-file digest
+ * through the scratch piece: the header's end, padding, tensors nobody
+ * read (yet), the tail. */
+static int verify_skip_to(ckpt_reader *r, uint64_t end) {
+    verify_stream *v = r->vs;
+    while (v->next < end) {
+        size_t k = end - v->next < VERIFY_PIECE ? (size_t)(end - v->next) : VERIFY_PIECE;
+        CKPT_TRY(pread_all(r, v->scratch, k, v->next));
+        XXH3_64bits_update(v->h, v->scratch, k);
+        v->next += k;
+    }
+    return CKPT_OK;
+}
+
+/* At most this many bytes between the end of what the stream hashed and
+ * the next tensor read are hashed through the scratch piece to keep the
+ * stream going (padding, a small tensor nobody reads). A read further ahead
+ * (a check that reads the small entries of a file first, say) is checked
+ * against its own digest instead and leaves the stream where it is, so the
+ * large tensors it jumps over are still read once, into their buffers. */
+#define VERIFY_GAP_MAX ((uint64_t)64 << 10)
+
+/* A tensor's bytes from the file into dst, hashed piece by piece right
+ * after each piece lands there (so the bytes hashed are the bytes kept):
+ * into the whole-file digest when it comes next in file order, else
+ * against the tensor's own digest from the manifest. */
+static int verified_read(ckpt_reader *r, const entry *e, const char *key, uint8_t *dst) {
+    verify_stream *v = r->vs;
+    bool in_order = e->offset >= v->next && e->offset - v->next <= VERIFY_GAP_MAX;
+    if (in_order) CKPT_TRY(verify_skip_to(r, e->offset));
+    else XXH3_64bits_reset(v->t);
+    for (uint64_t off = 0; off < e->nbytes;) {
+        size_t k = e->nbytes - off < VERIFY_PIECE ? (size_t)(e->nbytes - off) : VERIFY_PIECE;
+        int rc = pread_all(r, dst + off, k, e->offset + off);
+        if (rc) return ckpt__err_prefix(rc, "tensor '%s'", key);
+        XXH3_64bits_update(in_order ? v->h : v->t, dst + off, k);
+        off += k;
+    }
+    if (in_order) {
+        v->next = e->offset + e->nbytes;
+        return CKPT_OK;
+    }
+    for (int64_t i = 0; i < v->n; i++) {
+        if (strcmp(v->keys[i], e->key) != 0) continue;
+        if (XXH3_64bits_digest(v->t) != v->digests[i])
+            return ckpt__err(CKPT_ECORRUPT, "%s: tensor '%s': checksum mismatch", r->name, key);
+        return CKPT_OK;
+    }
+    return ckpt__err(CKPT_ECORRUPT, "%s: tensor '%s': the manifest records no checksum for it",
+                     r->name, key);
+}
+
+int ckpt__reader_verify_finish(ckpt_reader *r) {
+    if (!r || !r->vs) return CKPT_OK;
+    CKPT_TRY(verify_skip_to(r, r->file_size));
+    if (XXH3_64bits_digest(r->vs->h) != r->vs->xxh3)
+        return ckpt__err(CKPT_ECORRUPT, "%s: checksum mismatch", r->name);
+    return CKPT_OK;
 }
 
 static int find_tensor(const ckpt_reader *r, const char *key, const entry **out) {
@@ -1239,6 +1370,18 @@ int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
     }
     if (e->data) {
         *data = e->data;
+        if (info) entry_info(e, info);
+        return CKPT_OK;
+    }
+    if (r->vs && e->nbytes) {
+        /* Never a look through a mapping: the bytes, verified, into memory
+         * the reader owns, which later reads of the key use too. */
+        if (e->nbytes > (uint64_t)SIZE_MAX) return ckpt__err_nomem("tensor view");
+        uint8_t *buf = ckpt__malloc((size_t)e->nbytes);
+        CKPT_TRY(reader_own(r, buf));
+        CKPT_TRY(verified_read(r, e, key, buf));
+        ((entry *)e)->data = buf; /* r's own entry */
+        *data = buf;
         if (info) entry_info(e, info);
         return CKPT_OK;
     }
@@ -1523,6 +1666,7 @@ int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
         memcpy(dst, e->data, (size_t)e->nbytes);
         return CKPT_OK;
     }
+    if (r->vs) return verified_read(r, e, key, dst);
     if (r->mem) {
         memcpy(dst, r->mem + e->offset, (size_t)e->nbytes);
         return CKPT_OK;

@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <glob.h>
 #include <pthread.h>
+#include <sys/resource.h>
 
 #include <cmocka.h>
 
@@ -482,6 +483,101 @@ static void test_past_the_staging_limit_files_are_written_at_the_call(void **st)
     tu_tmpdir_free(t);
 }
 
+/* ---- a prepared staging area ------------------------------------------------- */
+
+/* Page faults of the calling thread so far (minor: memory first touched). */
+static long thread_faults(void) {
+    struct rusage ru;
+    assert_int_equal(getrusage(RUSAGE_THREAD, &ru), 0);
+    return ru.ru_minflt;
+}
+
+/* After ckpt_accelerator_prepare_async (and the wait for its background
+ * touch), the first asynchronous save copies into pages that are already
+ * there: it takes far fewer page faults than the staging area has pages,
+ * where an unprepared first save takes one per page. Counted, not timed. */
+static void test_a_prepared_first_save_takes_no_page_faults_for_staging(void **st) {
+    (void)st;
+    long pages = (long)(sizeof(float) * BIG) / 4096; /* the counter's tensor */
+    long faults[2];
+    for (int prepared = 0; prepared < 2; prepared++) {
+        char *t = tu_tmpdir_new("async");
+        run r;
+        run_open(&r, t, NULL);
+        run_set(&r, 1);
+        if (prepared) {
+            assert_int_equal(ckpt_accelerator_prepare_async(r.acc), 0);
+            assert_int_equal(ckpt_save_wait(r.acc), 0); /* the touch is done */
+        }
+        long f0 = thread_faults();
+        assert_int_equal(ckpt_save_state_async(r.acc, NULL), 0);
+        faults[prepared] = thread_faults() - f0;
+        run_set(&r, 2);
+        assert_int_equal(ckpt_save_wait(r.acc), 0);
+        assert_int_equal(load_fresh(t, NULL), 1);
+        run_close(&r);
+        tu_tmpdir_free(t);
+    }
+    print_message("staging pages %ld: first-save faults unprepared %ld, prepared %ld\n", pages,
+                  faults[0], faults[1]);
+    if (faults[0] < pages) fail_msg("unprepared: %ld faults for %ld pages", faults[0], pages);
+    if (faults[1] >= pages / 2)
+        fail_msg("prepared: %ld faults for %ld staging pages (unprepared: %ld)", faults[1], pages,
+                 faults[0]);
+}
+
+static int failing_sd(void *self, ckpt_writer *w) {
+    (void)self, (void)w;
+    ckpt__err(CKPT_EIO, "sensor offline");
+    return CKPT_EIO;
+}
+
+static int ignore_load(void *self, ckpt_reader *r) {
+    (void)self, (void)r;
+    return 0;
+}
+
+/* A state_dict that fails while the area is sized is returned, named. */
+static void test_prepare_async_names_a_failing_state_dict(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("async");
+    run r;
+    run_open(&r, t, NULL);
+    static const ckpt_stateful_ops bad = {.state_dict = failing_sd, .load_state_dict = ignore_load};
+    int dummy = 0;
+    assert_int_equal(ckpt_register_for_checkpointing(r.acc, &bad, &dummy), 0);
+    assert_int_equal(ckpt_accelerator_prepare_async(r.acc), CKPT_EIO);
+    assert_non_null(strstr(ckpt_errmsg(), "custom_checkpoint_1"));
+    assert_non_null(strstr(ckpt_errmsg(), "sensor offline"));
+    assert_int_equal(ckpt_accelerator_prepare_async(NULL), CKPT_EINVAL);
+    run_close(&r);
+    tu_tmpdir_free(t);
+}
+
+/* The writer's classes: unknown bits refused; saves at either setting are
+ * the same checkpoints, and a wait on an idle-class job returns. */
+static void test_async_background_classes(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("async");
+    run r;
+    run_open(&r, t, NULL);
+    assert_int_equal(ckpt_accelerator_set_async_background(r.acc, 0x10), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "unknown bits 0x10"));
+    assert_int_equal(ckpt_accelerator_set_async_background(NULL, 0), CKPT_EINVAL);
+    const unsigned modes[] = {CKPT_ASYNC_IDLE, 0, CKPT_ASYNC_CPU_IDLE, CKPT_ASYNC_IO_IDLE};
+    for (int i = 0; i < 4; i++) {
+        assert_int_equal(ckpt_accelerator_set_async_background(r.acc, modes[i]), 0);
+        run_set(&r, i + 1);
+        assert_int_equal(ckpt_save_state_async(r.acc, NULL), 0);
+        run_set(&r, 100);
+        assert_int_equal(ckpt_save_wait(r.acc), 0);
+        assert_int_equal(load_fresh(t, NULL), i + 1);
+    }
+    assert_int_equal(r.log.errors, 0);
+    run_close(&r);
+    tu_tmpdir_free(t);
+}
+
 /* ---- hooks ------------------------------------------------------------------ */
 
 typedef struct hook_log {
@@ -703,6 +799,9 @@ int main(void) {
         cmocka_unit_test(test_every_background_io_call_failing_eio_reaches_the_wait),
         cmocka_unit_test(test_the_next_save_returns_a_background_failure),
         cmocka_unit_test(test_past_the_staging_limit_files_are_written_at_the_call),
+        cmocka_unit_test(test_a_prepared_first_save_takes_no_page_faults_for_staging),
+        cmocka_unit_test(test_prepare_async_names_a_failing_state_dict),
+        cmocka_unit_test(test_async_background_classes),
         cmocka_unit_test(test_hooks_run_at_the_call_and_at_the_wait),
         cmocka_unit_test(test_load_through_the_hashed_read),
         cmocka_unit_test(test_several_processes_commit_in_the_callers_thread),

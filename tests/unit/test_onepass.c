@@ -1,0 +1,205 @@
+/* test_onepass.c — ckpt_load_options.one_pass: the files are read straight
+ * into the objects and verified on the way. A good checkpoint loads exactly
+ * as the two-pass load does; a corrupted byte (in a tensor read in file
+ * order, in one read out of order, in bytes no object reads) fails the load
+ * with CKPT_ECORRUPT naming the file, after which saves refuse until a load
+ * succeeds; the options it does not apply to fall back to the two passes. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <setjmp.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "ckpt.h"
+#include "base/error.h"
+#include "helpers/testutil.h"
+
+#define N 4096
+
+/* A model of two parameters and a custom object whose load reads its two
+ * tensors in reverse file order. */
+typedef struct rev {
+    float a[N], b[N];
+} rev;
+
+static int rev_sd(void *self, ckpt_writer *w) {
+    rev *r = self;
+    CKPT_TRY(ckpt_write_tensor(w, "a", CKPT_F32, 1, (int64_t[]){N}, r->a));
+    return ckpt_write_tensor(w, "b", CKPT_F32, 1, (int64_t[]){N}, r->b);
+}
+
+static int rev_load(void *self, ckpt_reader *rd) {
+    rev *r = self;
+    CKPT_TRY(ckpt_read_tensor(rd, "b", CKPT_F32, 1, (int64_t[]){N}, r->b));
+    return ckpt_read_tensor(rd, "a", CKPT_F32, 1, (int64_t[]){N}, r->a);
+}
+
+static const ckpt_stateful_ops rev_ops = {.state_dict = rev_sd, .load_state_dict = rev_load};
+
+typedef struct run {
+    float w[N], v[N];
+    rev c;
+    ckpt_model *model;
+    ckpt_accelerator *acc;
+    char *dir;
+} run;
+
+static void run_set(run *r, float x) {
+    for (int i = 0; i < N; i++) {
+        r->w[i] = x + (float)i;
+        r->v[i] = -x - (float)i;
+        r->c.a[i] = 2 * x + (float)i;
+        r->c.b[i] = 3 * x + (float)i;
+    }
+}
+
+static bool run_is(const run *r, float x) {
+    for (int i = 0; i < N; i++)
+        if (r->w[i] != x + (float)i || r->v[i] != -x - (float)i || r->c.a[i] != 2 * x + (float)i ||
+            r->c.b[i] != 3 * x + (float)i)
+            return false;
+    return true;
+}
+
+static void quiet(void *user, ckpt_log_level level, const char *msg) {
+    (void)user, (void)level, (void)msg;
+}
+
+static void run_open(run *r) {
+    memset(r, 0, sizeof *r);
+    r->dir = tu_tmpdir_new("onepass");
+    ckpt_project_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.project_dir = r->dir;
+    cfg.automatic_checkpoint_naming = true;
+    assert_int_equal(ckpt_accelerator_new(&r->acc, &cfg), 0);
+    ckpt_accelerator_set_log(r->acc, quiet, NULL);
+    assert_int_equal(ckpt_model_new(&r->model), 0);
+    int64_t shape[1] = {N};
+    assert_int_equal(ckpt_model_add_param(r->model, "w", CKPT_F32, 1, shape, r->w, NULL), 0);
+    assert_int_equal(ckpt_model_add_param(r->model, "v", CKPT_F32, 1, shape, r->v, NULL), 0);
+    assert_int_equal(ckpt_prepare_model(r->acc, r->model), 0);
+    assert_int_equal(ckpt_register_for_checkpointing(r->acc, &rev_ops, &r->c), 0);
+}
+
+static void run_close(run *r) {
+    ckpt_accelerator_free(r->acc);
+    ckpt_model_free(r->model);
+    tu_tmpdir_free(r->dir);
+}
+
+static int load_one_pass(run *r) {
+    ckpt_load_options o;
+    memset(&o, 0, sizeof o);
+    o.one_pass = true;
+    return ckpt_load_state_ex(r->acc, NULL, &o, NULL);
+}
+
+/* Flips one byte of checkpoint_0's file at offset off (negative: from the
+ * end). */
+static void flip(run *r, const char *file, long off) {
+    char *path = tu_pathf("%s/checkpoints/checkpoint_0/%s", r->dir, file);
+    FILE *f = fopen(path, "r+b");
+    assert_non_null(f);
+    assert_int_equal(fseek(f, off, off < 0 ? SEEK_END : SEEK_SET), 0);
+    int c = fgetc(f);
+    assert_true(c != EOF);
+    assert_int_equal(fseek(f, -1, SEEK_CUR), 0);
+    assert_true(fputc(c ^ 0x20, f) != EOF);
+    assert_int_equal(fclose(f), 0);
+    free(path);
+}
+
+static void test_one_pass_loads_what_was_saved(void **st) {
+    (void)st;
+    run r;
+    run_open(&r);
+    run_set(&r, 1);
+    ckpt_accelerator_set_step(r.acc, 7);
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
+    run_set(&r, 2);
+    ckpt_accelerator_set_step(r.acc, 9);
+    assert_int_equal(load_one_pass(&r), 0);
+    assert_true(run_is(&r, 1));
+    assert_int_equal(ckpt_accelerator_step(r.acc), 7);
+    /* loaded twice in a row, and a save after it */
+    assert_int_equal(load_one_pass(&r), 0);
+    assert_true(run_is(&r, 1));
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
+    run_close(&r);
+}
+
+/* A corrupted byte: the load fails naming the file, saves refuse until a
+ * good load, then all is as before. */
+static void corrupted(const char *file, long off, const char *expect) {
+    run r;
+    run_open(&r);
+    run_set(&r, 1);
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
+    flip(&r, file, off);
+    run_set(&r, 2);
+    assert_int_equal(load_one_pass(&r), CKPT_ECORRUPT);
+    const char *msg = ckpt_errmsg();
+    if (!strstr(msg, file) || !strstr(msg, expect))
+        fail_msg("message '%s' does not name %s and '%s'", msg, file, expect);
+    /* the objects are not trusted: saves refuse */
+    assert_int_equal(ckpt_save_state(r.acc, NULL), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "refused"));
+    assert_int_equal(ckpt_save_state_async(r.acc, NULL), CKPT_EINVAL);
+    /* the two-pass load refuses the same checkpoint and changes nothing */
+    run_set(&r, 3);
+    assert_int_equal(ckpt_load_state(r.acc, NULL), CKPT_ECORRUPT);
+    assert_true(run_is(&r, 3));
+    assert_int_equal(ckpt_save_state(r.acc, NULL), CKPT_EINVAL);
+    /* repaired: a good load lifts the refusal */
+    flip(&r, file, off);
+    assert_int_equal(load_one_pass(&r), 0);
+    assert_true(run_is(&r, 1));
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
+    run_close(&r);
+}
+
+static void test_a_corrupted_byte_read_in_order_fails_and_saves_refuse(void **st) {
+    (void)st;
+    /* the last byte of the model's file: inside its last tensor */
+    corrupted("model.safetensors", -1, "checksum mismatch");
+}
+
+static void test_a_corrupted_tensor_read_out_of_order_is_named(void **st) {
+    (void)st;
+    /* 'b' is read first, then 'a' (before it in the file): 'a' is checked
+     * against its own digest and named. 'a' ends 4 N bytes before the end. */
+    corrupted("custom_checkpoint_0.safetensors", -(long)(4 * N) - 1,
+              "tensor 'a': checksum mismatch");
+}
+
+static void test_options_one_pass_does_not_apply_to_fall_back_to_two_passes(void **st) {
+    (void)st;
+    run r;
+    run_open(&r);
+    run_set(&r, 1);
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
+    flip(&r, "model.safetensors", -1);
+    run_set(&r, 2);
+    ckpt_load_options o;
+    memset(&o, 0, sizeof o);
+    o.one_pass = true;
+    o.non_strict = true; /* adapting: two passes, transactional */
+    assert_int_equal(ckpt_load_state_ex(r.acc, NULL, &o, NULL), CKPT_ECORRUPT);
+    assert_true(run_is(&r, 2)); /* nothing changed */
+    run_close(&r);
+}
+
+int main(void) {
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_one_pass_loads_what_was_saved),
+        cmocka_unit_test(test_a_corrupted_byte_read_in_order_fails_and_saves_refuse),
+        cmocka_unit_test(test_a_corrupted_tensor_read_out_of_order_is_named),
+        cmocka_unit_test(test_options_one_pass_does_not_apply_to_fall_back_to_two_passes),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
