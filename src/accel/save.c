@@ -587,12 +587,33 @@ static int plan_spread(save_op *op) {
         free(hf_bytes);
         return rc < 0 ? rc : split_frozen(op);
     }
+    /* A model with frozen and trainable tensors: only the frozen ones are
+     * spread, so each rank's shard file of it holds frozen bytes alone, the
+     * same at every save, and is linked (incremental saves); the trainable
+     * ones stay whole in the model's own file, which rank 0 writes. */
+    bool *mixed = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *mixed);
+    if (!mixed) {
+        free(hf_bytes);
+        return ckpt__err_nomem("save plan");
+    }
     uint64_t total = 0, nb;
     int64_t rows;
     for (int i = 0; i < op->nobjs; i++) {
+        if (op->objs[i].kind != K_MODEL || op->hf_model[i]) continue;
+        const ckpt_writer *w = op->writers[i];
+        bool any_frozen = false, any_trained = false;
+        for (int64_t j = 0; j < ckpt_writer_entry_count(w); j++) {
+            if (!plan_entry(op, i, j, &rows, &nb)) continue;
+            if (ckpt__writer_entry_frozen(w, j)) any_frozen = true;
+            else any_trained = true;
+        }
+        mixed[i] = any_frozen && any_trained;
+    }
+#define KEPT_WHOLE(i, j) (mixed[i] && !ckpt__writer_entry_frozen(op->writers[i], j))
+    for (int i = 0; i < op->nobjs; i++) {
         if (op->objs[i].kind == K_RNG || op->hf_model[i]) continue;
         for (int64_t j = 0; j < ckpt_writer_entry_count(op->writers[i]); j++)
-            if (plan_entry(op, i, j, &rows, &nb)) total += nb;
+            if (plan_entry(op, i, j, &rows, &nb) && !KEPT_WHOLE(i, j)) total += nb;
     }
     uint64_t pos = 0;
     /* this rank's share [lo_b, hi_b); where rank 0's share ends */
@@ -600,11 +621,12 @@ static int plan_spread(save_op *op) {
     uint64_t hi_b = share_start(hf_bytes, me + 1, p, total);
     uint64_t end0 = share_start(hf_bytes, 1, p, total);
     free(hf_bytes);
-    for (int pass = 0; pass < 2; pass++) { /* the small tensors, then the others */
-        for (int i = 0; i < op->nobjs; i++) {
+    for (int pass = 0; pass < 2 && rc == 0; pass++) { /* the small tensors, then the others */
+        for (int i = 0; i < op->nobjs && rc == 0; i++) {
             if (op->objs[i].kind == K_RNG || op->hf_model[i]) continue;
-            for (int64_t j = 0; j < ckpt_writer_entry_count(op->writers[i]); j++) {
-                if (!plan_entry(op, i, j, &rows, &nb) || (nb < PLAN_CUT_MIN) != (pass == 0))
+            for (int64_t j = 0; j < ckpt_writer_entry_count(op->writers[i]) && rc == 0; j++) {
+                if (!plan_entry(op, i, j, &rows, &nb) || (nb < PLAN_CUT_MIN) != (pass == 0) ||
+                    KEPT_WHOLE(i, j))
                     continue;
                 uint64_t row_bytes = nb / (uint64_t)rows;
                 int64_t lo = 0, hi = 0;
@@ -618,12 +640,15 @@ static int plan_spread(save_op *op) {
                     lo = me == 0 ? 0 : nearest_row(lo_b, pos, row_bytes, rows);
                     hi = me == p - 1 ? rows : nearest_row(hi_b, pos, row_bytes, rows);
                 }
-                if (!whole0) CKPT_TRY(ckpt__writer_spread(op->writers[i], j, lo, hi));
+                /* a mixed model's frozen tensors all go to shard files, rank 0's too */
+                if (!whole0 || mixed[i]) rc = ckpt__writer_spread(op->writers[i], j, lo, hi);
                 pos += nb;
             }
         }
     }
-    return CKPT_OK;
+#undef KEPT_WHOLE
+    free(mixed);
+    return rc;
 }
 
 /* The index as a file of the temporary folder, with its digest. */
