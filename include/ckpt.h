@@ -440,11 +440,13 @@ typedef struct ckpt_scheduler ckpt_scheduler;
  * MultiStepLR, ExponentialLR and CosineAnnealingLR would instead take the
  * file's values silently.) The number of milestones is part of the schema: a
  * file with another count is CKPT_EMISMATCH. */
-CKPT_API int ckpt_steplr_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t step_size, double gamma);
+CKPT_API int ckpt_steplr_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t step_size,
+                             double gamma);
 CKPT_API int ckpt_multisteplr_new(ckpt_scheduler **out, ckpt_optimizer *o, int nmilestones,
                                   const int64_t *milestones, double gamma);
 CKPT_API int ckpt_exponentiallr_new(ckpt_scheduler **out, ckpt_optimizer *o, double gamma);
-CKPT_API int ckpt_cosinelr_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t t_max, double eta_min);
+CKPT_API int ckpt_cosinelr_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t t_max,
+                               double eta_min);
 /* Linear warmup from 0 over warmup steps, then cosine decay to 0 at total
  * steps (transformers' get_cosine_schedule_with_warmup, num_cycles 0.5). */
 CKPT_API int ckpt_warmup_cosine_new(ckpt_scheduler **out, ckpt_optimizer *o, int64_t warmup,
@@ -602,7 +604,7 @@ typedef struct ckpt_metric {
 typedef enum ckpt_best_mode { CKPT_BEST_MIN = 0, CKPT_BEST_MAX = 1 } ckpt_best_mode;
 
 typedef struct ckpt_project_config {
-    const char *project_dir;          /* checkpoints go to <project_dir>/checkpoints/checkpoint_<n> */
+    const char *project_dir;          /* checkpoints: <project_dir>/checkpoints/checkpoint_<n> */
     const char *logging_dir;          /* NULL: <project_dir>/logs */
     bool automatic_checkpoint_naming;
     int total_limit;                  /* keep this many valid automatic checkpoints; 0 = all
@@ -756,8 +758,9 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * is done), the checkpoint is planned (lock, number, temporary folder: two
  * asynchronous saves never get the same number), the save pre-hooks run
  * (with the temporary folder, as for ckpt_save_state), every object's
- * state_dict runs, and every tensor's bytes are copied into a staging area. From then on the objects may change: what is saved is the
- * state at the call. The background thread (one per accelerator, started by
+ * state_dict runs, and every tensor's bytes are copied into a staging area.
+ * From then on the objects may change: what is saved is the state at the
+ * call. The background thread (one per accelerator, started by
  * the first call, joined by ckpt_accelerator_free) then writes and fsyncs
  * the files, commits the checkpoint and applies total_limit, exactly as
  * ckpt_save_state would: same files, same atomicity (a failed or killed save
@@ -859,8 +862,8 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * never replaces such a folder unless it is empty). It is the one failure
  * that is a fresh start, and the one that leaves saves allowed. Every other
  * failure (a corrupt or partial checkpoint, CKPT_EMISMATCH after a change of
- * configuration, I/O, a hook) makes this accelerator's saves refuse until a load succeeds or the caller
- * calls ckpt_accelerator_start_over (a save into a project another run
+ * configuration, I/O, a hook) makes this accelerator's saves refuse until a
+ * load succeeds or the caller calls ckpt_accelerator_start_over (a save into a project another run
  * owns still fails with CKPT_EBUSY first). The resume idiom:
  *     int rc = ckpt_load_state(acc, NULL);
  *     if (rc == CKPT_ENOENT) start from step 0;

@@ -106,7 +106,8 @@ static void print_extra_files(const char *dir, bool json) {
             printf(",\"size\":%llu,\"xxh3\":\"%016llx\"}", (unsigned long long)v[i].size,
                    (unsigned long long)v[i].xxh3);
         } else {
-            if (!shown) printf("\nextra files (added by a save pre-hook, verified with the rest):\n");
+            if (!shown)
+                printf("\nextra files (added by a save pre-hook, verified with the rest):\n");
             char size[32];
             printf("  %s  %s  xxh3 %016llx\n", cli_esc(v[i].name),
                    cli_human_bytes(v[i].size, size, sizeof size), (unsigned long long)v[i].xxh3);
@@ -494,7 +495,8 @@ int cli_inspect(int argc, char **argv) {
     char when[32] = "-";
     time_t ct = (time_t)info.created_unix;
     struct tm tm;
-    if (info.created_unix > 0 && gmtime_r(&ct, &tm)) strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
+    if (info.created_unix > 0 && gmtime_r(&ct, &tm))
+        strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S", &tm);
     if (json) {
         printf("{\"path\":");
         cli_json_string(path);
@@ -543,7 +545,8 @@ int cli_inspect(int argc, char **argv) {
         char file[4096], obj[512], label[640];
         const char *o = object_of(name, obj, sizeof obj);
         snprintf(file, sizeof file, "%s/%s", path, o);
-        if (o != name && !json) snprintf(label, sizeof label, "%s (Hugging Face shards: %s)", o, name);
+        if (o != name && !json)
+            snprintf(label, sizeof label, "%s (Hugging Face shards: %s)", o, name);
         else snprintf(label, sizeof label, "%s", name);
         if (!json) putchar('\n');
         status = inspect_file(file, label, json, shown++ == 0);
@@ -621,7 +624,8 @@ static bool element_int(ckpt_dtype dt, const unsigned char *p, int64_t i, bool *
 
 /* Element i as text: integers as integers, floats as the shortest decimal
  * that reads back to the same value of the tensor's type. */
-static const char *element_text(ckpt_dtype dt, const unsigned char *p, int64_t i, char *buf, int cap) {
+static const char *element_text(ckpt_dtype dt, const unsigned char *p, int64_t i, char *buf,
+                                int cap) {
     bool sg;
     int64_t sv;
     uint64_t uv;
@@ -750,8 +754,8 @@ static void diff_tensor_bytes(diff_ctx *d, const char *file, const ckpt_entry_in
     if (integer) snprintf(maxs, sizeof maxs, "%llu", (unsigned long long)maxint);
     else cli_format_double(maxabs, maxs, sizeof maxs);
     report(d, file, ea->key,
-           "max |a-b| = %s, %lld of %lld elements differ (first at flat index %lld: %s vs %s)", maxs,
-           (long long)ndiff, (long long)numel, (long long)first,
+           "max |a-b| = %s, %lld of %lld elements differ (first at flat index %lld: %s vs %s)",
+           maxs, (long long)ndiff, (long long)numel, (long long)first,
            element_text(ea->dtype, pa, first, va, sizeof va),
            element_text(ea->dtype, pb, first, vb, sizeof vb));
 }
@@ -872,7 +876,8 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
     int va = ckpt_checkpoint_verify(a, false, &ia);
     int vb = ckpt_checkpoint_verify(b, false, &ib);
     if ((va == CKPT_OK) != (vb == CKPT_OK)) {
-        printf("checkpoint.json: %s\n", va == CKPT_OK ? "B has no valid manifest" : "A has no valid manifest");
+        printf("checkpoint.json: %s\n",
+               va == CKPT_OK ? "B has no valid manifest" : "A has no valid manifest");
         d->differences++;
     } else if (va == CKPT_OK) {
         if (ia.step != ib.step) {
@@ -988,7 +993,8 @@ int cli_diff(int argc, char **argv) {
         }
     }
     if (dir[0] != dir[1])
-        return cli_usage_error("diff", "A and B must both be checkpoints (or projects) or both files");
+        return cli_usage_error("diff",
+                               "A and B must both be checkpoints (or projects) or both files");
     for (int k = 0; k < 2; k++)
         if (use[k] != paths[k])
             printf("%c: %s (the newest valid checkpoint of %s)\n", "AB"[k], cli_esc(use[k]),

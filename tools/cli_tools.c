@@ -222,13 +222,15 @@ static bool verify_one(const char *dir) {
     if (rc == CKPT_OK) {
         char size[32];
         char procs[48] = "";
-        if (info.num_processes > 1) snprintf(procs, sizeof procs, ", %d processes", info.num_processes);
+        if (info.num_processes > 1)
+            snprintf(procs, sizeof procs, ", %d processes", info.num_processes);
         printf("ok       %s  (step %lld, %d files, %s%s)\n", cli_esc(dir), (long long)info.step,
                info.num_files, cli_human_bytes(info.total_bytes, size, sizeof size), procs);
         return true;
     }
     const char *msg = *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc);
-    const char *what = info.status == CKPT_CHECKPOINT_COMPLETE ? "failed" : status_name(info.status);
+    const char *what =
+        info.status == CKPT_CHECKPOINT_COMPLETE ? "failed" : status_name(info.status);
     printf("%-8s %s\n         %s\n", what, cli_esc(dir), cli_esc(msg));
     return false;
 }
@@ -293,7 +295,8 @@ int cli_verify(int argc, char **argv) {
     if (!S_ISDIR(st.st_mode)) {
         cli_kind kind = cli_classify(path);
         if (kind == CLI_KIND_TORCH_ZIP)
-            return cli_wrong_kind("verify", path, kind, "a checkpoint, a project or a .safetensors file");
+            return cli_wrong_kind("verify", path, kind,
+                                  "a checkpoint, a project or a .safetensors file");
         /* one state file: everything but a checksum can be checked */
         ckpt_reader *r = NULL;
         rc = ckpt_reader_open(&r, path);
@@ -381,8 +384,9 @@ static void prune_report(void *user, const char *path, ckpt_prune_reason reason,
         if (pl->policy)
             printf("%s %s  (valid, not the newest, not kept by %s)\n", verb, path, pl->kept_by);
         else if (pl->keep == 0) printf("%s %s  (--keep 0: every checkpoint goes)\n", verb, path);
-        else if (why) printf("%s %s  (older than the newest %lld valid; it fails verification too: %s)\n",
-                        verb, path, (long long)pl->keep, why);
+        else if (why)
+            printf("%s %s  (older than the newest %lld valid; it fails verification too: %s)\n",
+                   verb, path, (long long)pl->keep, why);
         else printf("%s %s  (valid, older than the newest %lld valid)\n", verb, path,
                     (long long)pl->keep);
         break;
@@ -444,14 +448,17 @@ int cli_prune(int argc, char **argv) {
             const char *v = a[12] == '=' ? a + 13 : (i + 1 < argc ? argv[++i] : NULL);
             if (!v) return cli_usage_error("prune", "--keep-every needs a value");
             if (!cli_parse_i64(v, 1, INT64_MAX, &every))
-                return cli_usage_error("prune", "bad value for --keep-every: '%s', expected steps >= 1", v);
+                return cli_usage_error("prune",
+                                       "bad value for --keep-every: '%s', expected steps >= 1", v);
         } else if (!strcmp(a, "--keep-best") || !strncmp(a, "--keep-best=", 12)) {
             const char *v = a[11] == '=' ? a + 12 : (i + 1 < argc ? argv[++i] : NULL);
             if (!v) return cli_usage_error("prune", "--keep-best needs a value");
             best_arg = v;
             if (!cli_parse_keep_best(v, metric, sizeof metric, &mode, &best_k))
-                return cli_usage_error("prune", "bad value for --keep-best: '%s', expected "
-                                                "METRIC:min:K or METRIC:max:K (e.g. val_loss:min:3)", v);
+                return cli_usage_error("prune",
+                                       "bad value for --keep-best: '%s', expected "
+                                       "METRIC:min:K or METRIC:max:K (e.g. val_loss:min:3)",
+                                       v);
         } else if (!strcmp(a, "--dry-run")) {
             dry_run = true;
         } else if (!strcmp(a, "--force")) {
@@ -486,9 +493,14 @@ int cli_prune(int argc, char **argv) {
     }
     prune_log pl = {.dry_run = dry_run, .policy = policy, .keep = keep};
     prune_policies(&pl, every, best_k > 0 ? best_arg : NULL);
-    ckpt_prune_options o = {.keep = (int)keep, .dry_run = dry_run, .report = prune_report, .user = &pl,
-                            .keep_every_steps = every, .best_metric = best_k ? metric : NULL,
-                            .best_mode = mode, .best_k = (int)best_k};
+    ckpt_prune_options o = {.keep = (int)keep,
+                            .dry_run = dry_run,
+                            .report = prune_report,
+                            .user = &pl,
+                            .keep_every_steps = every,
+                            .best_metric = best_k ? metric : NULL,
+                            .best_mode = mode,
+                            .best_k = (int)best_k};
     int64_t removed = 0;
     int rc = ckpt_checkpoint_prune_ex(dir, &o, &removed);
     if (rc < 0) {

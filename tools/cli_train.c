@@ -468,8 +468,9 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_KEEP_BEST:
             if (!cli_parse_keep_best(a, o->best_metric, sizeof o->best_metric, &o->best_mode,
                                      &o->best_k))
-                return cli_usage_error("train", "bad value for '--keep-best': '%s', expected "
-                                                "METRIC:min:K or METRIC:max:K (e.g. test_loss:min:3)",
+                return cli_usage_error("train",
+                                       "bad value for '--keep-best': '%s', expected "
+                                       "METRIC:min:K or METRIC:max:K (e.g. test_loss:min:3)",
                                        a);
             if (strcmp(o->best_metric, "test_loss") != 0 && strcmp(o->best_metric, "test_acc") != 0)
                 return cli_usage_error("train", "--keep-best: metric '%s' is not recorded; train "
@@ -480,7 +481,8 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case ':': return cli_usage_error("train", "option '%s' needs a value", argv[optind - 1]);
         default: return cli_usage_error("train", "unknown option '%s'", argv[optind - 1]);
         }
-        if (!ok) return cli_usage_error("train", "bad value for '--%s': '%s'", longopts[li].name, a);
+        if (!ok)
+            return cli_usage_error("train", "bad value for '--%s': '%s'", longopts[li].name, a);
     }
     if (optind < argc) return cli_usage_error("train", "unexpected argument '%s'", argv[optind]);
     if (!*o->project_dir) return cli_usage_error("train", "--project-dir is empty");
@@ -653,7 +655,8 @@ static int trainer_setup(trainer *t) {
         return lib_fail("optimizer", rc);
 
     /* the data loader: shuffled every epoch, prefetched by worker threads */
-    if ((rc = ckpt_memory_dataset(&t->dataset, t->train_rows, t->ntrain, sizeof(digits_sample))) < 0)
+    if ((rc = ckpt_memory_dataset(&t->dataset, t->train_rows, t->ntrain, sizeof(digits_sample))) <
+        0)
         return lib_fail("dataset", rc);
     ckpt_dataloader_config dc = ckpt_dataloader_defaults();
     dc.batch_size = o->batch_size;
@@ -661,7 +664,8 @@ static int trainer_setup(trainer *t) {
     dc.seed = (uint64_t)o->seed;
     dc.drop_last = true;
     dc.num_workers = (int)o->workers;
-    if ((rc = ckpt_dataloader_new(&t->loader, &t->dataset, &dc)) < 0) return lib_fail("data loader", rc);
+    if ((rc = ckpt_dataloader_new(&t->loader, &t->dataset, &dc)) < 0)
+        return lib_fail("data loader", rc);
 
     /* the accelerator first: preparing the loader shards it over the
      * processes, which sets the number of steps an epoch */
@@ -681,8 +685,8 @@ static int trainer_setup(trainer *t) {
     };
     if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return lib_fail("accelerator", rc);
     ckpt_accelerator_set_log(t->acc, cli_library_log, NULL); /* escaped, as every output */
-    if (o->shard_optimizer &&
-        (rc = ckpt_optimizer_set_shard(t->optim, t->dist.comm ? t->dist.comm : ckpt_comm_self())) < 0)
+    if (o->shard_optimizer && (rc = ckpt_optimizer_set_shard(
+                                   t->optim, t->dist.comm ? t->dist.comm : ckpt_comm_self())) < 0)
         return lib_fail("--shard-optimizer", rc);
     if ((rc = ckpt_prepare_dataloader(t->acc, t->loader)) < 0) return lib_fail("prepare", rc);
     int64_t per_epoch = ckpt_dataloader_num_batches(t->loader);
@@ -937,7 +941,8 @@ static int save(trainer *t, int64_t step, bool last) {
     int64_t correct = evaluate(&t->net, t->test_rows, t->ntest, t->x, t->y, t->pred, &test_loss);
     int rc = ckpt_set_metric(t->acc, "test_loss", test_loss);
     if (rc == 0)
-        rc = ckpt_set_metric(t->acc, "test_acc", t->ntest ? (double)correct / (double)t->ntest : 0.0);
+        rc = ckpt_set_metric(t->acc, "test_acc",
+                             t->ntest ? (double)correct / (double)t->ntest : 0.0);
     if (rc == 0)
         rc = t->opt.async ? ckpt_save_state_async(t->acc, NULL) : ckpt_save_state(t->acc, NULL);
     if (rc == 0 && t->opt.async && last) rc = ckpt_save_wait(t->acc);
@@ -958,7 +963,8 @@ static int save(trainer *t, int64_t step, bool last) {
         const char *msg = ckpt_errmsg();
         if (t->tty) putchar('\n'); /* end the progress bar's line first */
         fflush(stdout);
-        cli_error("save failed: %s (at step %lld)", *msg ? msg : ckpt_strerror(rc), (long long)step);
+        cli_error("save failed: %s (at step %lld)", *msg ? msg : ckpt_strerror(rc),
+                  (long long)step);
         return CLI_RUNTIME;
     }
     return CLI_OK;
@@ -1051,7 +1057,8 @@ int cli_train(int argc, char **argv) {
         goto done;
     }
     snprintf(metrics_path, sizeof metrics_path, "%s/metrics.jsonl", logdir);
-    if (t.speak && (make_dirs(logdir) != 0 || !(t.metrics = metrics_open(metrics_path, resumed, step, &t.losses)))) {
+    if (t.speak && (make_dirs(logdir) != 0 ||
+                    !(t.metrics = metrics_open(metrics_path, resumed, step, &t.losses)))) {
         if (errno == ELOOP || errno == EINVAL)
             cli_error("%s: not a regular file of its own (a symlink, a FIFO, a folder or a hard "
                       "link); the log is not written through it: remove it",

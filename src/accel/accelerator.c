@@ -126,18 +126,20 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
 int ckpt_set_metric(ckpt_accelerator *acc, const char *name, double value) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "set_metric: acc is NULL");
     if (!name || !ckpt__metric_name_valid(name))
-        return ckpt__err(CKPT_EINVAL, "set_metric: name '%.64s' is not 1..63 bytes of [A-Za-z0-9_.:/-]",
+        return ckpt__err(CKPT_EINVAL,
+                         "set_metric: name '%.64s' is not 1..63 bytes of [A-Za-z0-9_.:/-]",
                          name ? name : "(null)");
     if (!isfinite(value))
-        return ckpt__err(CKPT_EINVAL, "set_metric: %s is %g, expected a finite number", name, value);
+        return ckpt__err(CKPT_EINVAL, "set_metric: %s is %g, expected a finite number", name,
+                         value);
     for (int i = 0; i < acc->nmetrics; i++)
         if (strcmp(acc->metrics[i].name, name) == 0) {
             acc->metrics[i].value = value;
             return CKPT_OK;
         }
     if (acc->nmetrics == CKPT_MAX_METRICS)
-        return ckpt__err(CKPT_EINVAL, "set_metric: %s would be metric %d, at most %d per save", name,
-                         CKPT_MAX_METRICS + 1, CKPT_MAX_METRICS);
+        return ckpt__err(CKPT_EINVAL, "set_metric: %s would be metric %d, at most %d per save",
+                         name, CKPT_MAX_METRICS + 1, CKPT_MAX_METRICS);
     snprintf(acc->metrics[acc->nmetrics].name, sizeof acc->metrics[0].name, "%s", name);
     acc->metrics[acc->nmetrics].value = value;
     acc->nmetrics++;
@@ -167,8 +169,12 @@ int ckpt_accelerator_start_over(ckpt_accelerator *acc) {
     return CKPT_OK;
 }
 
-int ckpt_accelerator_process_index(const ckpt_accelerator *acc) { return acc ? acc->process_index : 0; }
-int ckpt_accelerator_num_processes(const ckpt_accelerator *acc) { return acc ? acc->num_processes : 1; }
+int ckpt_accelerator_process_index(const ckpt_accelerator *acc) {
+    return acc ? acc->process_index : 0;
+}
+int ckpt_accelerator_num_processes(const ckpt_accelerator *acc) {
+    return acc ? acc->num_processes : 1;
+}
 ckpt_rng *ckpt_accelerator_rng(ckpt_accelerator *acc) { return acc ? &acc->rng : NULL; }
 
 int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed) {

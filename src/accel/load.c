@@ -300,7 +300,8 @@ static int choose_latest(load_op *op) {
         ckpt__checkpoint_close(&op->c);
         free(op->dir);
         op->dir = NULL;
-        if (i == 0) rc = ckpt__err(CKPT_ECORRUPT, "load_state: no valid checkpoint in %s: %s", cdir, why);
+        if (i == 0)
+            rc = ckpt__err(CKPT_ECORRUPT, "load_state: no valid checkpoint in %s: %s", cdir, why);
     }
     free(nums);
     free(cdir);
@@ -429,8 +430,8 @@ static int open_object(load_op *op, int i) {
                                open_part, op, &op->readers[i]);
         if (rc < 0) return ckpt__err_prefix(rc, "load_state");
     } else if (idx < 0) {
-        return ckpt__err(CKPT_EMISMATCH, "load_state: %s: checkpoint has no %s (for %s %d)", op->dir,
-                         name, ckpt__kind_noun[o->kind], o->index);
+        return ckpt__err(CKPT_EMISMATCH, "load_state: %s: checkpoint has no %s (for %s %d)",
+                         op->dir, name, ckpt__kind_noun[o->kind], o->index);
     }
     if (idx >= 0 && strcmp(m->files[idx].kind, ckpt__kind_name[o->kind]) != 0)
         return ckpt__err(CKPT_EMISMATCH, "load_state: %s: %s holds a %s, expected a %s", op->dir,
@@ -631,8 +632,9 @@ static int select_objects(load_op *op) {
             size_t u = strlen(known);
             snprintf(known + u, sizeof known - u, "%s%s", u ? ", " : "", name);
         }
-        return ckpt__err(CKPT_EINVAL, "load_state: names[%d] '%s' is no registered object (there are: %s)",
-                         n, opt->names[n], known);
+        return ckpt__err(CKPT_EINVAL,
+                         "load_state: names[%d] '%s' is no registered object (there are: %s)", n,
+                         opt->names[n], known);
     }
     static const unsigned bit[K_COUNT] = {CKPT_LOAD_MODELS,   CKPT_LOAD_OPTIMIZERS,
                                           CKPT_LOAD_SCHEDULERS, CKPT_LOAD_DATALOADERS,
@@ -641,13 +643,15 @@ static int select_objects(load_op *op) {
     for (int i = 0; i < op->nobjs; i++) {
         bool on = all || (opt->objects & bit[op->objs[i].kind]);
         object_name(op->acc, &op->objs[i], name, sizeof name);
-        for (int n = 0; !on && opt && n < opt->num_names; n++) on = strcmp(name, opt->names[n]) == 0;
+        for (int n = 0; !on && opt && n < opt->num_names; n++)
+            on = strcmp(name, opt->names[n]) == 0;
         op->sel[i] = on;
         nsel += on;
     }
     if (nsel == 0)
-        return ckpt__err(CKPT_EINVAL, "load_state: the options select none of the registered objects "
-                                      "(objects 0x%x)",
+        return ckpt__err(CKPT_EINVAL,
+                         "load_state: the options select none of the registered objects "
+                         "(objects 0x%x)",
                          opt->objects);
     op->full = nsel == op->nobjs;
     return CKPT_OK;
@@ -702,18 +706,20 @@ static void log_adaptation(load_op *op, const ckpt_load_report *r) {
     const ckpt_logger *log = &op->acc->log;
     if (op->comm->rank != 0) return;
     for (int64_t i = 0; i < a->missing.n; i++)
-        ckpt__log(log, CKPT_LOG_WARNING, "%s: %s: key '%s' missing in the checkpoint: kept its value",
-                  op->dir, a->missing.v[i].object, a->missing.v[i].key);
+        ckpt__log(log, CKPT_LOG_WARNING,
+                  "%s: %s: key '%s' missing in the checkpoint: kept its value", op->dir,
+                  a->missing.v[i].object, a->missing.v[i].key);
     for (int64_t i = 0; i < a->unexpected.n; i++)
         ckpt__log(log, CKPT_LOG_WARNING, "%s: %s: key '%s' in the checkpoint is used by nothing",
                   op->dir, a->unexpected.v[i].object, a->unexpected.v[i].file_key);
     if (a->converted.n)
         ckpt__log(log, CKPT_LOG_INFO, "%s: %" PRId64 " tensor%s converted (first: '%s' %s to %s)",
                   op->dir, a->converted.n, a->converted.n == 1 ? "" : "s", a->converted.v[0].key,
-                  ckpt_dtype_name(a->converted.v[0].file_dtype), ckpt_dtype_name(a->converted.v[0].dtype));
+                  ckpt_dtype_name(a->converted.v[0].file_dtype),
+                  ckpt_dtype_name(a->converted.v[0].dtype));
     if (a->renamed.n)
-        ckpt__log(log, CKPT_LOG_INFO, "%s: %" PRId64 " key%s renamed (first: '%s' as '%s')", op->dir,
-                  a->renamed.n, a->renamed.n == 1 ? "" : "s", a->renamed.v[0].file_key,
+        ckpt__log(log, CKPT_LOG_INFO, "%s: %" PRId64 " key%s renamed (first: '%s' as '%s')",
+                  op->dir, a->renamed.n, a->renamed.n == 1 ? "" : "s", a->renamed.v[0].file_key,
                   a->renamed.v[0].key);
 }
 

@@ -104,9 +104,10 @@ static int split_dir(const char *path, char **parent, char **base) {
     while (n > 1 && path[n - 1] == '/') n--;
     size_t s = n;
     while (s > 0 && path[s - 1] != '/') s--;
-    if (n == s || (n - s == 1 && path[s] == '.') || (n - s == 2 && path[s] == '.' && path[s + 1] == '.'))
-        return ckpt__err(CKPT_EINVAL, "save_state: %s: not a folder name a checkpoint can be saved as",
-                         path);
+    if (n == s || (n - s == 1 && path[s] == '.') ||
+        (n - s == 2 && path[s] == '.' && path[s + 1] == '.'))
+        return ckpt__err(CKPT_EINVAL,
+                         "save_state: %s: not a folder name a checkpoint can be saved as", path);
     *base = ckpt__malloc(n - s + 1);
     if (s == 0) *parent = ckpt__strdup(".");
     else {
@@ -727,7 +728,8 @@ static int write_object(save_op *op, int i) {
     int rc = 0;
     if (hf_sharded(op, i)) rc = write_hf(op, i, name);
     else if (o->kind == K_RNG || op->committer)
-        rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false, &op->slots[2 * i]);
+        rc = write_file(op, op->writers[i], name, ckpt__kind_name[o->kind], false,
+                        &op->slots[2 * i]);
     if (rc == 0 && ckpt__writer_shard_file_needed(op->writers[i])) {
         char shard[160];
         rc = ckpt__acc_shard_name(name, c->rank, c->size, shard, sizeof shard);
@@ -1015,7 +1017,8 @@ static int check_args(const ckpt_accelerator *acc, const char *output_dir) {
     if (automatic && !acc->project_dir)
         return ckpt__err(CKPT_EINVAL,
                          "save_state: automatic checkpoint naming needs a project_dir");
-    if (!automatic && !output_dir[0]) return ckpt__err(CKPT_EINVAL, "save_state: output_dir is empty");
+    if (!automatic && !output_dir[0])
+        return ckpt__err(CKPT_EINVAL, "save_state: output_dir is empty");
     return CKPT_OK;
 }
 

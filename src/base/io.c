@@ -650,7 +650,8 @@ int ckpt__fsync_dir(const char *path) {
     if (fd < 0) return ckpt__err_os(errno, "%s: open folder for fsync", path);
     int rc = CKPT_OK;
     /* Some file systems cannot fsync a folder (EINVAL): nothing to make durable. */
-    if (ckpt__os_fsync(fd) < 0 && errno != EINVAL) rc = ckpt__err_os(errno, "%s: fsync folder", path);
+    if (ckpt__os_fsync(fd) < 0 && errno != EINVAL)
+        rc = ckpt__err_os(errno, "%s: fsync folder", path);
     close(fd);
     return rc;
 }
@@ -720,7 +721,8 @@ out:
 static int dir_exists(const char *path, bool *exists) {
     struct stat st;
     if (lstat(path, &st) == 0) {
-        if (!S_ISDIR(st.st_mode)) return ckpt__err(CKPT_EINVAL, "%s: exists and is not a folder", path);
+        if (!S_ISDIR(st.st_mode))
+            return ckpt__err(CKPT_EINVAL, "%s: exists and is not a folder", path);
         *exists = true;
         return CKPT_OK;
     }
@@ -1054,7 +1056,8 @@ static int read_hashed(const char *path, const char *what, uint64_t size, uint8_
             if (rc < 0) break;
             /* From disk: the next piece is on its way while this one is hashed. */
             if (off + want < size)
-                (void)posix_fadvise(fd, (off_t)(off + want), (off_t)HASH_PIECE, POSIX_FADV_WILLNEED);
+                (void)posix_fadvise(fd, (off_t)(off + want), (off_t)HASH_PIECE,
+                                    POSIX_FADV_WILLNEED);
             XXH3_64bits_update(h, p, want);
             if (wide) XXH3_128bits_update(h2, p, want);
             off += want;

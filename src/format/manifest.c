@@ -80,7 +80,8 @@ int ckpt__manifest_add(ckpt_manifest *m, const char *name, const char *kind,
     if (rc == 0 && d->tensor_chunk) {
         f->chunks = ckpt__malloc((size_t)(d->ntensors ? d->ntensors : 1) * sizeof *f->chunks);
         if (!f->chunks) rc = ckpt__err_nomem("manifest chunks");
-        else if (d->ntensors) memcpy(f->chunks, d->tensor_chunk, (size_t)d->ntensors * sizeof *f->chunks);
+        else if (d->ntensors)
+            memcpy(f->chunks, d->tensor_chunk, (size_t)d->ntensors * sizeof *f->chunks);
     }
     if (rc < 0) {
         file_clear(f);
@@ -243,7 +244,8 @@ static json_t *build_json(const ckpt_manifest *m) {
         json_t *jm = json_object();
         if (!jm) goto nomem;
         JSET(root, "metrics", jm);
-        for (int i = 0; i < m->nmetrics; i++) JSET(jm, m->metrics[i].name, json_real(m->metrics[i].value));
+        for (int i = 0; i < m->nmetrics; i++)
+            JSET(jm, m->metrics[i].name, json_real(m->metrics[i].value));
     }
     json_t *files = files_json(m);
     if (!files) goto nomem;
@@ -450,7 +452,8 @@ static int get_str(json_t *root, const char *key, bool required, const char **ou
         if (!required) return 0;
         return ckpt__err(CKPT_ECORRUPT, "%s: \"%s\" is missing", what, key);
     }
-    if (!json_is_string(v)) return ckpt__err(CKPT_ECORRUPT, "%s: \"%s\" must be a string", what, key);
+    if (!json_is_string(v))
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"%s\" must be a string", what, key);
     *out = json_string_value(v);
     *len = json_string_length(v);
     if (strlen(*out) != *len)
@@ -500,9 +503,10 @@ static int parse_dims(json_t *a, const char *field, int *ndim, int64_t *out, con
                          key, field);
     size_t n = json_array_size(a);
     if (n > CKPT_MAX_NDIM || (*ndim >= 0 && (int)n != *ndim))
-        return ckpt__err(CKPT_ECORRUPT,
-                         "%s: chunk of '%.128s': \"%s\" has %zu dimensions, expected %d (at most %d)",
-                         where, key, field, n, *ndim < 0 ? (int)n : *ndim, CKPT_MAX_NDIM);
+        return ckpt__err(
+            CKPT_ECORRUPT,
+            "%s: chunk of '%.128s': \"%s\" has %zu dimensions, expected %d (at most %d)", where,
+            key, field, n, *ndim < 0 ? (int)n : *ndim, CKPT_MAX_NDIM);
     for (size_t d = 0; d < n; d++) {
         json_t *v = json_array_get(a, d);
         if (!json_is_integer(v) || json_integer_value(v) < 0)
@@ -554,8 +558,8 @@ static int parse_chunks(json_t *jc, ckpt_manifest_file *f, const ckpt_manifest *
         json_t *jd = json_object_get(o, "dtype");
         if (!json_is_string(jd) ||
             ckpt_dtype_from_name(json_string_value(jd), &c->dtype) != CKPT_OK)
-            return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%.128s': \"dtype\" is missing or unknown",
-                             where, key);
+            return ckpt__err(CKPT_ECORRUPT,
+                             "%s: chunk of '%.128s': \"dtype\" is missing or unknown", where, key);
         c->ndim = -1;
         CKPT_TRY(parse_dims(json_object_get(o, "global_shape"), "global_shape", &c->ndim,
                             c->global_shape, where, key));
@@ -670,10 +674,11 @@ bool ckpt__metric_name_valid(const char *name) {
 static int parse_metrics(json_t *root, const char *what, ckpt_manifest *m) {
     json_t *jm = json_object_get(root, "metrics");
     if (!jm) return 0;
-    if (!json_is_object(jm)) return ckpt__err(CKPT_ECORRUPT, "%s: \"metrics\" must be an object", what);
+    if (!json_is_object(jm))
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"metrics\" must be an object", what);
     if (json_object_size(jm) > CKPT_MAX_METRICS)
-        return ckpt__err(CKPT_ECORRUPT, "%s: \"metrics\" has %zu entries, expected at most %d", what,
-                         json_object_size(jm), CKPT_MAX_METRICS);
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"metrics\" has %zu entries, expected at most %d",
+                         what, json_object_size(jm), CKPT_MAX_METRICS);
     const char *key;
     json_t *v;
     json_object_foreach(jm, key, v) {
@@ -813,7 +818,8 @@ int ckpt__manifest_check_chunks(const ckpt_manifest *m, int code, const char *wh
         if (!f->chunks) continue;
         size_t stem = 0;
         if (!ckpt__shard_file_parse(f->name, &stem, NULL, NULL)) {
-            rc = ckpt__err(code, "%s: %s has chunks but is not named as a shard file", what, f->name);
+            rc = ckpt__err(code, "%s: %s has chunks but is not named as a shard file", what,
+                           f->name);
             goto out;
         }
         for (int64_t t = 0; t < f->ntensors; t++)
@@ -863,8 +869,9 @@ int ckpt__manifest_files_from_json(ckpt_manifest *m, const char *text, size_t le
         return ckpt__err(CKPT_ECORRUPT, "%s: invalid JSON at line %d, column %d: %s", what,
                          jerr.line, jerr.column, jerr.text);
     int64_t before = m->nfiles;
-    int rc = json_is_array(files) ? CKPT_OK
-                                  : ckpt__err(CKPT_ECORRUPT, "%s: file records must be an array", what);
+    int rc = json_is_array(files)
+                 ? CKPT_OK
+                 : ckpt__err(CKPT_ECORRUPT, "%s: file records must be an array", what);
     for (size_t i = 0; rc == 0 && i < json_array_size(files); i++)
         rc = parse_file(json_array_get(files, i), (int64_t)i, m, what);
     json_decref(files);
@@ -915,8 +922,8 @@ static int name_mismatch(const char *dir, const ckpt_manifest_file *f, const ckp
     ckpt_reader *r = NULL;
     int rc = ckpt_reader_open_memory(&r, mp->data, (size_t)mp->size, f->name);
     if (rc < 0)
-        return ckpt__err_prefix(CKPT_ECORRUPT, "%s: %s: checksum mismatch and the file does not parse",
-                                dir, f->name);
+        return ckpt__err_prefix(
+            CKPT_ECORRUPT, "%s: %s: checksum mismatch and the file does not parse", dir, f->name);
     for (int64_t t = 0; t < f->ntensors; t++) {
         const void *p = NULL;
         ckpt_entry_info info;
@@ -933,8 +940,8 @@ static int name_mismatch(const char *dir, const ckpt_manifest_file *f, const ckp
     }
     ckpt_reader_free(r);
     return ckpt__err(CKPT_ECORRUPT,
-                     "%s: %s: checksum mismatch in the header or metadata (tensor data intact)", dir,
-                     f->name);
+                     "%s: %s: checksum mismatch in the header or metadata (tensor data intact)",
+                     dir, f->name);
 }
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -988,15 +995,16 @@ static int check_size(const char *dir, const ckpt_manifest_file *f) {
     struct stat st;
     int rc = 0;
     if (lstat(path, &st) != 0) {
-        rc = errno == ENOENT ? ckpt__err(CKPT_ECORRUPT, "%s: %s is listed in the manifest but missing",
-                                         dir, f->name)
-                             : ckpt__err_os(errno, "%s", path);
+        rc = errno == ENOENT
+                 ? ckpt__err(CKPT_ECORRUPT, "%s: %s is listed in the manifest but missing", dir,
+                             f->name)
+                 : ckpt__err_os(errno, "%s", path);
     } else if (!S_ISREG(st.st_mode)) {
         rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: %s, expected a regular file", dir, f->name,
                        ckpt__file_type_name(st.st_mode));
     } else if ((uint64_t)st.st_size != f->size) {
-        rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: size %lld bytes, the manifest says %" PRIu64 "%s", dir,
-                       f->name, (long long)st.st_size, f->size,
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: size %lld bytes, the manifest says %" PRIu64 "%s",
+                       dir, f->name, (long long)st.st_size, f->size,
                        (uint64_t)st.st_size < f->size ? " (truncated)" : "");
     }
     free(path);
@@ -1152,7 +1160,8 @@ static int check_files(const char *dir, const ckpt_manifest *m, bool deep, const
         job[0].n = n;
     }
     pthread_t th;
-    bool threaded = parallel && job[1].n > 0 && pthread_create(&th, NULL, check_thread, &job[1]) == 0;
+    bool threaded =
+        parallel && job[1].n > 0 && pthread_create(&th, NULL, check_thread, &job[1]) == 0;
     run_check_job(&job[0]);
     if (threaded) pthread_join(th, NULL);
     else if (job[1].n > 0) run_check_job(&job[1]);

@@ -252,7 +252,9 @@ bool ckpt__writer_is_schema(const ckpt_writer *w) { return w && w->schema; }
 
 int ckpt__writer_set_optional(ckpt_writer *w, const char *key) {
     int64_t i = w && key ? key_index_get(&w->index, key) : -1;
-    if (i < 0) return ckpt__err(CKPT_ENOENT, "state dict: no key '%s' to mark optional", key ? key : "(null)");
+    if (i < 0)
+        return ckpt__err(CKPT_ENOENT, "state dict: no key '%s' to mark optional",
+                         key ? key : "(null)");
     w->entries[i].optional = true;
     return CKPT_OK;
 }
@@ -645,7 +647,8 @@ static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c, save_mode
     if (!w) return ckpt__err(CKPT_EINVAL, "save: writer is NULL");
     if (!path) return ckpt__err(CKPT_EINVAL, "save: path is NULL");
     if (w->schema)
-        return ckpt__err(CKPT_EINVAL, "%s: a schema writer records no data and cannot be saved", path);
+        return ckpt__err(CKPT_EINVAL, "%s: a schema writer records no data and cannot be saved",
+                         path);
     c->w = w;
     int64_t nt = 0;
     for (int64_t i = 0; i < w->count; i++) {
@@ -942,8 +945,10 @@ static int parse_doc_entry(ckpt_reader *r, json_t *o, size_t idx, entry *e) {
     }
     json_t *jk = json_object_get(o, "key"), *jt = json_object_get(o, "type"),
            *jv = json_object_get(o, "value");
-    if (!json_is_string(jk)) return doc_err(r, "entries[%s]: key is missing or not a string", at, NULL);
-    if (!json_is_string(jt)) return doc_err(r, "entries[%s]: type is missing or not a string", at, NULL);
+    if (!json_is_string(jk))
+        return doc_err(r, "entries[%s]: key is missing or not a string", at, NULL);
+    if (!json_is_string(jt))
+        return doc_err(r, "entries[%s]: type is missing or not a string", at, NULL);
     if (!jv) return doc_err(r, "entries[%s]: value is missing", at, NULL);
     const char *key = json_string_value(jk);
     if (strlen(key) != json_string_length(jk) || ckpt__check_key(key, "entry") != CKPT_OK)
@@ -951,7 +956,8 @@ static int parse_doc_entry(ckpt_reader *r, json_t *o, size_t idx, entry *e) {
     e->key = (char *)key;
     const char *type = json_string_value(jt);
     if (strcmp(type, "i64") == 0) {
-        if (!json_is_integer(jv)) return doc_err(r, "entry '%s': i64 value is not an integer", key, NULL);
+        if (!json_is_integer(jv))
+            return doc_err(r, "entry '%s': i64 value is not an integer", key, NULL);
         e->kind = CKPT_ENTRY_I64;
         e->i64 = (int64_t)json_integer_value(jv);
         e->nbytes = 8;
@@ -967,19 +973,24 @@ static int parse_doc_entry(ckpt_reader *r, json_t *o, size_t idx, entry *e) {
             if (strcmp(s, "nan") == 0) e->f64 = NAN;
             else if (strcmp(s, "inf") == 0) e->f64 = INFINITY;
             else if (strcmp(s, "-inf") == 0) e->f64 = -INFINITY;
-            else return doc_err(r, "entry '%s': f64 value '%s' is not a number, \"nan\", \"inf\" or \"-inf\"", key, s);
+            else
+                return doc_err(
+                    r, "entry '%s': f64 value '%s' is not a number, \"nan\", \"inf\" or \"-inf\"",
+                    key, s);
         } else {
             return doc_err(r, "entry '%s': f64 value is not a number", key, NULL);
         }
     } else if (strcmp(type, "str") == 0) {
-        if (!json_is_string(jv)) return doc_err(r, "entry '%s': str value is not a string", key, NULL);
+        if (!json_is_string(jv))
+            return doc_err(r, "entry '%s': str value is not a string", key, NULL);
         e->kind = CKPT_ENTRY_STR;
         e->str = (char *)json_string_value(jv);
         e->nbytes = json_string_length(jv);
         if (strlen(e->str) != e->nbytes)
             return doc_err(r, "entry '%s': str value contains a NUL character", key, NULL);
     } else if (strcmp(type, "bytes") == 0) {
-        if (!json_is_string(jv)) return doc_err(r, "entry '%s': bytes value is not a string", key, NULL);
+        if (!json_is_string(jv))
+            return doc_err(r, "entry '%s': bytes value is not a string", key, NULL);
         e->kind = CKPT_ENTRY_BYTES;
         size_t n = 0;
         int rc = ckpt__base64_decode(json_string_value(jv), json_string_length(jv), &e->bytes, &n);
@@ -996,8 +1007,9 @@ static int parse_doc(ckpt_reader *r, const char *text, json_t **doc_out, json_t 
     json_error_t jerr;
     json_t *doc = json_loads(text, JSON_REJECT_DUPLICATES, &jerr);
     if (!doc)
-        return ckpt__err(CKPT_ECORRUPT, "%s: __metadata__ 'ckpt' is not valid JSON: %s (at byte %d)",
-                         r->name, jerr.text, jerr.position);
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: __metadata__ 'ckpt' is not valid JSON: %s (at byte %d)", r->name,
+                         jerr.text, jerr.position);
     *doc_out = doc;
     if (!json_is_object(doc)) return doc_err(r, "not a JSON object", NULL, NULL);
     const char *f;
@@ -1007,7 +1019,8 @@ static int parse_doc(ckpt_reader *r, const char *text, json_t **doc_out, json_t 
             return doc_err(r, "unknown field '%s'", f, NULL);
     }
     json_t *ver = json_object_get(doc, "version");
-    if (!json_is_integer(ver)) return doc_err(r, "version is missing or not an integer", NULL, NULL);
+    if (!json_is_integer(ver))
+        return doc_err(r, "version is missing or not an integer", NULL, NULL);
     json_int_t v = json_integer_value(ver);
     if (v > CKPT_DOC_VERSION)
         return ckpt__err(CKPT_EUNSUPPORTED,
@@ -1397,7 +1410,8 @@ int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int n
     const entry *e = NULL;
     CKPT_TRY(find_tensor(r, key, &e));
     char a[200], b[200];
-    if (ndim < 0 || ndim > CKPT_MAX_NDIM || (ndim > 0 && (!global_shape || !offsets || !local_shape)))
+    if (ndim < 0 || ndim > CKPT_MAX_NDIM ||
+        (ndim > 0 && (!global_shape || !offsets || !local_shape)))
         return ckpt__err(CKPT_EINVAL, "%s: key '%s': invalid slice asked (ndim %d)", r->name, key,
                          ndim);
     if (dt != e->dtype)
@@ -1426,7 +1440,8 @@ int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int n
     if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
     if (!e->sk) {
         bool whole = true;
-        for (int d = 0; whole && d < ndim; d++) whole = offsets[d] == 0 && local_shape[d] == e->shape[d];
+        for (int d = 0; whole && d < ndim; d++)
+            whole = offsets[d] == 0 && local_shape[d] == e->shape[d];
         if (whole) return ckpt_read_tensor(r, key, dt, ndim, global_shape, dst);
         CKPT_TRY(materialize(r, e));
         const uint8_t *src = e->data;
@@ -1556,8 +1571,9 @@ int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const
         where[t] = i + 1;
         const entry *e = reader_get(r, key);
         if (e && !e->sk) {
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: '%s' is both a sharded tensor and a plain entry of %s",
-                           name, key, r->name);
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: '%s' is both a sharded tensor and a plain entry of %s", name, key,
+                           r->name);
             break;
         }
         if (e) {
@@ -1646,7 +1662,8 @@ int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
     char a[200], b[200];
     if (dt != e->dtype)
         return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': dtype %s in file, %s asked", r->name, key,
-                         ckpt_dtype_name(e->dtype), ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "(invalid)");
+                         ckpt_dtype_name(e->dtype),
+                         ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "(invalid)");
     bool same = ndim == e->ndim && (ndim == 0 || shape);
     for (int i = 0; same && i < ndim; i++) same = shape[i] == e->shape[i];
     if (!same) {
@@ -1654,7 +1671,8 @@ int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
             return ckpt__err(CKPT_EINVAL, "%s: key '%s': invalid shape asked (ndim %d)", r->name,
                              key, ndim);
         return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': shape %s in file, %s asked", r->name, key,
-                         ckpt__shape_str(a, sizeof a, e->ndim, e->shape), ckpt__shape_str(b, sizeof b, ndim, shape));
+                         ckpt__shape_str(a, sizeof a, e->ndim, e->shape),
+                         ckpt__shape_str(b, sizeof b, ndim, shape));
     }
     if (e->nbytes == 0) return CKPT_OK;
     if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
@@ -1676,7 +1694,8 @@ int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
     return CKPT_OK;
 }
 
-static int find_scalar(const ckpt_reader *r, const char *key, ckpt_entry_kind kind, const entry **out) {
+static int find_scalar(const ckpt_reader *r, const char *key, ckpt_entry_kind kind,
+                       const entry **out) {
     if (!r || !key) return ckpt__err(CKPT_EINVAL, "read %s: NULL argument", kind_name(kind));
     const entry *e = reader_get(r, key);
     if (!e) return ckpt__err(CKPT_ENOENT, "%s: no key '%s'", r->name, key);
@@ -1830,7 +1849,8 @@ int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *s
         bytes = s->data;
         if (!bytes) {
             CKPT_TRY(reader_map(src));
-            if (!src->mem) return ckpt__err(CKPT_EIO, "%s: tensor '%s': no bytes", src->name, src_key);
+            if (!src->mem)
+                return ckpt__err(CKPT_EIO, "%s: tensor '%s': no bytes", src->name, src_key);
             bytes = src->mem + s->offset;
         }
     }
@@ -1838,7 +1858,8 @@ int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *s
         /* converted when read: straight into the caller's buffer */
         if (!ckpt__dtype_convertible(s->dtype) || !ckpt__dtype_convertible(dt))
             return ckpt__err(CKPT_EINVAL, "%s: tensor '%s': %s does not convert to %s", src->name,
-                             src_key, ckpt_dtype_name(s->dtype), ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "?");
+                             src_key, ckpt_dtype_name(s->dtype),
+                             ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "?");
         CKPT_TRY(ckpt_tensor_nbytes(dt, s->ndim, s->shape, &e.nbytes));
         e.dtype = dt;
         e.conv_from = s->dtype;
@@ -1903,13 +1924,13 @@ int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const ch
                              describe(a, sizeof a, f), describe(b, sizeof b, m));
         if (m->kind != CKPT_ENTRY_TENSOR) continue;
         if (f->dtype != m->dtype)
-            return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': dtype %s in file, %s in memory", what,
-                             m->key, ckpt_dtype_name(f->dtype), ckpt_dtype_name(m->dtype));
+            return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': dtype %s in file, %s in memory",
+                             what, m->key, ckpt_dtype_name(f->dtype), ckpt_dtype_name(m->dtype));
         bool same = f->ndim == m->ndim;
         for (int d = 0; same && d < m->ndim; d++) same = f->shape[d] == m->shape[d];
         if (!same && !m->shape_by_object)
-            return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': shape %s in file, %s in memory", what,
-                             m->key, ckpt__shape_str(a, sizeof a, f->ndim, f->shape),
+            return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': shape %s in file, %s in memory",
+                             what, m->key, ckpt__shape_str(a, sizeof a, f->ndim, f->shape),
                              ckpt__shape_str(b, sizeof b, m->ndim, m->shape));
         if (f->sk) CKPT_TRY(shard_key_check(r, &r->skeys[f->sk - 1]));
     }

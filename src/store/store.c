@@ -380,8 +380,9 @@ int ckpt__retention_check(const ckpt_retention *pol, const char *what) {
     if (pol->best_k < 0)
         return ckpt__err(CKPT_EINVAL, "%s: best_k is %d, expected >= 0", what, pol->best_k);
     if (pol->best_mode != CKPT_BEST_MIN && pol->best_mode != CKPT_BEST_MAX)
-        return ckpt__err(CKPT_EINVAL, "%s: best_mode is %d, expected CKPT_BEST_MIN or CKPT_BEST_MAX",
-                         what, (int)pol->best_mode);
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: best_mode is %d, expected CKPT_BEST_MIN or CKPT_BEST_MAX", what,
+                         (int)pol->best_mode);
     if (pol->best_k > 0 && !pol->best_metric)
         return ckpt__err(CKPT_EINVAL, "%s: best_k is %d but best_metric is not set", what,
                          pol->best_k);
@@ -539,8 +540,9 @@ static int rotate(const char *dir, rotation *r) {
         }
         if (r->report) r->report(r->user, p, v[i].reason, v[i].why);
         if (v[i].reason == CKPT_PRUNE_INVALID && r->lg && !r->dry_run)
-            ckpt__log(r->lg, CKPT_LOG_WARNING, "removing %s, older than the newest valid checkpoint: %s",
-                      p, v[i].why ? v[i].why : "invalid");
+            ckpt__log(r->lg, CKPT_LOG_WARNING,
+                      "removing %s, older than the newest valid checkpoint: %s", p,
+                      v[i].why ? v[i].why : "invalid");
         free(p);
         if (!r->dry_run) rc = remove_checkpoint(dir, name, r->lg);
         if (rc == 0) r->removed++;
