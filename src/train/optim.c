@@ -1,7 +1,7 @@
-/* optim.c — SGD, Adam and AdamW as PyTorch 1.13's single-tensor (foreach=False)
- * implementations compute them: fp32 tensors, Python-float (double) scalars
- * rounded to float where PyTorch's kernels round them, in PyTorch's order of
- * operations, so trajectories agree with PyTorch's bit for bit. */
+/* optim.c — the optimizer object: its kinds' descriptors (SGD, Adam, AdamW,
+ * RMSprop), construction and parameter groups, ZeRO-1 sharding of its state,
+ * the step driver and the state dict. The step kernels, bit for bit
+ * PyTorch 1.13's, are in optim_kernels.c. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,73 +11,9 @@
 #include "base/error.h"
 #include "format/statedict.h"
 #include "train/optim.h"
-
-/* PyTorch's CPU kernels (AVX2 build) compute add(x, alpha=a) and addcmul with
- * a fused multiply-add; we use fmaf at the same places so that the results
- * agree bit for bit. On x86-64 the SGD loop is compiled twice, for FMA
- * hardware (fmaf becomes one vectorized instruction) and for the baseline
- * (fmaf is a libm call: exact, but slower), picked at load time; the Adam loop
- * has an explicit AVX2 version (below). */
-#define FMADD(a, b, c) fmaf((a), (b), (c))
-/* (Not under ThreadSanitizer: its runtime is not ready when the loader runs
- * the clones' resolver.) */
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && !defined(CKPT_NO_IFUNC)
-#define UPDATE_CLONES __attribute__((target_clones("fma", "default")))
-#else
-#define UPDATE_CLONES
-#endif
-
-typedef struct opt_param {
-    const char *name; /* view into the model */
-    int ndim;
-    int64_t shape[CKPT_MAX_NDIM];
-    int64_t numel;
-    float *data;
-    float *grad;
-    int group;
-    float step; /* PyTorch keeps a float32 0-d tensor */
-    /* The kind's state buffers (its descriptor's buffers[b]), NULL where
-     * the group's options need none: Adam's exp_avg, exp_avg_sq,
-     * max_exp_avg_sq; SGD's momentum_buffer; RMSprop's square_avg,
-     * momentum_buffer, grad_avg. */
-    float *buf[CKPT_OPTIM_MAX_BUFFERS];
-    /* ZeRO-1: this rank updates and keeps state for elements [lo, hi) only
-     * (whole rows); unsharded, and for parameters that are never split
-     * (scalars, empty tensors), lo = 0 and hi = numel. */
-    bool sharded;
-    int64_t lo, hi;
-} opt_param;
-
-struct ckpt_optimizer {
-    ckpt_optim_kind kind;
-    const struct kind_impl *impl; /* the kind's descriptor and step */
-    ckpt_model *model;
-    int64_t np;
-    opt_param *p; /* in PyTorch's numbering: group 0's parameters, then group 1's... */
-    int ngroups;
-    ckpt_optim_options *opts;
-    int64_t *group_start; /* ngroups + 1 offsets into p */
-    int64_t *param_index; /* 0..np-1, the data of the param_groups.<g>.params tensors */
-    const ckpt_comm *comm; /* ZeRO-1 (ckpt_optimizer_set_shard), or NULL */
-    int64_t *rank_start;   /* comm->size + 1 cuts of the flattened sharded parameters */
-    float *exchange;       /* every rank's updated values, flat (rank_start) */
-    float *send;           /* this rank's updated values (never aliases exchange) */
-    size_t *exchange_lens; /* bytes each rank contributes */
-    int64_t *load_map;     /* np: a load's file state index of each parameter, kept so
-                              that load_state_dict allocates nothing past its checks */
-    bool by_position;      /* state without parameter names may load by position */
-    ckpt_log_fn log_fn;    /* NULL: stderr */
-    void *log_user;
-};
+#include "train/optim_int.h"
 
 /* ---- the kinds --------------------------------------------------------- */
-
-typedef struct kind_impl {
-    ckpt_optim_desc d; /* first: a descriptor pointer is its kind_impl's */
-    /* One parameter's update (this rank's elements [lo, hi)), step count
-     * included. */
-    void (*update)(opt_param *p, const ckpt_optim_options *g);
-} kind_impl;
 
 static const kind_impl KINDS[4];
 
@@ -118,7 +54,7 @@ ckpt_optim_options ckpt_optim_defaults(ckpt_optim_kind kind) {
 
 /* PyTorch's argument checks (plus finiteness), naming the group's key: the
  * ones every kind has, then the kind's own. */
-static int check_options(const kind_impl *k, const ckpt_optim_options *o, int g) {
+int ckpt__optim_check_options(const kind_impl *k, const ckpt_optim_options *o, int g) {
     if (!(o->lr >= 0) || !isfinite(o->lr)) return BAD("lr", ">= 0", o->lr);
     if (!(o->weight_decay >= 0) || !isfinite(o->weight_decay))
         return BAD("weight_decay", ">= 0", o->weight_decay);
@@ -236,7 +172,7 @@ int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m
     if (!impl) return ckpt__err(CKPT_EINVAL, "optimizer_new: unknown kind %d", (int)kind);
     int64_t np = ckpt_model_num_params(m);
     if (np == 0) return ckpt__err(CKPT_EINVAL, "optimizer: the model has no parameters");
-    CKPT_TRY(check_options(impl, opt, 0));
+    CKPT_TRY(ckpt__optim_check_options(impl, opt, 0));
     for (int64_t i = 0; i < np; i++) {
         ckpt_param_info info;
         CKPT_TRY(ckpt_model_param(m, i, &info));
@@ -343,9 +279,6 @@ static bool has_stepped(const ckpt_optimizer *o) {
  * element. Scalars and empty tensors are updated by every rank in full. */
 static bool splittable(const opt_param *p) { return p->ndim >= 1 && p->numel > 0; }
 
-/* Elements per row (dimension 0) of p: the granularity of a cut. */
-static int64_t row_size(const opt_param *p) { return p->numel / p->shape[0]; }
-
 /* The split (docs/DISTRIBUTED.md, "ZeRO-1"): the splittable parameters, in
  * state order, form one flat range of N elements. Rank r's nominal share
  * starts at floor(r * N / P); a start that falls inside a parameter moves to
@@ -368,7 +301,7 @@ static int shard_layout(const ckpt_comm *c, opt_param *p, int64_t np, int64_t **
             if (!splittable(&p[i])) continue;
             uint64_t n = (uint64_t)p[i].numel;
             if (b > s && b < s + n) {
-                uint64_t row = (uint64_t)row_size(&p[i]);
+                uint64_t row = (uint64_t)ckpt__optim_row_size(&p[i]);
                 uint64_t k = (b - s) / row, rem = (b - s) % row;
                 if (rem * 2 > row) k++;
                 b = s + k * row;
@@ -488,7 +421,7 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
         return ckpt__err(CKPT_EINVAL, "optimizer_set_groups: only before the first step");
     if (ngroups < 1) return ckpt__err(CKPT_EINVAL, "optimizer_set_groups: %d groups", ngroups);
     int64_t nm = ckpt_model_num_params(o->model);
-    for (int g = 0; g < ngroups; g++) CKPT_TRY(check_options(o->impl, &opts[g], g));
+    for (int g = 0; g < ngroups; g++) CKPT_TRY(ckpt__optim_check_options(o->impl, &opts[g], g));
     int64_t *count = ckpt__calloc((size_t)ngroups + 1, sizeof *count);
     if (!count) return ckpt__err_nomem("optimizer groups");
     int64_t np = 0;
@@ -590,229 +523,6 @@ int ckpt_optimizer_set_lr(ckpt_optimizer *o, int group, double lr) {
     return CKPT_OK;
 }
 
-/* ---- the updates -------------------------------------------------------- */
-
-/* torch.optim.SGD, one tensor. first: no momentum buffer yet (buf = d_p). */
-UPDATE_CLONES static void sgd_update(float *restrict p, const float *restrict g,
-                                     float *restrict buf, int64_t n, const ckpt_optim_options *o,
-                                     bool first) {
-    const float sign = o->maximize ? -1.0f : 1.0f;
-    const float wd = (float)o->weight_decay;
-    const float mom = (float)o->momentum;
-    const float damp = (float)(1.0 - o->dampening);
-    const float neg_lr = (float)-o->lr;
-    const bool has_wd = o->weight_decay != 0, has_mom = o->momentum != 0;
-    const bool nesterov = o->nesterov;
-    for (int64_t i = 0; i < n; i++) {
-        float d = sign * g[i];
-        if (has_wd) d = FMADD(wd, p[i], d);
-        if (has_mom) {
-            float b = first ? d : FMADD(damp, d, buf[i] * mom);
-            buf[i] = b;
-            d = nesterov ? FMADD(mom, b, d) : b;
-        }
-        p[i] = FMADD(neg_lr, d, p[i]);
-    }
-}
-
-typedef struct adam_consts {
-    float sign, wd, decay, b1, omb1, b2, omb2, bc2_sqrt, eps, neg_step_size;
-} adam_consts;
-
-/* torch.optim.Adam / AdamW, one tensor: the portable loop. The flags are
- * constants in each instantiation below (the loop is inlined into them). */
-#if defined(__GNUC__)
-#define ALWAYS_INLINE __attribute__((always_inline))
-#else
-#define ALWAYS_INLINE
-#endif
-
-static inline ALWAYS_INLINE void adam_loop(float *restrict p, const float *restrict g,
-                                           float *restrict m, float *restrict v,
-                                           float *restrict vmax, int64_t n, const adam_consts *k,
-                                           bool l2, bool decoupled, bool amsgrad) {
-    const adam_consts c = *k;
-    for (int64_t i = 0; i < n; i++) {
-        float gi = c.sign * g[i];
-        float pi = p[i];
-        if (l2) gi = FMADD(c.wd, pi, gi);
-        if (decoupled) pi = pi * c.decay;
-        float mi = FMADD(c.omb1, gi, m[i] * c.b1);
-        float vi = FMADD(c.omb2 * gi, gi, v[i] * c.b2);
-        m[i] = mi;
-        v[i] = vi;
-        if (amsgrad) {
-            vi = vmax[i] > vi ? vmax[i] : vi;
-            vmax[i] = vi;
-        }
-        float denom = sqrtf(vi) / c.bc2_sqrt + c.eps;
-        p[i] = pi + (c.neg_step_size * mi) / denom;
-    }
-}
-
-typedef void (*adam_fn)(float *restrict p, const float *restrict g, float *restrict m,
-                        float *restrict v, float *restrict vmax, int64_t n, const adam_consts *k);
-
-#define ADAM_VARIANT(attr, name, loop, l2, decoupled, amsgrad)                                     \
-    attr static void name(float *restrict p, const float *restrict g, float *restrict m,          \
-                          float *restrict v, float *restrict vmax, int64_t n,                     \
-                          const adam_consts *k) {                                                 \
-        loop(p, g, m, v, vmax, n, k, l2, decoupled, amsgrad);                                     \
-    }
-ADAM_VARIANT(, adam_generic_0, adam_loop, false, false, false)
-ADAM_VARIANT(, adam_generic_1, adam_loop, false, false, true)
-ADAM_VARIANT(, adam_generic_2, adam_loop, true, false, false)
-ADAM_VARIANT(, adam_generic_3, adam_loop, true, false, true)
-ADAM_VARIANT(, adam_generic_4, adam_loop, false, true, false)
-ADAM_VARIANT(, adam_generic_5, adam_loop, false, true, true)
-static const adam_fn adam_generic[6] = {adam_generic_0, adam_generic_1, adam_generic_2,
-                                        adam_generic_3, adam_generic_4, adam_generic_5};
-
-#if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>
-/* The same loop eight lanes at a time with AVX2 + FMA. Compilers will not
- * vectorize sqrtf while it may set errno, so the lanes are written out; every
- * operation is the correctly rounded IEEE one of the scalar loop, so results
- * are identical, lane or tail. */
-#define AVX2 __attribute__((target("avx2,fma")))
-static inline ALWAYS_INLINE AVX2 void adam_loop_avx2(float *restrict p, const float *restrict g,
-                                                     float *restrict m, float *restrict v,
-                                                     float *restrict vmax, int64_t n,
-                                                     const adam_consts *k, bool l2,
-                                                     bool decoupled, bool amsgrad) {
-    const adam_consts c = *k;
-    const __m256 sign = _mm256_set1_ps(c.sign), wd = _mm256_set1_ps(c.wd);
-    const __m256 decay = _mm256_set1_ps(c.decay), b1 = _mm256_set1_ps(c.b1);
-    const __m256 omb1 = _mm256_set1_ps(c.omb1), b2 = _mm256_set1_ps(c.b2);
-    const __m256 omb2 = _mm256_set1_ps(c.omb2), bc2 = _mm256_set1_ps(c.bc2_sqrt);
-    const __m256 eps = _mm256_set1_ps(c.eps), nss = _mm256_set1_ps(c.neg_step_size);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 gi = _mm256_mul_ps(sign, _mm256_loadu_ps(g + i));
-        __m256 pi = _mm256_loadu_ps(p + i);
-        if (l2) gi = _mm256_fmadd_ps(wd, pi, gi);
-        if (decoupled) pi = _mm256_mul_ps(pi, decay);
-        __m256 mi = _mm256_fmadd_ps(omb1, gi, _mm256_mul_ps(_mm256_loadu_ps(m + i), b1));
-        __m256 vi = _mm256_fmadd_ps(_mm256_mul_ps(omb2, gi), gi,
-                                    _mm256_mul_ps(_mm256_loadu_ps(v + i), b2));
-        _mm256_storeu_ps(m + i, mi);
-        _mm256_storeu_ps(v + i, vi);
-        if (amsgrad) {
-            vi = _mm256_max_ps(_mm256_loadu_ps(vmax + i), vi); /* a > b ? a : b, as above */
-            _mm256_storeu_ps(vmax + i, vi);
-        }
-        __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
-        _mm256_storeu_ps(p + i, _mm256_add_ps(pi, _mm256_div_ps(_mm256_mul_ps(nss, mi), denom)));
-    }
-    adam_loop(p + i, g + i, m + i, v + i, amsgrad ? vmax + i : vmax, n - i, k, l2, decoupled,
-              amsgrad);
-}
-ADAM_VARIANT(AVX2, adam_avx2_0, adam_loop_avx2, false, false, false)
-ADAM_VARIANT(AVX2, adam_avx2_1, adam_loop_avx2, false, false, true)
-ADAM_VARIANT(AVX2, adam_avx2_2, adam_loop_avx2, true, false, false)
-ADAM_VARIANT(AVX2, adam_avx2_3, adam_loop_avx2, true, false, true)
-ADAM_VARIANT(AVX2, adam_avx2_4, adam_loop_avx2, false, true, false)
-ADAM_VARIANT(AVX2, adam_avx2_5, adam_loop_avx2, false, true, true)
-static const adam_fn adam_avx2[6] = {adam_avx2_0, adam_avx2_1, adam_avx2_2,
-                                     adam_avx2_3, adam_avx2_4, adam_avx2_5};
-
-static bool force_generic;
-
-void ckpt__optim_force_generic(bool on) { force_generic = on; }
-
-static const adam_fn *adam_kernels(void) {
-    __builtin_cpu_init();
-    if (!force_generic && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        return adam_avx2;
-    return adam_generic;
-}
-#else
-void ckpt__optim_force_generic(bool on) { (void)on; }
-
-static const adam_fn *adam_kernels(void) { return adam_generic; }
-#endif
-
-static void adam_like_update(opt_param *prm, const ckpt_optim_options *o, bool decoupled) {
-    /* Only this rank's elements [lo, hi); the state buffers hold just those. */
-    prm->step += 1.0f;
-    double step = prm->step;
-    double bc1 = 1.0 - pow(o->beta1, step);
-    double bc2 = 1.0 - pow(o->beta2, step);
-    adam_consts c;
-    c.sign = o->maximize ? -1.0f : 1.0f;
-    c.wd = (float)o->weight_decay;
-    c.decay = (float)(1.0 - o->lr * o->weight_decay);
-    c.b1 = (float)o->beta1;
-    c.omb1 = (float)(1.0 - o->beta1);
-    c.b2 = (float)o->beta2;
-    c.omb2 = (float)(1.0 - o->beta2);
-    c.bc2_sqrt = (float)sqrt(bc2);
-    c.eps = (float)o->eps;
-    c.neg_step_size = (float)-(o->lr / bc1);
-    bool l2 = !decoupled && o->weight_decay != 0;
-    int variant = (decoupled ? 4 : l2 ? 2 : 0) + (o->amsgrad ? 1 : 0);
-    if (prm->hi == prm->lo) return;
-    adam_kernels()[variant](prm->data + prm->lo, prm->grad + prm->lo, prm->buf[0], prm->buf[1],
-                            prm->buf[2], prm->hi - prm->lo, &c);
-}
-
-static void adam_update(opt_param *p, const ckpt_optim_options *g) {
-    adam_like_update(p, g, false);
-}
-static void adamw_update(opt_param *p, const ckpt_optim_options *g) {
-    adam_like_update(p, g, true);
-}
-
-static void sgd_param_update(opt_param *p, const ckpt_optim_options *g) {
-    if (p->hi > p->lo)
-        sgd_update(p->data + p->lo, p->grad + p->lo, p->buf[0], p->hi - p->lo, g, p->step == 0);
-    p->step += 1.0f;
-}
-
-/* torch.optim.RMSprop (foreach=False), one tensor, with PyTorch's CPU
- * kernels' roundings: add(alpha=) and addcmul as a fused multiply-add
- * (square_avg: fma((1 - alpha) * g, g, alpha * square_avg)), addcdiv as
- * value * t1 / t2 + self, each scalar rounded to float first. */
-UPDATE_CLONES static void rmsprop_loop(float *restrict p, const float *restrict g,
-                                       float *restrict sq, float *restrict buf,
-                                       float *restrict gavg, int64_t n,
-                                       const ckpt_optim_options *o) {
-    const float wd = (float)o->weight_decay, alpha = (float)o->alpha;
-    const float oma = (float)(1.0 - o->alpha), eps = (float)o->eps;
-    const float mom = (float)o->momentum, neg_lr = (float)-o->lr;
-    const bool has_wd = o->weight_decay != 0, has_mom = o->momentum > 0;
-    const bool centered = o->centered;
-    for (int64_t i = 0; i < n; i++) {
-        float d = g[i];
-        if (has_wd) d = FMADD(wd, p[i], d);
-        float s = FMADD(oma * d, d, sq[i] * alpha);
-        sq[i] = s;
-        float avg;
-        if (centered) {
-            float a = FMADD(oma, d, gavg[i] * alpha);
-            gavg[i] = a;
-            avg = sqrtf(FMADD(-1.0f * a, a, s));
-        } else {
-            avg = sqrtf(s);
-        }
-        avg = avg + eps;
-        if (has_mom) {
-            float b = buf[i] * mom + d / avg;
-            buf[i] = b;
-            p[i] = FMADD(neg_lr, b, p[i]);
-        } else {
-            p[i] = p[i] + (neg_lr * d) / avg;
-        }
-    }
-}
-
-static void rmsprop_update(opt_param *p, const ckpt_optim_options *g) {
-    p->step += 1.0f;
-    if (p->hi > p->lo)
-        rmsprop_loop(p->data + p->lo, p->grad + p->lo, p->buf[0], p->buf[1], p->buf[2],
-                     p->hi - p->lo, g);
-}
-
 /* The kinds: hyper-parameters in state-dict order (after lr, weight_decay,
  * maximize), state buffers, PyTorch 1.13's param_group fields in its order. */
 #define HP(k, field, isb)                                                                          \
@@ -850,7 +560,7 @@ static const kind_impl KINDS[4] = {
            .torch_fields = {TF_HP("lr"), TF_HP("momentum"), TF_HP("dampening"),
                             TF_HP("weight_decay"), TF_HP("nesterov"), TF_HP("maximize"),
                             TF_NONE("foreach"), TF_FALSE("differentiable")}},
-     .update = sgd_param_update},
+     .update = ckpt__optim_sgd_update},
     {.d = {.kind = CKPT_OPTIM_ADAM,
            .name = "adam",
            .torch_name = "Adam",
@@ -860,7 +570,7 @@ static const kind_impl KINDS[4] = {
            .torch_fields = {TF_HP("lr"), TF_BETAS, TF_HP("eps"), TF_HP("weight_decay"),
                             TF_HP("amsgrad"), TF_HP("maximize"), TF_NONE("foreach"),
                             TF_FALSE("capturable"), TF_FALSE("differentiable"), TF_FALSE("fused")}},
-     .update = adam_update},
+     .update = ckpt__optim_adam_update},
     {.d = {.kind = CKPT_OPTIM_ADAMW,
            .name = "adamw",
            .torch_name = "AdamW",
@@ -870,7 +580,7 @@ static const kind_impl KINDS[4] = {
            .torch_fields = {TF_HP("lr"), TF_BETAS, TF_HP("eps"), TF_HP("weight_decay"),
                             TF_HP("amsgrad"), TF_NONE("foreach"), TF_HP("maximize"),
                             TF_FALSE("capturable")}},
-     .update = adamw_update},
+     .update = ckpt__optim_adamw_update},
     {.d = {.kind = CKPT_OPTIM_RMSPROP,
            .name = "rmsprop",
            .torch_name = "RMSprop",
@@ -888,7 +598,7 @@ static const kind_impl KINDS[4] = {
            .torch_fields = {TF_HP("lr"), TF_HP("momentum"), TF_HP("alpha"), TF_HP("eps"),
                             TF_HP("centered"), TF_HP("weight_decay"), TF_NONE("foreach"),
                             TF_HP("maximize"), TF_FALSE("differentiable")}},
-     .update = rmsprop_update},
+     .update = ckpt__optim_rmsprop_update},
 };
 #undef ADAM_HPARAMS
 #undef TF_BETAS
@@ -928,361 +638,3 @@ float *ckpt__optimizer_grad(const ckpt_optimizer *o, int64_t i, int64_t *numel) 
 const char *ckpt__optimizer_param_name(const ckpt_optimizer *o, int64_t i) {
     return o->p[i].name;
 }
-
-/* ---- state dict --------------------------------------------------------- */
-
-#define KEY_CAP 96
-
-static int write_group(const ckpt_optimizer *o, ckpt_writer *w, int g) {
-    const ckpt_optim_options *op = &o->opts[g];
-    char k[KEY_CAP];
-#define GKEY(name) (snprintf(k, sizeof k, "param_groups.%d." name, g), k)
-    CKPT_TRY(ckpt_write_f64(w, GKEY("lr"), op->lr));
-    CKPT_TRY(ckpt_write_f64(w, GKEY("weight_decay"), op->weight_decay));
-    CKPT_TRY(ckpt_write_i64(w, GKEY("maximize"), op->maximize));
-    const ckpt_optim_desc *d = &o->impl->d;
-    for (int h = 0; h < d->nhparams; h++) {
-        const ckpt_optim_hparam *hp = &d->hparams[h];
-        const char *field = (const char *)op + hp->offset;
-        snprintf(k, sizeof k, "param_groups.%d.%s", g, hp->key);
-        if (hp->is_bool) CKPT_TRY(ckpt_write_i64(w, k, *(const bool *)field));
-        else CKPT_TRY(ckpt_write_f64(w, k, *(const double *)field));
-    }
-    int64_t n = o->group_start[g + 1] - o->group_start[g];
-    CKPT_TRY(ckpt_write_tensor(w, GKEY("params"), CKPT_I64, 1, &n,
-                               o->param_index + o->group_start[g]));
-#undef GKEY
-    return CKPT_OK;
-}
-
-/* A parameter's state tensors besides step, in key order: their key suffixes
- * and buffers. Returns how many it has. */
-static int state_buffers(const ckpt_optimizer *o, const opt_param *p,
-                         const char *names[CKPT_OPTIM_MAX_BUFFERS],
-                         float *bufs[CKPT_OPTIM_MAX_BUFFERS]) {
-    int n = 0;
-    for (int b = 0; b < o->impl->d.nbuffers; b++)
-        if (p->buf[b]) {
-            names[n] = o->impl->d.buffers[b];
-            bufs[n++] = p->buf[b];
-        }
-    return n;
-}
-
-/* This rank's part [lo, hi) of a sharded parameter as a box: whole rows. */
-static void share_box(const opt_param *p, int64_t *off, int64_t *local) {
-    int64_t row = row_size(p);
-    for (int d = 0; d < p->ndim; d++) {
-        off[d] = 0;
-        local[d] = p->shape[d];
-    }
-    off[0] = p->lo / row;
-    local[0] = (p->hi - p->lo) / row;
-}
-
-/* Writes one state buffer: a chunk of the whole tensor when sharded (every
- * rank writes one, empty if it owns no row of the parameter, so every rank's
- * state dict has the same keys), else the tensor. */
-static int write_state(const ckpt_optimizer *o, ckpt_writer *w, const char *k, const opt_param *p,
-                       const float *buf) {
-    if (!o->comm || !p->sharded) return ckpt_write_tensor(w, k, CKPT_F32, p->ndim, p->shape, buf);
-    int64_t off[CKPT_MAX_NDIM], local[CKPT_MAX_NDIM];
-    share_box(p, off, local);
-    return ckpt_write_tensor_shard(w, k, CKPT_F32, p->ndim, p->shape, off, local, buf);
-}
-
-/* Reads one state buffer: this rank's slice when sharded, from however
- * many chunks (or a whole tensor) the file has. */
-static int read_state(const ckpt_optimizer *o, ckpt_reader *r, const char *k, const opt_param *p,
-                      float *buf) {
-    if (!o->comm || !p->sharded) return ckpt_read_tensor(r, k, CKPT_F32, p->ndim, p->shape, buf);
-    if (p->hi == p->lo) return CKPT_OK;
-    int64_t off[CKPT_MAX_NDIM], local[CKPT_MAX_NDIM];
-    share_box(p, off, local);
-    return ckpt_read_tensor_shard(r, k, CKPT_F32, p->ndim, p->shape, off, local, buf);
-}
-
-static int optimizer_state_dict(void *self, ckpt_writer *w) {
-    const ckpt_optimizer *o = self;
-    char k[KEY_CAP];
-    CKPT_TRY(ckpt_write_str(w, "kind", o->impl->d.name));
-    /* Each state index's parameter name, so a load maps state by name, not
-     * by position (files written before these entries load by position). */
-    for (int64_t i = 0; i < o->np; i++) {
-        snprintf(k, sizeof k, "param_names.%lld", (long long)i);
-        CKPT_TRY(ckpt_write_str(w, k, o->p[i].name));
-        CKPT_TRY(ckpt__writer_set_optional(w, k));
-    }
-    for (int64_t i = 0; i < o->np; i++) {
-        const opt_param *p = &o->p[i];
-        snprintf(k, sizeof k, "state.%lld.step", (long long)i);
-        CKPT_TRY(ckpt_write_tensor(w, k, CKPT_F32, 0, NULL, &p->step));
-        const char *names[CKPT_OPTIM_MAX_BUFFERS];
-        float *bufs[CKPT_OPTIM_MAX_BUFFERS];
-        for (int j = 0, n = state_buffers(o, p, names, bufs); j < n; j++) {
-            snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
-            CKPT_TRY(write_state(o, w, k, p, bufs[j]));
-            /* the file's state.<i> may be another parameter's (a load maps
-             * by name): its shape is checked after the mapping */
-            if (ckpt__writer_is_schema(w)) CKPT_TRY(ckpt__writer_set_shape_by_object(w, k));
-        }
-    }
-    for (int g = 0; g < o->ngroups; g++) CKPT_TRY(write_group(o, w, g));
-    return CKPT_OK;
-}
-
-static int read_bool(ckpt_reader *r, const char *key, bool *out) {
-    int64_t v;
-    CKPT_TRY(ckpt_read_i64(r, key, &v));
-    if (v != 0 && v != 1)
-        return ckpt__err(CKPT_ECORRUPT, "optimizer: %s: expected 0 or 1, got %lld", key,
-                         (long long)v);
-    *out = v != 0;
-    return CKPT_OK;
-}
-
-/* Reads group g's hyper-parameters into *op (which starts as the current
- * ones) and checks its parameter list against ours. */
-static int read_group(const ckpt_optimizer *o, ckpt_reader *r, int g, ckpt_optim_options *op) {
-    char k[KEY_CAP];
-#define GKEY(name) (snprintf(k, sizeof k, "param_groups.%d." name, g), k)
-    CKPT_TRY(ckpt_read_f64(r, GKEY("lr"), &op->lr));
-    CKPT_TRY(ckpt_read_f64(r, GKEY("weight_decay"), &op->weight_decay));
-    CKPT_TRY(read_bool(r, GKEY("maximize"), &op->maximize));
-    const ckpt_optim_desc *d = &o->impl->d;
-    for (int h = 0; h < d->nhparams; h++) {
-        const ckpt_optim_hparam *hp = &d->hparams[h];
-        char *field = (char *)op + hp->offset;
-        snprintf(k, sizeof k, "param_groups.%d.%s", g, hp->key);
-        if (hp->is_bool) CKPT_TRY(read_bool(r, k, (bool *)field));
-        else CKPT_TRY(ckpt_read_f64(r, k, (double *)field));
-    }
-    int64_t n = o->group_start[g + 1] - o->group_start[g];
-    ckpt_entry_info e;
-    int rc = ckpt_reader_find(r, GKEY("params"), &e);
-    if (rc < 0 || e.kind != CKPT_ENTRY_TENSOR || e.dtype != CKPT_I64 || e.ndim != 1 ||
-        e.shape[0] != n)
-        return ckpt__err(CKPT_EMISMATCH,
-                         "optimizer: %s: expected an I64 tensor of %lld parameter indices", k,
-                         (long long)n);
-    const void *data;
-    CKPT_TRY(ckpt_reader_tensor_view(r, k, &data, &e));
-    for (int64_t j = 0; j < n; j++) {
-        int64_t v;
-        memcpy(&v, (const char *)data + j * 8, 8); /* little-endian hosts only, as the format */
-        if (v != o->param_index[o->group_start[g] + j])
-            return ckpt__err(CKPT_EMISMATCH,
-                             "optimizer: %s[%lld]: parameter %lld in file, %lld in memory", k,
-                             (long long)j, (long long)v,
-                             (long long)o->param_index[o->group_start[g] + j]);
-    }
-#undef GKEY
-    int code = check_options(o->impl, op, g);
-    if (code < 0) return ckpt__err_prefix(CKPT_ECORRUPT, "state dict");
-    const ckpt_optim_options *cur = &o->opts[g];
-    for (int b = 0; b < d->nbuffers; b++)
-        if (d->needs(b, op) != d->needs(b, cur))
-            return ckpt__err(CKPT_EMISMATCH,
-                             "optimizer: param_groups.%d: the file's %s differs from this "
-                             "optimizer's (its state buffers would not match)",
-                             g, d->needs_what);
-    return CKPT_OK;
-}
-
-/* Checks that a state tensor exists with the parameter's shape. */
-static int check_state_tensor(ckpt_reader *r, const char *key, int ndim, const int64_t *shape) {
-    ckpt_entry_info e;
-    int rc = ckpt_reader_find(r, key, &e);
-    if (rc == CKPT_ENOENT || (rc == CKPT_OK && e.kind != CKPT_ENTRY_TENSOR))
-        return ckpt__err(CKPT_EMISMATCH, "optimizer: state dict has no tensor '%s'", key);
-    if (rc < 0) return rc;
-    bool same = e.dtype == CKPT_F32 && e.ndim == ndim;
-    for (int d = 0; same && d < ndim; d++) same = e.shape[d] == shape[d];
-    if (!same)
-        return ckpt__err(CKPT_EMISMATCH,
-                         "optimizer: '%s': dtype or shape in the file differs from the parameter's",
-                         key);
-    return CKPT_OK;
-}
-
-/* Reads state.<i>.step into *step and checks it is a whole number >= 0. */
-static int read_step(ckpt_reader *r, int64_t i, float *step) {
-    char k[KEY_CAP];
-    snprintf(k, sizeof k, "state.%lld.step", (long long)i);
-    CKPT_TRY(ckpt_read_tensor(r, k, CKPT_F32, 0, NULL, step));
-    if (!(*step >= 0 && *step == floorf(*step)))
-        return ckpt__err(CKPT_ECORRUPT, "optimizer: %s: expected a whole number >= 0, got %g", k,
-                         (double)*step);
-    return CKPT_OK;
-}
-
-/* Which of the file's state indices holds each of our parameters: map[i]
- * for our state index i. By the file's param_names.<j> (a model whose
- * parameters were registered in another order still gets each parameter's
- * own state). A file without names (state imported from a torch 1.13
- * optimizer.bin whose order could not be proven, or written before the
- * names existed) loads by position only when the caller said so
- * (ckpt_optimizer_set_match_by_position): two same-shaped parameters
- * registered in another order would silently swap their moments. *unnamed
- * says which rule was used. Each parameter must sit in the same group on
- * both sides. */
-static int map_by_name(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bool *unnamed) {
-    char k[KEY_CAP];
-    for (int64_t i = 0; i < o->np; i++) map[i] = i;
-    *unnamed = !ckpt__reader_has(r, "param_names.0", NULL);
-    if (*unnamed && o->by_position) return CKPT_OK;
-    if (*unnamed)
-        return ckpt__err(CKPT_EMISMATCH,
-                         "optimizer: the state dict does not name its parameters "
-                         "(no param_names.<i>, as in state imported from a torch 1.13 "
-                         "optimizer.bin), so which state belongs to which parameter is not "
-                         "known; import again with the names (ckpt import --param-names FILE), "
-                         "or, if this model registers its parameters in the file's order, allow "
-                         "a load by position (ckpt_optimizer_set_match_by_position)");
-    snprintf(k, sizeof k, "param_names.%lld", (long long)o->np);
-    if (ckpt__reader_has(r, k, NULL))
-        return ckpt__err(CKPT_EMISMATCH,
-                         "optimizer: the state dict names more than %lld parameters",
-                         (long long)o->np);
-    for (int64_t i = 0; i < o->np; i++) map[i] = -1;
-    char name[CKPT_MAX_KEY + 1];
-    for (int64_t j = 0; j < o->np; j++) {
-        snprintf(k, sizeof k, "param_names.%lld", (long long)j);
-        int rc = ckpt_read_str(r, k, name, sizeof name);
-        if (rc == CKPT_ENOENT)
-            return ckpt__err(CKPT_EMISMATCH,
-                             "optimizer: the state dict names %lld parameters, this "
-                             "optimizer has %lld",
-                             (long long)j, (long long)o->np);
-        if (rc < 0) return rc;
-        int64_t i = 0;
-        while (i < o->np && strcmp(o->p[i].name, name) != 0) i++;
-        if (i == o->np)
-            return ckpt__err(CKPT_EMISMATCH,
-                             "optimizer: %s: the state dict has state for parameter "
-                             "'%s', which this optimizer does not optimize",
-                             k, name);
-        if (map[i] >= 0)
-            return ckpt__err(CKPT_ECORRUPT, "optimizer: %s: parameter '%s' named twice", k, name);
-        map[i] = j;
-    }
-    /* the same group on both sides: the file's groups are consecutive ranges
-     * of its state indices, as ours, of the same sizes (read_group checked) */
-    for (int g = 0; g < o->ngroups; g++)
-        for (int64_t i = o->group_start[g]; i < o->group_start[g + 1]; i++)
-            if (map[i] < o->group_start[g] || map[i] >= o->group_start[g + 1])
-                return ckpt__err(CKPT_EMISMATCH, "optimizer: parameter '%s' is in another group in "
-                                 "the file than in memory (group %d here)", o->p[i].name, g);
-    return CKPT_OK;
-}
-
-/* The check: reads and validates every entry a load takes (the kind, every
- * group's hyper-parameters and parameter list, no extra groups or
- * parameters, the parameter names, every step, every state tensor's dtype
- * and shape), changing nothing, so that it cannot fail for a reason the
- * commit would not also meet. map gets the file index of each parameter
- * and *unnamed whether the file named them (map_by_name). */
-static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map, bool *unnamed) {
-    char kind[16], k[KEY_CAP];
-    int rc = ckpt_read_str(r, "kind", kind, sizeof kind);
-    if (rc == CKPT_EINVAL || (rc == CKPT_OK && strcmp(kind, o->impl->d.name) != 0))
-        return ckpt__err(CKPT_EMISMATCH,
-                         "optimizer: the state dict is for a%s %s optimizer, this "
-                         "one is %s",
-                         rc == CKPT_OK && kind[0] == 'a' ? "n" : "",
-                         rc == CKPT_OK ? kind : "different", o->impl->d.name);
-    if (rc < 0) return rc;
-    for (int g = 0; g < o->ngroups; g++) {
-        ckpt_optim_options op = o->opts[g];
-        CKPT_TRY(read_group(o, r, g, &op));
-    }
-    snprintf(k, sizeof k, "param_groups.%d.lr", o->ngroups);
-    if (ckpt__reader_has(r, k, NULL)) /* a probe: sets no message */
-        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has more than %d groups",
-                         o->ngroups);
-    snprintf(k, sizeof k, "state.%lld.step", (long long)o->np);
-    if (ckpt__reader_has(r, k, NULL)) /* a probe: sets no message */
-        return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has state for more than %lld "
-                         "parameters", (long long)o->np);
-    CKPT_TRY(map_by_name(o, r, map, unnamed));
-    const char *names[CKPT_OPTIM_MAX_BUFFERS];
-    float *bufs[CKPT_OPTIM_MAX_BUFFERS];
-    for (int64_t i = 0; i < o->np; i++) {
-        const opt_param *p = &o->p[i];
-        float step;
-        CKPT_TRY(read_step(r, map[i], &step));
-        for (int j = 0, n = state_buffers(o, p, names, bufs); j < n; j++) {
-            snprintf(k, sizeof k, "state.%lld.%s", (long long)map[i], names[j]);
-            CKPT_TRY(check_state_tensor(r, k, p->ndim, p->shape));
-        }
-    }
-    return CKPT_OK;
-}
-
-static int optimizer_check_state_dict(void *self, ckpt_reader *r) {
-    const ckpt_optimizer *o = self;
-    int64_t *map = ckpt__malloc((size_t)(o->np ? o->np : 1) * sizeof *map);
-    if (!map) return ckpt__err_nomem("optimizer check");
-    bool unnamed;
-    int rc = optimizer_check(o, r, map, &unnamed);
-    free(map);
-    return rc;
-}
-
-static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *map);
-
-void ckpt_optimizer_set_match_by_position(ckpt_optimizer *o, bool on) {
-    if (o) o->by_position = on;
-}
-
-void ckpt__optimizer_set_log(ckpt_optimizer *o, ckpt_log_fn fn, void *user) {
-    if (!o) return;
-    o->log_fn = fn;
-    o->log_user = user;
-}
-
-static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
-    ckpt_optimizer *o = self;
-    /* Validate everything before changing anything. */
-    bool unnamed;
-    CKPT_TRY(optimizer_check(o, r, o->load_map, &unnamed));
-    CKPT_TRY(optimizer_commit(o, r, o->load_map));
-    if (unnamed)
-        ckpt__log(&(ckpt_logger){o->log_fn, o->log_user}, CKPT_LOG_WARNING,
-                   "optimizer: the state dict does not name its parameters; its state was "
-                   "matched by position (%lld parameters, as allowed by "
-                   "ckpt_optimizer_set_match_by_position)",
-                   (long long)o->np);
-    return CKPT_OK;
-}
-
-static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *map) {
-    /* Commit: the same reads, every one checked above, so they cannot fail
-     * now, but for a read error of a file-backed reader midway through the
-     * tensor copies (never in ckpt_load_state, whose readers are in memory). */
-    ckpt_optim_options op;
-    for (int g = 0; g < o->ngroups; g++) {
-        op = o->opts[g];
-        CKPT_TRY(read_group(o, r, g, &op));
-        o->opts[g] = op;
-    }
-    char k[KEY_CAP];
-    const char *names[CKPT_OPTIM_MAX_BUFFERS];
-    float *bufs[CKPT_OPTIM_MAX_BUFFERS];
-    for (int64_t i = 0; i < o->np; i++) {
-        opt_param *p = &o->p[i];
-        float step;
-        CKPT_TRY(read_step(r, map[i], &step));
-        for (int j = 0, n = state_buffers(o, p, names, bufs); j < n; j++) {
-            snprintf(k, sizeof k, "state.%lld.%s", (long long)map[i], names[j]);
-            CKPT_TRY(read_state(o, r, k, p, bufs[j]));
-        }
-        p->step = step;
-    }
-    return CKPT_OK;
-}
-
-static const ckpt_stateful_ops optimizer_ops = {optimizer_state_dict, optimizer_load_state_dict,
-                                                optimizer_check_state_dict};
-
-const ckpt_stateful_ops *ckpt_optimizer_ops(void) { return &optimizer_ops; }
