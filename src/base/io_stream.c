@@ -1,0 +1,191 @@
+/* io_stream.c — the one write stream: a file written front to back with its
+ * XXH3 checksums computed on the way, then fsynced. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define XXH_STATIC_LINKING_ONLY
+#include <xxhash.h>
+
+#include "base/error.h"
+#include "base/io.h"
+#include "base/io_int.h"
+
+/* ---- the write stream --------------------------------------------------- */
+
+/* The XXH3 states live in one allocation made through ckpt__malloc (so the
+ * allocation-failure sweep covers it), aligned by hand as XXH3 requires. */
+typedef struct hash_pair {
+    XXH3_state_t whole;
+    XXH3_state_t part;
+    XXH3_state_t wide; /* XXH3-128 of the whole stream, when wanted */
+} hash_pair;
+
+static hash_pair *hash_pair_of(const ckpt_ostream *s) { return (hash_pair *)s->hash; }
+
+static void ostream_release(ckpt_ostream *s) {
+    free(s->path);
+    free(s->hash_mem);
+    s->path = NULL;
+    s->hash_mem = NULL;
+    s->hash = NULL;
+    s->part_hash = NULL;
+    s->fd = -1;
+}
+
+static int ostream_init(ckpt_ostream *s, const char *path) {
+    memset(s, 0, sizeof *s);
+    s->fd = -1;
+    s->path = ckpt__strdup(path);
+    size_t align = _Alignof(hash_pair) > 64 ? _Alignof(hash_pair) : 64;
+    s->hash_mem = ckpt__malloc(sizeof(hash_pair) + align);
+    if (!s->path || !s->hash_mem) {
+        ostream_release(s);
+        return ckpt__err_nomem("write stream");
+    }
+    uintptr_t a = ((uintptr_t)s->hash_mem + align - 1) & ~(uintptr_t)(align - 1);
+    hash_pair *h = (hash_pair *)a;
+    XXH3_INITSTATE(&h->whole);
+    XXH3_INITSTATE(&h->part);
+    XXH3_INITSTATE(&h->wide);
+    XXH3_64bits_reset(&h->whole);
+    XXH3_64bits_reset(&h->part);
+    s->hash = h;
+    s->part_hash = &h->part;
+    return CKPT_OK;
+}
+
+int ckpt__ostream_open_dry(ckpt_ostream *s, const char *what) {
+    CKPT_TRY(ostream_init(s, what));
+    s->dry = true;
+    ckpt__ostream_want128(s);
+    return CKPT_OK;
+}
+
+void ckpt__ostream_want128(ckpt_ostream *s) {
+    if (!s->hash || s->want128) return;
+    XXH3_128bits_reset(&hash_pair_of(s)->wide);
+    s->want128 = true;
+}
+
+int ckpt__ostream_open(ckpt_ostream *s, const char *path) {
+    CKPT_TRY(ostream_init(s, path));
+    int fd = ckpt__os_open(path, O_WRONLY | O_CREAT | O_EXCL, 0644);
+    if (fd < 0) {
+        int e = errno;
+        ostream_release(s);
+        return ckpt__err_os(e, "%s: create", path);
+    }
+    s->fd = fd;
+    return CKPT_OK;
+}
+
+/* Large buffers go down in pieces so no single call has to move gigabytes
+ * (Linux caps a write near 2 GiB anyway) and the checksum runs on data that
+ * was just touched. */
+#define OSTREAM_CHUNK ((size_t)64 << 20)
+
+/* The kernel starts writing a file's dirty pages back only when a large
+ * share of memory is dirty, so a big file written and then fsynced goes to
+ * disk only at the fsync: the copy into the page cache and the disk write
+ * follow each other. Starting the writeback of each finished window right
+ * away (sync_file_range, which waits for nothing) lets them overlap, and the
+ * final fsync finds most of the file already on its way. Durability still
+ * comes only from that fsync; this call promises nothing (a power cut may
+ * keep any part of it, as the crash model assumes anyway), and its failure
+ * is ignored (the fsync reports real errors). */
+#define OSTREAM_WRITEBACK_WINDOW ((uint64_t)16 << 20)
+
+static void ostream_kick_writeback(ckpt_ostream *s) {
+    uint64_t pending = s->bytes - s->kicked;
+    if (pending < OSTREAM_WRITEBACK_WINDOW) return;
+    if (!(ckpt__io_unsafe() & CKPT_IO_SKIP_FILE_FSYNC) &&
+        !(ckpt__io_unsafe() & CKPT_IO_SKIP_EVERY_FSYNC))
+        (void)sync_file_range(s->fd, (off_t)s->kicked, (off_t)pending, SYNC_FILE_RANGE_WRITE);
+    s->kicked = s->bytes;
+}
+
+int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n) {
+    if (s->err) return s->err;
+    if (s->dry) {
+        if (s->hash) XXH3_128bits_update(&hash_pair_of(s)->wide, p, n);
+        s->bytes += n;
+        return CKPT_OK;
+    }
+    if (s->fd < 0) return s->err = ckpt__err(CKPT_EINVAL, "write stream: not open");
+    const uint8_t *b = p;
+    hash_pair *h = hash_pair_of(s);
+    while (n > 0) {
+        size_t piece = n < OSTREAM_CHUNK ? n : OSTREAM_CHUNK;
+        size_t done = 0;
+        while (done < piece) {
+            ssize_t w = ckpt__os_write(s->fd, b + done, piece - done);
+            if (w < 0) return s->err = ckpt__err_os(errno, "%s: write", s->path);
+            if (w == 0) return s->err = ckpt__err_os(EIO, "%s: write made no progress", s->path);
+            done += (size_t)w;
+        }
+        XXH3_64bits_update(&h->whole, b, piece);
+        XXH3_64bits_update(&h->part, b, piece);
+        if (s->want128) XXH3_128bits_update(&h->wide, b, piece);
+        s->bytes += piece;
+        b += piece;
+        n -= piece;
+        ostream_kick_writeback(s);
+    }
+    return CKPT_OK;
+}
+
+void ckpt__ostream_part_begin(ckpt_ostream *s) {
+    if (s->hash && !s->dry) XXH3_64bits_reset(&hash_pair_of(s)->part);
+}
+
+uint64_t ckpt__ostream_part_digest(const ckpt_ostream *s) {
+    return s->hash && !s->dry ? XXH3_64bits_digest(&hash_pair_of(s)->part) : 0;
+}
+
+static void take_h128(ckpt_ostream *s) {
+    memset(&s->h128, 0, sizeof s->h128);
+    if (!s->want128 || !s->hash) return;
+    XXH128_hash_t v = XXH3_128bits_digest(&hash_pair_of(s)->wide);
+    s->h128.lo = v.low64;
+    s->h128.hi = v.high64;
+}
+
+int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
+    if (s->fd < 0 && !s->path) return ckpt__err(CKPT_EINVAL, "write stream: not open");
+    int rc = s->err;
+    if (s->dry) {
+        if (!rc) take_h128(s);
+        if (!rc && digest) *digest = 0;
+        if (!rc && size) *size = s->bytes;
+        ostream_release(s);
+        return rc;
+    }
+    if (!rc && !(ckpt__io_unsafe() & CKPT_IO_SKIP_FILE_FSYNC) && ckpt__os_fsync(s->fd) < 0)
+        rc = ckpt__err_os(errno, "%s: fsync", s->path);
+    if (s->fd >= 0) {
+        /* A failing close can report a delayed write error (NFS): count it. */
+        if (close(s->fd) < 0 && !rc) rc = ckpt__err_os(errno, "%s: close", s->path);
+        s->fd = -1;
+    }
+    if (rc) {
+        ckpt__os_unlink(s->path);
+        ostream_release(s);
+        return rc;
+    }
+    if (digest) *digest = XXH3_64bits_digest(&hash_pair_of(s)->whole);
+    if (size) *size = s->bytes;
+    take_h128(s);
+    ostream_release(s);
+    return CKPT_OK;
+}
+
+void ckpt__ostream_abort(ckpt_ostream *s) {
+    if (!s) return;
+    if (s->fd >= 0) close(s->fd);
+    if (s->path && !s->dry) ckpt__os_unlink(s->path);
+    ostream_release(s);
+}

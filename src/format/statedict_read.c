@@ -1,0 +1,471 @@
+/* statedict_read.c — reading a reader's entries: tensors (checked in one
+ * pass against the manifest's digests when the reader verifies, converted,
+ * viewed in place, or sliced out of the chunks of attached shard files) and
+ * scalars. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "base/error.h"
+#include "base/io.h"
+#include "format/safetensors.h"
+#include "format/shard.h"
+#include "format/statedict.h"
+#include "format/statedict_int.h"
+
+/* Hashes the file's bytes [v->next, end) into the whole-file digest
+ * through the scratch piece: the header's end, padding, tensors nobody
+ * read (yet), the tail. */
+static int verify_skip_to(ckpt_reader *r, uint64_t end) {
+    verify_stream *v = r->vs;
+    while (v->next < end) {
+        size_t k = end - v->next < VERIFY_PIECE ? (size_t)(end - v->next) : VERIFY_PIECE;
+        CKPT_TRY(pread_all(r, v->scratch, k, v->next));
+        XXH3_64bits_update(v->h, v->scratch, k);
+        v->next += k;
+    }
+    return CKPT_OK;
+}
+
+/* At most this many bytes between the end of what the stream hashed and
+ * the next tensor read are hashed through the scratch piece to keep the
+ * stream going (padding, a small tensor nobody reads). A read further ahead
+ * (a check that reads the small entries of a file first, say) is checked
+ * against its own digest instead and leaves the stream where it is, so the
+ * large tensors it jumps over are still read once, into their buffers. */
+#define VERIFY_GAP_MAX ((uint64_t)64 << 10)
+
+/* A tensor's bytes from the file into dst, hashed piece by piece right
+ * after each piece lands there (so the bytes hashed are the bytes kept):
+ * into the whole-file digest when it comes next in file order, else
+ * against the tensor's own digest from the manifest. */
+static int verified_read(ckpt_reader *r, const entry *e, const char *key, uint8_t *dst) {
+    verify_stream *v = r->vs;
+    bool in_order = e->offset >= v->next && e->offset - v->next <= VERIFY_GAP_MAX;
+    if (in_order) CKPT_TRY(verify_skip_to(r, e->offset));
+    else XXH3_64bits_reset(v->t);
+    for (uint64_t off = 0; off < e->nbytes;) {
+        size_t k = e->nbytes - off < VERIFY_PIECE ? (size_t)(e->nbytes - off) : VERIFY_PIECE;
+        int rc = pread_all(r, dst + off, k, e->offset + off);
+        if (rc) return ckpt__err_prefix(rc, "tensor '%s'", key);
+        XXH3_64bits_update(in_order ? v->h : v->t, dst + off, k);
+        off += k;
+    }
+    if (in_order) {
+        v->next = e->offset + e->nbytes;
+        return CKPT_OK;
+    }
+    for (int64_t i = 0; i < v->n; i++) {
+        if (strcmp(v->keys[i], e->key) != 0) continue;
+        if (XXH3_64bits_digest(v->t) != v->digests[i])
+            return ckpt__err(CKPT_ECORRUPT, "%s: tensor '%s': checksum mismatch", r->name, key);
+        return CKPT_OK;
+    }
+    return ckpt__err(CKPT_ECORRUPT, "%s: tensor '%s': the manifest records no checksum for it",
+                     r->name, key);
+}
+
+int ckpt__reader_verify_finish(ckpt_reader *r) {
+    if (!r || !r->vs) return CKPT_OK;
+    CKPT_TRY(verify_skip_to(r, r->file_size));
+    if (XXH3_64bits_digest(r->vs->h) != r->vs->xxh3)
+        return ckpt__err(CKPT_ECORRUPT, "%s: checksum mismatch", r->name);
+    return CKPT_OK;
+}
+
+static int find_tensor(const ckpt_reader *r, const char *key, const entry **out) {
+    if (!r || !key) return ckpt__err(CKPT_EINVAL, "read tensor: NULL argument");
+    const entry *e = reader_get(r, key);
+    if (!e) return ckpt__err(CKPT_ENOENT, "%s: no tensor '%s'", r->name, key);
+    if (e->kind != CKPT_ENTRY_TENSOR)
+        return ckpt__err(CKPT_ENOENT, "%s: key '%s' is a %s, not a tensor", r->name, key,
+                         kind_name(e->kind));
+    *out = e;
+    return CKPT_OK;
+}
+
+int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
+                            ckpt_entry_info *info) {
+    const entry *e = NULL;
+    CKPT_TRY(find_tensor(r, key, &e));
+    CKPT_TRY(materialize(r, e));
+    if (!data) return ckpt__err(CKPT_EINVAL, "tensor view: data is NULL");
+    static const uint8_t empty = 0;
+    if (e->sk) {
+        /* A view needs the tensor in one piece: one chunk that is all of it. */
+        const shard_key *k = &r->skeys[e->sk - 1];
+        CKPT_TRY(shard_key_check(r, k));
+        const shard_chunk *whole = NULL;
+        for (int64_t i = 0; i < k->n; i++) {
+            bool all = true;
+            for (int d = 0; all && d < e->ndim; d++) all = k->chunks[i].c.shape[d] == e->shape[d];
+            if (all) whole = &k->chunks[i];
+        }
+        if (!whole && e->nbytes) {
+            /* Saved in several chunks: assembled once into memory the
+             * reader owns, so a view still works (at the cost of a copy). */
+            if (e->nbytes > (uint64_t)SIZE_MAX) return ckpt__err_nomem("tensor view");
+            uint8_t *buf = ckpt__malloc((size_t)e->nbytes);
+            CKPT_TRY(reader_own(r, buf));
+            int64_t zero[CKPT_MAX_NDIM] = {0};
+            CKPT_TRY(ckpt_read_tensor_shard(r, key, e->dtype, e->ndim, e->shape, zero, e->shape,
+                                            buf));
+            *data = buf;
+            if (info) entry_info(e, info);
+            return CKPT_OK;
+        }
+        *data = whole && whole->data ? (const void *)whole->data : (const void *)&empty;
+        if (info) entry_info(e, info);
+        return CKPT_OK;
+    }
+    if (e->data) {
+        *data = e->data;
+        if (info) entry_info(e, info);
+        return CKPT_OK;
+    }
+    if (r->vs && e->nbytes) {
+        /* Never a look through a mapping: the bytes, verified, into memory
+         * the reader owns, which later reads of the key use too. */
+        if (e->nbytes > (uint64_t)SIZE_MAX) return ckpt__err_nomem("tensor view");
+        uint8_t *buf = ckpt__malloc((size_t)e->nbytes);
+        CKPT_TRY(reader_own(r, buf));
+        CKPT_TRY(verified_read(r, e, key, buf));
+        ((entry *)e)->data = buf; /* r's own entry */
+        *data = buf;
+        if (info) entry_info(e, info);
+        return CKPT_OK;
+    }
+    CKPT_TRY(reader_map(r));
+    *data = r->mem ? (const void *)(r->mem + e->offset) : (const void *)&empty;
+    if (info) entry_info(e, info);
+    return CKPT_OK;
+}
+
+int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                           const int64_t *global_shape, const int64_t *offsets,
+                           const int64_t *local_shape, void *dst) {
+    const entry *e = NULL;
+    CKPT_TRY(find_tensor(r, key, &e));
+    char a[200], b[200];
+    if (ndim < 0 || ndim > CKPT_MAX_NDIM ||
+        (ndim > 0 && (!global_shape || !offsets || !local_shape)))
+        return ckpt__err(CKPT_EINVAL, "%s: key '%s': invalid slice asked (ndim %d)", r->name, key,
+                         ndim);
+    if (dt != e->dtype)
+        return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': dtype %s in file, %s asked", r->name, key,
+                         ckpt_dtype_name(e->dtype),
+                         ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "(invalid)");
+    bool same = ndim == e->ndim;
+    for (int d = 0; same && d < ndim; d++) same = global_shape[d] == e->shape[d];
+    if (!same)
+        return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': global shape %s in file, %s asked", r->name,
+                         key, ckpt__shape_str(a, sizeof a, e->ndim, e->shape),
+                         ckpt__shape_str(b, sizeof b, ndim, global_shape));
+    ckpt_chunk q;
+    memset(&q, 0, sizeof q);
+    q.dtype = dt;
+    q.ndim = ndim;
+    for (int d = 0; d < ndim; d++) {
+        q.global_shape[d] = global_shape[d];
+        q.offsets[d] = offsets[d];
+        q.shape[d] = local_shape[d];
+    }
+    uint64_t qbytes = 0;
+    int rc = ckpt__chunk_check(&q, CKPT_EINVAL, r->name, key, &qbytes);
+    if (rc) return rc;
+    if (qbytes == 0) return CKPT_OK;
+    if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
+    if (!e->sk) {
+        bool whole = true;
+        for (int d = 0; whole && d < ndim; d++)
+            whole = offsets[d] == 0 && local_shape[d] == e->shape[d];
+        if (whole) return ckpt_read_tensor(r, key, dt, ndim, global_shape, dst);
+        CKPT_TRY(materialize(r, e));
+        const uint8_t *src = e->data;
+        if (!src) {
+            CKPT_TRY(reader_map(r));
+            src = r->mem + e->offset;
+        }
+        static const int64_t zero[CKPT_MAX_NDIM];
+        rc = ckpt__box_copy(dt, ndim, zero, e->shape, src, offsets, local_shape, dst);
+        if (rc) return ckpt__err_prefix(rc, "%s: key '%s'", r->name, key);
+        return CKPT_OK;
+    }
+    const shard_key *k = &r->skeys[e->sk - 1];
+    CKPT_TRY(shard_key_check(r, k));
+    for (int64_t i = 0; i < k->n; i++) {
+        const shard_chunk *c = &k->chunks[i];
+        if (!c->data) continue; /* an empty chunk */
+        rc = ckpt__box_copy(dt, ndim, c->c.offsets, c->c.shape, c->data, offsets, local_shape, dst);
+        if (rc) return ckpt__err_prefix(rc, "%s: key '%s'", c->file, key);
+    }
+    return CKPT_OK;
+}
+
+int ckpt__reader_adopt_map(ckpt_reader *r, ckpt_mapped *m) {
+    CKPT_TRY(grow((void **)&r->maps, &r->mapcap, r->nmaps + 1, sizeof *r->maps));
+    r->maps[r->nmaps++] = *m;
+    memset(m, 0, sizeof *m);
+    return CKPT_OK;
+}
+
+int ckpt__reader_new_empty(ckpt_reader **out, const char *name) {
+    if (!out) return ckpt__err(CKPT_EINVAL, "reader: out is NULL");
+    *out = NULL;
+    ckpt_reader *r = NULL;
+    CKPT_TRY(reader_alloc(&r, name));
+    r->entries = ckpt__calloc(1, sizeof *r->entries);
+    if (!r->entries) {
+        ckpt_reader_free(r);
+        return ckpt__err_nomem("reader entries");
+    }
+    r->ecap = 1;
+    *out = r;
+    return CKPT_OK;
+}
+
+/* Finds the tensor named key among a parsed header's tensors (linear: shard
+ * files hold a handful of tensors, and the index is built per call). */
+static int attach_index(const ckpt_st_header *h, key_index *ix) {
+    for (int64_t i = 0; i < h->ntensors; i++) {
+        int rc = key_index_put(ix, h->tensors[i].name, i, NULL);
+        if (rc == CKPT_ENOMEM) return ckpt__err_nomem("shard attach");
+        /* duplicates were rejected by the parser */
+    }
+    return CKPT_OK;
+}
+
+int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const char *name,
+                              const char *const *keys, const ckpt_chunk *chunks, int64_t n) {
+    if (!r || (!buf && len) || (n > 0 && (!keys || !chunks)) || n < 0)
+        return ckpt__err(CKPT_EINVAL, "attach shard: invalid argument");
+    if (!name) name = "(shard)";
+    char a[200], b[200];
+    ckpt_st_header h;
+    memset(&h, 0, sizeof h);
+    key_index ix;
+    memset(&ix, 0, sizeof ix);
+    int64_t *where = NULL;
+    char *fname = NULL;
+    uint64_t hl = 0;
+    int rc = ckpt__st_header_len(buf, len, name, &hl);
+    if (!rc) rc = ckpt__st_parse((const uint8_t *)buf + 8, hl, len, name, &h);
+    if (!rc) rc = attach_index(&h, &ix);
+    if (rc) goto out;
+    if (h.ntensors != n) {
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %" PRId64 " tensors in the file, %" PRId64
+                       " chunks listed for it",
+                       name, h.ntensors, n);
+        goto out;
+    }
+    where = ckpt__calloc((size_t)(n ? n : 1), sizeof *where);
+    fname = ckpt__strdup(name);
+    if (!where || !fname) {
+        rc = ckpt__err_nomem("shard attach");
+        goto out;
+    }
+    /* Check everything first, so a failure leaves r as it was. */
+    for (int64_t i = 0; i < n && !rc; i++) {
+        const char *key = keys[i];
+        if (!key || ckpt__check_key(key, name) != CKPT_OK) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk %" PRId64 " has an invalid key", name, i);
+            break;
+        }
+        rc = ckpt__chunk_check(&chunks[i], CKPT_ECORRUPT, name, key, NULL);
+        if (rc) break;
+        int64_t t = key_index_get(&ix, key);
+        if (t < 0) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s' is not in the file", name, key);
+            break;
+        }
+        const ckpt_st_tensor *ft = &h.tensors[t];
+        bool same = ft->dtype == chunks[i].dtype && ft->ndim == chunks[i].ndim;
+        for (int d = 0; same && d < ft->ndim; d++) same = ft->shape[d] == chunks[i].shape[d];
+        if (!same) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s': %s %s in the file, %s %s listed",
+                           name, key, ckpt_dtype_name(ft->dtype),
+                           ckpt__shape_str(a, sizeof a, ft->ndim, ft->shape),
+                           ckpt_dtype_name(chunks[i].dtype),
+                           ckpt__shape_str(b, sizeof b, chunks[i].ndim, chunks[i].shape));
+            break;
+        }
+        if (where[t]) {
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s' is listed twice", name, key);
+            break;
+        }
+        where[t] = i + 1;
+        const entry *e = reader_get(r, key);
+        if (e && !e->sk) {
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: '%s' is both a sharded tensor and a plain entry of %s", name, key,
+                           r->name);
+            break;
+        }
+        if (e) {
+            const ckpt_chunk *c0 = &r->skeys[e->sk - 1].chunks[0].c;
+            bool agree = c0->dtype == chunks[i].dtype && c0->ndim == chunks[i].ndim;
+            for (int d = 0; agree && d < c0->ndim; d++)
+                agree = c0->global_shape[d] == chunks[i].global_shape[d];
+            if (!agree) {
+                rc = ckpt__err(CKPT_ECORRUPT,
+                               "%s: chunk of '%s' is of a %s %s tensor, %s says %s %s", name, key,
+                               ckpt_dtype_name(chunks[i].dtype),
+                               ckpt__shape_str(a, sizeof a, chunks[i].ndim, chunks[i].global_shape),
+                               r->skeys[e->sk - 1].chunks[0].file, ckpt_dtype_name(c0->dtype),
+                               ckpt__shape_str(b, sizeof b, c0->ndim, c0->global_shape));
+                break;
+            }
+        }
+    }
+    if (rc) goto out;
+    /* Reserve room, then apply (nothing can fail after this). */
+    rc = grow((void **)&r->shard_files, &r->sfcap, r->nshard_files + 1, sizeof *r->shard_files);
+    if (!rc) rc = grow((void **)&r->entries, &r->ecap, r->count + n, sizeof *r->entries);
+    if (!rc) rc = grow((void **)&r->skeys, &r->skcap, r->nskeys + n, sizeof *r->skeys);
+    if (rc) goto out;
+    r->shard_files[r->nshard_files++] = fname;
+    for (int64_t i = 0; i < n; i++) {
+        const ckpt_st_tensor *ft = &h.tensors[key_index_get(&ix, keys[i])];
+        const entry *e = reader_get(r, keys[i]);
+        shard_key *k;
+        if (e) {
+            k = &r->skeys[e->sk - 1];
+        } else {
+            k = &r->skeys[r->nskeys];
+            memset(k, 0, sizeof *k);
+            k->key = ckpt__strdup(keys[i]);
+            if (!k->key) {
+                rc = ckpt__err_nomem("shard attach");
+                goto out_applied;
+            }
+            entry *ne = &r->entries[r->count];
+            memset(ne, 0, sizeof *ne);
+            ne->key = k->key;
+            ne->kind = CKPT_ENTRY_TENSOR;
+            ne->dtype = chunks[i].dtype;
+            ne->ndim = chunks[i].ndim;
+            memcpy(ne->shape, chunks[i].global_shape, sizeof ne->shape);
+            (void)ckpt_tensor_nbytes(ne->dtype, ne->ndim, ne->shape, &ne->nbytes);
+            ne->sk = r->nskeys + 1;
+            r->nskeys++;
+            if (key_index_put(&r->index, k->key, r->count, NULL) != CKPT_OK) {
+                rc = ckpt__err_nomem("shard attach");
+                goto out_applied;
+            }
+            r->count++;
+        }
+        rc = grow((void **)&k->chunks, &k->cap, k->n + 1, sizeof *k->chunks);
+        if (rc) goto out_applied;
+        shard_chunk *sc = &k->chunks[k->n++];
+        sc->c = chunks[i];
+        sc->data = ft->end > ft->begin ? (const uint8_t *)buf + h.data_start + ft->begin : NULL;
+        sc->file = fname;
+    }
+    fname = NULL;
+    goto out;
+out_applied:
+    /* Only an allocation failed; r holds some of the file's chunks: the
+     * caller frees it (documented). */
+    fname = NULL;
+out:
+    free(fname);
+    free(where);
+    key_index_free(&ix);
+    ckpt__st_header_free(&h);
+    return rc;
+}
+
+int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                     const int64_t *shape, void *dst) {
+    const entry *e = NULL;
+    CKPT_TRY(find_tensor(r, key, &e));
+    if (e->sk) {
+        /* The whole of a sharded tensor: assembled from its chunks. */
+        static const int64_t zero[CKPT_MAX_NDIM];
+        return ckpt_read_tensor_shard(r, key, dt, ndim, shape, zero, shape, dst);
+    }
+    char a[200], b[200];
+    if (dt != e->dtype)
+        return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': dtype %s in file, %s asked", r->name, key,
+                         ckpt_dtype_name(e->dtype),
+                         ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "(invalid)");
+    bool same = ndim == e->ndim && (ndim == 0 || shape);
+    for (int i = 0; same && i < ndim; i++) same = shape[i] == e->shape[i];
+    if (!same) {
+        if (ndim < 0 || ndim > CKPT_MAX_NDIM || (ndim > 0 && !shape))
+            return ckpt__err(CKPT_EINVAL, "%s: key '%s': invalid shape asked (ndim %d)", r->name,
+                             key, ndim);
+        return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': shape %s in file, %s asked", r->name, key,
+                         ckpt__shape_str(a, sizeof a, e->ndim, e->shape),
+                         ckpt__shape_str(b, sizeof b, ndim, shape));
+    }
+    if (e->nbytes == 0) return CKPT_OK;
+    if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
+    if (e->data && e->conv_from) { /* converted straight into dst: no copy in between */
+        uint64_t n = e->nbytes / (uint64_t)(ckpt_dtype_bits(e->dtype) / 8);
+        return ckpt_dtype_convert(e->conv_from, e->data, e->dtype, dst, n);
+    }
+    if (e->data) { /* an adapted reader's entry */
+        memcpy(dst, e->data, (size_t)e->nbytes);
+        return CKPT_OK;
+    }
+    if (r->vs) return verified_read(r, e, key, dst);
+    if (r->mem) {
+        memcpy(dst, r->mem + e->offset, (size_t)e->nbytes);
+        return CKPT_OK;
+    }
+    int rc = pread_all(r, dst, e->nbytes, e->offset);
+    if (rc) return ckpt__err_prefix(rc, "tensor '%s'", key);
+    return CKPT_OK;
+}
+
+static int find_scalar(const ckpt_reader *r, const char *key, ckpt_entry_kind kind,
+                       const entry **out) {
+    if (!r || !key) return ckpt__err(CKPT_EINVAL, "read %s: NULL argument", kind_name(kind));
+    const entry *e = reader_get(r, key);
+    if (!e) return ckpt__err(CKPT_ENOENT, "%s: no key '%s'", r->name, key);
+    if (e->kind != kind)
+        return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': %s in file, %s asked", r->name, key,
+                         kind_name(e->kind), kind_name(kind));
+    *out = e;
+    return CKPT_OK;
+}
+
+int ckpt_read_i64(ckpt_reader *r, const char *key, int64_t *v) {
+    const entry *e = NULL;
+    CKPT_TRY(find_scalar(r, key, CKPT_ENTRY_I64, &e));
+    if (v) *v = e->i64;
+    return CKPT_OK;
+}
+
+int ckpt_read_f64(ckpt_reader *r, const char *key, double *v) {
+    const entry *e = NULL;
+    CKPT_TRY(find_scalar(r, key, CKPT_ENTRY_F64, &e));
+    if (v) *v = e->f64;
+    return CKPT_OK;
+}
+
+int ckpt_read_str(ckpt_reader *r, const char *key, char *buf, size_t cap) {
+    const entry *e = NULL;
+    CKPT_TRY(find_scalar(r, key, CKPT_ENTRY_STR, &e));
+    if (!buf || cap < e->nbytes + 1)
+        return ckpt__err(CKPT_EINVAL, "%s: key '%s': string of %" PRIu64 " bytes needs %" PRIu64
+                         " bytes of buffer, %zu given",
+                         r->name, key, e->nbytes, e->nbytes + 1, buf ? cap : 0);
+    memcpy(buf, e->str, (size_t)e->nbytes + 1);
+    return CKPT_OK;
+}
+
+int ckpt_read_bytes(ckpt_reader *r, const char *key, void *buf, size_t cap, size_t *n) {
+    const entry *e = NULL;
+    CKPT_TRY(find_scalar(r, key, CKPT_ENTRY_BYTES, &e));
+    if (n) *n = (size_t)e->nbytes;
+    if (e->nbytes > cap || (!buf && e->nbytes))
+        return ckpt__err(CKPT_EINVAL, "%s: key '%s': %" PRIu64 " bytes, buffer holds %zu", r->name,
+                         key, e->nbytes, buf ? cap : 0);
+    if (e->nbytes) memcpy(buf, e->bytes, (size_t)e->nbytes);
+    return CKPT_OK;
+}
