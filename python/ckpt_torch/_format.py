@@ -825,6 +825,8 @@ def manifest_text(m):
                 jstr(f["name"]), jstr(f["kind"]), f["size"], f["xxh3"])
             if f.get("xxh128"):
                 head += ', "xxh128": "%s"' % f["xxh128"]
+            if f.get("header_xxh3"):
+                head += ', "header_xxh3": "%s"' % f["header_xxh3"]
             ts = ",".join('\n      %s: "%s"' % (jstr(k), h) for k, h in f["tensors"].items())
             L.append(head + ',\n     "tensors": {' + ts + "}}" +
                      ("," if i + 1 < len(m["files"]) else ""))
@@ -985,6 +987,11 @@ def parse_manifest(text, what):
         wide = _m_str(jf, "xxh128", False, where)
         if wide is not None and not _HEX32.fullmatch(wide):
             raise CorruptError('%s: "xxh128" must be 32 lowercase hex digits' % where)
+        # the XXH3-64 of the file's first 8 + header-length bytes (optional:
+        # with the tensors' digests it covers the file, for one-pass loads)
+        hhx = _m_str(jf, "header_xxh3", False, where)
+        if hhx is not None and not _HEX16.fullmatch(hhx):
+            raise CorruptError('%s: "header_xxh3" must be 16 lowercase hex digits' % where)
         jt = jf.get("tensors")
         if "tensors" in jf and not isinstance(jt, dict):
             raise CorruptError('%s: "tensors" must be an object' % where)
@@ -998,7 +1005,7 @@ def parse_manifest(text, what):
             tensors[k] = v
         chunks = _m_chunks(jf, tensors, where)
         m["files"].append({"name": name, "kind": kind, "size": size, "xxh3": hx, "tensors": tensors,
-                           "chunks": chunks, "xxh128": wide})
+                           "chunks": chunks, "xxh128": wide, "header_xxh3": hhx})
     seen = set()
     for f in sorted(m["files"], key=lambda f: f["name"].encode("utf-8")):
         if f["name"] in seen:
@@ -1325,8 +1332,10 @@ def write_checkpoint(dir, files, step, iteration, warn=None, metrics=None):
             for name, kind, flat in files:
                 data, digests = encode_state(flat, name)
                 _write_file(os.path.join(tmp, name), data)
+                hlen = 8 + int.from_bytes(data[:8], "little")
                 m["files"].append({"name": name, "kind": kind, "size": len(data),
                                    "xxh3": _hex(xxh3_64(data)),
+                                   "header_xxh3": _hex(xxh3_64(data[:hlen])),
                                    "tensors": {k: _hex(h) for k, h in digests}})
             _write_file(os.path.join(tmp, MANIFEST_NAME), manifest_text(m))
             _fsync_dir(tmp)

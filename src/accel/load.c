@@ -441,6 +441,7 @@ static int open_object(load_op *op, int i) {
         const ckpt_manifest_file *f = &m->files[idx];
         char *path = ckpt__path_join(op->dir, name);
         rc = path ? ckpt__reader_open_verified(&op->readers[i], path, name, f->xxh3,
+                                               f->has_header_xxh3 ? &f->header_xxh3 : NULL,
                                                (const char *const *)f->tensor_keys,
                                                f->tensor_xxh3, f->ntensors)
                   : ckpt__err_nomem("load path");

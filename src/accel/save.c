@@ -299,6 +299,8 @@ static int digest_from_record(const ckpt_manifest_file *f, ckpt_file_digest *d) 
     d->xxh3 = f->xxh3;
     d->has_xxh128 = true;
     d->xxh128 = f->xxh128;
+    d->has_header_xxh3 = f->has_header_xxh3;
+    d->header_xxh3 = f->header_xxh3;
     return CKPT_OK;
 }
 

@@ -54,6 +54,8 @@ int ckpt__manifest_add(ckpt_manifest *m, const char *name, const char *kind,
     f->xxh3 = d->xxh3;
     f->has_xxh128 = d->has_xxh128;
     f->xxh128 = d->xxh128;
+    f->has_header_xxh3 = d->has_header_xxh3;
+    f->header_xxh3 = d->header_xxh3;
     return 0;
 }
 

@@ -34,6 +34,11 @@ typedef struct ckpt_manifest_file {
     int rank;              /* the process that wrote the file; 0 for one process */
     bool has_xxh128;       /* "xxh128": the file's XXH3-128 (absent in older manifests) */
     ckpt_h128 xxh128;      /* what an incremental save compares its bytes with */
+    /* "header_xxh3": XXH3-64 of the file's first 8 + header length bytes
+     * (absent in older manifests): with every tensor's digest it covers the
+     * whole file, so a one-pass load needs no whole-file hash. */
+    bool has_header_xxh3;
+    uint64_t header_xxh3;
 } ckpt_manifest_file;
 
 typedef struct ckpt_manifest {

@@ -189,6 +189,13 @@ static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *wha
     if (wide && (wlen != 32 || parse_hex64(wide, 16, &h128.hi) != 0 ||
                  parse_hex64(wide + 16, 16, &h128.lo) != 0))
         return ckpt__err(CKPT_ECORRUPT, "%s: \"xxh128\" must be 32 lowercase hex digits", where);
+    const char *hhex = NULL;
+    size_t hhlen = 0;
+    uint64_t hdigest = 0;
+    CKPT_TRY(get_str(jf, "header_xxh3", false, &hhex, &hhlen, where));
+    if (hhex && parse_hex64(hhex, hhlen, &hdigest) != 0)
+        return ckpt__err(CKPT_ECORRUPT, "%s: \"header_xxh3\" must be 16 lowercase hex digits",
+                         where);
     json_t *jt = json_object_get(jf, "tensors");
     if (jt && !json_is_object(jt))
         return ckpt__err(CKPT_ECORRUPT, "%s: \"tensors\" must be an object", where);
@@ -202,6 +209,8 @@ static int parse_file(json_t *jf, int64_t idx, ckpt_manifest *m, const char *wha
     f->rank = (int)rank;
     f->has_xxh128 = wide != NULL;
     f->xxh128 = h128;
+    f->has_header_xxh3 = hhex != NULL;
+    f->header_xxh3 = hdigest;
     if (!f->name || !f->kind) return ckpt__err_nomem("manifest");
     size_t nt = jt ? json_object_size(jt) : 0;
     CKPT_TRY(alloc_tensors(f, (int64_t)nt));

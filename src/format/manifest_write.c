@@ -69,6 +69,10 @@ static json_t *file_json(const ckpt_manifest_file *f) {
         hex64(f->xxh128.lo, wide + 16);
         JSET(jf, "xxh128", json_string(wide));
     }
+    if (f->has_header_xxh3) {
+        hex64(f->header_xxh3, hex);
+        JSET(jf, "header_xxh3", json_string(hex));
+    }
     json_t *jt = json_object();
     if (!jt) goto nomem;
     JSET(jf, "tensors", jt);

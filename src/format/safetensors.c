@@ -277,8 +277,9 @@ static int set_new(json_t *obj, const char *key, json_t *v) {
 }
 
 int ckpt__st_write(ckpt_ostream *s, const ckpt_st_out *t, int64_t n, const char *ckpt_doc,
-                   ckpt_st_written *res) {
+                   ckpt_st_written *res, uint64_t *header_xxh3) {
     int rc = CKPT_OK;
+    uint8_t *head = NULL;
     order_item *ord = ckpt__calloc(n > 0 ? (size_t)n : 1, sizeof *ord);
     json_t *root = json_object();
     json_t *meta = json_object();
@@ -333,11 +334,18 @@ int ckpt__st_write(ckpt_ostream *s, const ckpt_st_out *t, int64_t n, const char 
     }
     size_t len = strlen(text);
     size_t padded = (8 + len + 7) / 8 * 8 - 8;
-    uint8_t prefix[8];
-    put_le64(prefix, padded);
-    rc = ckpt__ostream_write(s, prefix, 8);
-    if (!rc) rc = ckpt__ostream_write(s, text, len);
-    if (!rc && padded > len) rc = ckpt__ostream_write(s, "        ", padded - len);
+    /* The length prefix, the header and its padding in one piece, whose
+     * digest the manifest records (a one-pass load checks the header by it). */
+    head = ckpt__malloc(8 + padded);
+    if (!head) {
+        rc = ckpt__err_nomem("safetensors header");
+        goto out;
+    }
+    put_le64(head, padded);
+    memcpy(head + 8, text, len);
+    memset(head + 8 + len, ' ', padded - len);
+    if (header_xxh3) *header_xxh3 = ckpt__xxh3(head, 8 + padded);
+    rc = ckpt__ostream_write(s, head, 8 + padded);
     for (int64_t i = 0; !rc && i < n; i++) {
         const ckpt_st_out *x = ord[i].t;
         ckpt__ostream_part_begin(s);
@@ -348,6 +356,7 @@ int ckpt__st_write(ckpt_ostream *s, const ckpt_st_out *t, int64_t n, const char 
         }
     }
 out:
+    free(head);
     free(text);
     json_decref(meta);
     json_decref(root);

@@ -34,6 +34,8 @@ typedef struct ckpt_file_digest {
     struct ckpt_chunk *tensor_chunk; /* owned; NULL, or (a shard file) one per tensor */
     bool has_xxh128;                 /* xxh128 below is the XXH3-128 of the whole file */
     ckpt_h128 xxh128;
+    bool has_header_xxh3;  /* header_xxh3: XXH3-64 of the first 8 + header length bytes */
+    uint64_t header_xxh3;
 } ckpt_file_digest;
 void ckpt__file_digest_free(ckpt_file_digest *d);
 
@@ -134,21 +136,25 @@ int ckpt__writer_write_shards_new(ckpt_writer *w, const char *path, ckpt_file_di
  * messages, and keys[i]/chunks[i] (i < n; copied) come from the manifest and
  * are checked against the file's own header. */
 /* A file reader (as ckpt_reader_open of path; messages say name) that
- * verifies in one pass: the file's XXH3-64 (xxh3, the manifest's) is
- * computed over the header it parses and over every tensor's bytes right
- * after each 1 MiB piece of them lands in the caller's buffer, in file
- * order; a tensor read out of file order (or twice) is checked against its
- * own digest (keys/digests, n of them, borrowed: the manifest's). A tensor
+ * verifies in one pass. With header_xxh3 (the manifest's digest of the
+ * header; NULL for older manifests) the file is checked by parts: the
+ * header when it is opened, each tensor against its own digest (keys/
+ * digests, n of them, borrowed: the manifest's) right after each 1 MiB
+ * piece lands in the caller's buffer, in any order. Without it, the file's
+ * XXH3-64 (xxh3, the manifest's) is computed over the header it parses and
+ * over every tensor's bytes as they land, in file order; a tensor read out
+ * of file order (or twice) is checked against its own digest. A tensor
  * view reads the bytes, verified, into memory the reader owns (never a
  * mapping). A mismatch found while reading a tensor fails that read
  * (CKPT_ECORRUPT naming the tensor); the rest of the file is checked by
  * ckpt__reader_verify_finish, after the reads. */
 int ckpt__reader_open_verified(ckpt_reader **out, const char *path, const char *name,
-                               uint64_t xxh3, const char *const *keys, const uint64_t *digests,
-                               int64_t n);
+                               uint64_t xxh3, const uint64_t *header_xxh3,
+                               const char *const *keys, const uint64_t *digests, int64_t n);
 /* The bytes no read covered, hashed; CKPT_ECORRUPT "<name>: checksum
- * mismatch" unless the whole file's digest is the manifest's. CKPT_OK for
- * any other reader. */
+ * mismatch" unless the whole file's digest is the manifest's (by parts:
+ * "<name>: tensor '<key>': checksum mismatch" for a tensor no read
+ * checked). CKPT_OK for any other reader. */
 int ckpt__reader_verify_finish(ckpt_reader *r);
 int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const char *name,
                               const char *const *keys, const ckpt_chunk *chunks, int64_t n);

@@ -208,10 +208,15 @@ struct ckpt_reader {
     struct verify_stream *vs; /* a one-pass verified file reader (ckpt__reader_open_verified) */
 };
 
-/* A one-pass verified reader: the file's XXH3-64 computed over the bytes as
- * they land in the caller's buffers, in file order (the header and the
- * padding through a scratch piece); a tensor read out of that order is
- * checked against its own digest instead. */
+/* A one-pass verified reader. By parts (the manifest records the header's
+ * digest): the header is checked when the file is opened, each tensor
+ * against its own digest as it lands in the caller's buffer, and the
+ * tensors nobody read at the end; the header and the tensors tile the file
+ * (the parser refuses holes), so that is every byte. Otherwise (older
+ * manifests): the file's XXH3-64 computed over the bytes as they land in the
+ * caller's buffers, in file order (the header and the padding through a
+ * scratch piece); a tensor read out of that order is checked against its
+ * own digest instead. */
 typedef struct verify_stream {
     void *mem;             /* the allocation holding h (aligned) and scratch */
     XXH3_state_t *h;       /* the whole file, bytes [0, next) so far */
@@ -222,7 +227,22 @@ typedef struct verify_stream {
     const char *const *keys; /* the manifest's tensor keys and digests (borrowed) */
     const uint64_t *digests;
     int64_t n;
+    bool by_parts;         /* header_xxh3 below is the manifest's digest of the header */
+    uint64_t header_xxh3;
+    /* By parts, per reader entry: its digest from the manifest (has: one is
+     * recorded) and whether a read checked it. */
+    uint64_t *edigest;
+    bool *ehas, *edone;
 } verify_stream;
+
+static inline void verify_stream_free(verify_stream *vs) {
+    if (!vs) return;
+    free(vs->mem);
+    free(vs->edigest);
+    free(vs->ehas);
+    free(vs->edone);
+    free(vs);
+}
 
 /* Pieces small enough to be hashed while still in the CPU cache. */
 #define VERIFY_PIECE ((size_t)1 << 20)

@@ -51,8 +51,7 @@ void ckpt_reader_free(ckpt_reader *r) {
     ckpt__st_header_free(&r->hdr);
     if (r->map) munmap(r->map, r->map_len);
     if (r->fd >= 0) close(r->fd);
-    if (r->vs) free(r->vs->mem);
-    free(r->vs);
+    verify_stream_free(r->vs);
     free(r->name);
     free(r);
 }
@@ -234,8 +233,8 @@ int ckpt_reader_open(ckpt_reader **out, const char *path) {
 }
 
 int ckpt__reader_open_verified(ckpt_reader **out, const char *path, const char *name,
-                               uint64_t xxh3, const char *const *keys, const uint64_t *digests,
-                               int64_t n) {
+                               uint64_t xxh3, const uint64_t *header_xxh3,
+                               const char *const *keys, const uint64_t *digests, int64_t n) {
     *out = NULL;
     verify_stream *vs = ckpt__calloc(1, sizeof *vs);
     if (!vs) return ckpt__err_nomem("verified reader");
@@ -256,12 +255,28 @@ int ckpt__reader_open_verified(ckpt_reader **out, const char *path, const char *
     vs->keys = keys;
     vs->digests = digests;
     vs->n = n;
+    vs->by_parts = header_xxh3 != NULL;
+    vs->header_xxh3 = header_xxh3 ? *header_xxh3 : 0;
     int rc = reader_open_file(out, path, name, vs);
-    if (rc < 0) {
-        free(vs->mem);
-        free(vs);
-    }
+    if (rc < 0) verify_stream_free(vs);
     return rc;
+}
+
+/* By parts: each entry's digest from the manifest's list, found through
+ * the reader's key index (linear in the keys). */
+static int verify_parts_init(ckpt_reader *r, verify_stream *vs) {
+    size_t n = r->count ? (size_t)r->count : 1;
+    vs->edigest = ckpt__calloc(n, sizeof *vs->edigest);
+    vs->ehas = ckpt__calloc(n, sizeof *vs->ehas);
+    vs->edone = ckpt__calloc(n, sizeof *vs->edone);
+    if (!vs->edigest || !vs->ehas || !vs->edone) return ckpt__err_nomem("verified reader");
+    for (int64_t i = 0; i < vs->n; i++) {
+        int64_t j = key_index_get(&r->index, vs->keys[i]);
+        if (j < 0) continue;
+        vs->edigest[j] = vs->digests[i];
+        vs->ehas[j] = true;
+    }
+    return CKPT_OK;
 }
 
 static int reader_open_file(ckpt_reader **out, const char *path, const char *name,
@@ -298,9 +313,15 @@ static int reader_open_file(ckpt_reader **out, const char *path, const char *nam
         XXH3_64bits_update(vs->h, prefix, 8);
         XXH3_64bits_update(vs->h, hbuf, (size_t)n);
         vs->next = 8 + n;
+        if (vs->by_parts && XXH3_64bits_digest(vs->h) != vs->header_xxh3)
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: checksum mismatch in the header (names, shapes, offsets, "
+                           "scalars): it is not the header the manifest records",
+                           r->name);
     }
     if (!rc) rc = ckpt__st_parse(hbuf, n, r->file_size, r->name, &r->hdr);
     if (!rc) rc = reader_build(r);
+    if (!rc && vs && vs->by_parts) rc = verify_parts_init(r, vs);
 out:
     free(hbuf);
     if (rc) {

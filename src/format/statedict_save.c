@@ -73,6 +73,7 @@ typedef struct save_ctx {
     const char *doc;
     ckpt_st_written *res;
     ckpt_chunk *chunks; /* SAVE_SHARDS: each out's chunk record */
+    uint64_t header_xxh3;
 } save_ctx;
 
 /* What a save writes: a standalone file (sharded entries only if their chunk
@@ -82,7 +83,7 @@ typedef enum save_mode { SAVE_STANDALONE, SAVE_PLAIN, SAVE_SHARDS } save_mode;
 
 static int fill_file(ckpt_ostream *s, void *ctx) {
     save_ctx *c = ctx;
-    return ckpt__st_write(s, c->outs, c->nt, c->doc, c->res);
+    return ckpt__st_write(s, c->outs, c->nt, c->doc, c->res, &c->header_xxh3);
 }
 
 static void digest_clear(ckpt_file_digest *d) { memset(d, 0, sizeof *d); }
@@ -190,6 +191,8 @@ static int fill_digest(const save_ctx *c, uint64_t size, uint64_t xxh, ckpt_file
     }
     d->size = size;
     d->xxh3 = xxh;
+    d->has_header_xxh3 = true;
+    d->header_xxh3 = c->header_xxh3;
     return CKPT_OK;
 }
 

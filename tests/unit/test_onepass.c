@@ -3,7 +3,11 @@
  * as the two-pass load does; a corrupted byte (in a tensor read in file
  * order, in one read out of order, in bytes no object reads) fails the load
  * with CKPT_ECORRUPT naming the file, after which saves refuse until a load
- * succeeds; the options it does not apply to fall back to the two passes. */
+ * succeeds; the options it does not apply to fall back to the two passes.
+ * With the manifest's header digests (header_xxh3) every byte is read once
+ * whatever order the objects read in, a damaged header is caught when its
+ * file is opened, and a tensor nobody read is checked at the end; a
+ * manifest without them (older checkpoints) still loads in one pass. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -16,6 +20,8 @@
 
 #include "ckpt.h"
 #include "base/error.h"
+#include "base/io.h"
+#include "format/manifest.h"
 #include "helpers/testutil.h"
 
 #define N 4096
@@ -32,9 +38,13 @@ static int rev_sd(void *self, ckpt_writer *w) {
     return ckpt_write_tensor(w, "b", CKPT_F32, 1, (int64_t[]){N}, r->b);
 }
 
+/* When set, the custom object's load reads only "b". */
+static bool skip_a;
+
 static int rev_load(void *self, ckpt_reader *rd) {
     rev *r = self;
     CKPT_TRY(ckpt_read_tensor(rd, "b", CKPT_F32, 1, (int64_t[]){N}, r->b));
+    if (skip_a) return CKPT_OK;
     return ckpt_read_tensor(rd, "a", CKPT_F32, 1, (int64_t[]){N}, r->a);
 }
 
@@ -177,6 +187,114 @@ static void test_a_corrupted_tensor_read_out_of_order_is_named(void **st) {
               "tensor 'a': checksum mismatch");
 }
 
+/* The bytes of every file in checkpoint_0, the manifest included. */
+static uint64_t checkpoint_bytes(run *r) {
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_0", r->dir);
+    ckpt_manifest m;
+    ckpt__manifest_init(&m);
+    assert_int_equal(ckpt__manifest_read(dir, &m), 0);
+    uint64_t sum = 0;
+    for (int64_t i = 0; i < m.nfiles; i++) {
+        assert_true(m.files[i].has_header_xxh3);
+        sum += m.files[i].size;
+    }
+    ckpt__manifest_clear(&m);
+    char *man = tu_pathf("%s/checkpoint.json", dir);
+    FILE *f = fopen(man, "rb");
+    assert_non_null(f);
+    assert_int_equal(fseek(f, 0, SEEK_END), 0);
+    sum += (uint64_t)ftell(f);
+    fclose(f);
+    free(man);
+    free(dir);
+    return sum;
+}
+
+static void test_out_of_order_reads_read_every_byte_once(void **st) {
+    (void)st;
+    run r;
+    run_open(&r);
+    run_set(&r, 1);
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
+    uint64_t total = checkpoint_bytes(&r);
+    run_set(&r, 2);
+    ckpt_io_bytes before, after;
+    ckpt__io_bytes(&before);
+    assert_int_equal(load_one_pass(&r), 0);
+    ckpt__io_bytes(&after);
+    assert_true(run_is(&r, 1));
+    /* 'b' read before 'a' used to cost a second read of 'a' (16 KiB) for the
+     * whole-file digest; by parts it is each byte once (the headers' 8-byte
+     * length prefixes read apart, a few bytes more). */
+    uint64_t got = after.read - before.read;
+    if (got > total + 1024)
+        fail_msg("a one-pass load read %llu bytes of a %llu-byte checkpoint",
+                 (unsigned long long)got, (unsigned long long)total);
+    run_close(&r);
+}
+
+static void test_a_corrupted_header_is_caught_when_its_file_opens(void **st) {
+    (void)st;
+    /* byte 20: inside the header's JSON, which still parses or not: the
+     * digest is checked first */
+    corrupted("custom_checkpoint_0.safetensors", 20, "checksum mismatch in the header");
+}
+
+static void test_a_corrupted_tensor_nobody_read_is_found_at_the_end(void **st) {
+    (void)st;
+    run r;
+    run_open(&r);
+    run_set(&r, 1);
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
+    flip(&r, "custom_checkpoint_0.safetensors", -(long)(4 * N) - 1); /* in 'a' */
+    skip_a = true;
+    assert_int_equal(load_one_pass(&r), CKPT_ECORRUPT);
+    skip_a = false;
+    assert_non_null(strstr(ckpt_errmsg(), "tensor 'a': checksum mismatch"));
+    assert_int_equal(ckpt_save_state(r.acc, NULL), CKPT_EINVAL);
+    run_close(&r);
+}
+
+/* A manifest as older versions wrote it: no header digests. */
+static void drop_header_digests(run *r) {
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_0", r->dir);
+    ckpt_manifest m;
+    ckpt__manifest_init(&m);
+    assert_int_equal(ckpt__manifest_read(dir, &m), 0);
+    for (int64_t i = 0; i < m.nfiles; i++) m.files[i].has_header_xxh3 = false;
+    assert_int_equal(ckpt__manifest_write(&m, dir), 0);
+    ckpt__manifest_clear(&m);
+    char *man = tu_pathf("%s/checkpoint.json", dir);
+    FILE *f = fopen(man, "rb");
+    assert_non_null(f);
+    char buf[8192];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    assert_null(strstr(buf, "header_xxh3"));
+    free(man);
+    free(dir);
+}
+
+static void test_an_older_manifest_loads_in_one_pass_by_the_whole_file(void **st) {
+    (void)st;
+    run r;
+    run_open(&r);
+    run_set(&r, 1);
+    assert_int_equal(ckpt_save_state(r.acc, NULL), 0);
+    drop_header_digests(&r);
+    run_set(&r, 2);
+    assert_int_equal(load_one_pass(&r), 0);
+    assert_true(run_is(&r, 1));
+    /* a damaged header is still caught, by the whole file's digest */
+    flip(&r, "custom_checkpoint_0.safetensors", 20);
+    run_set(&r, 2);
+    int rc = load_one_pass(&r);
+    assert_int_equal(rc, CKPT_ECORRUPT);
+    assert_non_null(strstr(ckpt_errmsg(), "custom_checkpoint_0.safetensors"));
+    run_close(&r);
+}
+
 static void test_options_one_pass_does_not_apply_to_fall_back_to_two_passes(void **st) {
     (void)st;
     run r;
@@ -200,6 +318,10 @@ int main(void) {
         cmocka_unit_test(test_a_corrupted_byte_read_in_order_fails_and_saves_refuse),
         cmocka_unit_test(test_a_corrupted_tensor_read_out_of_order_is_named),
         cmocka_unit_test(test_options_one_pass_does_not_apply_to_fall_back_to_two_passes),
+        cmocka_unit_test(test_out_of_order_reads_read_every_byte_once),
+        cmocka_unit_test(test_a_corrupted_header_is_caught_when_its_file_opens),
+        cmocka_unit_test(test_a_corrupted_tensor_nobody_read_is_found_at_the_end),
+        cmocka_unit_test(test_an_older_manifest_loads_in_one_pass_by_the_whole_file),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
