@@ -288,7 +288,6 @@ int ckpt__remove_tree(const char *path) {
         return CKPT_OK;
     }
     CKPT_TRY(remove_children(path, &st, 0));
-    if (ckpt__os_rmdir(path) < 0 && errno != ENOENT)
-        return ckpt__err_os(errno, "%s: remove", path);
+    if (ckpt__os_rmdir(path) < 0 && errno != ENOENT) return ckpt__err_os(errno, "%s: remove", path);
     return CKPT_OK;
 }

@@ -49,7 +49,8 @@ int ckpt__open_read(const char *path, const char *what, bool own, struct stat *s
     int bad = own ? CKPT_ECORRUPT : CKPT_EINVAL;
     /* Look before opening: a device is not opened at all. A checkpoint's own
      * file is never a symlink: ckpt writes none. */
-    if ((own ? ckpt__os_lstat(path, st) : ckpt__os_stat(path, st)) != 0) return ckpt__err_os(errno, "%s: open", what);
+    if ((own ? ckpt__os_lstat(path, st) : ckpt__os_stat(path, st)) != 0)
+        return ckpt__err_os(errno, "%s: open", what);
     if (!S_ISREG(st->st_mode))
         return ckpt__err(bad, "%s: %s, expected a regular file", what,
                          ckpt__file_type_name(st->st_mode));
@@ -68,8 +69,7 @@ int ckpt__open_read(const char *path, const char *what, bool own, struct stat *s
     else if (!S_ISREG(st->st_mode))
         rc = ckpt__err(bad, "%s: %s, expected a regular file", what,
                        ckpt__file_type_name(st->st_mode));
-    else if (ckpt__os_set_nonblock(fd, false) != 0)
-        rc = ckpt__err_os(errno, "%s: fcntl", what);
+    else if (ckpt__os_set_nonblock(fd, false) != 0) rc = ckpt__err_os(errno, "%s: fcntl", what);
     if (rc < 0) {
         ckpt__os_close(fd);
         return rc;

@@ -162,8 +162,7 @@ int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
         ostream_release(s);
         return rc;
     }
-    if (!rc && ckpt__os_fsync(s->fd) < 0)
-        rc = ckpt__err_os(errno, "%s: fsync", s->path);
+    if (!rc && ckpt__os_fsync(s->fd) < 0) rc = ckpt__err_os(errno, "%s: fsync", s->path);
     if (s->fd >= 0) {
         /* A failing close can report a delayed write error (NFS): count it. */
         if (ckpt__os_close(s->fd) < 0 && !rc) rc = ckpt__err_os(errno, "%s: close", s->path);

@@ -55,7 +55,8 @@ static int cmp_i64(const void *a, const void *b) {
  * memory is short. */
 static bool is_dir_at(DIR *d, const char *name) {
     struct stat st;
-    return ckpt__os_fstatat(ckpt__os_dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+    return ckpt__os_fstatat(ckpt__os_dirfd(d), name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+           S_ISDIR(st.st_mode);
 }
 
 int ckpt__list_numbers(const char *dir, int64_t **nums, int64_t *count) {
@@ -597,8 +598,8 @@ int ckpt_checkpoint_shared_bytes(const char *dir, const char *other, uint64_t *b
         char *b = ckpt__path_join(other, m.files[i].name);
         struct stat sa, sb;
         if (!a || !b) rc = ckpt__err_nomem("checkpoint path");
-        else if (ckpt__os_lstat(a, &sa) == 0 && ckpt__os_lstat(b, &sb) == 0 && S_ISREG(sa.st_mode) &&
-                 sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino)
+        else if (ckpt__os_lstat(a, &sa) == 0 && ckpt__os_lstat(b, &sb) == 0 &&
+                 S_ISREG(sa.st_mode) && sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino)
             *bytes += m.files[i].size;
         free(a);
         free(b);
@@ -710,7 +711,8 @@ int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_inf
     if (!project_dir || !out || !count)
         return ckpt__err(CKPT_EINVAL, "checkpoint_list: NULL argument");
     struct stat st;
-    if (ckpt__os_stat(project_dir, &st) != 0) return ckpt__err_os(errno, "project folder %s", project_dir);
+    if (ckpt__os_stat(project_dir, &st) != 0)
+        return ckpt__err_os(errno, "project folder %s", project_dir);
     if (!S_ISDIR(st.st_mode))
         return ckpt__err(CKPT_EINVAL, "project folder %s is not a folder", project_dir);
     char *dir = ckpt__checkpoints_dir(project_dir);
@@ -751,7 +753,8 @@ static int project_checkpoints(const char *what, const char *project_dir, char *
     *dir = NULL;
     if (!project_dir) return ckpt__err(CKPT_EINVAL, "%s: project_dir is NULL", what);
     struct stat st;
-    if (ckpt__os_stat(project_dir, &st) != 0) return ckpt__err_os(errno, "project folder %s", project_dir);
+    if (ckpt__os_stat(project_dir, &st) != 0)
+        return ckpt__err_os(errno, "project folder %s", project_dir);
     if (!S_ISDIR(st.st_mode))
         return ckpt__err(CKPT_EINVAL, "project folder %s is not a folder", project_dir);
     char *d = ckpt__checkpoints_dir(project_dir);

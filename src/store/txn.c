@@ -148,7 +148,8 @@ int ckpt__txn_check_replaceable(const ckpt_txn *t) {
 static void undo_publish(ckpt_txn *t, const ckpt_logger *lg, const struct stat *ours, bool existed,
                          int code) {
     struct stat st;
-    if (ckpt__os_lstat(t->target, &st) != 0 || st.st_dev != ours->st_dev || st.st_ino != ours->st_ino)
+    if (ckpt__os_lstat(t->target, &st) != 0 || st.st_dev != ours->st_dev ||
+        st.st_ino != ours->st_ino)
         return;
     char saved[2048];
     snprintf(saved, sizeof saved, "%s", ckpt_errmsg());
@@ -191,7 +192,8 @@ void ckpt__txn_end(ckpt_txn *t, const ckpt_logger *lg) {
         ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s after a failed %s: %s", t->tmp,
                   t->what ? t->what : "write", ckpt_errmsg());
     t->made = false;
-    if (t->locked) ckpt__os_close(t->lock_fd); /* after the removal: nobody takes it for dead before */
+    if (t->locked)
+        ckpt__os_close(t->lock_fd); /* after the removal: nobody takes it for dead before */
     t->locked = false;
     t->lock_fd = -1;
     free(t->target);

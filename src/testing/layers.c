@@ -194,9 +194,7 @@ void ckpt__io_set_recorder(ckpt_io_record_fn fn, void *user) {
 void ckpt__io_set_unsafe(unsigned mask) { io_unsafe = mask; }
 unsigned ckpt__io_unsafe(void) { return io_unsafe; }
 
-static bool recording(void) {
-    return atomic_load_explicit(&rec_fn, memory_order_relaxed) != NULL;
-}
+static bool recording(void) { return atomic_load_explicit(&rec_fn, memory_order_relaxed) != NULL; }
 
 static void record(ckpt_io_op op, int fd, int flags, const char *path, const char *path2,
                    uint64_t offset, const void *data, size_t len) {
@@ -259,8 +257,7 @@ static ssize_t l_pread(int fd, void *p, size_t n, off_t off) {
 
 static ssize_t l_pwrite(int fd, const void *p, size_t n, off_t off) {
     ssize_t w = next->pwrite(fd, p, n, off);
-    if (w > 0 && recording())
-        record(CKPT_IO_WRITE, fd, 0, NULL, NULL, (uint64_t)off, p, (size_t)w);
+    if (w > 0 && recording()) record(CKPT_IO_WRITE, fd, 0, NULL, NULL, (uint64_t)off, p, (size_t)w);
     return w;
 }
 
@@ -337,12 +334,8 @@ static int l_link(const char *from, const char *to) {
 
 static void l_note(ckpt_fs_note what, long value) {
     switch (what) {
-    case CKPT_FS_NOTE_RANK:
-        fault_note_rank(value);
-        break;
-    case CKPT_FS_NOTE_EXEMPT_BEGIN:
-        exempt_depth++;
-        break;
+    case CKPT_FS_NOTE_RANK: fault_note_rank(value); break;
+    case CKPT_FS_NOTE_EXEMPT_BEGIN: exempt_depth++; break;
     case CKPT_FS_NOTE_EXEMPT_END:
         if (exempt_depth > 0) exempt_depth--;
         break;
