@@ -36,7 +36,7 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
         CKPT_TRY(ckpt__comm_check(cfg->comm, "accelerator_new"));
         np = cfg->comm->size;
         pi = cfg->comm->rank;
-        ckpt__fault_env_rank(pi);
+        ckpt__fs_note_rank(pi);
     } else if (pi < 0 || pi >= np) {
         return ckpt__err(CKPT_EINVAL, "accelerator_new: process_index %d outside [0, %d)", pi, np);
     }

@@ -261,7 +261,7 @@ static void warn_skipped(ckpt_accelerator *acc, const char *dir, const char *msg
 static int choose_folder(load_op *op, const char *input_dir) {
     if (!input_dir[0]) return ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
     struct stat st;
-    if (lstat(input_dir, &st) != 0 && errno == ENOENT)
+    if (ckpt__os_lstat(input_dir, &st) != 0 && errno == ENOENT)
         return ckpt__err(CKPT_ENOENT, "load_state: %s: no such checkpoint folder", input_dir);
     if (!(op->dir = ckpt__strdup(input_dir))) return ckpt__err_nomem("load path");
     int rc = open_checkpoint(op, op->dir);

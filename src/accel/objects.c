@@ -34,7 +34,8 @@ int ckpt__acc_own_project(ckpt_accelerator *acc, bool create, const char *what) 
     struct stat st;
     if (!lp) rc = ckpt__err_nomem("lock path");
     else if (create) rc = ckpt__mkdirs(dir);
-    else if (stat(dir, &st) != 0) goto out; /* nothing to own yet; a load creates nothing */
+    else if (ckpt__os_stat(dir, &st) != 0)
+        goto out; /* nothing to own yet; a load creates nothing */
     if (rc == 0) rc = ckpt__lock_acquire(&acc->project_lock, lp, !create);
     if (rc == 0 && acc->project_lock.skipped)
         ckpt__log(&acc->log, CKPT_LOG_WARNING,
@@ -50,8 +51,9 @@ out:
 
 bool ckpt__acc_holds_lock_file(const ckpt_accelerator *acc, const char *lock_path) {
     struct stat a, b;
-    return acc->project_lock.fd >= 0 && lstat(lock_path, &a) == 0 &&
-           fstat(acc->project_lock.fd, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+    return acc->project_lock.fd >= 0 && ckpt__os_lstat(lock_path, &a) == 0 &&
+           ckpt__os_fstat(acc->project_lock.fd, &b) == 0 && a.st_dev == b.st_dev &&
+           a.st_ino == b.st_ino;
 }
 
 

@@ -788,17 +788,17 @@ static bool writes_name(const save_op *op, const char *name) {
  * to write (the write would fail on "File exists", a less useful message).
  * Only this rank's own names: other ranks may already have written theirs. */
 static int check_hook_names(save_op *op) {
-    DIR *d = opendir(op->tmp);
+    DIR *d = ckpt__os_opendir(op->tmp);
     if (!d) return ckpt__err_os(errno, "save_state: %s", op->tmp);
     int rc = 0;
     struct dirent *e;
-    while (rc == 0 && (e = readdir(d)) != NULL)
+    while (rc == 0 && (e = ckpt__os_readdir(d)) != NULL)
         if (writes_name(op, e->d_name))
             rc = ckpt__err(CKPT_EINVAL,
                            "save_state: %s: a save pre-hook wrote '%s', which is the name of one "
                            "of the checkpoint's state files",
                            op->target, e->d_name);
-    closedir(d);
+    ckpt__os_closedir(d);
     return rc;
 }
 
@@ -812,7 +812,7 @@ static int add_extra(save_op *op, const char *name) {
     int fd = ckpt__open_read(path, path, true, NULL);
     if (fd < 0) rc = ckpt__err_prefix(fd, "save_state: a save pre-hook's file");
     else if (ckpt__os_fsync(fd) != 0) rc = ckpt__err_os(errno, "save_state: %s: fsync", path);
-    if (fd >= 0) close(fd);
+    if (fd >= 0) ckpt__os_close(fd);
     ckpt_mapped mp;
     memset(&mp, 0, sizeof mp);
     if (rc == 0) rc = ckpt__map_file(path, &mp);
@@ -838,17 +838,17 @@ static int cmp_name(const void *a, const void *b) {
  * fails the save, naming it: dropping a file the user meant to keep, or
  * following a link out of the folder, would be worse. */
 static int add_extras(save_op *op) {
-    DIR *d = opendir(op->tmp);
+    DIR *d = ckpt__os_opendir(op->tmp);
     if (!d) return ckpt__err_os(errno, "save_state: %s", op->tmp);
     char **names = NULL;
     int n = 0, cap = 0, rc = 0;
     struct dirent *e;
-    while (rc == 0 && (e = readdir(d)) != NULL) {
+    while (rc == 0 && (e = ckpt__os_readdir(d)) != NULL) {
         const char *nm = e->d_name;
         if (strcmp(nm, ".") == 0 || strcmp(nm, "..") == 0 || ckpt__manifest_find(&op->all, nm))
             continue;
         struct stat st;
-        if (fstatat(dirfd(d), nm, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+        if (ckpt__os_fstatat(ckpt__os_dirfd(d), nm, &st, AT_SYMLINK_NOFOLLOW) != 0) {
             rc = ckpt__err_os(errno, "save_state: %s/%s", op->tmp, nm);
             break;
         }
@@ -881,7 +881,7 @@ static int add_extras(save_op *op) {
         }
         n++;
     }
-    closedir(d);
+    ckpt__os_closedir(d);
     if (rc == 0 && n > 1) qsort(names, (size_t)n, sizeof *names, cmp_name);
     for (int i = 0; rc == 0 && i < n; i++) rc = add_extra(op, names[i]);
     for (int i = 0; i < n; i++) free(names[i]);

@@ -1,8 +1,8 @@
 /* io.h — the one write stream, crash-safe publication, hostile-safe reads,
- * and the fault-injection hook through which tests make OS calls fail.
+ * and the ckpt__os_* helpers over the file-system table (fs.h).
  *
- * Every OS call that changes the disk goes through the ckpt__os_* wrappers
- * below, so a test can make the N-th one fail with a chosen errno. */
+ * Every OS call on a file goes through the table; a test build wraps it to
+ * make the N-th call fail or to record what reached the disk (src/testing). */
 #ifndef CKPT_IO_H
 #define CKPT_IO_H
 
@@ -12,43 +12,13 @@
 #include <sys/stat.h>
 #include <sys/types.h>
 
+#include "base/fs.h"
 #include "ckpt.h"
 
-/* ---- fault injection ---------------------------------------------------- */
-enum {
-    CKPT_FAULT_OPEN = 1 << 0,
-    CKPT_FAULT_WRITE = 1 << 1,
-    CKPT_FAULT_FSYNC = 1 << 2,
-    CKPT_FAULT_RENAME = 1 << 3,
-    CKPT_FAULT_MKDIR = 1 << 4,
-    CKPT_FAULT_READ = 1 << 5,
-    CKPT_FAULT_ANY = 0x3f
-};
-/* From now on, count calls of the kinds in mask; the n-th (1-based) fails
- * with errnum (and, if persist, every later one too). n = 0 disarms. The
- * environment variable CKPT_FAULT="<kinds>:<n>:<errno name>[:persist]"
- * (kinds: open,write,fsync,rename,mkdir,read,any joined by '+'; e.g.
- * "write:3:ENOSPC") arms it at the first I/O call of a process, so tools and
- * end-to-end tests can inject faults through the public API. The variables
- * are read only by a library built with CKPT_FAULT_ENV (CMake option, on
- * when the tests are built); the release build ignores them. */
-void ckpt__fault_arm(unsigned mask, uint64_t n, int errnum, bool persist);
-/* Many processes: with CKPT_FAULT_RANK=<r> in the environment as well,
- * CKPT_FAULT is not armed at the first I/O call but here, and only in the
- * process whose rank is r (the accelerator calls this with its
- * communicator's rank), so a test can fail one rank of a job. */
-void ckpt__fault_env_rank(int rank);
-void ckpt__fault_disarm(void);
-/* Calls of the armed kinds made since arming (to find the range of N). */
-uint64_t ckpt__fault_count(void);
-/* Whether an injected fault has fired since arming. */
-bool ckpt__fault_fired(void);
-/* Testing: caps every write call at max bytes (0 = no cap), so the
- * short-write paths run. */
-void ckpt__fault_set_max_write(size_t max);
-
-/* OS wrappers (same contract as the syscalls: -1 and errno on failure). Each
- * retries EINTR where the syscall can be restarted. */
+/* Helpers over the table (same contract as the syscalls: -1 and errno on
+ * failure). Each retries EINTR where the syscall can be restarted. A test
+ * layer may fail the open, write, pread, fsync, rename, exchange and mkdir
+ * calls (src/testing). */
 int ckpt__os_open(const char *path, int flags, mode_t mode);
 int ckpt__os_openat(int dirfd, const char *path, int flags, mode_t mode);
 ssize_t ckpt__os_write(int fd, const void *p, size_t n);
@@ -58,7 +28,7 @@ int ckpt__os_rename(const char *from, const char *to);
 /* renameat2(RENAME_EXCHANGE): swaps two existing paths atomically. */
 int ckpt__os_exchange(const char *a, const char *b);
 int ckpt__os_mkdir(const char *path, mode_t mode);
-/* Not fault-injected (they run on cleanup paths too), but recorded. */
+/* Never failed by a test layer (they run on cleanup paths too). */
 ssize_t ckpt__os_pwrite(int fd, const void *p, size_t n, uint64_t off);
 int ckpt__os_ftruncate(int fd, uint64_t len);
 int ckpt__os_unlink(const char *path);
@@ -79,50 +49,6 @@ typedef struct ckpt_io_bytes {
     uint64_t written;
 } ckpt_io_bytes;
 void ckpt__io_bytes(ckpt_io_bytes *out);
-
-/* ---- crash recording (tests only) --------------------------------------- */
-/* Every successful mutating call above (and every open, so a recorder can
- * map descriptors to files) is reported to the recorder, if one is set,
- * after it returned. The power-loss simulator (tests/crashsim) rebuilds from
- * this record every state a power cut could leave. With no recorder set the
- * cost is one predictable branch per call. */
-typedef enum ckpt_io_op {
-    CKPT_IO_OPEN,     /* path, flags, fd (the result) */
-    CKPT_IO_WRITE,    /* fd, offset, data, len */
-    CKPT_IO_TRUNCATE, /* fd, offset (the new length) */
-    CKPT_IO_FSYNC,    /* fd (a file or a folder) */
-    CKPT_IO_MKDIR,    /* path */
-    CKPT_IO_RENAME,   /* path -> path2 (replacing path2 if it exists) */
-    CKPT_IO_EXCHANGE, /* path <-> path2 */
-    CKPT_IO_LINK,     /* path2 becomes a new name of path */
-    CKPT_IO_UNLINK,   /* path */
-    CKPT_IO_RMDIR     /* path */
-} ckpt_io_op;
-typedef struct ckpt_io_event {
-    ckpt_io_op op;
-    int fd;
-    int flags;
-    const char *path;
-    const char *path2;
-    uint64_t offset;
-    const void *data; /* valid only during the call */
-    size_t len;
-} ckpt_io_event;
-typedef void (*ckpt_io_record_fn)(void *user, const ckpt_io_event *ev);
-/* Sets (fn non-NULL) or clears the recorder. Calls from any thread are
- * reported; the recorder serialises them itself. */
-void ckpt__io_set_recorder(ckpt_io_record_fn fn, void *user);
-
-/* Test-only switches that deliberately break durability, so a test can show
- * that the power-loss simulator catches a missing fsync. Never set outside
- * tests. */
-enum {
-    CKPT_IO_SKIP_FILE_FSYNC = 1 << 0,    /* ckpt__ostream_finish does not fsync */
-    CKPT_IO_SKIP_PUBLISH_FSYNC = 1 << 1, /* ckpt__publish_dir does not fsync the parent */
-    CKPT_IO_SKIP_EVERY_FSYNC = 1 << 2    /* no fsync at all (scratch files in tests) */
-};
-void ckpt__io_set_unsafe(unsigned mask);
-unsigned ckpt__io_unsafe(void);
 
 /* ---- the write stream --------------------------------------------------- */
 /* An XXH3-128 digest: what decides that a file about to be written has

@@ -6,12 +6,13 @@
 
 #include <stdint.h>
 
-/* rename without fault injection: the undo steps of error paths. */
+/* rename that a test layer does not fail: the undo steps of error paths. */
 int ckpt__os_rename_raw(const char *from, const char *to);
 /* rename that refuses to replace an existing target (RENAME_NOREPLACE, or a
  * check plus rename where the file system lacks it). */
 int ckpt__os_rename_noreplace(const char *from, const char *to);
-/* Counts n bytes read into the totals of ckpt__io_bytes. */
-void ckpt__io_count_read(uint64_t n);
+/* Starts writing back [off, off+len) of fd (sync_file_range): a hint, 0 or
+ * an errno value. */
+int ckpt__os_writeback(int fd, uint64_t off, uint64_t len);
 
 #endif

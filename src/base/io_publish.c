@@ -3,7 +3,6 @@
  * place, and the parent folder fsynced. */
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -66,7 +65,7 @@ int ckpt__fsync_dir(const char *path) {
     /* Some file systems cannot fsync a folder (EINVAL): nothing to make durable. */
     if (ckpt__os_fsync(fd) < 0 && errno != EINVAL)
         rc = ckpt__err_os(errno, "%s: fsync folder", path);
-    close(fd);
+    ckpt__os_close(fd);
     return rc;
 }
 
@@ -134,7 +133,7 @@ out:
 
 static int dir_exists(const char *path, bool *exists) {
     struct stat st;
-    if (lstat(path, &st) == 0) {
+    if (ckpt__os_lstat(path, &st) == 0) {
         if (!S_ISDIR(st.st_mode))
             return ckpt__err(CKPT_EINVAL, "%s: exists and is not a folder", path);
         *exists = true;
@@ -171,7 +170,7 @@ int ckpt__publish_dir(const char *tmp_dir, const char *final, bool replace) {
     }
     if (ckpt__os_exchange(tmp_dir, final) == 0) {
         /* tmp_dir now holds the old checkpoint: make the swap durable first. */
-        rc = (ckpt__io_unsafe() & CKPT_IO_SKIP_PUBLISH_FSYNC) ? CKPT_OK : ckpt__fsync_dir(parent);
+        rc = ckpt__fsync_dir(parent);
         if (rc) goto out;
         if (ckpt__remove_tree(tmp_dir) != CKPT_OK) ckpt_clear_error(); /* a hidden leftover */
         goto out;
@@ -206,7 +205,7 @@ int ckpt__publish_dir(const char *tmp_dir, const char *final, bool replace) {
         goto out;
     }
 synced:
-    rc = (ckpt__io_unsafe() & CKPT_IO_SKIP_PUBLISH_FSYNC) ? CKPT_OK : ckpt__fsync_dir(parent);
+    rc = ckpt__fsync_dir(parent);
 out:
     free(parent);
     return rc;
@@ -227,7 +226,7 @@ int ckpt__mkdirs(const char *path) {
             int e = errno;
             struct stat st;
             /* EEXIST, or EACCES on a parent we may not write but that exists. */
-            if (stat(p, &st) == 0) {
+            if (ckpt__os_stat(p, &st) == 0) {
                 if (!S_ISDIR(st.st_mode)) {
                     rc = ckpt__err(CKPT_EINVAL, "%s: exists and is not a folder", p);
                     break;
@@ -243,20 +242,44 @@ int ckpt__mkdirs(const char *path) {
     return rc;
 }
 
-static int remove_one(const char *path, const struct stat *st, int type, struct FTW *ftw) {
-    (void)st;
-    (void)ftw;
-    int r = (type == FTW_DP) ? ckpt__os_rmdir(path) : ckpt__os_unlink(path);
-    if (r < 0 && errno != ENOENT) {
-        ckpt__err_os(errno, "%s: remove", path);
-        return 1;
+/* Removes what is inside the folder at path (st: its lstat), depth first,
+ * through the table: never following a symlink (a link is removed, not its
+ * target) nor entering another file system (a mount point inside is left,
+ * and its removal fails). */
+static int remove_children(const char *path, const struct stat *st, int depth) {
+    if (depth > 64) return ckpt__err(CKPT_EINVAL, "%s: remove: folders nested too deep", path);
+    DIR *d = ckpt__os_opendir(path);
+    if (!d) return errno == ENOENT ? CKPT_OK : ckpt__err_os(errno, "%s: remove folder", path);
+    int rc = CKPT_OK;
+    struct dirent *e;
+    while (rc == 0 && (e = ckpt__os_readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        size_t n = strlen(path) + strlen(e->d_name) + 2;
+        char *p = ckpt__malloc(n);
+        if (p) snprintf(p, n, "%s/%s", path, e->d_name);
+        if (!p) {
+            rc = ckpt__err_nomem("remove folder");
+            break;
+        }
+        struct stat cst;
+        if (ckpt__os_lstat(p, &cst) != 0) {
+            if (errno != ENOENT) rc = ckpt__err_os(errno, "%s: remove", p);
+        } else if (S_ISDIR(cst.st_mode)) {
+            if (cst.st_dev == st->st_dev) rc = remove_children(p, &cst, depth + 1);
+            if (rc == 0 && ckpt__os_rmdir(p) < 0 && errno != ENOENT)
+                rc = ckpt__err_os(errno, "%s: remove", p);
+        } else if (ckpt__os_unlink(p) < 0 && errno != ENOENT) {
+            rc = ckpt__err_os(errno, "%s: remove", p);
+        }
+        free(p);
     }
-    return 0;
+    ckpt__os_closedir(d);
+    return rc;
 }
 
 int ckpt__remove_tree(const char *path) {
     struct stat st;
-    if (lstat(path, &st) < 0) {
+    if (ckpt__os_lstat(path, &st) < 0) {
         if (errno == ENOENT) return CKPT_OK;
         return ckpt__err_os(errno, "%s: stat", path);
     }
@@ -264,9 +287,7 @@ int ckpt__remove_tree(const char *path) {
         if (ckpt__os_unlink(path) < 0) return ckpt__err_os(errno, "%s: remove", path);
         return CKPT_OK;
     }
-    /* FTW_PHYS: never follow a symlink out of the tree we own. */
-    int r = nftw(path, remove_one, 16, FTW_DEPTH | FTW_PHYS | FTW_MOUNT);
-    if (r == 1) return CKPT_EIO;
-    if (r < 0) return ckpt__err_os(errno, "%s: remove folder", path);
+    CKPT_TRY(remove_children(path, &st, 0));
+    if (ckpt__os_rmdir(path) < 0 && errno != ENOENT) return ckpt__err_os(errno, "%s: remove", path);
     return CKPT_OK;
 }

@@ -49,7 +49,8 @@ int ckpt__open_read(const char *path, const char *what, bool own, struct stat *s
     int bad = own ? CKPT_ECORRUPT : CKPT_EINVAL;
     /* Look before opening: a device is not opened at all. A checkpoint's own
      * file is never a symlink: ckpt writes none. */
-    if ((own ? lstat(path, st) : stat(path, st)) != 0) return ckpt__err_os(errno, "%s: open", what);
+    if ((own ? ckpt__os_lstat(path, st) : ckpt__os_stat(path, st)) != 0)
+        return ckpt__err_os(errno, "%s: open", what);
     if (!S_ISREG(st->st_mode))
         return ckpt__err(bad, "%s: %s, expected a regular file", what,
                          ckpt__file_type_name(st->st_mode));
@@ -64,14 +65,13 @@ int ckpt__open_read(const char *path, const char *what, bool own, struct stat *s
         return ckpt__err_os(e, "%s: open", what);
     }
     int rc = CKPT_OK;
-    if (fstat(fd, st) != 0) rc = ckpt__err_os(errno, "%s: stat", what);
+    if (ckpt__os_fstat(fd, st) != 0) rc = ckpt__err_os(errno, "%s: stat", what);
     else if (!S_ISREG(st->st_mode))
         rc = ckpt__err(bad, "%s: %s, expected a regular file", what,
                        ckpt__file_type_name(st->st_mode));
-    else if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0)
-        rc = ckpt__err_os(errno, "%s: fcntl", what);
+    else if (ckpt__os_set_nonblock(fd, false) != 0) rc = ckpt__err_os(errno, "%s: fcntl", what);
     if (rc < 0) {
-        close(fd);
+        ckpt__os_close(fd);
         return rc;
     }
     return fd;
@@ -93,24 +93,23 @@ int ckpt__map_file(const char *path, ckpt_mapped *m) {
         rc = ckpt__err(CKPT_EINVAL, "%s: too large to map", path);
         goto out;
     }
-    void *p = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    void *p = ckpt__os_map_read(fd, (size_t)st.st_size);
     if (p == MAP_FAILED) {
         rc = ckpt__err_os(errno, "%s: mmap", path);
         goto out;
     }
-    ckpt__io_count_read((uint64_t)st.st_size);
     m->data = p;
     m->size = (uint64_t)st.st_size;
     m->map_base = p;
     m->map_len = (size_t)st.st_size;
 out:
-    close(fd);
+    ckpt__os_close(fd);
     return rc;
 }
 
 void ckpt__unmap(ckpt_mapped *m) {
     if (!m) return;
-    if (m->map_base) munmap(m->map_base, m->map_len);
+    if (m->map_base) ckpt__os_munmap(m->map_base, m->map_len);
     free(m->heap);
     memset(m, 0, sizeof *m);
 }
@@ -150,7 +149,7 @@ int ckpt__read_small_file(const char *path, bool own, uint64_t max, char **out, 
     if (len) *len = got;
 out:
     free(buf);
-    close(fd);
+    ckpt__os_close(fd);
     return rc;
 }
 
@@ -194,7 +193,7 @@ static int read_hashed(const char *path, const char *what, uint64_t size, uint8_
                        (long long)st.st_size, (unsigned long long)size);
     } else {
         /* The kernel reads ahead further for a file read from start to end. */
-        (void)posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+        (void)ckpt__os_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
         uint64_t off = 0;
         while (off < size) {
             size_t want = size - off < HASH_PIECE ? (size_t)(size - off) : HASH_PIECE;
@@ -216,14 +215,13 @@ static int read_hashed(const char *path, const char *what, uint64_t size, uint8_
             if (rc < 0) break;
             /* From disk: the next piece is on its way while this one is hashed. */
             if (off + want < size)
-                (void)posix_fadvise(fd, (off_t)(off + want), (off_t)HASH_PIECE,
-                                    POSIX_FADV_WILLNEED);
+                (void)ckpt__os_fadvise(fd, off + want, HASH_PIECE, POSIX_FADV_WILLNEED);
             XXH3_64bits_update(h, p, want);
             if (wide) XXH3_128bits_update(h2, p, want);
             off += want;
         }
     }
-    close(fd);
+    ckpt__os_close(fd);
     if (rc == 0 && digest) *digest = XXH3_64bits_digest(h);
     if (rc == 0 && wide) {
         XXH128_hash_t v = XXH3_128bits_digest(h2);
@@ -266,9 +264,9 @@ bool ckpt__addressable(uint64_t n) {
     if (n > (uint64_t)SIZE_MAX / 2) return false;
     if (n == 0) return true;
     /* Address space only: nothing is committed or touched. */
-    void *p = mmap(NULL, (size_t)n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void *p = ckpt__os_map_anon((size_t)n, PROT_NONE, MAP_NORESERVE);
     if (p == MAP_FAILED) return false;
-    munmap(p, (size_t)n);
+    ckpt__os_munmap(p, (size_t)n);
     return true;
 }
 
@@ -285,7 +283,7 @@ int ckpt__arena_reserve(ckpt_arena *a, uint64_t n) {
     void *probe = ckpt__malloc(1); /* the allocation-failure sweep counts this area too */
     if (!probe) return ckpt__err_nomem("buffer area");
     free(probe);
-    void *p = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void *p = ckpt__os_map_anon((size_t)len, PROT_READ | PROT_WRITE, 0);
     if (p == MAP_FAILED) return ckpt__err_nomem("buffer area");
     a->p = p;
     a->cap = len;
@@ -293,7 +291,7 @@ int ckpt__arena_reserve(ckpt_arena *a, uint64_t n) {
 }
 
 void ckpt__arena_free(ckpt_arena *a) {
-    if (a->p) munmap(a->p, (size_t)a->cap);
+    if (a->p) ckpt__os_munmap(a->p, (size_t)a->cap);
     a->p = NULL;
     a->cap = 0;
 }

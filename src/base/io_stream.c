@@ -102,9 +102,7 @@ int ckpt__ostream_open(ckpt_ostream *s, const char *path) {
 static void ostream_kick_writeback(ckpt_ostream *s) {
     uint64_t pending = s->bytes - s->kicked;
     if (pending < OSTREAM_WRITEBACK_WINDOW) return;
-    if (!(ckpt__io_unsafe() & CKPT_IO_SKIP_FILE_FSYNC) &&
-        !(ckpt__io_unsafe() & CKPT_IO_SKIP_EVERY_FSYNC))
-        (void)sync_file_range(s->fd, (off_t)s->kicked, (off_t)pending, SYNC_FILE_RANGE_WRITE);
+    (void)ckpt__os_writeback(s->fd, s->kicked, pending);
     s->kicked = s->bytes;
 }
 
@@ -164,11 +162,10 @@ int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
         ostream_release(s);
         return rc;
     }
-    if (!rc && !(ckpt__io_unsafe() & CKPT_IO_SKIP_FILE_FSYNC) && ckpt__os_fsync(s->fd) < 0)
-        rc = ckpt__err_os(errno, "%s: fsync", s->path);
+    if (!rc && ckpt__os_fsync(s->fd) < 0) rc = ckpt__err_os(errno, "%s: fsync", s->path);
     if (s->fd >= 0) {
         /* A failing close can report a delayed write error (NFS): count it. */
-        if (close(s->fd) < 0 && !rc) rc = ckpt__err_os(errno, "%s: close", s->path);
+        if (ckpt__os_close(s->fd) < 0 && !rc) rc = ckpt__err_os(errno, "%s: close", s->path);
         s->fd = -1;
     }
     if (rc) {
@@ -185,7 +182,7 @@ int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
 
 void ckpt__ostream_abort(ckpt_ostream *s) {
     if (!s) return;
-    if (s->fd >= 0) close(s->fd);
+    if (s->fd >= 0) ckpt__os_close(s->fd);
     if (s->path && !s->dry) ckpt__os_unlink(s->path);
     ostream_release(s);
 }

@@ -472,11 +472,11 @@ int ckpt__manifest_files_from_json(ckpt_manifest *m, const char *text, size_t le
 int ckpt__manifest_read(const char *dir, ckpt_manifest *m) {
     ckpt__manifest_init(m);
     struct stat st;
-    if (stat(dir, &st) != 0) return ckpt__err_os(errno, "%s", dir);
+    if (ckpt__os_stat(dir, &st) != 0) return ckpt__err_os(errno, "%s", dir);
     if (!S_ISDIR(st.st_mode)) return ckpt__err(CKPT_EINVAL, "%s: not a folder", dir);
     char *path = join(dir, CKPT_MANIFEST_NAME);
     if (!path) return ckpt__err_nomem("manifest path");
-    if (lstat(path, &st) != 0 && errno == ENOENT) {
+    if (ckpt__os_lstat(path, &st) != 0 && errno == ENOENT) {
         free(path);
         return ckpt__err(CKPT_ENOENT, "%s: not a checkpoint (no " CKPT_MANIFEST_NAME ")", dir);
     }

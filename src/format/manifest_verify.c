@@ -56,18 +56,18 @@ static bool ends_with(const char *s, const char *suffix) {
 }
 
 static int check_unlisted(const char *dir, const ckpt_manifest *m) {
-    DIR *d = opendir(dir);
+    DIR *d = ckpt__os_opendir(dir);
     if (!d) return ckpt__err_os(errno, "%s", dir);
     struct dirent *e;
     int rc = 0;
-    while ((e = readdir(d)) != NULL) {
+    while ((e = ckpt__os_readdir(d)) != NULL) {
         if (!ends_with(e->d_name, ".safetensors") || e->d_name[0] == '.') continue;
         if (!ckpt__manifest_find(m, e->d_name)) {
             rc = ckpt__err(CKPT_ECORRUPT, "%s: %s is not listed in the manifest", dir, e->d_name);
             break;
         }
     }
-    closedir(d);
+    ckpt__os_closedir(d);
     return rc;
 }
 
@@ -100,7 +100,7 @@ static int check_size(const char *dir, const ckpt_manifest_file *f) {
     if (!path) return ckpt__err_nomem("checkpoint path");
     struct stat st;
     int rc = 0;
-    if (lstat(path, &st) != 0) {
+    if (ckpt__os_lstat(path, &st) != 0) {
         rc = errno == ENOENT
                  ? ckpt__err(CKPT_ECORRUPT, "%s: %s is listed in the manifest but missing", dir,
                              f->name)
@@ -340,8 +340,8 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
     if (rc < 0) {
         char *path = join(dir, CKPT_MANIFEST_NAME);
         struct stat st;
-        c->no_manifest = path && stat(dir, &st) == 0 && S_ISDIR(st.st_mode) &&
-                         stat(path, &st) != 0 && errno == ENOENT;
+        c->no_manifest = path && ckpt__os_stat(dir, &st) == 0 && S_ISDIR(st.st_mode) &&
+                         ckpt__os_stat(path, &st) != 0 && errno == ENOENT;
         free(path);
         return rc;
     }
@@ -424,7 +424,7 @@ int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *
         v[i].xxh3 = m.files[i].xxh3;
         char *p = join(dir, m.files[i].name);
         struct stat st;
-        if (p && lstat(p, &st) == 0 && S_ISREG(st.st_mode)) {
+        if (p && ckpt__os_lstat(p, &st) == 0 && S_ISREG(st.st_mode)) {
             v[i].device = (uint64_t)st.st_dev;
             v[i].inode = (uint64_t)st.st_ino;
             v[i].links = (uint64_t)st.st_nlink;

@@ -49,8 +49,8 @@ void ckpt_reader_free(ckpt_reader *r) {
     key_index_free(&r->index);
     json_decref(r->doc);
     ckpt__st_header_free(&r->hdr);
-    if (r->map) munmap(r->map, r->map_len);
-    if (r->fd >= 0) close(r->fd);
+    if (r->map) ckpt__os_munmap(r->map, r->map_len);
+    if (r->fd >= 0) ckpt__os_close(r->fd);
     verify_stream_free(r->vs);
     free(r->name);
     free(r);

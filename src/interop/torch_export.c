@@ -684,7 +684,7 @@ int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir,
     int rc = ckpt_checkpoint_verify(checkpoint_dir, true, &info);
     if (rc < 0) return ckpt__err_prefix(rc, "export");
     struct stat st;
-    if (lstat(out_dir, &st) == 0)
+    if (ckpt__os_lstat(out_dir, &st) == 0)
         return ckpt__err(CKPT_EEXIST, "export: %s already exists", out_dir);
     exp_ctx c = {.src = checkpoint_dir};
     ckpt__manifest_init(&c.m);

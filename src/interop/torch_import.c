@@ -95,7 +95,7 @@ static void *keep(imp *x, void *p) {
 /* Adds a file's size to the bytes read. */
 static void count_input(imp *x, const char *path) {
     struct stat st;
-    if (stat(path, &st) == 0 && st.st_size > 0) x->in_bytes += (uint64_t)st.st_size;
+    if (ckpt__os_stat(path, &st) == 0 && st.st_size > 0) x->in_bytes += (uint64_t)st.st_size;
 }
 
 static uint64_t writer_bytes(const ckpt_writer *w) {
@@ -160,7 +160,7 @@ static int open_st(imp *x, const char *path, ckpt_reader **r) {
  * file (a FIFO or a folder is not silently taken for a missing file). */
 static bool present(const char *path) {
     struct stat st;
-    return stat(path, &st) == 0;
+    return ckpt__os_stat(path, &st) == 0;
 }
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -834,7 +834,7 @@ static int import_param_names(imp *x, const char *src) {
 
 static int import_sources(imp *x, const char *src) {
     struct stat st;
-    if (stat(src, &st) != 0) return ckpt__err_os(errno, "import: %s", src);
+    if (ckpt__os_stat(src, &st) != 0) return ckpt__err_os(errno, "import: %s", src);
     bool dir = S_ISDIR(st.st_mode);
     CKPT_TRY(ckpt_writer_new(&x->model));
     CKPT_TRY(import_model(x, src, dir));
@@ -863,7 +863,7 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
     x.o = opt ? *opt : defaults();
     x.opt_step = -1;
     struct stat st;
-    if (lstat(checkpoint_dir, &st) == 0)
+    if (ckpt__os_lstat(checkpoint_dir, &st) == 0)
         return ckpt__err(CKPT_EEXIST, "import: %s already exists", checkpoint_dir);
     int rc = import_sources(&x, src);
     if (rc == 0) rc = check_output_size(&x, src);
@@ -919,7 +919,7 @@ int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_opti
     memset(&res, 0, sizeof res);
     int64_t step = 0;
     struct stat st;
-    int rc = stat(src, &st) == 0 ? CKPT_OK : ckpt__err_os(errno, "load_weights: %s", src);
+    int rc = ckpt__os_stat(src, &st) == 0 ? CKPT_OK : ckpt__err_os(errno, "load_weights: %s", src);
     char *manifest = rc == 0 ? ckpt__path_join(src, "checkpoint.json") : NULL;
     if (rc == 0 && !manifest) rc = ckpt__err_nomem("load_weights");
     if (rc == 0 && S_ISDIR(st.st_mode) && present(manifest)) {

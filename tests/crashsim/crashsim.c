@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "base/io.h"
+#include "testing/testing.h"
 
 #define SECTOR 512u
 

@@ -1,7 +1,7 @@
 /* crashsim.h — a power-loss simulator for the tests.
  *
  * cs_start() snapshots a folder and records, through the I/O layer's
- * recording hook (src/base/io.h), every mutating call the library makes
+ * recorder (src/testing/testing.h), every mutating call the library makes
  * under it. cs_explore() then takes every prefix of that record (a power cut
  * after the k-th call) and builds the states a file system may legally be
  * in after the cut, materialises each one into a scratch folder and hands it

@@ -5,7 +5,8 @@
 # and no header includes itself through a chain. The same rule is checked on
 # the symbols each object file uses (nm), so a call that runs back up a layer
 # through the public header fails too, and no two files call each other
-# round a cycle.
+# round a cycle. And every file access goes through the one file-system
+# table: only src/base/fs.c's object calls libc's file functions.
 set -euo pipefail
 : "${CKPT_SOURCE_DIR:?}"
 cd "$CKPT_SOURCE_DIR"
@@ -19,6 +20,7 @@ allowed() { # layer -> the layers its files may include
     accel) echo "base format store train accel" ;;
     interop) echo "base format store train accel interop" ;;
     mpi) echo "base accel mpi" ;;
+    testing) echo "base testing" ;;
     *) echo "" ;;
     esac
 }
@@ -96,6 +98,7 @@ ALLOWED = {
     "accel": {"base", "format", "store", "train", "accel"},
     "interop": {"base", "format", "store", "train", "accel", "interop"},
     "mpi": {"base", "accel", "mpi"},
+    "testing": {"base", "testing"},
 }
 
 def objects(root):
@@ -176,6 +179,71 @@ if found:
     sys.exit(1)
 print(f"symbols: {len(objs)} object files, {nedges} file-to-file call edges, "
       "none upward, no cycle")
+PY
+
+# The file-system table: no object of the library but src/base/fs.c's names
+# a libc file, folder or mapping function (nm -u), so every such call goes
+# through the table that the test layers wrap. The check first proves it
+# can fail: a planted object that calls lstat must be caught.
+cat >"$probe/direct.c" <<'C'
+#include <sys/stat.h>
+int ckpt__fs_probe(const char *p);
+int ckpt__fs_probe(const char *p) { struct stat st; return lstat(p, &st); }
+C
+cc -c -o "$probe/direct.c.o" "$probe/direct.c"
+python3 - "$objdir" "$probe/direct.c.o" <<'PY' || bad=1
+import os, re, subprocess, sys
+# The libc calls of fs.h's table, with their large-file, fortified and old
+# glibc spellings.
+NAMES = """open openat creat close read pread write pwrite readv writev lseek fsync
+fdatasync sync_file_range ftruncate truncate fcntl flock posix_fadvise
+fallocate posix_fallocate rename renameat renameat2 mkdir mkdirat rmdir unlink
+unlinkat link linkat symlink symlinkat readlink readlinkat stat lstat fstat
+fstatat statx access faccessat opendir fdopendir readdir closedir dirfd
+scandir nftw ftw mmap munmap mremap msync fopen freopen""".split()
+pat = re.compile(r"^(__)?(%s)(64)?(_2|_chk)?$" % "|".join(NAMES))
+pat_old = re.compile(r"^__(x|fx|lx|fxat)stat(64)?$")
+
+def objects(root):
+    found = {}
+    for d, _, files in os.walk(root):
+        for n in files:
+            p = os.path.join(d, n)
+            rel = "src/" + p.split("/src/", 1)[1][:-2] if "/src/" in p else ""
+            if n.endswith(".c.o") and rel and os.path.exists(rel) and "/ckpt_obj.dir/" in p:
+                found.setdefault(rel, p)
+    return found
+
+def direct(objs):
+    bad = []
+    for rel, p in sorted(objs.items()):
+        if rel == "src/base/fs.c":
+            continue
+        out = subprocess.run(["nm", "-u", "-P", p], capture_output=True, text=True,
+                             check=True).stdout
+        for line in out.splitlines():
+            sym = line.split()[0].split("@")[0]
+            if pat.match(sym) or pat_old.match(sym):
+                bad.append(f"direct file call outside the table: {rel} calls {sym}")
+    return bad
+
+objs = objects(sys.argv[1])
+if "src/base/fs.c" not in objs or len(objs) < 20:
+    print(f"fs check: src/base/fs.c's object not among {len(objs)} under {sys.argv[1]}",
+          file=sys.stderr)
+    sys.exit(1)
+planted = dict(objs)
+planted["src/format/fs_probe.c"] = sys.argv[2]
+if not any("src/format/fs_probe.c calls lstat" in b for b in direct(planted)):
+    print("fs check: a planted direct lstat call was not caught", file=sys.stderr)
+    sys.exit(1)
+found = direct(objs)
+for b in found:
+    print(b, file=sys.stderr)
+if found:
+    sys.exit(1)
+print(f"file-system table: {len(objs) - 1} object files call no libc file function; "
+      "only src/base/fs.c does")
 PY
 
 [ "$bad" -eq 0 ] || exit 1

@@ -22,6 +22,7 @@
 #include "ckpt.h"
 #include "base/error.h"
 #include "base/io.h"
+#include "testing/testing.h"
 #include "format/manifest.h"
 #include "store/store.h"
 #include "helpers/testutil.h"

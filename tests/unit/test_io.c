@@ -19,6 +19,7 @@
 #include "ckpt.h"
 #include "base/error.h"
 #include "base/io.h"
+#include "testing/testing.h"
 #include "helpers/testutil.h"
 
 typedef struct fx {

@@ -25,6 +25,7 @@
 
 #include "ckpt.h"
 #include "base/io.h"
+#include "testing/testing.h"
 #include "helpers/testutil.h"
 
 /* Under AddressSanitizer freed blocks wait in a quarantine (256 MiB by

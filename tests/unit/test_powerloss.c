@@ -37,6 +37,7 @@
 #include "ckpt.h"
 #include "base/error.h"
 #include "base/io.h"
+#include "testing/testing.h"
 #include "crashsim/crashsim.h"
 #include "format/statedict.h"
 #include "helpers/testutil.h"

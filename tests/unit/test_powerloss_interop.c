@@ -31,6 +31,7 @@
 
 #include "ckpt.h"
 #include "base/io.h"
+#include "testing/testing.h"
 #include "crashsim/crashsim.h"
 #include "helpers/testutil.h"
 

@@ -27,6 +27,7 @@
 
 #include "ckpt.h"
 #include "base/io.h"
+#include "testing/testing.h"
 #include "helpers/testutil.h"
 
 #define NPARAM (1 << 20) /* 4 MB of weights, 12 MB with the AdamW moments */

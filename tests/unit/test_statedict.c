@@ -20,6 +20,7 @@
 #include "ckpt.h"
 #include "base/error.h"
 #include "base/io.h"
+#include "testing/testing.h"
 #include "format/statedict.h"
 #include "helpers/testutil.h"
 

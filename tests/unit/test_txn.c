@@ -18,6 +18,7 @@
 
 #include "ckpt.h"
 #include "base/io.h"
+#include "testing/testing.h"
 #include "format/manifest.h"
 #include "store/txn.h"
 #include "helpers/testutil.h"
