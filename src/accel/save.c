@@ -1,19 +1,20 @@
-/* save.c — ckpt_save_state as explicit phases, the same for one process and
- * for many:
+/* save.c — the save's phases (save_op.h), the same for one process and for
+ * many:
  *
  *   plan      rank 0 takes the project lock, picks the number and the
  *             temporary folder, and tells every rank (or why it cannot)
  *   snapshot  every rank runs the pre-hooks (with the temporary folder) and
- *             every object's state_dict
+ *             every object's state_dict, then computes the save plan
  *   write     rank 0 writes the objects' own files, every rank its own
  *             random state and its part by the save plan (its share of the
  *             replicated tensors, its Hugging Face shards, its shard of every
  *             sharded object), each file fsynced, its digest recorded
- *   agree     every rank's status, then its file records, reach rank 0
- *   commit    rank 0 lists the files the pre-hooks left, writes the
- *             manifest last, renames, fsyncs; only if every rank succeeded
- *   rotate    rank 0 applies total_limit, after the commit
- *   post      every rank runs the post-hooks with the final folder
+ *   commit    agree: every rank's status, then its file records and what
+ *             its plan was computed from, reach rank 0; commit: rank 0
+ *             lists the files the pre-hooks left, writes the manifest last,
+ *             renames, fsyncs, only if every rank succeeded with the same
+ *             objects; then applies total_limit
+ *   apply     every rank: the numbering moves on, the post-hooks run
  *
  * and at the end every rank returns the same status and message. With one
  * process the communicator is the one-process one and every collective is
@@ -30,6 +31,7 @@
 
 #include "ckpt.h"
 #include "accel/accel.h"
+#include "accel/save_op.h"
 #include "base/error.h"
 #include "base/io.h"
 #include "format/hfindex.h"
@@ -48,8 +50,13 @@ typedef struct save_slot {
     ckpt_file_digest d;
 } save_slot;
 
+/* The phases in the order they run (save_op.h). */
+enum save_phase { PH_NEW, PH_PLAN, PH_SNAPSHOT, PH_WRITE, PH_COMMIT, PH_APPLY };
+
 struct ckpt_save_op {
     ckpt_accelerator *acc;
+    int phase;        /* the last phase entered (enum save_phase) */
+    char *output_dir; /* the caller's folder; NULL: automatic */
     const ckpt_comm *comm;
     ckpt_logger log;  /* the accelerator's, as at the call */
     int64_t step;     /* the accelerator's step and numbering at the call */
@@ -91,6 +98,10 @@ struct ckpt_save_op {
     bool split;             /* a model's frozen tensors went to a file of their own */
     uint64_t linked_bytes;  /* this rank's files linked, not written */
     uint64_t written_bytes; /* this rank's files written */
+    /* The objects and replicated tensors the spread plan depends on, one
+     * line per object: "<file> <hash> <count>\n" (order_digest). Every
+     * rank must have the same: rank 0 compares at the commit. */
+    char *order;
 };
 typedef struct ckpt_save_op save_op;
 
@@ -891,21 +902,122 @@ static int add_extras(save_op *op) {
 
 /* ---- agree ----------------------------------------------------------------- */
 
-/* Every rank's file records reach rank 0, in rank order, into op->all. */
-static int gather_records(save_op *op, const char *json, size_t len) {
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ULL;
+    return h;
+}
+
+/* After the snapshot: what the spread plan is computed from, per object
+ * (the generators are per process and left out): the names, dtypes,
+ * shapes and frozen flags of its replicated tensors, in state order. Every
+ * rank computes the plan alone, so ranks that differ here would write
+ * parts of different tensors under the same names. */
+static int order_digest(save_op *op) {
+    size_t cap = (size_t)op->nobjs * 160 + 1, len = 0;
+    op->order = ckpt__malloc(cap);
+    if (!op->order) return ckpt__err_nomem("save plan");
+    op->order[0] = '\0';
+    for (int i = 0; i < op->nobjs; i++) {
+        if (op->objs[i].kind == K_RNG) continue;
+        const ckpt_writer *w = op->writers[i];
+        uint64_t h = 0xcbf29ce484222325ULL;
+        int64_t count = 0, rows;
+        uint64_t nb;
+        for (int64_t j = 0; j < ckpt_writer_entry_count(w); j++) {
+            if (!plan_entry(op, i, j, &rows, &nb)) continue;
+            ckpt_entry_info e;
+            if (ckpt_writer_entry(w, j, &e) < 0) continue;
+            int32_t fixed[3] = {(int32_t)e.dtype, (int32_t)e.ndim,
+                                (int32_t)ckpt__writer_entry_frozen(w, j)};
+            h = fnv(h, e.key, strlen(e.key) + 1);
+            h = fnv(h, fixed, sizeof fixed);
+            h = fnv(h, e.shape, (size_t)e.ndim * sizeof *e.shape);
+            count++;
+        }
+        char name[96];
+        ckpt__acc_file_name(op->acc, &op->objs[i], name, sizeof name);
+        int k =
+            snprintf(op->order + len, cap - len, "%s %016" PRIx64 " %" PRId64 "\n", name, h, count);
+        if (k < 0 || (size_t)k >= cap - len) return ckpt__err(CKPT_EINVAL, "save plan: %s", name);
+        len += (size_t)k;
+    }
+    return CKPT_OK;
+}
+
+/* The first line where rank r's order differs from rank 0's (theirs), as a
+ * failure naming the object; 0 if they are the same. */
+static int compare_order(const save_op *op, int r, const char *theirs) {
+    const char *a = op->order, *b = theirs;
+    while (*a || *b) {
+        size_t la = strcspn(a, "\n"), lb = strcspn(b, "\n");
+        if (la != lb || memcmp(a, b, la) != 0) {
+            int na = (int)strcspn(a, " \n"), nb = (int)strcspn(b, " \n");
+            const char *ca = a + strcspn(a, "\n"), *cb = b + strcspn(b, "\n");
+            while (ca > a && ca[-1] != ' ') ca--;
+            while (cb > b && cb[-1] != ' ') cb--;
+            if (na && na == nb && memcmp(a, b, (size_t)na) == 0)
+                return ckpt__err(CKPT_EINVAL,
+                                 "save_state: %s: the ranks save different state: %.*s differs "
+                                 "between rank 0 and rank %d (the names, order, dtypes or shapes "
+                                 "of its replicated tensors: %d on rank 0, %d on rank %d)",
+                                 op->target, na, a, r, atoi(ca), atoi(cb), r);
+            return ckpt__err(CKPT_EINVAL,
+                             "save_state: %s: the ranks save different objects: rank 0 saves "
+                             "%.*s where rank %d saves %.*s",
+                             op->target, na ? na : 7, na ? a : "nothing", r, nb ? nb : 7,
+                             nb ? b : "nothing");
+        }
+        a += la + (a[la] == '\n');
+        b += lb + (b[lb] == '\n');
+    }
+    return CKPT_OK;
+}
+
+/* What a rank sends rank 0 at the agreement: its order (order_digest), a
+ * NUL, then its file records as JSON. */
+static int records_to_wire(save_op *op, char **out, size_t *len) {
+    char *json = NULL;
+    size_t jlen = 0;
+    CKPT_TRY(ckpt__manifest_files_to_json(&op->mine, &json, &jlen));
+    size_t olen = strlen(op->order);
+    char *w = ckpt__malloc(olen + 1 + jlen);
+    if (!w) {
+        free(json);
+        return ckpt__err_nomem("file records");
+    }
+    memcpy(w, op->order, olen + 1);
+    memcpy(w + olen + 1, json, jlen);
+    free(json);
+    *out = w;
+    *len = olen + 1 + jlen;
+    return CKPT_OK;
+}
+
+/* Every rank's order and file records reach rank 0, in rank order: the
+ * orders must all be rank 0's; the records go into op->all. */
+static int gather_records(save_op *op, const char *wire, size_t len) {
     const ckpt_comm *c = op->comm;
     size_t *lens = op->committer ? ckpt__calloc((size_t)c->size, sizeof *lens) : NULL;
     if (op->committer && !lens) return ckpt__err_nomem("file records");
     void *all = NULL;
-    int rc = c->gather(c->ctx, json, len, &all, lens, 0);
+    int rc = c->gather(c->ctx, wire, len, &all, lens, 0);
     if (rc < 0) rc = ckpt__err_prefix(rc, "communicator: gather");
     if (rc == 0 && op->committer) {
         op->all.num_processes = c->size;
         size_t off = 0;
         for (int r = 0; r < c->size && rc == 0; r++) {
+            const char *p = (const char *)all + off;
+            const char *nul = memchr(p, '\0', lens[r]);
+            if (!nul) {
+                rc = ckpt__err(CKPT_EINVAL, "save_state: rank %d sent malformed file records", r);
+                break;
+            }
+            rc = compare_order(op, r, p);
             char what[64];
             snprintf(what, sizeof what, "save_state: file records of rank %d", r);
-            rc = ckpt__manifest_files_from_json(&op->all, (const char *)all + off, lens[r], what);
+            size_t ol = (size_t)(nul - p) + 1;
+            if (rc == 0) rc = ckpt__manifest_files_from_json(&op->all, p + ol, lens[r] - ol, what);
             off += lens[r];
         }
         for (int64_t i = 0; rc == 0 && i < op->all.nfiles; i++)
@@ -976,6 +1088,8 @@ static void release(save_op *op) {
 
 void ckpt__save_op_free(save_op *op) {
     if (!op) return;
+    /* Never committed (a driver gave up): nothing of it stays behind. */
+    if (op->committer) release(op);
     if (op->writers)
         for (int i = 0; i < op->nobjs; i++) ckpt_writer_free(op->writers[i]);
     if (op->slots)
@@ -1000,6 +1114,7 @@ void ckpt__save_op_free(save_op *op) {
     ckpt__manifest_clear(&op->mine);
     ckpt__manifest_clear(&op->all);
     if (op->have_prev) ckpt__manifest_clear(&op->prev);
+    free(op->order);
     free(op->prev_dir);
     free(op->parent);
     free(op->base);
@@ -1008,7 +1123,25 @@ void ckpt__save_op_free(save_op *op) {
     free(op->tname);
     free(op->lockp);
     free(op->post_dir);
+    free(op->output_dir);
     free(op);
+}
+
+/* ---- the phases ---------------------------------------------------------------- */
+
+static const char *const phase_name[] = {"new", "plan", "snapshot", "write", "commit", "apply"};
+
+/* Whether the op may run phase `to` now: right after the phase before it.
+ * Out of order, the op fails (nothing will be committed). */
+static bool enter(save_op *op, enum save_phase to) {
+    if (op->phase + 1 == (int)to) {
+        op->phase = to;
+        return true;
+    }
+    int rc = ckpt__err(CKPT_EINVAL, "save_state: internal error: the %s phase after the %s phase",
+                       phase_name[to], phase_name[op->phase]);
+    ckpt__save_op_fail(op, rc);
+    return false;
 }
 
 static int check_args(const ckpt_accelerator *acc, const char *output_dir) {
@@ -1024,55 +1157,68 @@ static int check_args(const ckpt_accelerator *acc, const char *output_dir) {
     return CKPT_OK;
 }
 
-/* ---- the phases as the accelerator runs them -------------------------------- */
-
-static int save_start(ckpt_accelerator *acc, const char *output_dir, save_op **out) {
-    const ckpt_comm *c = acc->comm;
+int ckpt__save_op_new(ckpt_accelerator *acc, const char *output_dir, save_op **out) {
     save_op *op = ckpt__calloc(1, sizeof *op);
     *out = op;
     if (!op) return ckpt__err_nomem("save");
     op->acc = acc;
-    op->comm = c;
+    op->comm = acc->comm;
     op->log = acc->log;
     op->step = acc->step;
     op->iteration = acc->iteration;
     op->automatic = output_dir == NULL;
-    op->committer = c->rank == 0;
+    op->committer = acc->comm->rank == 0;
     op->number = -1;
     op->lk.fd = -1;
     op->link = !acc->no_link_unchanged;
     ckpt__manifest_init(&op->mine);
     ckpt__manifest_init(&op->all);
-
     /* A rank whose own checks fail still takes part in every collective
-     * below, and reports its failure at the agreement. */
-    int rc = check_args(acc, output_dir);
-    if (c->size <= 1 && rc < 0) return op->rc = rc; /* finish only releases */
+     * that follows, and reports its failure at the agreement. */
+    op->rc = check_args(acc, output_dir);
+    if (op->rc == 0 && output_dir && !(op->output_dir = ckpt__strdup(output_dir)))
+        op->rc = ckpt__err_nomem("save path");
+    if (op->rc < 0 && op->comm->size <= 1) return op->rc;
     acc->interval_start = ckpt__now(); /* ckpt_should_save's time interval */
     op->nmetrics = acc->nmetrics;
     memcpy(op->metrics, acc->metrics, sizeof op->metrics);
-    /* plan */
-    if (op->committer && rc == 0) rc = plan_local(op, output_dir);
-    ckpt__coll_phase(acc, "save: share the plan");
-    if (c->size > 1) {
-        int prc = ckpt__coll_share(c, op->committer ? rc : CKPT_OK);
-        if (prc < 0) { /* every rank knows: no agreement follows */
-            op->ended = true;
-            return op->rc = prc;
-        }
+    return op->rc;
+}
+
+int ckpt__save_op_plan(save_op *op) {
+    const ckpt_comm *c = op->comm;
+    if (!enter(op, PH_PLAN) && c->size <= 1) return op->rc;
+    if (c->size <= 1) {
+        if (op->rc == 0) op->rc = plan_local(op, op->output_dir);
+        return op->rc;
+    }
+    ckpt__coll_begin(op->acc, "save: share the plan");
+    int rc = op->rc;
+    if (op->committer && rc == 0) rc = plan_local(op, op->output_dir);
+    int prc = ckpt__coll_share(c, op->committer ? rc : CKPT_OK);
+    if (prc < 0) { /* every rank knows: no agreement follows */
+        op->ended = true;
+        rc = prc;
+    } else {
         int src = plan_share(op);
         if (rc == 0) rc = src;
-    } else if (rc < 0) {
-        return op->rc = rc;
     }
-    /* snapshot. As Accelerate's, the pre-hooks get the folder being
-     * written, and what they leave there is saved with the checkpoint. */
-    if (rc == 0 && acc->hooks[HOOK_SAVE_POST] && !(op->post_dir = ckpt__strdup(op->target)))
+    ckpt__coll_end(op->acc);
+    return op->rc = rc;
+}
+
+int ckpt__save_op_snapshot(save_op *op) {
+    ckpt_accelerator *acc = op->acc;
+    if (!enter(op, PH_SNAPSHOT) || op->rc < 0) return op->rc;
+    /* As Accelerate's, the pre-hooks get the folder being written, and what
+     * they leave there is saved with the checkpoint. */
+    int rc = CKPT_OK;
+    if (acc->hooks[HOOK_SAVE_POST] && !(op->post_dir = ckpt__strdup(op->target)))
         rc = ckpt__err_nomem("save path");
-    ckpt__coll_phase(acc, "save: pre-hooks and snapshot");
     if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->tmp, "save_state");
     if (rc == 0) read_prev(op);
     if (rc == 0) rc = snapshot(op);
+    if (rc == 0) rc = order_digest(op); /* before the plan marks what it spreads */
     if (rc == 0) rc = plan_spread(op);
     if (rc == 0) rc = check_hook_names(op);
     if (rc == 0) {
@@ -1085,46 +1231,57 @@ static int save_start(ckpt_accelerator *acc, const char *output_dir, save_op **o
     return op->rc = rc;
 }
 
-int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, save_op **out) {
-    ckpt__coll_begin(acc, "save: start");
-    int rc = save_start(acc, output_dir, out);
-    ckpt__coll_end(acc);
-    return rc;
-}
-
-int ckpt__save_agree_snapshot(save_op *op) {
+int ckpt__save_op_agree_snapshot(save_op *op) {
     if (op->ended || op->comm->size <= 1) return op->rc;
     ckpt__coll_begin(op->acc, "save: agree on the snapshot");
     op->rc = ckpt__coll_agree(op->comm, op->rc, NULL);
     ckpt__coll_end(op->acc);
-    if (op->rc < 0) op->ended = true; /* every rank knows: finish only releases */
+    if (op->rc < 0) op->ended = true; /* every rank knows: commit only releases */
     return op->rc;
 }
 
-bool ckpt__save_writes(const save_op *op, int i) {
+/* Whether this rank writes a file of object i. */
+static bool writes_object(const save_op *op, int i) {
     return op->objs[i].kind == K_RNG || op->committer || hf_writes(op, i) ||
            ckpt__writer_shard_file_needed(op->writers[i]);
 }
 
-int ckpt__save_nobjs(const save_op *op) { return op->nobjs; }
-ckpt_writer *ckpt__save_writer(save_op *op, int i) { return op->writers[i]; }
-
-int ckpt__save_write(save_op *op, int i) {
+static int write_one(save_op *op, int i) {
     if (op->rc == 0 && !op->written[i]) op->rc = write_object(op, i);
     return op->rc;
 }
 
-int ckpt__save_write_all(save_op *op) {
-    for (int i = 0; op->rc == 0 && i < op->nobjs; i++) ckpt__save_write(op, i);
+int ckpt__save_op_stage(save_op *op) {
+    ckpt_accelerator *acc = op->acc;
+    if (op->phase != PH_SNAPSHOT) enter(op, PH_WRITE); /* fails the op: out of order */
+    if (op->rc < 0) return op->rc;
+    int n = op->nobjs;
+    uint64_t limit = acc->async_staging_limit, total = 0;
+    bool *staged = ckpt__calloc((size_t)(n ? n : 1), sizeof *staged);
+    if (!staged) return op->rc = ckpt__err_nomem("staging plan");
+    for (int i = 0; i < n; i++)
+        if (writes_object(op, i))
+            staged[i] =
+                ckpt__save_stage_fits(limit, &total, ckpt__writer_stage_bytes(op->writers[i]));
+    /* Reused from save to save (and shared with loads, which wait first). */
+    int rc = ckpt__arena_reserve(&acc->arena, total);
+    uint64_t off = 0;
+    for (int i = 0; rc == 0 && i < n; i++) {
+        if (staged[i]) off += ckpt__writer_stage(op->writers[i], acc->arena.p + off);
+        else if (writes_object(op, i)) rc = write_one(op, i);
+    }
+    free(staged);
+    if (rc < 0) ckpt__save_op_fail(op, rc);
     return op->rc;
 }
 
-int ckpt__save_status(const save_op *op) { return op->rc; }
-void ckpt__save_fail(save_op *op, int rc) {
-    if (op->rc == 0) op->rc = rc;
+int ckpt__save_op_write(save_op *op) {
+    if (!enter(op, PH_WRITE)) return op->rc;
+    for (int i = 0; op->rc == 0 && i < op->nobjs; i++) write_one(op, i);
+    return op->rc;
 }
 
-static int save_finish(save_op *op) {
+static int commit_all(save_op *op) {
     const ckpt_comm *c = op->comm;
     char *json = NULL;
     size_t jlen = 0;
@@ -1134,7 +1291,7 @@ static int save_finish(save_op *op) {
         return rc;
     }
     if (rc == 0) rc = record_files(op);
-    if (rc == 0 && c->size > 1) rc = ckpt__manifest_files_to_json(&op->mine, &json, &jlen);
+    if (rc == 0 && c->size > 1) rc = records_to_wire(op, &json, &jlen);
     /* agree */
     ckpt__coll_phase(op->acc, "save: agree on the commit");
     rc = ckpt__coll_agree(c, rc, NULL);
@@ -1158,16 +1315,20 @@ static int save_finish(save_op *op) {
     return op->rc = rc;
 }
 
-int ckpt__save_finish(save_op *op) {
+int ckpt__save_op_commit(save_op *op) {
+    /* A failed op may end from any phase: commit then only agrees and
+     * releases. A healthy one must have written. */
+    if (op->rc == 0 && op->phase != PH_WRITE) enter(op, PH_COMMIT);
+    op->phase = PH_COMMIT;
     ckpt__coll_begin(op->acc, "save: finish");
-    int rc = save_finish(op);
+    int rc = commit_all(op);
     ckpt__coll_end(op->acc);
     return rc;
 }
 
-void ckpt__save_apply(save_op *op) {
+void ckpt__save_op_apply(save_op *op) {
     ckpt_accelerator *acc = op->acc;
-    if (op->rc < 0) return;
+    if (!enter(op, PH_APPLY) || op->rc < 0) return;
     /* Committed, on every rank. */
     if (op->automatic && op->number + 1 > acc->iteration) acc->iteration = op->number + 1;
     free(acc->last_dir);
@@ -1177,13 +1338,13 @@ void ckpt__save_apply(save_op *op) {
     acc->link_dir = ckpt__strdup(acc->last_dir); /* NULL: no linking next time, that is all */
     acc->last_save_written = op->written_bytes;
     acc->last_save_linked = op->linked_bytes;
-}
-
-void ckpt__save_post(save_op *op) {
     /* After the lock is released, so that a post-hook may save again. */
-    if (op->rc == 0 && op->post_dir)
-        ckpt__acc_run_hooks(op->acc, HOOK_SAVE_POST, op->post_dir, "save_state");
+    if (op->post_dir) ckpt__acc_run_hooks(acc, HOOK_SAVE_POST, op->post_dir, "save_state");
 }
 
-int64_t ckpt__save_number(const save_op *op) { return op->automatic ? op->number : -1; }
-const ckpt_logger *ckpt__save_logger(const save_op *op) { return &op->log; }
+void ckpt__save_op_fail(save_op *op, int rc) {
+    if (op->rc == 0) op->rc = rc < 0 ? rc : CKPT_EINVAL;
+}
+int ckpt__save_op_status(const save_op *op) { return op->rc; }
+int64_t ckpt__save_op_number(const save_op *op) { return op->automatic ? op->number : -1; }
+const ckpt_logger *ckpt__save_op_logger(const save_op *op) { return &op->log; }
