@@ -19,6 +19,7 @@
 
 #include "ckpt.h"
 #include "accel/save_op.h"
+#include "base/error.h"
 #include "base/io.h"
 #include "helpers/testutil.h"
 #include "helpers/thread_comm.h"
@@ -249,6 +250,26 @@ static void test_async_save_that_fails_to_stage_commits_nothing(void **st) {
     assert_checkpoints("checkpoint_0 checkpoint_1");
 }
 
+/* The staging area cannot be had: the save fails with CKPT_ENOMEM and
+ * commits nothing (it once committed a checkpoint of no files). */
+static void test_stage_without_memory_commits_nothing(void **st) {
+    (void)st;
+    first_checkpoint();
+    ckpt_save_op *op = NULL;
+    assert_int_equal(ckpt__save_op_new(g_acc, NULL, &op), 0);
+    assert_int_equal(ckpt__save_op_plan(op), 0);
+    assert_int_equal(ckpt__save_op_snapshot(op), 0);
+    ckpt__alloc_fail_after(2); /* the staging plan, then the area */
+    int rc = ckpt__save_op_stage(op);
+    ckpt__alloc_fail_after(0);
+    assert_int_equal(rc, CKPT_ENOMEM);
+    assert_int_equal(ckpt__save_op_status(op), CKPT_ENOMEM);
+    assert_int_equal(ckpt__save_op_commit(op), CKPT_ENOMEM);
+    ckpt__save_op_apply(op);
+    ckpt__save_op_free(op);
+    assert_previous_intact();
+}
+
 /* ---- several ranks: the same objects in the same order -------------------------- */
 
 enum { P = 2 };
@@ -343,6 +364,7 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_failed_write_commits_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(test_async_save_that_fails_to_stage_commits_nothing, setup,
                                         teardown),
+        cmocka_unit_test_setup_teardown(test_stage_without_memory_commits_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ranks_with_different_shapes_fail_alike,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_ranks_with_different_tensor_names_fail_alike,
