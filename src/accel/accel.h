@@ -135,46 +135,7 @@ bool ckpt__acc_holds_lock_file(const ckpt_accelerator *acc, const char *lock_pat
  * and the others still run; returns 0. */
 int ckpt__acc_run_hooks(ckpt_accelerator *acc, int which, const char *dir, const char *what);
 
-/* ---- the save phases (save.c) --------------------------------------------
- * ckpt_save_state runs them in a row in the caller's thread; an asynchronous
- * save (async.c) runs start and the staging in the caller's thread, writes
- * (and, with one process, finishes) in its background thread, and with
- * several processes finishes in the caller's thread at the next wait. */
-typedef struct ckpt_save_op ckpt_save_op;
-/* check the arguments, plan (rank 0 locks, numbers, makes the temporary
- * folder; collective), pre-save hooks, snapshot (every state_dict). *out is
- * the op (NULL only if out of memory), to be finished and freed whatever
- * the status; returns this rank's status so far. */
-int ckpt__save_start(ckpt_accelerator *acc, const char *output_dir, ckpt_save_op **out);
-/* With several processes: every rank learns whether every snapshot
- * succeeded (collective); on failure finish only releases. */
-int ckpt__save_agree_snapshot(ckpt_save_op *op);
-int ckpt__save_nobjs(const ckpt_save_op *op);
-ckpt_writer *ckpt__save_writer(ckpt_save_op *op, int i);
-/* Whether this rank writes a file of object i. */
-bool ckpt__save_writes(const ckpt_save_op *op, int i);
-/* write: object i's files of this rank (once; nothing after a failure) /
- * every object not written yet. Return the op's status. Local: no
- * collective, any thread. */
-int ckpt__save_write(ckpt_save_op *op, int i);
-int ckpt__save_write_all(ckpt_save_op *op);
-/* This rank's status so far / records a failure (kept if one is already). */
-int ckpt__save_status(const ckpt_save_op *op);
-void ckpt__save_fail(ckpt_save_op *op, int rc);
-/* agree, commit (rank 0), rotate (rank 0), release, share: the final
- * status, the same on every rank (collective; with one process any thread). */
-int ckpt__save_finish(ckpt_save_op *op);
-/* After a successful finish, in the caller's thread: the accelerator's
- * numbering and last folder move on. Nothing on failure. */
-void ckpt__save_apply(ckpt_save_op *op);
-/* After apply, in the caller's thread: the post-save hooks (if the save
- * succeeded). */
-void ckpt__save_post(ckpt_save_op *op);
-/* The automatic checkpoint's number; -1 for an explicit folder. */
-int64_t ckpt__save_number(const ckpt_save_op *op);
-/* The log callback as at the call. */
-const ckpt_logger *ckpt__save_logger(const ckpt_save_op *op);
-void ckpt__save_op_free(ckpt_save_op *op);
+/* ---- the save phases: save_op.h ------------------------------------------ */
 
 /* ---- asynchronous saves (async.c) ------------------------------------------ */
 /* Ends the pending asynchronous save, if any: waits for its thread, and

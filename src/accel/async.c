@@ -2,7 +2,7 @@
  * in the caller's thread; ckpt_save_state_async / ckpt_save_wait run them in
  * two places:
  *
- *   caller's thread   plan + snapshot (ckpt__save_start), then every
+ *   caller's thread   plan + snapshot (save_op.h), then every
  *                     tensor copied into the staging area (or, past
  *                     async_staging_limit, its file written at once)
  *   background thread write; with one process also agree (trivial),
@@ -25,6 +25,7 @@
 #include <unistd.h>
 
 #include "accel/accel.h"
+#include "accel/save_op.h"
 #include "base/error.h"
 #include "format/statedict.h"
 
@@ -57,11 +58,11 @@ typedef struct ckpt_async {
  * once, from this thread, and its message kept for the waiter (the
  * message of ckpt_errmsg() is the thread's own). */
 static void run_job(ckpt_async *as, ckpt_save_op *op, bool finish) {
-    int rc = ckpt__save_write_all(op);
-    if (finish) rc = ckpt__save_finish(op);
+    int rc = ckpt__save_op_write(op);
+    if (finish) rc = ckpt__save_op_commit(op);
     if (rc < 0) {
         snprintf(as->bg_msg, sizeof as->bg_msg, "%s", ckpt_errmsg());
-        ckpt__log(ckpt__save_logger(op), CKPT_LOG_ERROR, "asynchronous save failed: %s",
+        ckpt__log(ckpt__save_op_logger(op), CKPT_LOG_ERROR, "asynchronous save failed: %s",
                   as->bg_msg);
     }
 }
@@ -206,14 +207,14 @@ int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
         if (as->job) raise_worker(as); /* the caller waits for it now */
         while (as->job) pthread_cond_wait(&as->cv, &as->mu);
         pthread_mutex_unlock(&as->mu);
-        int rc = ckpt__save_status(op);
+        int rc = ckpt__save_op_status(op);
         bool logged = rc < 0; /* the thread logged its own failure */
         /* The thread's message becomes this thread's. */
         if (rc < 0) ckpt__err(rc, "%s", as->bg_msg);
         if (acc->comm->size > 1) {
-            rc = ckpt__save_finish(op);
+            rc = ckpt__save_op_commit(op);
             if (rc < 0 && !logged)
-                ckpt__log(ckpt__save_logger(op), CKPT_LOG_ERROR, "asynchronous save failed: %s",
+                ckpt__log(ckpt__save_op_logger(op), CKPT_LOG_ERROR, "asynchronous save failed: %s",
                           ckpt_errmsg());
         }
         if (rc < 0) {
@@ -221,8 +222,7 @@ int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
             as->failed = rc;
             snprintf(as->failed_msg, sizeof as->failed_msg, "%s", ckpt_errmsg());
         }
-        ckpt__save_apply(op);
-        ckpt__save_post(op); /* the post-save hooks run here, in the caller's thread */
+        ckpt__save_op_apply(op); /* the post-save hooks run here, in the caller's thread */
         ckpt__save_op_free(op);
     }
     if (report && as->failed < 0) {
@@ -233,36 +233,6 @@ int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
     return CKPT_OK;
 }
 
-/* Whether a file of b staging bytes still fits under limit (0: none) with
- * *total staged before it; if so it is counted. Whole files, in object
- * order: the rule of stage() and of ckpt_accelerator_prepare_async. */
-static bool fits(uint64_t limit, uint64_t *total, uint64_t b) {
-    if (limit && (b > limit || *total > limit - b)) return false;
-    *total += b;
-    return true;
-}
-
-/* Copies what fits under the limit (whole files, in object order) into the
- * staging area; every other file this rank writes is written now. */
-static int stage(ckpt_accelerator *acc, ckpt_save_op *op) {
-    int n = ckpt__save_nobjs(op);
-    uint64_t limit = acc->async_staging_limit, total = 0;
-    bool *staged = ckpt__calloc((size_t)(n ? n : 1), sizeof *staged);
-    if (!staged) return ckpt__err_nomem("staging plan");
-    for (int i = 0; i < n; i++)
-        if (ckpt__save_writes(op, i))
-            staged[i] = fits(limit, &total, ckpt__writer_stage_bytes(ckpt__save_writer(op, i)));
-    /* Reused from save to save (and shared with loads, which wait first). */
-    int rc = ckpt__arena_reserve(&acc->arena, total);
-    uint64_t off = 0;
-    for (int i = 0; rc == 0 && i < n; i++) {
-        if (staged[i]) off += ckpt__writer_stage(ckpt__save_writer(op, i), acc->arena.p + off);
-        else if (ckpt__save_writes(op, i)) rc = ckpt__save_write(op, i);
-    }
-    free(staged);
-    return rc;
-}
-
 int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "save_state_async: acc is NULL");
     /* The pending save ends first; its failure is this call's. */
@@ -270,28 +240,31 @@ int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir) {
     ckpt_async *as = async_get(acc);
     if (!as) return ckpt__err_nomem("save_state_async");
     ckpt_save_op *op = NULL;
-    int rc = ckpt__save_start(acc, output_dir, &op);
-    if (!op) return rc;
-    rc = ckpt__save_agree_snapshot(op);
-    if (rc == 0) rc = stage(acc, op);
+    ckpt__save_op_new(acc, output_dir, &op);
+    if (!op) return ckpt__err_nomem("save_state_async");
+    ckpt__save_op_plan(op);
+    ckpt__save_op_snapshot(op);
+    int rc = ckpt__save_op_agree_snapshot(op);
+    if (rc == 0) rc = ckpt__save_op_stage(op);
     if (rc == 0) rc = start_thread(as);
     if (rc < 0 && acc->comm->size <= 1) {
         /* Nothing handed over: ends here, as a synchronous save would. */
-        rc = ckpt__save_finish(op);
+        ckpt__save_op_fail(op, rc);
+        rc = ckpt__save_op_commit(op);
         ckpt__save_op_free(op);
         return rc;
     }
     /* With several processes a local failure is kept in op and reported at
      * the agreement, on every rank, at the next wait. */
     if (rc < 0) {
-        ckpt__save_fail(op, rc);
+        ckpt__save_op_fail(op, rc);
         snprintf(as->bg_msg, sizeof as->bg_msg, "%s", ckpt_errmsg());
-        ckpt__log(ckpt__save_logger(op), CKPT_LOG_ERROR, "asynchronous save failed: %s",
+        ckpt__log(ckpt__save_op_logger(op), CKPT_LOG_ERROR, "asynchronous save failed: %s",
                   as->bg_msg);
     }
     as->pending = op;
     as->iteration_before = acc->iteration;
-    int64_t num = ckpt__save_number(op);
+    int64_t num = ckpt__save_op_number(op);
     if (rc == 0 && num >= 0 && num + 1 > acc->iteration) acc->iteration = num + 1;
     if (rc == 0) {
         pthread_mutex_lock(&as->mu);
@@ -332,7 +305,7 @@ int ckpt_accelerator_prepare_async(ckpt_accelerator *acc) {
             rc = ckpt__err_prefix(rc, own ? "prepare_async: %s: state_dict" : "prepare_async: %s",
                                   name);
         } else {
-            fits(acc->async_staging_limit, &total, ckpt__writer_stage_bytes(w));
+            ckpt__save_stage_fits(acc->async_staging_limit, &total, ckpt__writer_stage_bytes(w));
         }
         ckpt_writer_free(w);
     }
@@ -398,12 +371,15 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
     /* A pending asynchronous save ends first; its failure is this call's. */
     CKPT_TRY(ckpt__async_settle(acc, true));
     ckpt_save_op *op = NULL;
-    int rc = ckpt__save_start(acc, output_dir, &op);
-    if (!op) return rc;
-    ckpt__save_write_all(op);
-    rc = ckpt__save_finish(op);
-    ckpt__save_apply(op);
-    ckpt__save_post(op);
+    ckpt__save_op_new(acc, output_dir, &op);
+    if (!op) return ckpt__err_nomem("save_state");
+    /* Each phase does nothing once the op has failed, but the collectives
+     * every rank takes part in; commit agrees on the outcome. */
+    ckpt__save_op_plan(op);
+    ckpt__save_op_snapshot(op);
+    ckpt__save_op_write(op);
+    int rc = ckpt__save_op_commit(op);
+    ckpt__save_op_apply(op);
     ckpt__save_op_free(op);
     if (rc == 0) acc->nmetrics = 0; /* recorded; a failed save keeps them for the retry */
     return rc;

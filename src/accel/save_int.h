@@ -1,0 +1,114 @@
+/* save_int.h — what the save's files share: the op itself (save.c: the
+ * phases; save_spread.c: the save plan; save_link.c: incremental saves;
+ * save_extras.c: the files pre-hooks add). Drivers see save_op.h only. */
+#ifndef CKPT_SAVE_INT_H
+#define CKPT_SAVE_INT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "ckpt.h"
+#include "accel/accel.h"
+#include "accel/save_op.h"
+#include "format/hfindex.h"
+#include "format/manifest.h"
+#include "format/statedict.h"
+#include "store/store.h"
+
+/* One file a rank wrote, kept in its object's slot so the manifest lists
+ * the files in object order whichever thread wrote them and when. */
+typedef struct save_slot {
+    bool has;
+    char name[160];
+    const char *kind;
+    ckpt_file_digest d;
+} save_slot;
+
+/* The phases in the order they run (save_op.h). */
+enum save_phase { PH_NEW, PH_PLAN, PH_SNAPSHOT, PH_WRITE, PH_COMMIT, PH_APPLY };
+
+struct ckpt_save_op {
+    ckpt_accelerator *acc;
+    int phase;        /* the last phase entered (enum save_phase) */
+    char *output_dir; /* the caller's folder; NULL: automatic */
+    const ckpt_comm *comm;
+    ckpt_logger log; /* the accelerator's, as at the call */
+    int64_t step;    /* the accelerator's step and numbering at the call */
+    int64_t iteration;
+    bool automatic;
+    bool committer; /* rank 0: plans, commits, rotates */
+    int rc;         /* this rank's status so far (0, or the first failure) */
+    bool ended;     /* the plan failed on rank 0 and every rank knows: no agreement */
+    /* plan: made by rank 0, known to every rank */
+    char *parent, *base, *target, *tmp, *tname, *lockp;
+    int64_t number;
+    ckpt_lock lk;
+    bool tmp_made;
+    /* snapshot */
+    ckpt_acc_obj *objs;
+    int nobjs;
+    ckpt_writer **writers;
+    bool *hf_model;      /* per object: a model saved as Hugging Face shards */
+    ckpt_hf_layout *hfl; /* per object: its shards, if hf_model (made by the plan) */
+    int **hf_owner;      /* per object: the rank that writes each of its shards */
+    /* write: two slots per object (its file, its shard file), and the
+     * files of a model saved as Hugging Face shards (hf[i], nhf[i]) */
+    save_slot *slots;
+    save_slot **hf;
+    int *nhf;
+    bool *written;
+    /* agree + commit: this rank's files, then every rank's (rank 0) */
+    ckpt_manifest mine;
+    ckpt_manifest all;
+    int nmetrics; /* ckpt_set_metric's, taken at the call */
+    ckpt_metric metrics[CKPT_MAX_METRICS];
+    char *post_dir; /* the final folder for the post-hooks (a copy: they may save) */
+    /* incremental saves: the checkpoint whose unchanged files are linked */
+    bool link;      /* linking is on (the project option) */
+    bool link_off;  /* a link failed for a reason that will not go away: write */
+    char *prev_dir; /* rank 0 picks it, every rank reads its manifest */
+    ckpt_manifest prev;
+    bool have_prev;
+    bool split;             /* a model's frozen tensors went to a file of their own */
+    uint64_t linked_bytes;  /* this rank's files linked, not written */
+    uint64_t written_bytes; /* this rank's files written */
+    /* The objects and replicated tensors the spread plan depends on, one
+     * line per object: "<file> <hash> <count>\n" (order_digest). Every
+     * rank must have the same: rank 0 compares at the commit. */
+    char *order;
+};
+typedef struct ckpt_save_op save_op;
+
+/* ---- the save plan (save_spread.c) ----------------------------------------- */
+
+/* After the snapshot, on every rank alike, from the state dicts alone: which
+ * models are saved as Hugging Face shards and which rank writes each shard,
+ * and each rank's share of the replicated tensors (marked in the writers). */
+int ckpt__save_plan_spread(save_op *op);
+/* Whether entry j of object i is a replicated tensor the plan places (its
+ * rows and bytes); the same before and after the plan marks it. */
+bool ckpt__save_plan_entry(const save_op *op, int i, int64_t j, int64_t *rows, uint64_t *nbytes);
+/* Whether object i is saved as Hugging Face shards, as the plan decided. */
+bool ckpt__save_hf_sharded(const save_op *op, int i);
+/* Whether this rank writes a shard of object i (saved as such shards). */
+bool ckpt__save_hf_writes(const save_op *op, int i);
+
+/* ---- incremental saves (save_link.c) --------------------------------------- */
+
+/* Every rank, after the plan: the manifest of the checkpoint to link from. */
+void ckpt__save_read_prev(save_op *op);
+/* 1: the file this rank would write at path as name is the previous
+ * checkpoint's, linked there (d from its record); 0: write it (d->xxh128
+ * may already hold its hash); < 0: a failure. */
+int ckpt__save_try_link(save_op *op, ckpt_writer *w, const char *name, bool shards,
+                        const char *path, ckpt_file_digest *d);
+
+/* ---- files a save pre-hook adds (save_extras.c) ---------------------------- */
+
+/* After this rank's pre-hooks: none took a name this rank writes. */
+int ckpt__save_check_hook_names(save_op *op);
+/* Rank 0, at the commit: the pre-hooks' files, made durable and listed in
+ * op->all as kind "extra"; anything else in the folder fails the save. */
+int ckpt__save_add_extras(save_op *op);
+
+#endif
