@@ -255,7 +255,10 @@ static int remove_children(const char *path, const struct stat *st, int depth) {
     while (rc == 0 && (e = ckpt__os_readdir(d)) != NULL) {
         if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
         size_t n = strlen(path) + strlen(e->d_name) + 2;
-        char *p = ckpt__malloc(n);
+        /* Plain malloc, not ckpt__malloc: this runs on the cleanup path of
+         * a failed save, which must not fail by the allocation-failure hook
+         * that made the save fail (opendir allocates with malloc too). */
+        char *p = malloc(n);
         if (p) snprintf(p, n, "%s/%s", path, e->d_name);
         if (!p) {
             rc = ckpt__err_nomem("remove folder");
