@@ -22,11 +22,13 @@
 
 #include "ckpt.h"
 #include "accel/accel.h"
+#include "accel/load_held.h"
 #include "base/error.h"
 #include "base/io.h"
 #include "format/hfindex.h"
 #include "format/keymap.h"
 #include "format/manifest.h"
+#include "format/shard.h"
 #include "format/statedict.h"
 #include "store/store.h"
 #include "train/rng.h"
@@ -59,6 +61,12 @@ typedef struct load_op {
      * every rank. */
     int *reader;
     bool *shared;
+    /* After share_files: whether this rank holds file j's bytes (NULL: all
+     * of them); a shard file it does not hold is attached from the
+     * manifest's records alone. */
+    bool *have;
+    /* Bytes of the opened candidate's files this rank holds (load_held.h). */
+    uint64_t held;
     /* ckpt_load_options.one_pass, where it applies: the files are checked
      * shallowly at the choice and verified while the objects read them */
     bool one_pass;
@@ -77,13 +85,26 @@ static int cmp_sized_desc(const void *a, const void *b) {
     return (x->index > y->index) - (x->index < y->index);
 }
 
+/* The rank that wrote f, where the manifest says: a process's shard file
+ * by its number, any file by its "rank" from format version 2 on; -1 if
+ * unknown. */
+static int own_reader(const ckpt_manifest *m, const ckpt_manifest_file *f, int saved_np) {
+    int index = 0, count = 0;
+    if (f->chunks && ckpt__shard_file_parse(f->name, NULL, &index, &count) && count == saved_np)
+        return index - 1;
+    if (m->format_version >= CKPT_FORMAT_VERSION_SPREAD) return f->rank;
+    return -1;
+}
+
 /* The read plan of many processes, the same on every rank (a function of
  * the manifest): each file is read and verified by one rank only. A rank's
  * own generator file is read by that rank (or, for another process count,
- * rank 0's by rank 0 for all); the other files, largest first, each go to
- * the rank with the fewest bytes so far (ties: the lowest rank), and their
- * bytes then reach every rank through the communicator (share_files). Files
- * a save pre-hook left (kind "extra") are verified, not sent. */
+ * rank 0's by rank 0 for all). With as many processes as the save had, each
+ * rank reads the files it wrote; otherwise the files, largest first, each go
+ * to the rank with the fewest bytes so far (ties: the lowest rank). Their
+ * bytes then reach the ranks that need them through the communicator
+ * (share_files). Files a save pre-hook left (kind "extra") are verified,
+ * not sent. */
 static int plan_reads(load_op *op) {
     const ckpt_manifest *m = &op->c.m;
     int64_t n = m->nfiles;
@@ -117,6 +138,16 @@ static int plan_reads(load_op *op) {
             } else if (!reshard && strcmp(f->name, mine) == 0) {
                 op->reader[j] = op->comm->rank;
             }
+            continue;
+        }
+        /* The same number of processes as at the save: each rank reads
+         * the files it wrote (the save spread them by bytes), its own shard
+         * files first of all. */
+        int own = reshard ? -1 : own_reader(m, f, saved_np);
+        if (own >= 0 && own < q) {
+            op->reader[j] = own;
+            op->shared[j] = strcmp(f->kind, "extra") != 0;
+            load[own] += f->size;
             continue;
         }
         v[nv++] = (sized){f->size, j};
@@ -172,48 +203,191 @@ static int open_checkpoint(load_op *op, const char *dir) {
         op->one_pass = false; /* this checkpoint: the two passes */
     }
     /* Read once, hashed on the way, into the accelerator's reusable area. */
-    return ckpt__checkpoint_open_into(dir, many ? rank_reads : NULL, op, &op->acc->arena, &op->c);
+    int rc = ckpt__checkpoint_open_into(dir, many ? rank_reads : NULL, op, &op->acc->arena, &op->c);
+    for (int64_t j = 0; op->c.have_manifest && op->c.maps && j < op->c.m.nfiles; j++)
+        if (!many || (op->reader && op->reader[j] == op->comm->rank)) op->held += op->c.m.files[j].size;
+    ckpt__load_held_add(op->held);
+    return rc;
 }
 
-/* Bytes per broadcast: what a rank holds beyond the file it receives. */
+/* Bytes per transfer: what a rank holds beyond the files it needs. */
 #define SHARE_PIECE ((size_t)16 << 20)
 
+/* Whether object o reads its keys under other names or types than its
+ * schema's (ckpt_load_state_ex's adaptations): then every chunk of its
+ * shard files may be read. */
+static bool adapted(const load_op *op, const ckpt_acc_obj *o) {
+    const ckpt_load_options *opt = op->opt;
+    if (!opt || (o->kind != K_MODEL && o->kind != K_CUSTOM)) return false;
+    return opt->rename || opt->num_prefix_map > 0 || opt->non_strict || opt->convert_dtypes;
+}
+
+/* Which files of the opened checkpoint this rank needs (need[j]): for each
+ * selected object, its file and, of its shard files, those holding a chunk
+ * that meets a slice the object reads (its schema: ckpt_write_tensor_shard
+ * puts its own slice; a tensor put whole needs every chunk of its key). A
+ * model saved as Hugging Face shards needs every part. Files of objects not
+ * selected, and other ranks' generators, are not needed. Conservative: what
+ * cannot be decided (an object's state_dict fails, which the check reports
+ * later) is needed. */
+static int find_needs(load_op *op, bool *need) {
+    const ckpt_manifest *m = &op->c.m;
+    for (int64_t j = 0; j < m->nfiles; j++) need[j] = true;
+    char name[96];
+    for (int i = 0; i < op->nobjs; i++) {
+        const ckpt_acc_obj *o = &op->objs[i];
+        if (o->kind == K_RNG) continue;
+        ckpt__acc_file_name(op->acc, o, name, sizeof name);
+        bool main_file = false;
+        for (int64_t j = 0; j < m->nfiles; j++) main_file |= strcmp(m->files[j].name, name) == 0;
+        if (!main_file) continue; /* Hugging Face parts, or no file: all needed */
+        ckpt_writer *schema = NULL;
+        bool all = adapted(op, o);
+        if (op->sel[i] && !all) {
+            CKPT_TRY(ckpt_writer_new_schema(&schema));
+            ckpt_clear_error();
+            all = o->ops->state_dict(o->self, schema) != 0;
+            ckpt_clear_error();
+        }
+        for (int64_t j = 0; j < m->nfiles; j++) {
+            const ckpt_manifest_file *f = &m->files[j];
+            bool shard = ckpt__acc_is_shard_of(f->name, name);
+            if (!shard && strcmp(f->name, name) != 0) continue;
+            if (!op->sel[i]) {
+                need[j] = false;
+                continue;
+            }
+            if (!shard || all || !f->chunks) continue;
+            need[j] = false;
+            for (int64_t k = 0; k < f->ntensors && !need[j]; k++)
+                need[j] = ckpt__schema_needs_chunk(schema, f->tensor_keys[k], &f->chunks[k]);
+        }
+        ckpt_writer_free(schema);
+    }
+    return CKPT_OK;
+}
+
+/* One file's bytes from its reader to the ranks in to[] (n of them, the
+ * reader not among them), in pieces of SHARE_PIECE bytes: broadcast when
+ * every other rank needs it, else gathered at each receiver in turn (the
+ * reader the only rank sending). buf: the reader's bytes there, the
+ * receiver's buffer at a receiver. Every rank calls it alike; after a
+ * failure the rest of the pieces still travel (the collectives stay
+ * paired) and the first failure is returned. */
+static int send_file(const ckpt_comm *c, const ckpt_manifest_file *f, int from, uint8_t *buf,
+                     const int *to, int n, size_t *lens) {
+    int rc = CKPT_OK;
+    if (n == c->size - 1) {
+        for (uint64_t off = 0; off < f->size; off += SHARE_PIECE) {
+            size_t k = f->size - off < SHARE_PIECE ? (size_t)(f->size - off) : SHARE_PIECE;
+            int crc = c->bcast(c->ctx, buf + off, k, from);
+            if (crc < 0 && rc == 0)
+                rc = ckpt__err_prefix(crc, "load_state: %s: communicator: bcast", f->name);
+        }
+        return rc;
+    }
+    for (int t = 0; t < n; t++) {
+        for (uint64_t off = 0; off < f->size; off += SHARE_PIECE) {
+            size_t k = f->size - off < SHARE_PIECE ? (size_t)(f->size - off) : SHARE_PIECE;
+            void *out = NULL;
+            bool me = c->rank == from;
+            int crc = c->gather(c->ctx, me ? buf + off : NULL, me ? k : 0, &out, lens, to[t]);
+            if (crc == 0 && c->rank == to[t]) {
+                ckpt__load_held_add(k); /* the piece, until copied into place */
+                if (lens[from] == k)
+                    memcpy(buf + off, out, k);
+                else
+                    crc = ckpt__err(CKPT_EIO, "gather: %zu bytes from rank %d, %zu expected",
+                                    lens[from], from, k);
+                ckpt__load_held_sub(k);
+            }
+            free(out);
+            if (crc < 0 && rc == 0)
+                rc = ckpt__err_prefix(crc, "load_state: %s: communicator: gather", f->name);
+        }
+    }
+    return rc;
+}
+
 /* After every rank verified its files of the chosen checkpoint (and all
- * agreed): each shared file's bytes go from its reader to every other rank,
- * in pieces of SHARE_PIECE bytes, into a buffer of the receiving rank's
- * (freed with the checkpoint). The sizes are the manifest's, which every
- * rank checked against the file. */
+ * agreed): which ranks need which files is shared (one allgather of a byte
+ * per file), then each shared file's bytes go from its reader to the ranks
+ * that need it (send_file), into a buffer of each receiving rank's (freed
+ * with the checkpoint). So a rank holds the files it read and those it
+ * needs, never the whole checkpoint's unless it needs all of it (replicated
+ * objects). The sizes are the manifest's, which every rank checked against
+ * the file. */
 static int share_files(load_op *op) {
     const ckpt_comm *c = op->comm;
     if (c->size <= 1 || !op->reader) return CKPT_OK;
     static const uint8_t empty = 0;
-    /* Every buffer first, agreed on, so that no rank drops out of the
-     * broadcasts below. */
-    int rc = CKPT_OK;
-    for (int64_t j = 0; j < op->c.m.nfiles && rc == 0; j++) {
+    int64_t nf = op->c.m.nfiles;
+    int q = c->size;
+    size_t nb = (size_t)(nf ? nf : 1);
+    free(op->have);
+    op->have = ckpt__calloc(nb, sizeof *op->have);
+    bool *need = ckpt__calloc(nb, sizeof *need);
+    uint8_t *mine = ckpt__calloc(nb, 1), *all = ckpt__calloc((size_t)q * nb, 1);
+    size_t *lens = ckpt__calloc((size_t)q, sizeof *lens);
+    int *to = ckpt__calloc((size_t)q, sizeof *to);
+    int rc = op->have && need && mine && all && lens && to ? CKPT_OK
+                                                             : ckpt__err_nomem("load: share plan");
+    if (rc == 0) rc = find_needs(op, need);
+    /* Every rank's needs on every rank, agreed on first so that no rank
+     * drops out of the allgather. */
+    rc = ckpt__coll_agree(c, rc, NULL);
+    if (rc == 0) {
+        for (int64_t j = 0; j < nf; j++) mine[j] = need[j];
+        for (int r = 0; r < q; r++) lens[r] = nb;
+        int crc = c->allgather(c->ctx, mine, all, lens);
+        if (crc < 0) rc = ckpt__err_prefix(crc, "load_state: communicator: allgather");
+        rc = ckpt__coll_agree(c, rc, NULL);
+    }
+    /* Every buffer, agreed on, so that no rank drops out of the transfers. */
+    for (int64_t j = 0; j < nf && rc == 0; j++) {
         const ckpt_manifest_file *f = &op->c.m.files[j];
         ckpt_mapped *mp = &op->c.maps[j];
-        if (!op->shared[j] || c->rank == op->reader[j]) continue;
+        op->have[j] = op->reader[j] == c->rank;
+        if (!op->shared[j] || c->rank == op->reader[j] || !all[(size_t)c->rank * nb + (size_t)j])
+            continue;
         uint8_t *buf = NULL;
         if (f->size > 0 && (f->size > (uint64_t)SIZE_MAX || !(buf = ckpt__malloc((size_t)f->size))))
             rc = ckpt__err_nomem(f->name);
         mp->heap = buf;
         mp->data = buf ? buf : &empty;
         mp->size = buf ? f->size : 0;
+        op->have[j] = true;
+        op->held += mp->size;
+        ckpt__load_held_add(mp->size);
     }
-    CKPT_TRY(ckpt__coll_agree(c, rc, NULL));
-    for (int64_t j = 0; j < op->c.m.nfiles; j++) {
+    rc = ckpt__coll_agree(c, rc, NULL);
+    /* Every rank takes every file in turn, whatever failed on the way. */
+    bool go = rc == 0;
+    for (int64_t j = 0; j < nf && go; j++) {
         if (!op->shared[j]) continue;
-        const ckpt_manifest_file *f = &op->c.m.files[j];
+        int n = 0;
+        for (int r = 0; r < q; r++)
+            if (r != op->reader[j] && all[(size_t)r * nb + (size_t)j]) to[n++] = r;
+        if (n == 0) continue;
         uint8_t *buf = (uint8_t *)(uintptr_t)op->c.maps[j].data; /* the root's is only read */
-        for (uint64_t off = 0; off < f->size; off += SHARE_PIECE) {
-            size_t k = f->size - off < SHARE_PIECE ? (size_t)(f->size - off) : SHARE_PIECE;
-            int crc = c->bcast(c->ctx, buf + off, k, op->reader[j]);
-            if (crc < 0 && rc == 0)
-                rc = ckpt__err_prefix(crc, "load_state: %s: communicator: bcast", f->name);
-        }
+        int src = send_file(c, &op->c.m.files[j], op->reader[j], buf, to, n, lens);
+        if (src < 0 && rc == 0) rc = src;
     }
+    free(need);
+    free(mine);
+    free(all);
+    free(lens);
+    free(to);
     return rc;
+}
+
+/* The checkpoint's files leave memory: what load_held.h counts drops. */
+static void close_checkpoint(load_op *op) {
+    ckpt__load_held_sub(op->held);
+    op->held = 0;
+    free(op->have);
+    op->have = NULL;
+    ckpt__checkpoint_close(&op->c);
 }
 
 /* A bad checkpoint, skipped for an older one; anything else (memory, I/O on
@@ -297,7 +471,7 @@ static int choose_latest(load_op *op) {
         if (op->comm->rank == 0) warn_skipped(acc, op->dir, ckpt_errmsg(), i > 0);
         size_t used = strlen(why);
         snprintf(why + used, sizeof why - used, "%s%s", used ? "; " : "", ckpt_errmsg());
-        ckpt__checkpoint_close(&op->c);
+        close_checkpoint(op);
         free(op->dir);
         op->dir = NULL;
         if (i == 0)
@@ -349,8 +523,12 @@ static int attach_shards(const load_op *op, ckpt_reader *r, const char *name, co
         if (!f->chunks && f->ntensors > 0)
             return ckpt__err(CKPT_ECORRUPT, "%s: %s: the manifest records no chunks for it",
                              op->dir, f->name);
+        /* A shard file this rank does not hold (none of its chunks meets
+         * the object's slices): its chunks from the manifest, no bytes. */
         const ckpt_mapped *mp = &op->c.maps[j];
-        CKPT_TRY(ckpt__reader_attach_shard(r, mp->data, (size_t)mp->size, f->name,
+        bool held = !op->have || op->have[j];
+        CKPT_TRY(ckpt__reader_attach_shard(r, held ? mp->data : NULL, held ? (size_t)mp->size : 0,
+                                           f->name,
                                            (const char *const *)f->tensor_keys, f->chunks,
                                            f->ntensors));
     }
@@ -737,6 +915,7 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     op.acc = acc;
     op.comm = acc->comm;
     op.opt = opt;
+    ckpt__load_held_reset();
     op.one_pass = opt && opt->one_pass && op.comm->size <= 1 && !opt->non_strict &&
                   !opt->convert_dtypes && opt->num_prefix_map == 0 && !opt->rename;
     ckpt__coll_begin(acc, "load: agree on the options");
@@ -780,7 +959,7 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     /* post */
     if (rc == 0) {
         acc->interval_start = ckpt__now(); /* a resumed run's time interval starts now */
-        ckpt__checkpoint_close(&op.c); /* the post-hooks may rewrite the folder */
+        close_checkpoint(&op); /* the post-hooks may rewrite the folder */
         ckpt__acc_run_hooks(acc, HOOK_LOAD_POST, op.dir, "load_state");
     }
 out:
@@ -799,7 +978,7 @@ done:
     free(op.reader);
     free(op.shared);
     ckpt__adapt_result_free(&op.res);
-    ckpt__checkpoint_close(&op.c);
+    close_checkpoint(&op);
     free(op.dir);
     if (rc < 0 && report) ckpt_load_report_free(report);
     if (in_op) ckpt__coll_end(acc); /* a goto skipped the one above */

@@ -87,6 +87,11 @@ bool ckpt__writer_is_schema(const ckpt_writer *w);
  * CKPT_EMISMATCH naming `what` (e.g. "optimizer.safetensors") and the key,
  * with file vs memory. */
 int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const char *what);
+/* Whether an object whose schema writer is schema reads any element of the
+ * saved chunk c of key: the chunk meets the slice the object put with
+ * ckpt_write_tensor_shard, or the object puts key otherwise (whole), or not
+ * at all under that name (an adaptation may read it under another). */
+bool ckpt__schema_needs_chunk(const ckpt_writer *schema, const char *key, const ckpt_chunk *c);
 /* Sets the name used in reader/writer error messages (copied). */
 void ckpt__reader_set_name(ckpt_reader *r, const char *name);
 /* Strict UTF-8 (no overlong forms, no surrogates, nothing past U+10FFFF):
@@ -156,6 +161,10 @@ int ckpt__reader_open_verified(ckpt_reader **out, const char *path, const char *
  * "<name>: tensor '<key>': checksum mismatch" for a tensor no read
  * checked). CKPT_OK for any other reader. */
 int ckpt__reader_verify_finish(ckpt_reader *r);
+/* buf NULL (len 0): the chunks are recorded from the manifest alone, their
+ * bytes absent (a shard file this process did not receive): a read that
+ * needs one fails with CKPT_EMISMATCH naming the key and the file; the
+ * others, and schema checks, work as usual. */
 int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const char *name,
                               const char *const *keys, const ckpt_chunk *chunks, int64_t n);
 

@@ -174,6 +174,8 @@ typedef struct shard_chunk {
     ckpt_chunk c;
     const uint8_t *data; /* into the attached buffer (borrowed) */
     const char *file;    /* r->shard_files[...] */
+    bool absent;         /* listed by the manifest, but its file's bytes are not here
+                            (ckpt__reader_attach_shard with buf NULL) */
 } shard_chunk;
 
 /* A sharded key: every chunk attached so far. */

@@ -121,6 +121,24 @@ static int find_tensor(const ckpt_reader *r, const char *key, const entry **out)
     return CKPT_OK;
 }
 
+/* A chunk a read needs whose file this process did not receive. */
+static int absent_chunk(const ckpt_reader *r, const char *key, const shard_chunk *c) {
+    char a[200];
+    return ckpt__err(CKPT_EMISMATCH,
+                     "%s: key '%s': the chunk at offsets %s is in %s, which this process did not "
+                     "receive (the load plan gives it no such chunk)",
+                     r->name, key, ckpt__shape_str(a, sizeof a, c->c.ndim, c->c.offsets), c->file);
+}
+
+/* Whether boxes [ao, ao + as) and [bo, bo + bs) share an element. */
+static bool boxes_meet(int ndim, const int64_t *ao, const int64_t *as, const int64_t *bo,
+                       const int64_t *bs) {
+    for (int d = 0; d < ndim; d++)
+        if (as[d] == 0 || bs[d] == 0 || ao[d] + as[d] <= bo[d] || bo[d] + bs[d] <= ao[d])
+            return false;
+    return true;
+}
+
 int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
                             ckpt_entry_info *info) {
     const entry *e = NULL;
@@ -151,6 +169,7 @@ int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
             if (info) entry_info(e, info);
             return CKPT_OK;
         }
+        if (whole && whole->absent && e->nbytes) return absent_chunk(r, k->key, whole);
         *data = whole && whole->data ? (const void *)whole->data : (const void *)&empty;
         if (info) entry_info(e, info);
         return CKPT_OK;
@@ -232,7 +251,9 @@ int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int n
     CKPT_TRY(shard_key_check(r, k));
     for (int64_t i = 0; i < k->n; i++) {
         const shard_chunk *c = &k->chunks[i];
-        if (!c->data) continue; /* an empty chunk */
+        if (c->absent && boxes_meet(ndim, c->c.offsets, c->c.shape, offsets, local_shape))
+            return absent_chunk(r, key, c);
+        if (!c->data) continue; /* an empty chunk, or one this read does not need */
         rc = ckpt__box_copy(dt, ndim, c->c.offsets, c->c.shape, c->data, offsets, local_shape, dst);
         if (rc) return ckpt__err_prefix(rc, "%s: key '%s'", c->file, key);
     }
@@ -272,10 +293,31 @@ static int attach_index(const ckpt_st_header *h, key_index *ix) {
     return CKPT_OK;
 }
 
+/* The i-th chunk listed for a shard file against the file's parsed header
+ * h: its tensor is there, of the listed dtype and shape, listed once. */
+static int chunk_in_file(const ckpt_st_header *h, const key_index *ix, int64_t *where,
+                         const char *name, const char *key, const ckpt_chunk *c, int64_t i) {
+    char a[200], b[200];
+    int64_t t = key_index_get(ix, key);
+    if (t < 0) return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s' is not in the file", name, key);
+    const ckpt_st_tensor *ft = &h->tensors[t];
+    bool same = ft->dtype == c->dtype && ft->ndim == c->ndim;
+    for (int d = 0; same && d < ft->ndim; d++) same = ft->shape[d] == c->shape[d];
+    if (!same)
+        return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s': %s %s in the file, %s %s listed", name,
+                         key, ckpt_dtype_name(ft->dtype),
+                         ckpt__shape_str(a, sizeof a, ft->ndim, ft->shape),
+                         ckpt_dtype_name(c->dtype), ckpt__shape_str(b, sizeof b, c->ndim, c->shape));
+    if (where[t]) return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s' is listed twice", name, key);
+    where[t] = i + 1;
+    return CKPT_OK;
+}
+
 int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const char *name,
                               const char *const *keys, const ckpt_chunk *chunks, int64_t n) {
     if (!r || (!buf && len) || (n > 0 && (!keys || !chunks)) || n < 0)
         return ckpt__err(CKPT_EINVAL, "attach shard: invalid argument");
+    bool absent = !buf; /* the manifest's records only */
     if (!name) name = "(shard)";
     char a[200], b[200];
     ckpt_st_header h;
@@ -285,11 +327,11 @@ int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const
     int64_t *where = NULL;
     char *fname = NULL;
     uint64_t hl = 0;
-    int rc = ckpt__st_header_len(buf, len, name, &hl);
-    if (!rc) rc = ckpt__st_parse((const uint8_t *)buf + 8, hl, len, name, &h);
-    if (!rc) rc = attach_index(&h, &ix);
+    int rc = absent ? CKPT_OK : ckpt__st_header_len(buf, len, name, &hl);
+    if (!rc && !absent) rc = ckpt__st_parse((const uint8_t *)buf + 8, hl, len, name, &h);
+    if (!rc && !absent) rc = attach_index(&h, &ix);
     if (rc) goto out;
-    if (h.ntensors != n) {
+    if (!absent && h.ntensors != n) {
         rc = ckpt__err(CKPT_ECORRUPT, "%s: %" PRId64 " tensors in the file, %" PRId64
                        " chunks listed for it",
                        name, h.ntensors, n);
@@ -310,27 +352,7 @@ int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const
         }
         rc = ckpt__chunk_check(&chunks[i], CKPT_ECORRUPT, name, key, NULL);
         if (rc) break;
-        int64_t t = key_index_get(&ix, key);
-        if (t < 0) {
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s' is not in the file", name, key);
-            break;
-        }
-        const ckpt_st_tensor *ft = &h.tensors[t];
-        bool same = ft->dtype == chunks[i].dtype && ft->ndim == chunks[i].ndim;
-        for (int d = 0; same && d < ft->ndim; d++) same = ft->shape[d] == chunks[i].shape[d];
-        if (!same) {
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s': %s %s in the file, %s %s listed",
-                           name, key, ckpt_dtype_name(ft->dtype),
-                           ckpt__shape_str(a, sizeof a, ft->ndim, ft->shape),
-                           ckpt_dtype_name(chunks[i].dtype),
-                           ckpt__shape_str(b, sizeof b, chunks[i].ndim, chunks[i].shape));
-            break;
-        }
-        if (where[t]) {
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s' is listed twice", name, key);
-            break;
-        }
-        where[t] = i + 1;
+        if (!absent && (rc = chunk_in_file(&h, &ix, where, name, key, &chunks[i], i)) != 0) break;
         const entry *e = reader_get(r, key);
         if (e && !e->sk) {
             rc = ckpt__err(CKPT_ECORRUPT,
@@ -362,7 +384,7 @@ int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const
     if (rc) goto out;
     r->shard_files[r->nshard_files++] = fname;
     for (int64_t i = 0; i < n; i++) {
-        const ckpt_st_tensor *ft = &h.tensors[key_index_get(&ix, keys[i])];
+        const ckpt_st_tensor *ft = absent ? NULL : &h.tensors[key_index_get(&ix, keys[i])];
         const entry *e = reader_get(r, keys[i]);
         shard_key *k;
         if (e) {
@@ -395,7 +417,9 @@ int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const
         if (rc) goto out_applied;
         shard_chunk *sc = &k->chunks[k->n++];
         sc->c = chunks[i];
-        sc->data = ft->end > ft->begin ? (const uint8_t *)buf + h.data_start + ft->begin : NULL;
+        sc->data = ft && ft->end > ft->begin ? (const uint8_t *)buf + h.data_start + ft->begin
+                                             : NULL;
+        sc->absent = absent;
         sc->file = fname;
     }
     fname = NULL;

@@ -44,3 +44,18 @@ int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const ch
     }
     return CKPT_OK;
 }
+
+/* ---- which saved chunks a schema reads ------------------------------------ */
+
+bool ckpt__schema_needs_chunk(const ckpt_writer *schema, const char *key, const ckpt_chunk *c) {
+    int64_t i = schema && key ? key_index_get(&schema->index, key) : -1;
+    if (i < 0) return true; /* not the object's key as such: whatever reads it may need it */
+    const entry *m = &schema->entries[i];
+    if (m->kind != CKPT_ENTRY_TENSOR || !m->shard || m->ndim != c->ndim) return true;
+    for (int d = 0; d < c->ndim; d++) {
+        if (m->cshape[d] == 0 || c->shape[d] == 0) return false; /* an empty box meets nothing */
+        if (m->coff[d] + m->cshape[d] <= c->offsets[d] || c->offsets[d] + c->shape[d] <= m->coff[d])
+            return false;
+    }
+    return true;
+}

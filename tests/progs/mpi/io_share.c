@@ -18,6 +18,16 @@
  * rank moved is at most 1.25 x state/P + 1 MiB and the bytes read by all
  * ranks together are at most 1.25 x state. The load must also give back the
  * saved values bit for bit (they are overwritten between save and load).
+ * Rank 0 also prints the most bytes of checkpoint files one rank held in
+ * memory during the load (ckpt__load_held_peak: the files it read and those
+ * it received)
+ *
+ *   io_share LAYOUT P=<p> load held: max=<bytes> ratio=<max/(state/P)> per rank: ...
+ *
+ * and, for the ZeRO-1 and the sharded layouts, fails unless that is at most
+ * 1.25 x state/P + 16 MiB (one transfer piece) + 1 MiB: each rank is sent
+ * only the shard files whose chunks meet its slices. (Data parallel ranks
+ * need the whole state, so they hold it.)
  * Then a second save of the unchanged state: an incremental save, in which
  * every rank links its own files from the first checkpoint and writes none
  * (rank 0 writes the manifest only); rank 0 prints
@@ -31,6 +41,7 @@
 
 #include "ckpt.h"
 #include "ckpt_mpi.h"
+#include "accel/load_held.h"
 #include "base/io.h"
 
 #define MIB ((uint64_t)1 << 20)
@@ -110,6 +121,32 @@ static int report(const char *layout, const char *phase, counts mine, uint64_t s
     }
     fflush(stdout);
     return bad;
+}
+
+/* The most checkpoint bytes one rank held during the load; rank 0 prints
+ * it and, where bound, checks it. Returns 1 on rank 0 if the bound is
+ * broken. */
+static int report_held(const char *layout, uint64_t state, bool bound) {
+    uint64_t mine = ckpt__load_held_peak(), *all = NULL;
+    if (rank_ == 0 && !(all = malloc(sizeof mine * (size_t)size_))) die("out of memory");
+    MPI_Gather(&mine, 1, MPI_UINT64_T, all, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+    if (rank_ != 0) return 0;
+    uint64_t max = 0;
+    for (int r = 0; r < size_; r++)
+        if (all[r] > max) max = all[r];
+    double share = (double)state / size_, limit = 1.25 * share + (double)(17 * MIB);
+    printf("io_share %-7s P=%d load held: max=%llu ratio=%.2f per rank:", layout, size_,
+           (unsigned long long)max, (double)max / share);
+    for (int r = 0; r < size_; r++) printf(" %llu", (unsigned long long)all[r]);
+    printf("\n");
+    fflush(stdout);
+    free(all);
+    if (bound && (double)max > limit) {
+        fprintf(stderr, "io_share %s P=%d load: one rank held %llu bytes, more than 1.25 x %.0f + "
+                        "17 MiB\n", layout, size_, (unsigned long long)max, share);
+        return 1;
+    }
+    return 0;
 }
 
 int main(int argc, char **argv) {
@@ -198,6 +235,7 @@ int main(int argc, char **argv) {
     if (ckpt_load_state(acc, NULL) < 0) die("load");
     counts l = since(&t0);
     bad |= report(layout, "load", l, state);
+    bad |= report_held(layout, state, zero1 || sharded);
     int wrong = 0;
     if (!sharded) {
         for (int p = 0; p < 4; p++)
