@@ -205,7 +205,8 @@ static int open_checkpoint(load_op *op, const char *dir) {
     /* Read once, hashed on the way, into the accelerator's reusable area. */
     int rc = ckpt__checkpoint_open_into(dir, many ? rank_reads : NULL, op, &op->acc->arena, &op->c);
     for (int64_t j = 0; op->c.have_manifest && op->c.maps && j < op->c.m.nfiles; j++)
-        if (!many || (op->reader && op->reader[j] == op->comm->rank)) op->held += op->c.m.files[j].size;
+        if (!many || (op->reader && op->reader[j] == op->comm->rank))
+            op->held += op->c.m.files[j].size;
     ckpt__load_held_add(op->held);
     return rc;
 }
@@ -294,8 +295,7 @@ static int send_file(const ckpt_comm *c, const ckpt_manifest_file *f, int from, 
             int crc = c->gather(c->ctx, me ? buf + off : NULL, me ? k : 0, &out, lens, to[t]);
             if (crc == 0 && c->rank == to[t]) {
                 ckpt__load_held_add(k); /* the piece, until copied into place */
-                if (lens[from] == k)
-                    memcpy(buf + off, out, k);
+                if (lens[from] == k) memcpy(buf + off, out, k);
                 else
                     crc = ckpt__err(CKPT_EIO, "gather: %zu bytes from rank %d, %zu expected",
                                     lens[from], from, k);
@@ -331,7 +331,7 @@ static int share_files(load_op *op) {
     size_t *lens = ckpt__calloc((size_t)q, sizeof *lens);
     int *to = ckpt__calloc((size_t)q, sizeof *to);
     int rc = op->have && need && mine && all && lens && to ? CKPT_OK
-                                                             : ckpt__err_nomem("load: share plan");
+                                                           : ckpt__err_nomem("load: share plan");
     if (rc == 0) rc = find_needs(op, need);
     /* Every rank's needs on every rank, agreed on first so that no rank
      * drops out of the allgather. */
@@ -528,8 +528,7 @@ static int attach_shards(const load_op *op, ckpt_reader *r, const char *name, co
         const ckpt_mapped *mp = &op->c.maps[j];
         bool held = !op->have || op->have[j];
         CKPT_TRY(ckpt__reader_attach_shard(r, held ? mp->data : NULL, held ? (size_t)mp->size : 0,
-                                           f->name,
-                                           (const char *const *)f->tensor_keys, f->chunks,
+                                           f->name, (const char *const *)f->tensor_keys, f->chunks,
                                            f->ntensors));
     }
     return CKPT_OK;
@@ -959,7 +958,7 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     /* post */
     if (rc == 0) {
         acc->interval_start = ckpt__now(); /* a resumed run's time interval starts now */
-        close_checkpoint(&op); /* the post-hooks may rewrite the folder */
+        close_checkpoint(&op);             /* the post-hooks may rewrite the folder */
         ckpt__acc_run_hooks(acc, HOOK_LOAD_POST, op.dir, "load_state");
     }
 out:

@@ -304,10 +304,10 @@ static int chunk_in_file(const ckpt_st_header *h, const key_index *ix, int64_t *
     bool same = ft->dtype == c->dtype && ft->ndim == c->ndim;
     for (int d = 0; same && d < ft->ndim; d++) same = ft->shape[d] == c->shape[d];
     if (!same)
-        return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s': %s %s in the file, %s %s listed", name,
-                         key, ckpt_dtype_name(ft->dtype),
-                         ckpt__shape_str(a, sizeof a, ft->ndim, ft->shape),
-                         ckpt_dtype_name(c->dtype), ckpt__shape_str(b, sizeof b, c->ndim, c->shape));
+        return ckpt__err(
+            CKPT_ECORRUPT, "%s: chunk of '%s': %s %s in the file, %s %s listed", name, key,
+            ckpt_dtype_name(ft->dtype), ckpt__shape_str(a, sizeof a, ft->ndim, ft->shape),
+            ckpt_dtype_name(c->dtype), ckpt__shape_str(b, sizeof b, c->ndim, c->shape));
     if (where[t]) return ckpt__err(CKPT_ECORRUPT, "%s: chunk of '%s' is listed twice", name, key);
     where[t] = i + 1;
     return CKPT_OK;
@@ -417,8 +417,8 @@ int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const
         if (rc) goto out_applied;
         shard_chunk *sc = &k->chunks[k->n++];
         sc->c = chunks[i];
-        sc->data = ft && ft->end > ft->begin ? (const uint8_t *)buf + h.data_start + ft->begin
-                                             : NULL;
+        sc->data =
+            ft && ft->end > ft->begin ? (const uint8_t *)buf + h.data_start + ft->begin : NULL;
         sc->absent = absent;
         sc->file = fname;
     }

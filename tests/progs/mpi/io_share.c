@@ -142,8 +142,10 @@ static int report_held(const char *layout, uint64_t state, bool bound) {
     fflush(stdout);
     free(all);
     if (bound && (double)max > limit) {
-        fprintf(stderr, "io_share %s P=%d load: one rank held %llu bytes, more than 1.25 x %.0f + "
-                        "17 MiB\n", layout, size_, (unsigned long long)max, share);
+        fprintf(stderr,
+                "io_share %s P=%d load: one rank held %llu bytes, more than 1.25 x %.0f + "
+                "17 MiB\n",
+                layout, size_, (unsigned long long)max, share);
         return 1;
     }
     return 0;
