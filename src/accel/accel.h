@@ -159,6 +159,10 @@ void ckpt__async_free(ckpt_accelerator *acc);
  * others. A failure of the communicator itself is returned as is (CKPT_EIO
  * naming it) and may differ between ranks. */
 int ckpt__coll_agree(const ckpt_comm *c, int rc, bool (*prefer)(int rc));
+/* The same, where this rank's failure may only echo another rank's (echo:
+ * it stopped because another rank did, as a streamed load's ranks do,
+ * load.c): a failing rank's own message is reported before any echo. */
+int ckpt__coll_agree_echo(const ckpt_comm *c, int rc, bool (*prefer)(int rc), bool echo);
 /* Rank 0's status and message reach every rank: rank 0 passes rc, the
  * others anything; all return rank 0's rc, and on failure every rank's
  * message is "rank 0: <rank 0's message>". */

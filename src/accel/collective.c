@@ -9,15 +9,23 @@
 #include "accel/accel.h"
 #include "base/error.h"
 
-/* One rank's outcome as it travels: status, then its message (cut short). */
+/* One rank's outcome as it travels: status, whether it only echoes another
+ * rank's failure, then its message (cut short). */
 #define REC_BYTES 2048
 #define REC_MSG (REC_BYTES - 8)
 
-static void rec_pack(char *rec, int rc) {
-    int32_t v = rc;
+static void rec_pack(char *rec, int rc, bool echo) {
+    int32_t v = rc, e = echo;
     memset(rec, 0, REC_BYTES);
     memcpy(rec, &v, sizeof v);
+    memcpy(rec + 4, &e, sizeof e);
     snprintf(rec + 8, REC_MSG, "%s", rc < 0 ? ckpt_errmsg() : "");
+}
+
+static bool rec_echo(const char *rec) {
+    int32_t e;
+    memcpy(&e, rec + 4, sizeof e);
+    return e != 0;
 }
 
 static int rec_status(const char *rec) {
@@ -56,6 +64,10 @@ void ckpt__coll_end(ckpt_accelerator *acc) {
 }
 
 int ckpt__coll_agree(const ckpt_comm *c, int rc, bool (*prefer)(int rc)) {
+    return ckpt__coll_agree_echo(c, rc, prefer, false);
+}
+
+int ckpt__coll_agree_echo(const ckpt_comm *c, int rc, bool (*prefer)(int rc), bool echo) {
     if (rc > 0) rc = CKPT_EINVAL;
     if (c->size <= 1) return rc;
     /* The common case costs one small reduction; only a failure moves the
@@ -80,18 +92,22 @@ int ckpt__coll_agree(const ckpt_comm *c, int rc, bool (*prefer)(int rc)) {
         free(mine), free(all), free(lens);
         return ckpt__err_nomem("agreement");
     }
-    rec_pack(mine, rc);
+    rec_pack(mine, rc, echo && rc < 0);
     for (size_t r = 0; r < p; r++) lens[r] = REC_BYTES;
     crc = c->allgather(c->ctx, mine, all, lens);
     if (crc < 0) {
         free(mine), free(all), free(lens);
         return comm_failed(crc, "allgather");
     }
+    /* The first failure that is a rank's own (not an echo of another's),
+     * of a preferred status first; then any. */
     int pick = -1, nfailed = 0;
-    for (int pass = prefer ? 0 : 1; pass < 2 && pick < 0; pass++)
+    for (int pass = prefer ? 0 : 1; pass < 3 && pick < 0; pass++)
         for (size_t r = 0; r < p && pick < 0; r++) {
-            int s = rec_status(all + r * REC_BYTES);
-            if (s < 0 && (pass == 1 || prefer(s))) pick = (int)r;
+            const char *rec = all + r * REC_BYTES;
+            int s = rec_status(rec);
+            if (s < 0 && (pass == 2 || (!rec_echo(rec) && (pass == 1 || prefer(s)))))
+                pick = (int)r;
         }
     for (size_t r = 0; r < p; r++) nfailed += rec_status(all + r * REC_BYTES) < 0;
     if (pick < 0) { /* only if the records disagree with the reduction */
@@ -117,7 +133,7 @@ int ckpt__coll_share(const ckpt_comm *c, int rc) {
     if (c->size <= 1) return rc;
     char *rec = malloc(REC_BYTES);
     if (!rec) return ckpt__err_nomem("agreement");
-    if (c->rank == 0) rec_pack(rec, rc);
+    if (c->rank == 0) rec_pack(rec, rc, false);
     int crc = c->bcast(c->ctx, rec, REC_BYTES, 0);
     if (crc < 0) {
         free(rec);

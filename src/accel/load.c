@@ -33,6 +33,8 @@
 #include "store/store.h"
 #include "train/rng.h"
 
+#include <xxhash.h>
+
 typedef struct load_op {
     ckpt_accelerator *acc;
     const ckpt_comm *comm;
@@ -67,6 +69,16 @@ typedef struct load_op {
     bool *have;
     /* Bytes of the opened candidate's files this rank holds (load_held.h). */
     uint64_t held;
+    /* Streamed chunks (share_files, fetch): every chunk of the shard files
+     * numbered in manifest order, file j's first at cbase[j] (cfile: each
+     * chunk's file); streamed[c] says that every rank reads chunk c, so its
+     * bytes go from its file's reader to all ranks while the objects read
+     * it, through window on a receiving rank. */
+    int64_t *cbase, *cfile, nchunks, nstreamed;
+    bool *streamed;
+    uint8_t *window;
+    /* This rank stopped because another one did (its failure echoes). */
+    bool echo;
     /* ckpt_load_options.one_pass, where it applies: the files are checked
      * shallowly at the choice and verified while the objects read them */
     bool one_pass;
@@ -223,6 +235,14 @@ static bool adapted(const load_op *op, const ckpt_acc_obj *o) {
     return opt->rename || opt->num_prefix_map > 0 || opt->non_strict || opt->convert_dtypes;
 }
 
+/* Whether chunk c can be streamed: bytes of whole elements, some of them. */
+static bool streamable(const ckpt_chunk *c) {
+    int bits = ckpt_dtype_bits(c->dtype);
+    uint64_t n = 0;
+    return bits > 0 && bits % 8 == 0 && ckpt_tensor_nbytes(c->dtype, c->ndim, c->shape, &n) == 0 &&
+           n > 0;
+}
+
 /* Which files of the opened checkpoint this rank needs (need[j]): for each
  * selected object, its file and, of its shard files, those holding a chunk
  * that meets a slice the object reads (its schema: ckpt_write_tensor_shard
@@ -230,8 +250,10 @@ static bool adapted(const load_op *op, const ckpt_acc_obj *o) {
  * model saved as Hugging Face shards needs every part. Files of objects not
  * selected, and other ranks' generators, are not needed. Conservative: what
  * cannot be decided (an object's state_dict fails, which the check reports
- * later) is needed. */
-static int find_needs(load_op *op, bool *need) {
+ * later) is needed. Per chunk of the shard files whose chunks were looked
+ * at (cneed, by op->cbase): 0 not needed, 1 needed and streamable, 2 needed
+ * and not. */
+static int find_needs(load_op *op, bool *need, uint8_t *cneed) {
     const ckpt_manifest *m = &op->c.m;
     for (int64_t j = 0; j < m->nfiles; j++) need[j] = true;
     char name[96];
@@ -260,8 +282,12 @@ static int find_needs(load_op *op, bool *need) {
             }
             if (!shard || all || !f->chunks) continue;
             need[j] = false;
-            for (int64_t k = 0; k < f->ntensors && !need[j]; k++)
-                need[j] = ckpt__schema_needs_chunk(schema, f->tensor_keys[k], &f->chunks[k]);
+            for (int64_t k = 0; k < f->ntensors; k++) {
+                const ckpt_chunk *ch = &f->chunks[k];
+                bool n = ckpt__schema_needs_chunk(schema, f->tensor_keys[k], ch);
+                cneed[op->cbase[j] + k] = !n ? 0 : streamable(ch) ? 1 : 2;
+                need[j] |= n;
+            }
         }
         ckpt_writer_free(schema);
     }
@@ -309,14 +335,76 @@ static int send_file(const ckpt_comm *c, const ckpt_manifest_file *f, int from, 
     return rc;
 }
 
+/* Numbers every chunk of the opened checkpoint's shard files (op->cbase,
+ * op->cfile, op->nchunks), in manifest order: the same on every rank. */
+static int number_chunks(load_op *op) {
+    const ckpt_manifest *m = &op->c.m;
+    int64_t nf = m->nfiles, n = 0;
+    free(op->cbase);
+    free(op->cfile);
+    op->cfile = NULL;
+    op->cbase = ckpt__calloc((size_t)(nf ? nf : 1), sizeof *op->cbase);
+    if (!op->cbase) return ckpt__err_nomem("load: chunk plan");
+    for (int64_t j = 0; j < nf; j++) {
+        op->cbase[j] = n;
+        if (m->files[j].chunks) n += m->files[j].ntensors;
+    }
+    op->nchunks = n;
+    op->cfile = ckpt__calloc((size_t)(n ? n : 1), sizeof *op->cfile);
+    if (!op->cfile) return ckpt__err_nomem("load: chunk plan");
+    for (int64_t j = 0; j < nf; j++)
+        for (int64_t k = 0; m->files[j].chunks && k < m->files[j].ntensors; k++)
+            op->cfile[op->cbase[j] + k] = j;
+    return CKPT_OK;
+}
+
+/* Which chunks are streamed: those every rank needs and can stream (the
+ * minimum over the ranks, one reduction of a value per chunk). A rank then
+ * needs a shard file before the check only for the chunks it needs that are
+ * not streamed. */
+static int choose_streamed(load_op *op, bool *need, const uint8_t *cneed) {
+    const ckpt_comm *c = op->comm;
+    const ckpt_manifest *m = &op->c.m;
+    int64_t n = op->nchunks;
+    op->streamed = ckpt__calloc((size_t)(n ? n : 1), sizeof *op->streamed);
+    int64_t *v = ckpt__calloc((size_t)(n ? n : 1), sizeof *v);
+    int rc = op->streamed && v ? CKPT_OK : ckpt__err_nomem("load: chunk plan");
+    rc = ckpt__coll_agree(c, rc, NULL);
+    for (int64_t k = 0; k < n && rc == 0; k++) v[k] = cneed[k] == 1;
+    /* one reduction per million chunks: the count is an int */
+    for (int64_t at = 0; at < n && rc == 0; at += 1 << 20) {
+        int k = n - at < (1 << 20) ? (int)(n - at) : 1 << 20;
+        int crc = c->allreduce_i64(c->ctx, v + at, k, CKPT_REDUCE_MIN);
+        if (crc < 0) rc = ckpt__err_prefix(crc, "load_state: communicator: allreduce");
+    }
+    rc = ckpt__coll_agree(c, rc, NULL);
+    for (int64_t k = 0; k < n && rc == 0; k++) {
+        op->streamed[k] = v[k] == 1;
+        op->nstreamed += op->streamed[k];
+    }
+    for (int64_t j = 0; j < m->nfiles && rc == 0; j++) {
+        const ckpt_manifest_file *f = &m->files[j];
+        bool looked = false, still = false;
+        for (int64_t k = op->cbase[j]; f->chunks && k < op->cbase[j] + f->ntensors; k++) {
+            looked |= cneed[k] != 0;
+            still |= cneed[k] == 2 || (cneed[k] == 1 && !op->streamed[k]);
+        }
+        if (looked) need[j] = still;
+    }
+    free(v);
+    return rc;
+}
+
 /* After every rank verified its files of the chosen checkpoint (and all
- * agreed): which ranks need which files is shared (one allgather of a byte
- * per file), then each shared file's bytes go from its reader to the ranks
- * that need it (send_file), into a buffer of each receiving rank's (freed
- * with the checkpoint). So a rank holds the files it read and those it
- * needs, never the whole checkpoint's unless it needs all of it (replicated
- * objects). The sizes are the manifest's, which every rank checked against
- * the file. */
+ * agreed): which ranks need which files and chunks is shared (one reduction
+ * of a value per chunk, one allgather of a byte per file). A chunk every
+ * rank reads (a replicated tensor's part) is streamed: it stays with its
+ * file's reader, and reaches the others while the objects read it (fetch),
+ * a window at a time. Each other file a rank needs goes from its reader to
+ * it (send_file), into a buffer of the receiving rank's (freed with the
+ * checkpoint). So a rank holds the files it read and those it needs for
+ * other than replicated tensors, never the whole checkpoint's. The sizes are
+ * the manifest's, which every rank checked against the file. */
 static int share_files(load_op *op) {
     const ckpt_comm *c = op->comm;
     if (c->size <= 1 || !op->reader) return CKPT_OK;
@@ -327,15 +415,19 @@ static int share_files(load_op *op) {
     free(op->have);
     op->have = ckpt__calloc(nb, sizeof *op->have);
     bool *need = ckpt__calloc(nb, sizeof *need);
-    uint8_t *mine = ckpt__calloc(nb, 1), *all = ckpt__calloc((size_t)q * nb, 1);
+    uint8_t *mine = ckpt__calloc(nb, 1), *all = ckpt__calloc((size_t)q * nb, 1), *cneed = NULL;
     size_t *lens = ckpt__calloc((size_t)q, sizeof *lens);
     int *to = ckpt__calloc((size_t)q, sizeof *to);
     int rc = op->have && need && mine && all && lens && to ? CKPT_OK
                                                            : ckpt__err_nomem("load: share plan");
-    if (rc == 0) rc = find_needs(op, need);
-    /* Every rank's needs on every rank, agreed on first so that no rank
-     * drops out of the allgather. */
+    if (rc == 0) rc = number_chunks(op);
+    if (rc == 0 && !(cneed = ckpt__calloc((size_t)(op->nchunks ? op->nchunks : 1), 1)))
+        rc = ckpt__err_nomem("load: share plan");
+    if (rc == 0) rc = find_needs(op, need, cneed);
+    /* Agreed on first so that no rank drops out of the reduction. */
     rc = ckpt__coll_agree(c, rc, NULL);
+    if (rc == 0) rc = choose_streamed(op, need, cneed);
+    /* Every rank's needs on every rank. */
     if (rc == 0) {
         for (int64_t j = 0; j < nf; j++) mine[j] = need[j];
         for (int r = 0; r < q; r++) lens[r] = nb;
@@ -376,9 +468,110 @@ static int share_files(load_op *op) {
     free(need);
     free(mine);
     free(all);
+    free(cneed);
     free(lens);
     free(to);
     return rc;
+}
+
+/* ---- streamed chunks ------------------------------------------------------- */
+
+/* What a rank asks for in a round of the streaming: a chunk's number, or
+ * STREAM_DONE when it has read everything it reads (or stopped). */
+#define STREAM_DONE (-1)
+
+/* One round: every rank says what it asks for (one reduction of two
+ * values); *lo and *hi get the smallest and largest request. */
+static int stream_round(const ckpt_comm *c, int64_t ask, int64_t *lo, int64_t *hi) {
+    int64_t v[2] = {ask, -ask};
+    int crc = c->allreduce_i64(c->ctx, v, 2, CKPT_REDUCE_MAX);
+    if (crc < 0) return ckpt__err_prefix(crc, "communicator: allreduce");
+    *hi = v[0];
+    *lo = -v[1];
+    return CKPT_OK;
+}
+
+/* The reader's fetch (ckpt__reader_set_fetch) of a streamed chunk: every
+ * rank asks for the same chunk at the same point (it reads the same
+ * replicated keys in the same order); the chunk's file's reader then
+ * broadcasts it in pieces of SHARE_PIECE bytes (whole elements), each put
+ * where the read wants it, and a receiving rank checks the bytes against
+ * the manifest's digest of the chunk. A rank whose request differs from the
+ * others' (it stopped, or reads in another order) makes every rank's
+ * request fail, without any bytes moved, so no rank waits on a transfer
+ * the others never start. */
+static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size_t esz,
+                 ckpt__piece_fn put, void *put_ctx) {
+    load_op *op = ctx;
+    const ckpt_comm *c = op->comm;
+    int64_t lo = 0, hi = 0;
+    CKPT_TRY(stream_round(c, id, &lo, &hi));
+    if (lo != hi) {
+        if (lo == STREAM_DONE) {
+            op->echo = true;
+            return ckpt__err(CKPT_EINVAL,
+                             "another rank finished or stopped reading before this chunk "
+                             "(if it failed, its failure is the load's; if not, the ranks read "
+                             "replicated state differently)");
+        }
+        return ckpt__err(CKPT_EINVAL,
+                         "the ranks read replicated state in different orders (chunk %" PRId64
+                         " here, %" PRId64 " on some rank): every rank must register the same "
+                         "objects and read them alike",
+                         id, lo == id ? hi : lo);
+    }
+    if (id < 0 || id >= op->nchunks || !op->streamed[id])
+        return ckpt__err(CKPT_EINVAL, "chunk %" PRId64 " is not streamed", id);
+    int64_t j = op->cfile[id], k = id - op->cbase[j];
+    const ckpt_manifest_file *f = &op->c.m.files[j];
+    int root = op->reader[j];
+    bool me = c->rank == root;
+    size_t piece = SHARE_PIECE / esz * esz;
+    if (!me && !op->window) {
+        op->window = ckpt__malloc(SHARE_PIECE);
+        if (op->window) { /* what a receiving rank holds beyond its files */
+            op->held += SHARE_PIECE;
+            ckpt__load_held_add(SHARE_PIECE);
+        }
+    }
+    /* After a failure the pieces still travel (the broadcasts stay paired);
+     * the first failure is returned. */
+    int rc = (me && !local) || (!me && !op->window)
+                 ? ckpt__err(me ? CKPT_EINVAL : CKPT_ENOMEM, "%s: no room for the chunk", f->name)
+                 : CKPT_OK;
+    XXH3_state_t *h = me ? NULL : XXH3_createState();
+    if (h) XXH3_64bits_reset(h);
+    for (uint64_t off = 0; off < nbytes; off += piece) {
+        size_t n = nbytes - off < piece ? (size_t)(nbytes - off) : piece;
+        uint8_t *p = me && local ? (uint8_t *)(uintptr_t)local + off : op->window;
+        int crc = p ? c->bcast(c->ctx, p, n, root) : CKPT_ENOMEM;
+        if (crc < 0 && rc == 0)
+            rc = ckpt__err_prefix(crc, "%s: communicator: bcast from rank %d", f->name, root);
+        if (rc == 0 && h) XXH3_64bits_update(h, p, n);
+        if (rc == 0) rc = put(put_ctx, p, off / esz, n / esz);
+    }
+    if (rc == 0 && !me && f->tensor_xxh3 && k < f->ntensors &&
+        (!h || XXH3_64bits_digest(h) != f->tensor_xxh3[k]))
+        rc = h ? ckpt__err(CKPT_ECORRUPT,
+                           "%s: chunk %" PRId64 " received from rank %d differs from the "
+                           "manifest's digest",
+                           f->name, k, root)
+               : ckpt__err_nomem("chunk digest");
+    XXH3_freeState(h);
+    return rc;
+}
+
+/* The end of a phase whose objects may have read streamed chunks: every
+ * rank says it is done, and answers the requests of ranks still reading
+ * (each such request fails, see fetch) until every rank is done. Returns
+ * the communicator's failure, if any. */
+static int stream_end(load_op *op) {
+    if (!op->nstreamed) return CKPT_OK;
+    for (;;) {
+        int64_t lo = 0, hi = 0;
+        CKPT_TRY(stream_round(op->comm, STREAM_DONE, &lo, &hi));
+        if (hi == STREAM_DONE) return CKPT_OK;
+    }
 }
 
 /* The checkpoint's files leave memory: what load_held.h counts drops. */
@@ -387,6 +580,14 @@ static void close_checkpoint(load_op *op) {
     op->held = 0;
     free(op->have);
     op->have = NULL;
+    free(op->cbase);
+    free(op->cfile);
+    free(op->streamed);
+    free(op->window);
+    op->cbase = op->cfile = NULL;
+    op->streamed = NULL;
+    op->window = NULL;
+    op->nchunks = op->nstreamed = 0;
     ckpt__checkpoint_close(&op->c);
 }
 
@@ -512,7 +713,7 @@ static int check_counts(const load_op *op) {
 
 /* Makes every shard file of the object whose file is `name` readable
  * through r, with the chunks the manifest records. */
-static int attach_shards(const load_op *op, ckpt_reader *r, const char *name, const char *kind) {
+static int attach_shards(load_op *op, ckpt_reader *r, const char *name, const char *kind) {
     const ckpt_manifest *m = &op->c.m;
     for (int64_t j = 0; j < m->nfiles; j++) {
         const ckpt_manifest_file *f = &m->files[j];
@@ -524,12 +725,25 @@ static int attach_shards(const load_op *op, ckpt_reader *r, const char *name, co
             return ckpt__err(CKPT_ECORRUPT, "%s: %s: the manifest records no chunks for it",
                              op->dir, f->name);
         /* A shard file this rank does not hold (none of its chunks meets
-         * the object's slices): its chunks from the manifest, no bytes. */
+         * the object's slices, or only streamed ones): its chunks from the
+         * manifest, no bytes. */
         const ckpt_mapped *mp = &op->c.maps[j];
         bool held = !op->have || op->have[j];
-        CKPT_TRY(ckpt__reader_attach_shard(r, held ? mp->data : NULL, held ? (size_t)mp->size : 0,
+        int64_t *ids = NULL;
+        if (op->nstreamed && f->ntensors > 0) {
+            if (!(ids = ckpt__malloc((size_t)f->ntensors * sizeof *ids)))
+                return ckpt__err_nomem("load: chunk plan");
+            for (int64_t k = 0; k < f->ntensors; k++) {
+                int64_t id = op->cbase[j] + k;
+                ids[k] = op->streamed[id] ? id : -1;
+            }
+            ckpt__reader_set_fetch(r, fetch, op);
+        }
+        int rc = ckpt__reader_attach_shard(r, held ? mp->data : NULL, held ? (size_t)mp->size : 0,
                                            f->name, (const char *const *)f->tensor_keys, f->chunks,
-                                           f->ntensors));
+                                           f->ntensors, ids);
+        free(ids);
+        CKPT_TRY(rc);
     }
     return CKPT_OK;
 }
@@ -944,15 +1158,23 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     ckpt__coll_phase(acc, "load: pre-hooks and check");
     rc = ckpt__acc_run_hooks(acc, HOOK_LOAD, op.dir, "load_state");
     if (rc == 0) rc = check(&op);
+    /* a check_state_dict may read streamed chunks: every rank ends alike */
+    int src = stream_end(&op);
+    if (rc == 0) rc = src;
     /* the report is made before anything changes: its failure (memory)
      * still leaves everything as it was */
     if (rc == 0 && report) rc = fill_report(&op, report);
     ckpt__coll_phase(acc, "load: agree on the verdict");
-    rc = ckpt__coll_agree(op.comm, rc, NULL);
+    rc = ckpt__coll_agree_echo(op.comm, rc, NULL, op.echo);
     if (rc == 0) log_adaptation(&op, report);
-    /* apply */
+    /* apply: the objects read the streamed chunks as they load */
     ckpt__coll_phase(acc, "load: apply");
-    if (rc == 0) rc = ckpt__coll_agree(op.comm, apply(&op), NULL);
+    if (rc == 0) {
+        rc = apply(&op);
+        src = stream_end(&op);
+        if (rc == 0) rc = src;
+        rc = ckpt__coll_agree_echo(op.comm, rc, NULL, op.echo);
+    }
     ckpt__coll_end(acc); /* the post-hooks may save or load */
     in_op = false;
     /* post */

@@ -258,6 +258,67 @@ int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_
     return CKPT_OK;
 }
 
+/* Elements [s, e) of the box (off, shape) whose dimensions below k are held
+ * at one index (shape 1 there), src at element s: whole runs of dimension k
+ * are one contiguous box; a partial run at either end recurses into
+ * dimension k + 1. off and shape are restored on return. */
+static int range_copy(ckpt_dtype dt, int ndim, int64_t *off, int64_t *shape, int k, uint64_t s,
+                      uint64_t e, const uint8_t *src, size_t esz, const int64_t *dst_off,
+                      const int64_t *dst_shape, void *dst) {
+    if (s >= e) return CKPT_OK;
+    if (k == ndim) return ckpt__box_copy(dt, ndim, off, shape, src, dst_off, dst_shape, dst);
+    uint64_t inner = 1;
+    for (int d = k + 1; d < ndim; d++) inner *= (uint64_t)shape[d];
+    int64_t off_k = off[k], shape_k = shape[k];
+    uint64_t a = s / inner, b = e / inner;
+    int rc = CKPT_OK;
+    if (s % inner) { /* the head: the rest of run a */
+        uint64_t he = (a + 1) * inner < e ? (a + 1) * inner : e;
+        off[k] = off_k + (int64_t)a;
+        shape[k] = 1;
+        rc = range_copy(dt, ndim, off, shape, k + 1, s - a * inner, he - a * inner, src, esz,
+                        dst_off, dst_shape, dst);
+        src += (he - s) * esz;
+        s = he;
+        a++;
+    }
+    if (rc == 0 && s < e && b > a) { /* whole runs [a, b) */
+        off[k] = off_k + (int64_t)a;
+        shape[k] = (int64_t)(b - a);
+        rc = ckpt__box_copy(dt, ndim, off, shape, src, dst_off, dst_shape, dst);
+        src += (b - a) * inner * esz;
+        s = b * inner;
+    }
+    if (rc == 0 && s < e) { /* the tail: the start of run b */
+        off[k] = off_k + (int64_t)b;
+        shape[k] = 1;
+        rc = range_copy(dt, ndim, off, shape, k + 1, 0, e - b * inner, src, esz, dst_off,
+                        dst_shape, dst);
+    }
+    off[k] = off_k;
+    shape[k] = shape_k;
+    return rc;
+}
+
+int ckpt__box_copy_range(ckpt_dtype dt, int ndim, const int64_t *src_off,
+                         const int64_t *src_shape, uint64_t first, uint64_t count,
+                         const void *src, const int64_t *dst_off, const int64_t *dst_shape,
+                         void *dst) {
+    int bits = ckpt_dtype_bits(dt);
+    if (bits <= 0 || bits % 8)
+        return ckpt__err(CKPT_EUNSUPPORTED, "box copy: pieces of %s elements are not whole bytes",
+                         ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "(invalid)");
+    if (ndim < 0 || ndim > CKPT_MAX_NDIM)
+        return ckpt__err(CKPT_EINVAL, "box copy: ndim %d", ndim);
+    int64_t off[CKPT_MAX_NDIM] = {0}, shape[CKPT_MAX_NDIM] = {0};
+    for (int d = 0; d < ndim; d++) {
+        off[d] = src_off[d];
+        shape[d] = src_shape[d];
+    }
+    return range_copy(dt, ndim, off, shape, 0, first, first + count, src, (size_t)bits / 8,
+                      dst_off, dst_shape, dst);
+}
+
 /* ---- shard file names ----------------------------------------------------- */
 
 int ckpt__shard_file_name(char *buf, size_t cap, const char *stem, int rank, int size) {

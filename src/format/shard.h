@@ -45,6 +45,17 @@ int ckpt__chunks_cover(ckpt_chunk_ref *v, int64_t n, int code, const char *what,
 int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_t *src_shape,
                    const void *src, const int64_t *dst_off, const int64_t *dst_shape, void *dst);
 
+/* Copies elements [first, first + count) of the box [src_off, src_off +
+ * src_shape), in row-major order (src holds exactly those elements: a piece
+ * of the chunk's bytes), into their places in the box [dst_off, dst_off +
+ * dst_shape) at dst, as ckpt__box_copy does; the elements outside the dst box
+ * are skipped. The range is cut into at most 2 x ndim + 1 boxes. The dtype
+ * must be whole bytes (CKPT_EUNSUPPORTED otherwise). */
+int ckpt__box_copy_range(ckpt_dtype dt, int ndim, const int64_t *src_off,
+                         const int64_t *src_shape, uint64_t first, uint64_t count,
+                         const void *src, const int64_t *dst_off, const int64_t *dst_shape,
+                         void *dst);
+
 /* Hugging Face's shard names: "<stem>-<rank+1>-of-<size>.safetensors", each
  * number 5 digits (more if needed). CKPT_EINVAL if it does not fit in cap. */
 int ckpt__shard_file_name(char *buf, size_t cap, const char *stem, int rank, int size);

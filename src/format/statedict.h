@@ -164,9 +164,27 @@ int ckpt__reader_verify_finish(ckpt_reader *r);
 /* buf NULL (len 0): the chunks are recorded from the manifest alone, their
  * bytes absent (a shard file this process did not receive): a read that
  * needs one fails with CKPT_EMISMATCH naming the key and the file; the
- * others, and schema checks, work as usual. */
+ * others, and schema checks, work as usual. stream (NULL: none) gives each
+ * chunk an id >= 0 if its bytes are to come through the reader's fetch
+ * (ckpt__reader_set_fetch) instead, whether or not buf holds them; -1 if
+ * not. */
 int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const char *name,
-                              const char *const *keys, const ckpt_chunk *chunks, int64_t n);
+                              const char *const *keys, const ckpt_chunk *chunks, int64_t n,
+                              const int64_t *stream);
+
+/* Streamed chunks (the load of many processes, docs/DISTRIBUTED.md). A read
+ * of a key with streamed chunks fetches every one of them, in the key's
+ * chunk order (attach order), whether or not it meets the slice read: the
+ * sequence of fetches depends only on the sequence of keys read, so ranks
+ * that read a replicated object alike fetch alike. fetch(ctx, id, local,
+ * nbytes, esz, put, put_ctx) delivers the chunk's nbytes bytes (local: this
+ * process's copy, or NULL) as consecutive pieces of whole elements of esz
+ * bytes: put(put_ctx, p, first, count) for elements [first, first + count)
+ * in row-major order; it returns the first failure. */
+typedef int (*ckpt__piece_fn)(void *put_ctx, const uint8_t *p, uint64_t first, uint64_t count);
+typedef int (*ckpt__fetch_fn)(void *ctx, int64_t id, const void *local, uint64_t nbytes,
+                              size_t esz, ckpt__piece_fn put, void *put_ctx);
+void ckpt__reader_set_fetch(ckpt_reader *r, ckpt__fetch_fn fn, void *ctx);
 
 /* ---- adapted readers (ckpt_load_state_ex) ----------------------------------
  * A reader built entry by entry: an object's file seen under other key

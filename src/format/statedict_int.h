@@ -176,6 +176,7 @@ typedef struct shard_chunk {
     const char *file;    /* r->shard_files[...] */
     bool absent;         /* listed by the manifest, but its file's bytes are not here
                             (ckpt__reader_attach_shard with buf NULL) */
+    int64_t stream;      /* >= 0: its bytes come through r->fetch under this id */
 } shard_chunk;
 
 /* A sharded key: every chunk attached so far. */
@@ -208,6 +209,8 @@ struct ckpt_reader {
     ckpt_reader **subs;  /* readers r borrows from and owns (ckpt__reader_adopt_reader) */
     int64_t nsubs, subcap;
     struct verify_stream *vs; /* a one-pass verified file reader (ckpt__reader_open_verified) */
+    ckpt__fetch_fn fetch;     /* streamed chunks (ckpt__reader_set_fetch) */
+    void *fetch_ctx;
 };
 
 /* A one-pass verified reader. By parts (the manifest records the header's

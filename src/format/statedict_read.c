@@ -139,6 +139,36 @@ static bool boxes_meet(int ndim, const int64_t *ao, const int64_t *as, const int
     return true;
 }
 
+/* Where a streamed chunk's pieces go: the slice a read asked for. */
+typedef struct piece_dst {
+    const shard_chunk *c;
+    const int64_t *offsets, *shape;
+    void *dst;
+} piece_dst;
+
+static int put_piece(void *ctx, const uint8_t *p, uint64_t first, uint64_t count) {
+    const piece_dst *d = ctx;
+    return ckpt__box_copy_range(d->c->c.dtype, d->c->c.ndim, d->c->c.offsets, d->c->c.shape,
+                                first, count, p, d->offsets, d->shape, d->dst);
+}
+
+/* A streamed chunk of key, fetched whole; the part of it in the slice
+ * [offsets, offsets + shape) lands in dst. */
+static int fetch_chunk(ckpt_reader *r, const char *key, const shard_chunk *c,
+                       const int64_t *offsets, const int64_t *shape, void *dst) {
+    uint64_t nbytes = 0;
+    CKPT_TRY(ckpt__chunk_check(&c->c, CKPT_ECORRUPT, c->file, key, &nbytes));
+    int bits = ckpt_dtype_bits(c->c.dtype);
+    if (!r->fetch || bits % 8)
+        return ckpt__err(CKPT_EINVAL, "%s: key '%s': the chunk in %s is streamed, but %s",
+                         r->name, key, c->file,
+                         r->fetch ? "its dtype is not whole bytes" : "the reader has no fetch");
+    piece_dst d = {c, offsets, shape, dst};
+    int rc = r->fetch(r->fetch_ctx, c->stream, c->data, nbytes, (size_t)bits / 8, put_piece, &d);
+    if (rc) return ckpt__err_prefix(rc, "%s: key '%s'", c->file, key);
+    return CKPT_OK;
+}
+
 int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
                             ckpt_entry_info *info) {
     const entry *e = NULL;
@@ -152,7 +182,7 @@ int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
         CKPT_TRY(shard_key_check(r, k));
         const shard_chunk *whole = NULL;
         for (int64_t i = 0; i < k->n; i++) {
-            bool all = true;
+            bool all = k->chunks[i].stream < 0; /* streamed: assembled below */
             for (int d = 0; all && d < e->ndim; d++) all = k->chunks[i].c.shape[d] == e->shape[d];
             if (all) whole = &k->chunks[i];
         }
@@ -251,6 +281,11 @@ int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int n
     CKPT_TRY(shard_key_check(r, k));
     for (int64_t i = 0; i < k->n; i++) {
         const shard_chunk *c = &k->chunks[i];
+        if (c->stream >= 0) {
+            rc = fetch_chunk(r, key, c, offsets, local_shape, dst);
+            if (rc) return rc;
+            continue;
+        }
         if (c->absent && boxes_meet(ndim, c->c.offsets, c->c.shape, offsets, local_shape))
             return absent_chunk(r, key, c);
         if (!c->data) continue; /* an empty chunk, or one this read does not need */
@@ -313,8 +348,15 @@ static int chunk_in_file(const ckpt_st_header *h, const key_index *ix, int64_t *
     return CKPT_OK;
 }
 
+void ckpt__reader_set_fetch(ckpt_reader *r, ckpt__fetch_fn fn, void *ctx) {
+    if (!r) return;
+    r->fetch = fn;
+    r->fetch_ctx = ctx;
+}
+
 int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const char *name,
-                              const char *const *keys, const ckpt_chunk *chunks, int64_t n) {
+                              const char *const *keys, const ckpt_chunk *chunks, int64_t n,
+                              const int64_t *stream) {
     if (!r || (!buf && len) || (n > 0 && (!keys || !chunks)) || n < 0)
         return ckpt__err(CKPT_EINVAL, "attach shard: invalid argument");
     bool absent = !buf; /* the manifest's records only */
@@ -419,7 +461,8 @@ int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const
         sc->c = chunks[i];
         sc->data =
             ft && ft->end > ft->begin ? (const uint8_t *)buf + h.data_start + ft->begin : NULL;
-        sc->absent = absent;
+        sc->stream = stream && stream[i] >= 0 ? stream[i] : -1;
+        sc->absent = absent && sc->stream < 0;
         sc->file = fname;
     }
     fname = NULL;

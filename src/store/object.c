@@ -128,7 +128,7 @@ int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader *
             break;
         }
         rc = ckpt__reader_attach_shard(r, data, len, f->name, (const char *const *)f->tensor_keys,
-                                       f->chunks, f->ntensors);
+                                       f->chunks, f->ntensors, NULL);
     }
 out:
     ckpt__manifest_clear(&m);

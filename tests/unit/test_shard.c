@@ -75,7 +75,7 @@ static void attach(ckpt_reader *r, shard_file *s) {
     const char *keys[8];
     for (int64_t i = 0; i < s->d.ntensors; i++) keys[i] = s->d.tensor_keys[i];
     assert_int_equal(ckpt__reader_attach_shard(r, s->bytes, s->len, s->name, keys, s->d.tensor_chunk,
-                                               s->d.ntensors),
+                                               s->d.ntensors, NULL),
                      CKPT_OK);
 }
 
@@ -143,6 +143,140 @@ static void test_rows_round_trip_any_slice(void **state) {
     const void *p = NULL;
     assert_int_equal(ckpt_reader_tensor_view(r, "t", &p, NULL), CKPT_OK);
     assert_memory_equal(p, want, sizeof want);
+    ckpt_reader_free(r);
+    for (int i = 0; i < 3; i++) shard_file_free(&s[i]);
+}
+
+/* ckpt__box_copy_range: any run of a box's elements, cut anywhere, lands
+ * where ckpt__box_copy of the whole box puts it. */
+static void test_box_copy_range_any_cut(void **state) {
+    (void)state;
+    enum { A = 3, B = 4, D = 5, N = A * B * D };
+    int64_t soff[3] = {1, 2, 0}, sshape[3] = {A, B, D}; /* a chunk inside [5, 7, 5] */
+    int32_t src[N];
+    for (int i = 0; i < N; i++) src[i] = i + 1;
+    int64_t doff[3][3] = {{0, 0, 0}, {2, 3, 1}, {1, 2, 0}};
+    int64_t dshape[3][3] = {{5, 7, 5}, {2, 2, 3}, {A, B, D}};
+    for (int t = 0; t < 3; t++) {
+        size_t n = (size_t)(dshape[t][0] * dshape[t][1] * dshape[t][2]);
+        int32_t *want = calloc(n, sizeof *want), *got = malloc(n * sizeof *got);
+        assert_int_equal(ckpt__box_copy(CKPT_I32, 3, soff, sshape, src, doff[t], dshape[t], want),
+                         CKPT_OK);
+        for (uint64_t piece = 1; piece <= N; piece++) {
+            memset(got, 0, n * sizeof *got);
+            for (uint64_t first = 0; first < N; first += piece) {
+                uint64_t count = N - first < piece ? N - first : piece;
+                assert_int_equal(ckpt__box_copy_range(CKPT_I32, 3, soff, sshape, first, count,
+                                                      src + first, doff[t], dshape[t], got),
+                                 CKPT_OK);
+            }
+            assert_memory_equal(got, want, n * sizeof *got);
+        }
+        free(want);
+        free(got);
+    }
+    /* A scalar, and a sub-byte dtype (refused: pieces are whole elements). */
+    int32_t one = 42, out = 0;
+    assert_int_equal(ckpt__box_copy_range(CKPT_I32, 0, NULL, NULL, 0, 1, &one, NULL, NULL, &out),
+                     CKPT_OK);
+    assert_int_equal(out, 42);
+    assert_int_equal(ckpt__box_copy_range(CKPT_F4, 1, soff, sshape, 0, 2, src, soff, sshape, &out),
+                     CKPT_EUNSUPPORTED);
+}
+
+/* A fetch that serves chunks from shard files held aside, in pieces of 7
+ * elements, and records the ids asked for. */
+typedef struct fake_fetch {
+    shard_file *files;
+    int64_t asked[64];
+    int n;
+    int fail_at; /* the call that fails (-1: none) */
+} fake_fetch;
+
+static int fake_fetch_fn(void *ctx, int64_t id, const void *local, uint64_t nbytes, size_t esz,
+                         ckpt__piece_fn put, void *put_ctx) {
+    fake_fetch *f = ctx;
+    if (f->n == f->fail_at) {
+        f->n++;
+        return ckpt__err(CKPT_EIO, "fake fetch failed");
+    }
+    f->asked[f->n++] = id;
+    assert_null(local); /* attached without bytes */
+    /* id = file * 10 + tensor index in the file */
+    const shard_file *s = &f->files[id / 10];
+    ckpt_reader *plain = NULL;
+    assert_int_equal(ckpt_reader_open_memory(&plain, s->bytes, s->len, "x"), CKPT_OK);
+    const void *data = NULL;
+    ckpt_entry_info info;
+    assert_int_equal(ckpt_reader_tensor_view(plain, s->d.tensor_keys[id % 10], &data, &info),
+                     CKPT_OK);
+    assert_int_equal(info.nbytes, nbytes);
+    uint64_t n = nbytes / esz;
+    int rc = 0;
+    for (uint64_t first = 0; first < n && !rc; first += 7)
+        rc = put(put_ctx, (const uint8_t *)data + first * esz, first, n - first < 7 ? n - first : 7);
+    ckpt_reader_free(plain);
+    return rc;
+}
+
+/* Streamed chunks: attached without bytes, read through the fetch, every
+ * one of a key's at every read of the key, in the key's chunk order. */
+static void test_streamed_chunks_fetch(void **state) {
+    (void)state;
+    const int64_t a[][4] = {{0, 0, 2, C}}, b[][4] = {{2, 0, 1, C}}, c[][4] = {{3, 0, 3, C}};
+    shard_file s[3];
+    memset(s, 0, sizeof s);
+    write_shard(&s[0], 0, 3, a, 1);
+    write_shard(&s[1], 1, 3, b, 1);
+    write_shard(&s[2], 2, 3, c, 1);
+    fake_fetch f = {.files = s, .fail_at = -1};
+    ckpt_reader *r = NULL;
+    assert_int_equal(ckpt__reader_new_empty(&r, "obj"), CKPT_OK);
+    ckpt__reader_set_fetch(r, fake_fetch_fn, &f);
+    /* file 0 held here; files 1 and 2 streamed (ids 10 and 20) */
+    attach(r, &s[0]);
+    for (int i = 1; i < 3; i++) {
+        const char *keys[1] = {s[i].d.tensor_keys[0]};
+        int64_t id = i * 10;
+        assert_int_equal(ckpt__reader_attach_shard(r, NULL, 0, s[i].name, keys,
+                                                   s[i].d.tensor_chunk, 1, &id),
+                         CKPT_OK);
+    }
+    float whole[R * C], want[R * C];
+    fill_box(want, 0, 0, R, C);
+    int64_t g[2] = {R, C};
+    assert_int_equal(ckpt_read_tensor(r, "t", CKPT_F32, 2, g, whole), CKPT_OK);
+    assert_memory_equal(whole, want, sizeof want);
+    assert_int_equal(f.n, 2);
+    assert_int_equal(f.asked[0], 10);
+    assert_int_equal(f.asked[1], 20);
+    /* A slice inside file 0's rows still fetches both (the same sequence on
+     * every rank), and takes only its part. */
+    float got[2 * 2], exp[2 * 2];
+    int64_t o[2] = {0, 1}, l[2] = {2, 2};
+    fill_box(exp, 0, 1, 2, 2);
+    assert_int_equal(ckpt_read_tensor_shard(r, "t", CKPT_F32, 2, g, o, l, got), CKPT_OK);
+    assert_memory_equal(got, exp, sizeof exp);
+    assert_int_equal(f.n, 4);
+    /* A slice across files 1 and 2. */
+    int64_t o2[2] = {2, 0}, l2[2] = {3, C};
+    float got2[3 * C], exp2[3 * C];
+    fill_box(exp2, 2, 0, 3, C);
+    assert_int_equal(ckpt_read_tensor_shard(r, "t", CKPT_F32, 2, g, o2, l2, got2), CKPT_OK);
+    assert_memory_equal(got2, exp2, sizeof exp2);
+    /* A view assembles the streamed chunks into the reader's memory. */
+    const void *p = NULL;
+    assert_int_equal(ckpt_reader_tensor_view(r, "t", &p, NULL), CKPT_OK);
+    assert_memory_equal(p, want, sizeof want);
+    /* A failed fetch names the file and the key. */
+    f.fail_at = f.n;
+    assert_int_equal(ckpt_read_tensor(r, "t", CKPT_F32, 2, g, whole), CKPT_EIO);
+    assert_non_null(strstr(ckpt_errmsg(), "obj-00002-of-00003.safetensors: key 't'"));
+    assert_non_null(strstr(ckpt_errmsg(), "fake fetch failed"));
+    /* Without a fetch, a streamed chunk is refused clearly. */
+    ckpt__reader_set_fetch(r, NULL, NULL);
+    assert_int_equal(ckpt_read_tensor(r, "t", CKPT_F32, 2, g, whole), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "the reader has no fetch"));
     ckpt_reader_free(r);
     for (int i = 0; i < 3; i++) shard_file_free(&s[i]);
 }
@@ -494,7 +628,7 @@ static void test_reader_rejects_bad_chunk_sets(void **state) {
     ckpt_chunk wrong = s[1].d.tensor_chunk[0];
     wrong.shape[0] = 3;
     const char *keys[1] = {"t"};
-    assert_int_equal(ckpt__reader_attach_shard(r, s[1].bytes, s[1].len, "x", keys, &wrong, 1),
+    assert_int_equal(ckpt__reader_attach_shard(r, s[1].bytes, s[1].len, "x", keys, &wrong, 1, NULL),
                      CKPT_ECORRUPT);
     assert_non_null(strstr(ckpt_errmsg(), "F32 [4,5] in the file, F32 [3,5] listed"));
     /* A complete set checks out against the schema. */
@@ -516,6 +650,9 @@ static void test_reader_rejects_bad_chunk_sets(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_rows_round_trip_any_slice, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test(test_box_copy_range_any_cut),
+        cmocka_unit_test_setup_teardown(test_streamed_chunks_fetch, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_grid_saved_by_4_read_by_3, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
