@@ -77,6 +77,7 @@ typedef struct load_op {
     int64_t *cbase, *cfile, nchunks, nstreamed;
     bool *streamed;
     uint8_t *window;
+    size_t window_size; /* SHARE_PIECE, or the largest streamed chunk if smaller */
     /* This rank stopped because another one did (its failure echoes). */
     bool echo;
     /* ckpt_load_options.one_pass, where it applies: the files are checked
@@ -378,9 +379,16 @@ static int choose_streamed(load_op *op, bool *need, const uint8_t *cneed) {
         if (crc < 0) rc = ckpt__err_prefix(crc, "load_state: communicator: allreduce");
     }
     rc = ckpt__coll_agree(c, rc, NULL);
+    op->window_size = 0;
     for (int64_t k = 0; k < n && rc == 0; k++) {
         op->streamed[k] = v[k] == 1;
         op->nstreamed += op->streamed[k];
+        const ckpt_manifest_file *f = &m->files[op->cfile[k]];
+        uint64_t nb = 0;
+        const ckpt_chunk *ch = &f->chunks[k - op->cbase[op->cfile[k]]];
+        if (op->streamed[k] && ckpt_tensor_nbytes(ch->dtype, ch->ndim, ch->shape, &nb) == 0 &&
+            nb > op->window_size)
+            op->window_size = nb < SHARE_PIECE ? (size_t)nb : SHARE_PIECE;
     }
     for (int64_t j = 0; j < m->nfiles && rc == 0; j++) {
         const ckpt_manifest_file *f = &m->files[j];
@@ -526,16 +534,18 @@ static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size
     const ckpt_manifest_file *f = &op->c.m.files[j];
     int root = op->reader[j];
     bool me = c->rank == root;
-    size_t piece = SHARE_PIECE / esz * esz;
-    if (!me && !op->window) {
-        op->window = ckpt__malloc(SHARE_PIECE);
+    size_t piece = op->window_size / esz * esz;
+    if (!me && !op->window && piece > 0) {
+        op->window = ckpt__malloc(op->window_size);
         if (op->window) { /* what a receiving rank holds beyond its files */
-            op->held += SHARE_PIECE;
-            ckpt__load_held_add(SHARE_PIECE);
+            op->held += op->window_size;
+            ckpt__load_held_add(op->window_size);
         }
     }
     /* After a failure the pieces still travel (the broadcasts stay paired);
      * the first failure is returned. */
+    if (piece == 0) /* the same on every rank: the plan is */
+        return ckpt__err(CKPT_EINVAL, "%s: chunk %" PRId64 " is larger than the window", f->name, k);
     int rc = (me && !local) || (!me && !op->window)
                  ? ckpt__err(me ? CKPT_EINVAL : CKPT_ENOMEM, "%s: no room for the chunk", f->name)
                  : CKPT_OK;

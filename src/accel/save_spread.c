@@ -187,11 +187,13 @@ static int split_frozen(save_op *op) {
  * (r+1)/P of the total. A tensor of at least PLAN_CUT_MIN bytes is cut at
  * the row nearest each boundary (each rank's part is a run of whole rows:
  * one box chunk); a smaller one goes whole to the rank its middle byte falls
- * in. A tensor that falls whole to rank 0 stays a plain tensor of its
- * object's file, which rank 0 writes anyway: no chunk record. Small tensors
- * go first so that they are those (biases, norms, an optimizer's step
- * counts: most of the keys, few of the bytes), and the manifest's chunk
- * records are those of the large tensors and of the cuts, O(K_large + P).
+ * in. A small tensor that falls whole to rank 0 stays a plain tensor of its
+ * object's file, which rank 0 writes anyway: no chunk record (a large one
+ * goes to rank 0's shard file, so that a load streams it instead of sending
+ * the object's file whole to every rank). Small tensors go first so that
+ * they are those (biases, norms, an optimizer's step counts: most of the
+ * keys, few of the bytes), and the manifest's chunk records are those of the
+ * large tensors and of the cuts, O(K_large + P).
  * Every rank computes the same plan from the same state dicts, with no
  * communication; the chunk check at the commit catches ranks whose
  * replicated state differs in shape. A model saved as Hugging Face shards
@@ -266,8 +268,13 @@ int ckpt__save_plan_spread(save_op *op) {
                     lo = me == 0 ? 0 : nearest_row(lo_b, pos, row_bytes, rows);
                     hi = me == p - 1 ? rows : nearest_row(hi_b, pos, row_bytes, rows);
                 }
-                /* a mixed model's frozen tensors all go to shard files, rank 0's too */
-                if (!whole0 || mixed[i]) rc = ckpt__writer_spread(op->writers[i], j, lo, hi);
+                /* Only small tensors stay in the object's file: every rank
+                 * of a load receives that file whole before the check, while
+                 * the large tensors' chunks are streamed to the ranks as the
+                 * objects read them (load.c). A mixed model's frozen tensors
+                 * all go to shard files, rank 0's too. */
+                if (!whole0 || mixed[i] || nb >= PLAN_CUT_MIN)
+                    rc = ckpt__writer_spread(op->writers[i], j, lo, hi);
                 pos += nb;
             }
         }
