@@ -21,6 +21,23 @@
  * state. rss_max: the highest peak resident set of a rank (its own copy of
  * the model, its share of the moments, and what a save and a load add).
  * manifest: checkpoint.json's size. FOLDER/mpi<p> is removed at the end.
+ * Then a second line on rank 0, what a load adds to a rank's memory:
+ *
+ *   bench_mpi P=<p> load memory: held_max=<x> extra_max=<MiB> per rank
+ *     (MiB): extra <e0> <e1> ... rss <r0> <r1> ...
+ *
+ * held_max: the most checkpoint bytes one rank held during a load
+ * (ckpt__load_held_peak: the files it read, those it was sent, the
+ * streaming window), over state/P. extra: per rank, the rise of its resident
+ * set during a load (the peak, VmHWM, reset just before the load through
+ * /proc/self/clear_refs, less VmRSS then); rss: per rank, its peak resident
+ * set over the whole run.
+ *
+ *   mpirun -np P bench_mpi --dp FOLDER
+ *
+ * The same, data parallel: AdamW replicated too (no ckpt_optimizer_set_shard),
+ * so every rank holds the whole state and a load streams every replicated
+ * tensor to it.
  *
  *   mpirun -np P bench_mpi --manifest FOLDER
  *
@@ -52,6 +69,7 @@
 #include "ckpt.h"
 #include "gpt2.h"
 #include "ckpt_mpi.h"
+#include "accel/load_held.h"
 #include "base/io.h"
 #include "format/manifest.h"
 
@@ -68,6 +86,26 @@ static double now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A field of /proc/self/status in KiB (VmRSS:, VmHWM:); 0 if not found. */
+static uint64_t status_kib(const char *field) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    uint64_t v = 0;
+    size_t n = strlen(field);
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, field, n) == 0) v = strtoull(line + n, NULL, 10);
+    if (f) fclose(f);
+    return v;
+}
+
+/* Resets VmHWM to the current resident set (Linux 4.0 on). */
+static void reset_peak(void) {
+    FILE *f = fopen("/proc/self/clear_refs", "w");
+    if (!f) return;
+    fputs("5", f);
+    fclose(f);
 }
 
 static ckpt_model *model;
@@ -99,8 +137,9 @@ static void gpt2_small(void) { gpt2_small_each(add); }
 int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     bool manifest_only = argc == 3 && strcmp(argv[1], "--manifest") == 0;
-    if (argc != 2 && !manifest_only) {
-        fprintf(stderr, "usage: mpirun -np P bench_mpi [--manifest] FOLDER\n");
+    bool dp = argc == 3 && strcmp(argv[1], "--dp") == 0;
+    if (argc != 2 && !manifest_only && !dp) {
+        fprintf(stderr, "usage: mpirun -np P bench_mpi [--manifest|--dp] FOLDER\n");
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
     const char *folder = argv[argc - 1];
@@ -108,7 +147,8 @@ int main(int argc, char **argv) {
     if (ckpt_comm_mpi(&comm, MPI_COMM_WORLD) < 0) die("comm");
     rank_ = comm->rank;
     char project[4096];
-    snprintf(project, sizeof project, "%s/mpi%d%s", folder, comm->size, manifest_only ? "m" : "");
+    snprintf(project, sizeof project, "%s/mpi%d%s", folder, comm->size,
+             manifest_only ? "m" : dp ? "d" : "");
 
     size_t zero_len = (size_t)VOCAB * D * sizeof(float); /* the largest tensor */
     if (manifest_only) {
@@ -120,7 +160,7 @@ int main(int argc, char **argv) {
     gpt2_small();
     ckpt_optimizer *opt = NULL;
     if (ckpt_adamw_new(&opt, model, 1e-4, 0.9, 0.999, 1e-8, 0.01) < 0) die("adamw");
-    if (ckpt_optimizer_set_shard(opt, comm) < 0) die("set_shard");
+    if (!dp && ckpt_optimizer_set_shard(opt, comm) < 0) die("set_shard");
     if (!manifest_only && ckpt_optimizer_step(opt) < 0) die("step"); /* non-zero moments */
 
     ckpt_project_config cfg = {.project_dir = project, .automatic_checkpoint_naming = true,
@@ -151,6 +191,7 @@ int main(int argc, char **argv) {
     }
     double best_save = 1e30, best_load = 1e30;
     uint64_t io[3] = {0, 0, 0}; /* this rank: written by a save, read by a load, read by a save */
+    uint64_t held = 0, extra_kib = 0; /* the most over the loads */
     int reps = getenv("BENCH_REPS") ? atoi(getenv("BENCH_REPS")) : REPS;
     if (manifest_only) reps = 0;
     for (int rep = 0; rep < reps || (!manifest_only && rep == 0); rep++) {
@@ -162,7 +203,12 @@ int main(int argc, char **argv) {
         MPI_Barrier(MPI_COMM_WORLD);
         double t1 = now();
         ckpt__io_bytes(&b1);
+        reset_peak();
+        uint64_t rss0 = status_kib("VmRSS:");
         if (ckpt_load_state(acc, NULL) < 0) die("load");
+        uint64_t hwm = status_kib("VmHWM:");
+        if (hwm > rss0 && hwm - rss0 > extra_kib) extra_kib = hwm - rss0;
+        if (ckpt__load_held_peak() > held) held = ckpt__load_held_peak();
         MPI_Barrier(MPI_COMM_WORLD);
         double t2 = now();
         ckpt__io_bytes(&b2);
@@ -175,6 +221,11 @@ int main(int argc, char **argv) {
     uint64_t bytes = (uint64_t)total_elems * 4u * 3u; /* weights + exp_avg + exp_avg_sq */
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
+    /* per rank: held, the load's rise, the run's peak (KiB) */
+    uint64_t per[3] = {held, extra_kib, (uint64_t)ru.ru_maxrss};
+    uint64_t *all = rank_ == 0 ? calloc((size_t)comm->size * 3, sizeof *all) : NULL;
+    if (rank_ == 0 && !all) die("out of memory");
+    MPI_Gather(per, 3, MPI_UINT64_T, all, 3, MPI_UINT64_T, 0, MPI_COMM_WORLD);
     uint64_t mine[4] = {io[0], io[1], io[2], (uint64_t)ru.ru_maxrss}, most[4], sum[4];
     MPI_Reduce(mine, most, 4, MPI_UINT64_T, MPI_MAX, 0, MPI_COMM_WORLD);
     MPI_Reduce(mine, sum, 4, MPI_UINT64_T, MPI_SUM, 0, MPI_COMM_WORLD);
@@ -189,7 +240,19 @@ int main(int argc, char **argv) {
                comm->size, (unsigned long long)bytes, best_save, best_load,
                (double)most[0] / share, (double)most[1] / share, (double)sum[1] / (double)bytes,
                (double)most[3] / 1024.0, msize);
+        uint64_t hmax = 0, emax = 0;
+        for (int r = 0; r < comm->size; r++) {
+            if (all[3 * r] > hmax) hmax = all[3 * r];
+            if (all[3 * r + 1] > emax) emax = all[3 * r + 1];
+        }
+        printf("bench_mpi P=%d load memory: held_max=%.2f extra_max=%.0f per rank (MiB): extra",
+               comm->size, (double)hmax / share, (double)emax / 1024.0);
+        for (int r = 0; r < comm->size; r++) printf(" %.0f", (double)all[3 * r + 1] / 1024.0);
+        printf(" rss");
+        for (int r = 0; r < comm->size; r++) printf(" %.0f", (double)all[3 * r + 2] / 1024.0);
+        printf("\n");
     }
+    free(all);
     ckpt_accelerator_free(acc);
     MPI_Barrier(MPI_COMM_WORLD);
     if (rank_ == 0 && !getenv("BENCH_KEEP")) { /* BENCH_KEEP=1: leave FOLDER/mpi<p>[m] */
