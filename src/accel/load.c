@@ -28,6 +28,7 @@
 #include "format/hfindex.h"
 #include "format/keymap.h"
 #include "format/manifest.h"
+#include "format/safetensors.h"
 #include "format/shard.h"
 #include "format/statedict.h"
 #include "store/store.h"
@@ -78,6 +79,11 @@ typedef struct load_op {
     bool *streamed;
     uint8_t *window;
     size_t window_size; /* SHARE_PIECE, or the largest streamed chunk if smaller */
+    /* A Hugging Face part of a model (no chunk records: each tensor is a
+     * chunk of its own) that this rank neither read nor was sent: its
+     * header, broadcast by its reader (share_headers). */
+    uint8_t **hdr;
+    uint64_t *hdr_len;
     /* This rank stopped because another one did (its failure echoes). */
     bool echo;
     /* ckpt_load_options.one_pass, where it applies: the files are checked
@@ -236,6 +242,19 @@ static bool adapted(const load_op *op, const ckpt_acc_obj *o) {
     return opt->rename || opt->num_prefix_map > 0 || opt->non_strict || opt->convert_dtypes;
 }
 
+/* Whether f is a part of a model saved as Hugging Face shards: a model's
+ * shard-named file without chunk records. */
+static bool is_hf_part(const ckpt_manifest_file *f) {
+    return !f->chunks && strcmp(f->kind, ckpt__kind_name[K_MODEL]) == 0 &&
+           ckpt__acc_is_shard_of(f->name, NULL);
+}
+
+/* Whether file f's tensors are numbered as chunks (shard files, and the
+ * parts of a model saved as Hugging Face shards, each tensor whole). */
+static bool has_chunks(const ckpt_manifest_file *f) {
+    return f->chunks || (is_hf_part(f) && f->tensor_keys);
+}
+
 /* Whether chunk c can be streamed: bytes of whole elements, some of them. */
 static bool streamable(const ckpt_chunk *c) {
     int bits = ckpt_dtype_bits(c->dtype);
@@ -264,6 +283,16 @@ static int find_needs(load_op *op, bool *need, uint8_t *cneed) {
         ckpt__acc_file_name(op->acc, o, name, sizeof name);
         bool main_file = false;
         for (int64_t j = 0; j < m->nfiles; j++) main_file |= strcmp(m->files[j].name, name) == 0;
+        if (!main_file && o->kind == K_MODEL && op->sel[i] && !adapted(op, o)) {
+            /* saved as Hugging Face shards: every tensor of every part is
+             * read whole, and can be streamed */
+            for (int64_t j = 0; j < m->nfiles; j++)
+                for (int64_t k = 0; is_hf_part(&m->files[j]) && has_chunks(&m->files[j]) &&
+                                    ckpt__acc_is_shard_of(m->files[j].name, name) &&
+                                    k < m->files[j].ntensors;
+                     k++)
+                    cneed[op->cbase[j] + k] = 1;
+        }
         if (!main_file) continue; /* Hugging Face parts, or no file: all needed */
         ckpt_writer *schema = NULL;
         bool all = adapted(op, o);
@@ -348,13 +377,13 @@ static int number_chunks(load_op *op) {
     if (!op->cbase) return ckpt__err_nomem("load: chunk plan");
     for (int64_t j = 0; j < nf; j++) {
         op->cbase[j] = n;
-        if (m->files[j].chunks) n += m->files[j].ntensors;
+        if (has_chunks(&m->files[j])) n += m->files[j].ntensors;
     }
     op->nchunks = n;
     op->cfile = ckpt__calloc((size_t)(n ? n : 1), sizeof *op->cfile);
     if (!op->cfile) return ckpt__err_nomem("load: chunk plan");
     for (int64_t j = 0; j < nf; j++)
-        for (int64_t k = 0; m->files[j].chunks && k < m->files[j].ntensors; k++)
+        for (int64_t k = 0; has_chunks(&m->files[j]) && k < m->files[j].ntensors; k++)
             op->cfile[op->cbase[j] + k] = j;
     return CKPT_OK;
 }
@@ -384,22 +413,76 @@ static int choose_streamed(load_op *op, bool *need, const uint8_t *cneed) {
         op->streamed[k] = v[k] == 1;
         op->nstreamed += op->streamed[k];
         const ckpt_manifest_file *f = &m->files[op->cfile[k]];
-        uint64_t nb = 0;
-        const ckpt_chunk *ch = &f->chunks[k - op->cbase[op->cfile[k]]];
-        if (op->streamed[k] && ckpt_tensor_nbytes(ch->dtype, ch->ndim, ch->shape, &nb) == 0 &&
-            nb > op->window_size)
+        uint64_t nb = f->size; /* a Hugging Face part's tensor: at most its file */
+        const ckpt_chunk *ch = f->chunks ? &f->chunks[k - op->cbase[op->cfile[k]]] : NULL;
+        if (ch && ckpt_tensor_nbytes(ch->dtype, ch->ndim, ch->shape, &nb) != 0) nb = 0;
+        if (op->streamed[k] && nb > op->window_size)
             op->window_size = nb < SHARE_PIECE ? (size_t)nb : SHARE_PIECE;
     }
     for (int64_t j = 0; j < m->nfiles && rc == 0; j++) {
         const ckpt_manifest_file *f = &m->files[j];
         bool looked = false, still = false;
-        for (int64_t k = op->cbase[j]; f->chunks && k < op->cbase[j] + f->ntensors; k++) {
+        for (int64_t k = op->cbase[j]; has_chunks(f) && k < op->cbase[j] + f->ntensors; k++) {
             looked |= cneed[k] != 0;
             still |= cneed[k] == 2 || (cneed[k] == 1 && !op->streamed[k]);
         }
         if (looked) need[j] = still;
     }
     free(v);
+    return rc;
+}
+
+/* Whether some tensor of file j is streamed. */
+static bool any_streamed(const load_op *op, int64_t j) {
+    const ckpt_manifest_file *f = &op->c.m.files[j];
+    for (int64_t k = 0; op->streamed && has_chunks(f) && k < f->ntensors; k++)
+        if (op->streamed[op->cbase[j] + k]) return true;
+    return false;
+}
+
+/* The header of each Hugging Face part with streamed tensors goes from its
+ * reader to the ranks that do not hold the part (its tensors' dtypes,
+ * shapes and order: what a reader over the part needs besides the bytes),
+ * its length first. Every rank takes every such part in turn. */
+static int share_headers(load_op *op) {
+    const ckpt_comm *c = op->comm;
+    const ckpt_manifest *m = &op->c.m;
+    int64_t nf = m->nfiles;
+    int rc = CKPT_OK;
+    op->hdr = ckpt__calloc((size_t)(nf ? nf : 1), sizeof *op->hdr);
+    op->hdr_len = ckpt__calloc((size_t)(nf ? nf : 1), sizeof *op->hdr_len);
+    if (!op->hdr || !op->hdr_len) rc = ckpt__err_nomem("load: part headers");
+    rc = ckpt__coll_agree(c, rc, NULL);
+    for (int64_t j = 0; j < nf && rc == 0; j++) {
+        const ckpt_manifest_file *f = &m->files[j];
+        if (!is_hf_part(f) || !any_streamed(op, j)) continue;
+        int root = op->reader[j];
+        uint64_t len = 0;
+        if (c->rank == root &&
+            ckpt__st_header_len(op->c.maps[j].data, op->c.maps[j].size, f->name, &len) == 0)
+            len += 8; /* the length, then the header */
+        int crc = c->bcast(c->ctx, &len, sizeof len, root);
+        if (crc < 0) rc = ckpt__err_prefix(crc, "load_state: %s: communicator: bcast", f->name);
+        /* the root checked the header's length against the file; 0: it
+         * could not read one (its parse of the part fails alike later) */
+        if (rc < 0 || len == 0) continue;
+        uint8_t *buf = c->rank == root ? (uint8_t *)(uintptr_t)op->c.maps[j].data
+                                       : ckpt__malloc((size_t)len);
+        int have = buf != NULL;
+        rc = ckpt__coll_agree(c, buf ? CKPT_OK : ckpt__err_nomem(f->name), NULL);
+        if (rc == 0) {
+            crc = c->bcast(c->ctx, buf, (size_t)len, root);
+            if (crc < 0) rc = ckpt__err_prefix(crc, "load_state: %s: communicator: bcast", f->name);
+        }
+        if (c->rank != root && have && (rc < 0 || op->have[j])) {
+            free(buf); /* it holds the part itself */
+        } else if (c->rank != root && have) {
+            op->hdr[j] = buf;
+            op->hdr_len[j] = len;
+            op->held += len;
+            ckpt__load_held_add(len);
+        }
+    }
     return rc;
 }
 
@@ -479,6 +562,7 @@ static int share_files(load_op *op) {
     free(cneed);
     free(lens);
     free(to);
+    if (rc == 0) rc = share_headers(op);
     return rc;
 }
 
@@ -508,7 +592,7 @@ static int stream_round(const ckpt_comm *c, int64_t ask, int64_t *lo, int64_t *h
  * others' (it stopped, or reads in another order) makes every rank's
  * request fail, without any bytes moved, so no rank waits on a transfer
  * the others never start. */
-static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size_t esz,
+static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size_t group,
                  ckpt__piece_fn put, void *put_ctx) {
     load_op *op = ctx;
     const ckpt_comm *c = op->comm;
@@ -534,7 +618,7 @@ static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size
     const ckpt_manifest_file *f = &op->c.m.files[j];
     int root = op->reader[j];
     bool me = c->rank == root;
-    size_t piece = op->window_size / esz * esz;
+    size_t piece = op->window_size / group * group;
     if (!me && !op->window && piece > 0) {
         op->window = ckpt__malloc(op->window_size);
         if (op->window) { /* what a receiving rank holds beyond its files */
@@ -558,7 +642,7 @@ static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size
         if (crc < 0 && rc == 0)
             rc = ckpt__err_prefix(crc, "%s: communicator: bcast from rank %d", f->name, root);
         if (rc == 0 && h) XXH3_64bits_update(h, p, n);
-        if (rc == 0) rc = put(put_ctx, p, off / esz, n / esz);
+        if (rc == 0) rc = put(put_ctx, p, off, n);
     }
     if (rc == 0 && !me && f->tensor_xxh3 && k < f->ntensors &&
         (!h || XXH3_64bits_digest(h) != f->tensor_xxh3[k]))
@@ -590,6 +674,11 @@ static void close_checkpoint(load_op *op) {
     op->held = 0;
     free(op->have);
     op->have = NULL;
+    for (int64_t j = 0; op->hdr && j < op->c.m.nfiles; j++) free(op->hdr[j]);
+    free(op->hdr);
+    free(op->hdr_len);
+    op->hdr = NULL;
+    op->hdr_len = NULL;
     free(op->cbase);
     free(op->cfile);
     free(op->streamed);
@@ -801,6 +890,105 @@ static int open_part(void *ctx, const ckpt_manifest_file *f, ckpt_reader **out) 
     return ckpt_reader_open_memory(out, mp->data, (size_t)mp->size, f->name);
 }
 
+/* Makes part f of a model saved as Hugging Face shards readable through r,
+ * each tensor a whole chunk of its own (its dtype and shape from the part's
+ * header: the part's bytes where this rank holds them, else the header its
+ * reader sent), the streamed ones read through fetch. */
+static int attach_hf_part(load_op *op, ckpt_reader *r, const ckpt_manifest_file *f) {
+    int64_t j = f - op->c.m.files;
+    bool held = !op->have || op->have[j];
+    const uint8_t *bytes = held ? op->c.maps[j].data : op->hdr ? op->hdr[j] : NULL;
+    uint64_t len = held ? op->c.maps[j].size : op->hdr_len ? op->hdr_len[j] : 0, hl = 0;
+    if (!bytes)
+        return ckpt__err(CKPT_EMISMATCH, "%s: %s: this process holds neither the part nor its "
+                         "header (the load plan sends it neither)",
+                         op->dir, f->name);
+    ckpt_st_header h;
+    memset(&h, 0, sizeof h);
+    int rc = len < 8 ? ckpt__err(CKPT_ECORRUPT, "%s: no header", f->name)
+                     : ckpt__st_header_len(bytes, f->size, f->name, &hl);
+    if (rc == 0 && len < 8 + hl) rc = ckpt__err(CKPT_ECORRUPT, "%s: header cut short", f->name);
+    if (rc == 0) rc = ckpt__st_parse(bytes + 8, hl, f->size, f->name, &h);
+    size_t n = (size_t)(h.ntensors ? h.ntensors : 1);
+    const char **keys = rc ? NULL : ckpt__calloc(n, sizeof *keys);
+    ckpt_chunk *chunks = rc ? NULL : ckpt__calloc(n, sizeof *chunks);
+    int64_t *ids = rc ? NULL : ckpt__calloc(n, sizeof *ids);
+    if (rc == 0 && (!keys || !chunks || !ids)) rc = ckpt__err_nomem("load: part");
+    for (int64_t t = 0; t < h.ntensors && rc == 0; t++) {
+        const ckpt_st_tensor *st = &h.tensors[t];
+        keys[t] = st->name;
+        chunks[t].dtype = st->dtype;
+        chunks[t].ndim = st->ndim;
+        for (int d = 0; d < st->ndim; d++)
+            chunks[t].global_shape[d] = chunks[t].shape[d] = st->shape[d];
+        int64_t k = 0;
+        while (k < f->ntensors && strcmp(f->tensor_keys[k], st->name) != 0) k++;
+        if (k == f->ntensors)
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: tensor '%s' is not in the manifest's list of it",
+                           op->dir, f->name, st->name);
+        else
+            ids[t] = op->streamed && op->streamed[op->cbase[j] + k] ? op->cbase[j] + k : -1;
+    }
+    if (rc == 0)
+        rc = ckpt__reader_attach_shard(r, held ? bytes : NULL, held ? (size_t)len : 0, f->name,
+                                       keys, chunks, h.ntensors, ids);
+    free(keys);
+    free(chunks);
+    free(ids);
+    ckpt__st_header_free(&h);
+    return rc;
+}
+
+/* Whether a model saved as Hugging Face shards, its parts named after
+ * file `name`, has streamed tensors: then it is read through its parts'
+ * headers (open_hf_streamed), not their bytes. */
+static bool hf_streams(const load_op *op, const char *name) {
+    for (int64_t j = 0; op->nstreamed && j < op->c.m.nfiles; j++)
+        if (is_hf_part(&op->c.m.files[j]) && ckpt__acc_is_shard_of(op->c.m.files[j].name, name) &&
+            any_streamed(op, j))
+            return true;
+    return false;
+}
+
+/* A model saved as Hugging Face shards whose tensors are streamed: one
+ * reader over every part the index names (attach_hf_part), checked against
+ * the index as ckpt__hf_open checks it: the parts hold exactly the tensors
+ * the index names. */
+static int open_hf_streamed(load_op *op, int i, const ckpt_manifest_file *index,
+                            const char *name) {
+    const ckpt_manifest *m = &op->c.m;
+    const ckpt_mapped *im = &op->c.maps[index - m->files];
+    ckpt_hf_index x;
+    int rc = ckpt__hf_index_parse((const char *)im->data, (size_t)im->size, index->name, &x);
+    if (rc) return ckpt__err_prefix(rc, "%s", op->dir);
+    ckpt_reader *r = NULL;
+    rc = ckpt__reader_new_empty(&r, name);
+    if (rc == 0) ckpt__reader_set_fetch(r, fetch, op);
+    for (int64_t p = 0; p < x.nparts && rc == 0; p++) {
+        const ckpt_manifest_file *f = ckpt__manifest_find(m, x.parts[p]);
+        if (!f || !is_hf_part(f) || !has_chunks(f))
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s: %s names %s, which the manifest does not list as a model file",
+                           op->dir, index->name, x.parts[p]);
+        else
+            rc = attach_hf_part(op, r, f);
+    }
+    if (rc == 0 && ckpt_reader_count(r) != x.n)
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: the parts hold %" PRId64 " tensors, the index names %" PRId64,
+                       op->dir, index->name, ckpt_reader_count(r), x.n);
+    for (int64_t k = 0; k < x.n && rc == 0; k++)
+        if (!ckpt__reader_has(r, x.keys[k], NULL))
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: %s names tensor '%s', which no part holds", op->dir,
+                           index->name, x.keys[k]);
+    ckpt__hf_index_free(&x);
+    if (rc) {
+        ckpt_reader_free(r);
+        return rc;
+    }
+    op->readers[i] = r;
+    return CKPT_OK;
+}
+
 /* One object's reader over its file (and its shard files), and its schema
  * checked against them. */
 static int open_object(load_op *op, int i) {
@@ -827,8 +1015,10 @@ static int open_object(load_op *op, int i) {
             return ckpt__err(CKPT_EMISMATCH, "load_state: %s: %s holds a %s, expected a model",
                              op->dir, iname, m->files[hf].kind);
         const ckpt_mapped *im = &op->c.maps[hf];
-        int rc = ckpt__hf_open(m, &m->files[hf], im->data, (size_t)im->size, op->dir, name,
-                               open_part, op, &op->readers[i]);
+        int rc = hf_streams(op, name)
+                     ? open_hf_streamed(op, i, &m->files[hf], name)
+                     : ckpt__hf_open(m, &m->files[hf], im->data, (size_t)im->size, op->dir, name,
+                                     open_part, op, &op->readers[i]);
         if (rc < 0) return ckpt__err_prefix(rc, "load_state");
     } else if (idx < 0) {
         return ckpt__err(CKPT_EMISMATCH, "load_state: %s: checkpoint has no %s (for %s %d)",

@@ -177,13 +177,15 @@ int ckpt__reader_attach_shard(ckpt_reader *r, const void *buf, size_t len, const
  * chunk order (attach order), whether or not it meets the slice read: the
  * sequence of fetches depends only on the sequence of keys read, so ranks
  * that read a replicated object alike fetch alike. fetch(ctx, id, local,
- * nbytes, esz, put, put_ctx) delivers the chunk's nbytes bytes (local: this
- * process's copy, or NULL) as consecutive pieces of whole elements of esz
- * bytes: put(put_ctx, p, first, count) for elements [first, first + count)
- * in row-major order; it returns the first failure. */
-typedef int (*ckpt__piece_fn)(void *put_ctx, const uint8_t *p, uint64_t first, uint64_t count);
+ * nbytes, group, put, put_ctx) delivers the chunk's nbytes bytes (local:
+ * this process's copy, or NULL) as consecutive pieces, each a multiple of
+ * group bytes (whole elements in whole bytes): put(put_ctx, p, off, n) for
+ * bytes [off, off + n) of the chunk in row-major order; it returns the
+ * first failure. A slice of a streamed chunk of a sub-byte dtype is
+ * CKPT_EUNSUPPORTED (the whole chunk reads). */
+typedef int (*ckpt__piece_fn)(void *put_ctx, const uint8_t *p, uint64_t off, uint64_t n);
 typedef int (*ckpt__fetch_fn)(void *ctx, int64_t id, const void *local, uint64_t nbytes,
-                              size_t esz, ckpt__piece_fn put, void *put_ctx);
+                              size_t group, ckpt__piece_fn put, void *put_ctx);
 void ckpt__reader_set_fetch(ckpt_reader *r, ckpt__fetch_fn fn, void *ctx);
 
 /* ---- adapted readers (ckpt_load_state_ex) ----------------------------------

@@ -139,17 +139,28 @@ static bool boxes_meet(int ndim, const int64_t *ao, const int64_t *as, const int
     return true;
 }
 
-/* Where a streamed chunk's pieces go: the slice a read asked for. */
+/* Where a streamed chunk's pieces go: the slice a read asked for (same:
+ * it is the chunk's own box, so the bytes land as they come). */
 typedef struct piece_dst {
     const shard_chunk *c;
     const int64_t *offsets, *shape;
     void *dst;
+    bool same;
 } piece_dst;
 
-static int put_piece(void *ctx, const uint8_t *p, uint64_t first, uint64_t count) {
+static int put_piece(void *ctx, const uint8_t *p, uint64_t off, uint64_t n) {
     const piece_dst *d = ctx;
+    if (d->same) {
+        memcpy((uint8_t *)d->dst + off, p, (size_t)n);
+        return CKPT_OK;
+    }
+    int bits = ckpt_dtype_bits(d->c->c.dtype);
+    if (bits % 8)
+        return ckpt__err(CKPT_EUNSUPPORTED, "a slice of a streamed %s chunk (only whole chunks)",
+                         ckpt_dtype_name(d->c->c.dtype));
+    uint64_t esz = (uint64_t)bits / 8;
     return ckpt__box_copy_range(d->c->c.dtype, d->c->c.ndim, d->c->c.offsets, d->c->c.shape,
-                                first, count, p, d->offsets, d->shape, d->dst);
+                                off / esz, n / esz, p, d->offsets, d->shape, d->dst);
 }
 
 /* A streamed chunk of key, fetched whole; the part of it in the slice
@@ -158,13 +169,18 @@ static int fetch_chunk(ckpt_reader *r, const char *key, const shard_chunk *c,
                        const int64_t *offsets, const int64_t *shape, void *dst) {
     uint64_t nbytes = 0;
     CKPT_TRY(ckpt__chunk_check(&c->c, CKPT_ECORRUPT, c->file, key, &nbytes));
-    int bits = ckpt_dtype_bits(c->c.dtype);
-    if (!r->fetch || bits % 8)
-        return ckpt__err(CKPT_EINVAL, "%s: key '%s': the chunk in %s is streamed, but %s",
-                         r->name, key, c->file,
-                         r->fetch ? "its dtype is not whole bytes" : "the reader has no fetch");
-    piece_dst d = {c, offsets, shape, dst};
-    int rc = r->fetch(r->fetch_ctx, c->stream, c->data, nbytes, (size_t)bits / 8, put_piece, &d);
+    if (!r->fetch)
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: key '%s': the chunk in %s is streamed, but the reader has no fetch",
+                         r->name, key, c->file);
+    /* whole elements in whole bytes: the least multiple of the element's
+     * bits that is whole bytes */
+    int bits = ckpt_dtype_bits(c->c.dtype), g = bits;
+    while (g % 8) g += bits;
+    piece_dst d = {c, offsets, shape, dst, true};
+    for (int i = 0; i < c->c.ndim; i++)
+        d.same &= offsets[i] == c->c.offsets[i] && shape[i] == c->c.shape[i];
+    int rc = r->fetch(r->fetch_ctx, c->stream, c->data, nbytes, (size_t)g / 8, put_piece, &d);
     if (rc) return ckpt__err_prefix(rc, "%s: key '%s'", c->file, key);
     return CKPT_OK;
 }

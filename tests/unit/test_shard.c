@@ -193,7 +193,7 @@ typedef struct fake_fetch {
     int fail_at; /* the call that fails (-1: none) */
 } fake_fetch;
 
-static int fake_fetch_fn(void *ctx, int64_t id, const void *local, uint64_t nbytes, size_t esz,
+static int fake_fetch_fn(void *ctx, int64_t id, const void *local, uint64_t nbytes, size_t group,
                          ckpt__piece_fn put, void *put_ctx) {
     fake_fetch *f = ctx;
     if (f->n == f->fail_at) {
@@ -211,10 +211,10 @@ static int fake_fetch_fn(void *ctx, int64_t id, const void *local, uint64_t nbyt
     assert_int_equal(ckpt_reader_tensor_view(plain, s->d.tensor_keys[id % 10], &data, &info),
                      CKPT_OK);
     assert_int_equal(info.nbytes, nbytes);
-    uint64_t n = nbytes / esz;
+    uint64_t step = 7 * group;
     int rc = 0;
-    for (uint64_t first = 0; first < n && !rc; first += 7)
-        rc = put(put_ctx, (const uint8_t *)data + first * esz, first, n - first < 7 ? n - first : 7);
+    for (uint64_t off = 0; off < nbytes && !rc; off += step)
+        rc = put(put_ctx, (const uint8_t *)data + off, off, nbytes - off < step ? nbytes - off : step);
     ckpt_reader_free(plain);
     return rc;
 }
