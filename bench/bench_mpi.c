@@ -148,7 +148,9 @@ int main(int argc, char **argv) {
     rank_ = comm->rank;
     char project[4096];
     snprintf(project, sizeof project, "%s/mpi%d%s", folder, comm->size,
-             manifest_only ? "m" : dp ? "d" : "");
+             manifest_only ? "m"
+             : dp          ? "d"
+                           : "");
 
     size_t zero_len = (size_t)VOCAB * D * sizeof(float); /* the largest tensor */
     if (manifest_only) {

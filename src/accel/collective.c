@@ -106,8 +106,7 @@ int ckpt__coll_agree_echo(const ckpt_comm *c, int rc, bool (*prefer)(int rc), bo
         for (size_t r = 0; r < p && pick < 0; r++) {
             const char *rec = all + r * REC_BYTES;
             int s = rec_status(rec);
-            if (s < 0 && (pass == 2 || (!rec_echo(rec) && (pass == 1 || prefer(s)))))
-                pick = (int)r;
+            if (s < 0 && (pass == 2 || (!rec_echo(rec) && (pass == 1 || prefer(s))))) pick = (int)r;
         }
     for (size_t r = 0; r < p; r++) nfailed += rec_status(all + r * REC_BYTES) < 0;
     if (pick < 0) { /* only if the records disagree with the reduction */

@@ -287,9 +287,9 @@ static int find_needs(load_op *op, bool *need, uint8_t *cneed) {
             /* saved as Hugging Face shards: every tensor of every part is
              * read whole, and can be streamed */
             for (int64_t j = 0; j < m->nfiles; j++)
-                for (int64_t k = 0; is_hf_part(&m->files[j]) && has_chunks(&m->files[j]) &&
-                                    ckpt__acc_is_shard_of(m->files[j].name, name) &&
-                                    k < m->files[j].ntensors;
+                for (int64_t k = 0;
+                     is_hf_part(&m->files[j]) && has_chunks(&m->files[j]) &&
+                     ckpt__acc_is_shard_of(m->files[j].name, name) && k < m->files[j].ntensors;
                      k++)
                     cneed[op->cbase[j] + k] = 1;
         }
@@ -466,8 +466,8 @@ static int share_headers(load_op *op) {
         /* the root checked the header's length against the file; 0: it
          * could not read one (its parse of the part fails alike later) */
         if (rc < 0 || len == 0) continue;
-        uint8_t *buf = c->rank == root ? (uint8_t *)(uintptr_t)op->c.maps[j].data
-                                       : ckpt__malloc((size_t)len);
+        uint8_t *buf =
+            c->rank == root ? (uint8_t *)(uintptr_t)op->c.maps[j].data : ckpt__malloc((size_t)len);
         int have = buf != NULL;
         rc = ckpt__coll_agree(c, buf ? CKPT_OK : ckpt__err_nomem(f->name), NULL);
         if (rc == 0) {
@@ -629,7 +629,8 @@ static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size
     /* After a failure the pieces still travel (the broadcasts stay paired);
      * the first failure is returned. */
     if (piece == 0) /* the same on every rank: the plan is */
-        return ckpt__err(CKPT_EINVAL, "%s: chunk %" PRId64 " is larger than the window", f->name, k);
+        return ckpt__err(CKPT_EINVAL, "%s: chunk %" PRId64 " is larger than the window", f->name,
+                         k);
     int rc = (me && !local) || (!me && !op->window)
                  ? ckpt__err(me ? CKPT_EINVAL : CKPT_ENOMEM, "%s: no room for the chunk", f->name)
                  : CKPT_OK;
@@ -900,7 +901,8 @@ static int attach_hf_part(load_op *op, ckpt_reader *r, const ckpt_manifest_file 
     const uint8_t *bytes = held ? op->c.maps[j].data : op->hdr ? op->hdr[j] : NULL;
     uint64_t len = held ? op->c.maps[j].size : op->hdr_len ? op->hdr_len[j] : 0, hl = 0;
     if (!bytes)
-        return ckpt__err(CKPT_EMISMATCH, "%s: %s: this process holds neither the part nor its "
+        return ckpt__err(CKPT_EMISMATCH,
+                         "%s: %s: this process holds neither the part nor its "
                          "header (the load plan sends it neither)",
                          op->dir, f->name);
     ckpt_st_header h;
@@ -926,8 +928,7 @@ static int attach_hf_part(load_op *op, ckpt_reader *r, const ckpt_manifest_file 
         if (k == f->ntensors)
             rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: tensor '%s' is not in the manifest's list of it",
                            op->dir, f->name, st->name);
-        else
-            ids[t] = op->streamed && op->streamed[op->cbase[j] + k] ? op->cbase[j] + k : -1;
+        else ids[t] = op->streamed && op->streamed[op->cbase[j] + k] ? op->cbase[j] + k : -1;
     }
     if (rc == 0)
         rc = ckpt__reader_attach_shard(r, held ? bytes : NULL, held ? (size_t)len : 0, f->name,
@@ -954,8 +955,7 @@ static bool hf_streams(const load_op *op, const char *name) {
  * reader over every part the index names (attach_hf_part), checked against
  * the index as ckpt__hf_open checks it: the parts hold exactly the tensors
  * the index names. */
-static int open_hf_streamed(load_op *op, int i, const ckpt_manifest_file *index,
-                            const char *name) {
+static int open_hf_streamed(load_op *op, int i, const ckpt_manifest_file *index, const char *name) {
     const ckpt_manifest *m = &op->c.m;
     const ckpt_mapped *im = &op->c.maps[index - m->files];
     ckpt_hf_index x;
@@ -970,11 +970,11 @@ static int open_hf_streamed(load_op *op, int i, const ckpt_manifest_file *index,
             rc = ckpt__err(CKPT_ECORRUPT,
                            "%s: %s names %s, which the manifest does not list as a model file",
                            op->dir, index->name, x.parts[p]);
-        else
-            rc = attach_hf_part(op, r, f);
+        else rc = attach_hf_part(op, r, f);
     }
     if (rc == 0 && ckpt_reader_count(r) != x.n)
-        rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: the parts hold %" PRId64 " tensors, the index names %" PRId64,
+        rc = ckpt__err(CKPT_ECORRUPT,
+                       "%s: %s: the parts hold %" PRId64 " tensors, the index names %" PRId64,
                        op->dir, index->name, ckpt_reader_count(r), x.n);
     for (int64_t k = 0; k < x.n && rc == 0; k++)
         if (!ckpt__reader_has(r, x.keys[k], NULL))

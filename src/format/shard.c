@@ -292,31 +292,29 @@ static int range_copy(ckpt_dtype dt, int ndim, int64_t *off, int64_t *shape, int
     if (rc == 0 && s < e) { /* the tail: the start of run b */
         off[k] = off_k + (int64_t)b;
         shape[k] = 1;
-        rc = range_copy(dt, ndim, off, shape, k + 1, 0, e - b * inner, src, esz, dst_off,
-                        dst_shape, dst);
+        rc = range_copy(dt, ndim, off, shape, k + 1, 0, e - b * inner, src, esz, dst_off, dst_shape,
+                        dst);
     }
     off[k] = off_k;
     shape[k] = shape_k;
     return rc;
 }
 
-int ckpt__box_copy_range(ckpt_dtype dt, int ndim, const int64_t *src_off,
-                         const int64_t *src_shape, uint64_t first, uint64_t count,
-                         const void *src, const int64_t *dst_off, const int64_t *dst_shape,
-                         void *dst) {
+int ckpt__box_copy_range(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_t *src_shape,
+                         uint64_t first, uint64_t count, const void *src, const int64_t *dst_off,
+                         const int64_t *dst_shape, void *dst) {
     int bits = ckpt_dtype_bits(dt);
     if (bits <= 0 || bits % 8)
         return ckpt__err(CKPT_EUNSUPPORTED, "box copy: pieces of %s elements are not whole bytes",
                          ckpt_dtype_name(dt) ? ckpt_dtype_name(dt) : "(invalid)");
-    if (ndim < 0 || ndim > CKPT_MAX_NDIM)
-        return ckpt__err(CKPT_EINVAL, "box copy: ndim %d", ndim);
+    if (ndim < 0 || ndim > CKPT_MAX_NDIM) return ckpt__err(CKPT_EINVAL, "box copy: ndim %d", ndim);
     int64_t off[CKPT_MAX_NDIM] = {0}, shape[CKPT_MAX_NDIM] = {0};
     for (int d = 0; d < ndim; d++) {
         off[d] = src_off[d];
         shape[d] = src_shape[d];
     }
-    return range_copy(dt, ndim, off, shape, 0, first, first + count, src, (size_t)bits / 8,
-                      dst_off, dst_shape, dst);
+    return range_copy(dt, ndim, off, shape, 0, first, first + count, src, (size_t)bits / 8, dst_off,
+                      dst_shape, dst);
 }
 
 /* ---- shard file names ----------------------------------------------------- */

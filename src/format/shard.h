@@ -51,10 +51,9 @@ int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_
  * dst_shape) at dst, as ckpt__box_copy does; the elements outside the dst box
  * are skipped. The range is cut into at most 2 x ndim + 1 boxes. The dtype
  * must be whole bytes (CKPT_EUNSUPPORTED otherwise). */
-int ckpt__box_copy_range(ckpt_dtype dt, int ndim, const int64_t *src_off,
-                         const int64_t *src_shape, uint64_t first, uint64_t count,
-                         const void *src, const int64_t *dst_off, const int64_t *dst_shape,
-                         void *dst);
+int ckpt__box_copy_range(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_t *src_shape,
+                         uint64_t first, uint64_t count, const void *src, const int64_t *dst_off,
+                         const int64_t *dst_shape, void *dst);
 
 /* Hugging Face's shard names: "<stem>-<rank+1>-of-<size>.safetensors", each
  * number 5 digits (more if needed). CKPT_EINVAL if it does not fit in cap. */

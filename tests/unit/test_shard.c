@@ -74,8 +74,8 @@ static void write_shard(shard_file *s, int rank, int size, const int64_t (*boxes
 static void attach(ckpt_reader *r, shard_file *s) {
     const char *keys[8];
     for (int64_t i = 0; i < s->d.ntensors; i++) keys[i] = s->d.tensor_keys[i];
-    assert_int_equal(ckpt__reader_attach_shard(r, s->bytes, s->len, s->name, keys, s->d.tensor_chunk,
-                                               s->d.ntensors, NULL),
+    assert_int_equal(ckpt__reader_attach_shard(r, s->bytes, s->len, s->name, keys,
+                                               s->d.tensor_chunk, s->d.ntensors, NULL),
                      CKPT_OK);
 }
 
@@ -214,7 +214,8 @@ static int fake_fetch_fn(void *ctx, int64_t id, const void *local, uint64_t nbyt
     uint64_t step = 7 * group;
     int rc = 0;
     for (uint64_t off = 0; off < nbytes && !rc; off += step)
-        rc = put(put_ctx, (const uint8_t *)data + off, off, nbytes - off < step ? nbytes - off : step);
+        rc = put(put_ctx, (const uint8_t *)data + off, off,
+                 nbytes - off < step ? nbytes - off : step);
     ckpt_reader_free(plain);
     return rc;
 }
@@ -238,9 +239,9 @@ static void test_streamed_chunks_fetch(void **state) {
     for (int i = 1; i < 3; i++) {
         const char *keys[1] = {s[i].d.tensor_keys[0]};
         int64_t id = i * 10;
-        assert_int_equal(ckpt__reader_attach_shard(r, NULL, 0, s[i].name, keys,
-                                                   s[i].d.tensor_chunk, 1, &id),
-                         CKPT_OK);
+        assert_int_equal(
+            ckpt__reader_attach_shard(r, NULL, 0, s[i].name, keys, s[i].d.tensor_chunk, 1, &id),
+            CKPT_OK);
     }
     float whole[R * C], want[R * C];
     fill_box(want, 0, 0, R, C);
