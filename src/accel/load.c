@@ -518,6 +518,16 @@ static int share_files(load_op *op) {
     /* Agreed on first so that no rank drops out of the reduction. */
     rc = ckpt__coll_agree(c, rc, NULL);
     if (rc == 0) rc = choose_streamed(op, need, cneed);
+    /* The window streamed pieces land in, on every rank, before any is
+     * streamed: a rank without one could not take part. */
+    if (rc == 0 && op->nstreamed) {
+        op->window = ckpt__malloc(op->window_size ? op->window_size : 1);
+        if (op->window) {
+            op->held += op->window_size;
+            ckpt__load_held_add(op->window_size);
+        }
+        rc = ckpt__coll_agree(c, op->window ? CKPT_OK : ckpt__err_nomem("load: window"), NULL);
+    }
     /* Every rank's needs on every rank. */
     if (rc == 0) {
         for (int64_t j = 0; j < nf; j++) mine[j] = need[j];
@@ -619,27 +629,19 @@ static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size
     int root = op->reader[j];
     bool me = c->rank == root;
     size_t piece = op->window_size / group * group;
-    if (!me && !op->window && piece > 0) {
-        op->window = ckpt__malloc(op->window_size);
-        if (op->window) { /* what a receiving rank holds beyond its files */
-            op->held += op->window_size;
-            ckpt__load_held_add(op->window_size);
-        }
-    }
+    if (piece == 0 || !op->window) /* the same on every rank: the plan is */
+        return ckpt__err(CKPT_EINVAL, "%s: chunk %" PRId64 " does not fit the window", f->name, k);
     /* After a failure the pieces still travel (the broadcasts stay paired);
-     * the first failure is returned. */
-    if (piece == 0) /* the same on every rank: the plan is */
-        return ckpt__err(CKPT_EINVAL, "%s: chunk %" PRId64 " is larger than the window", f->name,
-                         k);
-    int rc = (me && !local) || (!me && !op->window)
-                 ? ckpt__err(me ? CKPT_EINVAL : CKPT_ENOMEM, "%s: no room for the chunk", f->name)
-                 : CKPT_OK;
+     * the first failure is returned. A root without the bytes (it read the
+     * file, so never) sends the window's, which the receivers' digest
+     * refuses. */
+    int rc = me && !local ? ckpt__err(CKPT_EINVAL, "%s: not held by its reader", f->name) : 0;
     XXH3_state_t *h = me ? NULL : XXH3_createState();
     if (h) XXH3_64bits_reset(h);
     for (uint64_t off = 0; off < nbytes; off += piece) {
         size_t n = nbytes - off < piece ? (size_t)(nbytes - off) : piece;
         uint8_t *p = me && local ? (uint8_t *)(uintptr_t)local + off : op->window;
-        int crc = p ? c->bcast(c->ctx, p, n, root) : CKPT_ENOMEM;
+        int crc = c->bcast(c->ctx, p, n, root);
         if (crc < 0 && rc == 0)
             rc = ckpt__err_prefix(crc, "%s: communicator: bcast from rank %d", f->name, root);
         if (rc == 0 && h) XXH3_64bits_update(h, p, n);
