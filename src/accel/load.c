@@ -630,12 +630,12 @@ static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size
     bool me = c->rank == root;
     size_t piece = op->window_size / group * group;
     if (piece == 0 || !op->window) /* the same on every rank: the plan is */
-        return ckpt__err(CKPT_EINVAL, "%s: chunk %" PRId64 " does not fit the window", f->name, k);
+        return ckpt__err(CKPT_EINVAL, "chunk %" PRId64 " does not fit the window", k);
     /* After a failure the pieces still travel (the broadcasts stay paired);
      * the first failure is returned. A root without the bytes (it read the
      * file, so never) sends the window's, which the receivers' digest
      * refuses. */
-    int rc = me && !local ? ckpt__err(CKPT_EINVAL, "%s: not held by its reader", f->name) : 0;
+    int rc = me && !local ? ckpt__err(CKPT_EINVAL, "chunk %" PRId64 " not held by its reader", k) : 0;
     XXH3_state_t *h = me ? NULL : XXH3_createState();
     if (h) XXH3_64bits_reset(h);
     for (uint64_t off = 0; off < nbytes; off += piece) {
@@ -643,16 +643,16 @@ static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size
         uint8_t *p = me && local ? (uint8_t *)(uintptr_t)local + off : op->window;
         int crc = c->bcast(c->ctx, p, n, root);
         if (crc < 0 && rc == 0)
-            rc = ckpt__err_prefix(crc, "%s: communicator: bcast from rank %d", f->name, root);
+            rc = ckpt__err_prefix(crc, "communicator: bcast from rank %d", root);
         if (rc == 0 && h) XXH3_64bits_update(h, p, n);
         if (rc == 0) rc = put(put_ctx, p, off, n);
     }
     if (rc == 0 && !me && f->tensor_xxh3 && k < f->ntensors &&
         (!h || XXH3_64bits_digest(h) != f->tensor_xxh3[k]))
         rc = h ? ckpt__err(CKPT_ECORRUPT,
-                           "%s: chunk %" PRId64 " received from rank %d differs from the "
-                           "manifest's digest",
-                           f->name, k, root)
+                           "chunk %" PRId64 " received from rank %d differs from the manifest's "
+                           "digest",
+                           k, root)
                : ckpt__err_nomem("chunk digest");
     XXH3_freeState(h);
     return rc;

@@ -13,6 +13,9 @@
 #  - slice:  the last rank's check reads rows it was never sent: the same
 #            CKPT_EMISMATCH on every rank, naming the key and the file,
 #            nothing changed anywhere;
+#  - corrupt: the last rank's communicator flips a bit of what it receives:
+#            its digest check refuses the chunk, every rank returns that
+#            CKPT_ECORRUPT (the others' echoes are not reported);
 # and after a failed load every rank refuses to save (nothing to trust).
 source "$(dirname "$0")/common.bash"
 
@@ -20,7 +23,7 @@ mpi_setup
 PROG=$CKPT_BUILD_DIR/tests/stream_run
 [ -x "$PROG" ] || fail "$PROG is not built"
 
-run_case() { # run_case P CASE STATUS MESSAGE VALUES SAVE
+run_case() { # run_case P CASE STATUS MESSAGE VALUES SAVE (VALUES -: not checked)
     local p=$1 c=$2 status=$3 want=$4 values=$5 save=$6 dir=$WORK/p$1$2 out r got first=
     out=$WORK/p$1$2.out
     mkdir -p "$dir"
@@ -37,7 +40,8 @@ run_case() { # run_case P CASE STATUS MESSAGE VALUES SAVE
         [ -z "$first" ] && first=$got
         [ "$got" = "$first" ] || fail "P=$p $c: rank $r says '$got', rank 0 '$first'"
         got=$(grep "^rank $r values " "$out")
-        [ "$got" = "rank $r values $values" ] || fail "P=$p $c rank $r: $got (expected $values)"
+        [ "$values" = - ] || [ "$got" = "rank $r values $values" ] ||
+            fail "P=$p $c rank $r: $got (expected $values)"
         got=$(grep "^rank $r save " "$out")
         [ "$got" = "rank $r save $save " ] || fail "P=$p $c rank $r save: $got (expected $save)"
     done
@@ -57,5 +61,8 @@ for p in 2 4; do
         fail "P=$p check: the refusing rank's own error was not the one returned"
     run_case "$p" slice CKPT_EMISMATCH "key 's': the chunk at offsets [0,0] is in custom_checkpoint_0-00001-of-0000$p.safetensors, which this process did not receive" \
         sentinel CKPT_EINVAL
+    run_case "$p" corrupt CKPT_ECORRUPT "rank $last: load_state: " - CKPT_EINVAL
+    grep -q "received from rank [0-9]* differs from the manifest's digest" "$WORK/p${p}corrupt.out" ||
+        fail "P=$p corrupt: the digest check was not the error returned"
 done
 echo "PASS: streamed loads of 2 and 4 ranks: values, and every failure alike on every rank"

@@ -17,6 +17,9 @@
  *            check phase)
  *   slice    reads, in check_state_dict, the rows of "s" another rank owns
  *            (never sent to it: the needed piece is missing)
+ *   corrupt  flips a bit of every piece of 128 KiB or more it receives
+ *            through a broadcast after the save (its communicator's bcast,
+ *            wrapped): a transfer corrupted on the way
  *
  * Each rank prints
  *
@@ -100,6 +103,16 @@ static int obj_check(void *self, ckpt_reader *r) {
 
 static float saved(int t, int64_t i) { return (float)(t * 10000000 + i); }
 
+/* "corrupt": the wrapped broadcast of the last rank. */
+static int (*real_bcast)(void *ctx, void *buf, size_t n, int root);
+static int my_rank;
+
+static int flip_bcast(void *ctx, void *buf, size_t n, int root) {
+    int rc = real_bcast(ctx, buf, n, root);
+    if (rc == 0 && root != my_rank && n >= (size_t)128 << 10) ((unsigned char *)buf)[n / 2] ^= 1;
+    return rc;
+}
+
 static void fill(obj *o, bool sentinel) {
     for (int64_t i = 0; i < N; i++) {
         o->a[i] = sentinel ? -1.0f : saved(1, i);
@@ -132,7 +145,8 @@ static void say(int rank, const char *what, int rc, bool msg) {
 
 int main(int argc, char **argv) {
     if (argc != 3) {
-        fprintf(stderr, "usage: %s <project_dir> same|order|refuse|check|slice\n", argv[0]);
+        fprintf(stderr, "usage: %s <project_dir> same|order|refuse|check|slice|corrupt\n",
+                argv[0]);
         return 2;
     }
     MPI_Init(&argc, &argv);
@@ -165,6 +179,11 @@ int main(int argc, char **argv) {
     }
     o.mode = keep;
     o.check_reads = strcmp(argv[2], "check") == 0;
+    if (strcmp(o.mode, "corrupt") == 0) {
+        my_rank = rank;
+        real_bcast = comm->bcast;
+        comm->bcast = flip_bcast;
+    }
     fill(&o, true);
     say(rank, "load", ckpt_load_state(acc, NULL), true);
     printf("rank %d values %s\n", rank, which(&o));
