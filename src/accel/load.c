@@ -137,6 +137,10 @@ static int plan_reads(load_op *op) {
     if (!op->reader || !op->shared || !v || !load) {
         free(v);
         free(load);
+        free(op->reader);
+        free(op->shared);
+        op->reader = NULL;
+        op->shared = NULL;
         return ckpt__err_nomem("load plan");
     }
     int saved_np = m->num_processes > 0 ? m->num_processes : 1;
@@ -223,6 +227,9 @@ static int open_checkpoint(load_op *op, const char *dir) {
     }
     /* Read once, hashed on the way, into the accelerator's reusable area. */
     int rc = ckpt__checkpoint_open_into(dir, many ? rank_reads : NULL, op, &op->acc->arena, &op->c);
+    /* no plan (no memory for it): this rank cannot take part; the choice's
+     * agreement stops the load on every rank */
+    if (rc == 0 && many && op->c.m.nfiles > 0 && !op->reader) rc = ckpt__err_nomem("load plan");
     for (int64_t j = 0; op->c.have_manifest && op->c.maps && j < op->c.m.nfiles; j++)
         if (!many || (op->reader && op->reader[j] == op->comm->rank))
             op->held += op->c.m.files[j].size;
@@ -314,8 +321,11 @@ static int find_needs(load_op *op, bool *need, uint8_t *cneed) {
             need[j] = false;
             for (int64_t k = 0; k < f->ntensors; k++) {
                 const ckpt_chunk *ch = &f->chunks[k];
-                bool n = ckpt__schema_needs_chunk(schema, f->tensor_keys[k], ch);
-                cneed[op->cbase[j] + k] = !n ? 0 : streamable(ch) ? 1 : 2;
+                bool known = false;
+                bool n = ckpt__schema_needs_chunk(schema, f->tensor_keys[k], ch, &known);
+                /* streamed only where the schema says this rank reads it:
+                 * a guess (a key the schema lacks) is sent, not streamed */
+                cneed[op->cbase[j] + k] = !n ? 0 : known && streamable(ch) ? 1 : 2;
                 need[j] |= n;
             }
         }
@@ -448,7 +458,7 @@ static int share_headers(load_op *op) {
     const ckpt_comm *c = op->comm;
     const ckpt_manifest *m = &op->c.m;
     int64_t nf = m->nfiles;
-    int rc = CKPT_OK;
+    int rc = CKPT_OK, late = CKPT_OK; /* late: a header's transfer failed here */
     op->hdr = ckpt__calloc((size_t)(nf ? nf : 1), sizeof *op->hdr);
     op->hdr_len = ckpt__calloc((size_t)(nf ? nf : 1), sizeof *op->hdr_len);
     if (!op->hdr || !op->hdr_len) rc = ckpt__err_nomem("load: part headers");
@@ -462,28 +472,31 @@ static int share_headers(load_op *op) {
             ckpt__st_header_len(op->c.maps[j].data, op->c.maps[j].size, f->name, &len) == 0)
             len += 8; /* the length, then the header */
         int crc = c->bcast(c->ctx, &len, sizeof len, root);
-        if (crc < 0) rc = ckpt__err_prefix(crc, "load_state: %s: communicator: bcast", f->name);
+        rc = crc < 0 ? ckpt__err_prefix(crc, "load_state: %s: communicator: bcast", f->name) : 0;
+        /* every rank goes on alike: the length is agreed on before it is used */
+        rc = ckpt__coll_agree(c, rc, NULL);
         /* the root checked the header's length against the file; 0: it
          * could not read one (its parse of the part fails alike later) */
         if (rc < 0 || len == 0) continue;
         uint8_t *buf =
             c->rank == root ? (uint8_t *)(uintptr_t)op->c.maps[j].data : ckpt__malloc((size_t)len);
-        int have = buf != NULL;
         rc = ckpt__coll_agree(c, buf ? CKPT_OK : ckpt__err_nomem(f->name), NULL);
         if (rc == 0) {
             crc = c->bcast(c->ctx, buf, (size_t)len, root);
-            if (crc < 0) rc = ckpt__err_prefix(crc, "load_state: %s: communicator: bcast", f->name);
+            if (crc < 0 && late == 0)
+                late = ckpt__err_prefix(crc, "load_state: %s: communicator: bcast", f->name);
         }
-        if (c->rank != root && have && (rc < 0 || op->have[j])) {
+        if (c->rank == root || !buf) continue;
+        if (rc < 0 || crc < 0 || op->have[j]) {
             free(buf); /* it holds the part itself */
-        } else if (c->rank != root && have) {
-            op->hdr[j] = buf;
-            op->hdr_len[j] = len;
-            op->held += len;
-            ckpt__load_held_add(len);
+            continue;
         }
+        op->hdr[j] = buf;
+        op->hdr_len[j] = len;
+        op->held += len;
+        ckpt__load_held_add(len);
     }
-    return rc;
+    return ckpt__coll_agree(c, rc < 0 ? rc : late, NULL);
 }
 
 /* After every rank verified its files of the chosen checkpoint (and all
@@ -572,6 +585,8 @@ static int share_files(load_op *op) {
     free(cneed);
     free(lens);
     free(to);
+    /* the transfers' failures are each rank's own: agreed first */
+    rc = ckpt__coll_agree(c, rc, NULL);
     if (rc == 0) rc = share_headers(op);
     return rc;
 }
@@ -1372,6 +1387,7 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     /* apply: the objects read the streamed chunks as they load */
     ckpt__coll_phase(acc, "load: apply");
     if (rc == 0) {
+        op.echo = false; /* a check's swallowed echo is not this phase's */
         rc = apply(&op);
         src = stream_end(&op);
         if (rc == 0) rc = src;

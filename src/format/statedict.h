@@ -90,8 +90,11 @@ int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const ch
 /* Whether an object whose schema writer is schema reads any element of the
  * saved chunk c of key: the chunk meets the slice the object put with
  * ckpt_write_tensor_shard, or the object puts key otherwise (whole), or not
- * at all under that name (an adaptation may read it under another). */
-bool ckpt__schema_needs_chunk(const ckpt_writer *schema, const char *key, const ckpt_chunk *c);
+ * at all under that name (an adaptation may read it under another). *known
+ * (may be NULL) says whether the schema decided it: it holds key as a
+ * tensor of c's rank (false: the answer is a guess, true to be safe). */
+bool ckpt__schema_needs_chunk(const ckpt_writer *schema, const char *key, const ckpt_chunk *c,
+                              bool *known);
 /* Sets the name used in reader/writer error messages (copied). */
 void ckpt__reader_set_name(ckpt_reader *r, const char *name);
 /* Strict UTF-8 (no overlong forms, no surrogates, nothing past U+10FFFF):

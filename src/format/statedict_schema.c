@@ -47,11 +47,15 @@ int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const ch
 
 /* ---- which saved chunks a schema reads ------------------------------------ */
 
-bool ckpt__schema_needs_chunk(const ckpt_writer *schema, const char *key, const ckpt_chunk *c) {
+bool ckpt__schema_needs_chunk(const ckpt_writer *schema, const char *key, const ckpt_chunk *c,
+                              bool *known) {
     int64_t i = schema && key ? key_index_get(&schema->index, key) : -1;
+    if (known) *known = false;
     if (i < 0) return true; /* not the object's key as such: whatever reads it may need it */
     const entry *m = &schema->entries[i];
-    if (m->kind != CKPT_ENTRY_TENSOR || !m->shard || m->ndim != c->ndim) return true;
+    if (m->kind != CKPT_ENTRY_TENSOR || m->ndim != c->ndim) return true;
+    if (known) *known = true;
+    if (!m->shard) return true; /* put whole: every chunk is read */
     for (int d = 0; d < c->ndim; d++) {
         if (m->cshape[d] == 0 || c->shape[d] == 0) return false; /* an empty box meets nothing */
         if (m->coff[d] + m->cshape[d] <= c->offsets[d] || c->offsets[d] + c->shape[d] <= m->coff[d])
