@@ -650,7 +650,8 @@ static int fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, size
      * the first failure is returned. A root without the bytes (it read the
      * file, so never) sends the window's, which the receivers' digest
      * refuses. */
-    int rc = me && !local ? ckpt__err(CKPT_EINVAL, "chunk %" PRId64 " not held by its reader", k) : 0;
+    int rc =
+        me && !local ? ckpt__err(CKPT_EINVAL, "chunk %" PRId64 " not held by its reader", k) : 0;
     XXH3_state_t *h = me ? NULL : XXH3_createState();
     if (h) XXH3_64bits_reset(h);
     for (uint64_t off = 0; off < nbytes; off += piece) {

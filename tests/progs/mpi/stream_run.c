@@ -145,8 +145,7 @@ static void say(int rank, const char *what, int rc, bool msg) {
 
 int main(int argc, char **argv) {
     if (argc != 3) {
-        fprintf(stderr, "usage: %s <project_dir> same|order|refuse|check|slice|corrupt\n",
-                argv[0]);
+        fprintf(stderr, "usage: %s <project_dir> same|order|refuse|check|slice|corrupt\n", argv[0]);
         return 2;
     }
     MPI_Init(&argc, &argv);
