@@ -256,10 +256,26 @@ static bool is_hf_part(const ckpt_manifest_file *f) {
            ckpt__acc_is_shard_of(f->name, NULL);
 }
 
-/* Whether file f's tensors are numbered as chunks (shard files, and the
- * parts of a model saved as Hugging Face shards, each tensor whole). */
+/* A model's own file of at least this many bytes is streamed tensor by
+ * tensor rather than sent whole (the trainable tensors of a model with
+ * frozen ones, a checkpoint saved by one process): smaller ones, a few
+ * small tensors, go whole in one transfer. */
+#define STREAM_FILE_MIN ((uint64_t)4 << 20)
+
+/* Whether f is such a model file: a model's plain file, not a shard. */
+static bool is_big_model_file(const ckpt_manifest_file *f) {
+    size_t n = strlen(f->name);
+    return !f->chunks && f->size >= STREAM_FILE_MIN &&
+           strcmp(f->kind, ckpt__kind_name[K_MODEL]) == 0 &&
+           !ckpt__acc_is_shard_of(f->name, NULL) && n > 12 &&
+           strcmp(f->name + n - 12, ".safetensors") == 0;
+}
+
+/* Whether file f's tensors are numbered as chunks: shard files, and the
+ * files a model reads every tensor of whole (the parts of a model saved as
+ * Hugging Face shards, a large model file), each tensor a chunk. */
 static bool has_chunks(const ckpt_manifest_file *f) {
-    return f->chunks || (is_hf_part(f) && f->tensor_keys);
+    return f->chunks || ((is_hf_part(f) || is_big_model_file(f)) && f->tensor_keys);
 }
 
 /* Whether chunk c can be streamed: bytes of whole elements, some of them. */
@@ -315,6 +331,11 @@ static int find_needs(load_op *op, bool *need, uint8_t *cneed) {
             if (!shard && strcmp(f->name, name) != 0) continue;
             if (!op->sel[i]) {
                 need[j] = false;
+                continue;
+            }
+            if (!shard && !all && o->kind == K_MODEL && has_chunks(f)) {
+                /* a large model file: every tensor read whole, streamable */
+                for (int64_t k = 0; k < f->ntensors; k++) cneed[op->cbase[j] + k] = 1;
                 continue;
             }
             if (!shard || all || !f->chunks) continue;
@@ -418,16 +439,9 @@ static int choose_streamed(load_op *op, bool *need, const uint8_t *cneed) {
         if (crc < 0) rc = ckpt__err_prefix(crc, "load_state: communicator: allreduce");
     }
     rc = ckpt__coll_agree(c, rc, NULL);
-    op->window_size = 0;
     for (int64_t k = 0; k < n && rc == 0; k++) {
         op->streamed[k] = v[k] == 1;
         op->nstreamed += op->streamed[k];
-        const ckpt_manifest_file *f = &m->files[op->cfile[k]];
-        uint64_t nb = f->size; /* a Hugging Face part's tensor: at most its file */
-        const ckpt_chunk *ch = f->chunks ? &f->chunks[k - op->cbase[op->cfile[k]]] : NULL;
-        if (ch && ckpt_tensor_nbytes(ch->dtype, ch->ndim, ch->shape, &nb) != 0) nb = 0;
-        if (op->streamed[k] && nb > op->window_size)
-            op->window_size = nb < SHARE_PIECE ? (size_t)nb : SHARE_PIECE;
     }
     for (int64_t j = 0; j < m->nfiles && rc == 0; j++) {
         const ckpt_manifest_file *f = &m->files[j];
@@ -450,6 +464,46 @@ static bool any_streamed(const load_op *op, int64_t j) {
     return false;
 }
 
+/* The window's size (op->window_size): the largest streamed tensor or
+ * chunk, at most SHARE_PIECE, at least 1 byte; a whole-tensor file's
+ * tensors from its header (its bytes, or what share_headers sent). The same
+ * on every rank: the same manifest, the same header bytes. A header that
+ * does not parse counts nothing (the object's open reports it). */
+static void size_window(load_op *op) {
+    const ckpt_manifest *m = &op->c.m;
+    uint64_t most = 1;
+    for (int64_t j = 0; j < m->nfiles; j++) {
+        const ckpt_manifest_file *f = &m->files[j];
+        if (!any_streamed(op, j)) continue;
+        for (int64_t k = 0; f->chunks && k < f->ntensors; k++) {
+            const ckpt_chunk *ch = &f->chunks[k];
+            uint64_t nb = 0;
+            if (op->streamed[op->cbase[j] + k] &&
+                ckpt_tensor_nbytes(ch->dtype, ch->ndim, ch->shape, &nb) == 0 && nb > most)
+                most = nb;
+        }
+        if (f->chunks) continue;
+        bool held = !op->have || op->have[j];
+        const uint8_t *bytes = held ? op->c.maps[j].data : op->hdr ? op->hdr[j] : NULL;
+        uint64_t len = held ? op->c.maps[j].size : op->hdr_len ? op->hdr_len[j] : 0, hl = 0;
+        ckpt_st_header h;
+        memset(&h, 0, sizeof h);
+        if (!bytes || len < 8 || ckpt__st_header_len(bytes, f->size, f->name, &hl) != 0 ||
+            len < 8 + hl || ckpt__st_parse(bytes + 8, hl, f->size, f->name, &h) != 0) {
+            ckpt_clear_error();
+            continue;
+        }
+        for (int64_t t = 0; t < h.ntensors; t++) {
+            int64_t k = 0;
+            while (k < f->ntensors && strcmp(f->tensor_keys[k], h.tensors[t].name) != 0) k++;
+            uint64_t nb = h.tensors[t].end - h.tensors[t].begin;
+            if (k < f->ntensors && op->streamed[op->cbase[j] + k] && nb > most) most = nb;
+        }
+        ckpt__st_header_free(&h);
+    }
+    op->window_size = most < SHARE_PIECE ? (size_t)most : SHARE_PIECE;
+}
+
 /* The header of each Hugging Face part with streamed tensors goes from its
  * reader to the ranks that do not hold the part (its tensors' dtypes,
  * shapes and order: what a reader over the part needs besides the bytes),
@@ -465,7 +519,7 @@ static int share_headers(load_op *op) {
     rc = ckpt__coll_agree(c, rc, NULL);
     for (int64_t j = 0; j < nf && rc == 0; j++) {
         const ckpt_manifest_file *f = &m->files[j];
-        if (!is_hf_part(f) || !any_streamed(op, j)) continue;
+        if (f->chunks || !has_chunks(f) || !any_streamed(op, j)) continue;
         int root = op->reader[j];
         uint64_t len = 0;
         if (c->rank == root &&
@@ -531,16 +585,6 @@ static int share_files(load_op *op) {
     /* Agreed on first so that no rank drops out of the reduction. */
     rc = ckpt__coll_agree(c, rc, NULL);
     if (rc == 0) rc = choose_streamed(op, need, cneed);
-    /* The window streamed pieces land in, on every rank, before any is
-     * streamed: a rank without one could not take part. */
-    if (rc == 0 && op->nstreamed) {
-        op->window = ckpt__malloc(op->window_size ? op->window_size : 1);
-        if (op->window) {
-            op->held += op->window_size;
-            ckpt__load_held_add(op->window_size);
-        }
-        rc = ckpt__coll_agree(c, op->window ? CKPT_OK : ckpt__err_nomem("load: window"), NULL);
-    }
     /* Every rank's needs on every rank. */
     if (rc == 0) {
         for (int64_t j = 0; j < nf; j++) mine[j] = need[j];
@@ -588,6 +632,17 @@ static int share_files(load_op *op) {
     /* the transfers' failures are each rank's own: agreed first */
     rc = ckpt__coll_agree(c, rc, NULL);
     if (rc == 0) rc = share_headers(op);
+    /* The window streamed pieces land in, on every rank, before any is
+     * streamed: a rank without one could not take part. */
+    if (rc == 0 && op->nstreamed) {
+        size_window(op);
+        op->window = ckpt__malloc(op->window_size);
+        if (op->window) {
+            op->held += op->window_size;
+            ckpt__load_held_add(op->window_size);
+        }
+        rc = ckpt__coll_agree(c, op->window ? CKPT_OK : ckpt__err_nomem("load: window"), NULL);
+    }
     return rc;
 }
 
@@ -909,11 +964,12 @@ static int open_part(void *ctx, const ckpt_manifest_file *f, ckpt_reader **out) 
     return ckpt_reader_open_memory(out, mp->data, (size_t)mp->size, f->name);
 }
 
-/* Makes part f of a model saved as Hugging Face shards readable through r,
- * each tensor a whole chunk of its own (its dtype and shape from the part's
- * header: the part's bytes where this rank holds them, else the header its
- * reader sent), the streamed ones read through fetch. */
-static int attach_hf_part(load_op *op, ckpt_reader *r, const ckpt_manifest_file *f) {
+/* Makes file f (a part of a model saved as Hugging Face shards, or a large
+ * model file) readable through r, each tensor a whole chunk of its own (its
+ * dtype and shape from the file's header: the file's bytes where this rank
+ * holds them, else the header its reader sent), the streamed ones read
+ * through fetch. */
+static int attach_whole(load_op *op, ckpt_reader *r, const ckpt_manifest_file *f) {
     int64_t j = f - op->c.m.files;
     bool held = !op->have || op->have[j];
     const uint8_t *bytes = held ? op->c.maps[j].data : op->hdr ? op->hdr[j] : NULL;
@@ -970,7 +1026,7 @@ static bool hf_streams(const load_op *op, const char *name) {
 }
 
 /* A model saved as Hugging Face shards whose tensors are streamed: one
- * reader over every part the index names (attach_hf_part), checked against
+ * reader over every part the index names (attach_whole), checked against
  * the index as ckpt__hf_open checks it: the parts hold exactly the tensors
  * the index names. */
 static int open_hf_streamed(load_op *op, int i, const ckpt_manifest_file *index, const char *name) {
@@ -988,7 +1044,7 @@ static int open_hf_streamed(load_op *op, int i, const ckpt_manifest_file *index,
             rc = ckpt__err(CKPT_ECORRUPT,
                            "%s: %s names %s, which the manifest does not list as a model file",
                            op->dir, index->name, x.parts[p]);
-        else rc = attach_hf_part(op, r, f);
+        else rc = attach_whole(op, r, f);
     }
     if (rc == 0 && ckpt_reader_count(r) != x.n)
         rc = ckpt__err(CKPT_ECORRUPT,
@@ -1055,6 +1111,13 @@ static int open_object(load_op *op, int i) {
                                                f->tensor_xxh3, f->ntensors)
                   : ckpt__err_nomem("load path");
         free(path);
+    } else if (idx >= 0 && any_streamed(op, idx)) { /* a large model file, streamed */
+        rc = ckpt__reader_new_empty(&op->readers[i], name);
+        if (rc == 0) {
+            ckpt__reader_set_fetch(op->readers[i], fetch, op);
+            rc = attach_whole(op, op->readers[i], &m->files[idx]);
+        }
+        if (rc == 0) rc = attach_shards(op, op->readers[i], name, ckpt__kind_name[o->kind]);
     } else if (idx >= 0) {
         const ckpt_mapped *mp = &op->c.maps[idx];
         rc = ckpt_reader_open_memory(&op->readers[i], mp->data, (size_t)mp->size, name);
