@@ -464,6 +464,35 @@ static bool any_streamed(const load_op *op, int64_t j) {
     return false;
 }
 
+/* Where tensor `key` of file f sits in the manifest's list of f's tensors
+ * (its chunk number, less f's first), or -1. */
+static int64_t manifest_key(const ckpt_manifest_file *f, const char *key) {
+    for (int64_t k = 0; k < f->ntensors; k++)
+        if (strcmp(f->tensor_keys[k], key) == 0) return k;
+    return -1;
+}
+
+/* The parsed header of whole-tensor file f (a Hugging Face part, a large
+ * model file): from its bytes where this rank holds them, else from the
+ * header its reader sent (share_headers); *held says which. */
+static int whole_header(const load_op *op, const ckpt_manifest_file *f, ckpt_st_header *h,
+                        bool *held) {
+    int64_t j = f - op->c.m.files;
+    *held = !op->have || op->have[j];
+    const uint8_t *bytes = *held ? op->c.maps[j].data : op->hdr ? op->hdr[j] : NULL;
+    uint64_t len = *held ? op->c.maps[j].size : op->hdr_len ? op->hdr_len[j] : 0, hl = 0;
+    memset(h, 0, sizeof *h);
+    if (!bytes)
+        return ckpt__err(CKPT_EMISMATCH,
+                         "%s: %s: this process holds neither the part nor its header (the load "
+                         "plan sends it neither)",
+                         op->dir, f->name);
+    if (len < 8) return ckpt__err(CKPT_ECORRUPT, "%s: no header", f->name);
+    CKPT_TRY(ckpt__st_header_len(bytes, f->size, f->name, &hl));
+    if (len < 8 + hl) return ckpt__err(CKPT_ECORRUPT, "%s: header cut short", f->name);
+    return ckpt__st_parse(bytes + 8, hl, f->size, f->name, h);
+}
+
 /* The window's size (op->window_size): the largest streamed tensor or
  * chunk, at most SHARE_PIECE, at least 1 byte; a whole-tensor file's
  * tensors from its header (its bytes, or what share_headers sent). The same
@@ -483,21 +512,16 @@ static void size_window(load_op *op) {
                 most = nb;
         }
         if (f->chunks) continue;
-        bool held = !op->have || op->have[j];
-        const uint8_t *bytes = held ? op->c.maps[j].data : op->hdr ? op->hdr[j] : NULL;
-        uint64_t len = held ? op->c.maps[j].size : op->hdr_len ? op->hdr_len[j] : 0, hl = 0;
         ckpt_st_header h;
-        memset(&h, 0, sizeof h);
-        if (!bytes || len < 8 || ckpt__st_header_len(bytes, f->size, f->name, &hl) != 0 ||
-            len < 8 + hl || ckpt__st_parse(bytes + 8, hl, f->size, f->name, &h) != 0) {
+        bool held;
+        if (whole_header(op, f, &h, &held) != 0) {
             ckpt_clear_error();
             continue;
         }
         for (int64_t t = 0; t < h.ntensors; t++) {
-            int64_t k = 0;
-            while (k < f->ntensors && strcmp(f->tensor_keys[k], h.tensors[t].name) != 0) k++;
+            int64_t k = manifest_key(f, h.tensors[t].name);
             uint64_t nb = h.tensors[t].end - h.tensors[t].begin;
-            if (k < f->ntensors && op->streamed[op->cbase[j] + k] && nb > most) most = nb;
+            if (k >= 0 && op->streamed[op->cbase[j] + k] && nb > most) most = nb;
         }
         ckpt__st_header_free(&h);
     }
@@ -971,20 +995,9 @@ static int open_part(void *ctx, const ckpt_manifest_file *f, ckpt_reader **out) 
  * through fetch. */
 static int attach_whole(load_op *op, ckpt_reader *r, const ckpt_manifest_file *f) {
     int64_t j = f - op->c.m.files;
-    bool held = !op->have || op->have[j];
-    const uint8_t *bytes = held ? op->c.maps[j].data : op->hdr ? op->hdr[j] : NULL;
-    uint64_t len = held ? op->c.maps[j].size : op->hdr_len ? op->hdr_len[j] : 0, hl = 0;
-    if (!bytes)
-        return ckpt__err(CKPT_EMISMATCH,
-                         "%s: %s: this process holds neither the part nor its "
-                         "header (the load plan sends it neither)",
-                         op->dir, f->name);
     ckpt_st_header h;
-    memset(&h, 0, sizeof h);
-    int rc = len < 8 ? ckpt__err(CKPT_ECORRUPT, "%s: no header", f->name)
-                     : ckpt__st_header_len(bytes, f->size, f->name, &hl);
-    if (rc == 0 && len < 8 + hl) rc = ckpt__err(CKPT_ECORRUPT, "%s: header cut short", f->name);
-    if (rc == 0) rc = ckpt__st_parse(bytes + 8, hl, f->size, f->name, &h);
+    bool held;
+    int rc = whole_header(op, f, &h, &held);
     size_t n = (size_t)(h.ntensors ? h.ntensors : 1);
     const char **keys = rc ? NULL : ckpt__calloc(n, sizeof *keys);
     ckpt_chunk *chunks = rc ? NULL : ckpt__calloc(n, sizeof *chunks);
@@ -997,16 +1010,16 @@ static int attach_whole(load_op *op, ckpt_reader *r, const ckpt_manifest_file *f
         chunks[t].ndim = st->ndim;
         for (int d = 0; d < st->ndim; d++)
             chunks[t].global_shape[d] = chunks[t].shape[d] = st->shape[d];
-        int64_t k = 0;
-        while (k < f->ntensors && strcmp(f->tensor_keys[k], st->name) != 0) k++;
-        if (k == f->ntensors)
+        int64_t k = manifest_key(f, st->name);
+        if (k < 0)
             rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: tensor '%s' is not in the manifest's list of it",
                            op->dir, f->name, st->name);
         else ids[t] = op->streamed && op->streamed[op->cbase[j] + k] ? op->cbase[j] + k : -1;
     }
     if (rc == 0)
-        rc = ckpt__reader_attach_shard(r, held ? bytes : NULL, held ? (size_t)len : 0, f->name,
-                                       keys, chunks, h.ntensors, ids);
+        rc = ckpt__reader_attach_shard(r, held ? op->c.maps[j].data : NULL,
+                                       held ? (size_t)op->c.maps[j].size : 0, f->name, keys, chunks,
+                                       h.ntensors, ids);
     free(keys);
     free(chunks);
     free(ids);

@@ -79,15 +79,20 @@ static void attach(ckpt_reader *r, shard_file *s) {
                      CKPT_OK);
 }
 
-/* Rows split over three ranks: [0,2) [2,3) [3,6). */
-static void test_rows_round_trip_any_slice(void **state) {
-    (void)state;
+/* "t" saved by three ranks as rows [0,2) [2,3) [3,6), one file each. */
+static void write_rows3(shard_file s[3]) {
     const int64_t a[][4] = {{0, 0, 2, C}}, b[][4] = {{2, 0, 1, C}}, c[][4] = {{3, 0, 3, C}};
-    shard_file s[3];
-    memset(s, 0, sizeof s);
+    memset(s, 0, 3 * sizeof *s);
     write_shard(&s[0], 0, 3, a, 1);
     write_shard(&s[1], 1, 3, b, 1);
     write_shard(&s[2], 2, 3, c, 1);
+}
+
+/* Rows split over three ranks: [0,2) [2,3) [3,6). */
+static void test_rows_round_trip_any_slice(void **state) {
+    (void)state;
+    shard_file s[3];
+    write_rows3(s);
     assert_string_equal(s[1].name, "obj-00002-of-00003.safetensors");
     /* The shard file holds only the chunk, under its key, with its local shape. */
     assert_int_equal(s[2].d.ntensors, 1);
@@ -224,12 +229,8 @@ static int fake_fetch_fn(void *ctx, int64_t id, const void *local, uint64_t nbyt
  * one of a key's at every read of the key, in the key's chunk order. */
 static void test_streamed_chunks_fetch(void **state) {
     (void)state;
-    const int64_t a[][4] = {{0, 0, 2, C}}, b[][4] = {{2, 0, 1, C}}, c[][4] = {{3, 0, 3, C}};
     shard_file s[3];
-    memset(s, 0, sizeof s);
-    write_shard(&s[0], 0, 3, a, 1);
-    write_shard(&s[1], 1, 3, b, 1);
-    write_shard(&s[2], 2, 3, c, 1);
+    write_rows3(s);
     fake_fetch f = {.files = s, .fail_at = -1};
     ckpt_reader *r = NULL;
     assert_int_equal(ckpt__reader_new_empty(&r, "obj"), CKPT_OK);
