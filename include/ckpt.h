@@ -398,6 +398,18 @@ CKPT_API int ckpt_optimizer_set_lr(ckpt_optimizer *o, int group, double lr);
 CKPT_API int ckpt_optimizer_step(ckpt_optimizer *o);
 /* Sets every gradient to zero. */
 CKPT_API void ckpt_optimizer_zero_grad(ckpt_optimizer *o);
+/* The optimizer's step count: how many updates it made (or was told of).
+ * It is what PyTorch keeps per parameter as state[p]["step"] (saved as
+ * state.<i>.step, a float32, for every kind): ckpt_optimizer_step adds one
+ * to every optimized parameter's count, a load restores them. get_step
+ * returns the largest count (all are equal unless set otherwise), 0 for
+ * an optimizer without parameters or NULL. set_step gives every optimized
+ * parameter the count step, for an optimizer whose update the caller runs
+ * or to carry a count over; afterwards set_groups and set_shard refuse as
+ * after a first step when step > 0. CKPT_EINVAL for step outside
+ * 0..2^24 (a float32 counts exactly up to there). */
+CKPT_API int ckpt_optimizer_set_step(ckpt_optimizer *o, int64_t step);
+CKPT_API int64_t ckpt_optimizer_get_step(const ckpt_optimizer *o);
 CKPT_API const ckpt_stateful_ops *ckpt_optimizer_ops(void);
 /* Optimizer state names each state index's parameter (param_names.<i>) and
  * a load matches state to parameters by those names. State without names
