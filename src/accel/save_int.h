@@ -76,6 +76,11 @@ struct ckpt_save_op {
      * line per object: "<file> <hash> <count>\n" (order_digest). Every
      * rank must have the same: rank 0 compares at the commit. */
     char *order;
+    /* The rotation's removed folders, renamed away and left for the driver
+     * to delete (ckpt__save_op_defer_removal): their hidden paths. */
+    bool defer_removal;
+    char **trash;
+    int ntrash, trash_cap;
 };
 typedef struct ckpt_save_op save_op;
 

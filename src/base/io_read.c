@@ -10,11 +10,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define XXH_STATIC_LINKING_ONLY
-#include <xxhash.h>
 
 #include "base/error.h"
 #include "base/io.h"
+#include "base/xxh.h"
 #include "base/io_int.h"
 
 /* ---- reads -------------------------------------------------------------- */
@@ -170,17 +169,13 @@ ckpt_h128 ckpt__xxh128(const void *p, size_t n) {
 static int read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
                        uint64_t *digest, ckpt_h128 *wide) {
     size_t align = _Alignof(XXH3_state_t) > 64 ? _Alignof(XXH3_state_t) : 64;
-    void *mem = ckpt__malloc(2 * sizeof(XXH3_state_t) + align + (dst ? 0 : HASH_PIECE));
+    void *mem = ckpt__malloc(sizeof(XXH3_state_t) + align + (dst ? 0 : HASH_PIECE));
     if (!mem) return ckpt__err_nomem(what);
     uintptr_t a = ((uintptr_t)mem + align - 1) & ~(uintptr_t)(align - 1);
-    XXH3_state_t *h = (XXH3_state_t *)a, *h2 = h + 1;
-    uint8_t *scratch = (uint8_t *)(h + 2);
+    XXH3_state_t *h = (XXH3_state_t *)a; /* both digests come from it (xxh.h) */
+    uint8_t *scratch = (uint8_t *)(h + 1);
     XXH3_INITSTATE(h);
     XXH3_64bits_reset(h);
-    if (wide) {
-        XXH3_INITSTATE(h2);
-        XXH3_128bits_reset(h2);
-    }
     int rc = CKPT_OK;
     struct stat st;
     int fd = ckpt__open_read(path, what, true, &st);
@@ -217,14 +212,13 @@ static int read_hashed(const char *path, const char *what, uint64_t size, uint8_
             if (off + want < size)
                 (void)ckpt__os_fadvise(fd, off + want, HASH_PIECE, POSIX_FADV_WILLNEED);
             XXH3_64bits_update(h, p, want);
-            if (wide) XXH3_128bits_update(h2, p, want);
             off += want;
         }
     }
     ckpt__os_close(fd);
     if (rc == 0 && digest) *digest = XXH3_64bits_digest(h);
     if (rc == 0 && wide) {
-        XXH128_hash_t v = XXH3_128bits_digest(h2);
+        XXH128_hash_t v = XXH3_128bits_digest(h);
         *wide = (ckpt_h128){v.low64, v.high64};
     }
     free(mem);

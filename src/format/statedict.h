@@ -51,9 +51,13 @@ int ckpt__writer_write_new_ex(ckpt_writer *w, const char *path, bool shards, boo
                               ckpt_file_digest *d);
 /* What ckpt__writer_write_new_ex(w, ..., shards, ...) would write, measured
  * in memory without writing anything: its size and its XXH3-128. `what`
- * names the file in messages. */
-int ckpt__writer_hash128(ckpt_writer *w, const char *what, bool shards, uint64_t *size,
-                         ckpt_h128 *h);
+ * names the file in messages. With expect (n digests; NULL: none), the
+ * XXH3-64 each tensor would have in the file, in file order (a previous
+ * file's record): at the first tensor that differs the hashing stops,
+ * *differs is set and *h is zero (the file cannot be that one); else
+ * *differs is false and *h is the file's. */
+int ckpt__writer_hash128(ckpt_writer *w, const char *what, bool shards, const uint64_t *expect,
+                         int64_t n, uint64_t *size, ckpt_h128 *h, bool *differs);
 /* The position of r's entry named key (as ckpt_reader_entry counts), or -1.
  * No message either way. */
 int64_t ckpt__reader_index(const ckpt_reader *r, const char *key);

@@ -14,8 +14,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
-#define XXH_STATIC_LINKING_ONLY
-#include <xxhash.h>
+#include "base/xxh.h"
 
 #include "base/error.h"
 #include "base/io.h"

@@ -376,6 +376,7 @@ typedef struct rotation {
     ckpt_prune_fn report;
     void *user;
     const ckpt_logger *lg; /* NULL: no warnings (the report says it) */
+    const ckpt_rotate_opts *opts; /* a save's (ckpt__rotate), else NULL */
     int64_t removed;
 } rotation;
 
@@ -409,7 +410,8 @@ int ckpt__retention_check(const ckpt_retention *pol, const char *what) {
  * midway leaves a hidden leftover that the next save or prune removes, never
  * a visible half-deleted checkpoint. Without the fsync a power cut could
  * undo the rename but keep some of the deletions. */
-static int remove_checkpoint(const char *dir, const char *name, const ckpt_logger *lg) {
+static int remove_checkpoint(const char *dir, const char *name, const ckpt_logger *lg,
+                             const ckpt_rotate_opts *o) {
     char hidden[96];
     snprintf(hidden, sizeof hidden, ".%s.old.%ld", name, (long)getpid());
     char *p = ckpt__path_join(dir, name);
@@ -421,6 +423,9 @@ static int remove_checkpoint(const char *dir, const char *name, const ckpt_logge
         rc = ckpt__err_os(errno, "removing old checkpoint %s", p);
     } else if (ckpt__fsync_dir(dir) < 0) {
         ckpt__log(lg, CKPT_LOG_WARNING, "left %s hidden, not deleted: %s", h, ckpt_errmsg());
+    } else if (o && o->defer) {
+        o->defer(o->user, h); /* its files are deleted later, by the callee */
+        h = NULL;
     } else if (ckpt__remove_tree(h) < 0) {
         ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s: %s", h, ckpt_errmsg());
     }
@@ -522,7 +527,9 @@ static int rotate(const char *dir, rotation *r) {
             break;
         }
         ckpt_checkpoint_info info;
-        int vrc = ckpt_checkpoint_verify(p, !beyond || r->verify_all, &info);
+        /* The checkpoint the save just committed was hashed on its way out. */
+        bool fresh = r->opts && r->opts->fresh >= 0 && nums[i] == r->opts->fresh;
+        int vrc = ckpt_checkpoint_verify(p, (!beyond || r->verify_all) && !fresh, &info);
         free(p);
         if (vrc == 0) {
             if (!beyond) kept++;
@@ -555,7 +562,7 @@ static int rotate(const char *dir, rotation *r) {
                       "removing %s, older than the newest valid checkpoint: %s", p,
                       v[i].why ? v[i].why : "invalid");
         free(p);
-        if (!r->dry_run) rc = remove_checkpoint(dir, name, r->lg);
+        if (!r->dry_run) rc = remove_checkpoint(dir, name, r->lg, r->opts);
         if (rc == 0) r->removed++;
     }
     for (int64_t i = 0; i < count; i++) free(v[i].why);
@@ -565,8 +572,8 @@ static int rotate(const char *dir, rotation *r) {
 }
 
 int ckpt__rotate(const char *dir, int64_t keep, const ckpt_retention *pol, const ckpt_logger *lg,
-                 int64_t *removed) {
-    rotation r = {.keep = keep, .pol = pol, .lg = lg};
+                 const ckpt_rotate_opts *opts, int64_t *removed) {
+    rotation r = {.keep = keep, .pol = pol, .lg = lg, .opts = opts};
     int rc = rotate(dir, &r);
     if (removed) *removed = r.removed;
     return rc;

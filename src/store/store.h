@@ -64,10 +64,26 @@ typedef struct ckpt_retention {
 bool ckpt__retention_active(const ckpt_retention *pol);
 /* CKPT_EINVAL naming `what` and the field for a bad policy. */
 int ckpt__retention_check(const ckpt_retention *pol, const char *what);
+/* What a save's rotation knows beyond the rule (NULL: nothing).
+ *   fresh  the number of the checkpoint the save just committed (-1:
+ *          none): every one of its files was hashed by this process on its
+ *          way to the disk, or read back and hashed after it was linked, so
+ *          it counts as valid after a shallow check (manifest and sizes)
+ *          instead of a second read of all its bytes.
+ *   defer  where the deletion of each removed folder goes: the folder is
+ *          renamed to a hidden leftover name (".checkpoint_<n>.old.<pid>")
+ *          and the folder above fsynced, which is all anyone sees of the
+ *          removal, and defer(user, hidden path) is handed the deletion of
+ *          its files (the path is the callee's to free). NULL: deleted here. */
+typedef struct ckpt_rotate_opts {
+    int64_t fresh;
+    void (*defer)(void *user, char *hidden);
+    void *user;
+} ckpt_rotate_opts;
 /* Removes the checkpoint_<n> folders of dir the retention rule does not
  * keep (ckpt_checkpoint_prune_ex's rule; keep >= 0; pol may be NULL).
  * *removed (may be NULL) gets the count. */
 int ckpt__rotate(const char *dir, int64_t keep, const ckpt_retention *pol, const ckpt_logger *lg,
-                 int64_t *removed);
+                 const ckpt_rotate_opts *opts, int64_t *removed);
 
 #endif

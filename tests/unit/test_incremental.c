@@ -152,7 +152,10 @@ static void test_hash_in_memory_is_the_hash_of_the_written_file(void **state) {
     uint64_t size = 0;
     ckpt_h128 h = {0, 0};
     uint64_t before = written_now();
-    assert_int_equal(ckpt__writer_hash128(w, "x.safetensors", false, &size, &h), 0);
+    bool differs = true;
+    assert_int_equal(
+        ckpt__writer_hash128(w, "x.safetensors", false, NULL, 0, &size, &h, &differs), 0);
+    assert_false(differs);
     assert_int_equal(written_now(), before); /* nothing written */
     char path[4096];
     tu_path(path, sizeof path, tu_dir(), "x.safetensors");
@@ -166,6 +169,23 @@ static void test_hash_in_memory_is_the_hash_of_the_written_file(void **state) {
     assert_true(d.has_xxh128);
     assert_true(ckpt__h128_eq(d.xxh128, want));
     assert_int_equal(d.xxh3, ckpt__xxh3(bytes, n));
+    /* Against the file's own tensor digests (a previous file's record): the
+     * same hash. Against a tensor that differs, or a record of fewer
+     * tensors: it differs, and no hash is given. */
+    ckpt_h128 h2 = {1, 1};
+    assert_int_equal(d.ntensors, 1);
+    assert_int_equal(ckpt__writer_hash128(w, "x", false, d.tensor_xxh3, d.ntensors, &size, &h2,
+                                          &differs),
+                     0);
+    assert_false(differs);
+    assert_true(ckpt__h128_eq(h2, want));
+    uint64_t other = d.tensor_xxh3[0] ^ 1;
+    assert_int_equal(ckpt__writer_hash128(w, "x", false, &other, 1, &size, &h2, &differs), 0);
+    assert_true(differs);
+    assert_true(ckpt__h128_eq(h2, (ckpt_h128){0, 0}));
+    assert_int_equal(ckpt__writer_hash128(w, "x", false, d.tensor_xxh3, 0, &size, &h2, &differs),
+                     0);
+    assert_true(differs);
     ckpt__file_digest_free(&d);
     free(bytes);
     ckpt_writer_free(w);
@@ -316,6 +336,8 @@ static void test_rotation_keeps_linked_files(void **state) {
     char *gone = tu_pathf("%s/checkpoints/checkpoint_2", tu_dir());
     assert_false(tu_exists(gone));
     free(gone);
+    /* checkpoint_2's files are deleted in the background: wait for it */
+    assert_int_equal(ckpt_save_wait(fx.acc), 0);
     assert_int_equal(stat_of(3, "model.safetensors").st_nlink, 1);
     verify_deep(3);
 }
