@@ -6,6 +6,7 @@
 
 #include "base/error.h"
 #include "base/io.h"
+#include "base/mem.h"
 #include "format/statedict.h"
 #include "format/statedict_int.h"
 
@@ -267,7 +268,7 @@ uint64_t ckpt__writer_stage(ckpt_writer *w, uint8_t *dst) {
         entry *e = &w->entries[i];
         uint64_t b = stage_size(e);
         if (!b) continue;
-        memcpy(dst + off, e->data, (size_t)b);
+        ckpt__copy_stream(dst + off, e->data, (size_t)b);
         e->data = dst + off;
         off += (b + STAGE_ALIGN - 1) / STAGE_ALIGN * STAGE_ALIGN;
     }

@@ -342,6 +342,37 @@ static void test_rotation_keeps_linked_files(void **state) {
     verify_deep(3);
 }
 
+/* The rotation does not read again what the save just wrote to count it
+ * valid (every byte was hashed on its way out), and the removed folder's
+ * files are deleted in the background: out of sight when the save returns. */
+static void test_rotation_reads_nothing_of_the_new_checkpoint(void **state) {
+    (void)state;
+    ckpt_accelerator_free(fx.acc);
+    ckpt_project_config cfg = {.project_dir = tu_dir(),
+                               .automatic_checkpoint_naming = true,
+                               .total_limit = 1,
+                               .no_link_unchanged = true};
+    assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mbase), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mhead), 0);
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    train_step();
+    ckpt_io_bytes a, b;
+    ckpt__io_bytes(&a);
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    ckpt__io_bytes(&b);
+    /* manifests only; model.safetensors alone is 256 KiB */
+    assert_true(b.read - a.read < 64 * 1024);
+    char *gone = tu_pathf("%s/checkpoints/checkpoint_0", tu_dir());
+    assert_false(tu_exists(gone));
+    free(gone);
+    verify_deep(1);
+    assert_int_equal(ckpt_save_wait(fx.acc), 0);
+    char *cd = tu_pathf("%s/checkpoints", tu_dir());
+    assert_int_equal(tu_count_hidden_tmp(cd), 0);
+    free(cd);
+}
+
 static void test_option_off_writes_every_file(void **state) {
     (void)state;
     assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
@@ -699,6 +730,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_deleting_old_checkpoint_keeps_newer_complete, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_rotation_keeps_linked_files, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_rotation_reads_nothing_of_the_new_checkpoint, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_option_off_writes_every_file, setup_off, teardown),
         cmocka_unit_test_setup_teardown(test_previous_without_xxh128_never_links, setup_off,
                                         teardown),
