@@ -357,6 +357,17 @@ typedef struct ckpt_optim_options {
     bool amsgrad;         /* Adam/AdamW */
     double alpha;         /* RMSprop: smoothing of the squared gradients' average */
     bool centered;        /* RMSprop: divide by the gradients' estimated variance */
+    /* BF16/F16 parameters of the group keep an fp32 master copy: ckpt's
+     * optimizers update the master from the gradient (the parameter's dtype,
+     * widened exactly) and write the parameter back rounded to nearest even;
+     * saved as state.<i>.master (F32, the parameter's shape) in the
+     * optimizer's file, the parameters themselves in the model's. Where a
+     * parameter's value is not its master's rounding (initialised or loaded
+     * after the optimizer was made), the next step or save first takes the
+     * parameter's value into the master. External optimizers attach their
+     * masters as field "master". No effect on F32 parameters. Not a PyTorch
+     * field: not in param_groups. Default false. */
+    bool master_weights;
 } ckpt_optim_options;
 
 /* PyTorch's defaults for a kind (SGD lr 1e-3; Adam lr 1e-3, betas (0.9,
@@ -418,6 +429,49 @@ CKPT_API void ckpt_optimizer_set_match_by_position(ckpt_optimizer *o, bool on);
  * checkpoint saved by P ranks loads on any other count (and unsharded).
  * Only before the first step. See docs/DISTRIBUTED.md. */
 CKPT_API int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm);
+
+/* The number of steps the optimizer took: the largest step count of its
+ * trainable parameters (PyTorch's state[p]["step"]), 0 before the first. */
+CKPT_API int64_t ckpt_optimizer_get_step(const ckpt_optimizer *o);
+/* Sets every trainable parameter's step count (0..2^24: PyTorch keeps it as
+ * a float32). An external optimizer's caller says so after its updates. */
+CKPT_API int ckpt_optimizer_set_step(ckpt_optimizer *o, int64_t step);
+
+/* An optimizer whose update the caller runs (its own AdamW over its own
+ * moment buffers): ckpt keeps the kind, the groups (ckpt_optimizer_set_groups
+ * works as for ckpt_optimizer_new), the learning rates and the step count,
+ * and borrows the caller's state buffers, attached below. They are saved,
+ * loaded, ZeRO-1-sharded and resharded (ckpt_optimizer_set_shard: the
+ * buffers still hold whole parameters' state; each rank saves and loads its
+ * share of it), linked when unchanged, exported to optimizer.bin and
+ * imported exactly as ckpt's own optimizer of that kind: same files, same
+ * keys. Fields are PyTorch's state keys: "exp_avg", "exp_avg_sq",
+ * "max_exp_avg_sq" (amsgrad) for Adam/AdamW; "momentum_buffer" (momentum
+ * != 0) for SGD; "square_avg", "momentum_buffer" (momentum > 0), "grad_avg"
+ * (centered) for RMSprop; and "master" for a BF16/F16 parameter of a group
+ * with master_weights. Every field is F32 with the parameter's shape (its
+ * numel floats). Every trainable parameter must have every field of its
+ * group when the optimizer is prepared, saved or loaded (CKPT_EINVAL naming
+ * the first missing one); frozen parameters (ckpt_model_set_frozen) have
+ * none. ckpt_optimizer_step on it is CKPT_EINVAL; ckpt_optimizer_set_step
+ * tells the count. Parameters may be of any dtype. */
+CKPT_API int ckpt_optimizer_external_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
+                                         const ckpt_optim_options *opts);
+/* Attaches data (numel floats, borrowed until o is freed) as field of the
+ * parameter named param. Replaces an earlier attachment. CKPT_ENOENT if no
+ * parameter of o's groups has that name; CKPT_EINVAL for a frozen parameter
+ * or a field its group does not have (the message lists those it has). */
+CKPT_API int ckpt_optimizer_set_state(ckpt_optimizer *o, const char *param, const char *field,
+                                      void *data);
+/* Attaches field for every trainable parameter at once, for state laid out
+ * like a contiguous parameter block: a parameter whose data is element k of
+ * the block at params_base (k counted in the parameter's dtype: F32, BF16 or
+ * F16) gets the floats from element k of state_base on. CKPT_EINVAL, with
+ * nothing attached, if a trainable parameter lies before params_base or is
+ * not a whole number of elements from it; a parameter that lives outside the
+ * block cannot be told apart, so attach such ones with set_state after. */
+CKPT_API int ckpt_optimizer_set_state_block(ckpt_optimizer *o, const char *field,
+                                            void *state_base, const void *params_base);
 
 /* ------------------------------------------------------------------------ */
 /* Learning-rate schedulers (drive every group of one optimizer)             */
