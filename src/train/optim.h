@@ -18,6 +18,11 @@ void *ckpt__optimizer_grad(const ckpt_optimizer *o, int64_t i, int64_t *numel, c
 /* The name of parameter i, for messages. */
 const char *ckpt__optimizer_param_name(const ckpt_optimizer *o, int64_t i);
 
+/* Ready to be prepared: up to date with the model's frozen parameters and,
+ * external, every trainable parameter's every field attached (CKPT_EINVAL
+ * naming the first one missing). */
+int ckpt__optimizer_check_ready(ckpt_optimizer *o);
+
 /* Where the optimizer's warnings go (fn NULL: stderr); set by the
  * accelerator that prepares it (ckpt_prepare_optimizer, ckpt_accelerator_set_log). */
 void ckpt__optimizer_set_log(ckpt_optimizer *o, ckpt_log_fn fn, void *user);

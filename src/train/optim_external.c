@@ -143,3 +143,8 @@ int ckpt__optim_check_attached(const ckpt_optimizer *o) {
     }
     return CKPT_OK;
 }
+
+int ckpt__optimizer_check_ready(ckpt_optimizer *o) {
+    CKPT_TRY(ckpt__optim_sync_frozen(o));
+    return ckpt__optim_check_attached(o);
+}
