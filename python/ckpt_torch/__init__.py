@@ -395,7 +395,8 @@ def optimizer_to_flat(opt, names=None):
             v = st.get(name)
             if v is None:
                 return zeros
-            a = _from_torch(v) if isinstance(v, torch.Tensor) else np.asarray(v)
+            # (a bfloat16/float16 parameter's moments: torch keeps them in its dtype)
+            a = _from_torch(v.float()) if isinstance(v, torch.Tensor) else np.asarray(v)
             return np.array(a, dtype=np.float32, order="C").reshape(tuple(p.shape))
         if kind == "sgd":
             has_buf = st.get("momentum_buffer") is not None
@@ -796,6 +797,16 @@ def _merge_optimizer(opt, kind, nested, name, names=None, by_position=False):
     return {"state": state, "param_groups": groups}
 
 
+def _keep_masters(opt, sd):
+    """torch's load_state_dict casts every state tensor but step to its
+    parameter's dtype: an fp32 master (master_weights) of a bfloat16 or
+    float16 parameter is put back as the file has it."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, st in sd["state"].items():
+        if "master" in st and 0 <= i < len(params):
+            opt.state[params[i]]["master"] = st["master"].detach().float().clone()
+
+
 def _merge_scheduler(sched, kind, lam, sd, name):
     mine, mine_lam = _sched_kind(sched)
     if mine != kind:
@@ -899,13 +910,22 @@ def _assemble_chunks(dir, m, datas, flats):
                                % (dir, k, obj, chunks[0][2]))
         if any(c["global_shape"] != g or c["dtype"] != dt for c, _sf, _n in chunks):
             raise CorruptError("%s: %s: the chunks of '%s' disagree on the tensor" % (dir, obj, k))
-        if npdt is None:
-            raise UnsupportedError("%s: %s: '%s' is %s in chunks; only numpy dtypes are put "
-                                   "together" % (dir, obj, k, dt))
+        bits = DTYPES[dt][0]
+        raw = npdt is None and bits in (8, 16)  # BF16, F8: assembled as their bytes
+        if npdt is None and not raw:
+            raise UnsupportedError("%s: %s: '%s' is %s in chunks; only dtypes of whole bytes "
+                                   "are put together" % (dir, obj, k, dt))
+        if raw:
+            npdt = np.dtype("<u1" if bits == 8 else "<u2")
         whole = np.zeros(g, dtype=npdt)
         seen = np.zeros(g, dtype=bool)
         for c, sf, name in chunks:
             a = sf.array(k)
+            if isinstance(a, RawTensor):
+                if not raw:
+                    raise CorruptError("%s: %s: '%s' has an empty shape numpy cannot hold"
+                                       % (dir, name, k))
+                a = np.frombuffer(a.data, dtype=npdt).reshape(a.shape)
             if tuple(a.shape) != c["shape"]:
                 raise CorruptError("%s: %s: '%s' has shape %s, the manifest says %s"
                                    % (dir, name, k, list(a.shape), list(c["shape"])))
@@ -916,7 +936,7 @@ def _assemble_chunks(dir, m, datas, flats):
             seen[box] = True
         if not seen.all():
             raise CorruptError("%s: %s: the chunks of '%s' leave a hole" % (dir, obj, k))
-        flats[obj][k] = whole
+        flats[obj][k] = RawTensor(dt, tuple(g), whole.tobytes()) if raw else whole
 
 
 def _read_checkpoint(dir):
@@ -1044,6 +1064,8 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
                               "its state is in the result's 'scaler'" % name, stacklevel=2)
         else:
             obj.load_state_dict(sd)
+            if what == "optimizer":
+                _keep_masters(obj, sd)
 
     out = {"dir": dir, "step": m["step"], "iteration": m["iteration"], "manifest": m,
            "files": {_stem(n): f for n, f in flats.items()}}

@@ -4,7 +4,8 @@
  * runs torch.optim.AdamW on fp32 copies, rounds them after each step, and
  * continues from the checkpoint's export.
  *
- * Usage: master_trace <dir> bf16|f16   (writes <dir>/ck)
+ * Usage: master_trace <dir> bf16|f16   (writes <dir>/ck, and <dir>/fz after
+ * step 30 with b frozen: no optimizer state for it)
  * Lines: step <t> <hex bits of w (7 x 13), then b (29)...>
  * Parameter k's initial value j is round(float(0.5*sin(0.3*j + 1 + k)));
  * its gradient at step t is round(float(sin(0.37*j + t + k) + 0.1*value)),
@@ -85,6 +86,9 @@ int main(int argc, char **argv) {
         printf("\n");
         if (t == 20 && (rc = ckpt_save_state(acc, ck)) < 0) fail("save", rc);
     }
+    snprintf(ck, sizeof ck, "%s/fz", argv[1]);
+    if ((rc = ckpt_model_set_frozen(m, "b", true)) < 0) fail("freeze", rc);
+    if ((rc = ckpt_save_state(acc, ck)) < 0) fail("save", rc);
     ckpt_accelerator_free(acc);
     ckpt_optimizer_free(o);
     ckpt_model_free(m);

@@ -11,6 +11,10 @@ step, and saves a checkpoint after step 20. Here:
   rounded (.bfloat16() / .half()) must be ckpt's parameters bit for bit (a
   1-ulp difference is allowed only where torch's fp32 AdamW itself differs
   in its last bit, which it does not on this machine: the count is printed);
+- ckpt_torch.load of the checkpoint into a module with BF16/F16 parameters
+  and a torch AdamW over them gives the parameters and keeps each fp32
+  master under state[p]["master"]; ckpt_torch.save of those objects writes
+  the same masters back (state.<i>.master);
 - the checkpoint's export: model.safetensors holds the step-20 parameters in
   their dtype, optimizer.bin holds every parameter's fp32 master under
   state[i]["master"]; torch AdamW over fp32 parameters made from those
@@ -32,6 +36,11 @@ try:
 except ImportError:
     print("SKIP: no torch (apt install python3-torch)")
     sys.exit(77)
+
+ROOT = os.environ.get("CKPT_SOURCE_DIR") or os.path.dirname(os.path.dirname(
+    os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+import ckpt_torch  # noqa: E402
 
 BUILD = sys.argv[1] if len(sys.argv) > 1 else "build"
 CKPT = os.environ.get("CKPT_BIN") or os.path.join(BUILD, "ckpt")
@@ -131,6 +140,54 @@ def read_model(path):
     return header, raw[8 + n:]
 
 
+class Half(torch.nn.Module):
+    def __init__(self, dt):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(SHAPES[0], dtype=dt))
+        self.b = torch.nn.Parameter(torch.zeros(SHAPES[1], dtype=dt))
+
+
+def check_ckpt_torch(ck, dt, ours, masters, tmp):
+    mod = Half(dt)
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-3, foreach=False)
+    ckpt_torch.load(ck, model=mod, optimizer=opt)
+    got = bits(mod.w.detach()) + bits(mod.b.detach())
+    if got != [as_signed(u) for u in ours[20]]:
+        raise SystemExit("ckpt_torch.load: the parameters are not step 20's")
+    for p, m in zip((mod.w, mod.b), masters):
+        st = opt.state[p]
+        if st["master"].dtype != torch.float32 or not torch.equal(st["master"], m):
+            raise SystemExit("ckpt_torch.load: state['master'] is not the checkpoint's fp32 master")
+    again = os.path.join(tmp, "again")
+    ckpt_torch.save(again, model=mod, optimizer=opt, step=20)
+    flat = ckpt_torch.load_state_dict(os.path.join(again, "optimizer.safetensors"))
+    for i, m in enumerate(masters):
+        got = torch.from_numpy(flat["state.%d.master" % i].copy())
+        if not torch.equal(got, m):
+            raise SystemExit("ckpt_torch.save: state.%d.master differs" % i)
+
+
+def check_frozen(tmp, dt):
+    fz = os.path.join(tmp, "fz")
+    mod = Half(dt)
+    mod.b.requires_grad_(False)
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-3, foreach=False)
+    ckpt_torch.load(fz, model=mod, optimizer=opt)
+    if "master" not in opt.state[mod.w] or len(opt.state[mod.b]) != 0:
+        raise SystemExit("ckpt_torch.load of a frozen parameter: state %r / %r"
+                         % (sorted(opt.state[mod.w]), sorted(opt.state[mod.b])))
+    out = os.path.join(tmp, "fz_out")
+    e = subprocess.run([CKPT, "export", fz, out], capture_output=True, text=True)
+    if e.returncode:
+        raise SystemExit("ckpt export: %s%s" % (e.stdout, e.stderr))
+    sd = torch.load(os.path.join(out, "optimizer.bin"))
+    if sorted(sd["state"]) != [0] or sd["param_groups"][0]["params"] != [0, 1]:
+        raise SystemExit("optimizer.bin of a frozen parameter: state %r, params %r"
+                         % (sorted(sd["state"]), sd["param_groups"][0]["params"]))
+    ws = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+    torch.optim.AdamW(ws, foreach=False).load_state_dict(sd)
+
+
 def main():
     prog = find_prog("master_trace")
     total_ulps = 0
@@ -143,7 +200,7 @@ def main():
             ref = run_torch(dt, 30)
             ulps = sum(compare(ours, ref[t], dt, t, name) for t in range(1, 31))
             total_ulps += ulps
-            print("%s: 30 steps, %d parameters each, %d 1-ulp differences" %
+            print("%s: 30 steps of %d values, %d 1-ulp differences" %
                   (name, sum(math.prod(s) for s in SHAPES), ulps))
 
             out = os.path.join(tmp, "out")
@@ -172,6 +229,8 @@ def main():
                 if m.dtype != torch.float32 or tuple(m.shape) != shape:
                     raise SystemExit("state[%d]['master']: %s %s" % (i, m.dtype, tuple(m.shape)))
                 masters.append(torch.nn.Parameter(m.clone()))
+            check_ckpt_torch(os.path.join(tmp, "ck"), dt, ours, [m.detach() for m in masters], tmp)
+            check_frozen(tmp, dt)
             cont = run_torch(dt, 10, masters, sd, first=21)
             ulps = sum(compare(ours, cont[t], dt, t, name + " continued") for t in range(21, 31))
             total_ulps += ulps
