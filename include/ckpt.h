@@ -486,8 +486,8 @@ CKPT_API int ckpt_optimizer_set_state(ckpt_optimizer *o, const char *param, cons
  * nothing attached, if a trainable parameter lies before params_base or is
  * not a whole number of elements from it; a parameter that lives outside the
  * block cannot be told apart, so attach such ones with set_state after. */
-CKPT_API int ckpt_optimizer_set_state_block(ckpt_optimizer *o, const char *field,
-                                            void *state_base, const void *params_base);
+CKPT_API int ckpt_optimizer_set_state_block(ckpt_optimizer *o, const char *field, void *state_base,
+                                            const void *params_base);
 
 /* ------------------------------------------------------------------------ */
 /* Learning-rate schedulers (drive every group of one optimizer)             */

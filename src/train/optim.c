@@ -201,8 +201,7 @@ static void param_init(const ckpt_optimizer *o, opt_param *p, int64_t mi, int g,
     p->group = g;
     p->hi = p->numel;
     p->frozen = ckpt__model_user_frozen(o->model, mi);
-    p->needs_master =
-        opts[g].master_weights && (info.dtype == CKPT_BF16 || info.dtype == CKPT_F16);
+    p->needs_master = opts[g].master_weights && (info.dtype == CKPT_BF16 || info.dtype == CKPT_F16);
 }
 
 /* An external optimizer's new parameter list keeps the buffers the caller
@@ -747,8 +746,7 @@ int ckpt_optimizer_step(ckpt_optimizer *o) {
                              "optimizer: parameter '%s' (state %lld) has no gradient buffer",
                              o->p[i].name, (long long)i);
     for (int64_t i = 0; i < o->np; i++)
-        if (!o->p[i].frozen)
-            ckpt__optim_update_param(o->impl, &o->p[i], &o->opts[o->p[i].group]);
+        if (!o->p[i].frozen) ckpt__optim_update_param(o->impl, &o->p[i], &o->opts[o->p[i].group]);
     if (o->comm && o->comm->size > 1) return exchange_shares(o);
     return CKPT_OK;
 }

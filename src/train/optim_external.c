@@ -46,11 +46,12 @@ static int field_slot(ckpt_optimizer *o, opt_param *p, const char *field, float 
         return CKPT_OK;
     }
     char list[160];
-    return ckpt__err(CKPT_EINVAL,
-              "optimizer_set_state: '%s' is not a state field of parameter '%s' (a %s parameter "
-              "of a %s optimizer's group %d has: %s)",
-              field, p->name, ckpt_dtype_name(p->dtype) ? ckpt_dtype_name(p->dtype) : "?",
-              d->name, p->group, field_list(o, p, list, sizeof list));
+    return ckpt__err(
+        CKPT_EINVAL,
+        "optimizer_set_state: '%s' is not a state field of parameter '%s' (a %s parameter "
+        "of a %s optimizer's group %d has: %s)",
+        field, p->name, ckpt_dtype_name(p->dtype) ? ckpt_dtype_name(p->dtype) : "?", d->name,
+        p->group, field_list(o, p, list, sizeof list));
 }
 
 static int external_only(const ckpt_optimizer *o, const char *fn) {

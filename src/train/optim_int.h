@@ -62,8 +62,8 @@ struct ckpt_optimizer {
     ckpt_optim_kind kind;
     const struct kind_impl *impl; /* the kind's descriptor and step */
     ckpt_model *model;
-    bool external;        /* ckpt_optimizer_external_new: the caller updates, state borrowed */
-    uint64_t frozen_gen;  /* the model's ckpt__model_frozen_gen when last synchronised */
+    bool external;       /* ckpt_optimizer_external_new: the caller updates, state borrowed */
+    uint64_t frozen_gen; /* the model's ckpt__model_frozen_gen when last synchronised */
     int64_t np;
     opt_param *p; /* in PyTorch's numbering: group 0's parameters, then group 1's... */
     int ngroups;

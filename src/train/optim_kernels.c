@@ -294,7 +294,8 @@ void ckpt__optim_update_param(const kind_impl *k, opt_param *p, const ckpt_optim
         (void)ckpt_dtype_convert(p->dtype, grad + 2 * a, CKPT_F32, gf, (uint64_t)c);
         v.data = p->master + a;
         v.grad = gf;
-        for (int b = 0; b < CKPT_OPTIM_MAX_BUFFERS; b++) v.buf[b] = p->buf[b] ? p->buf[b] + a : NULL;
+        for (int b = 0; b < CKPT_OPTIM_MAX_BUFFERS; b++)
+            v.buf[b] = p->buf[b] ? p->buf[b] + a : NULL;
         v.n = c;
         v.step = p->step;
         k->update(&v, g);

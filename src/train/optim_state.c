@@ -389,7 +389,8 @@ static void log_load(const ckpt_optimizer *o, ckpt_reader *r, const int64_t *map
         ckpt__log(&lg, CKPT_LOG_WARNING,
                   "optimizer: the state dict holds state for %lld parameter%s frozen here "
                   "('%s'%s): not loaded, frozen parameters have none",
-                  (long long)dropped, dropped == 1 ? "" : "s", first[0], dropped > 1 ? ", ..." : "");
+                  (long long)dropped, dropped == 1 ? "" : "s", first[0],
+                  dropped > 1 ? ", ..." : "");
     if (fresh)
         ckpt__log(&lg, CKPT_LOG_WARNING,
                   "optimizer: the state dict holds no state for %lld parameter%s ('%s'%s: frozen "
@@ -467,8 +468,8 @@ static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *ma
                 /* the master follows the parameter (ckpt__optim_master_take_up) */
                 int64_t own = p->hi - p->lo;
                 if (own > 0)
-                    (void)ckpt_dtype_convert(p->dtype, (const char *)p->data + 2 * p->lo,
-                                             CKPT_F32, bufs[j], (uint64_t)own);
+                    (void)ckpt_dtype_convert(p->dtype, (const char *)p->data + 2 * p->lo, CKPT_F32,
+                                             bufs[j], (uint64_t)own);
                 continue;
             }
             CKPT_TRY(read_state(o, r, k, p, bufs[j]));

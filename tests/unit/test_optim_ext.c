@@ -37,12 +37,11 @@ static void net_model(net *n) {
     memset(n, 0, sizeof *n);
     for (int j = 0; j < NBLK; j++) n->blk[j] = (float)(0.5 * sin(0.3 * j + 1));
     assert_int_equal(ckpt_model_new(&n->m), CKPT_OK);
-    assert_int_equal(ckpt_model_add_param(n->m, "w", CKPT_F32, 2, (int64_t[]){2, 3}, n->blk,
-                                          n->grad),
-                     CKPT_OK);
-    assert_int_equal(ckpt_model_add_param(n->m, "b", CKPT_F32, 1, (int64_t[]){NB}, n->blk + NW,
-                                          n->grad + NW),
-                     CKPT_OK);
+    assert_int_equal(
+        ckpt_model_add_param(n->m, "w", CKPT_F32, 2, (int64_t[]){2, 3}, n->blk, n->grad), CKPT_OK);
+    assert_int_equal(
+        ckpt_model_add_param(n->m, "b", CKPT_F32, 1, (int64_t[]){NB}, n->blk + NW, n->grad + NW),
+        CKPT_OK);
 }
 
 static void net_adamw(net *n) {
@@ -184,9 +183,9 @@ static void test_freezing_mid_run_drops_state_unfreezing_starts_fresh(void **sta
     memset(&fresh, 0, sizeof fresh);
     memcpy(fresh.blk, n.blk, sizeof fresh.blk);
     assert_int_equal(ckpt_model_new(&fresh.m), CKPT_OK);
-    assert_int_equal(ckpt_model_add_param(fresh.m, "w", CKPT_F32, 2, (int64_t[]){2, 3},
-                                          fresh.blk, fresh.grad),
-                     CKPT_OK);
+    assert_int_equal(
+        ckpt_model_add_param(fresh.m, "w", CKPT_F32, 2, (int64_t[]){2, 3}, fresh.blk, fresh.grad),
+        CKPT_OK);
     net_adamw(&fresh);
     set_grads(&fresh, 4);
     assert_int_equal(ckpt_optimizer_step(fresh.o), CKPT_OK);
@@ -290,14 +289,12 @@ static void ext_new(ext *x, bool amsgrad) {
     ckpt_optim_options op = ckpt_optim_defaults(CKPT_OPTIM_ADAMW);
     op.lr = 1e-2;
     op.amsgrad = amsgrad;
-    assert_int_equal(ckpt_optimizer_external_new(&x->n.o, CKPT_OPTIM_ADAMW, x->n.m, &op),
-                     CKPT_OK);
+    assert_int_equal(ckpt_optimizer_external_new(&x->n.o, CKPT_OPTIM_ADAMW, x->n.m, &op), CKPT_OK);
 }
 
 static void ext_attach(ext *x) {
     assert_int_equal(ckpt_optimizer_set_state_block(x->n.o, "exp_avg", x->m, x->n.blk), CKPT_OK);
-    assert_int_equal(ckpt_optimizer_set_state_block(x->n.o, "exp_avg_sq", x->v, x->n.blk),
-                     CKPT_OK);
+    assert_int_equal(ckpt_optimizer_set_state_block(x->n.o, "exp_avg_sq", x->v, x->n.blk), CKPT_OK);
 }
 
 static void test_external_checks_its_fields(void **state) {
@@ -310,15 +307,14 @@ static void test_external_checks_its_fields(void **state) {
                     "parameter 'w' has no 'exp_avg'");
     tu_expect_error(ckpt_optimizer_set_state(x.n.o, "w", "momentum_buffer", x.m), CKPT_EINVAL,
                     "has: exp_avg, exp_avg_sq)");
-    tu_expect_error(ckpt_optimizer_set_state(x.n.o, "nope", "exp_avg", x.m), CKPT_ENOENT,
-                    "'nope'");
+    tu_expect_error(ckpt_optimizer_set_state(x.n.o, "nope", "exp_avg", x.m), CKPT_ENOENT, "'nope'");
     assert_int_equal(ckpt_optimizer_set_state(x.n.o, "w", "exp_avg", x.m), CKPT_OK);
     assert_int_equal(ckpt_optimizer_set_state(x.n.o, "w", "exp_avg_sq", x.v), CKPT_OK);
     tu_expect_error(ckpt_prepare_optimizer(x.n.acc, x.n.o), CKPT_EINVAL,
                     "parameter 'b' has no 'exp_avg'");
     /* a block whose base is past a parameter: refused, nothing attached */
-    tu_expect_error(ckpt_optimizer_set_state_block(x.n.o, "exp_avg", x.m, x.n.blk + 1),
-                    CKPT_EINVAL, "parameter 'w' is not in the block");
+    tu_expect_error(ckpt_optimizer_set_state_block(x.n.o, "exp_avg", x.m, x.n.blk + 1), CKPT_EINVAL,
+                    "parameter 'w' is not in the block");
     ext_attach(&x);
     assert_int_equal(ckpt_prepare_optimizer(x.n.acc, x.n.o), CKPT_OK);
     tu_expect_error(ckpt_optimizer_step(x.n.o), CKPT_EINVAL, "external");
@@ -330,8 +326,7 @@ static void test_external_checks_its_fields(void **state) {
     assert_int_equal(ckpt_save_state(x.n.acc, dir), CKPT_OK);
     assert_int_equal(ckpt_model_set_frozen(x.n.m, "b", false), 1);
     char *dir2 = tu_pathf("%s/fields_ck2", tu_dir());
-    tu_expect_error(ckpt_save_state(x.n.acc, dir2), CKPT_EINVAL,
-                    "parameter 'b' has no 'exp_avg'");
+    tu_expect_error(ckpt_save_state(x.n.acc, dir2), CKPT_EINVAL, "parameter 'b' has no 'exp_avg'");
     free(dir);
     free(dir2);
     net_free(&x.n);

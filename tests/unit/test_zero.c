@@ -271,7 +271,6 @@ static void test_set_shard_validates(void **state) {
     net_free(&n);
 }
 
-
 /* ---- frozen, BF16 with masters, external: sharded as ckpt's own -------------- */
 
 /* A BF16 matrix with a master, an F32 vector, an F32 scalar and an F32
@@ -300,7 +299,8 @@ static int mix_new(mix *x, bool external) {
     x->s = 0.25f;
     for (int e = 0; e < MZ; e++) x->z[e] = (float)e;
     int rc = ckpt_model_new(&x->mo);
-    if (rc == 0) rc = ckpt_model_add_param(x->mo, "h", CKPT_BF16, 2, (int64_t[]){9, 4}, x->h, x->gh);
+    if (rc == 0)
+        rc = ckpt_model_add_param(x->mo, "h", CKPT_BF16, 2, (int64_t[]){9, 4}, x->h, x->gh);
     if (rc == 0) rc = ckpt_model_add_param(x->mo, "f", CKPT_F32, 1, (int64_t[]){MF}, x->f, x->gf);
     if (rc == 0) rc = ckpt_model_add_param(x->mo, "s", CKPT_F32, 0, NULL, &x->s, &x->gs);
     if (rc == 0) rc = ckpt_model_add_param(x->mo, "z", CKPT_F32, 2, (int64_t[]){6, 2}, x->z, x->gz);
@@ -387,7 +387,8 @@ static void mix_run(const ckpt_comm *c, void *arg) {
         if (rc == 0) rc = ckpt_save_state(acc, j->dir);
     } else if (rc == 0) {
         if (j->dir) rc = ckpt_load_state(acc, j->dir);
-        if (rc == 0 && !j->external) rc = mix_train(&x, j->dir ? j->steps : 0, j->steps + j->load_steps);
+        if (rc == 0 && !j->external)
+            rc = mix_train(&x, j->dir ? j->steps : 0, j->steps + j->load_steps);
         if (rc == 0 && j->external && ckpt_optimizer_get_step(x.o) != j->steps) rc = CKPT_EINVAL;
     }
     if (rc) {
@@ -447,7 +448,8 @@ static void test_sharded_masters_and_frozen(void **state) {
         l.dir = dir;
         tc_run(qs[q], mix_run, &l);
         mix_check(&l, qs[q]);
-        for (int r = 0; r < qs[q]; r++) assert_memory_equal(l.out[r], ref.out[0], sizeof ref.out[0]);
+        for (int r = 0; r < qs[q]; r++)
+            assert_memory_equal(l.out[r], ref.out[0], sizeof ref.out[0]);
     }
     free(dir);
 }
@@ -507,7 +509,8 @@ static void test_sharded_external_state(void **state) {
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sharded_steps_match_unsharded),
-        cmocka_unit_test_setup_teardown(test_reshard_4_to_2_1_3, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_reshard_4_to_2_1_3, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
         cmocka_unit_test(test_set_shard_validates),
         cmocka_unit_test_setup_teardown(test_sharded_masters_and_frozen, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
