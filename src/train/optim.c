@@ -729,6 +729,42 @@ int ckpt__optim_sync_frozen(ckpt_optimizer *o) {
     return CKPT_OK;
 }
 
+/* ---- state fields --------------------------------------------------------- */
+
+int ckpt__optim_fields(const ckpt_optimizer *o, const opt_param *p, const char **names,
+                       float **bufs) {
+    int n = 0;
+    const ckpt_optim_options *g = &o->opts[p->group];
+    for (int b = 0; b < o->impl->d.nbuffers; b++)
+        if (o->impl->d.needs(b, g)) {
+            names[n] = o->impl->d.buffers[b];
+            bufs[n++] = p->buf[b];
+        }
+    if (p->needs_master) {
+        names[n] = "master";
+        bufs[n++] = p->master;
+    }
+    return n;
+}
+
+int ckpt__optim_check_attached(const ckpt_optimizer *o) {
+    if (!o->external) return CKPT_OK;
+    const char *names[CKPT_OPTIM_MAX_FIELDS];
+    float *bufs[CKPT_OPTIM_MAX_FIELDS];
+    for (int64_t i = 0; i < o->np; i++) {
+        const opt_param *p = &o->p[i];
+        if (p->frozen || p->numel == 0) continue;
+        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs); j < n; j++)
+            if (!bufs[j])
+                return ckpt__err(CKPT_EINVAL,
+                                 "optimizer: external %s optimizer: parameter '%s' has no '%s' "
+                                 "(every trainable parameter needs every field of its group: "
+                                 "ckpt_optimizer_set_state or ckpt_optimizer_set_state_block)",
+                                 o->impl->d.name, p->name, names[j]);
+    }
+    return CKPT_OK;
+}
+
 /* ---- the step ------------------------------------------------------------ */
 
 int ckpt_optimizer_step(ckpt_optimizer *o) {

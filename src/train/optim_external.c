@@ -127,24 +127,6 @@ int ckpt_optimizer_set_state_block(ckpt_optimizer *o, const char *field, void *s
     return CKPT_OK;
 }
 
-int ckpt__optim_check_attached(const ckpt_optimizer *o) {
-    if (!o->external) return CKPT_OK;
-    const char *names[CKPT_OPTIM_MAX_FIELDS];
-    float *bufs[CKPT_OPTIM_MAX_FIELDS];
-    for (int64_t i = 0; i < o->np; i++) {
-        const opt_param *p = &o->p[i];
-        if (p->frozen || p->numel == 0) continue;
-        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs); j < n; j++)
-            if (!bufs[j])
-                return ckpt__err(CKPT_EINVAL,
-                                 "optimizer: external %s optimizer: parameter '%s' has no '%s' "
-                                 "(every trainable parameter needs every field of its group: "
-                                 "ckpt_optimizer_set_state or ckpt_optimizer_set_state_block)",
-                                 o->impl->d.name, p->name, names[j]);
-    }
-    return CKPT_OK;
-}
-
 int ckpt__optimizer_check_ready(ckpt_optimizer *o) {
     CKPT_TRY(ckpt__optim_sync_frozen(o));
     return ckpt__optim_check_attached(o);

@@ -38,22 +38,6 @@ static int write_group(const ckpt_optimizer *o, ckpt_writer *w, int g) {
     return CKPT_OK;
 }
 
-int ckpt__optim_fields(const ckpt_optimizer *o, const opt_param *p, const char **names,
-                       float **bufs) {
-    int n = 0;
-    const ckpt_optim_options *g = &o->opts[p->group];
-    for (int b = 0; b < o->impl->d.nbuffers; b++)
-        if (o->impl->d.needs(b, g)) {
-            names[n] = o->impl->d.buffers[b];
-            bufs[n++] = p->buf[b];
-        }
-    if (p->needs_master) {
-        names[n] = "master";
-        bufs[n++] = p->master;
-    }
-    return n;
-}
-
 /* This rank's part [lo, hi) of a sharded parameter as a box: whole rows. */
 static void share_box(const opt_param *p, int64_t *off, int64_t *local) {
     int64_t row = ckpt__optim_row_size(p);
