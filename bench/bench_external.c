@@ -111,9 +111,10 @@ static void measure(ckpt_accelerator *acc, const char *dd, double *t_save, doubl
         if (t < *t_save) *t_save = t;
         snprintf(last, sizeof last, "%s", ckpt_accelerator_last_dir(acc));
         *bytes = folder_bytes(last);
-        snprintf(cmd, sizeof cmd,
-                 "dd if=/dev/zero of='%s' bs=1M count=%llu iflag=count_bytes conv=fsync status=none",
-                 dd, (unsigned long long)*bytes);
+        snprintf(
+            cmd, sizeof cmd,
+            "dd if=/dev/zero of='%s' bs=1M count=%llu iflag=count_bytes conv=fsync status=none", dd,
+            (unsigned long long)*bytes);
         unlink(dd);
         shell("sync");
         t0 = now();
