@@ -230,6 +230,8 @@ int ckpt_prepare_model(ckpt_accelerator *acc, ckpt_model *m) {
     return prepare_builtin(acc, K_MODEL, ckpt_model_ops(), m, "prepare_model");
 }
 int ckpt_prepare_optimizer(ckpt_accelerator *acc, ckpt_optimizer *o) {
+    /* an external optimizer: every trainable parameter's state attached */
+    if (o) CKPT_TRY(ckpt__optimizer_check_ready(o));
     CKPT_TRY(prepare_builtin(acc, K_OPTIMIZER, ckpt_optimizer_ops(), o, "prepare_optimizer"));
     ckpt__optimizer_set_log(o, acc->log.fn, acc->log.user);
     return CKPT_OK;
