@@ -1,6 +1,6 @@
 /* bench_phases.c — where the time of one save goes, phase by phase (issue
  * 37's profile), on the foreign trainer's GPT-2-small state of bench_save
- * (one parameter block, its AdamW moments as plain tensors; 1.49 GB).
+ * (foreign.h: one parameter block, its own AdamW's moments; 1.49 GB).
  *
  * It drives the save's phases (src/accel/save_op.h) itself, as
  * ckpt_save_state and ckpt_save_state_async do, with a clock around each:
@@ -36,7 +36,7 @@
 #include "accel/accel.h"
 #include "accel/save_op.h"
 #include "base/io.h"
-#include "gpt2.h"
+#include "foreign.h"
 
 static double now(void) {
     struct timespec ts;
@@ -56,69 +56,7 @@ static void die(const char *what) {
     exit(1);
 }
 
-typedef struct {
-    char name[64];
-    int ndim;
-    int64_t shape[2];
-    int64_t numel, off;
-} tensor;
-
-static tensor T[MAXP];
-static int nt;
-static int64_t total;
-static float *params, *grads, *m1, *m2;
-
-static void add(const char *name, int ndim, int64_t a, int64_t b) {
-    tensor *t = &T[nt++];
-    snprintf(t->name, sizeof t->name, "%s", name);
-    t->ndim = ndim;
-    t->shape[0] = a;
-    t->shape[1] = b;
-    t->numel = ndim == 1 ? a : a * b;
-    t->off = total;
-    total += t->numel;
-}
-
-static int moments_sd(void *self, ckpt_writer *w) {
-    (void)self;
-    char key[96];
-    for (int i = 0; i < nt; i++) {
-        snprintf(key, sizeof key, "exp_avg.%.63s", T[i].name);
-        int rc = ckpt_write_tensor(w, key, CKPT_F32, T[i].ndim, T[i].shape, m1 + T[i].off);
-        if (rc) return rc;
-        snprintf(key, sizeof key, "exp_avg_sq.%.63s", T[i].name);
-        rc = ckpt_write_tensor(w, key, CKPT_F32, T[i].ndim, T[i].shape, m2 + T[i].off);
-        if (rc) return rc;
-    }
-    return 0;
-}
-
-static int moments_lsd(void *self, ckpt_reader *r) {
-    (void)self;
-    (void)r;
-    return 0;
-}
-
-static const ckpt_stateful_ops moments_ops = {.state_dict = moments_sd,
-                                              .load_state_dict = moments_lsd};
-
-static void change_state(int round) {
-    float d = 1e-6f * (float)(round + 1);
-    for (int64_t i = 0; i < total; i++) {
-        params[i] += d;
-        m1[i] = m1[i] * 0.9f + d;
-        m2[i] = m2[i] * 0.999f + d * d;
-    }
-}
-
-static float *block(void) {
-    float *p = malloc((size_t)total * sizeof(float));
-    if (!p) {
-        fprintf(stderr, "bench_phases: out of memory\n");
-        exit(1);
-    }
-    return p;
-}
+static foreign F;
 
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -222,22 +160,7 @@ int main(int argc, char **argv) {
     char proj[4096];
     snprintf(proj, sizeof proj, "%.4000s/phases_project", argv[1]);
 
-    gpt2_small_each(add);
-    params = block();
-    m1 = block();
-    m2 = block();
-    grads = block();
-    for (int64_t i = 0; i < total; i++) {
-        params[i] = (float)(i % 997) * 1e-3f - 0.5f;
-        m1[i] = (float)(i % 773) * 1e-4f;
-        m2[i] = (float)(i % 331) * 1e-6f;
-    }
-    ckpt_model *model;
-    if (ckpt_model_new(&model)) die("model_new");
-    for (int i = 0; i < nt; i++)
-        if (ckpt_model_add_param(model, T[i].name, CKPT_F32, T[i].ndim, T[i].shape,
-                                 params + T[i].off, grads + T[i].off))
-            die("add_param");
+    foreign_new(&F);
     ckpt_project_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.project_dir = proj;
@@ -245,33 +168,32 @@ int main(int argc, char **argv) {
     cfg.total_limit = 1;
     ckpt_accelerator *acc;
     if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
-    if (ckpt_prepare_model(acc, model)) die("prepare_model");
-    if (ckpt_register_for_checkpointing(acc, &moments_ops, NULL)) die("register");
+    if (foreign_prepare(acc, &F)) die("prepare");
     if (ckpt_save_state(acc, NULL)) die("first save"); /* the one the next replaces */
 
     double sw[NS][MAXREPS], sc[NS][MAXREPS], aw[NA][MAXREPS], ac[NA][MAXREPS];
     for (int r = 0; r < reps; r++) {
-        change_state(r);
+        foreign_step(&F);
         sync();
         double w[NS], c[NS];
         sync_save(acc, w, c);
         for (int k = 0; k < NS; k++) sw[k][r] = w[k], sc[k][r] = c[k];
     }
     if (ckpt_accelerator_prepare_async(acc) || ckpt_save_wait(acc)) die("prepare_async");
-    uint8_t *copy = malloc((size_t)total * 12);
+    uint64_t nb = (uint64_t)F.n * 4;
+    uint8_t *copy = malloc((size_t)nb * 3);
     if (!copy) die("malloc");
-    memset(copy, 1, (size_t)total * 12);
+    memset(copy, 1, (size_t)nb * 3);
     for (int r = 0; r < reps; r++) {
-        change_state(reps + r);
+        foreign_step(&F);
         sync();
         double w[NA], c[NA];
         async_save(acc, w, c);
         for (int k = 0; k < A_MEMCPY; k++) aw[k][r] = w[k], ac[k][r] = c[k];
         double t0 = now(), c0 = cpu();
-        uint64_t nb = (uint64_t)total * 4;
-        memcpy(copy, params, nb);
-        memcpy(copy + nb, m1, nb);
-        memcpy(copy + 2 * nb, m2, nb);
+        memcpy(copy, F.params, nb);
+        memcpy(copy + nb, F.m, nb);
+        memcpy(copy + 2 * nb, F.v, nb);
         aw[A_MEMCPY][r] = now() - t0;
         ac[A_MEMCPY][r] = cpu() - c0;
     }
@@ -283,7 +205,7 @@ int main(int argc, char **argv) {
         fclose(f);
     }
     printf("bench_phases: foreign trainer's state, %.3f GB, total_limit 1, load average %s\n",
-           (double)total * 12 / 1e9, ld);
+           (double)nb * 3 / 1e9, ld);
     report("ckpt_save_state", sname, NS, sw, sc, reps);
     report("ckpt_save_state_async, the call", aname, NA, aw, ac, reps);
     printf("  stall / memcpy %.2fx (wall), %.2fx (cpu)\n",
@@ -293,11 +215,7 @@ int main(int argc, char **argv) {
     char cmd[4200];
     snprintf(cmd, sizeof cmd, "rm -rf '%.4000s'", proj);
     if (system(cmd) != 0) fprintf(stderr, "bench_phases: could not remove %s\n", proj);
-    ckpt_model_free(model);
+    foreign_free(&F);
     free(copy);
-    free(params);
-    free(m1);
-    free(m2);
-    free(grads);
     return 0;
 }
