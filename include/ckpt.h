@@ -811,7 +811,12 @@ CKPT_API int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed);
  * checkpoint never is (CKPT_EEXIST, checked again right before the new
  * folder is published). Atomic: on any failure the previous state on disk is
  * intact and nothing partial is visible. Removes the oldest automatic
- * checkpoints beyond total_limit only after the new one is committed.
+ * checkpoints beyond total_limit only after the new one is committed (the
+ * new one counts as valid without being read again: this save hashed every
+ * byte of it). Each removed folder is renamed out of sight before the call
+ * returns; its files are deleted by the accelerator's background thread
+ * (started for it if no asynchronous save did), which the next save, load,
+ * ckpt_save_wait and ckpt_accelerator_free wait for.
  * With a comm of several processes it is collective (every rank calls it
  * with the same arguments): the replicated tensors are spread over the ranks
  * (each writes about 1/P of the state: its part of them, its shards, its
@@ -838,8 +843,9 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * (with the temporary folder, as for ckpt_save_state), every object's
  * state_dict runs, and every tensor's bytes are copied into a staging area.
  * From then on the objects may change: what is saved is the state at the
- * call. The background thread (one per accelerator, started by
- * the first call, joined by ckpt_accelerator_free) then writes and fsyncs
+ * call. The background thread (one per accelerator, started by the first
+ * call or by ckpt_accelerator_prepare_async or a synchronous save's
+ * rotation, joined by ckpt_accelerator_free) then writes and fsyncs
  * the files, commits the checkpoint and applies total_limit, exactly as
  * ckpt_save_state would: same files, same atomicity (a failed or killed save
  * leaves nothing partial and the previous checkpoints intact).
@@ -871,7 +877,9 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
 CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir);
 /* Ends the pending asynchronous save: waits for the background thread and
  * returns the save's status (CKPT_OK when none is pending and no failure is
- * waiting to be reported). Collective with several processes. */
+ * waiting to be reported). Also waits for what else the thread has to do:
+ * touching the staging area (ckpt_accelerator_prepare_async) and deleting
+ * the folders a rotation removed. Collective with several processes. */
 CKPT_API int ckpt_save_wait(ckpt_accelerator *acc);
 /* How the background thread of asynchronous saves runs its jobs, so that
  * the training loop keeps its core and its disk: CKPT_ASYNC_CPU_IDLE, the
