@@ -584,19 +584,19 @@ report_stall:
         printf("    stall / memcpy: first %.2fx, second %.2fx, worst %.2fx, median %.2fx, best "
                "%.2fx\n",
                first / mm, second / mm, worst / mm, ms_ / mm, bs / mm);
-        if (prepare)
+        if (prepare) {
             printf("    targets (prepared): best <= 1.1x %s, worst (the first included) <= 1.25x "
                    "%s\n",
                    bs / mm <= 1.1 ? "met" : "NOT met", worst / mm <= 1.25 ? "met" : "NOT met");
-        else
+        } else {
             printf("    without prepare_async (documented, no target): worst %.2fx\n",
                    worst / mm);
+        }
         double cm = median(c_memcpy, nsaves_stall), cw = c_stall[0];
         for (int r = 1; r < nsaves_stall; r++) cw = c_stall[r] > cw ? c_stall[r] : cw;
         printf("    CPU time of the calling thread: call median %.3f s, worst %.3f s; memcpy "
                "median %.3f s: median %.2fx, worst %.2fx\n",
-               median(c_stall, nsaves_stall), cw, cm, median(c_stall, nsaves_stall) / cm,
-               cw / cm);
+               median(c_stall, nsaves_stall), cw, cm, median(c_stall, nsaves_stall) / cm, cw / cm);
     }
     if (env_num("BENCH_ONLY_STALL", 0) != 0) goto done;
     if (only_load) goto report_load;

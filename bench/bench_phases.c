@@ -70,8 +70,8 @@ static double median(const double *v, int n) {
 }
 
 enum { S_PLAN, S_SNAP, S_WRITE, S_COMMIT, S_DELETE, S_TOTAL, NS };
-static const char *const sname[NS] = {"new+plan", "snapshot", "write", "commit", "deletion",
-                                      "total"};
+static const char *const sname[NS] = {"new+plan", "snapshot", "write",
+                                      "commit",   "deletion", "total"};
 enum { A_PLAN, A_SNAP, A_STAGE, A_TOTAL, A_MEMCPY, NA };
 static const char *const aname[NA] = {"new+plan", "snapshot", "stage", "stall", "memcpy"};
 

@@ -262,7 +262,7 @@ int main(int argc, char **argv) {
             }
             printf("   median %.2fx%s\n", median(ratio, reps),
                    v == V_SAVE ? (median(ratio, reps) >= 0.95 ? "  (target >= 0.95: met)"
-                                                               : "  (target >= 0.95: NOT met)")
+                                                              : "  (target >= 0.95: NOT met)")
                                : "");
         }
         printf("  median times:");

@@ -43,9 +43,9 @@ typedef struct ckpt_async {
     char bg_msg[MSG_CAP]; /* the thread's message of a failed job (read after it is done) */
     uint8_t *prefault;   /* under mu: pages the thread touches once, NULL when done */
     uint64_t prefault_len;
-    char **trash;        /* under mu: hidden folders of old checkpoints the thread deletes */
+    char **trash; /* under mu: hidden folders of old checkpoints the thread deletes */
     int ntrash, trash_cap;
-    bool trashing;       /* under mu: the thread is deleting some */
+    bool trashing;         /* under mu: the thread is deleting some */
     ckpt_logger trash_log; /* under mu: where a failed deletion is reported */
     pid_t tid;           /* the thread's id (under mu; 0 until it runs) */
     unsigned background; /* CKPT_ASYNC_* of the next job (the caller's copy at hand-over) */
@@ -265,8 +265,7 @@ static void hand_over_trash(ckpt_accelerator *acc, char **t, int n) {
     ckpt_clear_error(); /* the save succeeded: a thread that could not start is no failure */
     for (int i = 0; !handed && i < n; i++) {
         if (ckpt__remove_tree(t[i]) < 0)
-            ckpt__log(&acc->log, CKPT_LOG_WARNING, "could not remove %s: %s", t[i],
-                      ckpt_errmsg());
+            ckpt__log(&acc->log, CKPT_LOG_WARNING, "could not remove %s: %s", t[i], ckpt_errmsg());
         free(t[i]);
     }
     free(t);

@@ -525,9 +525,8 @@ static void rotate(save_op *op) {
     if (!op->automatic || (acc->total_limit <= 0 && !ckpt__retention_active(&acc->retention)))
         return;
     int64_t removed = 0;
-    ckpt_rotate_opts o = {.fresh = op->number,
-                          .defer = op->defer_removal ? keep_trash : NULL,
-                          .user = op};
+    ckpt_rotate_opts o = {
+        .fresh = op->number, .defer = op->defer_removal ? keep_trash : NULL, .user = op};
     if (ckpt__rotate(op->parent, acc->total_limit, &acc->retention, &op->log, &o, &removed) < 0)
         ckpt__log(&op->log, CKPT_LOG_WARNING, "total_limit rotation: %s", ckpt_errmsg());
 }

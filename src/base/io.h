@@ -71,8 +71,8 @@ typedef struct ckpt_ostream {
     ckpt_h128 h128;     /* that digest, set by ckpt__ostream_finish */
     const uint64_t *expect; /* dry: the parts' expected XXH3-64 (ckpt__ostream_expect_parts) */
     int64_t nexpect;
-    int64_t nparts;     /* dry: parts begun */
-    bool differs;       /* dry: a part differs from its expectation (kept after finish) */
+    int64_t nparts; /* dry: parts begun */
+    bool differs;   /* dry: a part differs from its expectation (kept after finish) */
 } ckpt_ostream;
 
 /* Creates path exclusively (O_CREAT|O_EXCL, 0644). */

@@ -10,7 +10,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-
 #include "base/error.h"
 #include "base/io.h"
 #include "base/xxh.h"

@@ -153,8 +153,8 @@ static void test_hash_in_memory_is_the_hash_of_the_written_file(void **state) {
     ckpt_h128 h = {0, 0};
     uint64_t before = written_now();
     bool differs = true;
-    assert_int_equal(
-        ckpt__writer_hash128(w, "x.safetensors", false, NULL, 0, &size, &h, &differs), 0);
+    assert_int_equal(ckpt__writer_hash128(w, "x.safetensors", false, NULL, 0, &size, &h, &differs),
+                     0);
     assert_false(differs);
     assert_int_equal(written_now(), before); /* nothing written */
     char path[4096];
@@ -174,9 +174,8 @@ static void test_hash_in_memory_is_the_hash_of_the_written_file(void **state) {
      * tensors: it differs, and no hash is given. */
     ckpt_h128 h2 = {1, 1};
     assert_int_equal(d.ntensors, 1);
-    assert_int_equal(ckpt__writer_hash128(w, "x", false, d.tensor_xxh3, d.ntensors, &size, &h2,
-                                          &differs),
-                     0);
+    assert_int_equal(
+        ckpt__writer_hash128(w, "x", false, d.tensor_xxh3, d.ntensors, &size, &h2, &differs), 0);
     assert_false(differs);
     assert_true(ckpt__h128_eq(h2, want));
     uint64_t other = d.tensor_xxh3[0] ^ 1;
