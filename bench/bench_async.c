@@ -589,8 +589,7 @@ report_stall:
                    "%s\n",
                    bs / mm <= 1.1 ? "met" : "NOT met", worst / mm <= 1.25 ? "met" : "NOT met");
         } else {
-            printf("    without prepare_async (documented, no target): worst %.2fx\n",
-                   worst / mm);
+            printf("    without prepare_async (documented, no target): worst %.2fx\n", worst / mm);
         }
         double cm = median(c_memcpy, nsaves_stall), cw = c_stall[0];
         for (int r = 1; r < nsaves_stall; r++) cw = c_stall[r] > cw ? c_stall[r] : cw;
