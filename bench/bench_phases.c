@@ -11,6 +11,9 @@
  *   async   new+plan, snapshot, stage: the stall of ckpt_save_state_async
  *           (the write and commit follow untimed), against a memcpy of the
  *           same bytes into a touched buffer
+ *   load    ckpt_load_state of the last checkpoint (page cache warm) and the
+ *           one-pass load, against pread of its files into a touched buffer
+ *           (8 MiB pieces), and the resident memory the first load left
  *
  * Each save follows a change of every byte of the state and a sync; the
  * project keeps one checkpoint (total_limit 1), so every save replaces the
@@ -20,15 +23,20 @@
  * machine cannot stretch; wall time is what a caller waits.
  *
  *   bench_phases FOLDER
+ *   bench_phases FOLDER --load-once   one save, then one load (for callgrind:
+ *                                     --toggle-collect=ckpt_load_state)
  *
  * For the system calls inside write and commit: strace -f -tt -T on
  * `bench_save FOLDER --once save`; for the instructions: valgrind
  * --tool=callgrind on the same (bench/README.md, "Profile"). */
+#include <dirent.h>
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -57,6 +65,44 @@ static void die(const char *what) {
 }
 
 static foreign F;
+
+/* pread of every file of dir into buf (8 MiB pieces): the raw read. */
+static uint64_t raw_read(const char *dir, uint8_t *buf, uint64_t cap) {
+    DIR *d = opendir(dir);
+    if (!d) die("opendir");
+    struct dirent *e;
+    uint64_t at = 0;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        char path[4400];
+        snprintf(path, sizeof path, "%.4000s/%.300s", dir, e->d_name);
+        int fd = open(path, O_RDONLY);
+        struct stat st;
+        if (fd < 0 || fstat(fd, &st) != 0) die("open");
+        uint64_t off = 0, size = (uint64_t)st.st_size;
+        if (at + size > cap) die("raw read: buffer too small");
+        while (off < size) {
+            size_t want = size - off < (8u << 20) ? (size_t)(size - off) : (8u << 20);
+            ssize_t r = pread(fd, buf + at + off, want, (off_t)off);
+            if (r <= 0) die("pread");
+            off += (uint64_t)r;
+        }
+        close(fd);
+        at += size;
+    }
+    closedir(d);
+    return at;
+}
+
+static long vm_rss_kib(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    long v = -1;
+    char line[256];
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, "VmRSS:", 6) == 0) v = atol(line + 6);
+    if (f) fclose(f);
+    return v;
+}
 
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -150,9 +196,10 @@ static void report(const char *title, const char *const *names, int n, double w[
 
 int main(int argc, char **argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: bench_phases FOLDER\n");
+        fprintf(stderr, "usage: bench_phases FOLDER [--load-once]\n");
         return 2;
     }
+    bool load_once = argc > 2 && strcmp(argv[2], "--load-once") == 0;
     const char *e = getenv("BENCH_REPS");
     int reps = e && *e ? atoi(e) : 3;
     if (reps < 1) reps = 1;
@@ -170,6 +217,15 @@ int main(int argc, char **argv) {
     if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
     if (foreign_prepare(acc, &F)) die("prepare");
     if (ckpt_save_state(acc, NULL)) die("first save"); /* the one the next replaces */
+    if (load_once) {
+        ckpt_accelerator_free(acc);
+        if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
+        if (foreign_prepare(acc, &F)) die("prepare");
+        double t0 = now(), c0 = cpu();
+        if (ckpt_load_state(acc, NULL)) die("load");
+        printf("bench_phases: one load: %.3f s, cpu %.3f s\n", now() - t0, cpu() - c0);
+        goto out;
+    }
 
     double sw[NS][MAXREPS], sc[NS][MAXREPS], aw[NA][MAXREPS], ac[NA][MAXREPS];
     for (int r = 0; r < reps; r++) {
@@ -197,6 +253,36 @@ int main(int argc, char **argv) {
         aw[A_MEMCPY][r] = now() - t0;
         ac[A_MEMCPY][r] = cpu() - c0;
     }
+    free(copy);
+    /* ---- loads, warm: a fresh accelerator (a resumed run) ---- */
+    double lw[3][MAXREPS], lc[3][MAXREPS];
+    long kept = 0;
+    char last[4096];
+    snprintf(last, sizeof last, "%s", ckpt_accelerator_last_dir(acc));
+    uint8_t *rbuf = malloc((size_t)nb * 3 + ((size_t)16 << 20));
+    if (!rbuf) die("malloc");
+    memset(rbuf, 2, (size_t)nb * 3 + ((size_t)16 << 20));
+    raw_read(last, rbuf, (uint64_t)nb * 3 + ((uint64_t)16 << 20)); /* the page cache warm */
+    ckpt_accelerator_free(acc);
+    if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
+    if (foreign_prepare(acc, &F)) die("prepare");
+    ckpt_load_options one;
+    memset(&one, 0, sizeof one);
+    one.one_pass = true;
+    for (int r = 0; r < reps; r++) {
+        double t0 = now(), c0 = cpu();
+        raw_read(last, rbuf, (uint64_t)nb * 3 + ((uint64_t)16 << 20));
+        lw[0][r] = now() - t0, lc[0][r] = cpu() - c0;
+        long rss0 = vm_rss_kib();
+        t0 = now(), c0 = cpu();
+        if (ckpt_load_state(acc, last)) die("load");
+        lw[1][r] = now() - t0, lc[1][r] = cpu() - c0;
+        if (r == 0) kept = vm_rss_kib() - rss0;
+        t0 = now(), c0 = cpu();
+        if (ckpt_load_state_ex(acc, last, &one, NULL)) die("one-pass load");
+        lw[2][r] = now() - t0, lc[2][r] = cpu() - c0;
+    }
+    free(rbuf);
     char ld[64] = "?";
     FILE *f = fopen("/proc/loadavg", "r");
     if (f) {
@@ -211,11 +297,18 @@ int main(int argc, char **argv) {
     printf("  stall / memcpy %.2fx (wall), %.2fx (cpu)\n",
            median(aw[A_TOTAL], reps) / median(aw[A_MEMCPY], reps),
            median(ac[A_TOTAL], reps) / median(ac[A_MEMCPY], reps));
+    static const char *const lname[3] = {"pread", "load", "one pass"};
+    report("loads, warm (a fresh accelerator)", lname, 3, lw, lc, reps);
+    printf("  raw / load %.2fx (wall), %.2fx (cpu); raw / one pass %.2fx (wall), %.2fx (cpu); "
+           "resident set the first load kept: %+.1f MiB\n",
+           median(lw[0], reps) / median(lw[1], reps), median(lc[0], reps) / median(lc[1], reps),
+           median(lw[0], reps) / median(lw[2], reps), median(lc[0], reps) / median(lc[2], reps),
+           (double)kept / 1024.0);
+out:
     ckpt_accelerator_free(acc);
     char cmd[4200];
     snprintf(cmd, sizeof cmd, "rm -rf '%.4000s'", proj);
     if (system(cmd) != 0) fprintf(stderr, "bench_phases: could not remove %s\n", proj);
     foreign_free(&F);
-    free(copy);
     return 0;
 }
