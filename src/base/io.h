@@ -161,11 +161,12 @@ const char *ckpt__file_type_name(mode_t mode);
 int ckpt__map_file(const char *path, ckpt_mapped *m);
 void ckpt__unmap(ckpt_mapped *m);
 /* Reads a checkpoint's file at path, which must hold exactly size bytes, with
- * pread in 8 MiB pieces, hashing each piece (XXH3-64) right after reading it,
- * while it is still in the CPU cache (and while the next piece is read
- * ahead): the checksum rides on the read. Into dst (size bytes, memory the
- * caller owns) if not NULL, so the bytes hashed are the bytes kept; else
- * through a small scratch piece (verification only). *digest gets the
+ * pread in 256 KiB pieces, hashing each piece (XXH3-64) right after reading
+ * it, while it is still in the CPU cache (the kernel reading ahead 8 MiB
+ * windows meanwhile): the checksum rides on the read. Into dst (size bytes,
+ * memory the caller owns) if not NULL, so the bytes hashed are the bytes
+ * kept; else through a 256 KiB scratch piece that never leaves the cache
+ * (verification only: memory is not written at all). *digest gets the
  * file's XXH3-64. A file of another size, or one that ends early, or one
  * that is not a regular file (ckpt__open_read, own) is CKPT_ECORRUPT naming
  * what (e.g. "dir: name"). */
