@@ -407,7 +407,7 @@ int ckpt__load_apply_objects(ckpt__load_op *op) {
         free(last);
         return CKPT_OK;
     }
-    acc->step = m->step;
+    ckpt__acc_restore_step(acc, m->step);
     int64_t next = m->iteration;
     {
         const char *dir = op->dir;
