@@ -44,12 +44,12 @@ static int fail(ckpt__load_op *op, int rc, bool agreed) {
  * nothing; after an agreed failure it does nothing either. */
 static bool enter(ckpt__load_op *op, int ph, bool in_order) {
     if (!in_order) {
-        fail(op,
-             ckpt__err(CKPT_EINVAL,
-                       "%s: the load's %s phase was called after its %s phase "
-                       "(out of order): nothing is loaded",
-                       op->what, phase_name[ph], phase_name[op->phase]),
-             true);
+        if (op->rc == 0) /* else the first failure stays, with its message */
+            op->rc = ckpt__err(CKPT_EINVAL,
+                               "%s: the load's %s phase was called after its %s phase "
+                               "(out of order): nothing is loaded",
+                               op->what, phase_name[ph], phase_name[op->phase]);
+        op->agreed = true;
         op->phase = ph;
         return false;
     }
@@ -113,7 +113,7 @@ int ckpt__load_op_new_object(int kind, const ckpt_stateful_ops *ops, void *self,
     op->extra = ckpt__calloc(1, sizeof *op->extra);
     if (!op->objs || !op->sel || !op->readers || !op->srcs || !op->extra)
         return fail(op, ckpt__err_nomem(what), true);
-    op->objs[0] = (ckpt_acc_obj){kind, 0, ops, self};
+    op->objs[0] = (ckpt_acc_obj){.kind = kind, .index = 0, .ops = ops, .self = self};
     op->sel[0] = true;
     return CKPT_OK;
 }
