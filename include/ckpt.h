@@ -320,8 +320,8 @@ CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *i
  * Frozen parameters never change, so a checkpoint keeps them apart: a model
  * with both frozen and trainable parameters, saved by one process (and not
  * as Hugging Face shards), writes its trainable ones to <model>.safetensors
- * and its frozen ones to <model>-00001-of-00001.safetensors (format version
- * 2, docs/FORMAT.md), which every later save links instead of writing again
+ * and its frozen ones to <model>.frozen.safetensors (format version 3,
+ * docs/FORMAT.md), which every later save links instead of writing again
  * (ckpt_project_config.no_link_unchanged). Loads, verify, export and
  * ckpt_torch read the model from both files. Being frozen changes nothing
  * else: the optimizer still updates what it was given (leave frozen

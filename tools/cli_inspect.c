@@ -142,8 +142,60 @@ static bool is_shard_file(const char *name) {
     return true;
 }
 
+/* "<stem>.frozen.safetensors": a model's frozen tensors, kept apart by one
+ * process (format version 3). */
+static bool is_frozen_file(const char *name) { return has_suffix(name, ".frozen.safetensors"); }
+
+/* Whether name is a file of chunks of another object's tensors (a shard
+ * file, the frozen file) in a checkpoint folder, not a Hugging Face part;
+ * if so the object's file name goes to obj. */
+static bool part_of(const char *dir, const char *name, char *obj, size_t cap) {
+    size_t n = strlen(name), tail = 0;
+    if (is_frozen_file(name)) tail = strlen(".frozen.safetensors");
+    else if (is_shard_file(name) && !is_hf_part(dir, name))
+        tail = strlen("-00000-of-00000.safetensors");
+    if (!tail || n <= tail) return false;
+    snprintf(obj, cap, "%.*s.safetensors", (int)(n - tail), name);
+    return true;
+}
+
+/* What a part file holds, for its heading: "the frozen tensors of
+ * model.safetensors, whole" (the frozen file, and a model's shard 1 of 1
+ * written by one process before format version 3), else "rank 2's chunks
+ * of tensors of optimizer.safetensors". */
+static void part_note(const char *name, const char *obj, const char *kind, int nprocs, char *buf,
+                      size_t cap) {
+    size_t n = strlen(name), tail = strlen("-00000-of-00000.safetensors");
+    int rank = 0;
+    if (!is_frozen_file(name)) rank = atoi(name + n - tail + 1) - 1;
+    bool single = is_frozen_file(name) || (nprocs == 1 && strstr(name + n - tail, "-of-00001."));
+    if (single && !strcmp(kind, "model"))
+        snprintf(buf, cap, "the frozen tensors of %s, whole", obj);
+    else
+        snprintf(buf, cap, "rank %d's chunks of tensors of %s (sharded, or split over the ranks)",
+                 rank, obj);
+}
+
+/* For an object's file: which files of the folder hold its other tensors
+ * ("; its other tensors are in model.frozen.safetensors"), or "". */
+static void companions_note(const char *dir, const char *file, struct dirent **names, int n,
+                            char *buf, size_t cap) {
+    int count = 0;
+    const char *one = NULL;
+    char obj[512];
+    for (int i = 0; i < n; i++)
+        if (part_of(dir, names[i]->d_name, obj, sizeof obj) && !strcmp(obj, file)) {
+            count++;
+            if (!one) one = names[i]->d_name;
+        }
+    if (count == 0) buf[0] = '\0';
+    else if (count == 1) snprintf(buf, cap, "; its other tensors are in %s", one);
+    else snprintf(buf, cap, "; its other tensors are chunks in %d shard files", count);
+}
+
 /* A state file; inside a checkpoint folder an object's file is opened with
- * its shard files, so sharded tensors read whole. */
+ * its shard files, so sharded tensors read whole (diff; inspect lists what
+ * each file holds, and a model saved as Hugging Face shards by its index). */
 static int open_state(const char *path, ckpt_reader **r) {
     const char *slash = strrchr(path, '/');
     const char *base = slash ? slash + 1 : path;
@@ -232,9 +284,13 @@ static int print_entry(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
     return rc;
 }
 
-static int inspect_file(const char *path, const char *label, bool json, bool first) {
+/* Lists the entries of path: of that file alone (whole false), or of the
+ * object it is with its other files (a model saved as Hugging Face shards).
+ * note follows the heading; part: the object a part file belongs to. */
+static int inspect_file(const char *path, const char *label, const char *note, const char *part,
+                        bool whole, bool json, bool first) {
     ckpt_reader *r = NULL;
-    int rc = open_state(path, &r);
+    int rc = whole ? open_state(path, &r) : ckpt_reader_open(&r, path);
     if (rc < 0) return lib_error("inspect", rc);
     int64_t n = ckpt_reader_count(r);
     uint64_t tensor_bytes = 0;
@@ -249,13 +305,14 @@ static int inspect_file(const char *path, const char *label, bool json, bool fir
     if (json) {
         printf("%s{\"file\":", first ? "" : ",");
         cli_json_string(label);
+        if (part) printf(",\"part_of\":"), cli_json_string(part);
         printf(",\"tensors\":%lld,\"tensor_bytes\":%llu,\"entries\":[", (long long)ntensors,
                (unsigned long long)tensor_bytes);
     } else {
         char size[32];
         printf("%s: %lld entries, %lld tensors (%s)%s\n", cli_esc(label), (long long)n,
                (long long)ntensors, cli_human_bytes(tensor_bytes, size, sizeof size),
-               is_shard_file(label) ? ", one process's chunks of sharded tensors" : "");
+               cli_esc(note));
     }
     for (int64_t i = 0; i < n && rc == CKPT_OK; i++) {
         ckpt_entry_info e;
@@ -470,7 +527,7 @@ int cli_inspect(int argc, char **argv) {
         return cli_wrong_kind("inspect", path, kind, "a checkpoint folder or a .safetensors file");
     if (!is_dir(path)) {
         if (json) printf("{\"path\":"), cli_json_string(path), printf(",\"objects\":[");
-        int st = inspect_file(path, path, json, true);
+        int st = inspect_file(path, path, "", NULL, false, json, true);
         if (st == CLI_OK && json) printf("]}\n");
         return st;
     }
@@ -538,20 +595,37 @@ int cli_inspect(int argc, char **argv) {
         printf("%s %s\n  manifest: %s\n", kind == CLI_KIND_CHECKPOINT ? "checkpoint" : "folder",
                cli_esc(path), cli_esc(vmsg));
     }
+    ckpt_checkpoint_file *files = NULL; /* the manifest's kinds, if it reads */
+    int64_t nfiles = 0;
+    if (ckpt_checkpoint_files(path, &files, &nfiles) < 0) nfiles = 0;
     int status = CLI_OK, shown = 0;
     for (int i = 0; i < n && status == CLI_OK; i++) {
         const char *name = names[i]->d_name;
         if (is_shard_file(name) && is_hf_part(path, name)) continue; /* shown with its index */
-        char file[4096], obj[512], label[640];
+        char file[4096], obj[512], label[640], note[1024] = "", part[512];
         const char *o = object_of(name, obj, sizeof obj);
         snprintf(file, sizeof file, "%s/%s", path, o);
         if (o != name && !json)
             snprintf(label, sizeof label, "%s (Hugging Face shards: %s)", o, name);
         else snprintf(label, sizeof label, "%s", name);
+        bool is_part = part_of(path, name, part, sizeof part);
+        if (is_part) {
+            char what[900];
+            const char *fkind = "";
+            for (int64_t k = 0; k < nfiles; k++)
+                if (!strcmp(files[k].name, name)) fkind = files[k].kind;
+            part_note(name, part, fkind, vrc == CKPT_OK ? info.num_processes : 0, what,
+                      sizeof what);
+            snprintf(note, sizeof note, ", %s", what);
+        } else if (o == name) {
+            companions_note(path, name, names, n, note, sizeof note);
+        }
         if (!json) putchar('\n');
-        status = inspect_file(file, label, json, shown++ == 0);
+        status = inspect_file(file, label, note, is_part ? part : NULL, o != name, json,
+                              shown++ == 0);
     }
     free_names(names, n);
+    free(files);
     if (status == CLI_OK) print_extra_files(path, json);
     if (status == CLI_OK && json) printf("}\n");
     return status;
@@ -907,12 +981,12 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
     int status = CLI_OK, i = 0, j = 0;
     /* both lists are sorted: walk them together */
     while (status == CLI_OK && (i < ca || j < cb)) {
-        /* Shard files are read with their object's file. */
-        if (i < ca && is_shard_file(na[i]->d_name)) {
+        /* Shard and frozen files are read with their object's file. */
+        if (i < ca && (is_shard_file(na[i]->d_name) || is_frozen_file(na[i]->d_name))) {
             i++;
             continue;
         }
-        if (j < cb && is_shard_file(nb[j]->d_name)) {
+        if (j < cb && (is_shard_file(nb[j]->d_name) || is_frozen_file(nb[j]->d_name))) {
             j++;
             continue;
         }

@@ -23,7 +23,8 @@ except ImportError:  # pragma: no cover - reported when a checksum is needed
     xxhash = None
 
 LIBRARY_VERSION = "0.1.0"
-FORMAT_VERSION = 2  # the newest read; several processes write 2 (chunks of replicated tensors)
+FORMAT_VERSION = 3  # the newest read; several processes write 2 (chunks of replicated
+# tensors), one process that keeps a model's frozen tensors apart 3 (<model>.frozen.safetensors)
 WRITE_FORMAT_VERSION = 1  # what one process writes
 DOC_VERSION = 1
 MANIFEST_NAME = "checkpoint.json"

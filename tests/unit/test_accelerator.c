@@ -1571,9 +1571,9 @@ static void test_load_state_refuses_a_newer_format_version(void **st) {
     (void)st;
     char *t = tu_tmpdir_new("acc");
     char *dir = save_two(t);
-    rewrite_manifest(dir, "\"format_version\": 1", "\"format_version\": 3");
+    rewrite_manifest(dir, "\"format_version\": 1", "\"format_version\": 4");
     expect_load_fails(dir, 2, NULL, CKPT_EUNSUPPORTED,
-                      "checkpoint format version 3 is newer than this library's (2); upgrade ckpt");
+                      "checkpoint format version 4 is newer than this library's (3); upgrade ckpt");
     free(dir);
     tu_tmpdir_free(t);
 }
