@@ -377,6 +377,7 @@ typedef struct rotation {
     void *user;
     const ckpt_logger *lg; /* NULL: no warnings (the report says it) */
     int64_t removed;
+    int64_t valid_kept; /* valid checkpoints not removed (of those verified) */
 } rotation;
 
 bool ckpt__retention_active(const ckpt_retention *pol) {
@@ -540,6 +541,7 @@ static int rotate(const char *dir, rotation *r) {
         }
     }
     if (rc == 0 && policy) rc = apply_policy(v, count, r->pol);
+    for (int64_t i = 0; rc == 0 && i < count; i++) r->valid_kept += v[i].valid && !v[i].remove;
     for (int64_t i = 0; rc == 0 && i < count; i++) {
         if (!v[i].remove) continue;
         char name[48];
@@ -840,6 +842,7 @@ int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *
                           .best_mode = opts->best_mode,
                           .best_k = opts->best_k};
     CKPT_TRY(ckpt__retention_check(&pol, "checkpoint_prune"));
+    if (opts->valid_kept) *opts->valid_kept = 0;
     char *dir = NULL;
     CKPT_TRY(project_checkpoints("checkpoint_prune", project_dir, &dir));
     if (!dir) return 0;
@@ -856,6 +859,7 @@ int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *
     if (rc == 0) rc = rotate(dir, &r);
     ckpt__lock_release(&lk);
     if (removed) *removed = r.removed;
+    if (opts->valid_kept) *opts->valid_kept = rc == 0 ? r.valid_kept : 0;
     free(dir);
     return rc;
 }
