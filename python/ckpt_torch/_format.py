@@ -1052,12 +1052,29 @@ def _state_file(f):
     return f["kind"] != "extra" and f["name"].endswith(".safetensors")
 
 
+def _index_mismatch(dir, f, fd, size):
+    """A shard index whose digest differs: whether it still parses as JSON
+    (not as a safetensors header, which it is not)."""
+    what = "%s: %s" % (dir, f["name"])
+    if size > MANIFEST_MAX_BYTES:
+        raise CorruptError("%s: checksum mismatch in the shard index (%d bytes)" % (what, size))
+    text = bytes(_read_fd(fd, size, what))
+    try:
+        _loads_strict(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptError("%s: checksum mismatch and the shard index does not parse: not valid "
+                           "JSON: %s" % (what, e)) from None
+    raise CorruptError("%s: checksum mismatch in the shard index (it still parses)" % what)
+
+
 def _name_mismatch(dir, f, fd, size):
     """The file's digest differs: say which tensor if the file still parses
     (its tensors hashed one by one from the file)."""
     if f["kind"] == "extra":
         raise CorruptError("%s: %s: checksum mismatch (a file a save pre-hook added)"
                            % (dir, f["name"]))
+    if f["name"].endswith(".index.json"):  # a Hugging Face shard index: JSON
+        _index_mismatch(dir, f, fd, size)
     try:
         sf = StateFile(f["name"], _read_head(fd, size, f["name"]), size=size, layout_only=True)
     except CkptError as e:
