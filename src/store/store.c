@@ -210,11 +210,26 @@ int ckpt__lock_acquire(ckpt_lock *lk, const char *lock_path, bool load_only) {
     if (fd < 0) return fd;
     if (ckpt__os_flock(fd, LOCK_EX | LOCK_NB) != 0) {
         e = errno;
+        /* The holder wrote "<pid> <host>\n" once it took the lock: read it
+         * again now, the text read before may be its predecessor's. */
+        if (e == EWOULDBLOCK) {
+            ssize_t again = lock_read(fd, holder);
+            if (again > 0) holder[again] = '\0';
+            if (again > 0) got = again;
+        }
         ckpt__os_close(fd);
         if (e == EWOULDBLOCK) {
-            /* The holder wrote "<pid> <host>\n" when it took the lock. */
             long pid = 0;
-            char host[256] = "";
+            char host[256] = "", me[256] = "";
+            if (gethostname(me, sizeof me) != 0) me[0] = '\0';
+            me[sizeof me - 1] = '\0';
+            if (got > 0 && sscanf(holder, "%ld %255s", &pid, host) == 2 && pid > 0 &&
+                pid == (long)getpid() && strcmp(host, me) == 0)
+                return ckpt__err(CKPT_EBUSY,
+                                 "%s is held by this process (pid %ld) itself: another "
+                                 "accelerator of this project, not freed yet, or a save or load "
+                                 "of it still running",
+                                 lock_path, pid);
             if (got > 0 && sscanf(holder, "%ld %255s", &pid, host) == 2 && pid > 0)
                 return ckpt__err(CKPT_EBUSY,
                                  "%s is held by another process (pid %ld on host %s) that saves "
