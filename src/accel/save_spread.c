@@ -156,9 +156,9 @@ bool ckpt__save_plan_entry(const save_op *op, int i, int64_t j, int64_t *rows, u
  * frozen tensors apart, whole, in its shard file, named
  * <model>.frozen.safetensors (format version 3; the tensors are chunks that
  * are the whole tensor, as in version 2's <model>-00001-of-00001), so that
- * file has the same bytes at every save and is linked, not written. A model of one kind only stays one
- * file (it changes as a whole or not at all); a model saved as Hugging Face
- * shards keeps its layout. */
+ * file has the same bytes at every save and is linked, not written. A
+ * model of one kind only stays one file (it changes as a whole or not at
+ * all); a model saved as Hugging Face shards keeps its layout. */
 static int split_frozen(save_op *op) {
     op->frozen_apart = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->frozen_apart);
     if (!op->frozen_apart) return ckpt__err_nomem("save plan");
