@@ -769,7 +769,9 @@ CKPT_API int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_con
 /* Releases the project lock, if held. */
 CKPT_API void ckpt_accelerator_free(ckpt_accelerator *acc);
 /* Sets where the accelerator's warnings go (fn NULL: stderr), and those of
- * every data loader prepared with it (now or later). */
+ * every data loader and optimizer prepared with it (now or later). Under
+ * several processes those objects' warnings, the same on every rank, are
+ * reported by the process of index 0 only. */
 CKPT_API void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user);
 /* Sets where a data loader's warnings go (fn NULL, the default: "ckpt:
  * warning: <msg>" on stderr). ckpt_prepare_dataloader and a later
