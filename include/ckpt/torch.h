@@ -124,8 +124,11 @@ CKPT_API int ckpt_torch_put_int(ckpt_torch_writer *w, int64_t v);
 CKPT_API int ckpt_torch_put_float(ckpt_torch_writer *w, double v);
 /* Copies v (valid UTF-8). */
 CKPT_API int ckpt_torch_put_str(ckpt_torch_writer *w, const char *v);
-/* A tensor in its own storage. Copies shape; borrows data until the writer is
- * saved or freed. dtype: one of the ten above (else CKPT_EUNSUPPORTED). */
+/* A tensor in its own storage, or, when data is the very pointer of an
+ * earlier tensor of the same dtype and byte count, in that tensor's storage
+ * (torch.load then gives both one storage, as for PyTorch's tied weights).
+ * Copies shape; borrows data until the writer is saved or freed. dtype: one
+ * of the ten above (else CKPT_EUNSUPPORTED). */
 CKPT_API int ckpt_torch_put_tensor(ckpt_torch_writer *w, ckpt_dtype dt, int ndim,
                                    const int64_t *shape, const void *data);
 /* Writes the file crash-safely (temporary file, fsync, rename, folder

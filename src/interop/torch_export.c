@@ -145,16 +145,39 @@ static void out_name(char *buf, size_t cap, const char *stem, int k, const char 
 
 /* ---- model ---------------------------------------------------------------- */
 
-static int write_shard(exp_ctx *c, ckpt_reader *r, int64_t from, int64_t to, const char *name) {
+/* The tensors idx[0..n) of r (entry indices), and the aliases (tied names)
+ * of r whose target is one of them. */
+typedef struct shard_set {
+    const int64_t *idx;
+    int64_t n;
+} shard_set;
+
+static bool in_set(const ckpt_reader *r, const shard_set *set, const char *key) {
+    for (int64_t k = 0; k < set->n; k++) {
+        ckpt_entry_info e;
+        if (ckpt_reader_entry(r, set->idx[k], &e) == 0 && strcmp(e.key, key) == 0) return true;
+    }
+    return false;
+}
+
+/* As model.safetensors: each tensor once, a tied name as an alias of its
+ * tensor (with Hugging Face's record, see ckpt_write_alias). */
+static int write_shard(exp_ctx *c, ckpt_reader *r, const shard_set *set, const char *name) {
     ckpt_writer *w = NULL;
     CKPT_TRY(ckpt_writer_new(&w));
     int rc = 0;
-    for (int64_t i = from; i < to && rc == 0; i++) {
+    for (int64_t k = 0; k < set->n && rc == 0; k++) {
         ckpt_entry_info e;
         const void *data = NULL;
-        rc = ckpt_reader_entry(r, i, &e);
+        rc = ckpt_reader_entry(r, set->idx[k], &e);
         if (rc == 0) rc = ckpt_reader_tensor_view(r, e.key, &data, NULL);
         if (rc == 0) rc = ckpt_write_tensor(w, e.key, e.dtype, e.ndim, e.shape, data);
+    }
+    for (int64_t i = 0; i < ckpt_reader_count(r) && rc == 0; i++) {
+        ckpt_entry_info e;
+        rc = ckpt_reader_entry(r, i, &e);
+        if (rc == 0 && e.kind == CKPT_ENTRY_ALIAS && in_set(r, set, e.target))
+            rc = ckpt_write_alias(w, e.key, e.target);
     }
     char *p = rc == 0 ? ckpt__path_join(c->tmp, name) : NULL;
     if (rc == 0 && !p) rc = ckpt__err_nomem("export");
@@ -180,24 +203,54 @@ static int write_text(exp_ctx *c, const char *name, const char *text) {
     return rc;
 }
 
-/* Tensors [from, to) of r as one torch.save file: an OrderedDict of
- * tensors, what module.state_dict() gives torch.save. */
-static int write_shard_bin(exp_ctx *c, ckpt_reader *r, int64_t from, int64_t to, const char *name) {
+/* The tensors of set as one torch.save file: an OrderedDict of tensors,
+ * what module.state_dict() gives torch.save; a tied name (an alias of one
+ * of them) is a second key on the same storage, as torch.save writes tied
+ * weights. */
+static int write_shard_bin(exp_ctx *c, ckpt_reader *r, const shard_set *set, const char *name) {
     ckpt_torch_writer *w = NULL;
     CKPT_TRY(ckpt_torch_writer_new(&w));
-    int rc = ckpt_torch_begin_dict(w, true);
-    for (int64_t i = from; i < to && rc == 0; i++) {
+    const void **views = ckpt__calloc((size_t)set->n + 1, sizeof *views);
+    int rc = views ? ckpt_torch_begin_dict(w, true) : ckpt__err_nomem("export");
+    for (int64_t k = 0; k < set->n && rc == 0; k++) {
         ckpt_entry_info e;
-        const void *data = NULL;
-        rc = ckpt_reader_entry(r, i, &e);
-        if (rc == 0) rc = ckpt_reader_tensor_view(r, e.key, &data, NULL);
+        rc = ckpt_reader_entry(r, set->idx[k], &e);
+        if (rc == 0) rc = ckpt_reader_tensor_view(r, e.key, &views[k], NULL);
         if (rc == 0) rc = ckpt_torch_put_str(w, e.key);
-        if (rc == 0) rc = ckpt_torch_put_tensor(w, e.dtype, e.ndim, e.shape, data);
+        if (rc == 0) rc = ckpt_torch_put_tensor(w, e.dtype, e.ndim, e.shape, views[k]);
+    }
+    for (int64_t i = 0; i < ckpt_reader_count(r) && rc == 0; i++) {
+        ckpt_entry_info e, t;
+        rc = ckpt_reader_entry(r, i, &e);
+        if (rc || e.kind != CKPT_ENTRY_ALIAS) continue;
+        for (int64_t k = 0; k < set->n && rc == 0; k++) {
+            rc = ckpt_reader_entry(r, set->idx[k], &t);
+            if (rc || strcmp(t.key, e.target) != 0) continue;
+            /* the target's very view: one storage in the file */
+            rc = ckpt_torch_put_str(w, e.key);
+            if (rc == 0) rc = ckpt_torch_put_tensor(w, t.dtype, t.ndim, t.shape, views[k]);
+            break;
+        }
     }
     if (rc == 0) rc = ckpt_torch_end(w);
     if (rc == 0) rc = save_torch(c, w, name);
+    free(views);
     ckpt_torch_writer_free(w);
     return rc;
+}
+
+/* Every tensor entry of r, in order: *out (malloc'd) and *n. */
+static int tensor_entries(const ckpt_reader *r, int64_t **out, int64_t *n) {
+    int64_t count = ckpt_reader_count(r), k = 0;
+    int64_t *v = ckpt__calloc((size_t)count + 1, sizeof *v);
+    if (!v) return ckpt__err_nomem("export");
+    for (int64_t i = 0; i < count; i++) {
+        ckpt_entry_info e;
+        if (ckpt_reader_entry(r, i, &e) == 0 && e.kind == CKPT_ENTRY_TENSOR) v[k++] = i;
+    }
+    *out = v;
+    *n = k;
+    return CKPT_OK;
 }
 
 static int cmp_str(const void *a, const void *b) {
@@ -248,6 +301,7 @@ static int export_parts_bin(exp_ctx *c, const char *object, const char *stem, bo
             if (gf) files = gf;
             if (!gk || !gf) rc = ckpt__err_nomem("export");
         }
+        /* tied names too: a .bin index lists both names of a shared storage */
         for (int64_t i = 0; i < n && rc == 0; i++) {
             ckpt_entry_info e;
             rc = ckpt_reader_entry(r, i, &e);
@@ -257,7 +311,10 @@ static int export_parts_bin(exp_ctx *c, const char *object, const char *stem, bo
                 total += e.nbytes;
             }
         }
-        if (rc == 0) rc = write_shard_bin(c, r, 0, n, bin);
+        int64_t *idx = NULL, ni = 0;
+        if (rc == 0) rc = tensor_entries(r, &idx, &ni);
+        if (rc == 0) rc = write_shard_bin(c, r, &(shard_set){idx, ni}, bin);
+        free(idx);
         ckpt_reader_free(r);
     }
     char *index = NULL;
@@ -277,6 +334,40 @@ static int export_parts_bin(exp_ctx *c, const char *object, const char *stem, bo
     return rc;
 }
 
+/* A .bin shard index lists a tied name with the shard of its target (one
+ * storage); a .safetensors one, as Hugging Face's, only the tensors. */
+static int bin_index(const ckpt_reader *r, const int64_t *idx, int64_t n, const ckpt_hf_layout *l,
+                     char **out) {
+    int64_t count = ckpt_reader_count(r), nk = 0;
+    const char **keys = ckpt__calloc((size_t)count + 1, sizeof *keys);
+    const char **files = ckpt__calloc((size_t)count + 1, sizeof *files);
+    int rc = keys && files ? CKPT_OK : ckpt__err_nomem("export");
+    uint64_t total = 0;
+    for (int64_t s = 0; s < l->nshards && rc == 0; s++)
+        for (int64_t k = l->starts[s]; k < l->starts[s + 1] && rc == 0; k++) {
+            ckpt_entry_info e;
+            rc = ckpt_reader_entry(r, idx[k], &e);
+            keys[nk] = e.key;
+            files[nk++] = l->names[s];
+            total += e.nbytes;
+        }
+    for (int64_t i = 0; i < count && rc == 0; i++) {
+        ckpt_entry_info e;
+        rc = ckpt_reader_entry(r, i, &e);
+        if (rc || e.kind != CKPT_ENTRY_ALIAS) continue;
+        for (int64_t k = 0; k < n && k < nk; k++)
+            if (strcmp(keys[k], e.target) == 0) {
+                files[nk] = files[k];
+                keys[nk++] = e.key;
+                break;
+            }
+    }
+    if (rc == 0) rc = ckpt__hf_index_text(keys, files, nk, total, out);
+    free(keys);
+    free(files);
+    return rc;
+}
+
 static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard, bool bin) {
     char stem[64], name[128];
     const char *ext = bin ? ".bin" : ".safetensors";
@@ -288,33 +379,44 @@ static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard,
     }
     ckpt_reader *r = NULL;
     CKPT_TRY(open_state(c, file, &r));
-    int64_t n = ckpt_reader_count(r);
+    int64_t count = ckpt_reader_count(r), n = 0;
+    for (int64_t i = 0; i < count; i++) {
+        ckpt_entry_info e;
+        CKPT_TRY(ckpt_reader_entry(r, i, &e));
+        if (e.kind != CKPT_ENTRY_TENSOR && e.kind != CKPT_ENTRY_ALIAS)
+            return ckpt__err(CKPT_ECORRUPT, "%s: entry '%s' is not a tensor", file, e.key);
+    }
+    int64_t *idx = NULL; /* the tensors; tied names go with their target */
+    CKPT_TRY(tensor_entries(r, &idx, &n));
     uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
     const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
     int rc = nb && keys ? CKPT_OK : ckpt__err_nomem("export");
     for (int64_t i = 0; i < n && rc == 0; i++) {
         ckpt_entry_info e;
-        rc = ckpt_reader_entry(r, i, &e);
-        if (rc == 0 && e.kind != CKPT_ENTRY_TENSOR)
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: entry '%s' is not a tensor", file, e.key);
+        rc = ckpt_reader_entry(r, idx[i], &e);
         if (rc == 0) nb[i] = e.nbytes, keys[i] = e.key;
     }
     ckpt_hf_layout l;
     memset(&l, 0, sizeof l);
     if (rc == 0 && max_shard) rc = ckpt__hf_layout_make_ext(keys, nb, n, max_shard, stem, ext, &l);
-    int (*write)(exp_ctx *, ckpt_reader *, int64_t, int64_t, const char *) =
+    int (*write)(exp_ctx *, ckpt_reader *, const shard_set *, const char *) =
         bin ? write_shard_bin : write_shard;
     if (rc == 0 && l.nshards <= 1) { /* one file */
         snprintf(name, sizeof name, "%s%s", stem, ext);
-        rc = write(c, r, 0, n, name);
+        rc = write(c, r, &(shard_set){idx, n}, name);
     }
     for (int64_t s = 0; s < l.nshards && l.nshards > 1 && rc == 0; s++)
-        rc = write(c, r, l.starts[s], l.starts[s + 1], l.names[s]);
+        rc = write(c, r, &(shard_set){idx + l.starts[s], l.starts[s + 1] - l.starts[s]},
+                   l.names[s]);
     snprintf(name, sizeof name, "%s%s.index.json", stem, ext);
-    if (rc == 0 && l.nshards > 1) rc = write_text(c, name, l.index);
+    char *index = NULL;
+    if (rc == 0 && l.nshards > 1 && bin) rc = bin_index(r, idx, n, &l, &index);
+    if (rc == 0 && l.nshards > 1) rc = write_text(c, name, index ? index : l.index);
+    free(index);
     ckpt__hf_layout_free(&l);
     free(keys);
     free(nb);
+    free(idx);
     return rc;
 }
 

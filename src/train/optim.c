@@ -170,12 +170,12 @@ int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m
     if (!m || !opt) return ckpt__err(CKPT_EINVAL, "optimizer_new: model or options is NULL");
     const kind_impl *impl = impl_of(kind);
     if (!impl) return ckpt__err(CKPT_EINVAL, "optimizer_new: unknown kind %d", (int)kind);
-    int64_t np = ckpt_model_num_params(m);
+    int64_t np = ckpt__model_num_distinct(m); /* tied names: one parameter, one state */
     if (np == 0) return ckpt__err(CKPT_EINVAL, "optimizer: the model has no parameters");
     CKPT_TRY(ckpt__optim_check_options(impl, opt, 0));
     for (int64_t i = 0; i < np; i++) {
         ckpt_param_info info;
-        CKPT_TRY(ckpt_model_param(m, i, &info));
+        CKPT_TRY(ckpt_model_param(m, ckpt__model_distinct(m, i), &info));
         if (info.dtype != CKPT_F32) {
             const char *dn = ckpt_dtype_name(info.dtype);
             return ckpt__err(CKPT_EUNSUPPORTED,
@@ -204,7 +204,7 @@ int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m
     o->group_start[1] = np;
     for (int64_t i = 0; i < np; i++) {
         ckpt_param_info info;
-        ckpt_model_param(m, i, &info);
+        ckpt_model_param(m, ckpt__model_distinct(m, i), &info);
         opt_param *p = &o->p[i];
         p->name = info.name;
         p->ndim = info.ndim;
@@ -426,7 +426,8 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
     if (!count) return ckpt__err_nomem("optimizer groups");
     int64_t np = 0;
     for (int64_t i = 0; i < nm; i++) {
-        if (group_of[i] == -1) continue; /* not optimized (a frozen parameter) */
+        /* not optimized (a frozen parameter), or a tied name (its parameter's group) */
+        if (group_of[i] == -1 || ckpt__model_is_tied(o->model, i)) continue;
         if (group_of[i] < 0 || group_of[i] >= ngroups) {
             free(count);
             return ckpt__err(CKPT_EINVAL,
@@ -458,7 +459,7 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
     for (int g = 0; g < ngroups; g++) start[g + 1] = start[g] + count[g];
     memset(count, 0, ((size_t)ngroups + 1) * sizeof *count);
     for (int64_t i = 0; i < nm; i++) {
-        if (group_of[i] == -1) continue;
+        if (group_of[i] == -1 || ckpt__model_is_tied(o->model, i)) continue;
         int g = group_of[i];
         int64_t k = start[g] + count[g]++;
         ckpt_param_info info;

@@ -24,6 +24,13 @@ void ckpt__optimizer_set_log(ckpt_optimizer *o, ckpt_log_fn fn, void *user);
  * group of its optimizer (ungrouped), so it is frozen unless the user said
  * otherwise (ckpt_model_set_frozen). */
 void ckpt__model_set_ungrouped(ckpt_model *m, int64_t i, bool ungrouped);
+/* The model's distinct parameters, what an optimizer updates: its names
+ * without the tied ones (ckpt_model_tie: one parameter, one state). How
+ * many, the model index of the k-th (-1 outside 0..count-1), and whether
+ * the model's i-th name is a tied one. */
+int64_t ckpt__model_num_distinct(const ckpt_model *m);
+int64_t ckpt__model_distinct(const ckpt_model *m, int64_t k);
+bool ckpt__model_is_tied(const ckpt_model *m, int64_t i);
 
 #define CKPT_OPTIM_MAX_BUFFERS 3
 #define CKPT_OPTIM_MAX_HPARAMS 6
