@@ -761,6 +761,21 @@ CKPT_API int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs);
  * are then already changed (the error says "state partially loaded"). */
 CKPT_API int ckpt_register_for_checkpointing(ckpt_accelerator *acc, const ckpt_stateful_ops *ops,
                                              void *self);
+/* A custom object under a name of its own: saved as <name>.safetensors,
+ * found by that name when loaded (registration order does not matter; the
+ * unnamed objects keep their custom_checkpoint_<i> numbering among
+ * themselves), selected by it in ckpt_load_options.names, shown by it in
+ * `ckpt ls` / `ckpt inspect` and python/ckpt_torch, exported as <name>.pkl
+ * (docs/PYTORCH.md). name: 1 to 64 bytes of [A-Za-z0-9_.-], not starting
+ * with '.', unique among this accelerator's named objects letter case aside
+ * (a checkpoint may be copied to a case-insensitive file system), and no
+ * name the library's own files take: model, optimizer, scheduler,
+ * dataloader, scaler, custom_checkpoint, random_states, alone or followed
+ * by _<digits>, nor a name ending in -DDDDD-of-DDDDD (shard files).
+ * CKPT_EINVAL naming the rule broken, CKPT_EEXIST for a name or an object
+ * registered already; otherwise as ckpt_register_for_checkpointing. */
+CKPT_API int ckpt_register_for_checkpointing_named(ckpt_accelerator *acc, const char *name,
+                                                   const ckpt_stateful_ops *ops, void *self);
 
 /* The process's default generator, always saved as
  * random_states_<process_index>.safetensors. View valid until free. */
