@@ -23,9 +23,11 @@
  *       dataloader.safetensors
  *       random_states_<p>.safetensors   process p's default generator
  *       custom_checkpoint_<i>.safetensors
+ *       <name>.safetensors           a named custom object
  * Every state file is a standard safetensors file: tensors as tensors, every
- * other entry (int, float, string, bytes) in __metadata__["ckpt"], one JSON
- * document that keeps each entry's type (see docs/FORMAT.md).
+ * other entry (int, unsigned 64-bit int, float, string, bytes, alias) in
+ * __metadata__["ckpt"], one JSON document that keeps each entry's type (see
+ * docs/FORMAT.md).
  *
  * This header holds the everyday API: errors, state dicts, stateful objects,
  * the training blocks and the accelerator. The specialised parts are in

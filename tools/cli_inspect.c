@@ -183,7 +183,8 @@ static void print_tensor_value(ckpt_reader *r, const ckpt_entry_info *e, bool js
         return;
     }
     printf(json ? ",\"hex\":\"" : "  = 0x");
-    for (uint64_t i = e->nbytes; i-- > 0;) printf("%02x", p[i]); /* little-endian: high byte first */
+    for (uint64_t i = e->nbytes; i-- > 0;)
+        printf("%02x", p[i]); /* little-endian: high byte first */
     if (json) putchar('"');
 }
 
@@ -221,7 +222,8 @@ static int print_entry(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
             cli_json_string(e->target ? e->target : "");
             putchar('}');
         } else {
-            printf("-> %s (tied: the same tensor, saved once)\n", cli_esc(e->target ? e->target : ""));
+            printf("-> %s (tied: the same tensor, saved once)\n",
+                   cli_esc(e->target ? e->target : ""));
         }
         break;
     case CKPT_ENTRY_U64: {

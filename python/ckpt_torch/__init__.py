@@ -23,13 +23,13 @@ import numpy as np
 from ._format import (BusyError, CkptError, CorruptError, DTYPES, InvalidError, LIBRARY_VERSION,
                       MismatchError, NotFoundError, RawTensor, StateFile, TooLargeError,
                       UnsupportedError, _loads_strict, check_key, checkpoint_number, escape,
-                      list_numbers, read_state_file, shape_str, verify_folder,
-                      write_checkpoint)
+                      list_numbers, read_state_file, resolve_aliases, shape_str, U64,
+                      verify_folder, write_checkpoint)
 
 __version__ = LIBRARY_VERSION
 __all__ = ["verify", "latest", "load", "load_state_dict", "save", "WarmupCosine", "WarmupLinear",
            "Constant", "CkptError", "CorruptError", "UnsupportedError", "MismatchError",
-           "InvalidError", "NotFoundError", "BusyError", "TooLargeError", "RawTensor"]
+           "InvalidError", "NotFoundError", "BusyError", "TooLargeError", "RawTensor", "U64"]
 
 # A damaged checkpoint: a project load falls back past it (with a warning).
 _DAMAGE = (CorruptError, UnsupportedError, NotFoundError)
@@ -95,8 +95,7 @@ def load_state_dict(path, as_torch=False):
     flat = read_state_file(path).flat()
     if as_torch:
         _need_torch("load_state_dict(as_torch=True)")
-        flat = {k: _to_torch(v) if isinstance(v, (np.ndarray, RawTensor)) else v
-                for k, v in flat.items()}
+        flat = _tensorize(flat, True)
     return flat
 
 
@@ -590,19 +589,23 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _tensorize(obj, as_torch):
-    """numpy arrays (and RawTensor) in a nested state dict as torch tensors."""
+def _tensorize(obj, as_torch, memo=None):
+    """numpy arrays (and RawTensor) in a nested state dict as torch tensors;
+    one array under two names (a tied name) becomes one tensor."""
     if not as_torch:
         return obj
+    memo = {} if memo is None else memo
     if isinstance(obj, (np.ndarray, RawTensor)):
-        try:
-            return _to_torch(obj)
-        except UnsupportedError:
-            return obj  # U32 and the like in an older torch: kept as numpy
+        if id(obj) not in memo:
+            try:
+                memo[id(obj)] = _to_torch(obj)
+            except UnsupportedError:
+                memo[id(obj)] = obj  # U32 and the like in an older torch: kept as numpy
+        return memo[id(obj)]
     if isinstance(obj, dict) and not isinstance(obj, collections.Counter):
-        return {k: _tensorize(v, as_torch) for k, v in obj.items()}
+        return {k: _tensorize(v, as_torch, memo) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_tensorize(v, as_torch) for v in obj]
+        return [_tensorize(v, as_torch, memo) for v in obj]
     return obj
 
 
@@ -657,6 +660,16 @@ def _adapt_model(module, flat, name, obj, strict, pairs, rename, report):
                                 % (name, orig[nk], k, nk))
         named[nk], orig[nk] = v, k
     mine = module.state_dict()
+    # a tied name the file leaves out (Hugging Face's files): its partner on
+    # the same storage fills the one parameter, as in the C library
+    first = {}
+    for k, t in mine.items():
+        if t.numel() > 0:
+            first.setdefault(_storage_key(t), k)
+    for k, t in mine.items():
+        partner = first.get(_storage_key(t)) if t.numel() > 0 else None
+        if k not in named and partner is not None and partner != k and partner in named:
+            named[k], orig[k] = named[partner], k
     for k, t in mine.items():
         if k not in named:
             if strict:
@@ -824,19 +837,19 @@ def _object_flats(dir, m, datas, kinds):
     indexes = {f["name"]: _hf_index(dir, f["name"], datas[f["name"]]) for f in m["files"]
                if f["name"].endswith(".safetensors.index.json")}
     parts = {p for wm in indexes.values() for p in wm.values()}
-    flats = {}
+    flats, aliases = {}, {}
     for f in m["files"]:
         name = f["name"]
         if name in parts or f["kind"] == "extra":  # a save pre-hook's file is no object
             continue
         if name in indexes:
             wm = indexes[name]
-            pf = {}
+            pf, tied = {}, {}
             for p in sorted(set(wm.values())):
                 if kinds.get(p) != "model":
                     raise CorruptError("%s: %s names %s, which the manifest does not list as a "
                                        "model file" % (dir, name, p))
-                pf[p] = StateFile(os.path.join(dir, p), datas[p]).flat()
+                pf[p] = StateFile(os.path.join(dir, p), datas[p]).flat(tied)
             flat = {}
             for k, p in wm.items():
                 if k not in pf[p]:
@@ -850,10 +863,14 @@ def _object_flats(dir, m, datas, kinds):
                                        % (dir, p, sorted(extra)[0]))
             obj = name[:-len(".index.json")]
             flats[obj] = flat
+            aliases[obj] = tied  # tied names: in their target's part, not in the index
             kinds[obj] = "model"
         elif f.get("chunks") is None:
-            flats[name] = StateFile(os.path.join(dir, name), datas[name]).flat()
+            aliases[name] = {}
+            flats[name] = StateFile(os.path.join(dir, name), datas[name]).flat(aliases[name])
     _assemble_chunks(dir, m, datas, flats)
+    for obj, tied in aliases.items():  # a target may be chunks of shard files
+        resolve_aliases(flats[obj], tied, "%s: %s" % (dir, obj))
     return flats
 
 
@@ -1053,13 +1070,32 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
 
 # ---- save ----------------------------------------------------------------------
 
+def _storage_key(t):
+    """Where a torch tensor's elements are: two tensors with one key are one
+    tensor under two names (tied weights)."""
+    try:
+        base = t.untyped_storage().data_ptr()
+    except AttributeError:  # torch before 2.0
+        base = t.storage().data_ptr()
+    return (base, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def _model_flat(x):
+    """A model's flat state dict; tied weights (two names on one storage, as
+    model.state_dict() gives them) are one array under both names, which
+    the file keeps once with an alias record."""
     if torch is not None and isinstance(x, torch.nn.Module):
         x = x.state_dict()
-    out = {}
+    out, seen = {}, {}
     for k, v in x.items():
         if torch is not None and isinstance(v, torch.Tensor):
+            sk = _storage_key(v) if v.numel() > 0 else None
+            if sk is not None and sk in seen:
+                out[k] = out[seen[sk]]
+                continue
             out[k] = _from_torch(v)
+            if sk is not None:
+                seen[sk] = k
         elif isinstance(v, (np.ndarray, RawTensor)):
             out[k] = v
         else:
@@ -1136,9 +1172,30 @@ def _check_position(loaders, step, batches_per_step):
                    int(flat["batches_yielded"]), int(step), batches_per_step, want))
 
 
+_OWN_STEMS = ("model", "optimizer", "scheduler", "dataloader", "scaler", "custom_checkpoint",
+              "random_states")
+
+
+def _check_object_name(name, taken):
+    """The rules of ckpt_register_for_checkpointing_named."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        raise InvalidError("save: custom object name %r is not 1 to 64 bytes of [A-Za-z0-9_.-]"
+                           % (name,))
+    if name.startswith("."):
+        raise InvalidError("save: custom object name '%s' starts with '.' (a hidden file)" % name)
+    low = name.lower()
+    if any(low == s or re.fullmatch(re.escape(s) + r"_[0-9]+", low) for s in _OWN_STEMS):
+        raise InvalidError("save: custom object name '%s' is taken by the library's own files"
+                           % name)
+    if _SHARD_NAME.fullmatch(name + ".safetensors"):
+        raise InvalidError("save: custom object name '%s' ends like a shard file's" % name)
+    if (name + ".safetensors").lower() in (t.lower() for t in taken):
+        raise InvalidError("save: custom object name '%s' is taken (letter case aside)" % name)
+
+
 def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *, iteration=None,
-         dataloader=None, custom=None, random_states=None, seed=0, warn=None, metrics=None,
-         batches_per_step=1):
+         dataloader=None, custom=None, named=None, random_states=None, seed=0, warn=None,
+         metrics=None, batches_per_step=1):
     """Writes a ckpt checkpoint folder `dir` that the C library's
     ckpt_load_state (and `ckpt verify`, `ckpt inspect`) accepts, in exactly
     the layout and metadata document the C writer produces.
@@ -1155,7 +1212,10 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
                   flat dicts (as load_state_dict() returns) for the C objects
                   PyTorch has no counterpart of: the data loader's position,
                   custom objects (custom_checkpoint_<i>), and the
-                  accelerator's Philox generator; without random_states a
+                  accelerator's Philox generator;
+      named       {name: flat dict}: custom objects under names of their own
+                  (<name>.safetensors, what ckpt_register_for_checkpointing_named
+                  registers; the same name rules); without random_states a
                   fresh generator seeded with `seed` is written, since every
                   C load expects random_states_0.safetensors.
       iteration   the manifest's iteration; default n + 1 for a folder named
@@ -1196,6 +1256,9 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
         files.append((_file_name("scaler", i), "scaler", scaler_to_flat(x)))
     for i, x in enumerate(_as_list(custom)):
         files.append(("custom_checkpoint_%d.safetensors" % i, "custom", _plain_flat(x)))
+    for name, x in (named or {}).items():
+        _check_object_name(name, [f[0] for f in files])
+        files.append(("%s.safetensors" % name, "custom", _plain_flat(x)))
     rs = fresh_random_states(seed) if random_states is None else _plain_flat(random_states)
     files.append(("random_states_0.safetensors", "random_states", rs))
     if iteration is None:

@@ -272,8 +272,9 @@ int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs) {
 
 static int check_ops(const ckpt_stateful_ops *ops, const char *what, const char *obj) {
     if (!ops)
-        return ckpt__err(CKPT_EINVAL, "%s: %s: ops is NULL (it needs state_dict and load_state_dict)",
-                         what, obj);
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: %s: ops is NULL (it needs state_dict and load_state_dict)", what,
+                         obj);
     if (!ops->state_dict || !ops->load_state_dict)
         return ckpt__err(CKPT_EINVAL, "%s: %s: ops has no %s function", what, obj,
                          !ops->state_dict ? "state_dict" : "load_state_dict");
@@ -295,7 +296,8 @@ static bool is_builtin_name(const char *name, const char *stem) {
     size_t n = strlen(stem);
     if (strncasecmp(name, stem, n) != 0) return false;
     if (name[n] == '\0') return true;
-    return name[n] == '_' && name[n + 1] && strspn(name + n + 1, "0123456789") == strlen(name + n + 1);
+    return name[n] == '_' && name[n + 1] &&
+           strspn(name + n + 1, "0123456789") == strlen(name + n + 1);
 }
 
 /* The rules of ckpt.h: a file name of its own, the same on every file
@@ -304,8 +306,8 @@ static int check_object_name(const ckpt_accelerator *acc, const char *name, cons
     if (!name) return ckpt__err(CKPT_EINVAL, "%s: name is NULL", what);
     size_t n = strlen(name);
     if (n == 0 || n > CKPT_ACC_NAME_MAX)
-        return ckpt__err(CKPT_EINVAL, "%s: name '%.80s' is %zu bytes, expected 1 to %d", what,
-                         name, n, CKPT_ACC_NAME_MAX);
+        return ckpt__err(CKPT_EINVAL, "%s: name '%.80s' is %zu bytes, expected 1 to %d", what, name,
+                         n, CKPT_ACC_NAME_MAX);
     size_t ok = strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-");
     if (ok != n)
         return ckpt__err(CKPT_EINVAL,
@@ -327,8 +329,8 @@ static int check_object_name(const ckpt_accelerator *acc, const char *name, cons
                          what, name);
     for (int i = 0; i < acc->nobjs; i++)
         if (acc->objs[i].name[0] && strcasecmp(acc->objs[i].name, name) == 0)
-            return ckpt__err(CKPT_EEXIST, "%s: name '%s' is taken by another object ('%s')%s",
-                             what, name, acc->objs[i].name,
+            return ckpt__err(CKPT_EEXIST, "%s: name '%s' is taken by another object ('%s')%s", what,
+                             name, acc->objs[i].name,
                              strcmp(acc->objs[i].name, name) != 0
                                  ? " (names differing only in letter case would be one file on a "
                                    "case-insensitive file system)"

@@ -88,8 +88,7 @@ void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, cha
                          size_t cap) {
     if (o->kind == K_RNG)
         snprintf(buf, cap, "%s_%d.safetensors", ckpt__kind_stem[K_RNG], acc->process_index);
-    else if (o->kind == K_CUSTOM && o->name[0])
-        snprintf(buf, cap, "%s.safetensors", o->name);
+    else if (o->kind == K_CUSTOM && o->name[0]) snprintf(buf, cap, "%s.safetensors", o->name);
     else if (o->kind == K_CUSTOM)
         snprintf(buf, cap, "%s_%d.safetensors", ckpt__kind_stem[K_CUSTOM], o->index);
     else if (o->index == 0) snprintf(buf, cap, "%s.safetensors", ckpt__kind_stem[o->kind]);

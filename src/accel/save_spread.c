@@ -132,8 +132,7 @@ static int plan_hf(save_op *op, uint64_t *hf_bytes) {
             v[t].shard = t;
             for (int64_t j = l->starts[t]; j < l->starts[t + 1]; j++) {
                 ckpt_entry_info e;
-                if (ckpt_writer_entry(op->writers[i], l->entry[j], &e) == 0)
-                    v[t].bytes += e.nbytes;
+                if (ckpt_writer_entry(op->writers[i], l->entry[j], &e) == 0) v[t].bytes += e.nbytes;
             }
         }
         qsort(v, (size_t)ns, sizeof *v, cmp_hf_item);

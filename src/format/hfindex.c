@@ -197,8 +197,7 @@ int ckpt__hf_combine(const ckpt_hf_index *x, ckpt_reader *const *part_readers, c
             if (ckpt__reader_has(r, e.key, NULL))
                 rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: '%s' is both a tensor and an alias", what,
                                x->parts[p], e.key);
-            else if ((rc = ckpt__reader_put_alias(r, e.key, e.target)) == 0)
-                used[p]++;
+            else if ((rc = ckpt__reader_put_alias(r, e.key, e.target)) == 0) used[p]++;
         }
     }
     for (int64_t p = 0; p < x->nparts && rc == 0; p++)

@@ -148,8 +148,8 @@ static inline void entry_info(const entry *e, ckpt_entry_info *info) {
     memset(info, 0, sizeof *info);
     info->key = e->key;
     info->kind = e->kind;
-    info->dtype = e->kind == CKPT_ENTRY_TENSOR || e->kind == CKPT_ENTRY_ALIAS ? e->dtype
-                                                                              : CKPT_DTYPE_INVALID;
+    info->dtype =
+        e->kind == CKPT_ENTRY_TENSOR || e->kind == CKPT_ENTRY_ALIAS ? e->dtype : CKPT_DTYPE_INVALID;
     info->ndim = e->ndim;
     memcpy(info->shape, e->shape, sizeof info->shape);
     info->nbytes = e->nbytes;

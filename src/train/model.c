@@ -30,6 +30,7 @@ struct ckpt_model {
     model_param *params;
     int64_t n, cap;
     int64_t numel;
+    int64_t ntied; /* tied names among params */
 };
 
 int ckpt_model_new(ckpt_model **out) {
@@ -107,6 +108,7 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
         model_param *t = &m->params[tied];
         if (!t->grad) t->grad = grad; /* the pair's one gradient */
         p->data = p->grad = NULL;
+        m->ntied++;
     } else {
         m->numel += numel;
     }
@@ -148,6 +150,7 @@ int ckpt_model_tie(ckpt_model *m, const char *alias, const char *target) {
     if (p->tied < 0) {
         m->numel -= p->numel;
         p->data = NULL;
+        m->ntied++;
     }
     p->tied = t;
     return CKPT_OK;
@@ -207,13 +210,10 @@ void ckpt__model_set_ungrouped(ckpt_model *m, int64_t i, bool ungrouped) {
     if (m && i >= 0 && i < m->n && m->params[i].tied < 0) m->params[i].ungrouped = ungrouped;
 }
 
-int64_t ckpt__model_num_distinct(const ckpt_model *m) {
-    int64_t k = 0;
-    for (int64_t i = 0; m && i < m->n; i++) k += m->params[i].tied < 0;
-    return k;
-}
+int64_t ckpt__model_num_distinct(const ckpt_model *m) { return m ? m->n - m->ntied : 0; }
 
 int64_t ckpt__model_distinct(const ckpt_model *m, int64_t k) {
+    if (m && m->ntied == 0) return k >= 0 && k < m->n ? k : -1;
     for (int64_t i = 0; m && i < m->n; i++)
         if (m->params[i].tied < 0 && k-- == 0) return i;
     return -1;
@@ -261,17 +261,17 @@ static int model_check(const ckpt_model *m, ckpt_reader *r) {
             /* tied in the file too, or left out (Hugging Face's files): the
              * target, checked as any parameter, fills the one buffer */
             const char *t = m->params[p->tied].name;
-            if (rc == CKPT_ENOENT || (rc == CKPT_OK && e.kind == CKPT_ENTRY_ALIAS &&
-                                      strcmp(e.target, t) == 0))
+            if (rc == CKPT_ENOENT ||
+                (rc == CKPT_OK && e.kind == CKPT_ENTRY_ALIAS && strcmp(e.target, t) == 0))
                 continue;
             if (rc < 0) return rc;
-            return ckpt__err(CKPT_EMISMATCH,
-                             "model: parameter '%s' is tied to '%s' in memory, but the state dict "
-                             "has %s%s%s (tie them alike: ckpt_model_tie, or one buffer for both)",
-                             p->name, t,
-                             e.kind == CKPT_ENTRY_ALIAS ? "it tied to '" : "it as a tensor of its own",
-                             e.kind == CKPT_ENTRY_ALIAS ? e.target : "",
-                             e.kind == CKPT_ENTRY_ALIAS ? "'" : "");
+            return ckpt__err(
+                CKPT_EMISMATCH,
+                "model: parameter '%s' is tied to '%s' in memory, but the state dict "
+                "has %s%s%s (tie them alike: ckpt_model_tie, or one buffer for both)",
+                p->name, t,
+                e.kind == CKPT_ENTRY_ALIAS ? "it tied to '" : "it as a tensor of its own",
+                e.kind == CKPT_ENTRY_ALIAS ? e.target : "", e.kind == CKPT_ENTRY_ALIAS ? "'" : "");
         }
         if (rc == CKPT_OK && e.kind == CKPT_ENTRY_ALIAS)
             return ckpt__err(CKPT_EMISMATCH,

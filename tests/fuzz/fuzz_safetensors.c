@@ -75,7 +75,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             ckpt_entry_info t;
             const void *view = NULL;
             if (!info.target) abort();
-            bool has = ckpt_reader_find(r, info.target, &t) == CKPT_OK && t.kind == CKPT_ENTRY_TENSOR;
+            bool has =
+                ckpt_reader_find(r, info.target, &t) == CKPT_OK && t.kind == CKPT_ENTRY_TENSOR;
             int rc = ckpt_reader_tensor_view(r, info.key, &view, NULL);
             if (has != (rc == CKPT_OK) || (!has && rc != CKPT_ECORRUPT)) abort();
             break;

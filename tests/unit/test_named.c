@@ -264,7 +264,8 @@ static void mp_run(const ckpt_comm *comm, void *p) {
     if (rc == 0) rc = x->mode == 0 ? ckpt_save_state(acc, x->dir) : ckpt_load_state(acc, x->dir);
     x->rc[comm->rank] = rc;
     bool ok = s.seed == UINT64_MAX && r.seed == UINT64_MAX;
-    int64_t lo = N * (int64_t)comm->rank / comm->size, hi = N * (int64_t)(comm->rank + 1) / comm->size;
+    int64_t lo = N * (int64_t)comm->rank / comm->size,
+            hi = N * (int64_t)(comm->rank + 1) / comm->size;
     for (int64_t i = lo; ok && i < hi; i++) ok = s.v[i] == 1.0f + (float)(i % 101);
     for (int64_t i = 0; ok && i < N; i++) ok = r.v[i] == 1.0f + (float)(i % 101);
     x->ok[comm->rank] = ok;

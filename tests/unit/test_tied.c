@@ -48,8 +48,8 @@ static void net_init(net *n, int tie, float base) {
         assert_int_equal(ckpt_model_add_param(n->m, "lm_head", CKPT_F32, 2, se, n->wte, NULL), 0);
     if (tie == 0) {
         memcpy(own_head, n->wte, sizeof own_head);
-        assert_int_equal(ckpt_model_add_param(n->m, "lm_head", CKPT_F32, 2, se, own_head, own_ghead),
-                         0);
+        assert_int_equal(
+            ckpt_model_add_param(n->m, "lm_head", CKPT_F32, 2, se, own_head, own_ghead), 0);
     }
     assert_int_equal(ckpt_model_add_param(n->m, "bias", CKPT_F32, 1, sb, n->bias, n->gbias), 0);
     if (tie == 1) assert_int_equal(ckpt_model_tie(n->m, "lm_head", "wte"), CKPT_OK);
@@ -182,8 +182,8 @@ static void test_save_once_load_into_one_buffer(void **state) {
     ckpt_reader_free(r);
     size_t len = 0;
     char *bytes = tu_read_file(path, &len);
-    tu_assert_contains(bytes + 8, "\"lm_head\":\"wte\"");            /* Hugging Face's record */
-    tu_assert_contains(bytes + 8, "\\\"type\\\":\\\"alias\\\"");       /* ckpt's */
+    tu_assert_contains(bytes + 8, "\"lm_head\":\"wte\"");        /* Hugging Face's record */
+    tu_assert_contains(bytes + 8, "\\\"type\\\":\\\"alias\\\""); /* ckpt's */
     tu_assert_contains(bytes + 8, "{\\\"version\\\":2");
     free(bytes);
 
@@ -377,8 +377,7 @@ static void test_alias_rules(void **state) {
     ckpt_reader *r = NULL;
     assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
     float got[2];
-    tu_expect_error(ckpt_read_tensor(r, "a", CKPT_F32, 1, s, got), CKPT_ECORRUPT,
-                    "alias of 'x'");
+    tu_expect_error(ckpt_read_tensor(r, "a", CKPT_F32, 1, s, got), CKPT_ECORRUPT, "alias of 'x'");
     ckpt_reader_free(r);
 }
 

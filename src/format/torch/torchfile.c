@@ -382,6 +382,12 @@ int ckpt_torch_put_int(ckpt_torch_writer *w, int64_t v) {
     return emitted(w);
 }
 
+int ckpt_torch_put_uint(ckpt_torch_writer *w, uint64_t v) {
+    CKPT_TRY(slot(w, true));
+    ckpt__pkl_uint(&w->pk, v);
+    return emitted(w);
+}
+
 int ckpt_torch_put_float(ckpt_torch_writer *w, double v) {
     CKPT_TRY(slot(w, true));
     ckpt__pkl_float(&w->pk, v);
