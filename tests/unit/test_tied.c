@@ -209,6 +209,32 @@ static void test_save_once_load_into_one_buffer(void **state) {
     net_free(&a);
 }
 
+/* An asynchronous save (staged), then a one-pass load: the same bytes. */
+static void test_async_save_and_one_pass_load(void **state) {
+    (void)state;
+    const char *dir = tu_dir();
+    char ck[4096];
+    snprintf(ck, sizeof ck, "%s/async", dir);
+    net a, b;
+    net_init(&a, 2, 1.0f);
+    net_init(&b, 1, 4.0f);
+    ckpt_accelerator *acc = acc_new(dir, &a, 0);
+    net_step(&a, 1);
+    assert_int_equal(ckpt_save_state_async(acc, ck), CKPT_OK);
+    float saved[V * D];
+    memcpy(saved, a.wte, sizeof saved);
+    net_step(&a, 2); /* the save holds the state at the call */
+    assert_int_equal(ckpt_save_wait(acc), CKPT_OK);
+    ckpt_accelerator_free(acc);
+    acc = acc_new(dir, &b, 0);
+    ckpt_load_options o = {.one_pass = true};
+    assert_int_equal(ckpt_load_state_ex(acc, ck, &o, NULL), CKPT_OK);
+    assert_memory_equal(b.wte, saved, sizeof saved);
+    ckpt_accelerator_free(acc);
+    net_free(&a);
+    net_free(&b);
+}
+
 /* Tied in the file and not in memory, or the reverse: CKPT_EMISMATCH naming
  * both names, nothing changed. */
 static void test_tied_mismatch_is_a_clear_error(void **state) {
@@ -386,6 +412,8 @@ int main(void) {
         cmocka_unit_test(test_tie_makes_one_parameter),
         cmocka_unit_test(test_tie_refusals_name_the_parameters),
         cmocka_unit_test_setup_teardown(test_save_once_load_into_one_buffer, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_async_save_and_one_pass_load, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_tied_mismatch_is_a_clear_error, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
