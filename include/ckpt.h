@@ -443,6 +443,20 @@ CKPT_API int ckpt_optimizer_set_lr(ckpt_optimizer *o, int group, double lr);
 CKPT_API int ckpt_optimizer_step(ckpt_optimizer *o);
 /* Sets every gradient to zero. */
 CKPT_API void ckpt_optimizer_zero_grad(ckpt_optimizer *o);
+/* The optimizer's step count: how many updates it made (or was told of).
+ * It is what PyTorch keeps per parameter as state[p]["step"] (saved as
+ * state.<i>.step, a float32, for every kind): ckpt_optimizer_step adds one
+ * to every optimized parameter's count, a load restores them. get_step
+ * returns the largest count (all are equal unless set otherwise), 0 for
+ * an optimizer without parameters or NULL. set_step gives every optimized
+ * parameter the count step, for an optimizer whose update the caller runs
+ * or to carry a count over; afterwards set_groups and set_shard refuse as
+ * after a first step when step > 0. CKPT_EINVAL for step outside
+ * 0..2^24 (a float32 counts exactly up to there). Unless
+ * ckpt_accelerator_set_step was called, an accelerator's step is the
+ * count of its first prepared optimizer (ckpt_accelerator_step). */
+CKPT_API int ckpt_optimizer_set_step(ckpt_optimizer *o, int64_t step);
+CKPT_API int64_t ckpt_optimizer_get_step(const ckpt_optimizer *o);
 CKPT_API const ckpt_stateful_ops *ckpt_optimizer_ops(void);
 /* Optimizer state names each state index's parameter (param_names.<i>) and
  * a load matches state to parameters by those names. State without names
@@ -1140,6 +1154,19 @@ CKPT_API void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint
  * save/load or free. */
 CKPT_API const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc);
 
+/* The step: what a save records in its manifest and a full load restores
+ * (the training step to resume at). It follows the optimizer: unless
+ * ckpt_accelerator_set_step was called, it is the step count of the first
+ * prepared optimizer (ckpt_optimizer_get_step: its number of updates, as
+ * PyTorch's state[p]["step"]), so a loop that never sets it saves and
+ * resumes at the right step; without a prepared optimizer, 0 until set or
+ * loaded. Once set, it is what was set (a loop that counts steps the
+ * optimizer does not, e.g. with gradient accumulation or a loss scaler
+ * that skips steps). The first save whose explicitly set step differs from
+ * the first prepared optimizer's count logs a warning saying both (once
+ * per accelerator); the checkpoint records the step set. A full load
+ * restores the checkpoint's step: from then on it follows the optimizer
+ * again if the two agree, else it stays as loaded until set. */
 CKPT_API int64_t ckpt_accelerator_step(const ckpt_accelerator *acc);
 CKPT_API void ckpt_accelerator_set_step(ckpt_accelerator *acc, int64_t step);
 /* The number the next automatic checkpoint will get. */

@@ -621,6 +621,28 @@ int ckpt_optimizer_step(ckpt_optimizer *o) {
     return CKPT_OK;
 }
 
+/* PyTorch counts steps in a float32 per parameter: exact up to 2^24. */
+#define STEP_MAX ((int64_t)1 << 24)
+
+int ckpt_optimizer_set_step(ckpt_optimizer *o, int64_t step) {
+    if (!o) return ckpt__err(CKPT_EINVAL, "optimizer_set_step: optimizer is NULL");
+    if (step < 0 || step > STEP_MAX)
+        return ckpt__err(CKPT_EINVAL,
+                         "optimizer_set_step: step %lld, expected 0..%lld (PyTorch keeps the "
+                         "count in a float32, exact up to 2^24)",
+                         (long long)step, (long long)STEP_MAX);
+    for (int64_t i = 0; i < o->np; i++) o->p[i].step = (float)step;
+    return CKPT_OK;
+}
+
+int64_t ckpt_optimizer_get_step(const ckpt_optimizer *o) {
+    if (!o) return 0;
+    float most = 0.0f;
+    for (int64_t i = 0; i < o->np; i++)
+        if (o->p[i].step > most) most = o->p[i].step;
+    return (int64_t)most;
+}
+
 void ckpt_optimizer_zero_grad(ckpt_optimizer *o) {
     if (!o) return;
     for (int64_t i = 0; i < o->np; i++)
