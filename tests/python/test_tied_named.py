@@ -109,7 +109,7 @@ with tempfile.TemporaryDirectory() as tmp:
     files = out["files"]
     ckpt_torch.save(ck2, model=net, optimizer=opt, custom=[files["custom_checkpoint_0"]],
                     named={"rng_state": files["rng_state"], "counts": files["counts"]},
-                    random_states=files["random_states_0"])
+                    random_states=files["random_states_0"], step=out["step"])
     sf = F.StateFile("model", open(os.path.join(ck2, "model.safetensors"), "rb").read())
     check(sf.aliases() == {"lm_head": "wte"}, f"python's model file aliases {sf.aliases()}")
     check(open(os.path.join(ck2, "rng_state.safetensors"), "rb").read() ==
