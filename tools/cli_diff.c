@@ -158,8 +158,7 @@ static bool element_int(ckpt_dtype dt, const unsigned char *p, int64_t i, bool *
 
 /* Element i as text: integers as integers, floats as the shortest decimal
  * that reads back to the same value of the tensor's type. */
-const char *cli_element_text(ckpt_dtype dt, const unsigned char *p, int64_t i, char *buf,
-                             int cap) {
+const char *cli_element_text(ckpt_dtype dt, const unsigned char *p, int64_t i, char *buf, int cap) {
     bool sg;
     int64_t sv;
     uint64_t uv;
