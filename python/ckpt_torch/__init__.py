@@ -376,6 +376,8 @@ def _check_object_name(name, taken):
     if name.startswith("."):
         raise InvalidError("save: custom object name '%s' starts with '.' (a hidden file)" % name)
     low = name.lower()
+    if ".safetensors" in low:
+        raise InvalidError("save: custom object name '%s' contains '.safetensors'" % name)
     if any(low == s or re.fullmatch(re.escape(s) + r"_[0-9]+", low) for s in _OWN_STEMS):
         raise InvalidError("save: custom object name '%s' is taken by the library's own files"
                            % name)

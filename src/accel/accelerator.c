@@ -351,6 +351,10 @@ static int check_object_name(const ckpt_accelerator *acc, const char *name, cons
                          name, ok, (unsigned char)name[ok]);
     if (name[0] == '.')
         return ckpt__err(CKPT_EINVAL, "%s: name '%s' starts with '.' (a hidden file)", what, name);
+    if (strcasestr(name, ".safetensors"))
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: name '%s' contains '.safetensors' (the name is the file's stem)",
+                         what, name);
     for (int k = 0; k < K_COUNT; k++)
         if (is_builtin_name(name, ckpt__kind_stem[k]))
             return ckpt__err(CKPT_EINVAL,
