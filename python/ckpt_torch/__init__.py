@@ -27,7 +27,8 @@ from ._format import (DTYPES, LIBRARY_VERSION, U64, BusyError, CkptError, Corrup
                       shape_str)
 from ._read import _SHARD_NAME, _read_checkpoint
 from ._torch_objects import (Constant, WarmupCosine, WarmupLinear, _adapt_model, _from_torch,
-                             _merge_optimizer, _merge_scheduler, _need_torch, _param_names,
+                             _keep_masters, _merge_optimizer, _merge_scheduler, _need_torch,
+                             _param_names,
                              _prefix_pairs, _to_np, _to_torch, optimizer_from_flat,
                              optimizer_to_flat, scaler_from_flat, scaler_to_flat,
                              scheduler_from_flat, scheduler_to_flat, _storage_key, torch)
@@ -250,6 +251,8 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
                               "its state is in the result's 'scaler'" % name, stacklevel=2)
         else:
             obj.load_state_dict(sd)
+            if what == "optimizer":
+                _keep_masters(obj, sd)
 
     out = {"dir": dir, "step": m["step"], "iteration": m["iteration"], "manifest": m,
            "files": {_stem(n): f for n, f in flats.items()}}

@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from ._format import (DTYPES, CorruptError, StateFile, UnsupportedError, _loads_strict,
+from ._format import (DTYPES, CorruptError, RawTensor, StateFile, UnsupportedError, _loads_strict,
                       resolve_aliases)
 from ._verify import verify_folder
 
@@ -105,13 +105,22 @@ def _assemble_chunks(dir, m, datas, flats):
                                % (dir, k, obj, chunks[0][2]))
         if any(c["global_shape"] != g or c["dtype"] != dt for c, _sf, _n in chunks):
             raise CorruptError("%s: %s: the chunks of '%s' disagree on the tensor" % (dir, obj, k))
-        if npdt is None:
-            raise UnsupportedError("%s: %s: '%s' is %s in chunks; only numpy dtypes are put "
-                                   "together" % (dir, obj, k, dt))
+        bits = DTYPES[dt][0]
+        raw = npdt is None and bits in (8, 16)  # BF16, F8: assembled as their bytes
+        if npdt is None and not raw:
+            raise UnsupportedError("%s: %s: '%s' is %s in chunks; only dtypes of whole bytes "
+                                   "are put together" % (dir, obj, k, dt))
+        if raw:
+            npdt = np.dtype("<u1" if bits == 8 else "<u2")
         whole = np.zeros(g, dtype=npdt)
         seen = np.zeros(g, dtype=bool)
         for c, sf, name in chunks:
             a = sf.array(k)
+            if isinstance(a, RawTensor):
+                if not raw:
+                    raise CorruptError("%s: %s: '%s' has an empty shape numpy cannot hold"
+                                       % (dir, name, k))
+                a = np.frombuffer(a.data, dtype=npdt).reshape(a.shape)
             if tuple(a.shape) != c["shape"]:
                 raise CorruptError("%s: %s: '%s' has shape %s, the manifest says %s"
                                    % (dir, name, k, list(a.shape), list(c["shape"])))
@@ -122,7 +131,7 @@ def _assemble_chunks(dir, m, datas, flats):
             seen[box] = True
         if not seen.all():
             raise CorruptError("%s: %s: the chunks of '%s' leave a hole" % (dir, obj, k))
-        flats[obj][k] = whole
+        flats[obj][k] = RawTensor(dt, tuple(g), whole.tobytes()) if raw else whole
 
 
 def _read_checkpoint(dir):

@@ -185,45 +185,6 @@ int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed) {
 }
 
 /* The first prepared optimizer, or NULL. */
-static const ckpt_optimizer *first_optimizer(const ckpt_accelerator *acc) {
-    for (int i = 0; i < acc->nobjs; i++)
-        if (acc->objs[i].kind == K_OPTIMIZER) return acc->objs[i].self;
-    return NULL;
-}
-
-/* The step follows the first prepared optimizer unless it was set. */
-int64_t ckpt_accelerator_step(const ckpt_accelerator *acc) {
-    if (!acc) return 0;
-    const ckpt_optimizer *o = acc->step_set ? NULL : first_optimizer(acc);
-    return o ? ckpt_optimizer_get_step(o) : acc->step;
-}
-
-void ckpt_accelerator_set_step(ckpt_accelerator *acc, int64_t step) {
-    if (!acc) return;
-    acc->step = step;
-    acc->step_set = true;
-}
-
-void ckpt__acc_restore_step(ckpt_accelerator *acc, int64_t step) {
-    const ckpt_optimizer *o = first_optimizer(acc);
-    acc->step = step;
-    /* a checkpoint whose step is its optimizer's goes on following it */
-    acc->step_set = !o || ckpt_optimizer_get_step(o) != step;
-}
-
-int64_t ckpt__acc_save_step(ckpt_accelerator *acc) {
-    const ckpt_optimizer *o = first_optimizer(acc);
-    int64_t step = ckpt_accelerator_step(acc);
-    if (!o || !acc->step_set || acc->step_warned || ckpt_optimizer_get_step(o) == step) return step;
-    acc->step_warned = true;
-    if (acc->comm->rank == 0)
-        ckpt__log(&acc->log, CKPT_LOG_WARNING,
-                  "save_state: the step set with ckpt_accelerator_set_step (%" PRId64
-                  ") differs from the step count of the first prepared optimizer (%" PRId64
-                  "); the checkpoint records %" PRId64 " (said once)",
-                  step, ckpt_optimizer_get_step(o), step);
-    return step;
-}
 int64_t ckpt_accelerator_iteration(const ckpt_accelerator *acc) { return acc ? acc->iteration : 0; }
 void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint64_t *written,
                                       uint64_t *linked) {
@@ -282,6 +243,8 @@ int ckpt_prepare_model(ckpt_accelerator *acc, ckpt_model *m) {
     return prepare_builtin(acc, K_MODEL, ckpt_model_ops(), m, "prepare_model");
 }
 int ckpt_prepare_optimizer(ckpt_accelerator *acc, ckpt_optimizer *o) {
+    /* an external optimizer: every trainable parameter's state attached */
+    if (o) CKPT_TRY(ckpt__optimizer_check_ready(o));
     CKPT_TRY(prepare_builtin(acc, K_OPTIMIZER, ckpt_optimizer_ops(), o, "prepare_optimizer"));
     ckpt__optimizer_set_log(o, acc->log.fn, acc->log.user);
     return CKPT_OK;
