@@ -848,11 +848,12 @@ CKPT_API int ckpt_register_for_checkpointing(ckpt_accelerator *acc, const ckpt_s
  * themselves), selected by it in ckpt_load_options.names, shown by it in
  * `ckpt ls` / `ckpt inspect` and python/ckpt_torch, exported as <name>.pkl
  * (docs/PYTORCH.md). name: 1 to 64 bytes of [A-Za-z0-9_.-], not starting
- * with '.', without ".safetensors" in it, unique among this accelerator's named objects letter case aside
- * (a checkpoint may be copied to a case-insensitive file system), and no
- * name the library's own files take: model, optimizer, scheduler,
- * dataloader, scaler, custom_checkpoint, random_states, alone or followed
- * by _<digits>, nor a name ending in -DDDDD-of-DDDDD (shard files).
+ * with '.', without ".safetensors" in it, unique among this accelerator's
+ * named objects letter case aside (a checkpoint may be copied to a
+ * case-insensitive file system), and no name the library's own files take:
+ * model, optimizer, scheduler, dataloader, scaler, custom_checkpoint,
+ * random_states, alone or followed by _<digits>, nor a name ending in
+ * -DDDDD-of-DDDDD (shard files).
  * CKPT_EINVAL naming the rule broken, CKPT_EEXIST for a name or an object
  * registered already; otherwise as ckpt_register_for_checkpointing. */
 CKPT_API int ckpt_register_for_checkpointing_named(ckpt_accelerator *acc, const char *name,

@@ -469,8 +469,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_hf_shards_keep_the_alias, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_two_processes, tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_streamed_load_of_a_large_tied_model,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_streamed_load_of_a_large_tied_model, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_alias_rules, tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
