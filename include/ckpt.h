@@ -855,7 +855,7 @@ CKPT_API int ckpt_register_for_checkpointing(ckpt_accelerator *acc, const ckpt_s
  * case-insensitive file system), and no name the library's own files take:
  * model, optimizer, scheduler, dataloader, scaler, custom_checkpoint,
  * random_states, alone or followed by _<digits>, nor a name ending in
- * -DDDDD-of-DDDDD (shard files).
+ * -DDDDD-of-DDDDD (shard files) or in .frozen (a model's frozen file).
  * CKPT_EINVAL naming the rule broken, CKPT_EEXIST for a name or an object
  * registered already; otherwise as ckpt_register_for_checkpointing. */
 CKPT_API int ckpt_register_for_checkpointing_named(ckpt_accelerator *acc, const char *name,

@@ -340,10 +340,12 @@ static int check_object_name(const ckpt_accelerator *acc, const char *name, cons
                              name, ckpt__kind_stem[k], ckpt__kind_stem[k]);
     char file[CKPT_ACC_NAME_MAX + 16];
     snprintf(file, sizeof file, "%s.safetensors", name);
-    if (ckpt__acc_is_shard_of(file, NULL))
+    size_t tail = strlen(".frozen");
+    if (ckpt__acc_is_shard_of(file, NULL) ||
+        (n > tail && strcasecmp(name + n - tail, ".frozen") == 0))
         return ckpt__err(CKPT_EINVAL,
-                         "%s: name '%s' ends like a shard file's (-DDDDD-of-DDDDD), which another "
-                         "object's files may take",
+                         "%s: name '%s' ends like a shard file's (-DDDDD-of-DDDDD) or a frozen "
+                         "file's (.frozen), which another object's files may take",
                          what, name);
     for (int i = 0; i < acc->nobjs; i++)
         if (acc->objs[i].name[0] && strcasecmp(acc->objs[i].name, name) == 0)
