@@ -11,7 +11,7 @@ from ._format import (DTYPES, FORMAT_VERSION, INT64_MAX, INT64_MIN, MANIFEST_MAX
                       MANIFEST_NAME, MAX_KEY, MAX_NDIM, _PIECE, _SUM_KEY, _SUM_PREFIX, CkptError,
                       CorruptError, InvalidError, NotFoundError, StateFile, UnsupportedError, _hex,
                       _is_int, _kind_of, _loads_strict, _pread_into, _read_fd, _read_head,
-                      _read_small, jstr, open_regular, xxh3_64, xxhash)
+                      _read_small, jstr, open_own, xxh3_64, xxhash)
 
 # ---- the manifest -----------------------------------------------------------
 
@@ -273,10 +273,10 @@ def read_manifest(dir):
         # checkpoint (an interrupted save leaves a hidden temporary folder,
         # never a visible one without its manifest).
         raise NotFoundError(errno.ENOENT, "%s: not a checkpoint (no %s)" % (dir, MANIFEST_NAME))
-    try:
-        text = _read_small(path, MANIFEST_MAX_BYTES, path)
-    except FileNotFoundError:  # a link to nothing, or removed meanwhile
-        raise CorruptError("%s: not a regular file (a link to nothing)" % path) from None
+    try:  # never through a link, as the C library reads it
+        text = _read_small(path, MANIFEST_MAX_BYTES, path, own=True)
+    except FileNotFoundError:  # removed meanwhile
+        raise CorruptError("%s: missing (removed while read)" % path) from None
     return parse_manifest(text, path)
 
 
@@ -346,12 +346,12 @@ def verify_folder(dir, keep_data=False):
     total = 0
     for f in m["files"]:
         path = os.path.join(dir, f["name"])
-        try:
-            st = os.stat(path)
+        try:  # lstat: a checkpoint's file is never a link (C: check_size)
+            st = os.lstat(path)
         except FileNotFoundError:
             raise CorruptError("%s: %s is listed in the manifest but missing" % (dir, f["name"])) from None
         if not stat.S_ISREG(st.st_mode):
-            raise CorruptError("%s: %s is not a regular file (%s)"
+            raise CorruptError("%s: %s: %s, expected a regular file"
                                % (dir, f["name"], _kind_of(st.st_mode)))
         if st.st_size != f["size"]:
             raise CorruptError("%s: %s: size %d bytes, the manifest says %d%s"
@@ -366,7 +366,7 @@ def verify_folder(dir, keep_data=False):
         name = f["name"]
         what = "%s: %s" % (dir, name)
         try:
-            fd, size = open_regular(os.path.join(dir, name), what)
+            fd, size = open_own(os.path.join(dir, name), what)
         except FileNotFoundError:
             raise CorruptError("%s: %s is listed in the manifest but missing"
                                % (dir, name)) from None
