@@ -537,8 +537,8 @@ int cli_inspect(int argc, char **argv) {
             companions_note(path, name, names, n, note, sizeof note);
         }
         if (!json) putchar('\n');
-        status = inspect_file(file, label, note, is_part ? part : NULL, o != name, json,
-                              shown++ == 0);
+        status =
+            inspect_file(file, label, note, is_part ? part : NULL, o != name, json, shown++ == 0);
     }
     cli_free_names(names, n);
     free(files);

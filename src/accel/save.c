@@ -480,7 +480,7 @@ static int commit(save_op *op) {
     /* Saved by several processes, replicated tensors may sit in shard files
      * (the save plan), and so may a model's frozen tensors (split_frozen):
      * readers of version 1 would not look for them there. */
-    m->format_version = op->split             ? CKPT_FORMAT_VERSION_FROZEN
+    m->format_version = op->split            ? CKPT_FORMAT_VERSION_FROZEN
                         : op->comm->size > 1 ? CKPT_FORMAT_VERSION_SPREAD
                                              : 1;
     m->nmetrics = op->nmetrics;

@@ -606,8 +606,8 @@ static void skip_after_load(const ckpt_comm *c, void *arg) {
     ckpt_accelerator *acc = NULL;
     ckpt_dataloader_config dc = ckpt_dataloader_defaults();
     dc.batch_size = 4;
-    ckpt_project_config cfg = {.project_dir = s->proj, .automatic_checkpoint_naming = true,
-                               .comm = c};
+    ckpt_project_config cfg = {
+        .project_dir = s->proj, .automatic_checkpoint_naming = true, .comm = c};
     ckpt_batch b;
     int rc = ckpt_memory_dataset(&ds, data[c->rank], 64, sizeof(float));
     if (rc == 0) rc = ckpt_dataloader_new(&dl, &ds, &dc);
@@ -678,29 +678,38 @@ static void test_file_records_travel_as_json_and_are_checked_on_arrival(void **s
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_collective_save_writes_replicated_files_once_and_a_random_state_per_rank,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_load_restores_every_rank_with_its_own_random_state,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_save_failing_on_one_rank_fails_on_every_rank_naming_it,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_load_refused_on_one_rank_changes_nothing_on_any_rank,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_load_falls_back_on_every_rank_past_one_ranks_corrupt_file,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_save_writes_replicated_files_once_and_a_random_state_per_rank,
+            tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_load_restores_every_rank_with_its_own_random_state, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_save_failing_on_one_rank_fails_on_every_rank_naming_it, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_load_refused_on_one_rank_changes_nothing_on_any_rank, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_load_falls_back_on_every_rank_past_one_ranks_corrupt_file,
+            tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_collective_save_busy_on_rank_0_is_busy_on_every_rank,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_save_writes_each_ranks_shard_file_and_load_reads_it,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_save_of_chunks_that_overlap_fails_on_every_rank,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_agree_names_the_lowest_failing_rank_or_the_preferred_failure,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_save_writes_each_ranks_shard_file_and_load_reads_it, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_save_of_chunks_that_overlap_fails_on_every_rank, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_agree_names_the_lowest_failing_rank_or_the_preferred_failure, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
         cmocka_unit_test(test_file_records_travel_as_json_and_are_checked_on_arrival),
         cmocka_unit_test_setup_teardown(test_warnings_about_replicated_state_are_said_once,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_load_on_another_process_count_derives_every_ranks_generator,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_load_on_another_process_count_derives_every_ranks_generator,
+            tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -348,7 +348,8 @@ static void test_object_bomb_memory_is_bounded(void **state) {
     assert_true(rc < 0);
     long budget = 2000003L * 64 / 1024, objects = 2000000L * 160 / 1024;
     print_message("object bomb: peak RSS grew %ld KiB (budget %ld KiB, the objects alone %ld "
-                  "KiB)\n", grew, budget, objects);
+                  "KiB)\n",
+                  grew, budget, objects);
     if (grew >= objects)
         fail_msg("a 2 MB pickle of empty lists took %ld KiB at its peak (less than %ld expected)",
                  grew, objects);
@@ -549,15 +550,20 @@ static void test_export_shards_and_import_reads_the_index(void **state) {
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "--open") == 0) return open_and_measure(argv[2]);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_writer_values_read_back_exactly, tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_writer_refuses_misuse, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_writer_values_read_back_exactly, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_writer_refuses_misuse, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
         cmocka_unit_test(test_reads_files_pytorch_wrote),
         cmocka_unit_test(test_refuses_every_hostile_file),
         cmocka_unit_test(test_object_bomb_memory_is_bounded),
         cmocka_unit_test(test_truncations_and_flips_fail_cleanly),
-        cmocka_unit_test_setup_teardown(test_flatten_makes_dotted_keys, tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_export_then_import_loads_back_bit_for_bit, tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_export_shards_and_import_reads_the_index, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_flatten_makes_dotted_keys, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_export_then_import_loads_back_bit_for_bit,
+                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_export_shards_and_import_reads_the_index,
+                                        tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -44,10 +44,10 @@ struct ckpt_pkl_node {
     uint8_t mark;           /* walk: 0 unseen, 1 on the path, 2 done */
     /* a G_STORAGE global and an IK_STORAGE keep their dtype in v.dtype, an
      * IK_STORAGE its element count in v.i and its bytes in v.data */
-    int64_t nitems, cap;    /* v.items: a dict holds 2 items a pair */
-    void *owned;            /* string bytes, gathered tensor data */
+    int64_t nitems, cap; /* v.items: a dict holds 2 items a pair */
+    void *owned;         /* string bytes, gathered tensor data */
     ckpt_pkl_node *next;
-    int64_t dims[];         /* a tensor's shape (v.shape) */
+    int64_t dims[]; /* a tensor's shape (v.shape) */
 };
 
 static const struct {
@@ -472,8 +472,10 @@ static int rebuild_tensor(vm *m, const ckpt_torch_value *args) {
     }
     const uint8_t *sdata = st->v.data;
     if (last >= (uint64_t)st->v.i)
-        return ckpt__err(CKPT_ECORRUPT, "%s: storage '%s' has %" PRId64 " elements, a tensor "
-                         "needs element %" PRIu64, m->name, st->v.s, st->v.i, last);
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: storage '%s' has %" PRId64 " elements, a tensor "
+                         "needs element %" PRIu64,
+                         m->name, st->v.s, st->v.i, last);
     if (contiguous) {
         nd->v.data = sdata + (uint64_t)off->i * es;
         return push(m, nd);
@@ -631,9 +633,8 @@ static int run(vm *m) {
             m->marks[m->mp++] = m->sp;
             break;
         case 'N': CKPT_TRY(push(m, shared(m, &m->none, CKPT_TORCH_NONE))); break;
-        case 0x88: case 0x89: /* NEWTRUE, NEWFALSE */
-            CKPT_TRY(push_bool(m, op == 0x88));
-            break;
+        case 0x88: /* NEWTRUE */
+        case 0x89: /* NEWFALSE */ CKPT_TRY(push_bool(m, op == 0x88)); break;
         case 'K':
             CKPT_TRY(need(m, 1, "BININT1"));
             CKPT_TRY(push_int(m, m->p[m->pos]));
@@ -886,7 +887,12 @@ static int walk(ckpt_pkl_node *nd, int depth, const char *name) {
 
 int ckpt__unpickle(ckpt_pkl_arena *a, const uint8_t *p, size_t n, const char *name,
                    ckpt_pkl_storage_fn storage, void *ctx, const ckpt_torch_value **root) {
-    vm m = {.a = a, .p = p, .n = n, .name = name, .storage = storage, .ctx = ctx,
+    vm m = {.a = a,
+            .p = p,
+            .n = n,
+            .name = name,
+            .storage = storage,
+            .ctx = ctx,
             .budget = ckpt__pkl_mem_budget(n)};
     int rc = run(&m);
     if (rc == 0) rc = walk(m.stack[0], 0, name);
