@@ -199,11 +199,22 @@ static void companions_note(const char *dir, const char *file, struct dirent **n
 
 /* Lists the entries of path: of that file alone (whole false), or of the
  * object it is with its other files (a model saved as Hugging Face shards).
- * note follows the heading; part: the object a part file belongs to. */
+ * check (may be NULL): an object's file, opened first as the library opens
+ * a checkpoint's object (every file of it checked against the manifest,
+ * never through a link), so that a damaged file is refused before its
+ * entries are listed. note follows the heading; part: the object a part
+ * file belongs to. */
 static int inspect_file(const char *path, const char *label, const char *note, const char *part,
-                        bool whole, bool json, bool first) {
+                        bool whole, const char *check, bool json, bool first) {
     ckpt_reader *r = NULL;
-    int rc = whole ? cli_open_state(path, &r) : ckpt_reader_open(&r, path);
+    int rc = CKPT_OK;
+    if (!whole && check) {
+        rc = cli_open_state(check, &r);
+        ckpt_reader_free(r);
+        r = NULL;
+        if (rc < 0) return cli_lib_error("inspect", rc);
+    }
+    rc = whole ? cli_open_state(path, &r) : ckpt_reader_open(&r, path);
     if (rc < 0) return cli_lib_error("inspect", rc);
     int64_t n = ckpt_reader_count(r);
     uint64_t tensor_bytes = 0;
@@ -440,7 +451,18 @@ int cli_inspect(int argc, char **argv) {
         return cli_wrong_kind("inspect", path, kind, "a checkpoint folder or a .safetensors file");
     if (!cli_is_dir(path)) {
         if (json) printf("{\"path\":"), cli_json_string(path), printf(",\"objects\":[");
-        int st = inspect_file(path, path, "", NULL, false, json, true);
+        /* inside a checkpoint, its object is checked first (a part file's
+         * object is the file it belongs to) */
+        const char *slash = strrchr(path, '/');
+        char dir[4096], obj[512], manifest[4200], check[4700];
+        snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
+        snprintf(manifest, sizeof manifest, "%s/checkpoint.json", dir);
+        struct stat mst;
+        bool in_ckpt = lstat(manifest, &mst) == 0;
+        if (in_ckpt && cli_part_of(dir, slash ? slash + 1 : path, obj, sizeof obj))
+            snprintf(check, sizeof check, "%s/%s", dir, obj);
+        else snprintf(check, sizeof check, "%s", path);
+        int st = inspect_file(path, path, "", NULL, false, check, json, true);
         if (st == CLI_OK && json) printf("]}\n");
         return st;
     }
@@ -511,6 +533,18 @@ int cli_inspect(int argc, char **argv) {
     ckpt_checkpoint_file *files = NULL; /* the manifest's kinds, if it reads */
     int64_t nfiles = 0;
     if (ckpt_checkpoint_files(path, &files, &nfiles) < 0) nfiles = 0;
+    char **checked = calloc((size_t)n + 1, sizeof *checked); /* objects checked so far */
+    int nchecked = 0;
+    if (!checked) {
+        cli_free_names(names, n);
+        free(files);
+        cli_error("inspect: out of memory");
+        return CLI_RUNTIME;
+    }
+    char manifest[4200]; /* with one, each object is checked as the library opens it */
+    snprintf(manifest, sizeof manifest, "%s/checkpoint.json", path);
+    struct stat mst;
+    bool in_ckpt = lstat(manifest, &mst) == 0;
     int status = CLI_OK, shown = 0;
     for (int i = 0; i < n && status == CLI_OK; i++) {
         const char *name = names[i]->d_name;
@@ -536,10 +570,19 @@ int cli_inspect(int argc, char **argv) {
         } else if (o == name) {
             companions_note(path, name, names, n, note, sizeof note);
         }
+        /* each object is checked once, before the first of its files */
+        const char *objname = is_part ? part : name;
+        bool seen = false;
+        for (int k = 0; k < nchecked && !seen; k++) seen = !strcmp(checked[k], objname);
+        char check[4600];
+        snprintf(check, sizeof check, "%s/%s", path, objname);
+        if (!seen && nchecked < n && (checked[nchecked] = strdup(objname)) != NULL) nchecked++;
         if (!json) putchar('\n');
-        status =
-            inspect_file(file, label, note, is_part ? part : NULL, o != name, json, shown++ == 0);
+        status = inspect_file(file, label, note, is_part ? part : NULL, o != name,
+                              seen || !in_ckpt ? NULL : check, json, shown++ == 0);
     }
+    for (int k = 0; k < nchecked; k++) free(checked[k]);
+    free(checked);
     cli_free_names(names, n);
     free(files);
     if (status == CLI_OK) print_extra_files(path, json);
