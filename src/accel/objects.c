@@ -89,6 +89,7 @@ void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, cha
                          size_t cap) {
     if (o->kind == K_RNG)
         snprintf(buf, cap, "%s_%d.safetensors", ckpt__kind_stem[K_RNG], acc->process_index);
+    else if (o->kind == K_CUSTOM && o->name[0]) snprintf(buf, cap, "%s.safetensors", o->name);
     else if (o->kind == K_CUSTOM)
         snprintf(buf, cap, "%s_%d.safetensors", ckpt__kind_stem[K_CUSTOM], o->index);
     else if (o->index == 0) snprintf(buf, cap, "%s.safetensors", ckpt__kind_stem[o->kind]);
@@ -112,6 +113,16 @@ int ckpt__acc_shard_name(const char *file, int rank, int size, char *buf, size_t
     return ckpt__shard_file_name(buf, cap, stem, rank, size);
 }
 
+int ckpt__acc_frozen_name(const char *file, char *buf, size_t cap) {
+    char stem[128];
+    size_t n = stem_len(file);
+    if (n >= sizeof stem)
+        return ckpt__err(CKPT_EINVAL, "%s: name too long for a frozen file", file);
+    memcpy(stem, file, n);
+    stem[n] = '\0';
+    return ckpt__frozen_file_name(buf, cap, stem);
+}
+
 bool ckpt__acc_is_shard_of(const char *name, const char *stem_file) {
     size_t n = 0;
     int index = 0, count = 0;
@@ -127,7 +138,7 @@ ckpt_acc_obj *ckpt__acc_plan_objects(ckpt_accelerator *acc, int *n) {
     for (int kind = 0; kind < K_COUNT; kind++)
         for (int i = 0; i < acc->nobjs; i++)
             if (acc->objs[i].kind == kind) v[k++] = acc->objs[i];
-    v[k++] = (ckpt_acc_obj){K_RNG, 0, ckpt_rng_ops(), &acc->rng};
+    v[k++] = (ckpt_acc_obj){.kind = K_RNG, .ops = ckpt_rng_ops(), .self = &acc->rng};
     *n = k;
     return v;
 }

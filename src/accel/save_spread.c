@@ -13,7 +13,8 @@
 #include "format/shard.h"
 
 /* Whether object i is written as Hugging Face shards: a model beyond
- * max_shard_size with tensors only, none sharded across processes. */
+ * max_shard_size with tensors (and aliases: tied names) only, none sharded
+ * across processes. */
 static bool hf_decide(const save_op *op, int i) {
     const ckpt_writer *w = op->writers[i];
     if (op->objs[i].kind != K_MODEL || !op->acc->max_shard_size || ckpt__writer_has_shards(w))
@@ -21,7 +22,9 @@ static bool hf_decide(const save_op *op, int i) {
     uint64_t total = 0;
     for (int64_t j = 0; j < ckpt_writer_entry_count(w); j++) {
         ckpt_entry_info e;
-        if (ckpt_writer_entry(w, j, &e) < 0 || e.kind != CKPT_ENTRY_TENSOR) return false;
+        if (ckpt_writer_entry(w, j, &e) < 0) return false;
+        if (e.kind == CKPT_ENTRY_ALIAS) continue;
+        if (e.kind != CKPT_ENTRY_TENSOR) return false;
         total += e.nbytes;
     }
     return total > op->acc->max_shard_size;
@@ -72,14 +75,20 @@ static int hf_layout(save_op *op, int i, const char *file, ckpt_hf_layout *l) {
     snprintf(stem, sizeof stem, "%.*s", (int)(strlen(file) - 12), file); /* without .safetensors */
     uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
     const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
-    int rc = nb && keys ? CKPT_OK : ckpt__err_nomem("save shards");
+    int64_t *entry = ckpt__calloc((size_t)n + 1, sizeof *entry);
+    int rc = nb && keys && entry ? CKPT_OK : ckpt__err_nomem("save shards");
+    int64_t k = 0; /* the tensors: tied names go with their target (write_hf) */
     for (int64_t j = 0; j < n && rc == 0; j++) {
         ckpt_entry_info e;
         rc = ckpt_writer_entry(w, j, &e);
-        nb[j] = e.nbytes;
-        keys[j] = e.key;
+        if (rc < 0 || e.kind == CKPT_ENTRY_ALIAS) continue;
+        nb[k] = e.nbytes;
+        keys[k] = e.key;
+        entry[k++] = j;
     }
-    if (rc == 0) rc = ckpt__hf_layout_make(keys, nb, n, op->acc->max_shard_size, stem, l);
+    if (rc == 0) rc = ckpt__hf_layout_make(keys, nb, k, op->acc->max_shard_size, stem, l);
+    if (rc == 0) l->entry = entry;
+    else free(entry);
     free(keys);
     free(nb);
     return rc;
@@ -123,7 +132,7 @@ static int plan_hf(save_op *op, uint64_t *hf_bytes) {
             v[t].shard = t;
             for (int64_t j = l->starts[t]; j < l->starts[t + 1]; j++) {
                 ckpt_entry_info e;
-                if (ckpt_writer_entry(op->writers[i], j, &e) == 0) v[t].bytes += e.nbytes;
+                if (ckpt_writer_entry(op->writers[i], l->entry[j], &e) == 0) v[t].bytes += e.nbytes;
             }
         }
         qsort(v, (size_t)ns, sizeof *v, cmp_hf_item);
@@ -153,13 +162,15 @@ bool ckpt__save_plan_entry(const save_op *op, int i, int64_t j, int64_t *rows, u
 }
 
 /* One process: a model with both frozen and trainable parameters keeps its
- * frozen tensors apart, whole, in its shard file
- * (<model>-00001-of-00001.safetensors, the layout of format version 2, as
- * chunks that are the whole tensor), so that file has the same bytes at
- * every save and is linked, not written. A model of one kind only stays one
- * file (it changes as a whole or not at all); a model saved as Hugging Face
- * shards keeps its layout. */
+ * frozen tensors apart, whole, in its shard file, named
+ * <model>.frozen.safetensors (format version 3; the tensors are chunks that
+ * are the whole tensor, as in version 2's <model>-00001-of-00001), so that
+ * file has the same bytes at every save and is linked, not written. A
+ * model of one kind only stays one file (it changes as a whole or not at
+ * all); a model saved as Hugging Face shards keeps its layout. */
 static int split_frozen(save_op *op) {
+    op->frozen_apart = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->frozen_apart);
+    if (!op->frozen_apart) return ckpt__err_nomem("save plan");
     for (int i = 0; i < op->nobjs; i++) {
         ckpt_writer *w = op->writers[i];
         if (op->objs[i].kind != K_MODEL || op->hf_model[i] || ckpt__writer_has_shards(w)) continue;
@@ -174,9 +185,15 @@ static int split_frozen(save_op *op) {
         for (int64_t j = 0; j < n; j++)
             if (ckpt__save_plan_entry(op, i, j, &rows, &nb) && ckpt__writer_entry_frozen(w, j))
                 CKPT_TRY(ckpt__writer_spread(w, j, 0, rows));
-        op->split = true;
+        op->split = op->frozen_apart[i] = true;
     }
     return CKPT_OK;
+}
+
+int ckpt__save_shard_name(const save_op *op, int i, const char *own, char *buf, size_t cap) {
+    const ckpt_comm *c = op->comm;
+    if (op->frozen_apart && op->frozen_apart[i]) return ckpt__acc_frozen_name(own, buf, cap);
+    return ckpt__acc_shard_name(own, c->rank, c->size, buf, cap);
 }
 
 /* With several processes, the replicated tensors of every object (a

@@ -12,6 +12,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "accel/accel.h"
+#include "accel/load_op.h"
 #include "base/error.h"
 #include "base/io.h"
 #include "format/keymap.h"
@@ -25,6 +27,8 @@ typedef struct mparam {
     char *name;
     int ndim;
     int64_t shape[CKPT_MAX_NDIM];
+    ckpt_dtype dtype;
+    const void *data; /* the model's tensors: where their bytes are (shared storages) */
 } mparam;
 
 typedef struct imp {
@@ -37,6 +41,7 @@ typedef struct imp {
     int nbufs;
     mparam *params;
     int64_t nparams;
+    int64_t nshared; /* tied names: a tensor on the storage of an earlier one */
     ckpt_writer *model, *optim, *sched, *scaler, *rng;
     int opt_groups;
     int64_t opt_step; /* largest Adam step; -1 if none */
@@ -183,8 +188,23 @@ static int add_param(imp *x, const char *name, ckpt_dtype dt, int ndim, const in
     if (!p->name) return ckpt__err_nomem("import");
     p->ndim = ndim;
     if (ndim) memcpy(p->shape, shape, (size_t)ndim * sizeof *shape);
+    p->dtype = dt;
+    p->data = data;
     x->nparams++;
     return CKPT_OK;
+}
+
+/* A tensor of a torch file on the very bytes of an earlier one, seen the
+ * same way: PyTorch's tied weights (torch.save keeps a shared storage
+ * once). The earlier tensor's name, or NULL. */
+static const char *shared_with(const imp *x, const ckpt_torch_value *v) {
+    for (int64_t i = 0; v->nbytes > 0 && i < x->nparams; i++) {
+        const mparam *p = &x->params[i];
+        bool same = p->data == v->data && p->dtype == v->dtype && p->ndim == v->ndim;
+        for (int d = 0; same && d < v->ndim; d++) same = p->shape[d] == v->shape[d];
+        if (same) return p->name;
+    }
+    return NULL;
 }
 
 static int model_from_torch(imp *x, const char *path) {
@@ -200,6 +220,13 @@ static int model_from_torch(imp *x, const char *path) {
             return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: '%s' is a %s, not a tensor (not a "
                              "model state dict; an Accelerate folder keeps the optimizer in "
                              "optimizer.bin)", path, k->s, ckpt_torch_kind_name(v->kind));
+        const char *target = shared_with(x, v);
+        if (target) { /* tied: one parameter, saved once (ckpt_model_tie) */
+            int rc = ckpt_write_alias(x->model, k->s, target);
+            if (rc < 0) return ckpt__err_prefix(rc, "import: %s", path);
+            x->nshared++;
+            continue;
+        }
         CKPT_TRY(add_param(x, k->s, v->dtype, v->ndim, v->shape, v->data, path));
     }
     return CKPT_OK;
@@ -213,6 +240,11 @@ static int model_from_safetensors(imp *x, const char *path) {
         ckpt_entry_info e;
         const void *data = NULL;
         CKPT_TRY(ckpt_reader_entry(r, i, &e));
+        if (e.kind == CKPT_ENTRY_ALIAS) { /* a ckpt file's tied name (after the tensors) */
+            int rc = ckpt_write_alias(x->model, e.key, e.target);
+            if (rc < 0) return ckpt__err_prefix(rc, "import: %s", path);
+            continue;
+        }
         if (e.kind != CKPT_ENTRY_TENSOR) continue;
         CKPT_TRY(ckpt_reader_tensor_view(r, e.key, &data, NULL));
         CKPT_TRY(add_param(x, e.key, e.dtype, e.ndim, e.shape, data, path));
@@ -250,7 +282,7 @@ static int model_from_index(imp *x, const char *dir, const char *index) {
         while (k < nshards && strcmp(shards[k], s)) k++;
         if (k == nshards) shards[nshards++] = s;
     }
-    int64_t before = x->nparams;
+    int64_t before = x->nparams, shared_before = x->nshared;
     for (size_t k = 0; k < nshards && rc == 0; k++) {
         char *sp = ckpt__path_join(dir, shards[k]);
         if (!sp) rc = ckpt__err_nomem("import");
@@ -258,9 +290,11 @@ static int model_from_index(imp *x, const char *dir, const char *index) {
         else rc = model_from_torch(x, sp);
         free(sp);
     }
-    if (rc == 0 && (size_t)(x->nparams - before) != json_object_size(map))
+    /* a .bin index lists tied names too (their shard shares the storage) */
+    int64_t held = x->nparams - before + x->nshared - shared_before;
+    if (rc == 0 && (size_t)held != json_object_size(map))
         rc = ckpt__err(CKPT_ECORRUPT, "import: %s lists %zu tensors, its shards hold %" PRId64,
-                       path, json_object_size(map), x->nparams - before);
+                       path, json_object_size(map), held);
     /* the index's order is the model's (the shards' own order is by name) */
     if (rc == 0) {
         int64_t pos = before;
@@ -270,10 +304,10 @@ static int model_from_index(imp *x, const char *dir, const char *index) {
                     mparam t = x->params[pos];
                     x->params[pos] = x->params[j];
                     x->params[j] = t;
+                    pos++;
                     break;
                 }
             }
-            pos++;
         }
     }
     free(shards);
@@ -901,14 +935,6 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
 
 /* ---- weights straight into a model ---------------------------------------- */
 
-static int model_current(void *ctx, ckpt_writer *w) { return ckpt_model_ops()->state_dict(ctx, w); }
-
-static void move_keys(ckpt_load_key **v, int64_t *n, ckpt_key_list *l) {
-    *v = l->v;
-    *n = l->n;
-    memset(l, 0, sizeof *l);
-}
-
 int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_options *opt,
                             ckpt_load_report *report) {
     if (report) memset(report, 0, sizeof *report);
@@ -920,10 +946,7 @@ int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_opti
     imp x;
     memset(&x, 0, sizeof x);
     x.o = defaults();
-    ckpt_reader *file = NULL, *ad = NULL, *ex = NULL;
-    ckpt_writer *schema = NULL;
-    ckpt_adapt_result res;
-    memset(&res, 0, sizeof res);
+    ckpt_reader *file = NULL;
     int64_t step = 0;
     struct stat st;
     int rc = ckpt__os_stat(src, &st) == 0 ? CKPT_OK : ckpt__err_os(errno, "load_weights: %s", src);
@@ -945,35 +968,24 @@ int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_opti
         if (rc == 0) rc = ckpt__reader_put_writer_views(file, x.model);
     }
     free(manifest);
-    /* match, adapt, check: nothing changes before all of it passed */
-    if (rc == 0) rc = ckpt_writer_new_schema(&schema);
-    if (rc == 0) rc = ckpt_model_ops()->state_dict(m, schema);
+    /* The rest is the load op's (accel/load_op.h) from its read phase on,
+     * with this source: match, adapt and check (nothing changes before all
+     * of it passed), then apply. */
+    ckpt__load_op *op = NULL;
     if (rc == 0)
-        rc = ckpt__adapt(schema, file, opt, "model", src, model_current, m, &ad, &ex, &res);
-    ckpt_reader *use = ad ? ad : file;
-    if (rc == 0) rc = ckpt__schema_check(schema, use, src);
-    if (rc == 0) rc = ckpt_model_ops()->check_state_dict(m, use);
-    if (rc == 0 && report) {
-        report->dir = ckpt__strdup(src);
-        report->loaded = ckpt__calloc(1, sizeof *report->loaded);
-        if (!report->dir || !report->loaded || !(report->loaded[0] = ckpt__strdup("model")))
-            rc = ckpt__err_nomem("load report");
-        else report->num_loaded = 1;
-    }
-    if (rc == 0) rc = ckpt_model_ops()->load_state_dict(m, use);
-    if (rc == 0 && report) {
-        report->step = step;
-        move_keys(&report->missing, &report->num_missing, &res.missing);
-        move_keys(&report->unexpected, &report->num_unexpected, &res.unexpected);
-        move_keys(&report->renamed, &report->num_renamed, &res.renamed);
-        move_keys(&report->converted, &report->num_converted, &res.converted);
+        rc = ckpt__load_op_new_object(K_MODEL, ckpt_model_ops(), m, opt, report, "load_weights",
+                                      &op);
+    if (op) {
+        ckpt__load_op_read_from(op, src, step, file); /* takes file over */
+        file = NULL;
+        ckpt__load_op_check(op);
+        ckpt__load_op_agree(op);
+        ckpt__load_op_apply(op);
+        rc = ckpt__load_op_finish(op);
+        ckpt__load_op_free(op);
     }
     if (rc < 0 && report) ckpt_load_report_free(report);
     if (rc < 0) rc = ckpt__err_prefix(rc, "load_weights");
-    ckpt__adapt_result_free(&res);
-    ckpt_writer_free(schema);
-    ckpt_reader_free(ad);
-    ckpt_reader_free(ex);
     ckpt_reader_free(file);
     imp_free(&x);
     return rc;
