@@ -388,6 +388,7 @@ int ckpt_accelerator_prepare_async(ckpt_accelerator *acc) {
     }
     free(objs);
     if (rc == 0 && total > acc->arena.cap) rc = ckpt__arena_reserve(&acc->arena, total);
+    if (rc == 0 && total > 0) acc->arena_staging = true;
     if (rc == 0 && total > 0) rc = start_thread(as);
     if (rc < 0 || total == 0) return rc;
     /* The pages are touched in the background; the next save, load, wait

@@ -79,8 +79,10 @@ int ckpt__load_op_new(ckpt_accelerator *acc, const char *input_dir, const ckpt_l
     op->report = report;
     op->phase = PH_NEW;
     ckpt__load_held_reset();
-    op->one_pass = opt && opt->one_pass && op->comm->size <= 1 && !opt->non_strict &&
-                   !opt->convert_dtypes && opt->num_prefix_map == 0 && !opt->rename;
+    bool plain = op->comm->size <= 1 && (!opt || (!opt->non_strict && !opt->convert_dtypes &&
+                                                  opt->num_prefix_map == 0 && !opt->rename));
+    op->one_pass = plain && opt && opt->one_pass;
+    op->stream = plain && !op->one_pass;
     ckpt__coll_begin(acc, "load: agree on the options");
     op->in_op = true;
     int rc = ckpt__load_select(op);
@@ -327,8 +329,11 @@ int ckpt__load_op_plan(ckpt__load_op *op) {
     op->reader = NULL;
     op->shared = NULL;
     int rc = ckpt__checkpoint_open_manifest(op->dir, &op->c);
-    /* One pass where every file fits it (else this checkpoint: two). */
-    if (rc == 0 && op->one_pass && !one_pass_fits(&op->c.m)) op->one_pass = false;
+    /* One pass, or verified and then streamed, where every file fits it
+     * (else this checkpoint: the two passes). */
+    bool fits = rc == 0 && one_pass_fits(&op->c.m);
+    if (op->one_pass && !fits) op->one_pass = false;
+    if (op->stream && !fits) op->stream = false;
     if (rc == 0 && op->comm->size > 1) rc = plan_reads(op);
     if (rc < 0 && op->input_dir) rc = ckpt__err_prefix(rc, "load_state");
     return fail(op, rc, false);
@@ -350,7 +355,13 @@ static void close_checkpoint(ckpt__load_op *op) {
  * several processes only the files the plan gives this rank (the others'
  * presence and size checked). */
 static int read_files(ckpt__load_op *op) {
-    if (op->one_pass) return ckpt__checkpoint_read_files(op->dir, false, false, NULL, NULL, &op->c);
+    if (op->one_pass || op->stream) {
+        /* Every byte hashed now when streamed (damage is found before
+         * anything changes, and the load can fall back), none kept. */
+        int rc = ckpt__checkpoint_read_files(op->dir, op->stream, false, NULL, NULL, &op->c);
+        if (rc < 0 && op->input_dir) rc = ckpt__err_prefix(rc, "load_state");
+        return rc;
+    }
     bool many = op->comm->size > 1;
     int64_t n = op->c.m.nfiles;
     bool *shallow = NULL;
@@ -581,6 +592,9 @@ void ckpt__load_op_free(ckpt__load_op *op) {
     free(op->shared);
     ckpt__adapt_result_free(&op->res);
     close_checkpoint(op);
+    /* The read buffers leave memory with the load, unless they are the
+     * asynchronous saves' staging area (which stays by design). */
+    if (op->acc && !op->acc->arena_staging) ckpt__arena_free(&op->acc->arena);
     free(op->dir);
     free(op->input_dir);
     free(op->cdir);

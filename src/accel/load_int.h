@@ -94,6 +94,14 @@ struct ckpt__load_op {
     /* ckpt_load_options.one_pass, where it applies: the files are checked
      * shallowly at the choice and verified while the objects read them */
     bool one_pass;
+    /* The default load of one process, where the checkpoint allows it
+     * (plain files, every tensor's digest in the manifest, no adapting
+     * option): read verifies every file whole without keeping its bytes,
+     * then the objects read their tensors straight from the files into
+     * their own memory, each piece hashed there as it lands (the readers of
+     * one_pass). Transactional as the two passes: a damaged file is found
+     * before anything changes; no buffer area. */
+    bool stream;
 };
 
 /* ---- the objects (load_objects.c) ------------------------------------------ */

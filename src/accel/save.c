@@ -734,6 +734,7 @@ int ckpt__save_op_stage(save_op *op) {
                 ckpt__save_stage_fits(limit, &total, ckpt__writer_stage_bytes(op->writers[i]));
     /* Reused from save to save (and shared with loads, which wait first). */
     int rc = ckpt__arena_reserve(&acc->arena, total);
+    if (rc == 0 && total > 0) acc->arena_staging = true;
     uint64_t off = 0;
     for (int i = 0; rc == 0 && i < n; i++) {
         if (staged[i]) off += ckpt__writer_stage(op->writers[i], acc->arena.p + off);

@@ -168,6 +168,12 @@ int ckpt__reader_open_verified(ckpt_reader **out, const char *path, const char *
  * "<name>: tensor '<key>': checksum mismatch" for a tensor no read
  * checked). CKPT_OK for any other reader. */
 int ckpt__reader_verify_finish(ckpt_reader *r);
+/* For a file already verified whole (every byte hashed against the
+ * manifest before any object read it): whether the bytes the reads put in
+ * place are the file's. By parts, every read was checked against its
+ * tensor's digest as it landed, so nothing is left to do; else the whole
+ * file's digest is completed as ckpt__reader_verify_finish does. */
+int ckpt__reader_verify_applied(ckpt_reader *r);
 /* buf NULL (len 0): the chunks are recorded from the manifest alone, their
  * bytes absent (a shard file this process did not receive): a read that
  * needs one fails with CKPT_EMISMATCH naming the key and the file; the
