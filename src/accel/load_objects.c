@@ -371,9 +371,8 @@ int ckpt__load_apply_objects(ckpt__load_op *op) {
             free(last);
             /* Streamed, every file verified whole before: a checksum that no
              * longer matches is a file rewritten since. */
-            const char *why = op->stream && rc == CKPT_ECORRUPT
-                                  ? "the file changed after it was verified; "
-                                  : "";
+            const char *why =
+                op->stream && rc == CKPT_ECORRUPT ? "the file changed after it was verified; " : "";
             return ckpt__err_prefix(rc,
                                     "load_state: %s: %s (%sstate partially loaded: %d of %d "
                                     "objects were loaded before this one)",
