@@ -11,6 +11,9 @@
  *   load        ckpt_load_state of the checkpoint, the first of the process
  *   load again  the same, a second time
  *   one pass    ckpt_load_state_ex with one_pass
+ *   two passes  ckpt_load_state_ex with non_strict (an adapting option:
+ *               every file read into a buffer area, then the objects read
+ *               from it; the area is given back at the end of the load)
  *   save        ckpt_save_state after the loads
  *   free        ckpt_accelerator_free
  *
@@ -124,6 +127,9 @@ int main(int argc, char **argv) {
     ckpt_load_options one;
     memset(&one, 0, sizeof one);
     one.one_pass = true;
+    ckpt_load_options two;
+    memset(&two, 0, sizeof two);
+    two.non_strict = true; /* an adapting option: the two passes */
     for (int k = 0; k < 2; k++) {
         if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
         if (ckpt_prepare_model(acc, model) || ckpt_prepare_optimizer(acc, opt)) die("prepare");
@@ -153,6 +159,10 @@ int main(int argc, char **argv) {
         if (ckpt_load_state_ex(acc, NULL, &one, NULL)) die("one-pass load");
         end(&m);
         show("one-pass load", &m, true, &bad);
+        m = begin();
+        if (ckpt_load_state_ex(acc, NULL, &two, NULL)) die("two-pass load");
+        end(&m);
+        show("two-pass load (non_strict)", &m, true, &bad);
         m = begin();
         if (ckpt_save_state(acc, NULL)) die("save");
         if (ckpt_save_wait(acc)) die("save_wait");
