@@ -36,8 +36,9 @@
  *   finish   the post-hooks, the refusal of saves lifted, free
  *
  *   bench_load FOLDER
- *   bench_load FOLDER --once     one save, one warm load (for perf record or
- *                                callgrind --toggle-collect=ckpt_load_state)
+ *   bench_load FOLDER --once     one save, one warm load (for perf record
+ *                                -k CLOCK_MONOTONIC, then perf report --time
+ *                                with the times it prints)
  *
  * The source uses the public API and foreign.h, plus the load op's header
  * where the tree has it, so that it also builds against a tree from before
@@ -212,7 +213,10 @@ int main(int argc, char **argv) {
     if (once) {
         double t0 = now(), c0 = cpu();
         load(acc, last, false, pw, pc);
-        printf("bench_load: one load: %.3f s, cpu %.3f s\n", now() - t0, cpu() - c0);
+        double t1 = now();
+        /* CLOCK_MONOTONIC: perf record -k CLOCK_MONOTONIC, report --time */
+        printf("bench_load: one load: %.3f s, cpu %.3f s (from %.6f to %.6f)\n", t1 - t0,
+               cpu() - c0, t0, t1);
         goto out;
     }
     double rw[MAXREPS], rc[MAXREPS], lw[MAXREPS], lc[MAXREPS], ratio[MAXREPS];
