@@ -20,6 +20,7 @@ typedef struct model_param {
     uint64_t nbytes;
     void *data;
     void *grad;
+    ckpt_mem_ref mem;        /* ckpt_model_add_param_mem: mem.ops set, data and grad NULL */
     signed char frozen_user; /* ckpt_model_set_frozen: 1 / 0; -1: not said */
     signed char grouped;     /* in a group of its optimizer: 1 / 0; -1: no optimizer said */
 } model_param;
@@ -47,8 +48,9 @@ void ckpt_model_free(ckpt_model *m) {
     free(m);
 }
 
-int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
-                         const int64_t *shape, void *data, void *grad) {
+/* A parameter at data (and grad), or behind memory ops (mem not NULL). */
+static int add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim, const int64_t *shape,
+                     void *data, void *grad, const ckpt_mem_ref *mem) {
     if (!m) return ckpt__err(CKPT_EINVAL, "model_add_param: model is NULL");
     /* Names become state-dict keys, so they follow the key rules. */
     CKPT_TRY(ckpt__check_key(name, "model: parameter name"));
@@ -60,8 +62,13 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
     uint64_t nbytes;
     int rc = ckpt_tensor_nbytes(dt, ndim, shape, &nbytes);
     if (rc < 0) return ckpt__err_prefix(rc, "model: parameter '%s'", name);
-    if (!data && nbytes > 0)
+    if (mem) {
+        char what[CKPT_MAX_KEY + 32];
+        snprintf(what, sizeof what, "model: parameter '%s'", name);
+        CKPT_TRY(ckpt__mem_check_ops(mem->ops, what));
+    } else if (!data && nbytes > 0) {
         return ckpt__err(CKPT_EINVAL, "model: parameter '%s': data is NULL", name);
+    }
     int64_t numel = 1;
     for (int d = 0; d < ndim; d++) numel *= shape[d]; /* no overflow: nbytes fit above */
     for (int64_t i = 0; i < m->n; i++)
@@ -85,11 +92,23 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
     p->nbytes = nbytes;
     p->data = data;
     p->grad = grad;
+    if (mem) p->mem = *mem;
     p->frozen_user = -1;
     p->grouped = -1;
     m->n++;
     m->numel += numel;
     return CKPT_OK;
+}
+
+int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
+                         const int64_t *shape, void *data, void *grad) {
+    return add_param(m, name, dt, ndim, shape, data, grad, NULL);
+}
+
+int ckpt_model_add_param_mem(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
+                             const int64_t *shape, const ckpt_memory_ops *ops, void *handle) {
+    ckpt_mem_ref mem = {ops, handle, 0};
+    return add_param(m, name, dt, ndim, shape, NULL, NULL, &mem);
 }
 
 int64_t ckpt_model_num_params(const ckpt_model *m) { return m ? m->n : 0; }
@@ -119,6 +138,8 @@ int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info) {
     info->data = p->data;
     info->grad = p->grad;
     info->frozen = param_frozen(p);
+    info->mem_ops = p->mem.ops;
+    info->mem_handle = p->mem.handle;
     return CKPT_OK;
 }
 
@@ -156,7 +177,9 @@ static int model_state_dict(void *self, ckpt_writer *w) {
     ckpt_model *m = self;
     for (int64_t i = 0; i < m->n; i++) {
         const model_param *p = &m->params[i];
-        CKPT_TRY(ckpt_write_tensor(w, p->name, p->dtype, p->ndim, p->shape, p->data));
+        if (p->mem.ops)
+            CKPT_TRY(ckpt__write_tensor_at(w, p->name, p->dtype, p->ndim, p->shape, &p->mem));
+        else CKPT_TRY(ckpt_write_tensor(w, p->name, p->dtype, p->ndim, p->shape, p->data));
         if (param_frozen(p)) CKPT_TRY(ckpt__writer_set_frozen(w, p->name));
     }
     return CKPT_OK;
@@ -220,7 +243,8 @@ static int model_load_state_dict(void *self, ckpt_reader *r) {
     /* Commit. Only a read error of a file-backed reader can stop it midway. */
     for (int64_t i = 0; i < m->n; i++) {
         const model_param *p = &m->params[i];
-        CKPT_TRY(ckpt_read_tensor(r, p->name, p->dtype, p->ndim, p->shape, p->data));
+        ckpt_dst d = {p->data, p->mem, p->name};
+        CKPT_TRY(ckpt__read_tensor_to(r, p->name, p->dtype, p->ndim, p->shape, &d));
     }
     return CKPT_OK;
 }
