@@ -35,7 +35,9 @@ static const int NDIM[NP] = {2, 2, 1};
 static const char *const FIELD[2] = {"exp_avg", "exp_avg_sq"};
 
 static int64_t numel(int i) { return SHAPE[i][0] * (NDIM[i] > 1 ? SHAPE[i][1] : 1); }
-static float value(int i, int f, int64_t k) { return (float)(i * 1000000 + f * 100000) + (float)k * 0.5f; }
+static float value(int i, int f, int64_t k) {
+    return (float)(i * 1000000 + f * 100000) + (float)k * 0.5f;
+}
 
 static void say(int rank, const char *what, int rc) {
     const char *name = ckpt_strerror(rc);
@@ -75,18 +77,18 @@ int main(int argc, char **argv) {
         for (int f = 0; f < 3; f++)
             if (on) free(host[f]);
         if (on) total += 3 * n * 4;
-        ok = (on ? ckpt_model_add_param_mem(m, NAME[i], CKPT_F32, NDIM[i], SHAPE[i], &emudev_ops,
-                                            val[i])
-                 : ckpt_model_add_param(m, NAME[i], CKPT_F32, NDIM[i], SHAPE[i], val[i], NULL)) ==
-             0;
+        ok =
+            (on ? ckpt_model_add_param_mem(m, NAME[i], CKPT_F32, NDIM[i], SHAPE[i], &emudev_ops,
+                                           val[i])
+                : ckpt_model_add_param(m, NAME[i], CKPT_F32, NDIM[i], SHAPE[i], val[i], NULL)) == 0;
     }
     ckpt_optim_options opt = ckpt_optim_defaults(CKPT_OPTIM_ADAMW);
     ok = ok && ckpt_optimizer_external_new(&o, CKPT_OPTIM_ADAMW, m, &opt) == 0;
     for (int i = 0; ok && i < NP; i++)
         for (int f = 0; ok && f < 2; f++)
-            ok = (dev && i != 2 ? ckpt_optimizer_set_state_mem(o, NAME[i], FIELD[f], &emudev_ops,
-                                                               st[i][f])
-                                : ckpt_optimizer_set_state(o, NAME[i], FIELD[f], st[i][f])) == 0;
+            ok = (dev && i != 2
+                      ? ckpt_optimizer_set_state_mem(o, NAME[i], FIELD[f], &emudev_ops, st[i][f])
+                      : ckpt_optimizer_set_state(o, NAME[i], FIELD[f], st[i][f])) == 0;
     ckpt_project_config cfg = {
         .project_dir = argv[1], .automatic_checkpoint_naming = true, .collective_timeout_s = 120};
     bool load = strcmp(mode, "load") == 0;
@@ -100,7 +102,7 @@ int main(int argc, char **argv) {
     }
     if (!load) {
         int rc = strcmp(mode, "save-async") == 0 ? ckpt_save_state_async(acc, NULL)
-                                                  : ckpt_save_state(acc, NULL);
+                                                 : ckpt_save_state(acc, NULL);
         if (rc == 0) rc = ckpt_save_wait(acc);
         say(rank, mode, rc);
     } else {
