@@ -11,6 +11,12 @@
  *             three blocks (ckpt_optimizer_set_state_block, master_weights):
  *             ~1.74 GB.
  *
+ *   external behind memory ops: the same four blocks, but every tensor
+ *             registered behind ckpt_memory_ops (ckpt_model_add_param_mem,
+ *             ckpt_optimizer_set_state_mem) whose to_host is a memcpy from
+ *             host memory: what the indirection itself costs (the bounce
+ *             buffer the pieces go through), without a device's transfer.
+ *
  *   save: ckpt_save_state to the next automatic checkpoint (the full durable
  *   commit)  vs  dd conv=fsync of the checkpoint's bytes. Best of 3,
  *   interleaved; the two states one after the other (one in memory at a
@@ -127,6 +133,17 @@ static void measure(ckpt_accelerator *acc, const char *dd, double *t_save, doubl
     shell(cmd);
 }
 
+/* Memory ops over host memory: the handle is the tensor's address. */
+static int host_to_host(void *handle, uint64_t offset, void *dst, uint64_t n) {
+    memcpy(dst, (const char *)handle + offset, (size_t)n);
+    return 0;
+}
+static int host_from_host(void *handle, uint64_t offset, const void *src, uint64_t n) {
+    memcpy((char *)handle + offset, src, (size_t)n);
+    return 0;
+}
+static const ckpt_memory_ops host_ops = {host_to_host, host_from_host};
+
 static ckpt_accelerator *accelerator(const char *proj, ckpt_model *m, ckpt_optimizer *o) {
     ckpt_project_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -144,9 +161,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: bench_external FOLDER\n");
         return 2;
     }
-    char proj_own[4096], proj_ext[4096], dd[4096], cmd[8400];
+    char proj_own[4096], proj_ext[4096], proj_mem[4096], dd[4096], cmd[12600];
     snprintf(proj_own, sizeof proj_own, "%s/external_own", argv[1]);
     snprintf(proj_ext, sizeof proj_ext, "%s/external_ext", argv[1]);
+    snprintf(proj_mem, sizeof proj_mem, "%s/external_mem", argv[1]);
     snprintf(dd, sizeof dd, "%s/external_dd.bin", argv[1]);
     gpt2_small_each(add);
     if (total != GPT2_SMALL_PARAMS) {
@@ -209,11 +227,32 @@ int main(int argc, char **argv) {
     ckpt_accelerator_free(acc);
     ckpt_optimizer_free(o);
     ckpt_model_free(m);
+
+    /* ---- the same blocks behind memory ops ---- */
+    if (ckpt_model_new(&m)) die("model_new");
+    for (int i = 0; i < nt; i++)
+        if (ckpt_model_add_param_mem(m, T[i].name, CKPT_BF16, T[i].ndim, T[i].shape, &host_ops,
+                                     hw + T[i].at))
+            die("add_param_mem");
+    if (ckpt_optimizer_external_new(&o, CKPT_OPTIM_ADAMW, m, &op)) die("external_new");
+    for (int i = 0; i < nt; i++)
+        if (ckpt_optimizer_set_state_mem(o, T[i].name, "master", &host_ops, master + T[i].at) ||
+            ckpt_optimizer_set_state_mem(o, T[i].name, "exp_avg", &host_ops, mo + T[i].at) ||
+            ckpt_optimizer_set_state_mem(o, T[i].name, "exp_avg_sq", &host_ops, v + T[i].at))
+            die("set_state_mem");
+    if (ckpt_optimizer_set_step(o, 1)) die("set_step");
+    acc = accelerator(proj_mem, m, o);
+    double mem_save, mem_dd;
+    uint64_t mem_bytes;
+    measure(acc, dd, &mem_save, &mem_dd, &mem_bytes);
+    ckpt_accelerator_free(acc);
+    ckpt_optimizer_free(o);
+    ckpt_model_free(m);
     free(hw);
     free(master);
     free(mo);
     free(v);
-    snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s'", proj_own, proj_ext);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s' '%s' '%s'", proj_own, proj_ext, proj_mem);
     shell(cmd);
 
     double go = (double)own_bytes / 1e9, ge = (double)ext_bytes / 1e9;
@@ -225,7 +264,13 @@ int main(int argc, char **argv) {
     printf("  external AdamW, bf16+master:  %.3f GB  save %6.3f s (%5.2f GB/s)  dd %6.3f s  "
            "save/dd %.2fx\n",
            ge, ext_save, ge / ext_save, ext_dd, ext_dd / ext_save);
+    printf("  external, behind memory ops:  %.3f GB  save %6.3f s (%5.2f GB/s)  dd %6.3f s  "
+           "save/dd %.2fx\n",
+           (double)mem_bytes / 1e9, mem_save, (double)mem_bytes / 1e9 / mem_save, mem_dd,
+           mem_dd / mem_save);
     printf("  external's ratio / own's ratio: %.2f (1: the same cost relative to the disk)\n",
            (ext_dd / ext_save) / (own_dd / own_save));
+    printf("  behind memory ops, ratio / own's ratio: %.2f\n",
+           (mem_dd / mem_save) / (own_dd / own_save));
     return 0;
 }
