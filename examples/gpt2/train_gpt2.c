@@ -11,7 +11,11 @@
  * chain), so the run needs no download.
  *
  * The lines that make it resumable lie between the markers "// ckpt begin"
- * and "// ckpt end" (tests/integration/test_gpt2_example.sh counts them).
+ * and "// ckpt end" (tests/integration/test_gpt2_example.sh counts them):
+ * the parameters registered over the block, the output layer tied to the
+ * embedding, an external AdamW whose moments and masters are the trainer's
+ * own blocks, the loader's position and generator as a named object, one
+ * load, the step count, an asynchronous save every few steps.
  * Kill it at any moment, run it again: it resumes from the newest
  * checkpoint and ends bit for bit where an uninterrupted run ends.
  *
@@ -558,14 +562,14 @@ static void gpt2_update(GPT2 *m, float lr, float b1, float b2, float eps, float 
 
 // ckpt begin
 static int loader_save(void *self, ckpt_writer *w) { /* the position and the generator */
-    int rc = ckpt_write_i64(w, "shard", (int64_t)((Loader *)self)->shard);
-    rc = rc ? rc : ckpt_write_i64(w, "pos", (int64_t)((Loader *)self)->pos);
-    return rc ? rc : ckpt_write_i64(w, "rng", (int64_t)((Loader *)self)->rng.state);
+    int rc = ckpt_write_u64(w, "shard", ((Loader *)self)->shard);
+    rc = rc ? rc : ckpt_write_u64(w, "pos", ((Loader *)self)->pos);
+    return rc ? rc : ckpt_write_u64(w, "rng", ((Loader *)self)->rng.state);
 }
 static int loader_load(void *self, ckpt_reader *r) {
-    int rc = ckpt_read_i64(r, "shard", (int64_t *)&((Loader *)self)->shard);
-    rc = rc ? rc : ckpt_read_i64(r, "pos", (int64_t *)&((Loader *)self)->pos);
-    return rc ? rc : ckpt_read_i64(r, "rng", (int64_t *)&((Loader *)self)->rng.state);
+    int rc = ckpt_read_u64(r, "shard", &((Loader *)self)->shard);
+    rc = rc ? rc : ckpt_read_u64(r, "pos", &((Loader *)self)->pos);
+    return rc ? rc : ckpt_read_u64(r, "rng", &((Loader *)self)->rng.state);
 }
 // ckpt end
 
@@ -630,6 +634,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < NPARAM; i++)
         CK(ckpt_model_add_param(cm, PARAM_NAMES[i], CKPT_BF16, model.shapes[i].ndim,
                                 model.shapes[i].dim, model.bf16_at[i], NULL));
+    CK(ckpt_model_tie(cm, "lm_head.weight", "wte")); /* the output layer is wte */
     ckpt_optim_options oo = {
         .lr = lr, .beta1 = b1, .beta2 = b2, .eps = eps, .weight_decay = wd, .master_weights = true};
     CK(ckpt_optimizer_external_new(&opt, CKPT_OPTIM_ADAMW, cm, &oo));
@@ -641,7 +646,7 @@ int main(int argc, char **argv) {
     CK(ckpt_prepare_model(acc, cm));
     CK(ckpt_prepare_optimizer(acc, opt));
     static const ckpt_stateful_ops loader_ops = {loader_save, loader_load, NULL};
-    CK(ckpt_register_for_checkpointing(acc, &loader_ops, &loader));
+    CK(ckpt_register_for_checkpointing_named(acc, "loader", &loader_ops, &loader));
     int rc = ckpt_load_state(acc, NULL); /* the newest checkpoint; CKPT_ENOENT: none yet */
     if (rc != CKPT_ENOENT) CK(rc);
     if ((step = (int)ckpt_optimizer_get_step(opt)) > 0) printf("resumed at step %d\n", step);

@@ -156,9 +156,11 @@ int ckpt_model_tie(ckpt_model *m, const char *alias, const char *target) {
     }
     /* registered on the target's buffer: tied to it (the only parameter of
      * its own there), or, for an empty tensor, tied here */
-    const model_param *q = &m->params[t];
-    int rc = add_param(m, alias, q->dtype, q->ndim, q->shape, q->data, NULL,
-                       q->mem.ops ? &q->mem : NULL);
+    /* (copies: adding the alias may move the parameter array) */
+    model_param q = m->params[t];
+    int64_t shape[CKPT_MAX_NDIM];
+    memcpy(shape, q.shape, sizeof shape);
+    int rc = add_param(m, alias, q.dtype, q.ndim, shape, q.data, NULL, q.mem.ops ? &q.mem : NULL);
     if (rc < 0) return ckpt__err_prefix(rc, "model_tie");
     model_param *p = &m->params[m->n - 1];
     if (p->tied < 0) {

@@ -12,9 +12,9 @@ pytorch_model.bin and optimizer.bin. Here:
   output layer tied to the token embedding) loads pytorch_model.bin strictly
   (the bf16 parameters widened to fp32) and gives the C program's loss on
   its batch to 1e-5 relative;
-- where the export has the output layer (lm_head.weight), it shares the
-  embedding's storage (one tensor under two names, as torch.save writes a
-  tied module);
+- the output layer (lm_head.weight, tied to wte with ckpt_model_tie) shares
+  the embedding's storage in the export (one tensor under two names, as
+  torch.save writes a tied module);
 - optimizer.bin holds, for every parameter, exp_avg, exp_avg_sq and an fp32
   master that rounds to the parameter exactly, and the step count of the
   run.
@@ -103,16 +103,12 @@ def main():
     V, C = sd["wte"].shape
     for name in NAMES:
         assert sd[name].dtype == torch.bfloat16, (name, sd[name].dtype)
-    tied = "lm_head.weight" in sd
-    if tied:
-        a, b = sd["lm_head.weight"], sd["wte"]
-        assert a.data_ptr() == b.data_ptr() and a.shape == b.shape, \
-            "lm_head.weight does not share wte's storage"
+    a, b = sd["lm_head.weight"], sd["wte"]
+    assert a.data_ptr() == b.data_ptr() and a.shape == b.shape, \
+        "lm_head.weight does not share wte's storage"
     model = GPT2(V, sd["wpe"].shape[0], L, H, C)
-    missing, unexpected = model.load_state_dict({k: t.float() for k, t in sd.items()},
-                                                strict=False)
-    assert not unexpected, unexpected
-    assert missing in ([], ["lm_head.weight"]), missing
+    model.load_state_dict({k: t.float() for k, t in sd.items()}, strict=True)
+    assert model.lm_head.weight is model.wte
     tok = torch.tensor(ev["tokens"], dtype=torch.long).view(B, T + 1)
     with torch.no_grad():
         loss = model(tok[:, :-1], tok[:, 1:]).item()
@@ -134,8 +130,8 @@ def main():
             "to the parameter"
         assert float(st["step"]) == STEPS, (name, st["step"])
         assert st["exp_avg_sq"].abs().sum() > 0, name + ": no second moment"
-    print("ok: %d parameters%s, loss equal to %.2g, optimizer state complete" %
-          (len(NAMES), " (lm_head tied to wte)" if tied else "", rel))
+    print("ok: %d parameters (lm_head tied to wte), loss equal to %.2g, optimizer state "
+          "complete" % (len(NAMES), rel))
 
 
 if __name__ == "__main__":

@@ -490,6 +490,70 @@ static void test_standalone_files_and_adapted_loads(void **state) {
     free(path);
 }
 
+/* Tied names behind ops: by the call (the 17th name, which moves the
+ * parameter array while the tie reads its target) and by registering the
+ * same ops and handle twice; saved once, the alias carrying the target's
+ * ops. */
+static void test_tied_parameters_behind_ops(void **state) {
+    (void)state;
+    emudev_init();
+    float v[4] = {1, 2, 3, 4};
+    void *dv[16];
+    ckpt_model *m = NULL;
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    for (int i = 0; i < 16; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "p%d", i);
+        dv[i] = emudev_alloc(sizeof v, v);
+        assert_int_equal(
+            ckpt_model_add_param_mem(m, name, CKPT_F32, 1, (int64_t[]){4}, &emudev_ops, dv[i]),
+            CKPT_OK);
+    }
+    assert_int_equal(ckpt_model_tie(m, "lm_head", "p0"), CKPT_OK);
+    assert_int_equal(
+        ckpt_model_add_param_mem(m, "again", CKPT_F32, 1, (int64_t[]){4}, &emudev_ops, dv[3]),
+        CKPT_OK);
+    ckpt_param_info pi;
+    assert_int_equal(ckpt_model_param(m, 16, &pi), CKPT_OK);
+    assert_string_equal(pi.tied_to, "p0");
+    assert_ptr_equal(pi.mem_handle, dv[0]);
+    assert_int_equal(ckpt_model_param(m, 17, &pi), CKPT_OK);
+    assert_string_equal(pi.tied_to, "p3");
+    assert_int_equal(ckpt_model_num_elements(m), 16 * 4);
+    char *path = tu_pathf("%s/tied.safetensors", tu_dir());
+    tu_save_state(ckpt_model_ops(), m, path);
+    ckpt_reader *r = NULL;
+    assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+    ckpt_entry_info e;
+    assert_int_equal(ckpt_reader_find(r, "lm_head", &e), CKPT_OK);
+    assert_int_equal(e.kind, CKPT_ENTRY_ALIAS);
+    assert_int_equal(ckpt_reader_count(r), 18);
+    ckpt_reader_free(r);
+    emudev_poke(dv[0], 0, (float[4]){0}, sizeof v);
+    assert_int_equal(tu_load_state(ckpt_model_ops(), m, path), CKPT_OK);
+    float got[4];
+    emudev_peek(dv[0], 0, got, sizeof got);
+    assert_memory_equal(got, v, sizeof v);
+    /* host parameters: the same move of the array under the tie */
+    ckpt_model *h = NULL;
+    float hv[16][4];
+    assert_int_equal(ckpt_model_new(&h), CKPT_OK);
+    for (int i = 0; i < 16; i++) {
+        char name[16];
+        snprintf(name, sizeof name, "p%d", i);
+        assert_int_equal(ckpt_model_add_param(h, name, CKPT_F32, 1, (int64_t[]){4}, hv[i], NULL),
+                         CKPT_OK);
+    }
+    assert_int_equal(ckpt_model_tie(h, "lm_head", "p0"), CKPT_OK);
+    assert_int_equal(ckpt_model_param(h, 16, &pi), CKPT_OK);
+    assert_int_equal(pi.shape[0], 4);
+    no_trouble();
+    ckpt_model_free(h);
+    ckpt_model_free(m);
+    emudev_free_all();
+    free(path);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sync_save_equals_host_and_loads_back),
@@ -498,6 +562,7 @@ int main(void) {
         cmocka_unit_test(test_failing_ops_fail_cleanly),
         cmocka_unit_test(test_own_optimizer_refuses_trainable_mem_parameters),
         cmocka_unit_test(test_standalone_files_and_adapted_loads),
+        cmocka_unit_test(test_tied_parameters_behind_ops),
     };
     return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }
