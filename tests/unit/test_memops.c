@@ -554,6 +554,62 @@ static void test_tied_parameters_behind_ops(void **state) {
     free(path);
 }
 
+/* A checkpoint saved while a parameter behind ops was frozen has no state
+ * for it: loaded into it trainable, its device state starts fresh (moments
+ * zero, the master the loaded parameter widened), written through from_host
+ * in pieces. */
+static void test_fresh_state_behind_ops(void **state) {
+    (void)state;
+    emudev_init();
+    enum { NB = 3000000 }; /* the master's floats: more than a piece */
+    uint16_t *h = malloc(2 * NB);
+    float *junk = malloc(4 * NB), *got = malloc(4 * NB), *want = malloc(4 * NB);
+    for (int i = 0; i < NB; i++) {
+        h[i] = bf16_of((float)sin(0.001 * i));
+        junk[i] = 7.0f;
+    }
+    void *dp = emudev_alloc(2 * (size_t)NB, h), *ds[3];
+    for (int f = 0; f < 3; f++) ds[f] = emudev_alloc(4 * (size_t)NB, junk);
+    ckpt_model *m = NULL;
+    ckpt_optimizer *o = NULL;
+    assert_int_equal(ckpt_model_new(&m), CKPT_OK);
+    assert_int_equal(
+        ckpt_model_add_param_mem(m, "d", CKPT_BF16, 1, (int64_t[]){NB}, &emudev_ops, dp), CKPT_OK);
+    ckpt_optim_options opt = ckpt_optim_defaults(CKPT_OPTIM_ADAMW);
+    opt.master_weights = true;
+    assert_int_equal(ckpt_optimizer_external_new(&o, CKPT_OPTIM_ADAMW, m, &opt), CKPT_OK);
+    assert_int_equal(ckpt_model_set_frozen(m, "d", true), 1);
+    char *pm = tu_pathf("%s/fresh_model.safetensors", tu_dir());
+    char *po = tu_pathf("%s/fresh_optimizer.safetensors", tu_dir());
+    tu_save_state(ckpt_model_ops(), m, pm);
+    tu_save_state(ckpt_optimizer_ops(), o, po);
+    assert_int_equal(ckpt_model_set_frozen(m, "d", false), 1);
+    for (int f = 0; f < 3; f++)
+        assert_int_equal(ckpt_optimizer_set_state_mem(o, "d", FIELD[f], &emudev_ops, ds[f]),
+                         CKPT_OK);
+    assert_int_equal(tu_load_state(ckpt_model_ops(), m, pm), CKPT_OK);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), o, po), CKPT_OK);
+    for (int f = 0; f < 2; f++) {
+        emudev_peek(ds[f], 0, got, 4 * (size_t)NB);
+        for (int i = 0; i < NB; i++)
+            if (got[i] != 0.0f) fail_msg("%s[%d] = %g", FIELD[f], i, (double)got[i]);
+    }
+    ckpt_dtype_convert(CKPT_BF16, h, CKPT_F32, want, NB);
+    emudev_peek(ds[2], 0, got, 4 * (size_t)NB);
+    assert_memory_equal(got, want, 4 * (size_t)NB);
+    assert_int_equal(ckpt_optimizer_get_step(o), 0);
+    no_trouble();
+    ckpt_optimizer_free(o);
+    ckpt_model_free(m);
+    emudev_free_all();
+    free(h);
+    free(junk);
+    free(got);
+    free(want);
+    free(pm);
+    free(po);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sync_save_equals_host_and_loads_back),
@@ -563,6 +619,7 @@ int main(void) {
         cmocka_unit_test(test_own_optimizer_refuses_trainable_mem_parameters),
         cmocka_unit_test(test_standalone_files_and_adapted_loads),
         cmocka_unit_test(test_tied_parameters_behind_ops),
+        cmocka_unit_test(test_fresh_state_behind_ops),
     };
     return cmocka_run_group_tests(tests, tu_tmpdir_setup, tu_tmpdir_teardown);
 }
