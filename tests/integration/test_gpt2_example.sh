@@ -22,10 +22,13 @@ blocks=$(grep -c '// ckpt begin' "$src")
 [ "$n" -gt 20 ] && [ "$n" -lt 40 ] || fail "$n marked lines (expected fewer than 40)"
 echo "$n lines in $blocks marked blocks"
 
-run_rc 0 bash "$CKPT_SOURCE_DIR/scripts/demo-gpt2" "$CKPT_BUILD_DIR" "$WORK/demo"
+# the first kill lands at once, before any save: the script must kill again
+CKPT_DEMO_FIRST_KILL_PCT=0 run_rc 0 bash "$CKPT_SOURCE_DIR/scripts/demo-gpt2" "$CKPT_BUILD_DIR" \
+    "$WORK/demo"
 cat "$WORK/out"
 has "^gpt2: resumed from step [0-9]*, ended bit for bit$" <"$WORK/out" || fail "no verdict"
 has "^equal: .* bit for bit$" <"$WORK/out" || fail "ckpt diff did not say equal"
 has "^kill -9 after " <"$WORK/out" || fail "the run was not killed"
+has "^(the kill landed before the first save" <"$WORK/out" || fail "the early kill was not retried"
 [ -f "$WORK/demo/gpt2-export/model.safetensors" ] || fail "no export"
 echo "ok: the GPT-2 example resumes bit for bit with $n lines of ckpt"
