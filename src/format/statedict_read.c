@@ -568,7 +568,9 @@ int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
 
 int ckpt_read_tensor_mem(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
                          const int64_t *shape, const ckpt_memory_ops *ops, void *handle) {
-    CKPT_TRY(ckpt__mem_check_ops(ops, "read tensor"));
+    char what[CKPT_MAX_KEY + 32];
+    snprintf(what, sizeof what, "%s: tensor '%s'", r ? r->name : "read tensor", key ? key : "?");
+    CKPT_TRY(ckpt__mem_check_ops(ops, what));
     ckpt_dst d = ckpt__dst_host(NULL);
     d.mem = (ckpt_mem_ref){ops, handle, 0};
     d.key = key;

@@ -456,6 +456,8 @@ static void test_standalone_files_and_adapted_loads(void **state) {
     emudev_poke(da, 0, (float[6]){0}, sizeof a);
     ckpt_reader *r = NULL;
     assert_int_equal(ckpt_reader_open(&r, path), CKPT_OK);
+    tu_expect_error(ckpt_read_tensor_mem(r, "a", CKPT_F32, 2, (int64_t[]){2, 3}, NULL, da),
+                    CKPT_EINVAL, "tensor 'a': memory ops are NULL");
     tu_expect_error(ckpt_read_tensor_mem(r, "a", CKPT_F32, 1, (int64_t[]){6}, &emudev_ops, da),
                     CKPT_EMISMATCH, "shape");
     assert_int_equal(ckpt_read_tensor_mem(r, "a", CKPT_F32, 2, (int64_t[]){2, 3}, &emudev_ops, da),
