@@ -870,15 +870,18 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * returns the same status and message (so every rank's saves are refused or
  * allowed alike after it).
  *
- * CKPT_ENOENT means exactly "there is no checkpoint": input_dir NULL and no
- * checkpoint_<n> folder at all in the project, or an explicit input_dir that
- * does not exist or is not a checkpoint (no checkpoint.json; an explicit save
- * never replaces such a folder unless it is empty). It is the one failure
- * that is a fresh start, and the one that leaves saves allowed. Every other
+ * CKPT_ENOENT means exactly "there is no checkpoint yet": input_dir NULL and
+ * no checkpoint_<n> folder at all in the project. It is the one failure that
+ * is a fresh start, and the one that leaves saves allowed. An explicit
+ * input_dir that does not exist, is not a folder or is not a checkpoint (no
+ * checkpoint.json) is CKPT_EINVAL, naming the path and the checkpoints that
+ * do exist beside it (or in the project): a typo such as checkpoint_07 for
+ * checkpoint_7 must not read as a fresh start. That and every other
  * failure (a corrupt or partial checkpoint, CKPT_EMISMATCH after a change of
  * configuration, I/O, a hook) makes this accelerator's saves refuse until a
- * load succeeds or the caller calls ckpt_accelerator_start_over (a save into a project another run
- * owns still fails with CKPT_EBUSY first). The resume idiom:
+ * load succeeds or the caller calls ckpt_accelerator_start_over (a save into
+ * a project another run owns still fails with CKPT_EBUSY first). The resume
+ * idiom:
  *     int rc = ckpt_load_state(acc, NULL);
  *     if (rc == CKPT_ENOENT) start from step 0;
  *     else if (rc < 0) stop: print ckpt_errmsg() and exit;

@@ -65,6 +65,8 @@ static const char train_help[] =
     "  --data FILE        the data set (default: the project's data/digits.csv.gz,\n"
     "                     or $CKPT_DATA)\n"
     "  --resume           continue from the newest complete checkpoint in DIR\n"
+    "  --resume-from CKPT continue from checkpoint folder CKPT (a folder that is not\n"
+    "                     a checkpoint is an error naming those that exist)\n"
     "  --drop-data-position\n"
     "                     with --resume, when the global batch (--batch-size x\n"
     "                     processes) differs from the checkpoint's: keep the step,\n"
@@ -109,7 +111,8 @@ typedef struct train_opts {
     ckpt_best_mode best_mode;
     const char *project_dir;
     const char *data;
-    const char *init_from; /* a checkpoint folder: its model only */
+    const char *init_from;   /* a checkpoint folder: its model only */
+    const char *resume_from; /* --resume-from: that checkpoint, not the newest */
     const char *freeze[16]; /* --freeze patterns */
     int nfreeze;
     uint64_t max_shard_size;
@@ -379,6 +382,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         O_PROJECT,
         O_DATA,
         O_RESUME,
+        O_RESUME_FROM,
         O_LOG_EVERY,
         O_QUIET,
         O_SHARD_OPTIM,
@@ -407,6 +411,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         {"project-dir", required_argument, NULL, O_PROJECT},
         {"data", required_argument, NULL, O_DATA},
         {"resume", no_argument, NULL, O_RESUME},
+        {"resume-from", required_argument, NULL, O_RESUME_FROM},
         {"init-from", required_argument, NULL, O_INIT_FROM},
         {"freeze", required_argument, NULL, O_FREEZE},
         {"max-shard-size", required_argument, NULL, O_MAX_SHARD},
@@ -447,6 +452,7 @@ static int parse_train_opts(int argc, char **argv, train_opts *o) {
         case O_PROJECT: o->project_dir = a; break;
         case O_DATA: o->data = a; break;
         case O_RESUME: o->resume = true; break;
+        case O_RESUME_FROM: o->resume = true, o->resume_from = a, ok = *a != '\0'; break;
         case O_INIT_FROM: o->init_from = a; ok = *a != '\0'; break;
         case O_FREEZE:
             if (o->nfreeze == (int)(sizeof o->freeze / sizeof o->freeze[0]))
@@ -805,7 +811,7 @@ static int init_from(trainer *t) {
     ckpt_load_options lo = {.objects = CKPT_LOAD_MODELS};
     ckpt_load_report rep;
     int rc = ckpt_load_state_ex(t->acc, dir, &lo, &rep);
-    if (rc == CKPT_ENOENT) {
+    if (rc == CKPT_EINVAL && cli_classify(dir) != CLI_KIND_CHECKPOINT) {
         cli_error("--init-from %s: not a checkpoint folder nor a project (%s); pass one such "
                   "as RUN/checkpoints/checkpoint_N, or RUN for its newest valid checkpoint",
                   dir, ckpt_errmsg());
@@ -856,7 +862,12 @@ static int saved_loader_position(const char *dir, int64_t *epoch, int64_t *pos) 
  * the saved one. */
 static int resume(trainer *t) {
     const train_opts *o = &t->opt;
-    int rc = ckpt_load_state(t->acc, NULL);
+    int rc = ckpt_load_state(t->acc, o->resume_from);
+    if (rc == CKPT_EINVAL && o->resume_from &&
+        cli_classify(o->resume_from) != CLI_KIND_CHECKPOINT) {
+        cli_error("--resume-from: %s", ckpt_errmsg());
+        return CLI_USAGE;
+    }
     int saved_procs = 1, now_procs = t->dist.size > 0 ? t->dist.size : 1;
     bool drop = false;
     int64_t epoch = 0, pos = 0;
@@ -874,7 +885,7 @@ static int resume(trainer *t) {
         static const char *const config_only[] = {"custom_checkpoint_0"};
         ckpt_load_options lo = {.names = config_only, .num_names = 1};
         ckpt_load_report rep;
-        if (ckpt_load_state_ex(t->acc, NULL, &lo, &rep) < 0) {
+        if (ckpt_load_state_ex(t->acc, o->resume_from, &lo, &rep) < 0) {
             cli_error("resume: %s", why);
             return CLI_RUNTIME;
         }
@@ -1026,7 +1037,7 @@ int cli_train(int argc, char **argv) {
         goto done;
     }
     if (o->resume) {
-        if (has) {
+        if (has || o->resume_from) {
             if ((status = resume(&t)) != CLI_OK) goto done;
             step = ckpt_accelerator_step(t.acc);
             saved_step = step;

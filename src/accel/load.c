@@ -828,15 +828,29 @@ static void warn_skipped(ckpt_accelerator *acc, const char *dir, const char *msg
               msg, older ? "; falling back to an older checkpoint" : "");
 }
 
-/* An explicit folder: CKPT_ENOENT if it does not exist or is not a
- * checkpoint (no manifest): there is no checkpoint, a fresh start. */
+/* An explicit folder that is not there or is not a checkpoint: CKPT_EINVAL,
+ * never the CKPT_ENOENT of a fresh start (a typo in a resume path must not
+ * let the run start over and rotate its checkpoints away). */
+static int not_a_checkpoint(const load_op *op, const char *input_dir, const char *what) {
+    char near[1024];
+    ckpt__checkpoints_near(input_dir, op->acc->project_dir, near, sizeof near);
+    return ckpt__err(CKPT_EINVAL,
+                     "load_state: %s: %s%s; an explicit input_dir must be a checkpoint "
+                     "(NULL loads the project's newest valid one)",
+                     input_dir, what, near);
+}
+
 static int choose_folder(load_op *op, const char *input_dir) {
     if (!input_dir[0]) return ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
     struct stat st;
-    if (ckpt__os_lstat(input_dir, &st) != 0 && errno == ENOENT)
-        return ckpt__err(CKPT_ENOENT, "load_state: %s: no such checkpoint folder", input_dir);
+    int src = ckpt__os_stat(input_dir, &st);
+    if (src != 0 && (errno == ENOENT || errno == ENOTDIR))
+        return not_a_checkpoint(op, input_dir, "no such checkpoint folder");
+    if (src == 0 && !S_ISDIR(st.st_mode)) return not_a_checkpoint(op, input_dir, "not a folder");
     if (!(op->dir = ckpt__strdup(input_dir))) return ckpt__err_nomem("load path");
     int rc = open_checkpoint(op, op->dir);
+    if (rc == CKPT_ENOENT && op->c.no_manifest)
+        return not_a_checkpoint(op, input_dir, "not a checkpoint (no checkpoint.json)");
     if (rc < 0) rc = ckpt__err_prefix(rc, "load_state");
     return rc;
 }
@@ -1442,7 +1456,6 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     ckpt__coll_phase(acc, "load: choose the checkpoint");
     if (input_dir) {
         rc = ckpt__coll_agree(op.comm, choose_folder(&op, input_dir), NULL);
-        op.nothing = rc == CKPT_ENOENT; /* no such folder, or not a checkpoint */
         if (rc == 0) rc = ckpt__coll_agree(op.comm, share_files(&op), NULL);
     } else {
         rc = choose_latest(&op);

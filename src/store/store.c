@@ -96,6 +96,57 @@ int ckpt__list_numbers(const char *dir, int64_t **nums, int64_t *count) {
     return 0;
 }
 
+/* The folder part of path ("." for a bare name), malloc'd. */
+static char *parent_of(const char *path) {
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--;
+    while (n > 0 && path[n - 1] != '/') n--;
+    while (n > 1 && path[n - 1] == '/') n--;
+    if (n == 0) return ckpt__strdup(".");
+    char *p = ckpt__malloc(n + 1);
+    if (p) {
+        memcpy(p, path, n);
+        p[n] = '\0';
+    }
+    return p;
+}
+
+/* "checkpoint_5, checkpoint_6 and checkpoint_7" (the newest 8, then how
+ * many older) into buf at *used. */
+static void name_numbers(const int64_t *nums, int64_t count, char *buf, size_t cap, size_t *used) {
+    int64_t first = count > 8 ? count - 8 : 0;
+    for (int64_t i = first; i < count && *used < cap; i++) {
+        const char *sep = i == first ? "" : i == count - 1 ? " and " : ", ";
+        *used += (size_t)snprintf(buf + *used, cap - *used, "%scheckpoint_%" PRId64, sep, nums[i]);
+    }
+    if (first > 0 && *used < cap)
+        *used += (size_t)snprintf(buf + *used, cap - *used, " (and %" PRId64 " older)", first);
+}
+
+void ckpt__checkpoints_near(const char *path, const char *project_dir, char *buf, size_t cap) {
+    buf[0] = '\0';
+    char *parent = parent_of(path);
+    char *pdir = project_dir ? ckpt__checkpoints_dir(project_dir) : NULL;
+    const char *where[2] = {parent, pdir};
+    size_t used = 0;
+    for (int k = 0; k < 2 && used == 0; k++) {
+        int64_t *nums = NULL, count = 0;
+        if (!where[k] || (k == 1 && parent && strcmp(where[0], where[1]) == 0)) continue;
+        if (ckpt__list_numbers(where[k], &nums, &count) == 0 && count > 0) {
+            used = (size_t)snprintf(buf, cap, "; %s holds ", where[k]);
+            if (used < cap) name_numbers(nums, count, buf, cap, &used);
+        }
+        free(nums);
+    }
+    if (used == 0 && parent)
+        snprintf(buf, cap, "; there is no checkpoint_<n> folder in %s%s%s", parent,
+                 pdir && strcmp(parent, pdir) != 0 ? " nor in " : "",
+                 pdir && strcmp(parent, pdir) != 0 ? pdir : "");
+    ckpt_clear_error(); /* a listing that failed only leaves the hint out */
+    free(parent);
+    free(pdir);
+}
+
 char *ckpt__lock_path(const char *parent, const char *base) {
     int64_t n;
     if (ckpt__parse_checkpoint_name(base, &n)) return ckpt__path_join(parent, ".lock");

@@ -22,6 +22,13 @@ int ckpt__parse_checkpoint_name(const char *name, int64_t *n);
  * free()). A missing dir gives 0 entries. */
 int ckpt__list_numbers(const char *dir, int64_t **nums, int64_t *count);
 
+/* For a message about path, a folder that is not a checkpoint: "; <dir>
+ * holds checkpoint_5, checkpoint_6 and checkpoint_7" where <dir> is path's
+ * folder or else project_dir's checkpoints (may be NULL), or "; there is
+ * no checkpoint_<n> folder in ...", into buf (cap bytes; "" if out of
+ * memory). A typo (checkpoint_07 for checkpoint_7) is then plain. */
+void ckpt__checkpoints_near(const char *path, const char *project_dir, char *buf, size_t cap);
+
 /* An exclusive, non-blocking flock on a lock file (created if missing). */
 typedef struct ckpt_lock {
     int fd;

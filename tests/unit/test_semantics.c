@@ -172,11 +172,115 @@ static void test_an_explicit_step_that_disagrees_warns_once_and_is_kept(void **s
     free(p);
 }
 
+/* ---- an explicit load path is no fresh start --------------------------------- */
+
+/* Three automatic saves (checkpoint_5.. checkpoint_7 after two made and
+ * rotated away with total_limit 3). */
+static void three_saves(const char *p) {
+    run a;
+    run_init(&a, p, 3, true);
+    for (int k = 0; k < 8; k++) {
+        run_steps(&a, 1);
+        assert_int_equal(ckpt_save_state(a.acc, NULL), CKPT_OK);
+    }
+    run_free(&a);
+}
+
+static int count_checkpoints(const char *p) {
+    ckpt_checkpoint_info *list = NULL;
+    int64_t n = 0;
+    assert_int_equal(ckpt_checkpoint_list(p, false, &list, &n), CKPT_OK);
+    free(list);
+    return (int)n;
+}
+
+/* The report's typo: checkpoint_07 where checkpoint_7 exists. The resume
+ * idiom (only CKPT_ENOENT is a fresh start) stops; if the program carries
+ * on anyway, its saves refuse, so total_limit rotates nothing away. */
+static void test_a_typo_in_an_explicit_load_path_is_an_error_not_a_fresh_start(void **state) {
+    (void)state;
+    char *p = project();
+    three_saves(p);
+    char *typo = tu_pathf("%s/checkpoints/checkpoint_07", p);
+    run b;
+    run_init(&b, p, 3, true);
+    int rc = ckpt_load_state(b.acc, typo);
+    assert_int_not_equal(rc, CKPT_ENOENT);
+    tu_expect_error(rc, CKPT_EINVAL, "checkpoint_07: no such checkpoint folder");
+    /* the message names the checkpoints that do exist */
+    tu_assert_errmsg_has("holds checkpoint_5, checkpoint_6 and checkpoint_7");
+    for (int k = 0; k < 4; k++) /* a program that ignores the error */
+        tu_expect_error(ckpt_save_state(b.acc, NULL), CKPT_EINVAL, "refused");
+    assert_int_equal(count_checkpoints(p), 3);
+    char *kept = tu_pathf("%s/checkpoints/checkpoint_5", p);
+    assert_true(tu_exists(kept));
+    /* ckpt_load_state_ex alike; an explicit save refuses too */
+    tu_expect_error(ckpt_load_state_ex(b.acc, typo, NULL, NULL), CKPT_EINVAL, "checkpoint_07");
+    tu_expect_error(ckpt_save_state(b.acc, typo), CKPT_EINVAL, "refused");
+    assert_false(tu_exists(typo));
+    /* the right path loads, and saves go on */
+    char *right = tu_pathf("%s/checkpoints/checkpoint_7", p);
+    assert_int_equal(ckpt_load_state(b.acc, right), CKPT_OK);
+    assert_int_equal(ckpt_save_state(b.acc, NULL), CKPT_OK);
+    run_free(&b);
+    free(kept);
+    free(right);
+    free(typo);
+    free(p);
+}
+
+/* A folder without a manifest, a file, a dangling symlink: none is a
+ * checkpoint, all are errors; a bare name lists the project's checkpoints;
+ * start_over lets a run that means it begin again. */
+static void test_an_explicit_path_that_is_not_a_checkpoint_is_an_error(void **state) {
+    (void)state;
+    char *p = project();
+    three_saves(p);
+    char *folder = tu_pathf("%s/stuff", tu_dir());
+    char *file = tu_pathf("%s/file", tu_dir());
+    char *link = tu_pathf("%s/link", tu_dir());
+    assert_int_equal(mkdir(folder, 0755), 0);
+    tu_write_text(file, "x");
+    assert_int_equal(symlink("nowhere", link), 0);
+    run b;
+    run_init(&b, p, 3, true);
+    tu_expect_error(ckpt_load_state(b.acc, folder), CKPT_EINVAL,
+                    "not a checkpoint (no checkpoint.json)");
+    /* beside it no checkpoint: the project's are named */
+    tu_assert_errmsg_has("checkpoints holds checkpoint_5, checkpoint_6 and checkpoint_7");
+    tu_expect_error(ckpt_load_state(b.acc, file), CKPT_EINVAL, "file: not a folder");
+    tu_expect_error(ckpt_load_state(b.acc, link), CKPT_EINVAL, "link: no such checkpoint folder");
+    tu_expect_error(ckpt_load_state(b.acc, "checkpoint_7"), CKPT_EINVAL,
+                    "checkpoint_7: no such checkpoint folder");
+    tu_assert_errmsg_has("checkpoint_5, checkpoint_6 and checkpoint_7");
+    tu_expect_error(ckpt_save_state(b.acc, NULL), CKPT_EINVAL, "refused");
+    assert_int_equal(ckpt_accelerator_start_over(b.acc), CKPT_OK);
+    assert_int_equal(ckpt_save_state(b.acc, NULL), CKPT_OK);
+    run_free(&b);
+    /* without any checkpoint near it, the message says so */
+    run c;
+    char *empty = tu_pathf("%s/empty", tu_dir());
+    run_init(&c, empty, 0, true);
+    tu_expect_error(ckpt_load_state(c.acc, folder), CKPT_EINVAL, "there is no checkpoint_<n>");
+    /* and a NULL input_dir with no checkpoint at all is the one fresh start */
+    assert_int_equal(ckpt_accelerator_start_over(c.acc), CKPT_OK);
+    tu_expect_error(ckpt_load_state(c.acc, NULL), CKPT_ENOENT, "no checkpoint");
+    assert_int_equal(ckpt_save_state(c.acc, NULL), CKPT_OK);
+    run_free(&c);
+    free(empty);
+    free(folder);
+    free(file);
+    free(link);
+    free(p);
+}
+
 int main(void) {
 #define T(name) cmocka_unit_test_setup_teardown(name, tu_tmpdir_setup, tu_tmpdir_teardown)
     const struct CMUnitTest tests[] = {
         T(test_step_follows_the_first_optimizer_unless_set),
         T(test_an_explicit_step_that_disagrees_warns_once_and_is_kept),
+        T(test_a_typo_in_an_explicit_load_path_is_an_error_not_a_fresh_start),
+        T(test_an_explicit_path_that_is_not_a_checkpoint_is_an_error),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
