@@ -52,9 +52,8 @@ static void run_init(run *r, const char *project, int total_limit, bool optimize
     assert_int_equal(ckpt_model_new(&r->m), CKPT_OK);
     assert_int_equal(ckpt_model_add_param(r->m, "w", CKPT_F32, 1, (int64_t[]){4}, r->w, r->gw),
                      CKPT_OK);
-    ckpt_project_config cfg = {.project_dir = project,
-                               .automatic_checkpoint_naming = true,
-                               .total_limit = total_limit};
+    ckpt_project_config cfg = {
+        .project_dir = project, .automatic_checkpoint_naming = true, .total_limit = total_limit};
     assert_int_equal(ckpt_accelerator_new(&r->acc, &cfg), CKPT_OK);
     ckpt_accelerator_set_log(r->acc, log_to, &r->log);
     assert_int_equal(ckpt_prepare_model(r->acc, r->m), CKPT_OK);
