@@ -76,6 +76,9 @@ struct ckpt_accelerator {
      * differ was given. */
     int64_t step;
     bool step_set, step_warned;
+    /* entries named checkpoint_<n> that are no checkpoint folder were
+     * reported (once per accelerator) */
+    bool odd_names_said;
     char *last_dir;
     ckpt_hook_handle *hooks[HOOK_KINDS];
     /* The last ckpt_load_state failed (other than "no checkpoint"): saves

@@ -109,11 +109,26 @@ static int plan_local(save_op *op, const char *output_dir) {
     bool numbered = op->automatic || ckpt__parse_checkpoint_name(op->base, &n);
     CKPT_TRY(ckpt__remove_leftovers(op->parent, numbered ? NULL : op->base, &op->log));
     if (op->automatic) {
-        int64_t *nums = NULL, count = 0;
+        int64_t *nums = NULL, count = 0, taken = -1;
+        char odd[512];
         rc = ckpt__list_numbers(op->parent, &nums, &count);
-        if (rc < 0) return ckpt__err_prefix(rc, "save_state");
+        if (rc == 0) rc = ckpt__names_taken(op->parent, &taken, odd, sizeof odd);
+        if (rc < 0) {
+            free(nums);
+            return ckpt__err_prefix(rc, "save_state");
+        }
+        /* Past every name in use, folder or not: a commit never renames
+         * over an entry, so a file or a symlink named checkpoint_<n> would
+         * otherwise fail every save from then on. */
         op->number = acc->iteration;
-        if (count > 0 && nums[count - 1] + 1 > op->number) op->number = nums[count - 1] + 1;
+        if (taken + 1 > op->number) op->number = taken + 1;
+        if (odd[0] && !acc->odd_names_said) {
+            acc->odd_names_said = true;
+            ckpt__log(&op->log, CKPT_LOG_WARNING,
+                      "save_state: in %s, %s: not checkpoint folders; numbering steps over them "
+                      "and leaves them alone",
+                      op->parent, odd);
+        }
         if (op->link && count > 0) {
             char nm[48];
             snprintf(nm, sizeof nm, "checkpoint_%" PRId64, nums[count - 1]);

@@ -29,6 +29,19 @@ int ckpt__list_numbers(const char *dir, int64_t **nums, int64_t *count);
  * memory). A typo (checkpoint_07 for checkpoint_7) is then plain. */
 void ckpt__checkpoints_near(const char *path, const char *project_dir, char *buf, size_t cap);
 
+/* Every entry of dir named checkpoint_<n>, whatever its type: *highest gets
+ * the largest n (-1: none), so automatic numbering steps over a file, a
+ * symlink or anything else that holds a checkpoint name (a commit could
+ * never rename over it). odd (cap bytes; may be NULL) gets those that are
+ * no checkpoint folder, "checkpoint_8 (a symbolic link), ..." ("": none).
+ * A missing dir has none. */
+int ckpt__names_taken(const char *dir, int64_t *highest, char *odd, size_t cap);
+/* Removes the leftover temporary folders in dir (".checkpoint_<n>.tmp.<pid>"
+ * and rotation's ".old." ones) whose process is gone, one warning each;
+ * those of a process still running (this one too) stay. Only under the lock
+ * that covers dir. Failures to remove are warnings. */
+void ckpt__remove_dead_leftovers(const char *dir, const ckpt_logger *lg);
+
 /* An exclusive, non-blocking flock on a lock file (created if missing). */
 typedef struct ckpt_lock {
     int fd;

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -273,6 +274,131 @@ static void test_an_explicit_path_that_is_not_a_checkpoint_is_an_error(void **st
     free(p);
 }
 
+/* ---- names that are no checkpoint folder ------------------------------------- */
+
+static int count_lines_with(const char *text, const char *needle) {
+    int n = 0;
+    for (const char *at = strstr(text, needle); at; at = strstr(at + 1, needle)) n++;
+    return n;
+}
+
+/* A file, a dangling symlink and a symlinked folder named checkpoint_<n>:
+ * numbering steps over every one (a commit cannot rename over them), they
+ * are left exactly as they were, and one warning names them. */
+static void test_entries_named_like_checkpoints_are_stepped_over_and_left_alone(void **state) {
+    (void)state;
+    char *p = project();
+    char *cdir = tu_pathf("%s/checkpoints", p);
+    run a;
+    run_init(&a, p, 2, true);
+    run_steps(&a, 1);
+    assert_int_equal(ckpt_save_state(a.acc, NULL), CKPT_OK); /* checkpoint_0 */
+    char *file = tu_pathf("%s/checkpoint_1", cdir);
+    char *dangling = tu_pathf("%s/checkpoint_2", cdir);
+    char *linked = tu_pathf("%s/checkpoint_3", cdir);
+    char *elsewhere = tu_pathf("%s/elsewhere", tu_dir());
+    tu_write_text(file, "notes");
+    assert_int_equal(symlink("nowhere", dangling), 0);
+    assert_int_equal(mkdir(elsewhere, 0755), 0);
+    assert_int_equal(symlink(elsewhere, linked), 0);
+    for (int k = 0; k < 3; k++) {
+        run_steps(&a, 1);
+        assert_int_equal(ckpt_save_state(a.acc, NULL), CKPT_OK);
+    }
+    char *last = tu_pathf("%s/checkpoint_6", cdir);
+    assert_string_equal(ckpt_accelerator_last_dir(a.acc), last);
+    assert_int_equal(count_lines_with(a.log.text, "not checkpoint folders"), 1);
+    tu_assert_contains(a.log.text, "checkpoint_1 (a regular file)");
+    tu_assert_contains(a.log.text, "checkpoint_2 (a symlink)");
+    tu_assert_contains(a.log.text, "checkpoint_3 (a symlink)");
+    run_free(&a);
+    /* untouched, and rotation (total_limit 2) removed real folders only */
+    tu_assert_file_text(file, "notes");
+    char target[64] = "";
+    assert_true(readlink(dangling, target, sizeof target - 1) > 0);
+    assert_string_equal(target, "nowhere");
+    struct stat st;
+    assert_int_equal(lstat(linked, &st), 0);
+    assert_true(S_ISLNK(st.st_mode));
+    assert_int_equal(count_checkpoints(p), 2);
+    /* a resume loads the newest real checkpoint and numbers on, saying it once */
+    run b;
+    run_init(&b, p, 2, true);
+    assert_int_equal(ckpt_load_state(b.acc, NULL), CKPT_OK);
+    assert_string_equal(ckpt_accelerator_last_dir(b.acc), last);
+    assert_int_equal(ckpt_save_state(b.acc, NULL), CKPT_OK);
+    assert_int_equal(ckpt_save_state(b.acc, NULL), CKPT_OK);
+    assert_int_equal(count_lines_with(b.log.text, "not checkpoint folders"), 1);
+    run_free(&b);
+    /* even a name above every folder's number is stepped over */
+    char *high = tu_pathf("%s/checkpoint_40", cdir);
+    tu_write_text(high, "x");
+    run c;
+    run_init(&c, p, 2, true);
+    assert_int_equal(ckpt_load_state(c.acc, NULL), CKPT_OK);
+    assert_int_equal(ckpt_save_state(c.acc, NULL), CKPT_OK);
+    char *c41 = tu_pathf("%s/checkpoint_41", cdir);
+    assert_string_equal(ckpt_accelerator_last_dir(c.acc), c41);
+    tu_assert_file_text(high, "x");
+    run_free(&c);
+    free(c41);
+    free(high);
+    free(last);
+    free(elsewhere);
+    free(linked);
+    free(dangling);
+    free(file);
+    free(cdir);
+    free(p);
+}
+
+/* ---- a resume removes what killed saves left ------------------------------- */
+
+static pid_t gone_pid(void) {
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) _exit(0);
+    int status;
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+    return pid;
+}
+
+static void test_a_resume_removes_temporary_folders_of_killed_saves(void **state) {
+    (void)state;
+    char *p = project();
+    run a;
+    run_init(&a, p, 0, true);
+    run_steps(&a, 1);
+    assert_int_equal(ckpt_save_state(a.acc, NULL), CKPT_OK);
+    run_free(&a);
+    pid_t dead = gone_pid();
+    char *killed = tu_pathf("%s/checkpoints/.checkpoint_1.tmp.%ld", p, (long)dead);
+    char *rotated = tu_pathf("%s/checkpoints/.checkpoint_0.old.%ld", p, (long)dead);
+    char *alive = tu_pathf("%s/checkpoints/.checkpoint_1.tmp.%ld", p, (long)getppid());
+    char *inner = tu_pathf("%s/model.safetensors", killed);
+    for (int k = 0; k < 3; k++) {
+        const char *d = k == 0 ? killed : k == 1 ? rotated : alive;
+        assert_int_equal(mkdir(d, 0755), 0);
+    }
+    tu_write_text(inner, "half written");
+    run b;
+    run_init(&b, p, 0, true);
+    assert_int_equal(ckpt_load_state(b.acc, NULL), CKPT_OK);
+    /* gone at the load, before any save; one line each; a live one stays */
+    assert_false(tu_exists(killed));
+    assert_false(tu_exists(rotated));
+    assert_true(tu_exists(alive));
+    assert_int_equal(count_lines_with(b.log.text, "whose process"), 2);
+    tu_assert_contains(b.log.text, killed);
+    tu_assert_contains(b.log.text, rotated);
+    run_free(&b);
+    free(inner);
+    free(alive);
+    free(rotated);
+    free(killed);
+    free(p);
+}
+
 int main(void) {
 #define T(name) cmocka_unit_test_setup_teardown(name, tu_tmpdir_setup, tu_tmpdir_teardown)
     const struct CMUnitTest tests[] = {
@@ -280,6 +406,8 @@ int main(void) {
         T(test_an_explicit_step_that_disagrees_warns_once_and_is_kept),
         T(test_a_typo_in_an_explicit_load_path_is_an_error_not_a_fresh_start),
         T(test_an_explicit_path_that_is_not_a_checkpoint_is_an_error),
+        T(test_entries_named_like_checkpoints_are_stepped_over_and_left_alone),
+        T(test_a_resume_removes_temporary_folders_of_killed_saves),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
