@@ -809,6 +809,23 @@ CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir
  * returns the save's status (CKPT_OK when none is pending and no failure is
  * waiting to be reported). Collective with several processes. */
 CKPT_API int ckpt_save_wait(ckpt_accelerator *acc);
+/* Makes a finished asynchronous save durable without waiting for one that
+ * is not: never waits for the background thread (nor the disk it writes).
+ * If every rank's files of the pending save are written, the save is
+ * committed now (with several processes the agreement, rank 0's manifest,
+ * rename and folder fsyncs, and total_limit, as at a wait; with one the
+ * background thread has committed it already) and its post-save hooks run;
+ * otherwise nothing happens. Returns 1 when nothing is pending (the last
+ * asynchronous save is committed, or there was none), 0 while the save is
+ * still being written, or the failure of the save (a failure is returned
+ * once, as by ckpt_save_wait; the save left nothing visible). Collective
+ * with several processes, like the other calls: every rank calls it at the
+ * same points and gets the same answer (one small reduction). A training
+ * loop that saves asynchronously calls it every step or every few, so a
+ * save is on disk, committed, as soon as its files are: a job preempted (or
+ * killed) before its next save, wait, load or free keeps it. (Without it,
+ * with several processes, the commit waits for that next call.) */
+CKPT_API int ckpt_save_poll(ckpt_accelerator *acc);
 /* How the background thread of asynchronous saves runs its jobs, so that
  * the training loop keeps its core and its disk: CKPT_ASYNC_CPU_IDLE, the
  * scheduler's idle class (SCHED_IDLE: the thread runs only on a core no
@@ -1056,7 +1073,10 @@ CKPT_API void ckpt_clear_metrics(ckpt_accelerator *acc);
  * the same steps) and every rank gets the same answer: true if it is true on
  * any rank (clocks and signals differ between processes), so all ranks save
  * at the same step. It does not save: the caller calls ckpt_save_state (or
- * _async), and, after a preemption, exits. CKPT_EINVAL for step < 0. */
+ * _async), and, after a preemption, exits. After a preemption it first
+ * commits a pending asynchronous save (as ckpt_save_wait, keeping a failure
+ * for the next save), so that save is durable before the next one starts.
+ * CKPT_EINVAL for step < 0. */
 CKPT_API int ckpt_should_save(ckpt_accelerator *acc, int64_t step);
 
 /* Preemption. Schedulers warn before they kill a job (Slurm: SIGTERM, or
