@@ -675,6 +675,19 @@ typedef struct ckpt_project_config {
      * sector hits all of them; ckpt verify names them). true: always write
      * every file (zero-initialised configs keep linking on). */
     bool no_link_unchanged;
+    /* Retained checkpoints are independent copies: with linking on, a save
+     * keeps at least this many physical copies of every file among the
+     * checkpoints retained after it (the new one, and the ones its
+     * rotation keeps: the newest total_limit - 1, every one with
+     * total_limit 0; an explicit folder's link source), as far as they
+     * hold the same bytes. A file whose link would leave fewer is written
+     * anew (a copy of its own) instead of linked. 0 = the default, 2: no
+     * single bad sector or flipped byte can take every retained checkpoint
+     * down with it; with total_limit 0 that costs one extra copy of an
+     * unchanged file ever, with total_limit N about one write of it every
+     * N - 1 saves (bench/README.md). 1: link whenever the bytes are equal
+     * (one copy may serve every checkpoint). Negative: CKPT_EINVAL. */
+    int link_copies;
 } ckpt_project_config;
 
 #define CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S 600.0

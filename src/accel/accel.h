@@ -14,6 +14,9 @@
 #include "base/io.h"
 #include "store/store.h"
 
+/* ckpt_project_config.link_copies when 0. */
+#define CKPT_LINK_COPIES_DEFAULT 2
+
 /* The kinds of saved objects, in the order their files are written. */
 enum {
     K_MODEL,
@@ -102,6 +105,7 @@ struct ckpt_accelerator {
     ckpt_retention retention;
     uint64_t max_shard_size; /* models beyond it are saved as HF shards */
     bool no_link_unchanged;  /* incremental saves off: every file is written */
+    int link_copies;         /* physical copies kept among the retained checkpoints */
     uint64_t last_save_written, last_save_linked; /* ckpt_accelerator_last_save_bytes */
     char *link_dir; /* the checkpoint last saved or loaded (even partly): see save.c */
     /* ckpt_set_metric: recorded by the next save */
