@@ -184,11 +184,14 @@ int ckpt__coll_agree(const ckpt_comm *c, int rc, bool (*prefer)(int rc));
 int ckpt__coll_agree_echo(const ckpt_comm *c, int rc, bool (*prefer)(int rc), bool echo);
 /* Rank 0's status and message reach every rank: rank 0 passes rc, the
  * others anything; all return rank 0's rc, and on failure every rank's
- * message is "rank 0: <rank 0's message>". */
+ * message is "rank 0: <rank 0's message>". A rank whose copy did not
+ * arrive still learns rank 0's status (one reduction follows the
+ * broadcast), so every rank returns the same. */
 int ckpt__coll_share(const ckpt_comm *c, int rc);
 /* Rank 0's n bytes at *buf reach every rank: elsewhere *buf gets a
  * ckpt__malloc'd copy (free() it; one extra NUL byte after the data) and *n
- * its length. */
+ * its length. A transfer that fails on one rank fails on every rank (each
+ * step is agreed on). */
 int ckpt__coll_bcast_bytes(const ckpt_comm *c, char **buf, size_t *n);
 /* Deadlines (ckpt_comm.deadline; nothing for a comm without them or one
  * rank). ckpt__coll_begin starts an operation of acc (or, nested in one,

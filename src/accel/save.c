@@ -760,16 +760,18 @@ static int commit_all(save_op *op) {
     /* agree */
     ckpt__coll_phase(op->acc, "save: agree on the commit");
     rc = ckpt__coll_agree(c, rc, NULL);
+    if (rc == 0 && c->size > 1) {
+        ckpt__coll_phase(op->acc, "save: gather the file records");
+        /* a rank whose records did not reach rank 0 (or rank 0 that could
+         * not read them) stops the commit on every rank */
+        rc = ckpt__coll_agree(c, gather_records(op, json, jlen), NULL);
+    } else if (rc == 0) {
+        op->all = op->mine;
+        ckpt__manifest_init(&op->mine);
+    }
     if (rc == 0) {
-        if (c->size > 1) {
-            ckpt__coll_phase(op->acc, "save: gather the file records");
-            rc = gather_records(op, json, jlen);
-        } else {
-            op->all = op->mine;
-            ckpt__manifest_init(&op->mine);
-        }
         /* commit, rotate */
-        if (rc == 0 && op->committer) rc = commit(op);
+        if (op->committer) rc = commit(op);
         if (rc == 0 && op->committer) rotate(op);
         if (op->committer) release(op);
         ckpt__coll_phase(op->acc, "save: share the outcome of the commit");
