@@ -23,9 +23,11 @@
  *       dataloader.safetensors
  *       random_states_<p>.safetensors   process p's default generator
  *       custom_checkpoint_<i>.safetensors
+ *       <name>.safetensors           a named custom object
  * Every state file is a standard safetensors file: tensors as tensors, every
- * other entry (int, float, string, bytes) in __metadata__["ckpt"], one JSON
- * document that keeps each entry's type (see docs/FORMAT.md).
+ * other entry (int, unsigned 64-bit int, float, string, bytes, alias) in
+ * __metadata__["ckpt"], one JSON document that keeps each entry's type (see
+ * docs/FORMAT.md).
  *
  * This header holds the everyday API: errors, state dicts, stateful objects,
  * the training blocks and the accelerator. The specialised parts are in
@@ -168,20 +170,32 @@ typedef struct ckpt_reader ckpt_reader;
 CKPT_API int ckpt_write_tensor(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
                                const int64_t *shape, const void *data);
 CKPT_API int ckpt_write_i64(ckpt_writer *w, const char *key, int64_t v);
+/* Every 64-bit unsigned value, exactly (a seed, a generator's state, a byte
+ * count): a u64 entry, read back only by ckpt_read_u64 (an i64 entry is not
+ * a u64 one, whatever its value). */
+CKPT_API int ckpt_write_u64(ckpt_writer *w, const char *key, uint64_t v);
 /* Exact: the bits of every finite value, infinities and NaN round-trip. */
 CKPT_API int ckpt_write_f64(ckpt_writer *w, const char *key, double v);
 /* Copies v, which must be valid UTF-8. */
 CKPT_API int ckpt_write_str(ckpt_writer *w, const char *key, const char *v);
 /* Copies n bytes from p. */
 CKPT_API int ckpt_write_bytes(ckpt_writer *w, const char *key, const void *p, size_t n);
+/* A second name of a tensor (tied weights): alias names the tensor target,
+ * which this writer already holds (written whole with ckpt_write_tensor, not
+ * an alias itself). The file holds target's bytes once and records "alias
+ * is target" (docs/FORMAT.md, "Aliases"); a reader gives alias's reads
+ * target's tensor, and lists alias as an entry of kind CKPT_ENTRY_ALIAS.
+ * Key rules as above; CKPT_ENOENT if target is no tensor of w. */
+CKPT_API int ckpt_write_alias(ckpt_writer *w, const char *alias, const char *target);
 
 /* Reads a tensor into dst, which has room for exactly its bytes. dtype, ndim
  * and shape must match the file exactly, else CKPT_EMISMATCH naming the key,
  * what is in the file and what was asked for. CKPT_ENOENT if there is no such
- * key (or it is not a tensor). */
+ * key (or it is not a tensor). An alias reads its target. */
 CKPT_API int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
                               const int64_t *shape, void *dst);
 CKPT_API int ckpt_read_i64(ckpt_reader *r, const char *key, int64_t *v);
+CKPT_API int ckpt_read_u64(ckpt_reader *r, const char *key, uint64_t *v);
 CKPT_API int ckpt_read_f64(ckpt_reader *r, const char *key, double *v);
 /* Copies the string with its NUL into buf; CKPT_EINVAL if cap is too small. */
 CKPT_API int ckpt_read_str(ckpt_reader *r, const char *key, char *buf, size_t cap);
@@ -295,13 +309,38 @@ typedef struct ckpt_model ckpt_model;
 
 CKPT_API int ckpt_model_new(ckpt_model **out);
 CKPT_API void ckpt_model_free(ckpt_model *m);
-/* Adds a parameter. Copies name and shape; borrows data and grad (grad may be
- * NULL for a frozen parameter) until the model is freed. Names follow the key
- * rules; a duplicate is CKPT_EEXIST. */
+/* Adds a parameter. Copies name and shape; borrows data and grad (of the
+ * parameter's dtype; NULL for a parameter ckpt's optimizers do not update:
+ * a frozen one, or one an external optimizer's caller updates) until the
+ * model is freed. Names follow the key rules; a duplicate is CKPT_EEXIST. */
 CKPT_API int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
                                   const int64_t *shape, void *data, void *grad);
-CKPT_API int64_t ckpt_model_num_params(const ckpt_model *m);   /* parameter tensors */
-CKPT_API int64_t ckpt_model_num_elements(const ckpt_model *m); /* sum of their elements */
+/* Tied weights (GPT-2's lm_head.weight is transformer.wte.weight): alias
+ * becomes a second name of the parameter target (or of target's own target,
+ * if target is itself an alias). The pair is ONE parameter: one buffer (the
+ * target's), one gradient, one optimizer state (an optimizer skips tied
+ * names), frozen together. A checkpoint holds its bytes once, under target's
+ * name, and records the alias (docs/FORMAT.md, "Aliases"); a load fills the
+ * one buffer. alias is added as a new name (appended: ckpt_model_param lists
+ * it after the parameters before it); if it already names target's
+ * parameter the call does nothing. CKPT_ENOENT if target is no parameter,
+ * CKPT_EEXIST if alias is already a parameter of its own or tied elsewhere,
+ * CKPT_EINVAL for a bad name.
+ * ckpt_model_add_param ties without this call: a parameter registered on the
+ * very data pointer of an earlier one, with the same dtype and shape, becomes
+ * its alias (a different gradient buffer is then CKPT_EINVAL: a tied pair has
+ * one gradient; NULL, or the same buffer, is fine).
+ * Loads: a file where the two names are tied, and memory where they are
+ * not, or the reverse, is CKPT_EMISMATCH naming both (the files hold one
+ * tensor where memory expects two, or the reverse); a file without the
+ * alias at all (Hugging Face's files leave tied names out) loads: the
+ * target fills the one buffer. */
+CKPT_API int ckpt_model_tie(ckpt_model *m, const char *alias, const char *target);
+/* Parameter names, tied ones included. */
+CKPT_API int64_t ckpt_model_num_params(const ckpt_model *m);
+/* Sum of the elements of the distinct parameters (a tied pair counts once,
+ * as PyTorch's sum(p.numel() for p in model.parameters())). */
+CKPT_API int64_t ckpt_model_num_elements(const ckpt_model *m);
 typedef struct ckpt_param_info {
     const char *name;  /* view valid until the model is freed */
     ckpt_dtype dtype;
@@ -311,24 +350,38 @@ typedef struct ckpt_param_info {
     void *data;
     void *grad;
     bool frozen; /* see ckpt_model_set_frozen */
+    /* A tied name (ckpt_model_tie): the parameter it is another name of
+     * (view valid until the model is freed); data, grad and frozen are that
+     * parameter's. NULL for a parameter of its own. */
+    const char *tied_to;
 } ckpt_param_info;
 CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info);
 /* Marks every parameter whose name is pattern or matches it as a glob
  * (fnmatch: '*', '?', '[...]'; "fc1.*") frozen (frozen = true) or trainable.
- * Without a call, a parameter is frozen when it has no gradient buffer or
- * is in no group of its optimizer (ckpt_optimizer_set_groups, group -1).
+ * Frozen means not optimized, as requires_grad=False in PyTorch: an
+ * optimizer keeps no state for a frozen parameter and never updates it (it
+ * stays in its group, with its index, as PyTorch keeps it). Frozen after
+ * the optimizer has state for it, the state is dropped at the optimizer's
+ * next step, save or load (a later unfreeze starts from fresh state: zeros,
+ * step 0, as a new parameter). A checkpoint saved before the freeze loads:
+ * the parameter's value from the model's file, its optimizer state in the
+ * file skipped (logged once); one saved while frozen loads into a trainable
+ * parameter with fresh state (logged once). docs/TRAINING.md, "Frozen
+ * parameters". Without a call, a parameter in a group of an optimizer is
+ * trainable (whatever its gradient buffer), one in no group
+ * (ckpt_optimizer_set_groups, group -1) frozen, and before any optimizer
+ * has the model, one without a gradient buffer frozen.
  * Frozen parameters never change, so a checkpoint keeps them apart: a model
  * with both frozen and trainable parameters, saved by one process (and not
  * as Hugging Face shards), writes its trainable ones to <model>.safetensors
  * and its frozen ones to <model>-00001-of-00001.safetensors (format version
  * 2, docs/FORMAT.md), which every later save links instead of writing again
  * (ckpt_project_config.no_link_unchanged). Loads, verify, export and
- * ckpt_torch read the model from both files. Being frozen changes nothing
- * else: the optimizer still updates what it was given (leave frozen
- * parameters out of its groups). Returns how many parameters matched (> 0),
- * or CKPT_ENOENT naming the pattern if none did. */
+ * ckpt_torch read the model from both files. Returns how many parameters
+ * matched (> 0), or CKPT_ENOENT naming the pattern if none did. */
 CKPT_API int ckpt_model_set_frozen(ckpt_model *m, const char *pattern, bool frozen);
-/* State dict: every parameter as a tensor under its name, nothing else. */
+/* State dict: every parameter as a tensor under its name, and every tied
+ * name as an alias of its parameter (ckpt_write_alias), nothing else. */
 CKPT_API const ckpt_stateful_ops *ckpt_model_ops(void);
 
 /* ------------------------------------------------------------------------ */
@@ -357,6 +410,17 @@ typedef struct ckpt_optim_options {
     bool amsgrad;         /* Adam/AdamW */
     double alpha;         /* RMSprop: smoothing of the squared gradients' average */
     bool centered;        /* RMSprop: divide by the gradients' estimated variance */
+    /* BF16/F16 parameters of the group keep an fp32 master copy: ckpt's
+     * optimizers update the master from the gradient (the parameter's dtype,
+     * widened exactly) and write the parameter back rounded to nearest even;
+     * saved as state.<i>.master (F32, the parameter's shape) in the
+     * optimizer's file, the parameters themselves in the model's. Where a
+     * parameter's value is not its master's rounding (initialised or loaded
+     * after the optimizer was made), the next step or save first takes the
+     * parameter's value into the master. External optimizers attach their
+     * masters as field "master". No effect on F32 parameters. Not a PyTorch
+     * field: not in param_groups. Default false. */
+    bool master_weights;
 } ckpt_optim_options;
 
 /* PyTorch's defaults for a kind (SGD lr 1e-3; Adam lr 1e-3, betas (0.9,
@@ -364,8 +428,12 @@ typedef struct ckpt_optim_options {
  * alpha 0.99, eps 1e-8). */
 CKPT_API ckpt_optim_options ckpt_optim_defaults(ckpt_optim_kind kind);
 
-/* An optimizer over all of m's parameters (fp32) in one group. Borrows m
- * until the optimizer is freed. */
+/* An optimizer over all of m's parameters in one group (frozen ones keep no
+ * state: ckpt_model_set_frozen), one state per distinct parameter (a tied
+ * name is its parameter, ckpt_model_tie). Trainable parameters are F32, or
+ * BF16/F16 with opt->master_weights (else CKPT_EUNSUPPORTED naming the
+ * parameter).
+ * Borrows m until the optimizer is freed. */
 CKPT_API int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
                                 const ckpt_optim_options *opt);
 /* Contract shortcuts. SGD: dampening 0, no maximize. AdamW: amsgrad off. */
@@ -384,27 +452,32 @@ CKPT_API int ckpt_rmsprop_new(ckpt_optimizer **out, ckpt_model *model, double lr
                               double eps, double weight_decay, double momentum, bool centered);
 CKPT_API void ckpt_optimizer_free(ckpt_optimizer *o);
 /* Splits parameters into groups: group_of[i] is the group of the model's i-th
- * parameter (0..ngroups-1, or -1: not optimized, e.g. a frozen parameter
- * without gradient), opts[g] the options of group g; no group may be empty.
- * State is numbered as PyTorch does: group 0's parameters first. Only before
- * the first step. Copies both arrays. */
+ * parameter (0..ngroups-1, or -1: in no group, not optimized, and frozen
+ * unless ckpt_model_set_frozen says otherwise), opts[g] the options of
+ * group g; no group may be empty. A tied name's entry is ignored: it is its
+ * parameter (ckpt_model_tie). State is numbered as PyTorch does: group 0's
+ * parameters first. Only before the first step. Copies both arrays. An
+ * external optimizer keeps the state attached to each parameter where its
+ * new group has the field. */
 CKPT_API int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_of,
                                        const ckpt_optim_options *opts);
 CKPT_API int ckpt_optimizer_num_groups(const ckpt_optimizer *o);
 CKPT_API double ckpt_optimizer_get_lr(const ckpt_optimizer *o, int group);
 CKPT_API int ckpt_optimizer_set_lr(ckpt_optimizer *o, int group, double lr);
-/* One update of every parameter from its gradient. CKPT_EINVAL if a
- * parameter being optimized has no gradient. */
+/* One update of every trainable parameter from its gradient (frozen ones
+ * are skipped). CKPT_EINVAL, nothing updated, if a trainable parameter has
+ * no gradient buffer, or if o is external (ckpt_optimizer_external_new). */
 CKPT_API int ckpt_optimizer_step(ckpt_optimizer *o);
 /* Sets every gradient to zero. */
 CKPT_API void ckpt_optimizer_zero_grad(ckpt_optimizer *o);
 /* The optimizer's step count: how many updates it made (or was told of).
  * It is what PyTorch keeps per parameter as state[p]["step"] (saved as
  * state.<i>.step, a float32, for every kind): ckpt_optimizer_step adds one
- * to every optimized parameter's count, a load restores them. get_step
- * returns the largest count (all are equal unless set otherwise), 0 for
- * an optimizer without parameters or NULL. set_step gives every optimized
- * parameter the count step, for an optimizer whose update the caller runs
+ * to every trainable parameter's count, a load restores them (a frozen
+ * parameter has no state, so no count). get_step returns the largest count
+ * (all are equal unless set otherwise), 0 for an optimizer without
+ * trainable parameters or NULL. set_step gives every trainable parameter
+ * the count step, for an optimizer whose update the caller runs
  * or to carry a count over; afterwards set_groups and set_shard refuse as
  * after a first step when step > 0. CKPT_EINVAL for step outside
  * 0..2^24 (a float32 counts exactly up to there). Unless
@@ -423,8 +496,9 @@ CKPT_API const ckpt_stateful_ops *ckpt_optimizer_ops(void);
  * PyTorch does), and the load logs a warning saying so. Named state always
  * loads by name. Default off. */
 CKPT_API void ckpt_optimizer_set_match_by_position(ckpt_optimizer *o, bool on);
-/* ZeRO-1: from now on o keeps its state (momentum, Adam moments) only for
- * this rank's contiguous share of the flattened optimized parameters, and
+/* ZeRO-1: from now on o keeps its state (momentum, Adam moments, masters)
+ * only for this rank's contiguous share of the flattened trainable
+ * parameters (frozen ones are not split, nor updated), and
  * ckpt_optimizer_step is collective over comm (borrowed until o is freed):
  * each rank updates its share from the (already averaged) gradients, then
  * the ranks exchange the updated values so every rank holds all parameters.
@@ -432,6 +506,42 @@ CKPT_API void ckpt_optimizer_set_match_by_position(ckpt_optimizer *o, bool on);
  * checkpoint saved by P ranks loads on any other count (and unsharded).
  * Only before the first step. See docs/DISTRIBUTED.md. */
 CKPT_API int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm);
+
+/* An optimizer whose update the caller runs (its own AdamW over its own
+ * moment buffers): ckpt keeps the kind, the groups (ckpt_optimizer_set_groups
+ * works as for ckpt_optimizer_new), the learning rates and the step count,
+ * and borrows the caller's state buffers, attached below. They are saved,
+ * loaded, ZeRO-1-sharded and resharded (ckpt_optimizer_set_shard: the
+ * buffers still hold whole parameters' state; each rank saves and loads its
+ * share of it), linked when unchanged, exported to optimizer.bin and
+ * imported exactly as ckpt's own optimizer of that kind: same files, same
+ * keys. Fields are PyTorch's state keys: "exp_avg", "exp_avg_sq",
+ * "max_exp_avg_sq" (amsgrad) for Adam/AdamW; "momentum_buffer" (momentum
+ * != 0) for SGD; "square_avg", "momentum_buffer" (momentum > 0), "grad_avg"
+ * (centered) for RMSprop; and "master" for a BF16/F16 parameter of a group
+ * with master_weights. Every field is F32 with the parameter's shape (its
+ * numel floats). Every trainable parameter must have every field of its
+ * group when the optimizer is prepared, saved or loaded (CKPT_EINVAL naming
+ * the first missing one); frozen parameters (ckpt_model_set_frozen) have
+ * none. ckpt_optimizer_step on it is CKPT_EINVAL; ckpt_optimizer_set_step
+ * tells the count. Parameters may be of any dtype. */
+CKPT_API int ckpt_optimizer_external_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
+                                         const ckpt_optim_options *opts);
+/* Attaches data (numel floats, borrowed until o is freed) as field of the
+ * parameter named param. Replaces an earlier attachment. CKPT_ENOENT if no
+ * parameter of o's groups has that name; CKPT_EINVAL for a frozen parameter
+ * or a field its group does not have (the message lists those it has). */
+CKPT_API int ckpt_optimizer_set_state(ckpt_optimizer *o, const char *param, const char *field,
+                                      void *data);
+/* Attaches field for every trainable parameter at once, for state laid out
+ * like a contiguous parameter block: a parameter whose data is element k of
+ * the block at params_base (k counted in the parameter's dtype: F32, BF16 or
+ * F16) gets the floats from element k of state_base on. CKPT_EINVAL, with
+ * nothing attached, if a trainable parameter lies before params_base or is
+ * not a whole number of elements from it; a parameter that lives outside the
+ * block cannot be told apart, so attach such ones with set_state after. */
+CKPT_API int ckpt_optimizer_set_state_block(ckpt_optimizer *o, const char *field, void *state_base,
+                                            const void *params_base);
 
 /* ------------------------------------------------------------------------ */
 /* Learning-rate schedulers (drive every group of one optimizer)             */
@@ -745,6 +855,22 @@ CKPT_API int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs);
  * are then already changed (the error says "state partially loaded"). */
 CKPT_API int ckpt_register_for_checkpointing(ckpt_accelerator *acc, const ckpt_stateful_ops *ops,
                                              void *self);
+/* A custom object under a name of its own: saved as <name>.safetensors,
+ * found by that name when loaded (registration order does not matter; the
+ * unnamed objects keep their custom_checkpoint_<i> numbering among
+ * themselves), selected by it in ckpt_load_options.names, shown by it in
+ * `ckpt ls` / `ckpt inspect` and python/ckpt_torch, exported as <name>.pkl
+ * (docs/PYTORCH.md). name: 1 to 64 bytes of [A-Za-z0-9_.-], not starting
+ * with '.', without ".safetensors" in it, unique among this accelerator's
+ * named objects letter case aside (a checkpoint may be copied to a
+ * case-insensitive file system), and no name the library's own files take:
+ * model, optimizer, scheduler, dataloader, scaler, custom_checkpoint,
+ * random_states, alone or followed by _<digits>, nor a name ending in
+ * -DDDDD-of-DDDDD (shard files).
+ * CKPT_EINVAL naming the rule broken, CKPT_EEXIST for a name or an object
+ * registered already; otherwise as ckpt_register_for_checkpointing. */
+CKPT_API int ckpt_register_for_checkpointing_named(ckpt_accelerator *acc, const char *name,
+                                                   const ckpt_stateful_ops *ops, void *self);
 
 /* The process's default generator, always saved as
  * random_states_<process_index>.safetensors. View valid until free. */

@@ -7,7 +7,8 @@ import re
 
 import numpy as np
 
-from ._format import DTYPES, CorruptError, StateFile, UnsupportedError, _loads_strict
+from ._format import (DTYPES, CorruptError, RawTensor, StateFile, UnsupportedError, _loads_strict,
+                      resolve_aliases)
 from ._verify import verify_folder
 
 
@@ -36,19 +37,19 @@ def _object_flats(dir, m, datas, kinds):
     indexes = {f["name"]: _hf_index(dir, f["name"], datas[f["name"]]) for f in m["files"]
                if f["name"].endswith(".safetensors.index.json")}
     parts = {p for wm in indexes.values() for p in wm.values()}
-    flats = {}
+    flats, aliases = {}, {}
     for f in m["files"]:
         name = f["name"]
         if name in parts or f["kind"] == "extra":  # a save pre-hook's file is no object
             continue
         if name in indexes:
             wm = indexes[name]
-            pf = {}
+            pf, tied = {}, {}
             for p in sorted(set(wm.values())):
                 if kinds.get(p) != "model":
                     raise CorruptError("%s: %s names %s, which the manifest does not list as a "
                                        "model file" % (dir, name, p))
-                pf[p] = StateFile(os.path.join(dir, p), datas[p]).flat()
+                pf[p] = StateFile(os.path.join(dir, p), datas[p]).flat(tied)
             flat = {}
             for k, p in wm.items():
                 if k not in pf[p]:
@@ -56,16 +57,22 @@ def _object_flats(dir, m, datas, kinds):
                                        "tensor" % (dir, k, p))
                 flat[k] = pf[p][k]
             for p, part in pf.items():
-                extra = set(part) - {k for k, q in wm.items() if q == p}
+                extra = set(part) - {k for k, q in wm.items() if q == p} - set(tied)
                 if extra:
                     raise CorruptError("%s: %s holds '%s', which the index does not name"
                                        % (dir, p, sorted(extra)[0]))
+            for k in tied:
+                flat[k] = None  # its target's array, below
             obj = name[:-len(".index.json")]
             flats[obj] = flat
+            aliases[obj] = tied  # tied names: in their target's part, not in the index
             kinds[obj] = "model"
         elif f.get("chunks") is None:
-            flats[name] = StateFile(os.path.join(dir, name), datas[name]).flat()
+            aliases[name] = {}
+            flats[name] = StateFile(os.path.join(dir, name), datas[name]).flat(aliases[name])
     _assemble_chunks(dir, m, datas, flats)
+    for obj, tied in aliases.items():  # a target may be chunks of shard files
+        resolve_aliases(flats[obj], tied, "%s: %s" % (dir, obj))
     return flats
 
 
@@ -98,13 +105,22 @@ def _assemble_chunks(dir, m, datas, flats):
                                % (dir, k, obj, chunks[0][2]))
         if any(c["global_shape"] != g or c["dtype"] != dt for c, _sf, _n in chunks):
             raise CorruptError("%s: %s: the chunks of '%s' disagree on the tensor" % (dir, obj, k))
-        if npdt is None:
-            raise UnsupportedError("%s: %s: '%s' is %s in chunks; only numpy dtypes are put "
-                                   "together" % (dir, obj, k, dt))
+        bits = DTYPES[dt][0]
+        raw = npdt is None and bits in (8, 16)  # BF16, F8: assembled as their bytes
+        if npdt is None and not raw:
+            raise UnsupportedError("%s: %s: '%s' is %s in chunks; only dtypes of whole bytes "
+                                   "are put together" % (dir, obj, k, dt))
+        if raw:
+            npdt = np.dtype("<u1" if bits == 8 else "<u2")
         whole = np.zeros(g, dtype=npdt)
         seen = np.zeros(g, dtype=bool)
         for c, sf, name in chunks:
             a = sf.array(k)
+            if isinstance(a, RawTensor):
+                if not raw:
+                    raise CorruptError("%s: %s: '%s' has an empty shape numpy cannot hold"
+                                       % (dir, name, k))
+                a = np.frombuffer(a.data, dtype=npdt).reshape(a.shape)
             if tuple(a.shape) != c["shape"]:
                 raise CorruptError("%s: %s: '%s' has shape %s, the manifest says %s"
                                    % (dir, name, k, list(a.shape), list(c["shape"])))
@@ -115,7 +131,7 @@ def _assemble_chunks(dir, m, datas, flats):
             seen[box] = True
         if not seen.all():
             raise CorruptError("%s: %s: the chunks of '%s' leave a hole" % (dir, obj, k))
-        flats[obj][k] = whole
+        flats[obj][k] = RawTensor(dt, tuple(g), whole.tobytes()) if raw else whole
 
 
 def _read_checkpoint(dir):

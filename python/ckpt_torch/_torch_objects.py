@@ -219,12 +219,15 @@ def optimizer_from_flat(flat, what="optimizer.safetensors"):
                                   for i in grp["params"]]
         groups.append(grp)
     state = {}
-    for i in range(_count(flat, "state.%d.step")):
+    # a frozen parameter has no state (no state.<i>.step): as in PyTorch
+    for i in sorted({i for grp in groups for i in grp["params"]}):
+        if "state.%d.step" % i not in flat:
+            continue
         step = _flat_get(flat, "state.%d.step" % i, np.ndarray, what)
         if step.dtype != np.float32 or step.shape != ():
             raise CorruptError("%s: state.%d.step: expected an F32 scalar" % (what, i))
         s = {"step": step}
-        for b in _OPT_BUFFERS:
+        for b in _OPT_BUFFERS + ("master",):
             k = "state.%d.%s" % (i, b)
             if k in flat:
                 s[b] = flat[k]
@@ -297,10 +300,13 @@ def optimizer_to_flat(opt, names=None):
             group_of[i] = grp
     for i in sorted(by_index):
         p = by_index[i]
-        if p.dtype != torch.float32:
-            raise UnsupportedError("optimizer: parameter %d is %s; the C optimizers take float32"
-                                   % (i, p.dtype))
         st = sd["state"].get(i, {})
+        master = st.get("master")
+        if p.dtype != torch.float32 and not (
+                p.dtype in (torch.bfloat16, torch.float16) and isinstance(master, torch.Tensor)):
+            raise UnsupportedError("optimizer: parameter %d is %s; the C optimizers take float32 "
+                                   "(or bfloat16/float16 with an fp32 'master' in its state)"
+                                   % (i, p.dtype))
         grp = group_of[i]
         zeros = np.zeros(tuple(p.shape), dtype=np.float32)
 
@@ -308,7 +314,8 @@ def optimizer_to_flat(opt, names=None):
             v = st.get(name)
             if v is None:
                 return zeros
-            a = _from_torch(v) if isinstance(v, torch.Tensor) else np.asarray(v)
+            # (a bfloat16/float16 parameter's moments: torch keeps them in its dtype)
+            a = _from_torch(v.float()) if isinstance(v, torch.Tensor) else np.asarray(v)
             return np.array(a, dtype=np.float32, order="C").reshape(tuple(p.shape))
         if kind == "sgd":
             has_buf = st.get("momentum_buffer") is not None
@@ -324,6 +331,9 @@ def optimizer_to_flat(opt, names=None):
         for b in desc["buffers"]:
             if desc["needs"](b, _group_view(grp, desc)):
                 flat["state.%d.%s" % (i, b)] = buf(b)
+        if isinstance(master, torch.Tensor):
+            flat["state.%d.master" % i] = np.array(_from_torch(master.float()), dtype=np.float32,
+                                                   order="C").reshape(tuple(p.shape))
     for g, grp in enumerate(sd["param_groups"]):
         p = "param_groups.%d." % g
         flat[p + "lr"] = float(grp["lr"])
@@ -532,6 +542,16 @@ def _map_key(pairs, rename, obj, key):
     return out
 
 
+def _storage_key(t):
+    """Where a torch tensor's elements are: two tensors with one key are one
+    tensor under two names (tied weights)."""
+    try:
+        base = t.untyped_storage().data_ptr()
+    except AttributeError:  # torch before 2.0
+        base = t.storage().data_ptr()
+    return (base, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def _adapt_model(module, flat, name, obj, strict, pairs, rename, report):
     """The model's schema against the file, as the C loader matches it: the
     file's keys renamed (prefix map, then rename), two file keys becoming
@@ -547,6 +567,16 @@ def _adapt_model(module, flat, name, obj, strict, pairs, rename, report):
                                 % (name, orig[nk], k, nk))
         named[nk], orig[nk] = v, k
     mine = module.state_dict()
+    # a tied name the file leaves out (Hugging Face's files): its partner on
+    # the same storage fills the one parameter, as in the C library
+    first = {}
+    for k, t in mine.items():
+        if t.numel() > 0:
+            first.setdefault(_storage_key(t), k)
+    for k, t in mine.items():
+        partner = first.get(_storage_key(t)) if t.numel() > 0 else None
+        if k not in named and partner is not None and partner != k and partner in named:
+            named[k], orig[k] = named[partner], k
     for k, t in mine.items():
         if k not in named:
             if strict:
@@ -604,7 +634,7 @@ def _merge_optimizer(opt, kind, nested, name, names=None, by_position=False):
                                 % (name, g, fg["params"], list(cg["params"])))
         for i, p in zip(cg["params"], mg["params"]):
             params[i] = p
-    if set(nested["state"]) != set(params):
+    if not set(nested["state"]) <= set(params):
         raise MismatchError("%s: the file has state for %d parameters, the optimizer has %d"
                             % (name, len(nested["state"]), len(params)))
     src = {i: i for i in params}  # torch index -> the file's state index
@@ -649,10 +679,12 @@ def _merge_optimizer(opt, kind, nested, name, names=None, by_position=False):
         groups.append(ng)
     state = {}
     for i in sorted(params):
+        if src[i] not in nested["state"]:
+            continue  # frozen when saved: no state, as a fresh torch optimizer
         s = nested["state"][src[i]]
         p = params[i]
         st = {}
-        for b in _OPT_BUFFERS:
+        for b in _OPT_BUFFERS + ("master",):
             if b in s:
                 if tuple(s[b].shape) != tuple(p.shape) or s[b].dtype != np.float32:
                     raise MismatchError("%s: state.%d.%s: file has %s %s, the parameter is %s"
@@ -669,8 +701,20 @@ def _merge_optimizer(opt, kind, nested, name, names=None, by_position=False):
             for b in _OPT_KINDS[kind]["buffers"]:
                 if b in s:
                     st[b] = _to_torch(s[b])
+        if "master" in s:  # master_weights: the fp32 master, kept under its key
+            st["master"] = _to_torch(s["master"])
         state[i] = st
     return {"state": state, "param_groups": groups}
+
+
+def _keep_masters(opt, sd):
+    """torch's load_state_dict casts every state tensor but step to its
+    parameter's dtype: an fp32 master (master_weights) of a bfloat16 or
+    float16 parameter is put back as the file has it."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for i, st in sd["state"].items():
+        if "master" in st and 0 <= i < len(params):
+            opt.state[params[i]]["master"] = st["master"].detach().float().clone()
 
 
 def _merge_scheduler(sched, kind, lam, sd, name):

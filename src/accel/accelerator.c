@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 
 #include "ckpt.h"
@@ -190,45 +191,6 @@ int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed) {
 }
 
 /* The first prepared optimizer, or NULL. */
-static const ckpt_optimizer *first_optimizer(const ckpt_accelerator *acc) {
-    for (int i = 0; i < acc->nobjs; i++)
-        if (acc->objs[i].kind == K_OPTIMIZER) return acc->objs[i].self;
-    return NULL;
-}
-
-/* The step follows the first prepared optimizer unless it was set. */
-int64_t ckpt_accelerator_step(const ckpt_accelerator *acc) {
-    if (!acc) return 0;
-    const ckpt_optimizer *o = acc->step_set ? NULL : first_optimizer(acc);
-    return o ? ckpt_optimizer_get_step(o) : acc->step;
-}
-
-void ckpt_accelerator_set_step(ckpt_accelerator *acc, int64_t step) {
-    if (!acc) return;
-    acc->step = step;
-    acc->step_set = true;
-}
-
-void ckpt__acc_restore_step(ckpt_accelerator *acc, int64_t step) {
-    const ckpt_optimizer *o = first_optimizer(acc);
-    acc->step = step;
-    /* a checkpoint whose step is its optimizer's goes on following it */
-    acc->step_set = !o || ckpt_optimizer_get_step(o) != step;
-}
-
-int64_t ckpt__acc_save_step(ckpt_accelerator *acc) {
-    const ckpt_optimizer *o = first_optimizer(acc);
-    int64_t step = ckpt_accelerator_step(acc);
-    if (!o || !acc->step_set || acc->step_warned || ckpt_optimizer_get_step(o) == step) return step;
-    acc->step_warned = true;
-    if (acc->comm->rank == 0)
-        ckpt__log(&acc->log, CKPT_LOG_WARNING,
-                  "save_state: the step set with ckpt_accelerator_set_step (%" PRId64
-                  ") differs from the step count of the first prepared optimizer (%" PRId64
-                  "); the checkpoint records %" PRId64 " (said once)",
-                  step, ckpt_optimizer_get_step(o), step);
-    return step;
-}
 int64_t ckpt_accelerator_iteration(const ckpt_accelerator *acc) { return acc ? acc->iteration : 0; }
 void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint64_t *written,
                                       uint64_t *linked) {
@@ -242,14 +204,18 @@ const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc) {
 
 /* ---- registration ---------------------------------------------------------- */
 
-static int add_obj(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops, void *self,
-                   const char *what) {
+static int add_named(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops, void *self,
+                     const char *name, const char *what) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "%s: acc is NULL", what);
     for (int i = 0; i < acc->nobjs; i++) {
         const ckpt_acc_obj *o = &acc->objs[i];
-        if ((self && o->self == self) || (!self && !o->self && o->ops == ops))
+        if ((self && o->self == self) || (!self && !o->self && o->ops == ops)) {
+            if (o->name[0])
+                return ckpt__err(CKPT_EEXIST, "%s: this object is already registered (as '%s')",
+                                 what, o->name);
             return ckpt__err(CKPT_EEXIST, "%s: this object is already registered (as %s %d)", what,
                              ckpt__kind_noun[o->kind], o->index);
+        }
     }
     if (acc->nobjs == acc->cap) {
         int cap = acc->cap ? acc->cap * 2 : 8;
@@ -258,8 +224,16 @@ static int add_obj(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops
         acc->objs = n;
         acc->cap = cap;
     }
-    acc->objs[acc->nobjs++] = (ckpt_acc_obj){kind, acc->count[kind]++, ops, self};
+    ckpt_acc_obj *o = &acc->objs[acc->nobjs++];
+    *o = (ckpt_acc_obj){kind, acc->count[kind]++, ops, self, ""};
+    if (name) snprintf(o->name, sizeof o->name, "%s", name);
+    else if (kind == K_CUSTOM) o->index = acc->unnamed++; /* named ones do not shift these */
     return 0;
+}
+
+static int add_obj(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops, void *self,
+                   const char *what) {
+    return add_named(acc, kind, ops, self, NULL, what);
 }
 
 static int prepare_builtin(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops,
@@ -275,6 +249,8 @@ int ckpt_prepare_model(ckpt_accelerator *acc, ckpt_model *m) {
     return prepare_builtin(acc, K_MODEL, ckpt_model_ops(), m, "prepare_model");
 }
 int ckpt_prepare_optimizer(ckpt_accelerator *acc, ckpt_optimizer *o) {
+    /* an external optimizer: every trainable parameter's state attached */
+    if (o) CKPT_TRY(ckpt__optimizer_check_ready(o));
     CKPT_TRY(prepare_builtin(acc, K_OPTIMIZER, ckpt_optimizer_ops(), o, "prepare_optimizer"));
     ckpt__optimizer_set_log(o, acc->log.fn, acc->log.user);
     return CKPT_OK;
@@ -299,20 +275,87 @@ int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs) {
                            "prepare_scaler");
 }
 
+static int check_ops(const ckpt_stateful_ops *ops, const char *what, const char *obj) {
+    if (!ops)
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: %s: ops is NULL (it needs state_dict and load_state_dict)", what,
+                         obj);
+    if (!ops->state_dict || !ops->load_state_dict)
+        return ckpt__err(CKPT_EINVAL, "%s: %s: ops has no %s function", what, obj,
+                         !ops->state_dict ? "state_dict" : "load_state_dict");
+    return CKPT_OK;
+}
+
 int ckpt_register_for_checkpointing(ckpt_accelerator *acc, const ckpt_stateful_ops *ops,
                                     void *self) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "register_for_checkpointing: acc is NULL");
-    int i = acc->count[K_CUSTOM];
-    if (!ops)
-        return ckpt__err(CKPT_EINVAL,
-                         "register_for_checkpointing: custom object %d: ops is NULL (it needs "
-                         "state_dict and load_state_dict)",
-                         i);
-    if (!ops->state_dict || !ops->load_state_dict)
-        return ckpt__err(CKPT_EINVAL,
-                         "register_for_checkpointing: custom object %d: ops has no %s function",
-                         i, !ops->state_dict ? "state_dict" : "load_state_dict");
+    char obj[48];
+    snprintf(obj, sizeof obj, "custom object %d", acc->unnamed);
+    CKPT_TRY(check_ops(ops, "register_for_checkpointing", obj));
     return add_obj(acc, K_CUSTOM, ops, self, "register_for_checkpointing");
+}
+
+/* Whether name is stem, or stem followed by "_<digits>", letter case aside:
+ * the name of one of the library's own files. */
+static bool is_builtin_name(const char *name, const char *stem) {
+    size_t n = strlen(stem);
+    if (strncasecmp(name, stem, n) != 0) return false;
+    if (name[n] == '\0') return true;
+    return name[n] == '_' && name[n + 1] &&
+           strspn(name + n + 1, "0123456789") == strlen(name + n + 1);
+}
+
+/* The rules of ckpt.h: a file name of its own, the same on every file
+ * system, that no file of the library's can take. */
+static int check_object_name(const ckpt_accelerator *acc, const char *name, const char *what) {
+    if (!name) return ckpt__err(CKPT_EINVAL, "%s: name is NULL", what);
+    size_t n = strlen(name);
+    if (n == 0 || n > CKPT_ACC_NAME_MAX)
+        return ckpt__err(CKPT_EINVAL, "%s: name '%.80s' is %zu bytes, expected 1 to %d", what, name,
+                         n, CKPT_ACC_NAME_MAX);
+    size_t ok = strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-");
+    if (ok != n)
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: name '%s': byte %zu (0x%02x) is not one of [A-Za-z0-9_.-]", what,
+                         name, ok, (unsigned char)name[ok]);
+    if (name[0] == '.')
+        return ckpt__err(CKPT_EINVAL, "%s: name '%s' starts with '.' (a hidden file)", what, name);
+    if (strcasestr(name, ".safetensors"))
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: name '%s' contains '.safetensors' (the name is the file's stem)",
+                         what, name);
+    for (int k = 0; k < K_COUNT; k++)
+        if (is_builtin_name(name, ckpt__kind_stem[k]))
+            return ckpt__err(CKPT_EINVAL,
+                             "%s: name '%s' is taken by the library's own files (%s, %s_<k>)", what,
+                             name, ckpt__kind_stem[k], ckpt__kind_stem[k]);
+    char file[CKPT_ACC_NAME_MAX + 16];
+    snprintf(file, sizeof file, "%s.safetensors", name);
+    if (ckpt__acc_is_shard_of(file, NULL))
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: name '%s' ends like a shard file's (-DDDDD-of-DDDDD), which another "
+                         "object's files may take",
+                         what, name);
+    for (int i = 0; i < acc->nobjs; i++)
+        if (acc->objs[i].name[0] && strcasecmp(acc->objs[i].name, name) == 0)
+            return ckpt__err(CKPT_EEXIST, "%s: name '%s' is taken by another object ('%s')%s", what,
+                             name, acc->objs[i].name,
+                             strcmp(acc->objs[i].name, name) != 0
+                                 ? " (names differing only in letter case would be one file on a "
+                                   "case-insensitive file system)"
+                                 : "");
+    return CKPT_OK;
+}
+
+int ckpt_register_for_checkpointing_named(ckpt_accelerator *acc, const char *name,
+                                          const ckpt_stateful_ops *ops, void *self) {
+    const char *what = "register_for_checkpointing_named";
+    if (!acc) return ckpt__err(CKPT_EINVAL, "%s: acc is NULL", what);
+    CKPT_TRY(check_object_name(acc, name, what));
+    char obj[CKPT_ACC_NAME_MAX + 24];
+    snprintf(obj, sizeof obj, "custom object '%s'", name);
+    CKPT_TRY(check_ops(ops, what, obj));
+    return add_named(acc, K_CUSTOM, ops, self, name, what);
 }
 
 /* ---- hooks ----------------------------------------------------------------- */
