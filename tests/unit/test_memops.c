@@ -126,6 +126,23 @@ static void expect(run *r, int t) {
     }
 }
 
+/* Fails unless every device buffer of r holds zeros (as scramble left it). */
+static void expect_zero_on_dev(run *r) {
+    for (int i = 0; i < NP; i++) {
+        if (!on_dev(r, i)) continue;
+        size_t n = (size_t)PN[i] * 4;
+        uint8_t *got = malloc(n), *zero = calloc(n, 1);
+        emudev_peek(r->val[i], 0, got, (size_t)PN[i] * esize(i));
+        if (memcmp(got, zero, (size_t)PN[i] * esize(i))) fail_msg("%s was written", PNAME[i]);
+        for (int f = 0; f < nfields(i); f++) {
+            emudev_peek(r->st[i][f], 0, got, n);
+            if (memcmp(got, zero, n)) fail_msg("%s.%s was written", PNAME[i], FIELD[f]);
+        }
+        free(got);
+        free(zero);
+    }
+}
+
 static void run_free(run *r) {
     ckpt_accelerator_free(r->acc);
     ckpt_optimizer_free(r->o);
@@ -172,6 +189,7 @@ static void run_make(run *r, bool dev, const char *project, uint64_t max_shard) 
     cfg.project_dir = project;
     cfg.automatic_checkpoint_naming = true;
     cfg.max_shard_size = max_shard;
+    cfg.link_copies = 1; /* an unchanged file is linked at the next save */
     assert_int_equal(ckpt_accelerator_new(&r->acc, &cfg), CKPT_OK);
     assert_int_equal(ckpt_prepare_model(r->acc, r->m), CKPT_OK);
     if (ckpt_prepare_optimizer(r->acc, r->o)) fail_msg("prepare: %s", ckpt_errmsg());
@@ -222,6 +240,14 @@ static void save_host(const char *project, int t) {
     run_free(&h);
 }
 
+/* The bytes of a run's device state (what one copy of it moves). */
+static uint64_t dev_bytes(const run *r) {
+    uint64_t n = 0;
+    for (int i = 0; i < NP; i++)
+        if (on_dev(r, i)) n += (uint64_t)PN[i] * (esize(i) + 4 * (uint64_t)nfields(i));
+    return n;
+}
+
 static void no_trouble(void) {
     assert_int_equal(emudev_g.errors, 0);
     assert_int_equal(emudev_g.foreign_thread, 0);
@@ -239,8 +265,8 @@ static void test_sync_save_equals_host_and_loads_back(void **state) {
     fill(&d, 3);
     ckpt_optimizer_set_step(d.o, 3);
     if (ckpt_save_state(d.acc, NULL)) fail_msg("save: %s", ckpt_errmsg());
-    /* every byte of the device state went through to_host, in pieces */
-    assert_true(emudev_g.to_host_bytes >= 4 * (uint64_t)BIG * 3);
+    /* every byte of the device state went through to_host once, in pieces */
+    assert_true(emudev_g.to_host_bytes == dev_bytes(&d));
     assert_true(emudev_g.max_piece == CKPT_MEMORY_PIECE);
     assert_int_equal(emudev_g.from_host_calls, 0);
     char *a = ck(ph, 0), *b = ck(pd, 0);
@@ -251,7 +277,7 @@ static void test_sync_save_equals_host_and_loads_back(void **state) {
     emudev_g.to_host_calls = 0;
     if (ckpt_load_state(d.acc, NULL)) fail_msg("load: %s", ckpt_errmsg());
     expect(&d, 3);
-    assert_true(emudev_g.from_host_bytes >= 4 * (uint64_t)BIG * 3);
+    assert_true(emudev_g.from_host_bytes == dev_bytes(&d));
     assert_int_equal(ckpt_optimizer_get_step(d.o), 3);
     /* one pass: read straight through the 1 MiB verified piece */
     scramble(&d);
@@ -281,7 +307,7 @@ static void test_async_save_stages_in_the_callers_thread(void **state) {
     if (ckpt_save_state_async(d.acc, NULL)) fail_msg("async: %s", ckpt_errmsg());
     /* staged before the call returned: one copy of the device state */
     uint64_t staged = emudev_g.to_host_bytes - before;
-    assert_true(staged >= 4 * (uint64_t)BIG * 3);
+    assert_true(staged == dev_bytes(&d));
     fill(&d, 6); /* the trainer goes on at once */
     if (ckpt_save_wait(d.acc)) fail_msg("wait: %s", ckpt_errmsg());
     assert_int_equal(emudev_g.to_host_bytes - before, staged); /* the background read nothing */
@@ -373,6 +399,41 @@ static void test_failing_ops_fail_cleanly(void **state) {
     emudev_g.errors = 0;
     run_free(&d);
     free(c1);
+    free(pd);
+}
+
+/* A load touches the device only after the checkpoint verified: a damaged
+ * newest checkpoint is refused without one from_host call, the load falls
+ * back to the older one and puts it once; a damaged only checkpoint leaves
+ * the device as it was. */
+static void test_load_puts_only_verified_bytes(void **state) {
+    (void)state;
+    char *pd = proj("verified");
+    run d;
+    run_make(&d, true, pd, 0);
+    fill(&d, 1);
+    assert_int_equal(ckpt_save_state(d.acc, NULL), CKPT_OK);
+    fill(&d, 2);
+    assert_int_equal(ckpt_save_state(d.acc, NULL), CKPT_OK);
+    char *f1 = tu_pathf("%s/checkpoints/checkpoint_1/optimizer.safetensors", pd);
+    char *f0 = tu_pathf("%s/checkpoints/checkpoint_0/optimizer.safetensors", pd);
+    tu_flip_byte(f1, tu_file_size(f1) / 2); /* a byte of state on the device */
+    scramble(&d);
+    emudev_g.from_host_calls = emudev_g.from_host_bytes = 0;
+    assert_int_equal(ckpt_load_state(d.acc, NULL), CKPT_OK);
+    expect(&d, 1);
+    assert_true(emudev_g.from_host_bytes == dev_bytes(&d)); /* checkpoint_0, once */
+    /* nothing verifies: not a byte reaches the device */
+    tu_flip_byte(f0, tu_file_size(f0) / 2);
+    scramble(&d);
+    emudev_g.from_host_calls = emudev_g.from_host_bytes = 0;
+    assert_int_not_equal(ckpt_load_state(d.acc, NULL), CKPT_OK);
+    assert_int_equal(emudev_g.from_host_calls, 0);
+    expect_zero_on_dev(&d);
+    no_trouble();
+    run_free(&d);
+    free(f0);
+    free(f1);
     free(pd);
 }
 
@@ -618,6 +679,7 @@ int main(void) {
         cmocka_unit_test(test_async_save_stages_in_the_callers_thread),
         cmocka_unit_test(test_shards_links_and_export),
         cmocka_unit_test(test_failing_ops_fail_cleanly),
+        cmocka_unit_test(test_load_puts_only_verified_bytes),
         cmocka_unit_test(test_own_optimizer_refuses_trainable_mem_parameters),
         cmocka_unit_test(test_standalone_files_and_adapted_loads),
         cmocka_unit_test(test_tied_parameters_behind_ops),
