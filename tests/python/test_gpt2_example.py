@@ -20,6 +20,9 @@ pytorch_model.bin and optimizer.bin. Here:
   run.
 
 usage: test_gpt2_example.py BUILD_DIR   (CKPT_BIN from the environment)
+       test_gpt2_example.py --export DIR EVAL_JSON STEPS
+         checks an export made already (`ckpt export --bin` of a run that
+         wrote EVAL_JSON with --eval-out after STEPS steps): scripts/demo-gpt2
 """
 import json
 import math
@@ -85,7 +88,8 @@ class GPT2(torch.nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def main():
+def run_and_export():
+    """example_gpt2 for STEPS steps, its newest checkpoint exported (--bin)."""
     ex = find_prog("example_gpt2")
     with tempfile.TemporaryDirectory() as tmp:
         proj, out, evf = (os.path.join(tmp, n) for n in ("proj", "export", "eval.json"))
@@ -93,11 +97,16 @@ def main():
                         "--quiet"], check=True, stdout=subprocess.DEVNULL)
         subprocess.run([CKPT, "export", "--bin", proj, out], check=True,
                        stdout=subprocess.DEVNULL)
-        with open(evf) as f:
-            ev = json.load(f)
-        sd = torch.load(os.path.join(out, "pytorch_model.bin"), weights_only=True)
-        # (PyTorch 1.13's weights_only refuses a pickled float: our own file)
-        osd = torch.load(os.path.join(out, "optimizer.bin"), weights_only=False)
+        check(out, evf, STEPS)
+
+
+def check(out, evf, steps):
+    """The export in out against the C program's eval file evf."""
+    with open(evf) as f:
+        ev = json.load(f)
+    sd = torch.load(os.path.join(out, "pytorch_model.bin"), weights_only=True)
+    # (PyTorch 1.13's weights_only refuses a pickled float: our own file)
+    osd = torch.load(os.path.join(out, "optimizer.bin"), weights_only=False)
 
     B, T, L, H = ev["B"], ev["T"], ev["layers"], ev["heads"]
     V, C = sd["wte"].shape
@@ -128,10 +137,17 @@ def main():
                 (name, field)
         assert torch.equal(st["master"].bfloat16(), sd[name]), name + ": master does not round " \
             "to the parameter"
-        assert float(st["step"]) == STEPS, (name, st["step"])
+        assert float(st["step"]) == steps, (name, st["step"])
         assert st["exp_avg_sq"].abs().sum() > 0, name + ": no second moment"
     print("ok: %d parameters (lm_head tied to wte), loss equal to %.2g, optimizer state "
           "complete" % (len(NAMES), rel))
+
+
+def main():
+    if len(sys.argv) == 5 and sys.argv[1] == "--export":
+        check(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    else:
+        run_and_export()
 
 
 if __name__ == "__main__":
