@@ -11,7 +11,8 @@
  * chain), so the run needs no download.
  *
  * The lines that make it resumable lie between the markers "// ckpt begin"
- * and "// ckpt end" (tests/integration/test_gpt2_example.sh counts them):
+ * and "// ckpt end" (39 non-blank lines; tests/integration/
+ * test_gpt2_example.sh counts them and requires fewer than 40):
  * the parameters registered over the block, the output layer tied to the
  * embedding, an external AdamW whose moments and masters are the trainer's
  * own blocks, the loader's position and generator as a named object, one
@@ -25,7 +26,8 @@
  *
  * --eval-out writes the validation batch (its B x (T + 1) tokens) and the
  * loss of the final parameters on it, for tests/python/test_gpt2_example.py,
- * which computes the same loss in PyTorch from `ckpt export`'s files.
+ * which computes the same loss in PyTorch from `ckpt export --bin`'s files
+ * (make demo runs it on the resumed run's export: scripts/demo-gpt2).
  */
 #include <math.h>
 #include <stdbool.h>
