@@ -5,7 +5,8 @@
 #  - the lines that make it resumable, marked "// ckpt begin" / "// ckpt
 #    end", are fewer than 40 (non-blank);
 #  - scripts/demo-gpt2 (the part of `make demo` that kills it with SIGKILL
-#    at a random moment and resumes it; saves every 8 steps, asynchronous)
+#    at a random moment and resumes it; here 24 steps, an asynchronous
+#    save every 8)
 #    reports it bit for bit: the same final checkpoint (ckpt diff), the same
 #    losses after the resume, the same validation loss; the resumed
 #    checkpoint verifies and exports (--bin), and the export, loaded into a
@@ -25,8 +26,8 @@ blocks=$(grep -c '// ckpt begin' "$src")
 echo "$n lines in $blocks marked blocks"
 
 # the first kill lands at once, before any save: the script must kill again
-CKPT_DEMO_FIRST_KILL_PCT=0 run_rc 0 bash "$CKPT_SOURCE_DIR/scripts/demo-gpt2" "$CKPT_BUILD_DIR" \
-    "$WORK/demo"
+CKPT_DEMO_FIRST_KILL_PCT=0 CKPT_DEMO_GPT2_STEPS=24 run_rc 0 \
+    bash "$CKPT_SOURCE_DIR/scripts/demo-gpt2" "$CKPT_BUILD_DIR" "$WORK/demo"
 cat "$WORK/out"
 has "^gpt2: resumed from step [0-9]*, ended bit for bit$" <"$WORK/out" || fail "no verdict"
 has "^equal: .* bit for bit$" <"$WORK/out" || fail "ckpt diff did not say equal"
