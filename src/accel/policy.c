@@ -6,24 +6,10 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
-#include <time.h>
 
 #include "ckpt.h"
 #include "accel/accel.h"
 #include "base/error.h"
-
-/* ---- the clock ------------------------------------------------------------ */
-
-static double real_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static double (*clock_fn)(void) = real_now;
-
-double ckpt__now(void) { return clock_fn(); }
-void ckpt__set_clock(double (*fn)(void)) { clock_fn = fn ? fn : real_now; }
 
 /* ---- preemption ----------------------------------------------------------- */
 
