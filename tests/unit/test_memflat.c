@@ -226,8 +226,7 @@ static void test_a_load_keeps_at_most_16_mib(void **st) {
         print_message("%s of a 192 MiB state: VmRSS %+ld KiB\n", what[k], kept);
         assert_true(w[0][1] == saved);
         if (kept > 16 * 1024)
-            fail_msg("%s kept %ld KiB of a 192 MiB state resident (at most 16 MiB)", what[k],
-                     kept);
+            fail_msg("%s kept %ld KiB of a 192 MiB state resident (at most 16 MiB)", what[k], kept);
     }
     ckpt_accelerator_free(acc);
     ckpt_optimizer_free(opt);
