@@ -147,8 +147,12 @@ int cli_train(int argc, char **argv) {
         goto done;
     }
     if (o->resume) {
-        if (has) {
+        /* with --local-dir the tiers may hold saves the project does not */
+        if (has || o->local_dir) {
             if ((status = train_resume(&t)) != CLI_OK) goto done;
+            has = t.resumed_from[0] != '\0';
+        }
+        if (has) {
             step = ckpt_accelerator_step(t.acc);
             saved_step = step;
             resumed = true;
@@ -266,7 +270,11 @@ int cli_train(int argc, char **argv) {
             goto done;
         }
         if (due || step == total) {
-            if ((status = train_save(&t, step, step == total)) != CLI_OK) goto done;
+            /* the run's last save: at the end, or at the step a preemption
+             * stops at (persisted with --local-dir, waited for with --async) */
+            bool ending =
+                step == total || (t.dist.size > 1 ? stop : ckpt_preemption_requested());
+            if ((status = train_save(&t, step, ending)) != CLI_OK) goto done;
             saved_step = step;
         }
 

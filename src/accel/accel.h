@@ -13,6 +13,7 @@
 #include "ckpt.h"
 #include "base/io.h"
 #include "store/store.h"
+#include "accel/tier.h"
 
 /* The kinds of saved objects, in the order their files are written. */
 enum {
@@ -109,6 +110,8 @@ struct ckpt_accelerator {
     /* ckpt_set_metric: recorded by the next save */
     int nmetrics;
     ckpt_metric metrics[CKPT_MAX_METRICS];
+    /* the node-local tier (tier.h); tier.pattern NULL: none */
+    ckpt_tier tier;
 };
 
 /* Monotonic seconds (policy.c); tests replace the clock with

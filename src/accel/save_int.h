@@ -76,6 +76,24 @@ struct ckpt_save_op {
      * line per object: "<file> <hash> <count>\n" (order_digest). Every
      * rank must have the same: rank 0 compares at the commit. */
     char *order;
+    /* Where this rank writes its files: tmp, or with a node-local tier its
+     * own temporary folder there (ltmp). Borrowed. */
+    const char *wdir;
+    /* A save to the node-local tier (tier_save.c): an automatic save of an
+     * accelerator with a local_dir. persist: it also goes to the project
+     * folder (target, tmp; else target is this rank's local folder and tmp
+     * NULL), as rank 0 decided at the plan. */
+    bool tier, persist;
+    int64_t tier_highest; /* the newest local checkpoint of any rank, -1: none */
+    char *ltarget, *ltmp; /* this rank's local folder of the save, and its temporary one */
+    bool ltmp_made;
+    char *pprev_dir;      /* persist: the project checkpoint its unchanged files link from */
+    ckpt_manifest pprev;
+    bool have_pprev;
+    char *mtext;          /* the manifest's text, the same in every folder */
+    size_t mlen;
+    ckpt_manifest tm;     /* that manifest, parsed (every rank) */
+    bool have_tm;
 };
 typedef struct ckpt_save_op save_op;
 
@@ -102,6 +120,37 @@ void ckpt__save_read_prev(save_op *op);
  * may already hold its hash); < 0: a failure. */
 int ckpt__save_try_link(save_op *op, ckpt_writer *w, const char *name, bool shards,
                         const char *path, ckpt_file_digest *d);
+/* The same for a file whose size and XXH3-128 are known, against any
+ * checkpoint's manifest prev and folder prev_dir. */
+int ckpt__save_link_same(save_op *op, const ckpt_manifest *prev, const char *prev_dir,
+                         const char *name, uint64_t size, ckpt_h128 h, const char *path,
+                         ckpt_file_digest *d);
+
+/* ---- node-local tiers (tier_save.c) ---------------------------------------- */
+
+/* In the plan, before rank 0 picks the number, on every rank (collective):
+ * the tier set up, this rank's local checkpoints listed, and the newest of
+ * any rank into op->tier_highest. rc: this rank's status so far; returns
+ * the agreed one. */
+int ckpt__tier_plan(save_op *op, int rc);
+/* After the plan reached every rank: this rank's local folder, temporary
+ * folder (created) and the checkpoint its unchanged files link from. */
+int ckpt__tier_open(save_op *op);
+/* After this rank's files are written, if the save is persisted: each of
+ * them copied (or linked from the project's previous checkpoint) into the
+ * project's temporary folder. */
+int ckpt__tier_persist(save_op *op);
+/* Rank 0 at the commit, with the manifest's text in op->mtext: the
+ * pre-hooks' files of its local folder copied to the project's. */
+int ckpt__tier_persist_extras(save_op *op);
+/* After the project commit (or none) and its agreed outcome rc: the
+ * manifest reaches every rank, each part goes to its replicas, every rank
+ * commits its local folder, and all agree (collective). Returns the save's
+ * status; a persisted save succeeds even if its node-local copy failed
+ * (logged). */
+int ckpt__tier_finish(save_op *op, int rc);
+/* Removes the local temporary folder if the save did not commit it. */
+void ckpt__tier_release(save_op *op);
 
 /* ---- files a save pre-hook adds (save_extras.c) ---------------------------- */
 

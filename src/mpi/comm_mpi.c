@@ -47,6 +47,7 @@
 #define TAG_ROOT 7003   /* base, from rank 0: rank 0 is at op's handshake */
 #define TAG_REPLY 7004  /* base, from rank 0: flag GO, DUP or DEAD (text) */
 #define TAG_GIVEUP 7005 /* base, to rank 0: gave up waiting for it in op */
+#define TAG_EXCH 7006   /* work (base outside an operation): an exchange's bytes */
 #define VERDICT_TEXT 512
 enum { GO = 0, DUP = 1, DEAD = 2 };
 
@@ -680,6 +681,53 @@ static int mpi_allreduce_i64(void *ctx, int64_t *v, int n, ckpt_reduce_op op) {
     return e == MPI_SUCCESS ? CKPT_OK : mpi_fail(e, "MPI_Allreduce");
 }
 
+/* One exchange (ckpt_comm.exchange): a send and a receive between pairs
+ * of ranks, every rank taking part. Messages between two ranks with one tag
+ * on one communicator arrive in order, so successive exchanges pair up. */
+static int mpi_exchange(void *ctx, const void *sbuf, size_t sn, int dest, void *rbuf, size_t rn,
+                        int src) {
+    mpi_ctx *c = ctx;
+    if (sn > INT_MAX || rn > INT_MAX)
+        return ckpt_set_error(CKPT_EINVAL, "exchange: more than %d bytes at once", INT_MAX);
+    if ((dest >= c->size && sn) || (src >= c->size && rn))
+        return ckpt_set_error(CKPT_EINVAL, "exchange: rank %d outside [0, %d)",
+                              dest >= c->size ? dest : src, c->size);
+    int to = dest >= 0 && sn ? dest : MPI_PROC_NULL;
+    int from = src >= 0 && rn ? src : MPI_PROC_NULL;
+    if (!c->in_op) {
+        int e = MPI_Sendrecv(sbuf, (int)sn, MPI_BYTE, to, TAG_EXCH, rbuf, (int)rn, MPI_BYTE, from,
+                             TAG_EXCH, c->comm, MPI_STATUS_IGNORE);
+        return e == MPI_SUCCESS ? CKPT_OK : mpi_fail(e, "MPI_Sendrecv");
+    }
+    CKPT_MPI_TRY(op_ready(c));
+    /* Copies: an abandoned request may still touch its buffers. */
+    char *out = malloc(sn ? sn : 1), *in = malloc(rn ? rn : 1);
+    if (!out || !in) {
+        free(out), free(in);
+        return ckpt_set_error(CKPT_ENOMEM, "out of memory (exchange)");
+    }
+    if (sn) memcpy(out, sbuf, sn);
+    void *bufs[4] = {out, in, NULL, NULL};
+    MPI_Request req[2];
+    arrive(c);
+    int e = MPI_Isend(out, (int)sn, MPI_BYTE, to, TAG_EXCH, c->work, &req[0]);
+    if (e == MPI_SUCCESS) {
+        e = MPI_Irecv(in, (int)rn, MPI_BYTE, from, TAG_EXCH, c->work, &req[1]);
+        if (e != MPI_SUCCESS) {
+            keep(c, req, 1, bufs); /* the send may still read out */
+            return mpi_fail(e, "MPI_Irecv");
+        }
+    }
+    if (e != MPI_SUCCESS) {
+        free(out), free(in);
+        return mpi_fail(e, "MPI_Isend");
+    }
+    CKPT_MPI_TRY(await(c, req, 2, bufs));
+    if (rn) memcpy(rbuf, in, rn);
+    free(out), free(in);
+    return CKPT_OK;
+}
+
 static void mpi_destroy(void *ctx) {
     mpi_ctx *c = ctx;
     if (!c) return;
@@ -775,6 +823,7 @@ int ckpt_comm_mpi(ckpt_comm **out, MPI_Comm comm) {
     c->allgather = mpi_allgather;
     c->allreduce_i64 = mpi_allreduce_i64;
     c->deadline = mpi_deadline;
+    c->exchange = mpi_exchange;
     int rc = find_node(c, ctx->comm);
     if (rc < 0) {
         ckpt_comm_free(c);

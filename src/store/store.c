@@ -409,7 +409,7 @@ int ckpt__retention_check(const ckpt_retention *pol, const char *what) {
  * midway leaves a hidden leftover that the next save or prune removes, never
  * a visible half-deleted checkpoint. Without the fsync a power cut could
  * undo the rename but keep some of the deletions. */
-static int remove_checkpoint(const char *dir, const char *name, const ckpt_logger *lg) {
+int ckpt__remove_checkpoint(const char *dir, const char *name, const ckpt_logger *lg) {
     char hidden[96];
     snprintf(hidden, sizeof hidden, ".%s.old.%ld", name, (long)getpid());
     char *p = ckpt__path_join(dir, name);
@@ -555,7 +555,7 @@ static int rotate(const char *dir, rotation *r) {
                       "removing %s, older than the newest valid checkpoint: %s", p,
                       v[i].why ? v[i].why : "invalid");
         free(p);
-        if (!r->dry_run) rc = remove_checkpoint(dir, name, r->lg);
+        if (!r->dry_run) rc = ckpt__remove_checkpoint(dir, name, r->lg);
         if (rc == 0) r->removed++;
     }
     for (int64_t i = 0; i < count; i++) free(v[i].why);
