@@ -121,7 +121,7 @@ static int plan_local(save_op *op, const char *output_dir) {
              * when asked, and after a preemption signal. */
             if (op->tier_highest + 1 > op->number) op->number = op->tier_highest + 1;
             int64_t newest = count > 0 ? nums[count - 1] : -1;
-            op->persist = acc->tier.persist_next || ckpt_preemption_requested() ||
+            op->persist = op->persist_next || ckpt_preemption_requested() ||
                           op->number - newest >= acc->tier.persist_every;
         }
         if (op->link && count > 0) {
@@ -632,6 +632,8 @@ int ckpt__save_op_new(ckpt_accelerator *acc, const char *output_dir, save_op **o
     op->lk.fd = -1;
     op->link = !acc->no_link_unchanged;
     op->tier = output_dir == NULL && ckpt__tier_on(&acc->tier);
+    op->persist_next = op->tier && acc->tier.persist_next;
+    if (op->tier) acc->tier.persist_next = false; /* this save's (back if it fails) */
     op->tier_highest = -1;
     ckpt__manifest_init(&op->mine);
     ckpt__manifest_init(&op->all);

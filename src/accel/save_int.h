@@ -84,6 +84,7 @@ struct ckpt_save_op {
      * folder (target, tmp; else target is this rank's local folder and tmp
      * NULL), as rank 0 decided at the plan. */
     bool tier, persist;
+    bool persist_next;    /* ckpt_accelerator_persist_next_save, taken at new (back if it fails) */
     int64_t tier_highest; /* the newest local checkpoint of any rank, -1: none */
     char *ltarget, *ltmp; /* this rank's local folder of the save, and its temporary one */
     bool ltmp_made;

@@ -422,7 +422,6 @@ int ckpt__tier_finish(save_op *op, int rc) {
     }
     if (lrc == 0) {
         local_rotate(op);
-        acc->tier.persist_next = false;
         return CKPT_OK;
     }
     if (!op->persist) return lrc;
@@ -431,11 +430,13 @@ int ckpt__tier_finish(save_op *op, int rc) {
         ckpt__log(&op->log, CKPT_LOG_WARNING,
                   "%s is committed, but its node-local copy failed: %s", op->target,
                   ckpt_errmsg());
-    acc->tier.persist_next = false;
     return CKPT_OK;
 }
 
 void ckpt__tier_release(save_op *op) {
+    /* a failed save leaves the request for the next one */
+    if (op->rc < 0 && op->persist_next) op->acc->tier.persist_next = true;
+    op->persist_next = false;
     if (op->ltmp_made && ckpt__remove_tree(op->ltmp) < 0)
         ckpt__log(&op->log, CKPT_LOG_WARNING, "could not remove %s after a failed save: %s",
                   op->ltmp, ckpt_errmsg());
