@@ -23,6 +23,7 @@
 #include "ckpt.h"
 #include "accel/accel.h"
 #include "accel/load_held.h"
+#include "accel/tier_load.h"
 #include "base/error.h"
 #include "base/io.h"
 #include "format/hfindex.h"
@@ -880,6 +881,45 @@ static int choose_latest(load_op *op) {
     return rc;
 }
 
+/* With a node-local tier: the newest save whose every part is verified on
+ * some node, moved to the ranks that lack theirs (tier_load.c); else, or
+ * if moving it fails, the project folder as choose_latest finds it. */
+static int choose_tier(load_op *op) {
+    ckpt_accelerator *acc = op->acc;
+    ckpt_tier_pick pk;
+    ckpt__coll_phase(acc, "load: choose among the node-local tiers");
+    int rc = ckpt__tier_choose(acc, &pk);
+    if (rc == 0 && pk.use) {
+        uint64_t held = 0;
+        op->one_pass = false;
+        ckpt__coll_phase(acc, "load: move parts between nodes");
+        rc = ckpt__tier_fetch(acc, &pk, &op->c, &op->dir, &held);
+        if (rc == 0) {
+            op->held += held;
+            ckpt__load_held_add(held);
+            ckpt__tier_adopt(acc, &pk, &op->c);
+            if (op->comm->size > 1) {
+                rc = ckpt__coll_agree(op->comm, plan_reads(op), NULL);
+                if (rc == 0) rc = ckpt__coll_agree(op->comm, share_files(op), NULL);
+            }
+            if (rc < 0) rc = ckpt__err_prefix(rc, "load_state");
+        } else {
+            if (op->comm->rank == 0)
+                ckpt__log(&acc->log, CKPT_LOG_WARNING,
+                          "load_state: node-local tiers: checkpoint_%" PRId64
+                          ": %s; loading from the project folder %s",
+                          pk.number, ckpt_errmsg(), acc->project_dir);
+            ckpt__coll_phase(acc, "load: choose the checkpoint");
+            rc = choose_latest(op);
+        }
+    } else if (rc == 0) {
+        ckpt__coll_phase(acc, "load: choose the checkpoint");
+        rc = choose_latest(op);
+    }
+    ckpt__tier_pick_free(&pk);
+    return rc;
+}
+
 /* ---- check ----------------------------------------------------------------- */
 
 static void plural(char *buf, size_t cap, int n, const char *noun) {
@@ -1444,6 +1484,8 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
         rc = ckpt__coll_agree(op.comm, choose_folder(&op, input_dir), NULL);
         op.nothing = rc == CKPT_ENOENT; /* no such folder, or not a checkpoint */
         if (rc == 0) rc = ckpt__coll_agree(op.comm, share_files(&op), NULL);
+    } else if (ckpt__tier_on(&acc->tier)) {
+        rc = choose_tier(&op);
     } else {
         rc = choose_latest(&op);
     }

@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "accel/accel.h"
 #include "accel/tier.h"
@@ -122,6 +124,54 @@ int ckpt__tier_replica_source(const ckpt_tier *t, int nprocs, int holder, int k)
 
 /* ---- this rank's folder ------------------------------------------------------ */
 
+typedef struct text_ctx {
+    const char *p;
+    size_t n;
+} text_ctx;
+
+static int fill_text(ckpt_ostream *s, void *ctx) {
+    const text_ctx *t = ctx;
+    return ckpt__ostream_write(s, t->p, t->n);
+}
+
+/* A local folder serves one project: its "project" file names it (the
+ * project_dir made absolute), so that a load never takes another run's
+ * saves for this one's. Written the first time; another project's is
+ * CKPT_EINVAL. */
+static int claim_folder(ckpt_accelerator *acc) {
+    const ckpt_tier *t = &acc->tier;
+    char cwd[4096] = "";
+    const char *pd = acc->project_dir;
+    if (pd[0] != '/' && !getcwd(cwd, sizeof cwd))
+        return ckpt__err_os(errno, "local_dir: the current folder");
+    size_t n = strlen(cwd) + strlen(pd) + 3;
+    char *want = ckpt__malloc(n), *path = ckpt__path_join(t->dir, "project");
+    int rc = want && path ? CKPT_OK : ckpt__err_nomem("local_dir");
+    if (rc == 0) snprintf(want, n, "%s%s%s\n", cwd, cwd[0] ? "/" : "", pd);
+    char *have = NULL;
+    size_t hl = 0;
+    struct stat st;
+    if (rc == 0 && ckpt__os_lstat(path, &st) == 0) {
+        rc = ckpt__read_small_file(path, true, 8192, &have, &hl);
+        if (rc == 0 && (hl != strlen(want) || memcmp(have, want, hl) != 0))
+            rc = ckpt__err(CKPT_EINVAL,
+                           "local_dir: %s keeps the node-local checkpoints of the project %.*s, "
+                           "not of %.*s: give each project a local_dir of its own (or remove "
+                           "that folder)",
+                           t->dir, (int)(hl && have[hl - 1] == '\n' ? hl - 1 : hl), have,
+                           (int)strlen(want) - 1, want);
+        if (rc < 0 && rc != CKPT_EINVAL) rc = ckpt__err_prefix(rc, "local_dir");
+    } else if (rc == 0) {
+        text_ctx tc = {want, strlen(want)};
+        rc = ckpt__publish_file(path, fill_text, &tc, NULL, NULL);
+        if (rc < 0) rc = ckpt__err_prefix(rc, "local_dir");
+    }
+    free(have);
+    free(want);
+    free(path);
+    return rc;
+}
+
 /* This rank's part of the setup: the folder made and locked. */
 static int setup_folder(ckpt_accelerator *acc) {
     ckpt_tier *t = &acc->tier;
@@ -138,7 +188,7 @@ static int setup_folder(ckpt_accelerator *acc) {
     free(lp);
     if (rc < 0) return ckpt__err_prefix(rc, "local_dir");
     t->ram = ckpt__in_memory_fs(t->dir);
-    return CKPT_OK;
+    return claim_folder(acc);
 }
 
 int ckpt__tier_setup(ckpt_accelerator *acc) {
@@ -237,3 +287,185 @@ int ckpt__tier_exchange(const ckpt_comm *c, const void *sbuf, size_t sn, int des
     free(lens);
     return rc;
 }
+
+/* ---- what a local folder holds ------------------------------------------------ */
+
+/* Whether file f of dir is there, a regular file of its listed size, and
+ * with deep, of its listed checksum; if not, why. */
+static int check_file(const char *dir, const ckpt_manifest_file *f, bool deep, char *why,
+                      size_t cap) {
+    char *path = ckpt__path_join(dir, f->name);
+    if (!path) return ckpt__err_nomem("local_dir");
+    struct stat st;
+    int ok = 1;
+    if (ckpt__os_lstat(path, &st) != 0) {
+        snprintf(why, cap, "%s: %s: %s", dir, f->name, errno == ENOENT ? "missing" : strerror(errno));
+        ok = 0;
+    } else if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size != f->size) {
+        snprintf(why, cap, "%s: %s: %s", dir, f->name,
+                 !S_ISREG(st.st_mode) ? "not a regular file" : "size differs from the manifest's");
+        ok = 0;
+    } else if (deep) {
+        uint64_t h = 0;
+        int rc = ckpt__read_hashed(path, path, f->size, NULL, &h);
+        if (rc == CKPT_ENOMEM) {
+            free(path);
+            return rc;
+        }
+        if (rc < 0 || h != f->xxh3) {
+            snprintf(why, cap, "%s", rc < 0 ? ckpt_errmsg() : "");
+            if (rc == 0) snprintf(why, cap, "%s: %s: checksum mismatch", dir, f->name);
+            ok = 0;
+        }
+    }
+    free(path);
+    return ok;
+}
+
+int ckpt__tier_scan(const char *dir, bool deep, ckpt_tier_scan *out, ckpt_manifest *m,
+                    char **text, size_t *len, char *why, size_t cap) {
+    memset(out, 0, sizeof *out);
+    out->number = -1;
+    if (why && cap) why[0] = '\0';
+    char tmpwhy[1024];
+    if (!why) {
+        why = tmpwhy;
+        cap = sizeof tmpwhy;
+    }
+    char base[256];
+    size_t n = strlen(dir), s = n;
+    while (s > 0 && dir[s - 1] != '/') s--;
+    snprintf(base, sizeof base, "%s", dir + s);
+    int64_t num;
+    if (ckpt__parse_checkpoint_name(base, &num)) out->number = num;
+    char *path = ckpt__path_join(dir, CKPT_MANIFEST_NAME);
+    if (!path) return ckpt__err_nomem("local_dir");
+    char *t = NULL;
+    size_t tl = 0;
+    ckpt_manifest mm;
+    ckpt__manifest_init(&mm);
+    int rc = ckpt__read_small_file(path, true, CKPT_MANIFEST_MAX_BYTES, &t, &tl);
+    if (rc == 0) rc = ckpt__manifest_parse(t, tl, path, &mm);
+    free(path);
+    if (rc == CKPT_ENOMEM) {
+        free(t);
+        ckpt__manifest_clear(&mm);
+        return rc;
+    }
+    if (rc < 0) {
+        snprintf(why, cap, "%s", ckpt_errmsg());
+        out->bad = true;
+        free(t);
+        ckpt__manifest_clear(&mm);
+        return CKPT_OK;
+    }
+    out->digest = ckpt__xxh3(t, tl);
+    out->num_processes = mm.num_processes;
+    out->step = mm.step;
+    out->created_unix = mm.created_unix;
+    /* per rank: 1 every file of its part is fine so far, 0 one is not,
+     * -1 it has no file here */
+    int np = mm.num_processes > 0 ? mm.num_processes : 1;
+    signed char *ok = ckpt__malloc((size_t)np);
+    if (!ok) {
+        free(t);
+        ckpt__manifest_clear(&mm);
+        return ckpt__err_nomem("local_dir");
+    }
+    memset(ok, -1, (size_t)np);
+    for (int64_t j = 0; j < mm.nfiles; j++) {
+        const ckpt_manifest_file *f = &mm.files[j];
+        int q = f->rank >= 0 && f->rank < np ? f->rank : 0;
+        char *fp = ckpt__path_join(dir, f->name);
+        struct stat st;
+        bool there = fp && ckpt__os_lstat(fp, &st) == 0;
+        free(fp);
+        if (!there) {
+            if (ok[q] == 1) ok[q] = 0; /* a part with some files missing: not held */
+            else if (ok[q] == -1) ok[q] = -2; /* none here so far */
+            continue;
+        }
+        if (ok[q] == -2) ok[q] = 0; /* this one is there, an earlier one missing */
+        if (ok[q] == -1) ok[q] = 1;
+        char w[1024];
+        int c = check_file(dir, f, deep, w, sizeof w);
+        if (c < 0) {
+            free(ok);
+            free(t);
+            ckpt__manifest_clear(&mm);
+            return c;
+        }
+        if (c == 0) {
+            if (ok[q] == 1) ok[q] = 0;
+            if (!out->bad) snprintf(why, cap, "%s", w);
+            out->bad = true;
+        } else {
+            out->bytes += f->size;
+        }
+    }
+    for (int q = 0; q < np && out->nparts < CKPT_TIER_MAX_PARTS; q++)
+        if (ok[q] == 1) out->parts[out->nparts++] = q;
+    free(ok);
+    if (m) *m = mm;
+    else ckpt__manifest_clear(&mm);
+    if (text) {
+        *text = t;
+        *len = tl;
+    } else {
+        free(t);
+    }
+    return CKPT_OK;
+}
+
+/* ---- a part as a stream of bytes --------------------------------------------- */
+
+/* The files of one rank's part (manifest order) as one stream of bytes,
+ * read from a folder. */
+
+/* The next n bytes of the part into buf (zeros after a failure, so that
+ * the exchanges stay paired; the receiver's digest then refuses them). */
+int ckpt__part_read(ckpt_part_reader *pr, uint8_t *buf, size_t n, int rc) {
+    size_t done = 0;
+    while (done < n) {
+        if (pr->j >= pr->m->nfiles) {
+            memset(buf + done, 0, n - done);
+            return rc == 0 ? ckpt__err(CKPT_EINVAL, "replication: part shorter than planned") : rc;
+        }
+        const ckpt_manifest_file *f = &pr->m->files[pr->j];
+        if (f->rank != pr->rank || pr->off == f->size) {
+            if (pr->fd >= 0) ckpt__os_close(pr->fd);
+            pr->fd = -1;
+            pr->off = 0;
+            pr->j++;
+            continue;
+        }
+        size_t want = f->size - pr->off < n - done ? (size_t)(f->size - pr->off) : n - done;
+        if (rc == 0 && pr->fd < 0) {
+            char *path = ckpt__path_join(pr->dir, f->name);
+            pr->fd = path ? ckpt__open_read(path, path, true, NULL) : ckpt__err_nomem("replica");
+            free(path);
+            if (pr->fd < 0) {
+                rc = pr->fd;
+                pr->fd = -1;
+            }
+        }
+        ssize_t got = -1;
+        if (rc == 0) {
+            got = ckpt__os_pread(pr->fd, buf + done, want, pr->off);
+            if (got < 0) rc = ckpt__err_os(errno, "%s/%s: read", pr->dir, f->name);
+            else if ((size_t)got < want)
+                rc = ckpt__err(CKPT_ECORRUPT, "%s/%s: shorter than its %" PRIu64 " bytes",
+                               pr->dir, f->name, f->size);
+        }
+        if (rc < 0) memset(buf + done, 0, want);
+        done += want;
+        pr->off += want;
+    }
+    return rc;
+}
+
+void ckpt__part_reader_end(ckpt_part_reader *pr) {
+    if (pr->fd >= 0) ckpt__os_close(pr->fd);
+    pr->fd = -1;
+}
+

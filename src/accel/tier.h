@@ -27,6 +27,7 @@
 #include <stdint.h>
 
 #include "ckpt.h"
+#include "format/manifest.h"
 #include "store/store.h"
 
 
@@ -75,5 +76,46 @@ int ckpt__tier_exchange(const ckpt_comm *c, const void *sbuf, size_t sn, int des
                         size_t rn, int src);
 /* Bytes moved per exchange. */
 #define CKPT_TIER_PIECE ((size_t)16 << 20)
+
+/* The files of one rank's part (the manifest's files with that "rank", in
+ * manifest order), read from a folder as one stream of bytes. Zeroed but
+ * for m, dir, rank and fd = -1. */
+typedef struct ckpt_part_reader {
+    const ckpt_manifest *m;
+    const char *dir;
+    int rank;
+    int64_t j; /* the file being read */
+    int fd;
+    uint64_t off;
+} ckpt_part_reader;
+/* The next n bytes into buf. After a failure (rc, or one here) the bytes
+ * are zeros, so that the exchanges they go into stay paired (the
+ * receiver's checksum refuses them); returns the first failure. */
+int ckpt__part_read(ckpt_part_reader *pr, uint8_t *buf, size_t n, int rc);
+void ckpt__part_reader_end(ckpt_part_reader *pr);
+
+/* What one local checkpoint folder holds (ckpt__tier_scan). */
+#define CKPT_TIER_MAX_PARTS 16
+typedef struct ckpt_tier_scan {
+    int64_t number;
+    uint64_t digest;   /* XXH3-64 of its manifest's bytes: the save's identity */
+    int num_processes; /* the manifest's */
+    int64_t step, created_unix;
+    uint64_t bytes;    /* of the files held */
+    int nparts;        /* parts held whole (every file there, of the listed size, and with
+                          deep, of the listed checksum), ascending ranks (at most
+                          CKPT_TIER_MAX_PARTS) */
+    int parts[CKPT_TIER_MAX_PARTS];
+    bool bad;          /* the manifest, or a file of a part, fails (why says how) */
+} ckpt_tier_scan;
+
+/* Looks at the local checkpoint folder dir: its manifest (read, checked,
+ * digested; kept in *m and its text in *text, *len when those are not
+ * NULL) and which parts it holds. A folder whose manifest cannot be read,
+ * or with a file of some part that fails, is bad (out->bad) with the first
+ * reason in why; returns 0 then too. Only running out of memory is
+ * returned as a failure. */
+int ckpt__tier_scan(const char *dir, bool deep, ckpt_tier_scan *out, ckpt_manifest *m,
+                    char **text, size_t *len, char *why, size_t cap);
 
 #endif

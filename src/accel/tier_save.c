@@ -178,64 +178,6 @@ int ckpt__tier_persist_extras(save_op *op) {
 
 /* ---- replication ---------------------------------------------------------------- */
 
-/* The files of one rank's part (manifest order) as one stream of bytes,
- * read from a folder. */
-typedef struct part_reader {
-    const ckpt_manifest *m;
-    const char *dir;
-    int rank;
-    int64_t j; /* the file being read */
-    int fd;
-    uint64_t off;
-} part_reader;
-
-/* The next n bytes of the part into buf (zeros after a failure, so that
- * the exchanges stay paired; the receiver's digest then refuses them). */
-static int part_read(part_reader *pr, uint8_t *buf, size_t n, int rc) {
-    size_t done = 0;
-    while (done < n) {
-        if (pr->j >= pr->m->nfiles) {
-            memset(buf + done, 0, n - done);
-            return rc == 0 ? ckpt__err(CKPT_EINVAL, "replication: part shorter than planned") : rc;
-        }
-        const ckpt_manifest_file *f = &pr->m->files[pr->j];
-        if (f->rank != pr->rank || pr->off == f->size) {
-            if (pr->fd >= 0) ckpt__os_close(pr->fd);
-            pr->fd = -1;
-            pr->off = 0;
-            pr->j++;
-            continue;
-        }
-        size_t want = f->size - pr->off < n - done ? (size_t)(f->size - pr->off) : n - done;
-        if (rc == 0 && pr->fd < 0) {
-            char *path = ckpt__path_join(pr->dir, f->name);
-            pr->fd = path ? ckpt__open_read(path, path, true, NULL) : ckpt__err_nomem("replica");
-            free(path);
-            if (pr->fd < 0) {
-                rc = pr->fd;
-                pr->fd = -1;
-            }
-        }
-        ssize_t got = -1;
-        if (rc == 0) {
-            got = ckpt__os_pread(pr->fd, buf + done, want, pr->off);
-            if (got < 0) rc = ckpt__err_os(errno, "%s/%s: read", pr->dir, f->name);
-            else if ((size_t)got < want)
-                rc = ckpt__err(CKPT_ECORRUPT, "%s/%s: shorter than its %" PRIu64 " bytes",
-                               pr->dir, f->name, f->size);
-        }
-        if (rc < 0) memset(buf + done, 0, want);
-        done += want;
-        pr->off += want;
-    }
-    return rc;
-}
-
-static void part_reader_end(part_reader *pr) {
-    if (pr->fd >= 0) ckpt__os_close(pr->fd);
-    pr->fd = -1;
-}
-
 /* The files of another rank's part, written into a folder as the bytes
  * arrive, each checked against the manifest when complete. */
 typedef struct part_writer {
@@ -329,7 +271,7 @@ static int replicate(save_op *op, const ckpt_manifest *m, int rc) {
     for (int k = 1; k <= t->replicas; k++) {
         int dest = ckpt__tier_replica_holder(t, p, me, k);
         int src = ckpt__tier_replica_source(t, p, me, k);
-        part_reader pr = {.m = m, .dir = op->ltmp, .rank = me, .fd = -1};
+        ckpt_part_reader pr = {.m = m, .dir = op->ltmp, .rank = me, .fd = -1};
         part_writer pw = {.m = m, .dir = op->ltmp, .rank = src};
         for (uint64_t i = 0; i < steps; i++) {
             uint64_t at = i * CKPT_TIER_PIECE;
@@ -341,14 +283,14 @@ static int replicate(save_op *op, const ckpt_manifest *m, int rc) {
                             ? (size_t)(part[src] - at < CKPT_TIER_PIECE ? part[src] - at
                                                                         : CKPT_TIER_PIECE)
                             : 0;
-            if (sn && sbuf) rc = part_read(&pr, sbuf, sn, rc);
+            if (sn && sbuf) rc = ckpt__part_read(&pr, sbuf, sn, rc);
             int crc = ckpt__tier_exchange(c, sbuf, sbuf ? sn : 0, dest, rbuf, rbuf ? rn : 0, src);
             if (crc < 0 && rc == 0) rc = crc;
             if (crc == 0 && rbuf) rc = part_write(&pw, rbuf, rn, rc);
         }
         /* the files of the part past its last byte (empty ones) */
         if (steps == 0 || (part && part[src] == 0)) rc = part_write(&pw, NULL, 0, rc);
-        part_reader_end(&pr);
+        ckpt__part_reader_end(&pr);
         part_writer_end(&pw);
     }
     free(part);

@@ -206,9 +206,9 @@ static void record(ckpt_io_op op, int fd, int flags, const char *path, const cha
 
 /* ---- the open log ------------------------------------------------------------ */
 
-/* CKPT_OPEN_LOG=<file>: every file the library opens (a path it was given,
- * as given; openat's name relative to its folder) is appended to <file>,
- * one line each, so that an end-to-end test can tell which files a run
+/* CKPT_OPEN_LOG=<file>: every file the library opens is appended to <file>,
+ * one line each ("read <path>" or "write <path>"; a path as the library
+ * gave it, openat's made whole through /proc/self/fd), so that an end-to-end test can tell which files a run
  * read (a load that must not touch the project folder). Written with
  * O_APPEND: the ranks of a job may share the file. */
 static pthread_once_t open_log_once = PTHREAD_ONCE_INIT;
@@ -219,11 +219,12 @@ static void open_log_init(void) {
     if (p && *p) open_log_fd = next->open(p, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
 }
 
-static void open_log(const char *path) {
+static void open_log(const char *path, int flags) {
     pthread_once(&open_log_once, open_log_init);
     if (open_log_fd < 0 || !path) return;
     char line[4200];
-    int n = snprintf(line, sizeof line, "%s\n", path);
+    int n = snprintf(line, sizeof line, "%s %s\n",
+                     (flags & O_ACCMODE) == O_RDONLY ? "read" : "write", path);
     if (n > 0 && (size_t)n < sizeof line) (void)!next->write(open_log_fd, line, (size_t)n);
 }
 
@@ -232,7 +233,7 @@ static void open_log(const char *path) {
 static int l_open(const char *path, int flags, mode_t mode) {
     if (fault_hit(CKPT_FAULT_OPEN)) return -1;
     int fd = next->open(path, flags, mode);
-    if (fd >= 0) open_log(path);
+    if (fd >= 0) open_log(path, flags);
     if (fd >= 0 && recording()) record(CKPT_IO_OPEN, fd, flags, path, NULL, 0, NULL, 0);
     return fd;
 }
@@ -253,10 +254,10 @@ static int l_openat(int dirfd_, const char *path, int flags, mode_t mode) {
             full[k] = '\0';
             strcat(full, "/");
             strcat(full, path);
-            open_log(full);
+            open_log(full, flags);
             record(CKPT_IO_OPEN, fd, flags, full, NULL, 0, NULL, 0);
         } else {
-            open_log(path);
+            open_log(path, flags);
             record(CKPT_IO_OPEN, fd, flags, path, NULL, 0, NULL, 0);
         }
     }
