@@ -267,6 +267,7 @@ static int bcast_from(const ckpt_comm *c, int root, char **buf, size_t *n) {
     if (c->rank != root) {
         p[len] = '\0';
         if (rc == 0) {
+            free(*buf); /* a rank that held it already: the sender's is the same */
             *buf = p;
             *n = (size_t)len;
         } else {

@@ -10,6 +10,7 @@ typedef struct tc_group {
     pthread_barrier_t bar;
     const void **slot; /* each rank's buffer of the collective in progress */
     size_t *slen;
+    int *sdest; /* exchange: where each rank's bytes go */
 } tc_group;
 
 typedef struct tc_rank {
@@ -99,6 +100,29 @@ static int tc_allreduce_i64(void *ctx, int64_t *v, int n, ckpt_reduce_op op) {
     return acc ? CKPT_OK : ckpt_set_error(CKPT_ENOMEM, "thread comm: allreduce");
 }
 
+static int tc_exchange(void *ctx, const void *sbuf, size_t sn, int dest, void *rbuf, size_t rn,
+                       int src) {
+    tc_rank *me = ctx;
+    tc_group *g = me->g;
+    g->slot[me->rank] = sbuf;
+    g->slen[me->rank] = sn;
+    g->sdest[me->rank] = sn ? dest : -1;
+    sync_all(g);
+    int rc = CKPT_OK;
+    if (rn && src >= 0) {
+        if (g->sdest[src] != me->rank || g->slen[src] != rn)
+            rc = ckpt_set_error(CKPT_EIO, "thread comm: exchange: rank %d sends %zu bytes to %d, "
+                                          "rank %d expects %zu",
+                                src, g->slen[src], g->sdest[src], me->rank, rn);
+        else memcpy(rbuf, g->slot[src], rn);
+    }
+    sync_all(g);
+    return rc;
+}
+
+static bool with_exchange;
+void tc_set_exchange(bool on) { with_exchange = on; }
+
 static void *tc_main(void *arg) {
     tc_rank *me = arg;
     me->fn(&me->comm, me->arg);
@@ -109,9 +133,10 @@ void tc_run(int p, void (*fn)(const ckpt_comm *comm, void *arg), void *arg) {
     tc_group g = {.p = p};
     g.slot = calloc((size_t)p, sizeof *g.slot);
     g.slen = calloc((size_t)p, sizeof *g.slen);
+    g.sdest = calloc((size_t)p, sizeof *g.sdest);
     tc_rank *ranks = calloc((size_t)p, sizeof *ranks);
     pthread_t *th = calloc((size_t)p, sizeof *th);
-    if (!g.slot || !g.slen || !ranks || !th) abort();
+    if (!g.slot || !g.slen || !g.sdest || !ranks || !th) abort();
     pthread_barrier_init(&g.bar, NULL, (unsigned)p);
     for (int r = 0; r < p; r++) {
         tc_rank *me = &ranks[r];
@@ -122,7 +147,8 @@ void tc_run(int p, void (*fn)(const ckpt_comm *comm, void *arg), void *arg) {
         me->comm = (ckpt_comm){.rank = r, .size = p, .local_rank = r, .local_size = p,
                                .node = 0, .num_nodes = 1, .ctx = me,
                                .barrier = tc_barrier, .bcast = tc_bcast, .gather = tc_gather,
-                               .allgather = tc_allgather, .allreduce_i64 = tc_allreduce_i64};
+                               .allgather = tc_allgather, .allreduce_i64 = tc_allreduce_i64,
+                               .exchange = with_exchange ? tc_exchange : NULL};
     }
     for (int r = 0; r < p; r++)
         if (pthread_create(&th[r], NULL, tc_main, &ranks[r]) != 0) abort();
@@ -132,4 +158,5 @@ void tc_run(int p, void (*fn)(const ckpt_comm *comm, void *arg), void *arg) {
     free(ranks);
     free(g.slot);
     free(g.slen);
+    free(g.sdest);
 }
