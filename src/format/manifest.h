@@ -16,9 +16,13 @@
  * checkpoint, or several processes' where rank 0 wrote every replicated
  * tensor into its object's file. Version 2 (written when several processes
  * save): replicated tensors may be split over the ranks' shard files, as
- * chunks, like sharded tensors (docs/FORMAT.md). One process still writes 1. */
-#define CKPT_FORMAT_VERSION 2
+ * chunks, like sharded tensors (docs/FORMAT.md). Version 3 (written by one
+ * process that keeps a model's frozen tensors apart): version 2 with that
+ * file named <model>.frozen.safetensors, not <model>-00001-of-00001 (which
+ * Hugging Face readers take for a shard). One process otherwise writes 1. */
+#define CKPT_FORMAT_VERSION 3
 #define CKPT_FORMAT_VERSION_SPREAD 2
+#define CKPT_FORMAT_VERSION_FROZEN 3
 /* A manifest lists a few dozen files; anything this large is not ours. */
 #define CKPT_MANIFEST_MAX_BYTES (16u << 20)
 

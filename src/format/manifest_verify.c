@@ -15,9 +15,15 @@
 #include "base/io.h"
 #include "format/manifest.h"
 #include "format/manifest_int.h"
+#include "format/hfindex.h"
 #include "format/shard.h"
 
 /* ---- verification ------------------------------------------------------- */
+
+static bool ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && strcmp(s + n - k, suffix) == 0;
+}
 
 /* The file's digest differs: say which tensor if the file still parses. */
 static int name_mismatch(const char *dir, const ckpt_manifest_file *f, const ckpt_mapped *mp) {
@@ -25,6 +31,20 @@ static int name_mismatch(const char *dir, const ckpt_manifest_file *f, const ckp
     if (strcmp(f->kind, "extra") == 0)
         return ckpt__err(CKPT_ECORRUPT, "%s: %s: checksum mismatch (a file a save pre-hook added)",
                          dir, f->name);
+    /* The index of a model saved as Hugging Face shards is JSON. */
+    if (ends_with(f->name, ".index.json")) {
+        ckpt_hf_index x;
+        memset(&x, 0, sizeof x);
+        int rc = ckpt__hf_index_parse((const char *)mp->data, (size_t)mp->size, f->name, &x);
+        ckpt__hf_index_free(&x);
+        if (rc < 0)
+            return ckpt__err_prefix(CKPT_ECORRUPT,
+                                    "%s: %s: checksum mismatch and the shard index does not parse",
+                                    dir, f->name);
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: %s: checksum mismatch in the shard index (it still parses)", dir,
+                         f->name);
+    }
     ckpt_reader *r = NULL;
     int rc = ckpt_reader_open_memory(&r, mp->data, (size_t)mp->size, f->name);
     if (rc < 0)
@@ -48,11 +68,6 @@ static int name_mismatch(const char *dir, const ckpt_manifest_file *f, const ckp
     return ckpt__err(CKPT_ECORRUPT,
                      "%s: %s: checksum mismatch in the header or metadata (tensor data intact)",
                      dir, f->name);
-}
-
-static bool ends_with(const char *s, const char *suffix) {
-    size_t n = strlen(s), k = strlen(suffix);
-    return n >= k && strcmp(s + n - k, suffix) == 0;
 }
 
 static int check_unlisted(const char *dir, const ckpt_manifest *m) {
