@@ -146,3 +146,15 @@ run_rc 0 "$CKPT_BIN" diff "$ref_final" "$(latest_checkpoint "$WORK/run")"
 grep -q "bit for bit" "$WORK/out" || fail "diff did not say bit for bit"
 cmp "$WORK/ref/logs/metrics.jsonl" "$WORK/run/logs/metrics.jsonl" || fail "metrics logs differ"
 echo "ok: killed twice, a node lost and back stale: the run ends bit for bit as the uninterrupted one"
+
+# ---- ckpt ls of a node's tier ---------------------------------------------------------
+run_rc 0 "$CKPT_BIN" ls "$L/n0"
+grep -q "node-local tier $L/n0, on the node's disk" "$WORK/out" || { cat "$WORK/out"; fail "ls: no tier line"; }
+grep -Eq "^0 .* complete  0,2 .*$L/n0/rank_0/checkpoint_[0-9]+$" "$WORK/out" || { cat "$WORK/out"; fail "ls: rank 0's parts"; }
+grep -Eq "^1 .* complete  1,3 .*$L/n0/rank_1/checkpoint_[0-9]+$" "$WORK/out" || { cat "$WORK/out"; fail "ls: rank 1's parts"; }
+f=$(ls -d "$L"/n0/rank_1/checkpoint_*)/random_states_3.safetensors
+flip_byte "$f" 40
+run_rc 0 "$CKPT_BIN" ls --json "$L/n0/rank_1"
+grep -q '"status":"corrupt","parts":\[1\]' "$WORK/out" || { cat "$WORK/out"; fail "ls: the corrupt replica"; }
+grep -q 'random_states_3.safetensors: checksum mismatch' "$WORK/out" || fail "ls: no reason"
+echo "ok: ckpt ls lists each rank's saves in a node's tier with the parts they hold"

@@ -15,12 +15,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
 #include "ckpt.h"
 #include "accel/accel.h"
 #include "base/error.h"
+#include "base/io.h"
 #include "store/store.h"
 #include "helpers/testutil.h"
 #include "helpers/thread_comm.h"
@@ -508,6 +510,33 @@ static void test_tiers_simulated_nodes_need_a_folder_each_and_a_folder_serves_on
     tu_assert_contains(j.msg[0], "keeps the node-local checkpoints of the project");
 }
 
+static void test_tiers_a_tier_in_memory_says_so(void **st) {
+    (void)st;
+    if (!ckpt__in_memory_fs("/dev/shm")) {
+        skip();
+        return;
+    }
+    char root[128];
+    snprintf(root, sizeof root, "/dev/shm/test_tiers_%d", (int)getpid());
+    scen s;
+    init_scen(&s, 1);
+    snprintf(s.local, sizeof s.local, "%s/%%n", root);
+    s.nsaves = 1;
+    job(NULL, &s);
+    assert_int_equal(s.save_rc[0], 0);
+    ckpt_tier_info *v = NULL;
+    int64_t n = 0;
+    assert_int_equal(ckpt_tier_list(K(tu_pathf("%s/0", root)), true, &v, &n), 0);
+    assert_int_equal(n, 1);
+    assert_true(v[0].in_memory);
+    assert_int_equal(v[0].status, CKPT_CHECKPOINT_COMPLETE);
+    assert_int_equal(v[0].rank, 0);
+    assert_int_equal(v[0].num_parts, 1);
+    assert_int_equal(v[0].parts[0], 0);
+    free(v);
+    assert_int_equal(tu_tmpdir_remove(root), 0);
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
 #define T(f) cmocka_unit_test_setup_teardown(f, tu_tmpdir_setup, teardown)
@@ -524,6 +553,7 @@ int main(void) {
         T(test_tiers_one_process_saves_locally_and_resumes_from_the_newer),
         T(test_tiers_configuration_errors_name_the_field),
         T(test_tiers_simulated_nodes_need_a_folder_each_and_a_folder_serves_one_project),
+        T(test_tiers_a_tier_in_memory_says_so),
 #undef T
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
