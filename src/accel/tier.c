@@ -322,7 +322,7 @@ static int check_file(const char *dir, const ckpt_manifest_file *f, bool deep, c
     return ok;
 }
 
-int ckpt__tier_scan(const char *dir, bool deep, ckpt_tier_scan *out, ckpt_manifest *m,
+int ckpt__tier_scan(const char *dir, bool deep, int own, ckpt_tier_scan *out, ckpt_manifest *m,
                     char **text, size_t *len, char *why, size_t cap) {
     memset(out, 0, sizeof *out);
     out->number = -1;
@@ -388,7 +388,7 @@ int ckpt__tier_scan(const char *dir, bool deep, ckpt_tier_scan *out, ckpt_manife
         if (ok[q] == -2) ok[q] = 0; /* this one is there, an earlier one missing */
         if (ok[q] == -1) ok[q] = 1;
         char w[1024];
-        int c = check_file(dir, f, deep, w, sizeof w);
+        int c = check_file(dir, f, deep && f->rank != own, w, sizeof w);
         if (c < 0) {
             free(ok);
             free(t);

@@ -111,11 +111,13 @@ typedef struct ckpt_tier_scan {
 
 /* Looks at the local checkpoint folder dir: its manifest (read, checked,
  * digested; kept in *m and its text in *text, *len when those are not
- * NULL) and which parts it holds. A folder whose manifest cannot be read,
- * or with a file of some part that fails, is bad (out->bad) with the first
- * reason in why; returns 0 then too. Only running out of memory is
- * returned as a failure. */
-int ckpt__tier_scan(const char *dir, bool deep, ckpt_tier_scan *out, ckpt_manifest *m,
+ * NULL) and which parts it holds. The files of rank `own` (-1: none) are
+ * only looked at (there, of their size), not read: the caller reads and
+ * checks them itself. A folder whose manifest cannot be read, or with a
+ * file of some part that fails, is bad (out->bad) with the first reason in
+ * why; returns 0 then too. Only running out of memory is returned as a
+ * failure. */
+int ckpt__tier_scan(const char *dir, bool deep, int own, ckpt_tier_scan *out, ckpt_manifest *m,
                     char **text, size_t *len, char *why, size_t cap);
 
 #endif

@@ -59,7 +59,7 @@ int ckpt_tier_verify(const char *dir, bool deep, ckpt_tier_info *info) {
     info->in_memory = ckpt__in_memory_fs(dir);
     ckpt_tier_scan sc;
     char why[1024];
-    int rc = ckpt__tier_scan(dir, deep, &sc, NULL, NULL, NULL, why, sizeof why);
+    int rc = ckpt__tier_scan(dir, deep, -1, &sc, NULL, NULL, NULL, why, sizeof why);
     if (rc < 0) return rc;
     info->number = sc.number;
     info->step = sc.step;

@@ -64,11 +64,56 @@ void ckpt__tier_pick_free(ckpt_tier_pick *pk) {
 
 /* ---- choose ------------------------------------------------------------------ */
 
+/* This rank's own part from its own folder: read and hashed into the slots. */
+static int read_own(const ckpt_manifest *m, const char *dir, int me, ckpt_mapped *maps,
+                    uint8_t **dst) {
+    static const uint8_t none[1];
+    for (int64_t j = 0; j < m->nfiles; j++) {
+        const ckpt_manifest_file *f = &m->files[j];
+        if (f->rank != me) continue;
+        char *path = ckpt__path_join(dir, f->name);
+        if (!path) return ckpt__err_nomem("load path");
+        uint64_t h = 0;
+        int rc = ckpt__read_hashed(path, path, f->size, f->size ? dst[j] : NULL, &h);
+        if (rc == 0 && h != f->xxh3)
+            rc = ckpt__err(CKPT_ECORRUPT, "%s: checksum mismatch", path);
+        if (rc == 0) ckpt__io_verified(path);
+        free(path);
+        if (rc < 0) return rc;
+        maps[j].data = f->size ? dst[j] : none;
+        maps[j].size = f->size;
+    }
+    return CKPT_OK;
+}
+
+/* Where this rank's files (its part) go in acc's buffer area: dst[j] for
+ * each (a 64-byte aligned slot, in manifest order), the area reserved;
+ * *total: their bytes. The same layout every time for one manifest, so a
+ * part read at the choice is where the fetch expects it. */
+static int own_layout(ckpt_accelerator *acc, const ckpt_manifest *m, int me, uint8_t **dst,
+                      uint64_t *total) {
+    uint64_t len = 0, off = 0;
+    *total = 0;
+    for (int64_t j = 0; j < m->nfiles; j++)
+        if (m->files[j].rank == me) len += (m->files[j].size + 63) & ~(uint64_t)63;
+    CKPT_TRY(ckpt__arena_reserve(&acc->arena, len));
+    for (int64_t j = 0; j < m->nfiles; j++) {
+        if (m->files[j].rank != me) continue;
+        dst[j] = acc->arena.p + off;
+        off += (m->files[j].size + 63) & ~(uint64_t)63;
+        *total += m->files[j].size;
+    }
+    return CKPT_OK;
+}
+
+
 /* This rank's record: its newest local checkpoints saved by this number of
  * processes, each with the parts it holds verified. why gets the first
  * problem seen (for the line a fallback logs). */
-static int make_record(ckpt_accelerator *acc, tier_rec *rec, char *why, size_t cap) {
+static int make_record(ckpt_accelerator *acc, tier_rec *rec, ckpt_tier_pick *pk, char *why,
+                       size_t cap) {
     const ckpt_tier *t = &acc->tier;
+    int me = acc->comm->rank;
     memset(rec, 0, sizeof *rec);
     rec->project_newest = -1;
     int64_t *nums = NULL, count = 0;
@@ -80,13 +125,47 @@ static int make_record(ckpt_accelerator *acc, tier_rec *rec, char *why, size_t c
             rc = ckpt__err_nomem("local_dir");
             break;
         }
+        /* The newest one's own part is read into the buffer area now, as
+         * the load would read it, and checked there: read once. */
+        bool first = rec->ncand == 0;
         ckpt_tier_scan sc;
+        ckpt_manifest m;
+        ckpt__manifest_init(&m);
         char w[1024];
-        rc = ckpt__tier_scan(dir, true, &sc, NULL, NULL, NULL, w, sizeof w);
+        rc = ckpt__tier_scan(dir, true, first ? me : -1, &sc, first ? &m : NULL, NULL, NULL, w,
+                             sizeof w);
+        if (rc == 0 && sc.bad && !why[0]) snprintf(why, cap, "%s", w);
+        bool usable = rc == 0 && sc.num_processes == acc->comm->size && sc.nparts > 0;
+        if (usable && first) {
+            int at = -1;
+            for (int k = 0; k < sc.nparts; k++)
+                if (sc.parts[k] == me) at = k;
+            uint8_t **dst = at >= 0 ? ckpt__calloc((size_t)(m.nfiles ? m.nfiles : 1), sizeof *dst)
+                                    : NULL;
+            ckpt_mapped *maps = dst ? ckpt__calloc((size_t)(m.nfiles ? m.nfiles : 1), sizeof *maps)
+                                    : NULL;
+            uint64_t total = 0;
+            int orc = at < 0 ? 1 : !dst || !maps ? ckpt__err_nomem("load buffers")
+                                                 : own_layout(acc, &m, me, dst, &total);
+            if (orc == 0) orc = read_own(&m, dir, me, maps, dst);
+            if (orc == 0) {
+                pk->preloaded = true;
+                pk->pre_number = nums[i];
+                pk->pre_digest = sc.digest;
+            } else if (orc < 0) {
+                if (orc == CKPT_ENOMEM) rc = orc;
+                if (!why[0]) snprintf(why, cap, "%s", ckpt_errmsg());
+                /* this rank's own copy is not held after all */
+                for (int k = at + 1; k < sc.nparts; k++) sc.parts[k - 1] = sc.parts[k];
+                sc.nparts--;
+                usable = sc.nparts > 0;
+            }
+            free(dst);
+            free(maps);
+        }
+        ckpt__manifest_clear(&m);
         free(dir);
-        if (rc < 0) break;
-        if (sc.bad && !why[0]) snprintf(why, cap, "%s", w);
-        if (sc.num_processes != acc->comm->size || sc.nparts == 0) continue;
+        if (rc < 0 || !usable) continue;
         int k = rec->ncand++;
         rec->cand[k].number = nums[i];
         rec->cand[k].digest = sc.digest;
@@ -135,7 +214,7 @@ int ckpt__tier_choose(ckpt_accelerator *acc, ckpt_tier_pick *pk) {
     if (rc < 0) return ckpt__err_prefix(rc, "load_state");
     tier_rec mine;
     char why[1024] = "";
-    rc = make_record(acc, &mine, why, sizeof why);
+    rc = make_record(acc, &mine, pk, why, sizeof why);
     if (rc == 0 && c->rank == 0) {
         char *cdir = ckpt__checkpoints_dir(acc->project_dir);
         int64_t *nums = NULL, count = 0;
@@ -330,28 +409,6 @@ static int sink_put(part_sink *ps, const uint8_t *buf, size_t n, int rc) {
     return rc;
 }
 
-/* This rank's own part from its own folder: read and hashed into the slots. */
-static int read_own(const ckpt_manifest *m, const char *dir, int me, ckpt_mapped *maps,
-                    uint8_t **dst) {
-    static const uint8_t none[1];
-    for (int64_t j = 0; j < m->nfiles; j++) {
-        const ckpt_manifest_file *f = &m->files[j];
-        if (f->rank != me) continue;
-        char *path = ckpt__path_join(dir, f->name);
-        if (!path) return ckpt__err_nomem("load path");
-        uint64_t h = 0;
-        int rc = ckpt__read_hashed(path, path, f->size, f->size ? dst[j] : NULL, &h);
-        if (rc == 0 && h != f->xxh3)
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: checksum mismatch", path);
-        if (rc == 0) ckpt__io_verified(path);
-        free(path);
-        if (rc < 0) return rc;
-        maps[j].data = f->size ? dst[j] : none;
-        maps[j].size = f->size;
-    }
-    return CKPT_OK;
-}
-
 /* The transfers: in each round every rank that holds parts for others
  * sends one of them (to the lowest rank still waiting for it), every
  * waiting rank receives from its source, until every rank has its part. */
@@ -464,22 +521,20 @@ int ckpt__tier_fetch(ckpt_accelerator *acc, ckpt_tier_pick *pk, ckpt_checkpoint_
     uint8_t **dst = NULL;
     int64_t nf = cop->m.nfiles;
     if (rc == 0) {
-        uint64_t total = 0;
-        for (int64_t j = 0; j < nf; j++)
-            if (cop->m.files[j].rank == me) total += (cop->m.files[j].size + 63) & ~(uint64_t)63;
         cop->maps = ckpt__calloc((size_t)(nf ? nf : 1), sizeof *cop->maps);
         dst = ckpt__calloc((size_t)(nf ? nf : 1), sizeof *dst);
-        int arc = cop->maps && dst ? ckpt__arena_reserve(&acc->arena, total)
-                                   : ckpt__err_nomem("load buffers");
-        uint64_t off = 0;
-        for (int64_t j = 0; arc == 0 && j < nf; j++) {
+        rc = cop->maps && dst ? own_layout(acc, &cop->m, me, dst, held)
+                              : ckpt__err_nomem("load buffers");
+        /* this rank's own part: read at the choice already, or now */
+        bool pre = pk->preloaded && pk->pre_number == pk->number && pk->pre_digest == pk->digest;
+        static const uint8_t none[1];
+        for (int64_t j = 0; rc == 0 && pre && pk->source[me] == me && j < nf; j++) {
             if (cop->m.files[j].rank != me) continue;
-            dst[j] = acc->arena.p + off;
-            off += (cop->m.files[j].size + 63) & ~(uint64_t)63;
-            *held += cop->m.files[j].size;
+            cop->maps[j].data = cop->m.files[j].size ? dst[j] : none;
+            cop->maps[j].size = cop->m.files[j].size;
         }
-        rc = arc;
-        if (rc == 0 && pk->source[me] == me) rc = read_own(&cop->m, dir, me, cop->maps, dst);
+        if (rc == 0 && !pre && pk->source[me] == me)
+            rc = read_own(&cop->m, dir, me, cop->maps, dst);
         /* the transfers agree on their plan first: every rank takes part */
         rc = transfer(acc, pk, &cop->m, dir, cop->maps, dst, rc);
         rc = ckpt__coll_agree(c, rc, NULL);

@@ -23,6 +23,11 @@ typedef struct ckpt_tier_pick {
     char *mtext;            /* after fetch: the manifest's text */
     size_t mlen;
     bool adopted;           /* after fetch: this rank's part came from another rank */
+    /* The choice read this rank's part of its newest local save (number,
+     * digest) into acc's buffer area already, verified: fetch uses it. */
+    bool preloaded;
+    int64_t pre_number;
+    uint64_t pre_digest;
 } ckpt_tier_pick;
 
 /* Collective: every rank's newest local checkpoints, verified, in one
