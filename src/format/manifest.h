@@ -127,6 +127,17 @@ int ckpt__checkpoint_open_some(const char *dir, bool deep, bool keep_maps,
 int ckpt__checkpoint_open_into(const char *dir,
                                bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
                                ckpt_arena *arena, ckpt_checkpoint_open *c);
+/* The two steps of the opens above, apart (a load plans between them which
+ * files each process reads). open_manifest: c zeroed, then the manifest of
+ * dir read and parsed (c->have_manifest; on failure c->no_manifest says
+ * whether dir is a folder without one). read_files: every listed file's
+ * size checked against the folder, the files with shallow[i] false (shallow
+ * NULL: all) hashed if deep and, with keep_maps (deep only), read into
+ * arena (NULL: c's own buffers); no unlisted .safetensors file. On failure
+ * the manifest stays, the maps are dropped. */
+int ckpt__checkpoint_open_manifest(const char *dir, ckpt_checkpoint_open *c);
+int ckpt__checkpoint_read_files(const char *dir, bool deep, bool keep_maps, const bool *shallow,
+                                ckpt_arena *arena, ckpt_checkpoint_open *c);
 /* Deep checks hash the files on two threads once they hold at least this
  * many bytes (default 64 MiB). Tests set 0 to exercise the threaded path on
  * small checkpoints; returns the previous value. */

@@ -347,9 +347,7 @@ int ckpt__checkpoint_open_into(const char *dir,
     return open_checkpoint(dir, true, true, want, ctx, arena, c);
 }
 
-static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
-                           bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
-                           ckpt_arena *arena, ckpt_checkpoint_open *c) {
+int ckpt__checkpoint_open_manifest(const char *dir, ckpt_checkpoint_open *c) {
     memset(c, 0, sizeof *c);
     int rc = ckpt__manifest_read(dir, &c->m);
     if (rc < 0) {
@@ -361,24 +359,21 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
         return rc;
     }
     c->have_manifest = true;
+    for (int64_t i = 0; i < c->m.nfiles; i++)
+        if (__builtin_add_overflow(c->total_bytes, c->m.files[i].size, &c->total_bytes))
+            c->total_bytes = UINT64_MAX;
+    return CKPT_OK;
+}
+
+int ckpt__checkpoint_read_files(const char *dir, bool deep, bool keep_maps, const bool *shallow,
+                                ckpt_arena *arena, ckpt_checkpoint_open *c) {
+    int rc = CKPT_OK;
     if (keep_maps && deep) {
         c->maps = ckpt__calloc((size_t)(c->m.nfiles ? c->m.nfiles : 1), sizeof *c->maps);
         if (!c->maps) {
             ckpt__checkpoint_close(c);
             return ckpt__err_nomem("checkpoint maps");
         }
-    }
-    for (int64_t i = 0; i < c->m.nfiles; i++)
-        if (__builtin_add_overflow(c->total_bytes, c->m.files[i].size, &c->total_bytes))
-            c->total_bytes = UINT64_MAX;
-    bool *shallow = NULL;
-    if (want) {
-        shallow = ckpt__calloc((size_t)(c->m.nfiles ? c->m.nfiles : 1), sizeof *shallow);
-        if (!shallow) {
-            ckpt__checkpoint_close(c);
-            return ckpt__err_nomem("checkpoint check");
-        }
-        for (int64_t i = 0; i < c->m.nfiles; i++) shallow[i] = !want(&c->m.files[i], ctx);
     }
     uint8_t **dst = NULL;
     /* Every size against the folder before a byte is reserved or read. */
@@ -399,7 +394,6 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
     if (rc == 0 && c->maps) rc = place_files(dir, c, shallow, arena, &dst);
     if (rc == 0) rc = check_files(dir, &c->m, deep, shallow, c->maps, dst);
     free(dst);
-    free(shallow);
     if (rc == 0) rc = check_unlisted(dir, &c->m);
     if (rc < 0) {
         /* Keep the manifest (callers report what could be read); drop maps. */
@@ -409,6 +403,24 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
             c->maps = NULL;
         }
     }
+    return rc;
+}
+
+static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
+                           bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
+                           ckpt_arena *arena, ckpt_checkpoint_open *c) {
+    CKPT_TRY(ckpt__checkpoint_open_manifest(dir, c));
+    bool *shallow = NULL;
+    if (want) {
+        shallow = ckpt__calloc((size_t)(c->m.nfiles ? c->m.nfiles : 1), sizeof *shallow);
+        if (!shallow) {
+            ckpt__checkpoint_close(c);
+            return ckpt__err_nomem("checkpoint check");
+        }
+        for (int64_t i = 0; i < c->m.nfiles; i++) shallow[i] = !want(&c->m.files[i], ctx);
+    }
+    int rc = ckpt__checkpoint_read_files(dir, deep, keep_maps, shallow, arena, c);
+    free(shallow);
     return rc;
 }
 
