@@ -396,6 +396,7 @@ static int read_files(ckpt__load_op *op) {
 static int read_tier(ckpt__load_op *op) {
     ckpt_accelerator *acc = op->acc;
     ckpt__coll_phase(acc, "load: move parts between nodes");
+    op->one_pass = false; /* the parts arrive verified whole */
     uint64_t held = 0;
     char *dir = NULL;
     int rc = ckpt__tier_fetch(acc, &op->tpick, &op->c, &dir, &held);
