@@ -87,18 +87,21 @@ static bool is_tier_dir(const char *dir) {
     while (n > 1 && buf[n - 1] == '/') buf[--n] = '\0';
     char *base = strrchr(buf, '/');
     if (is_rank_name(base ? base + 1 : buf)) return true;
-    if (cli_classify(dir) == CLI_KIND_CHECKPOINT) {
+    cli_kind kind = cli_classify(dir);
+    if (kind == CLI_KIND_CHECKPOINT) {
         if (!base) return false;
         *base = '\0';
         char *up = strrchr(buf, '/');
         return is_rank_name(up ? up + 1 : buf);
     }
-    DIR *d = opendir(dir);
-    bool found = false;
-    struct dirent *e;
-    while (d && !found && (e = readdir(d)) != NULL) found = is_rank_name(e->d_name);
-    if (d) closedir(d);
-    return found;
+    if (kind != CLI_KIND_FOLDER) return false;
+    /* a folder with rank_<r> folders in it (the library looks) */
+    ckpt_tier_info *v = NULL;
+    int64_t count = 0;
+    bool tier = ckpt_tier_list(dir, false, &v, &count) == 0;
+    free(v);
+    ckpt_clear_error();
+    return tier;
 }
 
 /* A node-local tier: every rank's folders, with the parts each holds. */
