@@ -105,8 +105,7 @@ static ckpt_accelerator *make(const char *project, const char *local, int replic
                                .collective_timeout_s = getenv("BENCH_NO_DEADLINE") ? -1 : 0};
     ckpt_accelerator *acc = NULL;
     if (ckpt_accelerator_new(&acc, &cfg) < 0) die("accelerator");
-    if (ckpt_prepare_model(acc, model) < 0 || ckpt_prepare_optimizer(acc, opt) < 0)
-        die("prepare");
+    if (ckpt_prepare_model(acc, model) < 0 || ckpt_prepare_optimizer(acc, opt) < 0) die("prepare");
     return acc;
 }
 
@@ -219,8 +218,13 @@ int main(int argc, char **argv) {
     for (int i = 1; i <= 5; i++) {
         bool rep = i == 2 || i == 4 || i == 5;
         acc = make(p[i], l[i], rep ? 1 : -1, i == 5 ? 1 : 1000000);
-        save[i] = maxd(time_saves(acc, i == 3 ? &rss_none : i == 4 ? &rss_rep : NULL,
-                                  i == 3 ? &w_none : i == 4 ? &w_rep : NULL));
+        save[i] = maxd(time_saves(acc,
+                                  i == 3   ? &rss_none
+                                  : i == 4 ? &rss_rep
+                                           : NULL,
+                                  i == 3   ? &w_none
+                                  : i == 4 ? &w_rep
+                                           : NULL));
         ckpt_accelerator_free(acc);
     }
     /* loads from the memory tier with a replica: whole, then node 1 lost */

@@ -272,8 +272,7 @@ int cli_train(int argc, char **argv) {
         if (due || step == total) {
             /* the run's last save: at the end, or at the step a preemption
              * stops at (persisted with --local-dir, waited for with --async) */
-            bool ending =
-                step == total || (t.dist.size > 1 ? stop : ckpt_preemption_requested());
+            bool ending = step == total || (t.dist.size > 1 ? stop : ckpt_preemption_requested());
             if ((status = train_save(&t, step, ending)) != CLI_OK) goto done;
             saved_step = step;
         }

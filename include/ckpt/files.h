@@ -257,9 +257,9 @@ CKPT_API int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_in
 /* One checkpoint folder of a node-local tier: what one rank keeps of a save
  * (its own part and the parts it keeps for ranks on other nodes). */
 typedef struct ckpt_tier_info {
-    char path[4096];      /* <local_dir>/rank_<r>/checkpoint_<n> */
-    int rank;             /* r: whose folder */
-    int64_t number;       /* n */
+    char path[4096]; /* <local_dir>/rank_<r>/checkpoint_<n> */
+    int rank;        /* r: whose folder */
+    int64_t number;  /* n */
     int64_t step;
     int64_t created_unix; /* seconds since the epoch */
     int num_processes;    /* the save's */

@@ -89,12 +89,12 @@ struct ckpt_save_op {
     int64_t tier_highest; /* the newest local checkpoint of any rank, -1: none */
     char *ltarget, *ltmp; /* this rank's local folder of the save, and its temporary one */
     bool ltmp_made;
-    char *pprev_dir;      /* persist: the project checkpoint its unchanged files link from */
+    char *pprev_dir; /* persist: the project checkpoint its unchanged files link from */
     ckpt_manifest pprev;
     bool have_pprev;
-    char *mtext;          /* the manifest's text, the same in every folder */
+    char *mtext; /* the manifest's text, the same in every folder */
     size_t mlen;
-    ckpt_manifest tm;     /* that manifest, parsed (every rank) */
+    ckpt_manifest tm; /* that manifest, parsed (every rank) */
     bool have_tm;
 };
 typedef struct ckpt_save_op save_op;

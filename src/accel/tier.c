@@ -55,8 +55,7 @@ int ckpt__tier_configure(ckpt_tier *t, const ckpt_project_config *cfg, int nproc
                          cfg->local_total_limit);
     if (!cfg->local_dir || !cfg->local_dir[0]) return CKPT_OK;
     const char *why = pattern_problem(cfg->local_dir);
-    if (why)
-        return ckpt__err(CKPT_EINVAL, "%s: local_dir '%s' has %s", w, cfg->local_dir, why);
+    if (why) return ckpt__err(CKPT_EINVAL, "%s: local_dir '%s' has %s", w, cfg->local_dir, why);
     if (!cfg->project_dir)
         return ckpt__err(CKPT_EINVAL,
                          "%s: local_dir needs a project_dir (every persist_every-th save, and the "
@@ -299,7 +298,8 @@ static int check_file(const char *dir, const ckpt_manifest_file *f, bool deep, c
     struct stat st;
     int ok = 1;
     if (ckpt__os_lstat(path, &st) != 0) {
-        snprintf(why, cap, "%s: %s: %s", dir, f->name, errno == ENOENT ? "missing" : strerror(errno));
+        snprintf(why, cap, "%s: %s: %s", dir, f->name,
+                 errno == ENOENT ? "missing" : strerror(errno));
         ok = 0;
     } else if (!S_ISREG(st.st_mode) || (uint64_t)st.st_size != f->size) {
         snprintf(why, cap, "%s: %s: %s", dir, f->name,
@@ -381,7 +381,7 @@ int ckpt__tier_scan(const char *dir, bool deep, int own, ckpt_tier_scan *out, ck
         bool there = fp && ckpt__os_lstat(fp, &st) == 0;
         free(fp);
         if (!there) {
-            if (ok[q] == 1) ok[q] = 0; /* a part with some files missing: not held */
+            if (ok[q] == 1) ok[q] = 0;        /* a part with some files missing: not held */
             else if (ok[q] == -1) ok[q] = -2; /* none here so far */
             continue;
         }
@@ -454,8 +454,8 @@ int ckpt__part_read(ckpt_part_reader *pr, uint8_t *buf, size_t n, int rc) {
             got = ckpt__os_pread(pr->fd, buf + done, want, pr->off);
             if (got < 0) rc = ckpt__err_os(errno, "%s/%s: read", pr->dir, f->name);
             else if ((size_t)got < want)
-                rc = ckpt__err(CKPT_ECORRUPT, "%s/%s: shorter than its %" PRIu64 " bytes",
-                               pr->dir, f->name, f->size);
+                rc = ckpt__err(CKPT_ECORRUPT, "%s/%s: shorter than its %" PRIu64 " bytes", pr->dir,
+                               f->name, f->size);
         }
         if (rc < 0) memset(buf + done, 0, want);
         done += want;
@@ -468,4 +468,3 @@ void ckpt__part_reader_end(ckpt_part_reader *pr) {
     if (pr->fd >= 0) ckpt__os_close(pr->fd);
     pr->fd = -1;
 }
-

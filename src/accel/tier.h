@@ -30,22 +30,21 @@
 #include "format/manifest.h"
 #include "store/store.h"
 
-
 typedef struct ckpt_tier {
-    char *pattern;      /* local_dir as configured; NULL: no tier */
-    int replicas_cfg;   /* local_replicas as configured (0: 1; < 0: none) */
-    int persist_every;  /* >= 1 */
-    int per_node_cfg;   /* ranks_per_node as configured (0: the comm's) */
-    int keep;           /* local_total_limit, >= 1 */
-    bool persist_next;  /* ckpt_accelerator_persist_next_save */
+    char *pattern;     /* local_dir as configured; NULL: no tier */
+    int replicas_cfg;  /* local_replicas as configured (0: 1; < 0: none) */
+    int persist_every; /* >= 1 */
+    int per_node_cfg;  /* ranks_per_node as configured (0: the comm's) */
+    int keep;          /* local_total_limit, >= 1 */
+    bool persist_next; /* ckpt_accelerator_persist_next_save */
     /* Known after ckpt__tier_setup (the first save or load of the run). */
     bool ready;
     int per_node, nodes, node, replicas; /* J, P / J, this rank's node, R */
-    char *root;         /* pattern expanded for this rank */
-    char *dir;          /* <root>/rank_<rank>: this rank's folder */
-    ckpt_lock lock;     /* held on <dir>/.lock until the accelerator is freed */
-    bool ram;           /* dir is on a file system in memory (tmpfs) */
-    int64_t highest;    /* this rank's newest committed local checkpoint; -1: none */
+    char *root;                          /* pattern expanded for this rank */
+    char *dir;                           /* <root>/rank_<rank>: this rank's folder */
+    ckpt_lock lock;                      /* held on <dir>/.lock until the accelerator is freed */
+    bool ram;                            /* dir is on a file system in memory (tmpfs) */
+    int64_t highest; /* this rank's newest committed local checkpoint; -1: none */
 } ckpt_tier;
 
 /* ---- tier.c ---------------------------------------------------------------- */
@@ -101,12 +100,12 @@ typedef struct ckpt_tier_scan {
     uint64_t digest;   /* XXH3-64 of its manifest's bytes: the save's identity */
     int num_processes; /* the manifest's */
     int64_t step, created_unix;
-    uint64_t bytes;    /* of the files held */
-    int nparts;        /* parts held whole (every file there, of the listed size, and with
+    uint64_t bytes; /* of the files held */
+    int nparts;     /* parts held whole (every file there, of the listed size, and with
                           deep, of the listed checksum), ascending ranks (at most
                           CKPT_TIER_MAX_PARTS) */
     int parts[CKPT_TIER_MAX_PARTS];
-    bool bad;          /* the manifest, or a file of a part, fails (why says how) */
+    bool bad; /* the manifest, or a file of a part, fails (why says how) */
 } ckpt_tier_scan;
 
 /* Looks at the local checkpoint folder dir: its manifest (read, checked,

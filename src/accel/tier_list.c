@@ -153,8 +153,8 @@ int ckpt_tier_list(const char *dir, bool deep, ckpt_tier_info **out, int64_t *co
         }
         ckpt__os_closedir(d);
         if (rc == 0 && nr == 0)
-            rc = ckpt__err(CKPT_ENOENT, "tier_list: %s holds no rank_<r> folder of a node-local tier",
-                           dir);
+            rc = ckpt__err(CKPT_ENOENT,
+                           "tier_list: %s holds no rank_<r> folder of a node-local tier", dir);
         if (rc == 0) qsort(ranks, (size_t)nr, sizeof *ranks, cmp_int);
         for (int i = 0; rc == 0 && i < nr; i++) {
             snprintf(name, sizeof name, "rank_%d", ranks[i]);

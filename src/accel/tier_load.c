@@ -75,8 +75,7 @@ static int read_own(const ckpt_manifest *m, const char *dir, int me, ckpt_mapped
         if (!path) return ckpt__err_nomem("load path");
         uint64_t h = 0;
         int rc = ckpt__read_hashed(path, path, f->size, f->size ? dst[j] : NULL, &h);
-        if (rc == 0 && h != f->xxh3)
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: checksum mismatch", path);
+        if (rc == 0 && h != f->xxh3) rc = ckpt__err(CKPT_ECORRUPT, "%s: checksum mismatch", path);
         if (rc == 0) ckpt__io_verified(path);
         free(path);
         if (rc < 0) return rc;
@@ -105,7 +104,6 @@ static int own_layout(ckpt_accelerator *acc, const ckpt_manifest *m, int me, uin
     }
     return CKPT_OK;
 }
-
 
 /* This rank's record: its newest local checkpoints saved by this number of
  * processes, each with the parts it holds verified. why gets the first
@@ -140,13 +138,14 @@ static int make_record(ckpt_accelerator *acc, tier_rec *rec, ckpt_tier_pick *pk,
             int at = -1;
             for (int k = 0; k < sc.nparts; k++)
                 if (sc.parts[k] == me) at = k;
-            uint8_t **dst = at >= 0 ? ckpt__calloc((size_t)(m.nfiles ? m.nfiles : 1), sizeof *dst)
-                                    : NULL;
-            ckpt_mapped *maps = dst ? ckpt__calloc((size_t)(m.nfiles ? m.nfiles : 1), sizeof *maps)
-                                    : NULL;
+            uint8_t **dst =
+                at >= 0 ? ckpt__calloc((size_t)(m.nfiles ? m.nfiles : 1), sizeof *dst) : NULL;
+            ckpt_mapped *maps =
+                dst ? ckpt__calloc((size_t)(m.nfiles ? m.nfiles : 1), sizeof *maps) : NULL;
             uint64_t total = 0;
-            int orc = at < 0 ? 1 : !dst || !maps ? ckpt__err_nomem("load buffers")
-                                                 : own_layout(acc, &m, me, dst, &total);
+            int orc = at < 0          ? 1
+                      : !dst || !maps ? ckpt__err_nomem("load buffers")
+                                      : own_layout(acc, &m, me, dst, &total);
             if (orc == 0) orc = read_own(&m, dir, me, maps, dst);
             if (orc == 0) {
                 pk->preloaded = true;
@@ -307,8 +306,8 @@ int ckpt__tier_choose(ckpt_accelerator *acc, ckpt_tier_pick *pk) {
                      why[0] ? " (rank 0 found: " : "", why, why[0] ? ")" : "");
         }
         ckpt__log(&acc->log, CKPT_LOG_WARNING,
-                  "load_state: node-local tiers: %s; loading from the project folder %s: %s",
-                  msg, acc->project_dir, proj);
+                  "load_state: node-local tiers: %s; loading from the project folder %s: %s", msg,
+                  acc->project_dir, proj);
     }
     /* Parts of a run in the tiers and no whole checkpoint anywhere: not a
      * fresh start (the message is built from what every rank knows). */
@@ -316,11 +315,12 @@ int ckpt__tier_choose(ckpt_accelerator *acc, ckpt_tier_pick *pk) {
         char miss[256];
         int nmiss = 0;
         missing_parts(all, p, seen, seend, miss, sizeof miss, &nmiss);
-        rc = ckpt__err(CKPT_ECORRUPT,
-                       "load_state: no whole checkpoint: the node-local tiers hold checkpoint_%" PRId64
-                       " without a verified copy of the part%s of rank%s %s, and %s/checkpoints "
-                       "has none",
-                       seen, nmiss == 1 ? "" : "s", nmiss == 1 ? "" : "s", miss, acc->project_dir);
+        rc = ckpt__err(
+            CKPT_ECORRUPT,
+            "load_state: no whole checkpoint: the node-local tiers hold checkpoint_%" PRId64
+            " without a verified copy of the part%s of rank%s %s, and %s/checkpoints "
+            "has none",
+            seen, nmiss == 1 ? "" : "s", nmiss == 1 ? "" : "s", miss, acc->project_dir);
     }
     free(all);
     free(lens);
@@ -379,8 +379,8 @@ static int sink_advance(part_sink *ps, int rc) {
         if (ps->off < f->size) return rc;
         if (rc == 0 && XXH3_64bits_digest(ps->h) != f->xxh3)
             rc = ckpt__err(CKPT_ECORRUPT,
-                           "%s received from rank %d differs from the manifest's checksum",
-                           f->name, ps->from);
+                           "%s received from rank %d differs from the manifest's checksum", f->name,
+                           ps->from);
         if (rc == 0) {
             static const uint8_t none[1];
             ps->maps[ps->j].data = f->size ? ps->dst[ps->j] : none;
@@ -492,9 +492,9 @@ int ckpt__tier_fetch(ckpt_accelerator *acc, ckpt_tier_pick *pk, ckpt_checkpoint_
     /* the manifest: from this rank's folder, or sent by one that holds it */
     if (rc == 0 && pk->have_m) {
         char *path = ckpt__path_join(dir, CKPT_MANIFEST_NAME);
-        rc = path ? ckpt__read_small_file(path, true, CKPT_MANIFEST_MAX_BYTES, &pk->mtext,
-                                          &pk->mlen)
-                  : ckpt__err_nomem("load path");
+        rc = path
+                 ? ckpt__read_small_file(path, true, CKPT_MANIFEST_MAX_BYTES, &pk->mtext, &pk->mlen)
+                 : ckpt__err_nomem("load path");
         if (rc == 0 && ckpt__xxh3(pk->mtext, pk->mlen) != pk->digest)
             rc = ckpt__err(CKPT_ECORRUPT, "%s: changed since it was looked at", path);
         free(path);

@@ -12,7 +12,7 @@
 
 /* What the ranks chose, the same on every rank. */
 typedef struct ckpt_tier_pick {
-    bool use;               /* load (number, digest) from the tiers */
+    bool use; /* load (number, digest) from the tiers */
     int64_t number;
     uint64_t digest;        /* XXH3-64 of its manifest's bytes */
     int *source;            /* per rank q: the rank that holds q's part for it (q itself: its
@@ -22,7 +22,7 @@ typedef struct ckpt_tier_pick {
     int64_t project_newest; /* the project folder's newest checkpoint number, -1: none */
     char *mtext;            /* after fetch: the manifest's text */
     size_t mlen;
-    bool adopted;           /* after fetch: this rank's part came from another rank */
+    bool adopted; /* after fetch: this rank's part came from another rank */
     /* The choice read this rank's part of its newest local save (number,
      * digest) into acc's buffer area already, verified: fetch uses it. */
     bool preloaded;

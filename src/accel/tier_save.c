@@ -159,8 +159,9 @@ int ckpt__tier_persist(save_op *op) {
     int rc = CKPT_OK;
     for (int i = 0; rc == 0 && i < op->nobjs; i++)
         for (int k = -1; rc == 0 && k < op->nhf[i] + 1; k++) {
-            const save_slot *sl = k < 0 ? &op->slots[2 * i]
-                                  : k < op->nhf[i] ? &op->hf[i][k] : &op->slots[2 * i + 1];
+            const save_slot *sl = k < 0            ? &op->slots[2 * i]
+                                  : k < op->nhf[i] ? &op->hf[i][k]
+                                                   : &op->slots[2 * i + 1];
             if (sl->has) rc = persist_one(op, sl);
         }
     if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
@@ -275,14 +276,14 @@ static int replicate(save_op *op, const ckpt_manifest *m, int rc) {
         part_writer pw = {.m = m, .dir = op->ltmp, .rank = src};
         for (uint64_t i = 0; i < steps; i++) {
             uint64_t at = i * CKPT_TIER_PIECE;
-            size_t sn = part && part[me] > at
-                            ? (size_t)(part[me] - at < CKPT_TIER_PIECE ? part[me] - at
-                                                                       : CKPT_TIER_PIECE)
-                            : 0;
-            size_t rn = part && part[src] > at
-                            ? (size_t)(part[src] - at < CKPT_TIER_PIECE ? part[src] - at
-                                                                        : CKPT_TIER_PIECE)
-                            : 0;
+            size_t sn =
+                part && part[me] > at
+                    ? (size_t)(part[me] - at < CKPT_TIER_PIECE ? part[me] - at : CKPT_TIER_PIECE)
+                    : 0;
+            size_t rn =
+                part && part[src] > at
+                    ? (size_t)(part[src] - at < CKPT_TIER_PIECE ? part[src] - at : CKPT_TIER_PIECE)
+                    : 0;
             if (sn && sbuf) rc = ckpt__part_read(&pr, sbuf, sn, rc);
             int crc = ckpt__tier_exchange(c, sbuf, sbuf ? sn : 0, dest, rbuf, rbuf ? rn : 0, src);
             if (crc < 0 && rc == 0) rc = crc;
@@ -342,8 +343,8 @@ static int share_manifest(save_op *op) {
         op->mtext = text;
         op->mlen = n;
     }
-    int rc = ckpt__manifest_parse(op->mtext, op->mlen, "save_state: the manifest from rank 0",
-                                  &op->tm);
+    int rc =
+        ckpt__manifest_parse(op->mtext, op->mlen, "save_state: the manifest from rank 0", &op->tm);
     op->have_tm = true;
     return rc;
 }
@@ -369,9 +370,8 @@ int ckpt__tier_finish(save_op *op, int rc) {
     if (!op->persist) return lrc;
     /* The project folder has it: the save holds; the tier is behind. */
     if (c->rank == 0)
-        ckpt__log(&op->log, CKPT_LOG_WARNING,
-                  "%s is committed, but its node-local copy failed: %s", op->target,
-                  ckpt_errmsg());
+        ckpt__log(&op->log, CKPT_LOG_WARNING, "%s is committed, but its node-local copy failed: %s",
+                  op->target, ckpt_errmsg());
     return CKPT_OK;
 }
 

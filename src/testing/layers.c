@@ -208,9 +208,10 @@ static void record(ckpt_io_op op, int fd, int flags, const char *path, const cha
 
 /* CKPT_OPEN_LOG=<file>: every file the library opens is appended to <file>,
  * one line each ("read <path>" or "write <path>"; a path as the library
- * gave it, openat's made whole through /proc/self/fd), so that an end-to-end test can tell which files a run
- * read (a load that must not touch the project folder). Written with
- * O_APPEND: the ranks of a job may share the file. */
+ * gave it, openat's made whole through /proc/self/fd), so that an end-to-end
+ * test can tell which files a run read (a load that must not touch the
+ * project folder). Written with O_APPEND: the ranks of a job may share the
+ * file. */
 static pthread_once_t open_log_once = PTHREAD_ONCE_INIT;
 static int open_log_fd = -1;
 

@@ -34,19 +34,19 @@
 typedef struct scen {
     char proj[512], local[512];
     int persist_every, keep;
-    int nsaves;     /* saves of this job */
-    int gen0;       /* the state of its first save: gen0, then gen0 + 1, ... */
-    bool load;      /* load first */
-    bool async;     /* asynchronous saves */
+    int nsaves;        /* saves of this job */
+    int gen0;          /* the state of its first save: gen0, then gen0 + 1, ... */
+    bool load;         /* load first */
+    bool async;        /* asynchronous saves */
     bool persist_next; /* ask for the job's last save to be persisted */
     int rc[P], save_rc[P];
     char msg[P][2048];
     char last[P][512];
     int64_t iteration[P];
-    float w0[P];          /* the model's first weight after the load */
-    int64_t value[P];     /* the custom object's after the load */
-    uint32_t draw[P];     /* the generator's next draw after the load (or after the saves) */
-    char warn[4096];      /* rank 0's warnings */
+    float w0[P];      /* the model's first weight after the load */
+    int64_t value[P]; /* the custom object's after the load */
+    uint32_t draw[P]; /* the generator's next draw after the load (or after the saves) */
+    char warn[4096];  /* rank 0's warnings */
 } scen;
 
 /* The state of "generation" g: the model's weights and the custom value
@@ -88,8 +88,7 @@ static int rank_setup(rank_state *st, const ckpt_comm *c, scen *s) {
                                .local_total_limit = s->keep};
     int rc;
     if ((rc = ckpt_model_new(&st->model)) < 0) return rc;
-    if ((rc = ckpt_model_add_param(st->model, "w", CKPT_F32, 1, (int64_t[]){NW}, st->w, NULL)) <
-        0)
+    if ((rc = ckpt_model_add_param(st->model, "w", CKPT_F32, 1, (int64_t[]){NW}, st->w, NULL)) < 0)
         return rc;
     if ((rc = ckpt_accelerator_new(&st->acc, &cfg)) < 0) return rc;
     if (!c || c->rank == 0) ckpt_accelerator_set_log(st->acc, collect_warning, s);
@@ -402,8 +401,8 @@ static void test_tiers_asynchronous_saves_replicate_at_the_next_call(void **st) 
     assert_false(tu_exists(proj_ckpt(2)));
     for (int r = 0; r < P; r++) {
         assert_true(tu_exists(rank_ckpt(r, 2)));
-        assert_true(
-            tu_exists(K(tu_pathf("%s/random_states_%d.safetensors", rank_ckpt(r, 2), (r + 2) % P))));
+        assert_true(tu_exists(
+            K(tu_pathf("%s/random_states_%d.safetensors", rank_ckpt(r, 2), (r + 2) % P))));
     }
     s.async = false;
     assert_int_equal(tu_tmpdir_remove(node_dir(0)), 0);
@@ -463,10 +462,8 @@ static void test_tiers_configuration_errors_name_the_field(void **st) {
     c = (ckpt_project_config){
         .project_dir = tu_dir(), .local_dir = "/tmp/x", .local_total_limit = -1};
     expect_config_error(&c, "local_total_limit is -1");
-    c = (ckpt_project_config){.project_dir = tu_dir(),
-                              .local_dir = "/tmp/x",
-                              .num_processes = 4,
-                              .ranks_per_node = 3};
+    c = (ckpt_project_config){
+        .project_dir = tu_dir(), .local_dir = "/tmp/x", .num_processes = 4, .ranks_per_node = 3};
     expect_config_error(&c, "ranks_per_node 3 does not divide the 4 processes");
 }
 
@@ -491,8 +488,8 @@ static void shared_folder_job(const ckpt_comm *c, void *arg) {
     ckpt_accelerator_free(acc);
 }
 
-static void test_tiers_simulated_nodes_need_a_folder_each_and_a_folder_serves_one_project(
-    void **st) {
+static void
+test_tiers_simulated_nodes_need_a_folder_each_and_a_folder_serves_one_project(void **st) {
     (void)st;
     cfgjob j = {.local = K(tu_pathf("%s/shared", tu_dir())), .proj = K(tu_pathf("%s/a", tu_dir()))};
     tc_run(P, shared_folder_job, &j);

@@ -111,8 +111,9 @@ static int tc_exchange(void *ctx, const void *sbuf, size_t sn, int dest, void *r
     int rc = CKPT_OK;
     if (rn && src >= 0) {
         if (g->sdest[src] != me->rank || g->slen[src] != rn)
-            rc = ckpt_set_error(CKPT_EIO, "thread comm: exchange: rank %d sends %zu bytes to %d, "
-                                          "rank %d expects %zu",
+            rc = ckpt_set_error(CKPT_EIO,
+                                "thread comm: exchange: rank %d sends %zu bytes to %d, "
+                                "rank %d expects %zu",
                                 src, g->slen[src], g->sdest[src], me->rank, rn);
         else memcpy(rbuf, g->slot[src], rn);
     }
@@ -144,10 +145,18 @@ void tc_run(int p, void (*fn)(const ckpt_comm *comm, void *arg), void *arg) {
         me->rank = r;
         me->fn = fn;
         me->arg = arg;
-        me->comm = (ckpt_comm){.rank = r, .size = p, .local_rank = r, .local_size = p,
-                               .node = 0, .num_nodes = 1, .ctx = me,
-                               .barrier = tc_barrier, .bcast = tc_bcast, .gather = tc_gather,
-                               .allgather = tc_allgather, .allreduce_i64 = tc_allreduce_i64,
+        me->comm = (ckpt_comm){.rank = r,
+                               .size = p,
+                               .local_rank = r,
+                               .local_size = p,
+                               .node = 0,
+                               .num_nodes = 1,
+                               .ctx = me,
+                               .barrier = tc_barrier,
+                               .bcast = tc_bcast,
+                               .gather = tc_gather,
+                               .allgather = tc_allgather,
+                               .allreduce_i64 = tc_allreduce_i64,
                                .exchange = with_exchange ? tc_exchange : NULL};
     }
     for (int r = 0; r < p; r++)
