@@ -227,6 +227,15 @@ int main(int argc, char **argv) {
                                            : NULL));
         ckpt_accelerator_free(acc);
     }
+    /* each node's folders after the saves (before a lost node's load) */
+    uint64_t foot[2][2] = {{0, 0}, {0, 0}};
+    for (int n = 0; rank_ == 0 && n < 2; n++) {
+        char d[4200], m[4200];
+        snprintf(d, sizeof d, "%s/d2/n%d", base, n);
+        snprintf(m, sizeof m, "%s/m4/n%d", shm, n);
+        foot[n][0] = tree_bytes(d);
+        foot[n][1] = tree_bytes(m);
+    }
     /* loads from the memory tier with a replica: whole, then node 1 lost */
     double load_tier = maxd(time_loads(p[4], l[4], NULL));
     char lost[4200];
@@ -255,10 +264,7 @@ int main(int argc, char **argv) {
                "from node 0 %.3f s (%.2fx); x: against the project\n",
                load_proj, load_tier, load_tier / load_proj, load_lost, load_lost / load_proj);
         for (int n = 0; n < 2; n++) {
-            char d[4200], m[4200];
-            snprintf(d, sizeof d, "%s/d2/n%d", base, n);
-            snprintf(m, sizeof m, "%s/m4/n%d", shm, n);
-            uint64_t bd = tree_bytes(d), bm = tree_bytes(m);
+            uint64_t bd = foot[n][0], bm = foot[n][1];
             printf("bench_mpi_tiers footprint: node %d holds %llu bytes on disk (%.2fx the state, "
                    "one save, a replica), %llu in memory (%.2fx)\n",
                    n, (unsigned long long)bd, (double)bd / (double)state, (unsigned long long)bm,
