@@ -75,14 +75,14 @@ static void reset_peak(void) {
 }
 
 static void rm_rf(const char *path) {
-    char cmd[4200];
+    char cmd[4400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", path);
     if (system(cmd) != 0) fprintf(stderr, "bench_mpi_tiers: could not remove %s\n", path);
 }
 
 /* Bytes of the files under path (du's apparent size, by a walk). */
 static uint64_t tree_bytes(const char *path) {
-    char cmd[4200];
+    char cmd[4400];
     snprintf(cmd, sizeof cmd, "du -sb --apparent-size '%s' 2>/dev/null", path);
     FILE *p = popen(cmd, "r");
     unsigned long long v = 0;
