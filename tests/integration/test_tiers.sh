@@ -95,6 +95,13 @@ run_until() {
     kill_job "$mp"
 }
 
+# the flags that need --local-dir, and a pattern the library refuses
+run_rc 2 "$CKPT_BIN" train --replicas 1
+grep -q "apply with --local-dir only" "$WORK/err" || fail "no usage error for --replicas alone"
+run_rc 3 "$CKPT_BIN" train --project-dir "$WORK/bad" --local-dir "$WORK/x%y" --quiet
+grep -q "local_dir '$WORK/x%y' has a '%' that is not %n, %r or %%" "$WORK/err" ||
+    { cat "$WORK/err"; fail "no error for a bad --local-dir"; }
+
 run_rc 0 train ref --quiet
 ref_final=$(latest_checkpoint "$WORK/ref")
 

@@ -10,6 +10,7 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -438,6 +439,24 @@ static void test_tiers_one_process_saves_locally_and_resumes_from_the_newer(void
     tu_assert_contains(s.warn, "no node holds a local checkpoint");
 }
 
+static void test_tiers_a_save_after_a_preemption_signal_goes_to_the_project(void **st) {
+    (void)st;
+    scen s;
+    init_scen(&s, 100);
+    s.nsaves = 1;
+    job(NULL, &s); /* checkpoint_0: local only */
+    assert_int_equal(s.save_rc[0], 0);
+    assert_false(tu_exists(proj_ckpt(0)));
+    assert_int_equal(ckpt_preemption_install((const int[]){SIGUSR1}, 1), 0);
+    raise(SIGUSR1);
+    s.gen0 = 1;
+    job(NULL, &s); /* checkpoint_1: persisted, a preemption signal was caught */
+    ckpt_preemption_uninstall();
+    assert_int_equal(s.save_rc[0], 0);
+    assert_true(tu_exists(proj_ckpt(1)));
+    assert_string_equal(s.last[0], proj_ckpt(1));
+}
+
 /* ---- the configuration ----------------------------------------------------------- */
 
 static void expect_config_error(const ckpt_project_config *cfg, const char *needle) {
@@ -548,6 +567,7 @@ int main(void) {
         T(test_tiers_parts_of_a_run_and_no_whole_checkpoint_is_no_fresh_start),
         T(test_tiers_asynchronous_saves_replicate_at_the_next_call),
         T(test_tiers_one_process_saves_locally_and_resumes_from_the_newer),
+        T(test_tiers_a_save_after_a_preemption_signal_goes_to_the_project),
         T(test_tiers_configuration_errors_name_the_field),
         T(test_tiers_simulated_nodes_need_a_folder_each_and_a_folder_serves_one_project),
         T(test_tiers_a_tier_in_memory_says_so),
