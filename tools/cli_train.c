@@ -130,7 +130,9 @@ int cli_train(int argc, char **argv) {
     static const int preempt_signals[] = {SIGTERM, SIGUSR1, SIGINT};
     if ((rc = ckpt_preemption_install(preempt_signals, 3)) < 0) return train_fail("signals", rc);
 
-    int status = cli_dist_init(&t.dist);
+    /* an asynchronous save with node-local tiers replicates in the
+     * background if MPI allows calls from two threads */
+    int status = cli_dist_init(&t.dist, o->local_dir && o->async);
     if (status != CLI_OK) goto done;
     t.speak = t.dist.rank == 0;
     status = trainer_setup(&t);

@@ -77,6 +77,18 @@ typedef struct ckpt_comm {
      * (docs/DISTRIBUTED.md "Storage tiers"). */
     int (*exchange)(void *ctx, const void *sbuf, size_t sn, int dest, void *rbuf, size_t rn,
                     int src);
+    /* Optional (NULL: an asynchronous save's replication to other nodes runs
+     * in the caller's thread, at the next ckpt_save_wait, save, load or
+     * free). exchange for ckpt's background thread: it is called there
+     * while the caller's thread may be in this communicator's other
+     * functions (or in the application's own traffic), so it must move its
+     * bytes on a channel of its own (ckpt_comm_mpi: a duplicate of the
+     * communicator, set only under MPI_THREAD_MULTIPLE). Pairs as exchange
+     * does, with exchanges of other ranks' background threads only, one
+     * background save at a time. Gives up after timeout_s seconds (<= 0:
+     * never) with CKPT_ETIMEDOUT. */
+    int (*exchange_background)(void *ctx, const void *sbuf, size_t sn, int dest, void *rbuf,
+                               size_t rn, int src, double timeout_s);
 } ckpt_comm;
 
 /* For communicator implementations: ckpt_set_error (see Errors above) sets

@@ -96,6 +96,16 @@ struct ckpt_save_op {
     size_t mlen;
     ckpt_manifest tm; /* that manifest, parsed (every rank) */
     bool have_tm;
+    /* An asynchronous save whose communicator has exchange_background: the
+     * background thread replicates after the write (before the commit),
+     * recording in rx[k-1] the files of replica k it received, each with the
+     * XXH3-64 of the bytes that arrived; the commit compares them with the
+     * manifest. bg_rc, bg_msg: that replication's own failure. */
+    bool tier_bg;
+    ckpt_manifest *rx;
+    int nrx;
+    int bg_rc;
+    char *bg_msg;
 };
 typedef struct ckpt_save_op save_op;
 
@@ -157,6 +167,11 @@ int ckpt__tier_persist_extras(save_op *op);
 int ckpt__tier_finish(save_op *op, int rc);
 /* Removes the local temporary folder if the save did not commit it. */
 void ckpt__tier_release(save_op *op);
+/* The background thread of an asynchronous save with op->tier_bg, after
+ * the write: this rank's part to its replica nodes, and theirs received,
+ * over comm->exchange_background (every rank's thread takes part, a
+ * failed op's too, sending nothing). Its failure is kept in op->bg_rc. */
+void ckpt__tier_replicate_background(save_op *op);
 
 /* ---- files a save pre-hook adds (save_extras.c) ---------------------------- */
 

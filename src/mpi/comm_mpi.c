@@ -108,6 +108,10 @@ typedef struct mpi_ctx {
     note pending[2];
     int pending_from[2];
     inflight *flying;
+    /* exchange_background's own communicator (MPI_THREAD_MULTIPLE only),
+     * used by one background thread; dead after one of its timeouts */
+    MPI_Comm bg;
+    bool bg_dead;
 } mpi_ctx;
 
 static int mpi_fail(int err, const char *what) {
@@ -765,6 +769,73 @@ static int mpi_exchange(void *ctx, const void *sbuf, size_t sn, int dest, void *
     return CKPT_OK;
 }
 
+/* ckpt_comm.exchange_background: the same pairs on the background
+ * communicator, from ckpt's background thread (MPI_THREAD_MULTIPLE). The
+ * bytes go through copies: after a timeout the requests stay in flight
+ * with them (the graveyard) and the channel is dead, since the ranks' later
+ * exchanges would no longer pair up. */
+static int mpi_exchange_bg(void *ctx, const void *sbuf, size_t sn, int dest, void *rbuf, size_t rn,
+                           int src, double timeout_s) {
+    mpi_ctx *c = ctx;
+    if (c->bg_dead)
+        return ckpt_set_error(CKPT_ETIMEDOUT, "exchange in the background: an earlier one timed "
+                                              "out");
+    if (sn > INT_MAX || rn > INT_MAX)
+        return ckpt_set_error(CKPT_EINVAL, "exchange: more than %d bytes at once", INT_MAX);
+    if ((dest >= c->size && sn) || (src >= c->size && rn))
+        return ckpt_set_error(CKPT_EINVAL, "exchange: rank %d outside [0, %d)",
+                              dest >= c->size ? dest : src, c->size);
+    int to = dest >= 0 && sn ? dest : MPI_PROC_NULL;
+    int from = src >= 0 && rn ? src : MPI_PROC_NULL;
+    char *out = malloc(sn ? sn : 1), *in = malloc(rn ? rn : 1);
+    if (!out || !in) {
+        free(out), free(in);
+        return ckpt_set_error(CKPT_ENOMEM, "out of memory (exchange)");
+    }
+    if (sn) memcpy(out, sbuf, sn);
+    MPI_Request req[2];
+    int e = MPI_Isend(out, (int)sn, MPI_BYTE, to, TAG_EXCH, c->bg, &req[0]);
+    if (e != MPI_SUCCESS) {
+        free(out), free(in);
+        return mpi_fail(e, "MPI_Isend");
+    }
+    e = MPI_Irecv(in, (int)rn, MPI_BYTE, from, TAG_EXCH, c->bg, &req[1]);
+    int n = e == MPI_SUCCESS ? 2 : 1;
+    double limit = now_s() + timeout_s;
+    for (int spin = 0; e == MPI_SUCCESS; spin++) {
+        int done = 0;
+        e = MPI_Testall(n, req, &done, MPI_STATUSES_IGNORE);
+        if (e == MPI_SUCCESS && done) {
+            if (rn) memcpy(rbuf, in, rn);
+            free(out), free(in);
+            return CKPT_OK;
+        }
+        if (timeout_s > 0 && now_s() >= limit) break;
+        if (spin >= 50) sched_yield();
+    }
+    /* failed or timed out: the requests keep their copies for good */
+    c->bg_dead = true;
+    inflight *f = calloc(1, sizeof *f);
+    MPI_Request *r = malloc(sizeof req);
+    if (f && r) {
+        memcpy(r, req, sizeof req);
+        f->n = n;
+        f->reqs = r;
+        f->bufs[0] = out;
+        f->bufs[1] = in;
+        pthread_mutex_lock(&graveyard_lock);
+        f->next = graveyard;
+        graveyard = f;
+        pthread_mutex_unlock(&graveyard_lock);
+    } else {
+        free(f), free(r);
+    }
+    if (e != MPI_SUCCESS) return mpi_fail(e, "exchange in the background");
+    return ckpt_set_error(CKPT_ETIMEDOUT,
+                          "exchange in the background: rank %d or %d did not take part within %g s",
+                          dest, src, timeout_s);
+}
+
 static void mpi_destroy(void *ctx) {
     mpi_ctx *c = ctx;
     if (!c) return;
@@ -773,6 +844,7 @@ static void mpi_destroy(void *ctx) {
     if (!finalized) {
         if (c->in_op) op_end(c);
         if (c->work != MPI_COMM_NULL) MPI_Comm_free(&c->work);
+        if (c->bg != MPI_COMM_NULL) MPI_Comm_free(&c->bg);
         if (c->comm != MPI_COMM_NULL) MPI_Comm_free(&c->comm);
     }
     /* What never completed (a rank that never came) stays allocated. */
@@ -836,6 +908,7 @@ int ckpt_comm_mpi(ckpt_comm **out, MPI_Comm comm) {
         return ckpt_set_error(CKPT_ENOMEM, "out of memory (comm_mpi)");
     }
     ctx->comm = MPI_COMM_NULL;
+    ctx->bg = MPI_COMM_NULL;
     int e = MPI_Comm_dup(comm, &ctx->comm);
     if (e != MPI_SUCCESS) {
         free(c), free(ctx);
@@ -863,6 +936,19 @@ int ckpt_comm_mpi(ckpt_comm **out, MPI_Comm comm) {
     c->allreduce_i64 = mpi_allreduce_i64;
     c->deadline = mpi_deadline;
     c->exchange = mpi_exchange;
+    /* A channel for ckpt's background thread, if MPI allows calls from
+     * several threads at once (every rank has the same level). */
+    int level = MPI_THREAD_SINGLE;
+    if (MPI_Query_thread(&level) == MPI_SUCCESS && level == MPI_THREAD_MULTIPLE) {
+        e = MPI_Comm_dup(ctx->comm, &ctx->bg);
+        if (e != MPI_SUCCESS) {
+            ctx->bg = MPI_COMM_NULL;
+            ckpt_comm_free(c);
+            return mpi_fail(e, "MPI_Comm_dup");
+        }
+        MPI_Comm_set_errhandler(ctx->bg, MPI_ERRORS_RETURN);
+        c->exchange_background = mpi_exchange_bg;
+    }
     int rc = find_node(c, ctx->comm);
     if (rc < 0) {
         ckpt_comm_free(c);

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <dirent.h>
 
 #include "ckpt.h"
 #include "accel/accel.h"
@@ -40,6 +41,12 @@ typedef struct scen {
     bool load;         /* load first */
     bool async;        /* asynchronous saves */
     bool persist_next; /* ask for the job's last save to be persisted */
+    /* async: before waiting, each rank watches its local temporary folder
+     * until the replica it keeps has arrived (the background thread's
+     * doing); seen[r] says whether it did */
+    bool watch_bg;
+    bool seen[P];
+    int fail_rank, fail_save; /* this rank's state_dict fails at that save (fail_rank >= 0) */
     int rc[P], save_rc[P];
     char msg[P][2048];
     char last[P][512];
@@ -60,7 +67,27 @@ typedef struct rank_state {
 } rank_state;
 
 static int value_sd(void *self, ckpt_writer *w) {
+    if (*(int64_t *)self == -7) return -1; /* a failing state_dict (scen.fail_rank) */
     return ckpt_write_i64(w, "value", *(int64_t *)self);
+}
+
+/* Whether a temporary folder in rank r's local folder holds the replica of
+ * rank q's generator (its file exists: the background thread received it). */
+static bool replica_arriving(const scen *s, int r, int q) {
+    char *dir = tu_pathf("%s/l%d/rank_%d", tu_dir(), r / 2, r);
+    bool found = false;
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    while (d && !found && (e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, ".checkpoint_", 12) != 0) continue;
+        char *f = tu_pathf("%s/%s/random_states_%d.safetensors", dir, e->d_name, q);
+        found = tu_exists(f);
+        free(f);
+    }
+    if (d) closedir(d);
+    free(dir);
+    (void)s;
+    return found;
 }
 static int value_load(void *self, ckpt_reader *r) { return ckpt_read_i64(r, "value", self); }
 static const ckpt_stateful_ops value_ops = {.state_dict = value_sd, .load_state_dict = value_load};
@@ -120,8 +147,16 @@ static void job(const ckpt_comm *c, void *arg) {
     int src = 0;
     for (int k = 0; k < s->nsaves && st && st->acc; k++) {
         set_gen(st, s->gen0 + k);
+        if (s->fail_rank == r && s->fail_save == k) st->value = -7;
         if (s->persist_next && k == s->nsaves - 1) ckpt_accelerator_persist_next_save(st->acc);
         int x = s->async ? ckpt_save_state_async(st->acc, NULL) : ckpt_save_state(st->acc, NULL);
+        if (s->async && s->watch_bg && x == 0 && c) {
+            /* up to 20 s: the replica appears while nobody waits for the save */
+            for (int i = 0; i < 2000 && !s->seen[r]; i++) {
+                s->seen[r] = replica_arriving(s, r, (r + 2) % P);
+                if (!s->seen[r]) usleep(10000);
+            }
+        }
         if (x < 0 && src == 0) {
             src = x;
             snprintf(s->msg[r], sizeof s->msg[r], "%s", ckpt_errmsg());
@@ -150,6 +185,7 @@ static void init_scen(scen *s, int persist_every) {
     snprintf(s->proj, sizeof s->proj, "%s/proj", tu_dir());
     snprintf(s->local, sizeof s->local, "%s/l%%n", tu_dir());
     s->persist_every = persist_every;
+    s->fail_rank = -1;
 }
 
 static void run(scen *s, bool load, int nsaves, int gen0) {
@@ -412,6 +448,59 @@ static void test_tiers_asynchronous_saves_replicate_at_the_next_call(void **st) 
     assert_loaded_gen(&s, 2);
 }
 
+/* With a background channel (ckpt_comm.exchange_background, what
+ * ckpt_comm_mpi has under MPI_THREAD_MULTIPLE) the replication runs in the
+ * background thread: each rank's replica arrives while the caller trains on,
+ * before anything waits for the save; the commit checks each received file
+ * against the manifest. A rank whose save fails still takes part (no rank
+ * waits for it), and every rank reports the failure. */
+static void test_tiers_asynchronous_saves_replicate_in_the_background(void **st) {
+    (void)st;
+    scen s;
+    init_scen(&s, 2);
+    s.async = true;
+    s.watch_bg = true;
+    tc_set_exchange_background(true);
+    run(&s, false, 3, 0); /* 0, 1 (persisted), 2 */
+    assert_ok(&s);
+    for (int r = 0; r < P; r++) {
+        assert_true(s.seen[r]);
+        char *mine = K(tu_pathf("%s/random_states_%d.safetensors", rank_ckpt(r, 2), (r + 2) % P));
+        char *theirs = K(tu_pathf("%s/random_states_%d.safetensors", rank_ckpt((r + 2) % P, 2),
+                                  (r + 2) % P));
+        size_t n1 = 0, n2 = 0;
+        char *a = tu_read_file(mine, &n1), *b = tu_read_file(theirs, &n2);
+        assert_non_null(a);
+        assert_non_null(b);
+        assert_true(n1 == n2 && memcmp(a, b, n1) == 0);
+        free(a);
+        free(b);
+    }
+    assert_null(strstr(s.warn, "replicating again"));
+    assert_true(tu_exists(proj_ckpt(1)));
+    assert_false(tu_exists(proj_ckpt(2)));
+    /* node 0 lost: save 2 whole from node 1's parts and replicas */
+    s.async = false;
+    s.watch_bg = false;
+    assert_int_equal(tu_tmpdir_remove(node_dir(0)), 0);
+    run(&s, true, 0, 0);
+    assert_ok(&s);
+    assert_loaded_gen(&s, 2);
+
+    /* rank 1's state_dict fails at the second save of a job: all return it */
+    s.async = true;
+    s.fail_rank = 1;
+    s.fail_save = 1;
+    run(&s, false, 2, 5); /* 3 (persisted: 2 past 1), then 4 fails */
+    for (int r = 0; r < P; r++) {
+        assert_true(s.save_rc[r] < 0);
+        assert_int_equal(s.save_rc[r], s.save_rc[0]);
+        assert_true(tu_exists(rank_ckpt(r, 3)));
+        assert_false(tu_exists(rank_ckpt(r, 4)));
+    }
+    tc_set_exchange_background(false);
+}
+
 /* ---- one process ------------------------------------------------------------------ */
 
 static void test_tiers_one_process_saves_locally_and_resumes_from_the_newer(void **st) {
@@ -566,6 +655,7 @@ int main(void) {
         T(test_tiers_a_node_back_with_a_stale_tier_takes_the_newer_save),
         T(test_tiers_parts_of_a_run_and_no_whole_checkpoint_is_no_fresh_start),
         T(test_tiers_asynchronous_saves_replicate_at_the_next_call),
+        T(test_tiers_asynchronous_saves_replicate_in_the_background),
         T(test_tiers_one_process_saves_locally_and_resumes_from_the_newer),
         T(test_tiers_a_save_after_a_preemption_signal_goes_to_the_project),
         T(test_tiers_configuration_errors_name_the_field),

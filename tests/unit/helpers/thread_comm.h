@@ -16,5 +16,8 @@ void tc_run(int p, void (*fn)(const ckpt_comm *comm, void *arg), void *arg);
 /* Whether the communicators of later tc_run calls have an exchange
  * (ckpt_comm.exchange; default: none, so ckpt falls back to gathers). */
 void tc_set_exchange(bool on);
+/* Whether they have a background channel (ckpt_comm.exchange_background:
+ * an asynchronous save replicates in its background thread; default none). */
+void tc_set_exchange_background(bool on);
 
 #endif
