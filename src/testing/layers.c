@@ -7,10 +7,13 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "base/fs.h"
 #include "testing/testing.h"
@@ -208,10 +211,11 @@ static void record(ckpt_io_op op, int fd, int flags, const char *path, const cha
 
 /* CKPT_OPEN_LOG=<file>: every file the library opens is appended to <file>,
  * one line each ("read <path>" or "write <path>"; a path as the library
- * gave it, openat's made whole through /proc/self/fd), so that an end-to-end
- * test can tell which files a run read (a load that must not touch the
- * project folder). Written with O_APPEND: the ranks of a job may share the
- * file. */
+ * gave it, openat's made whole through /proc/self/fd; " [thread]" after it
+ * when a thread other than the process's first opened it, e.g. an
+ * asynchronous save's), so that an end-to-end test can tell which files a
+ * run read (a load that must not touch the project folder) and where.
+ * Written with O_APPEND: the ranks of a job may share the file. */
 static pthread_once_t open_log_once = PTHREAD_ONCE_INIT;
 static int open_log_fd = -1;
 
@@ -224,8 +228,10 @@ static void open_log(const char *path, int flags) {
     pthread_once(&open_log_once, open_log_init);
     if (open_log_fd < 0 || !path) return;
     char line[4200];
-    int n = snprintf(line, sizeof line, "%s %s\n",
-                     (flags & O_ACCMODE) == O_RDONLY ? "read" : "write", path);
+    bool first = (pid_t)syscall(SYS_gettid) == getpid();
+    int n = snprintf(line, sizeof line, "%s %s%s\n",
+                     (flags & O_ACCMODE) == O_RDONLY ? "read" : "write", path,
+                     first ? "" : " [thread]");
     if (n > 0 && (size_t)n < sizeof line) (void)!next->write(open_log_fd, line, (size_t)n);
 }
 

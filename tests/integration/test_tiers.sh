@@ -12,7 +12,10 @@
 #    saves, node 1 comes back with its folder from before (older saves), and
 #    the resumed job takes the newer save from node 0;
 #  - the run then ends bit for bit as an uninterrupted one (ckpt diff, and
-#    the metrics log).
+#    the metrics log), which saved asynchronously, replicating in its
+#    background threads (MPI_THREAD_MULTIPLE);
+#  - one process, --persist-every 100: a save at a preemption signal and the
+#    run's last save go to the project folder.
 # Both nodes lost, a corrupt replica, and no whole checkpoint are covered by
 # unit.test_tiers (thread ranks).
 source "$(dirname "$0")/common.bash"
@@ -102,8 +105,45 @@ run_rc 3 "$CKPT_BIN" train --project-dir "$WORK/bad" --local-dir "$WORK/x%y" --q
 grep -q "local_dir '$WORK/x%y' has a '%' that is not %n, %r or %%" "$WORK/err" ||
     { cat "$WORK/err"; fail "no error for a bad --local-dir"; }
 
-run_rc 0 train ref --quiet
+# The uninterrupted run saves asynchronously: ckpt train asks MPI for
+# MPI_THREAD_MULTIPLE, and each rank's replica of another node's part is
+# then written by its background thread (the open log's " [thread]").
+CKPT_OPEN_LOG=$WORK/ref-opens run_rc 0 train ref --quiet --async
 ref_final=$(latest_checkpoint "$WORK/ref")
+for r in 0 1 2 3; do
+    q=$(((r + 2) % 4))
+    grep -Eq "^write $WORK/ref-local/n$((r / 2))/rank_$r/\.checkpoint_[0-9]+\.tmp\.[^/]*/random_states_$q\.safetensors \[thread\]$" \
+        "$WORK/ref-opens" || fail "rank $r: rank $q's replica not written in the background"
+    [ -f "$WORK/ref-local/n$((r / 2))/rank_$r/checkpoint_11/random_states_$q.safetensors" ] ||
+        fail "rank $r: no replica of rank $q in its last save"
+done
+echo "ok: asynchronous saves replicate in the background thread"
+
+# ---- one process: the last save and a preemption's go to the project folder -------
+T1=(env CKPT_DATA="$CKPT_DATA" "$CKPT_BIN" train --epochs 1 --batch-size 8 --workers 0 --quiet
+    --save-every 5 --persist-every 100 --project-dir "$WORK/one" --local-dir "$WORK/one-local")
+"${T1[@]}" >"$WORK/one.out" 2>&1 &
+pid=$!
+for _ in $(seq 1 6000); do
+    [ -f "$WORK/one/logs/metrics.jsonl" ] && [ "$(wc -l <"$WORK/one/logs/metrics.jsonl")" -ge 3 ] && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.01
+done
+kill -USR1 "$pid" || fail "the one-process run ended before the signal"
+wait "$pid" || { cat "$WORK/one.out" >&2; fail "preempted run: exit $?"; }
+dir=$(sed -n 's/^preempted at step [0-9]*, checkpoint saved: //p' "$WORK/one.out")
+case $dir in
+"$WORK"/one/checkpoints/checkpoint_*) ;;
+*) cat "$WORK/one.out" >&2; fail "the preemption's save is not in the project folder: '$dir'" ;;
+esac
+[ "$(ls "$WORK/one/checkpoints" | wc -l)" -eq 1 ] || fail "the project folder holds more than that save"
+run_rc 0 "${T1[@]}" --resume
+n=$(ls "$WORK/one/checkpoints" | wc -l)
+[ "$n" -eq 2 ] || fail "after the last save the project folder holds $n checkpoints, expected 2"
+last=$(newest "$WORK/one-local/rank_0")
+[ "$(latest_checkpoint "$WORK/one")" = "$WORK/one/checkpoints/checkpoint_$last" ] ||
+    fail "the last save (checkpoint_$last) is not in the project folder"
+echo "ok: --persist-every 100: the preemption's save and the last one went to the project folder"
 
 # ---- a lost node -------------------------------------------------------------
 L=$WORK/run-local
@@ -133,7 +173,7 @@ for r in 0 1 2 3; do
         { cat "$WORK/resume1.out" >&2; fail "rank $r did not resume from its node's checkpoint_$k"; }
 done
 # no state file of the project's checkpoints (0..$p then) was opened
-if grep -E "^read $WORK/run/checkpoints/checkpoint_[0-9]+/[^/]*\.safetensors$" "$WORK/opens"; then
+if grep -E "^read $WORK/run/checkpoints/checkpoint_[0-9]+/[^/]*\.safetensors( \[thread\])?$" "$WORK/opens"; then
     fail "the resume read state files of the project folder"
 fi
 grep -q "^read $L/n0/rank_0/checkpoint_$k/" "$WORK/opens" || fail "no read of node 0's checkpoint_$k"
