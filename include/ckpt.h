@@ -968,8 +968,13 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * With a comm of several processes it is collective like ckpt_save_state:
  * the background thread only writes this rank's files; the agreement and
  * the commit run in the caller's thread at the next ckpt_save_wait / save /
- * load / free, which are then collective too, so the communicator is only
- * ever used from the caller's thread (MPI needs no thread support). */
+ * load / free, which are then collective too, so the communicator's
+ * collectives are only ever used from the caller's thread (MPI needs no
+ * thread support). With node-local tiers (ckpt_project_config.local_dir)
+ * and a comm with exchange_background (ckpt_comm_mpi under
+ * MPI_THREAD_MULTIPLE), the background thread also replicates this rank's
+ * part to other nodes, over that channel; the commit checks what arrived
+ * against the manifest (docs/DISTRIBUTED.md "Storage tiers"). */
 CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir);
 /* Ends the pending asynchronous save: waits for the background thread and
  * returns the save's status (CKPT_OK when none is pending and no failure is
