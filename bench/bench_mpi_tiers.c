@@ -19,6 +19,9 @@
  *     against none), peak RSS +<MiB> over a save without replica
  *   load: project <s> | memory tier <s> (<x>) | node 1 lost, from node 0 <s> (<x>)
  *     ratios against the load from the project folder (what recovery takes without tiers)
+ *   async stall: project <s> | memory tier +replica, replicated in the background <s> (<x>)
+ *     | at the next call <s> (<x>): the caller's stall at ckpt_save_state_async, with
+ *     1.5x a synchronous save's time of training (a sleep) between saves
  *   footprint: node <n> holds <bytes> (<x> the state) on disk / in memory, per tier folder
  *
  * The loads read files the page cache holds (warm). The folders are
@@ -160,8 +163,42 @@ static double maxd(double v) {
     return m;
 }
 
+/* Asynchronous saves: the caller's stall, the slowest rank's, at each
+ * ckpt_save_state_async (which first ends the previous save: its commit,
+ * and without a background channel its replication), with `train` seconds
+ * of "training" (a sleep) between saves; the best of reps after a first
+ * one. c: the communicator the accelerator gets. */
+static double time_async(const ckpt_comm *c, const char *project, const char *local,
+                         double train) {
+    ckpt_project_config cfg = {.project_dir = project,
+                               .automatic_checkpoint_naming = true,
+                               .total_limit = 1,
+                               .comm = c,
+                               .local_dir = local,
+                               .persist_every = 1000000,
+                               .ranks_per_node = local ? 2 : 0};
+    ckpt_accelerator *acc = NULL;
+    if (ckpt_accelerator_new(&acc, &cfg) < 0) die("accelerator");
+    if (ckpt_prepare_model(acc, model) < 0 || ckpt_prepare_optimizer(acc, opt) < 0) die("prepare");
+    if (ckpt_accelerator_prepare_async(acc) < 0) die("prepare_async");
+    double best = 1e30;
+    for (int r = 0; r <= reps; r++) {
+        ckpt_optimizer_step(opt);
+        MPI_Barrier(MPI_COMM_WORLD);
+        double t0 = now();
+        if (ckpt_save_state_async(acc, NULL) < 0) die("save_state_async");
+        double t = maxd(now() - t0);
+        if (r > 0 && t < best) best = t;
+        usleep((useconds_t)(train * 1e6));
+    }
+    if (ckpt_save_wait(acc) < 0) die("save_wait");
+    ckpt_accelerator_free(acc);
+    return best;
+}
+
 int main(int argc, char **argv) {
-    MPI_Init(&argc, &argv);
+    int level = 0; /* MPI_THREAD_MULTIPLE: replication in the background */
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &level);
     if (argc < 2 || argc > 3) {
         fprintf(stderr, "usage: mpirun -np 4 bench_mpi_tiers FOLDER [MIB]\n");
         MPI_Abort(MPI_COMM_WORLD, 2);
@@ -242,6 +279,18 @@ int main(int argc, char **argv) {
     snprintf(lost, sizeof lost, "%s/m4/n1", shm);
     double load_lost = maxd(time_loads(p[4], l[4], lost));
 
+    /* asynchronous saves: no tier; memory tier with a replica, replicated in
+     * the background, and (a comm without the channel) at the next call */
+    double train = 1.5 * save[4], async[3] = {0, 0, 0};
+    if (comm->exchange_background) {
+        ckpt_comm fg = *comm; /* the same channels but the background one */
+        fg.exchange_background = NULL;
+        fg.destroy = NULL;
+        async[0] = time_async(comm, p[0], NULL, train);
+        async[1] = time_async(comm, p[4], l[4], train);
+        async[2] = time_async(&fg, p[4], l[4], train);
+    }
+
     /* this rank's part: what it writes without a replica; what the replica adds */
     uint64_t mine[3] = {w_none, w_rep > w_none ? w_rep - w_none : 0,
                         rss_rep > rss_none ? rss_rep - rss_none : 0};
@@ -263,6 +312,13 @@ int main(int argc, char **argv) {
         printf("bench_mpi_tiers load: project %.3f s | memory tier %.3f s (%.2fx) | node 1 lost, "
                "from node 0 %.3f s (%.2fx); x: against the project\n",
                load_proj, load_tier, load_tier / load_proj, load_lost, load_lost / load_proj);
+        if (async[0] > 0)
+            printf("bench_mpi_tiers async stall: project %.3f s | memory tier +replica, replicated "
+                   "in the background %.3f s (%.2fx) | at the next call %.3f s (%.2fx); %.1f s of "
+                   "training between saves; x: against the project\n",
+                   async[0], async[1], async[1] / async[0], async[2], async[2] / async[0], train);
+        else
+            printf("bench_mpi_tiers async stall: not measured (MPI below MPI_THREAD_MULTIPLE)\n");
         for (int n = 0; n < 2; n++) {
             uint64_t bd = foot[n][0], bm = foot[n][1];
             printf("bench_mpi_tiers footprint: node %d holds %llu bytes on disk (%.2fx the state, "
