@@ -168,8 +168,7 @@ static double maxd(double v) {
  * and without a background channel its replication), with `train` seconds
  * of "training" (a sleep) between saves; the best of reps after a first
  * one. c: the communicator the accelerator gets. */
-static double time_async(const ckpt_comm *c, const char *project, const char *local,
-                         double train) {
+static double time_async(const ckpt_comm *c, const char *project, const char *local, double train) {
     ckpt_project_config cfg = {.project_dir = project,
                                .automatic_checkpoint_naming = true,
                                .total_limit = 1,
@@ -317,8 +316,7 @@ int main(int argc, char **argv) {
                    "in the background %.3f s (%.2fx) | at the next call %.3f s (%.2fx); %.1f s of "
                    "training between saves; x: against the project\n",
                    async[0], async[1], async[1] / async[0], async[2], async[2] / async[0], train);
-        else
-            printf("bench_mpi_tiers async stall: not measured (MPI below MPI_THREAD_MULTIPLE)\n");
+        else printf("bench_mpi_tiers async stall: not measured (MPI below MPI_THREAD_MULTIPLE)\n");
         for (int n = 0; n < 2; n++) {
             uint64_t bd = foot[n][0], bm = foot[n][1];
             printf("bench_mpi_tiers footprint: node %d holds %llu bytes on disk (%.2fx the state, "

@@ -437,7 +437,8 @@ static int header_make(const ckpt_manifest *own, bool ok, uint8_t **out, size_t 
 /* A header from rank src into rx (files of rank src, no checksum yet). */
 static int header_parse(const uint8_t *h, size_t len, int src, ckpt_manifest *rx, bool *sender_ok) {
     *sender_ok = false;
-    if (len < 16) return ckpt__err(CKPT_EIO, "replication: a header of %zu bytes from rank %d", len, src);
+    if (len < 16)
+        return ckpt__err(CKPT_EIO, "replication: a header of %zu bytes from rank %d", len, src);
     *sender_ok = get_u64(h) == 0;
     uint64_t n = get_u64(h + 8);
     size_t at = 16;
@@ -509,7 +510,8 @@ void ckpt__tier_replicate_background(save_op *op) {
         put_u64(lenb, hn);
         crc = bg_exchange(op, lenb, 8, dest, rlenb, 8, src);
         uint64_t rl = crc == 0 ? get_u64(rlenb) : 0;
-        uint8_t *hr = crc == 0 && rl < ((uint64_t)1 << 30) ? ckpt__malloc(rl ? (size_t)rl : 1) : NULL;
+        uint8_t *hr =
+            crc == 0 && rl < ((uint64_t)1 << 30) ? ckpt__malloc(rl ? (size_t)rl : 1) : NULL;
         if (crc == 0 && !hr) crc = ckpt__err_nomem("replication header");
         if (crc == 0) crc = bg_exchange(op, hs, hn, dest, hr, (size_t)rl, src);
         bool sender_ok = false;
@@ -568,7 +570,8 @@ static int check_background(save_op *op) {
             if (f->rank != src) continue;
             const ckpt_manifest_file *g = rx ? ckpt__manifest_find(rx, f->name) : NULL;
             if (!g)
-                rc = ckpt__err(CKPT_EIO, "%s/%s: not received from rank %d", op->ltmp, f->name, src);
+                rc =
+                    ckpt__err(CKPT_EIO, "%s/%s: not received from rank %d", op->ltmp, f->name, src);
             else if (g->size != f->size || g->xxh3 != f->xxh3)
                 rc = ckpt__err(CKPT_ECORRUPT,
                                "%s/%s: the copy received from rank %d differs from the manifest's "

@@ -229,9 +229,9 @@ static void open_log(const char *path, int flags) {
     if (open_log_fd < 0 || !path) return;
     char line[4200];
     bool first = (pid_t)syscall(SYS_gettid) == getpid();
-    int n = snprintf(line, sizeof line, "%s %s%s\n",
-                     (flags & O_ACCMODE) == O_RDONLY ? "read" : "write", path,
-                     first ? "" : " [thread]");
+    int n =
+        snprintf(line, sizeof line, "%s %s%s\n", (flags & O_ACCMODE) == O_RDONLY ? "read" : "write",
+                 path, first ? "" : " [thread]");
     if (n > 0 && (size_t)n < sizeof line) (void)!next->write(open_log_fd, line, (size_t)n);
 }
 

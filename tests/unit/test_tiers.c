@@ -466,8 +466,8 @@ static void test_tiers_asynchronous_saves_replicate_in_the_background(void **st)
     for (int r = 0; r < P; r++) {
         assert_true(s.seen[r]);
         char *mine = K(tu_pathf("%s/random_states_%d.safetensors", rank_ckpt(r, 2), (r + 2) % P));
-        char *theirs = K(tu_pathf("%s/random_states_%d.safetensors", rank_ckpt((r + 2) % P, 2),
-                                  (r + 2) % P));
+        char *theirs =
+            K(tu_pathf("%s/random_states_%d.safetensors", rank_ckpt((r + 2) % P, 2), (r + 2) % P));
         size_t n1 = 0, n2 = 0;
         char *a = tu_read_file(mine, &n1), *b = tu_read_file(theirs, &n2);
         assert_non_null(a);

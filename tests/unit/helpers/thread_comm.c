@@ -171,8 +171,9 @@ static int tc_exchange_bg(void *ctx, const void *sbuf, size_t sn, int dest, void
             break;
         }
         if (pthread_cond_timedwait(&g->cv, &g->mu, &until) != 0) {
-            rc = ckpt_set_error(CKPT_ETIMEDOUT, "thread comm: background exchange: nothing from "
-                                                "rank %d",
+            rc = ckpt_set_error(CKPT_ETIMEDOUT,
+                                "thread comm: background exchange: nothing from "
+                                "rank %d",
                                 src);
             break;
         }
@@ -221,8 +222,7 @@ void tc_run(int p, void (*fn)(const ckpt_comm *comm, void *arg), void *arg) {
                                .allgather = tc_allgather,
                                .allreduce_i64 = tc_allreduce_i64,
                                .exchange = with_exchange ? tc_exchange : NULL,
-                               .exchange_background =
-                                   with_background ? tc_exchange_bg : NULL};
+                               .exchange_background = with_background ? tc_exchange_bg : NULL};
     }
     for (int r = 0; r < p; r++)
         if (pthread_create(&th[r], NULL, tc_main, &ranks[r]) != 0) abort();
