@@ -785,6 +785,19 @@ typedef struct ckpt_project_config {
      * sector hits all of them; ckpt verify names them). true: always write
      * every file (zero-initialised configs keep linking on). */
     bool no_link_unchanged;
+    /* Retained checkpoints are independent copies: with linking on, a save
+     * keeps at least this many physical copies of every file among the
+     * checkpoints retained after it (the new one, and the ones its
+     * rotation keeps: the newest total_limit - 1, every one with
+     * total_limit 0; an explicit folder's link source), as far as they
+     * hold the same bytes. A file whose link would leave fewer is written
+     * anew (a copy of its own) instead of linked. 0 = the default, 2: no
+     * single bad sector or flipped byte can take every retained checkpoint
+     * down with it; with total_limit 0 that costs one extra copy of an
+     * unchanged file ever, with total_limit N about one write of it every
+     * N - 1 saves (bench/README.md). 1: link whenever the bytes are equal
+     * (one copy may serve every checkpoint). Negative: CKPT_EINVAL. */
+    int link_copies;
     /* Storage tiers (docs/DISTRIBUTED.md "Storage tiers"). With local_dir
      * set, every automatic save first goes to a node-local folder: each rank
      * writes its part there (a checkpoint folder committed atomically and
@@ -980,6 +993,23 @@ CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir
  * returns the save's status (CKPT_OK when none is pending and no failure is
  * waiting to be reported). Collective with several processes. */
 CKPT_API int ckpt_save_wait(ckpt_accelerator *acc);
+/* Makes a finished asynchronous save durable without waiting for one that
+ * is not: never waits for the background thread (nor the disk it writes).
+ * If every rank's files of the pending save are written, the save is
+ * committed now (with several processes the agreement, rank 0's manifest,
+ * rename and folder fsyncs, and total_limit, as at a wait; with one the
+ * background thread has committed it already) and its post-save hooks run;
+ * otherwise nothing happens. Returns 1 when nothing is pending (the last
+ * asynchronous save is committed, or there was none), 0 while the save is
+ * still being written, or the failure of the save (a failure is returned
+ * once, as by ckpt_save_wait; the save left nothing visible). Collective
+ * with several processes, like the other calls: every rank calls it at the
+ * same points and gets the same answer (one small reduction). A training
+ * loop that saves asynchronously calls it every step or every few, so a
+ * save is on disk, committed, as soon as its files are: a job preempted (or
+ * killed) before its next save, wait, load or free keeps it. (Without it,
+ * with several processes, the commit waits for that next call.) */
+CKPT_API int ckpt_save_poll(ckpt_accelerator *acc);
 /* How the background thread of asynchronous saves runs its jobs, so that
  * the training loop keeps its core and its disk: CKPT_ASYNC_CPU_IDLE, the
  * scheduler's idle class (SCHED_IDLE: the thread runs only on a core no
@@ -1041,15 +1071,18 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * returns the same status and message (so every rank's saves are refused or
  * allowed alike after it).
  *
- * CKPT_ENOENT means exactly "there is no checkpoint": input_dir NULL and no
- * checkpoint_<n> folder at all in the project, or an explicit input_dir that
- * does not exist or is not a checkpoint (no checkpoint.json; an explicit save
- * never replaces such a folder unless it is empty). It is the one failure
- * that is a fresh start, and the one that leaves saves allowed. Every other
+ * CKPT_ENOENT means exactly "there is no checkpoint yet": input_dir NULL and
+ * no checkpoint_<n> folder at all in the project. It is the one failure that
+ * is a fresh start, and the one that leaves saves allowed. An explicit
+ * input_dir that does not exist, is not a folder or is not a checkpoint (no
+ * checkpoint.json) is CKPT_EINVAL, naming the path and the checkpoints that
+ * do exist beside it (or in the project): a typo such as checkpoint_07 for
+ * checkpoint_7 must not read as a fresh start. That and every other
  * failure (a corrupt or partial checkpoint, CKPT_EMISMATCH after a change of
  * configuration, I/O, a hook) makes this accelerator's saves refuse until a
- * load succeeds or the caller calls ckpt_accelerator_start_over (a save into a project another run
- * owns still fails with CKPT_EBUSY first). The resume idiom:
+ * load succeeds or the caller calls ckpt_accelerator_start_over (a save into
+ * a project another run owns still fails with CKPT_EBUSY first). The resume
+ * idiom:
  *     int rc = ckpt_load_state(acc, NULL);
  *     if (rc == CKPT_ENOENT) start from step 0;
  *     else if (rc < 0) stop: print ckpt_errmsg() and exit;
@@ -1224,7 +1257,10 @@ CKPT_API void ckpt_clear_metrics(ckpt_accelerator *acc);
  * the same steps) and every rank gets the same answer: true if it is true on
  * any rank (clocks and signals differ between processes), so all ranks save
  * at the same step. It does not save: the caller calls ckpt_save_state (or
- * _async), and, after a preemption, exits. CKPT_EINVAL for step < 0. */
+ * _async), and, after a preemption, exits. After a preemption it first
+ * commits a pending asynchronous save (as ckpt_save_wait, keeping a failure
+ * for the next save), so that save is durable before the next one starts.
+ * CKPT_EINVAL for step < 0. */
 CKPT_API int ckpt_should_save(ckpt_accelerator *acc, int64_t step);
 
 /* Preemption. Schedulers warn before they kill a job (Slurm: SIGTERM, or

@@ -150,7 +150,7 @@ int cli_train(int argc, char **argv) {
     }
     if (o->resume) {
         /* with --local-dir the tiers may hold saves the project does not */
-        if (has || o->local_dir) {
+        if (has || o->local_dir || o->resume_from) {
             if ((status = train_resume(&t)) != CLI_OK) goto done;
             has = t.resumed_from[0] != '\0';
         }
@@ -277,6 +277,11 @@ int cli_train(int argc, char **argv) {
             bool ending = step == total || (t.dist.size > 1 ? stop : ckpt_preemption_requested());
             if ((status = train_save(&t, step, ending)) != CLI_OK) goto done;
             saved_step = step;
+        } else if (o->async && (rc = ckpt_save_poll(t.acc)) < 0) {
+            /* a background save whose files are written is committed here,
+             * not at the next save: a kill in between keeps it */
+            status = train_fail("save", rc);
+            goto done;
         }
 
         double now = train_now(), el = now - t0;

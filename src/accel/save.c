@@ -108,12 +108,21 @@ static int plan_local(save_op *op, const char *output_dir) {
     int64_t n;
     bool numbered = op->automatic || ckpt__parse_checkpoint_name(op->base, &n);
     CKPT_TRY(ckpt__remove_leftovers(op->parent, numbered ? NULL : op->base, &op->log));
+    int64_t *nums = NULL, count = 0;
     if (op->automatic) {
-        int64_t *nums = NULL, count = 0;
+        int64_t taken = -1;
+        char odd[512];
         rc = ckpt__list_numbers(op->parent, &nums, &count);
-        if (rc < 0) return ckpt__err_prefix(rc, "save_state");
+        if (rc == 0) rc = ckpt__names_taken(op->parent, &taken, odd, sizeof odd);
+        if (rc < 0) {
+            free(nums);
+            return ckpt__err_prefix(rc, "save_state");
+        }
+        /* Past every name in use, folder or not: a commit never renames
+         * over an entry, so a file or a symlink named checkpoint_<n> would
+         * otherwise fail every save from then on. */
         op->number = acc->iteration;
-        if (count > 0 && nums[count - 1] + 1 > op->number) op->number = nums[count - 1] + 1;
+        if (taken + 1 > op->number) op->number = taken + 1;
         if (op->tier) {
             /* Above every number of any rank's local tier too, so that a
              * number is never reused for another state; to the project
@@ -124,14 +133,23 @@ static int plan_local(save_op *op, const char *output_dir) {
             op->persist = op->persist_next || ckpt_preemption_requested() ||
                           op->number - newest >= acc->tier.persist_every;
         }
+        if (odd[0] && !acc->odd_names_said) {
+            acc->odd_names_said = true;
+            ckpt__log(&op->log, CKPT_LOG_WARNING,
+                      "save_state: in %s, %s: not checkpoint folders; numbering steps over them "
+                      "and leaves them alone",
+                      op->parent, odd);
+        }
         if (op->link && count > 0) {
             char nm[48];
             snprintf(nm, sizeof nm, "checkpoint_%" PRId64, nums[count - 1]);
             op->prev_dir = ckpt__path_join(op->parent, nm);
         }
-        free(nums);
         op->base = ckpt__malloc(48);
-        if (!op->base) return ckpt__err_nomem("save path");
+        if (!op->base) {
+            free(nums);
+            return ckpt__err_nomem("save path");
+        }
         snprintf(op->base, 48, "checkpoint_%" PRId64, op->number);
     }
     /* Before the project has a checkpoint (or for a folder of the user's):
@@ -140,11 +158,17 @@ static int plan_local(save_op *op, const char *output_dir) {
     if (op->link && !op->prev_dir && !op->tier && acc->link_dir && acc->link_dir[0])
         op->prev_dir = ckpt__strdup(acc->link_dir);
     /* Only to the node-local tiers: no project folder is made. */
-    if (op->tier && !op->persist) return CKPT_OK;
+    if (op->tier && !op->persist) {
+        free(nums);
+        return CKPT_OK;
+    }
     op->target = ckpt__path_join(op->parent, op->base);
     op->tname = ckpt__temp_name(op->base);
-    if (!op->target || !op->tname || !(op->tmp = ckpt__path_join(op->parent, op->tname)))
-        return ckpt__err_nomem("save path");
+    rc = op->target && op->tname && (op->tmp = ckpt__path_join(op->parent, op->tname))
+             ? ckpt__save_plan_kept(op, nums, count)
+             : ckpt__err_nomem("save path");
+    free(nums);
+    if (rc < 0) return rc;
     if (!op->automatic) CKPT_TRY(ckpt__txn_check_replaceable(&(ckpt_txn){
                             .target = op->target, .tmp = op->tmp, .what = "save_state"}));
     if (ckpt__os_mkdir(op->tmp, 0755) != 0)
@@ -162,26 +186,36 @@ static int plan_share(save_op *op) {
     if (c->rank == 0) {
         const char *prev = op->prev_dir ? op->prev_dir : "";
         const char *tg = op->target ? op->target : "", *tp = op->tmp ? op->tmp : "";
-        size_t nt = strlen(tg), np = strlen(tp), nv = strlen(prev);
-        n = 24 + nt + 1 + np + 1 + nv + 1;
+        size_t nt = strlen(tg), np = strlen(tp), nv = strlen(prev), nk = 0;
+        char *kept = NULL;
+        CKPT_TRY(ckpt__save_kept_encode(op, &kept, &nk));
+        n = 24 + nt + 1 + np + 1 + nv + 1 + nk;
         blob = ckpt__malloc(n);
-        if (!blob) return ckpt__err_nomem("save plan");
+        if (!blob) {
+            free(kept);
+            return ckpt__err_nomem("save plan");
+        }
         memset(blob, 0, 24);
         snprintf(blob, 24, "%" PRId64 " %d", op->number, (int)op->persist);
         memcpy(blob + 24, tg, nt + 1);
         memcpy(blob + 24 + nt + 1, tp, np + 1);
         memcpy(blob + 24 + nt + 1 + np + 1, prev, nv + 1);
+        memcpy(blob + 24 + nt + 1 + np + 1 + nv + 1, kept, nk);
+        free(kept);
     }
     int rc = ckpt__coll_bcast_bytes(c, &blob, &n);
     if (rc == 0 && c->rank != 0) {
         /* From rank 0 of this job, but still checked: four strings (the
-         * last, the checkpoint to link from, may be empty). */
+         * last, the checkpoint to link from, may be empty), then the kept
+         * checkpoints. */
         const char *t = blob + 24, *end = blob + n;
         const char *p = n > 24 ? memchr(t, '\0', (size_t)(end - t)) : NULL;
         const char *v = p ? memchr(p + 1, '\0', (size_t)(end - p - 1)) : NULL;
-        if (!v || !memchr(v + 1, '\0', (size_t)(end - v - 1)) || !memchr(blob, '\0', 24)) {
+        const char *k = v ? memchr(v + 1, '\0', (size_t)(end - v - 1)) : NULL;
+        if (!k || !memchr(blob, '\0', 24)) {
             rc = ckpt__err(CKPT_EINVAL, "save_state: rank 0 sent a malformed plan");
         } else {
+            rc = ckpt__save_kept_decode(op, k + 1, (size_t)(end - k - 1));
             char *rest = NULL;
             op->number = strtoll(blob, &rest, 10);
             op->persist = strtol(rest, NULL, 10) != 0;
@@ -576,6 +610,7 @@ void ckpt__save_op_free(save_op *op) {
     ckpt__manifest_clear(&op->all);
     if (op->have_prev) ckpt__manifest_clear(&op->prev);
     ckpt__tier_release(op);
+    ckpt__save_kept_free(op);
     free(op->order);
     free(op->prev_dir);
     free(op->parent);
@@ -637,6 +672,7 @@ int ckpt__save_op_new(ckpt_accelerator *acc, const char *output_dir, save_op **o
     op->persist_next = op->tier && acc->tier.persist_next;
     if (op->tier) acc->tier.persist_next = false; /* this save's (back if it fails) */
     op->tier_highest = -1;
+    op->link_copies = acc->link_copies;
     ckpt__manifest_init(&op->mine);
     ckpt__manifest_init(&op->all);
     /* A rank whose own checks fail still takes part in every collective
@@ -776,16 +812,18 @@ static int commit_all(save_op *op) {
     /* agree */
     ckpt__coll_phase(op->acc, "save: agree on the commit");
     rc = ckpt__coll_agree(c, rc, NULL);
+    if (rc == 0 && c->size > 1) {
+        ckpt__coll_phase(op->acc, "save: gather the file records");
+        /* a rank whose records did not reach rank 0 (or rank 0 that could
+         * not read them) stops the commit on every rank */
+        rc = ckpt__coll_agree(c, gather_records(op, json, jlen), NULL);
+    } else if (rc == 0) {
+        op->all = op->mine;
+        ckpt__manifest_init(&op->mine);
+    }
     if (rc == 0) {
-        if (c->size > 1) {
-            ckpt__coll_phase(op->acc, "save: gather the file records");
-            rc = gather_records(op, json, jlen);
-        } else {
-            op->all = op->mine;
-            ckpt__manifest_init(&op->mine);
-        }
         /* commit, rotate */
-        if (rc == 0 && op->committer) rc = commit(op);
+        if (op->committer) rc = commit(op);
         if (rc == 0 && op->committer && (!op->tier || op->persist)) rotate(op);
         if (op->committer) release(op);
         ckpt__coll_phase(op->acc, "save: share the outcome of the commit");
