@@ -228,6 +228,48 @@ CKPT_API int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype 
                                     const int64_t *global_shape, const int64_t *offsets,
                                     const int64_t *local_shape, void *dst);
 
+/* --- memory ckpt cannot touch (device memory) ------------------------------
+ * A tensor whose bytes live where the library cannot dereference a pointer
+ * (an accelerator's memory, a remote buffer) is named by a handle and the
+ * caller's two copy functions. The library never dereferences the handle:
+ * byte k of the tensor is byte `offset` k of it, moved only by
+ *   to_host(handle, offset, dst, n):   bytes [offset, offset + n) of the
+ *                                      tensor into host memory at dst;
+ *   from_host(handle, offset, src, n): n host bytes at src into bytes
+ *                                      [offset, offset + n) of the tensor.
+ * Each returns 0, or on failure a negative ckpt_status (any other value is
+ * reported as CKPT_EIO), optionally with ckpt_set_error's message; the save
+ * or load then fails naming the tensor. The calls are synchronous (the bytes
+ * are in place when a call returns), one at a time, each of at most
+ * CKPT_MEMORY_PIECE bytes, and always in the thread that called the save or
+ * load (an asynchronous save copies such tensors into its staging area
+ * before ckpt_save_state_async returns; its background thread never calls
+ * them). Where the bytes go (docs/CHECKPOINTS.md, "Memory behind ops"):
+ * a save writes each piece to_host gives (through a buffer of one piece;
+ * an incremental save's hash reads the tensor once more), an asynchronous
+ * save copies to_host straight into its staging area (one copy); a load
+ * calls from_host only with bytes already verified against the manifest
+ * (the one-pass load: each verified piece of at most 1 MiB); with several
+ * processes each rank moves only its rows of a replicated tensor, its share
+ * of ZeRO-1 state and the streamed pieces it receives. */
+typedef struct ckpt_memory_ops {
+    int (*to_host)(void *handle, uint64_t offset, void *dst, uint64_t n);
+    int (*from_host)(void *handle, uint64_t offset, const void *src, uint64_t n);
+} ckpt_memory_ops;
+/* The most bytes one to_host or from_host call moves. */
+#define CKPT_MEMORY_PIECE ((uint64_t)8 << 20)
+
+/* ckpt_write_tensor of a tensor behind memory ops (both functions set; ops
+ * and handle borrowed until the writer is saved or freed): nothing is read
+ * until the writer's file is written (or staged). A standalone
+ * ckpt_writer_save writes it too. */
+CKPT_API int ckpt_write_tensor_mem(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                                   const int64_t *shape, const ckpt_memory_ops *ops, void *handle);
+/* ckpt_read_tensor into a tensor behind memory ops: the same checks first,
+ * then the bytes through from_host in pieces. */
+CKPT_API int ckpt_read_tensor_mem(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                                  const int64_t *shape, const ckpt_memory_ops *ops, void *handle);
+
 /* ------------------------------------------------------------------------ */
 /* Stateful objects                                                          */
 /* ------------------------------------------------------------------------ */
@@ -315,6 +357,21 @@ CKPT_API void ckpt_model_free(ckpt_model *m);
  * model is freed. Names follow the key rules; a duplicate is CKPT_EEXIST. */
 CKPT_API int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
                                   const int64_t *shape, void *data, void *grad);
+/* Adds a parameter whose values live behind memory ops (device memory; see
+ * ckpt_memory_ops): saved, loaded, sharded and exported as any parameter,
+ * its bytes moved only through ops (borrowed, with handle, until the model
+ * is freed). A parameter behind ops has no gradient buffer ckpt knows of:
+ * its gradient is the caller's, next to its values, and so is its update.
+ * It is trainable when it is in an optimizer's group (ckpt_model_set_frozen
+ * says otherwise), and the optimizer that updates it is an external one
+ * (ckpt_optimizer_external_new, with its state where the caller keeps it:
+ * ckpt_optimizer_set_state_mem); ckpt's own optimizers update host memory
+ * only, so they refuse a trainable parameter behind ops (CKPT_EUNSUPPORTED
+ * naming it) and take a frozen one. ops needs both functions (CKPT_EINVAL);
+ * the rest as ckpt_model_add_param. */
+CKPT_API int ckpt_model_add_param_mem(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
+                                      const int64_t *shape, const ckpt_memory_ops *ops,
+                                      void *handle);
 /* Tied weights (GPT-2's lm_head.weight is transformer.wte.weight): alias
  * becomes a second name of the parameter target (or of target's own target,
  * if target is itself an alias). The pair is ONE parameter: one buffer (the
@@ -347,13 +404,15 @@ typedef struct ckpt_param_info {
     int ndim;
     int64_t shape[CKPT_MAX_NDIM];
     int64_t numel;
-    void *data;
+    void *data; /* NULL for a parameter behind memory ops */
     void *grad;
     bool frozen; /* see ckpt_model_set_frozen */
     /* A tied name (ckpt_model_tie): the parameter it is another name of
      * (view valid until the model is freed); data, grad and frozen are that
      * parameter's. NULL for a parameter of its own. */
     const char *tied_to;
+    const ckpt_memory_ops *mem_ops; /* ckpt_model_add_param_mem's, or NULL */
+    void *mem_handle;
 } ckpt_param_info;
 CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info);
 /* Marks every parameter whose name is pattern or matches it as a glob
@@ -539,9 +598,19 @@ CKPT_API int ckpt_optimizer_set_state(ckpt_optimizer *o, const char *param, cons
  * F16) gets the floats from element k of state_base on. CKPT_EINVAL, with
  * nothing attached, if a trainable parameter lies before params_base or is
  * not a whole number of elements from it; a parameter that lives outside the
- * block cannot be told apart, so attach such ones with set_state after. */
+ * block cannot be told apart, so attach such ones with set_state after.
+ * Parameters behind memory ops have no address and are skipped: attach
+ * theirs with ckpt_optimizer_set_state_mem. */
 CKPT_API int ckpt_optimizer_set_state_block(ckpt_optimizer *o, const char *field, void *state_base,
                                             const void *params_base);
+/* ckpt_optimizer_set_state for state behind memory ops (device memory; see
+ * ckpt_memory_ops): the field's numel floats are bytes [0, 4 * numel) of
+ * handle, moved only through ops (borrowed, with handle, until o is freed);
+ * saved, loaded, ZeRO-1-sharded (each rank moves its share only) and
+ * exported as host state. A parameter and its fields may each live on
+ * either side. Replaces an earlier attachment, host or not. */
+CKPT_API int ckpt_optimizer_set_state_mem(ckpt_optimizer *o, const char *param, const char *field,
+                                          const ckpt_memory_ops *ops, void *handle);
 
 /* ------------------------------------------------------------------------ */
 /* Learning-rate schedulers (drive every group of one optimizer)             */

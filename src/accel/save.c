@@ -323,13 +323,8 @@ static int write_hf(save_op *op, int i, const char *file) {
         if (op->hf_owner[i][s] != op->comm->rank) continue;
         ckpt_writer *part = NULL;
         rc = ckpt_writer_new(&part);
-        for (int64_t j = l->starts[s]; j < l->starts[s + 1] && rc == 0; j++) {
-            ckpt_entry_info e;
-            rc = ckpt_writer_entry(w, l->entry[j], &e);
-            if (rc == 0)
-                rc = ckpt_write_tensor(part, e.key, e.dtype, e.ndim, e.shape,
-                                       ckpt__writer_tensor_data(w, l->entry[j]));
-        }
+        for (int64_t j = l->starts[s]; j < l->starts[s + 1] && rc == 0; j++)
+            rc = ckpt__writer_put_tensor_of(part, w, l->entry[j]);
         /* a tied name in the part of its target; the index names tensors only */
         for (int64_t j = 0; j < ckpt_writer_entry_count(w) && rc == 0; j++) {
             ckpt_entry_info e;
@@ -782,8 +777,10 @@ int ckpt__save_op_stage(save_op *op) {
     int rc = ckpt__arena_reserve(&acc->arena, total);
     uint64_t off = 0;
     for (int i = 0; rc == 0 && i < n; i++) {
-        if (staged[i]) off += ckpt__writer_stage(op->writers[i], acc->arena.p + off);
+        uint64_t used = 0;
+        if (staged[i]) rc = ckpt__writer_stage(op->writers[i], acc->arena.p + off, &used);
         else if (writes_object(op, i)) rc = write_one(op, i);
+        off += used;
     }
     free(staged);
     if (rc < 0) ckpt__save_op_fail(op, rc);
