@@ -867,6 +867,44 @@ typedef struct ckpt_project_config {
      * N - 1 saves (bench/README.md). 1: link whenever the bytes are equal
      * (one copy may serve every checkpoint). Negative: CKPT_EINVAL. */
     int link_copies;
+    /* Storage tiers (docs/DISTRIBUTED.md "Storage tiers"). With local_dir
+     * set, every automatic save first goes to a node-local folder: each rank
+     * writes its part there (a checkpoint folder committed atomically and
+     * verified like the project's, numbered with the save's number, with its
+     * own retention), then sends it over the communicator to
+     * local_replicas other nodes, whose ranks write and verify it in their
+     * own local folders. Every persist_every-th save, a save made after a
+     * preemption signal was caught (ckpt_preemption_requested) and a save
+     * after ckpt_accelerator_persist_next_save also go to the project
+     * folder, as without tiers (each rank copies its own part there, rank 0
+     * commits). ckpt_load_state(acc, NULL) then resumes from the newest save
+     * whose every rank's part is verified somewhere: this rank's node, a
+     * replica on another node, or the project folder. Explicit folders
+     * (ckpt_save_state(acc, dir)) never use the tiers. */
+    /* A folder on the node (a local disk, or /dev/shm: memory, which lasts
+     * only as long as the node runs). "%n" expands to the node's index, "%r"
+     * to the rank, "%%" to '%'; each rank keeps its files in
+     * <local_dir>/rank_<r>. NULL or "": no tier. Needs a project_dir. */
+    const char *local_dir;
+    /* How many other nodes keep a copy of each rank's part: rank r's part
+     * goes to ranks r + J, r + 2J, ... (mod the process count), J being
+     * ranks_per_node, so each copy sits on another node. 0: the default, 1;
+     * negative: none (each part only on its own node). At most the number of
+     * nodes less one (more is lowered to that, with a warning). */
+    int local_replicas;
+    /* Every this many saves also goes to the project folder (a save whose
+     * number is at least persist_every past the project's newest
+     * checkpoint). 0: the default, 1 (every save); negative: CKPT_EINVAL. */
+    int persist_every;
+    /* Ranks per node, J. 0: the communicator's node split (ranks must then
+     * be laid out by node: rank r on node r / J, as mpirun --map-by core
+     * and Slurm's block distribution place them). Set it to simulate J-rank
+     * nodes on one machine (local_dir must then hold %n or %r). It must
+     * divide the process count. */
+    int ranks_per_node;
+    /* The node-local saves each rank keeps; older ones are removed once a
+     * newer one is committed on every node. 0: the default, 1. */
+    int local_total_limit;
 } ckpt_project_config;
 
 #define CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S 600.0
@@ -1044,8 +1082,13 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * With a comm of several processes it is collective like ckpt_save_state:
  * the background thread only writes this rank's files; the agreement and
  * the commit run in the caller's thread at the next ckpt_save_wait / save /
- * load / free, which are then collective too, so the communicator is only
- * ever used from the caller's thread (MPI needs no thread support). */
+ * load / free, which are then collective too, so the communicator's
+ * collectives are only ever used from the caller's thread (MPI needs no
+ * thread support). With node-local tiers (ckpt_project_config.local_dir)
+ * and a comm with exchange_background (ckpt_comm_mpi under
+ * MPI_THREAD_MULTIPLE), the background thread also replicates this rank's
+ * part to other nodes, over that channel; the commit checks what arrived
+ * against the manifest (docs/DISTRIBUTED.md "Storage tiers"). */
 CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir);
 /* Ends the pending asynchronous save: waits for the background thread and
  * returns the save's status (CKPT_OK when none is pending and no failure is
@@ -1366,8 +1409,15 @@ CKPT_API int ckpt_accelerator_start_over(ckpt_accelerator *acc);
 CKPT_API void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint64_t *written,
                                                uint64_t *linked);
 /* The folder of the last save or load; "" if none. View valid until the next
- * save/load or free. */
+ * save/load or free. After a save or load of a node-local tier
+ * (ckpt_project_config.local_dir) that was not in the project folder, this
+ * rank's folder of it on its node (<local_dir>/rank_<r>/checkpoint_<n>). */
 CKPT_API const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc);
+/* With a node-local tier (ckpt_project_config.local_dir): the next automatic
+ * save also goes to the project folder, whatever persist_every says (a
+ * run's final save). With several processes rank 0's call decides; call it
+ * on every rank alike. Without a tier every save goes there anyway. */
+CKPT_API int ckpt_accelerator_persist_next_save(ckpt_accelerator *acc);
 
 /* The step: what a save records in its manifest and a full load restores
  * (the training step to resume at). It follows the optimizer: unless

@@ -65,8 +65,14 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     if (isnan(cfg->collective_timeout_s))
         return ckpt__err(CKPT_EINVAL, "accelerator_new: collective_timeout_s is NaN, expected "
                                       "seconds (0: the default, negative: no deadline)");
+    ckpt_tier tier;
+    CKPT_TRY(ckpt__tier_configure(&tier, cfg, np));
     ckpt_accelerator *acc = ckpt__calloc(1, sizeof *acc);
-    if (!acc) return ckpt__err_nomem("accelerator");
+    if (!acc) {
+        ckpt__tier_free(&tier);
+        return ckpt__err_nomem("accelerator");
+    }
+    acc->tier = tier;
     acc->project_lock.fd = -1;
     acc->automatic_checkpoint_naming = cfg->automatic_checkpoint_naming;
     acc->total_limit = cfg->total_limit;
@@ -118,6 +124,7 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
         }
     }
     ckpt__lock_release(&acc->project_lock);
+    ckpt__tier_free(&acc->tier);
     free(acc->objs);
     free(acc->project_dir);
     free(acc->logging_dir);
@@ -215,6 +222,12 @@ void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint64_t *wri
 
 const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc) {
     return acc && acc->last_dir ? acc->last_dir : "";
+}
+
+int ckpt_accelerator_persist_next_save(ckpt_accelerator *acc) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "accelerator_persist_next_save: acc is NULL");
+    acc->tier.persist_next = true;
+    return CKPT_OK;
 }
 
 /* ---- registration ---------------------------------------------------------- */
