@@ -78,8 +78,9 @@ typedef struct ckpt_comm {
     int (*exchange)(void *ctx, const void *sbuf, size_t sn, int dest, void *rbuf, size_t rn,
                     int src);
     /* Optional (NULL: an asynchronous save's replication to other nodes runs
-     * in the caller's thread, at the next ckpt_save_wait, save, load or
-     * free). exchange for ckpt's background thread: it is called there
+     * in the caller's thread, at the next ckpt_save_poll that finds every
+     * rank's files written, ckpt_save_wait, save, load or free). exchange
+     * for ckpt's background thread: it is called there
      * while the caller's thread may be in this communicator's other
      * functions (or in the application's own traffic), so it must move its
      * bytes on a channel of its own (ckpt_comm_mpi: a duplicate of the

@@ -245,8 +245,9 @@ typedef struct ckpt_leftover_info {
 } ckpt_leftover_info;
 
 /* Lists the leftover temporary folders of a project, sorted by path. The
- * next save, or ckpt_checkpoint_prune, removes them. *out is malloc'd;
- * free() it. A project without a checkpoints folder has none. */
+ * next save, or ckpt_checkpoint_prune, removes them; so does a resume (the
+ * first ckpt_load_state of a run) for those whose process is gone. *out is
+ * malloc'd; free() it. A project without a checkpoints folder has none. */
 CKPT_API int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_info **out,
                                        int64_t *count);
 
