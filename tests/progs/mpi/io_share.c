@@ -22,7 +22,9 @@
  *
  * and fails (exit 1) unless, for the save and for the load, the most any
  * rank moved is at most 1.25 x state/P + 1 MiB and the bytes read by all
- * ranks together are at most 1.25 x state. The load must also give back the
+ * ranks together are at most 1.25 x state (a load of one process: twice
+ * that, since it reads each file once to verify it and once into the
+ * objects). The load must also give back the
  * saved values bit for bit (they are overwritten between save and load).
  * Rank 0 also prints the most bytes of checkpoint files one rank held in
  * memory during the load (ckpt__load_held_peak: the files it read and those
@@ -113,6 +115,11 @@ static int report(const char *layout, const char *phase, counts mine, uint64_t s
         total_read += all[2 * r];
     }
     double share = (double)state / size_;
+    /* One process's load reads its files twice: whole to verify them, then
+     * straight into the objects' memory (docs/CHECKPOINTS.md, "Memory"), the
+     * second read from the page cache; several processes read theirs once
+     * into a buffer area. */
+    double passes = !save && size_ == 1 ? 2.0 : 1.0;
     printf("io_share %-7s P=%d %s: max=%llu total_read=%llu ratio=%.2f per rank:", layout, size_,
            phase, (unsigned long long)max, (unsigned long long)total_read, (double)max / share);
     for (int r = 0; r < size_; r++)
@@ -120,12 +127,12 @@ static int report(const char *layout, const char *phase, counts mine, uint64_t s
     printf("\n");
     free(all);
     int bad = 0;
-    if (bound && (double)max > 1.25 * share + (double)MIB) {
+    if (bound && (double)max > passes * 1.25 * share + (double)MIB) {
         fprintf(stderr, "io_share %s P=%d %s: one rank moved %llu bytes, more than 1.25 x %.0f + "
                         "1 MiB\n", layout, size_, phase, (unsigned long long)max, share);
         bad = 1;
     }
-    if ((double)total_read > 1.25 * (double)state) {
+    if ((double)total_read > passes * 1.25 * (double)state) {
         fprintf(stderr, "io_share %s P=%d %s: the ranks read %llu bytes in all, more than 1.25 x "
                         "%llu\n", layout, size_, phase, (unsigned long long)total_read,
                 (unsigned long long)state);
