@@ -461,6 +461,9 @@ static sim_run simulate(op_kind op, unsigned unsafe, bool verbose, int samples) 
         break;
     }
     }
+    /* The rotation's hidden folder is deleted by the background thread after
+     * a save returns: waited for inside the record. */
+    if (w) assert_int_equal(ckpt_save_wait(w->acc), 0);
     /* The record must explain the folder exactly: no call bypassed the layer. */
     assert_int_equal(cs_stop(s), 0);
     world_free(w); /* releases the project lock for the checks */
@@ -552,6 +555,10 @@ static void mp_prepare_job(const ckpt_comm *c, void *arg) {
     } else {
         rc = ckpt_save_state(w->acc, NULL);
     }
+    /* the rotation's hidden folder is deleted by the background thread
+     * after the save returns: waited for inside the record */
+    int wrc = ckpt_save_wait(w->acc);
+    if (rc == 0) rc = wrc;
     if (mp_any(c, rc)) mp_fail(x, r, "the recorded save", rc);
     c->barrier(c->ctx);
     if (r == 0 && x->sim && cs_stop(x->sim) != 0) mp_fail(x, r, "the record does not explain the folder", 0);
