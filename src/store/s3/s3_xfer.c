@@ -1,0 +1,475 @@
+/* s3_xfer.c — the object-store client's parallel transfers (s3.h): a pool
+ * of worker threads, the streamed multipart upload and the parallel ranged
+ * GET verified in order as its ranges arrive. */
+#include "store/s3/s3.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef CKPT_HAVE_S3
+#include <xxhash.h>
+
+#include "store/s3/s3_int.h"
+
+/* ---- workers ------------------------------------------------------------ */
+
+static void *worker(void *arg) {
+    ckpt_s3 *c = arg;
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        while (!c->stop && !c->queue_head) pthread_cond_wait(&c->work_cv, &c->mu);
+        if (!c->queue_head) break; /* stopping, nothing left */
+        s3_job *j = c->queue_head;
+        c->queue_head = j->next;
+        if (!c->queue_head) c->queue_tail = NULL;
+        pthread_mutex_unlock(&c->mu);
+        ckpt_clear_error();
+        j->run(c, j);
+        pthread_mutex_lock(&c->mu);
+        j->done = true;
+        pthread_cond_broadcast(&c->done_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* Starts the workers if they are not running (under c->mu). */
+static int start_workers(ckpt_s3 *c) {
+    if (c->workers) return 0;
+    int n = c->o.connections;
+    c->workers = ckpt__calloc((size_t)n, sizeof *c->workers);
+    if (!c->workers) return ckpt__err_nomem("s3 workers");
+    for (int i = 0; i < n; i++) {
+        if (pthread_create(&c->workers[i], NULL, worker, c) != 0) break;
+        c->nworkers++;
+    }
+    if (c->nworkers == 0) {
+        free(c->workers);
+        c->workers = NULL;
+        return ckpt__err(CKPT_EIO, "s3: could not start a transfer thread");
+    }
+    return 0;
+}
+
+int ckpt__s3_submit(ckpt_s3 *c, s3_job *j) {
+    j->next = NULL;
+    j->done = false;
+    j->status = 0;
+    j->msg[0] = '\0';
+    pthread_mutex_lock(&c->mu);
+    int rc = start_workers(c);
+    if (rc == 0) {
+        if (c->queue_tail) c->queue_tail->next = j;
+        else c->queue_head = j;
+        c->queue_tail = j;
+        pthread_cond_signal(&c->work_cv);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+void ckpt__s3_wait(ckpt_s3 *c, s3_job *j) {
+    pthread_mutex_lock(&c->mu);
+    while (!j->done) pthread_cond_wait(&c->done_cv, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+}
+
+void ckpt__s3_workers_stop(ckpt_s3 *c) {
+    pthread_mutex_lock(&c->mu);
+    c->stop = true;
+    pthread_cond_broadcast(&c->work_cv);
+    pthread_mutex_unlock(&c->mu);
+    for (int i = 0; i < c->nworkers; i++) pthread_join(c->workers[i], NULL);
+    free(c->workers);
+    c->workers = NULL;
+    c->nworkers = 0;
+}
+
+int ckpt__s3_job_raise(const s3_job *j) {
+    if (j->status >= 0) return 0;
+    return ckpt__err(j->status, "%s", j->msg);
+}
+
+static void job_fail(s3_job *j, int rc) {
+    j->status = rc;
+    snprintf(j->msg, sizeof j->msg, "%s", ckpt_errmsg());
+}
+
+/* ---- parallel ranged GET ------------------------------------------------- */
+
+typedef struct range_job {
+    s3_job job; /* first */
+    const char *key;
+    uint8_t *dst;
+    uint64_t off, len, total;
+} range_job;
+
+static int get_range(ckpt_s3 *c, const char *key, uint8_t *dst, uint64_t off, uint64_t len,
+                     uint64_t total) {
+    char range[64];
+    snprintf(range, sizeof range, "bytes=%" PRIu64 "-%" PRIu64, off, off + len - 1);
+    s3_req r = {.method = "GET", .key = key, .query = "", .dst = dst + off, .dst_len = len,
+                .range_off = off, .range_total = total};
+    r.extra[r.nextra++] = (ckpt_s3_hdr){"range", range};
+    char what[96];
+    snprintf(what, sizeof what, "GET of bytes %" PRIu64 "..%" PRIu64, off, off + len - 1);
+    int rc = ckpt__s3_send(c, &r, what);
+    if (rc == 0 && r.got != len)
+        rc = ckpt__err(CKPT_ECORRUPT, "s3://%s/%s: %s: %" PRIu64 " bytes arrived", c->bucket, key,
+                       what, r.got);
+    ckpt__s3_req_clear(&r);
+    return rc;
+}
+
+static void run_range(ckpt_s3 *c, s3_job *j) {
+    range_job *rj = (range_job *)j;
+    int rc = get_range(c, rj->key, rj->dst, rj->off, rj->len, rj->total);
+    if (rc < 0) job_fail(j, rc);
+}
+
+int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint64_t *xxh3) {
+    ckpt_s3_head h;
+    CKPT_TRY(ckpt__s3_head(c, key, &h));
+    if (h.size != size)
+        return ckpt__err(CKPT_ECORRUPT,
+                         "s3://%s/%s: the object holds %" PRIu64 " bytes, expected %" PRIu64,
+                         c->bucket, key, h.size, size);
+    if (size == 0) {
+        *xxh3 = XXH3_64bits(dst, 0);
+        return 0;
+    }
+    uint64_t part = c->o.part_size, n = (size + part - 1) / part;
+    if (n == 1) {
+        CKPT_TRY(get_range(c, key, dst, 0, size, size));
+        *xxh3 = XXH3_64bits(dst, (size_t)size);
+        return 0;
+    }
+    range_job *jobs = ckpt__calloc((size_t)n, sizeof *jobs);
+    XXH3_state_t *st = XXH3_createState();
+    if (!jobs || !st) {
+        free(jobs);
+        XXH3_freeState(st);
+        return ckpt__err_nomem("s3 GET");
+    }
+    XXH3_64bits_reset(st);
+    int rc = 0;
+    uint64_t submitted = 0;
+    for (uint64_t i = 0; i < n && rc == 0; i++) {
+        range_job *rj = &jobs[i];
+        rj->job.run = run_range;
+        rj->key = key;
+        rj->dst = dst;
+        rj->off = i * part;
+        rj->len = i + 1 < n ? part : size - i * part;
+        rj->total = size;
+        rc = ckpt__s3_submit(c, &rj->job);
+        if (rc == 0) submitted++;
+    }
+    /* hash in order, each range as soon as it is there, while the later
+     * ones are still arriving; every submitted job is waited for, since it
+     * writes into dst */
+    for (uint64_t i = 0; i < submitted; i++) {
+        ckpt__s3_wait(c, &jobs[i].job);
+        if (rc == 0 && jobs[i].job.status < 0) rc = ckpt__s3_job_raise(&jobs[i].job);
+        if (rc == 0) XXH3_64bits_update(st, dst + jobs[i].off, (size_t)jobs[i].len);
+    }
+    if (rc == 0) *xxh3 = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    free(jobs);
+    return rc;
+}
+
+/* ---- streamed multipart upload ------------------------------------------ */
+
+#define MAX_PARTS 10000
+
+typedef struct part_job {
+    s3_job job; /* first */
+    struct ckpt_s3_upload *u;
+    int number;
+    uint8_t *data;
+    size_t len;
+    char etag[128];
+} part_job;
+
+struct ckpt_s3_upload {
+    ckpt_s3 *c;
+    char *key;
+    char *upload_id; /* NULL until the first part is full */
+    uint8_t *buf;    /* the part being filled */
+    size_t fill;
+    uint64_t total;
+    part_job **parts;
+    int nparts, cap;
+    int inflight_next; /* the oldest part not yet waited for */
+    int err;
+    char errmsg[640];
+};
+
+static void run_part(ckpt_s3 *c, s3_job *j) {
+    part_job *pj = (part_job *)j;
+    char q[1200];
+    char *id = ckpt__s3_uri_encode(pj->u->upload_id, false);
+    if (!id) {
+        job_fail(j, ckpt__err_nomem("s3 part"));
+        return;
+    }
+    snprintf(q, sizeof q, "partNumber=%d&uploadId=%s", pj->number, id);
+    free(id);
+    s3_req r = {.method = "PUT", .key = pj->u->key, .query = q, .body = pj->data,
+                .body_len = pj->len};
+    r.sign_body = c->o.sign_payload || pj->len <= (8u << 20);
+    char what[48];
+    snprintf(what, sizeof what, "upload of part %d", pj->number);
+    int rc = ckpt__s3_send(c, &r, what);
+    if (rc == 0 && !r.head.etag[0])
+        rc = ckpt__err(CKPT_EIO, "s3://%s/%s: %s: no ETag in the answer", c->bucket, pj->u->key,
+                       what);
+    if (rc == 0) snprintf(pj->etag, sizeof pj->etag, "%s", r.head.etag);
+    ckpt__s3_req_clear(&r);
+    free(pj->data);
+    pj->data = NULL;
+    if (rc < 0) job_fail(j, rc);
+}
+
+static int up_fail(ckpt_s3_upload *u, int rc) {
+    if (!u->err) {
+        u->err = rc;
+        snprintf(u->errmsg, sizeof u->errmsg, "%s", ckpt_errmsg());
+    }
+    return u->err;
+}
+
+static int up_err(const ckpt_s3_upload *u) { return ckpt__err(u->err, "%s", u->errmsg); }
+
+int ckpt__s3_upload_begin(ckpt_s3 *c, const char *key, ckpt_s3_upload **out) {
+    *out = NULL;
+    ckpt_s3_upload *u = ckpt__calloc(1, sizeof *u);
+    if (!u) return ckpt__err_nomem("s3 upload");
+    u->c = c;
+    u->key = ckpt__strdup(key);
+    if (!u->key) {
+        free(u);
+        return ckpt__err_nomem("s3 upload");
+    }
+    *out = u;
+    return 0;
+}
+
+/* Waits for the oldest part in flight; its failure becomes the upload's. */
+static void wait_oldest(ckpt_s3_upload *u) {
+    part_job *pj = u->parts[u->inflight_next++];
+    ckpt__s3_wait(u->c, &pj->job);
+    if (pj->job.status < 0 && !u->err) {
+        u->err = pj->job.status;
+        snprintf(u->errmsg, sizeof u->errmsg, "%s", pj->job.msg);
+    }
+}
+
+static int initiate(ckpt_s3_upload *u) {
+    s3_req r = {.method = "POST", .key = u->key, .query = "uploads=", .max_body = 1u << 20};
+    int rc = ckpt__s3_send(u->c, &r, "start of a multipart upload");
+    char id[1024];
+    if (rc == 0 &&
+        (!r.body_out || ckpt__s3_xml_text(r.body_out, r.body_out_len, "UploadId", id, sizeof id) < 0 ||
+         !*id))
+        rc = ckpt__err(CKPT_EIO, "s3://%s/%s: start of a multipart upload: no UploadId in the answer",
+                       u->c->bucket, u->key);
+    if (rc == 0 && !(u->upload_id = ckpt__strdup(id))) rc = ckpt__err_nomem("s3 upload");
+    ckpt__s3_req_clear(&r);
+    return rc;
+}
+
+/* Hands the filled buffer to the workers as the next part. */
+static int send_part(ckpt_s3_upload *u) {
+    if (!u->upload_id) {
+        int rc = initiate(u);
+        if (rc < 0) return up_fail(u, rc);
+    }
+    if (u->nparts == MAX_PARTS)
+        return up_fail(u, ckpt__err(CKPT_EINVAL,
+                                    "s3://%s/%s: more than %d parts of %" PRIu64
+                                    " bytes; raise CKPT_S3_PART_SIZE",
+                                    u->c->bucket, u->key, MAX_PARTS, u->c->o.part_size));
+    if (u->nparts == u->cap) {
+        int cap = u->cap ? u->cap * 2 : 16;
+        part_job **np = ckpt__realloc(u->parts, (size_t)cap * sizeof *np);
+        if (!np) return up_fail(u, ckpt__err_nomem("s3 upload"));
+        u->parts = np;
+        u->cap = cap;
+    }
+    /* at most `connections` parts in flight: wait for the oldest */
+    while (u->nparts - u->inflight_next >= u->c->o.connections) wait_oldest(u);
+    if (u->err) return u->err;
+    part_job *pj = ckpt__calloc(1, sizeof *pj);
+    if (!pj) return up_fail(u, ckpt__err_nomem("s3 upload"));
+    pj->job.run = run_part;
+    pj->u = u;
+    pj->number = u->nparts + 1;
+    pj->data = u->buf;
+    pj->len = u->fill;
+    u->buf = NULL;
+    u->fill = 0;
+    u->parts[u->nparts++] = pj;
+    int rc = ckpt__s3_submit(u->c, &pj->job);
+    if (rc < 0) {
+        free(pj->data);
+        pj->data = NULL;
+        pj->job.done = true;
+        return up_fail(u, rc);
+    }
+    return 0;
+}
+
+int ckpt__s3_upload_write(ckpt_s3_upload *u, const void *p, size_t n) {
+    if (u->err) return up_err(u);
+    const uint8_t *src = p;
+    size_t part = (size_t)u->c->o.part_size;
+    while (n > 0) {
+        if (!u->buf) {
+            u->buf = ckpt__malloc(part);
+            if (!u->buf) return up_fail(u, ckpt__err_nomem("s3 upload part"));
+        }
+        size_t take = part - u->fill < n ? part - u->fill : n;
+        memcpy(u->buf + u->fill, src, take);
+        u->fill += take;
+        u->total += take;
+        src += take;
+        n -= take;
+        if (u->fill == part && send_part(u) < 0) return up_err(u);
+    }
+    return 0;
+}
+
+static void free_upload(ckpt_s3_upload *u) {
+    for (int i = 0; i < u->nparts; i++) {
+        free(u->parts[i]->data);
+        free(u->parts[i]);
+    }
+    free(u->parts);
+    free(u->buf);
+    free(u->upload_id);
+    free(u->key);
+    free(u);
+}
+
+static void wait_all(ckpt_s3_upload *u) {
+    while (u->inflight_next < u->nparts) wait_oldest(u);
+}
+
+static int complete(ckpt_s3_upload *u) {
+    size_t cap = (size_t)u->nparts * 200 + 128;
+    char *x = ckpt__malloc(cap);
+    if (!x) return ckpt__err_nomem("s3 upload");
+    size_t o = (size_t)snprintf(x, cap, "<CompleteMultipartUpload>");
+    for (int i = 0; i < u->nparts; i++) {
+        /* the ETag as S3 sent it, quotes and all, escaped for XML */
+        char et[200];
+        size_t e = 0;
+        for (const char *s = u->parts[i]->etag; *s && e + 7 < sizeof et; s++) {
+            if (*s == '"') e += (size_t)snprintf(et + e, sizeof et - e, "&quot;");
+            else if (*s == '&') e += (size_t)snprintf(et + e, sizeof et - e, "&amp;");
+            else if (*s == '<') e += (size_t)snprintf(et + e, sizeof et - e, "&lt;");
+            else et[e++] = *s;
+        }
+        et[e] = '\0';
+        o += (size_t)snprintf(x + o, cap - o,
+                              "<Part><PartNumber>%d</PartNumber><ETag>%s</ETag></Part>",
+                              u->parts[i]->number, et);
+    }
+    o += (size_t)snprintf(x + o, cap - o, "</CompleteMultipartUpload>");
+    char *id = ckpt__s3_uri_encode(u->upload_id, false);
+    char q[1200];
+    if (id) snprintf(q, sizeof q, "uploadId=%s", id);
+    free(id);
+    if (!id) {
+        free(x);
+        return ckpt__err_nomem("s3 upload");
+    }
+    s3_req r = {.method = "POST", .key = u->key, .query = q, .body = (const uint8_t *)x,
+                .body_len = o, .sign_body = true, .max_body = 1u << 20};
+    int rc = ckpt__s3_send(u->c, &r, "completion of a multipart upload");
+    /* S3 may answer 200 and put the failure in the body */
+    char code[96];
+    if (rc == 0 && r.body_out &&
+        ckpt__s3_xml_text(r.body_out, r.body_out_len, "Code", code, sizeof code) == 0 &&
+        strstr(r.body_out, "<Error>"))
+        rc = ckpt__err(CKPT_EIO, "s3://%s/%s: completion of a multipart upload failed (%s)",
+                       u->c->bucket, u->key, code);
+    ckpt__s3_req_clear(&r);
+    free(x);
+    return rc;
+}
+
+static void abort_server(ckpt_s3_upload *u) {
+    if (!u->upload_id) return;
+    char *id = ckpt__s3_uri_encode(u->upload_id, false);
+    if (!id) return;
+    char q[1200];
+    snprintf(q, sizeof q, "uploadId=%s", id);
+    free(id);
+    s3_req r = {.method = "DELETE", .key = u->key, .query = q};
+    (void)ckpt__s3_send(u->c, &r, "abort of a multipart upload");
+    ckpt__s3_req_clear(&r);
+}
+
+int ckpt__s3_upload_finish(ckpt_s3_upload *u, uint64_t *size) {
+    if (size) *size = 0;
+    int rc = u->err;
+    if (rc == 0 && !u->upload_id) {
+        /* smaller than one part: one PUT */
+        rc = ckpt__s3_put(u->c, u->key, u->buf ? u->buf : (const uint8_t *)"", u->fill,
+                          CKPT_S3_ALWAYS, NULL, NULL);
+        if (rc == 0 && size) *size = u->total;
+        free_upload(u);
+        return rc;
+    }
+    if (rc == 0 && u->fill > 0) rc = send_part(u) < 0 ? u->err : 0;
+    wait_all(u);
+    if (rc == 0 && u->err) rc = u->err;
+    if (rc == 0) rc = complete(u);
+    else rc = up_err(u);
+    if (rc < 0) {
+        char saved[1024];
+        snprintf(saved, sizeof saved, "%s", ckpt_errmsg());
+        abort_server(u);
+        ckpt__err(rc, "%s", saved);
+    } else if (size) {
+        *size = u->total;
+    }
+    free_upload(u);
+    return rc;
+}
+
+void ckpt__s3_upload_abort(ckpt_s3_upload *u) {
+    if (!u) return;
+    wait_all(u);
+    /* the caller's message (why it aborts) stays */
+    char saved[1024];
+    snprintf(saved, sizeof saved, "%s", ckpt_errmsg());
+    abort_server(u);
+    if (*saved) ckpt__err(CKPT_EIO, "%s", saved);
+    else ckpt_clear_error();
+    free_upload(u);
+}
+
+#else
+
+int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint64_t *xxh3) {
+    return ckpt__s3_available(key);
+}
+int ckpt__s3_upload_begin(ckpt_s3 *c, const char *key, ckpt_s3_upload **out) {
+    *out = NULL;
+    return ckpt__s3_available(key);
+}
+int ckpt__s3_upload_write(ckpt_s3_upload *u, const void *p, size_t n) {
+    return ckpt__s3_available("s3 upload");
+}
+int ckpt__s3_upload_finish(ckpt_s3_upload *u, uint64_t *size) {
+    return ckpt__s3_available("s3 upload");
+}
+void ckpt__s3_upload_abort(ckpt_s3_upload *u) { (void)u; }
+
+#endif
