@@ -103,6 +103,7 @@ const char *ckpt__s3_bucket(const ckpt_s3 *c) {
     (void)c;
     return "";
 }
+void ckpt__s3_set_list_page(ckpt_s3 *c, int n) { (void)c, (void)n; }
 void ckpt__s3_stats(const ckpt_s3 *c, ckpt_s3_stats *out) {
     (void)c;
     memset(out, 0, sizeof *out);
@@ -194,6 +195,7 @@ static int read_options(ckpt_s3_options *o, bool custom_endpoint) {
     o->timeout_ms = timeout * 1000;
     o->backoff_ms = backoff;
     o->sign_payload = sign != 0;
+    o->list_page = 1000;
     return 0;
 }
 
@@ -324,6 +326,9 @@ void ckpt__s3_free(ckpt_s3 *c) {
 
 const ckpt_s3_options *ckpt__s3_options(const ckpt_s3 *c) { return &c->o; }
 const char *ckpt__s3_bucket(const ckpt_s3 *c) { return c->bucket; }
+void ckpt__s3_set_list_page(ckpt_s3 *c, int n) {
+    if (n >= 1 && n <= 1000) c->o.list_page = n;
+}
 
 void ckpt__s3_stats(const ckpt_s3 *c, ckpt_s3_stats *out) {
     ckpt_s3 *m = (ckpt_s3 *)c;
@@ -926,11 +931,14 @@ int ckpt__s3_list(ckpt_s3 *c, const char *prefix, const char *delimiter, ckpt_s3
     char *item = ckpt__malloc(4096);
     if (!q || !item) rc = ckpt__err_nomem("s3 list");
     for (int page = 0; rc == 0; page++) {
-        /* sorted by name: continuation-token, delimiter, list-type, prefix */
+        /* sorted by name: continuation-token, delimiter, list-type, max-keys, prefix */
         q[0] = '\0';
+        char page_s[16];
+        snprintf(page_s, sizeof page_s, "%d", c->o.list_page);
         if (*token) rc = q_add(q, 8192, "continuation-token", token);
         if (rc == 0 && delimiter) rc = q_add(q, 8192, "delimiter", delimiter);
         if (rc == 0) rc = q_add(q, 8192, "list-type", "2");
+        if (rc == 0 && c->o.list_page != 1000) rc = q_add(q, 8192, "max-keys", page_s);
         if (rc == 0) rc = q_add(q, 8192, "prefix", prefix);
         if (rc < 0) break;
         s3_req r = {.method = "GET", .key = "", .query = q, .max_body = 16u << 20};

@@ -46,6 +46,7 @@ typedef struct ckpt_s3_options {
     long timeout_ms;
     long backoff_ms;
     bool sign_payload;
+    int list_page; /* max-keys of one ListObjectsV2 page (1000; tests set less) */
 } ckpt_s3_options;
 
 typedef struct ckpt_s3 ckpt_s3;
@@ -66,6 +67,8 @@ int ckpt__s3_new(ckpt_s3 **out, const char *bucket);
 void ckpt__s3_free(ckpt_s3 *c);
 const ckpt_s3_options *ckpt__s3_options(const ckpt_s3 *c);
 const char *ckpt__s3_bucket(const ckpt_s3 *c);
+/* Tests: the keys per ListObjectsV2 page (1..1000), to see pagination. */
+void ckpt__s3_set_list_page(ckpt_s3 *c, int n);
 
 /* Request counters since the client was made (for tests, benchmarks and the
  * cost per save in docs/STORAGE.md). */
