@@ -116,6 +116,15 @@ int ckpt__s3_get_small(ckpt_s3 *c, const char *key, uint64_t max, char **out, si
  * first: an object of another size is CKPT_ECORRUPT before anything is read. */
 int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint64_t *xxh3);
 
+/* The same bytes delivered in order instead of kept: ranges of part_size
+ * fetched `connections` at a time into a window of that many parts, each
+ * window hashed and then handed to fn (may be NULL: verification only) in
+ * object order; fn's non-zero return stops the read and is returned. The
+ * memory used is the window, whatever the object's size. */
+typedef int (*ckpt_s3_bytes_fn)(void *user, const uint8_t *p, size_t n);
+int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn,
+                        void *user, uint64_t *xxh3);
+
 /* DELETE (a missing key is fine: S3 says 204 either way). */
 int ckpt__s3_delete(ckpt_s3 *c, const char *key);
 

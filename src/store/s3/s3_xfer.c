@@ -102,15 +102,16 @@ static void job_fail(s3_job *j, int rc) {
 typedef struct range_job {
     s3_job job; /* first */
     const char *key;
-    uint8_t *dst;
+    uint8_t *dst; /* where this range's bytes go */
     uint64_t off, len, total;
 } range_job;
 
+/* Bytes off..off+len-1 of an object of total bytes into dst (len bytes). */
 static int get_range(ckpt_s3 *c, const char *key, uint8_t *dst, uint64_t off, uint64_t len,
                      uint64_t total) {
     char range[64];
     snprintf(range, sizeof range, "bytes=%" PRIu64 "-%" PRIu64, off, off + len - 1);
-    s3_req r = {.method = "GET", .key = key, .query = "", .dst = dst + off, .dst_len = len,
+    s3_req r = {.method = "GET", .key = key, .query = "", .dst = dst, .dst_len = len,
                 .range_off = off, .range_total = total};
     r.extra[r.nextra++] = (ckpt_s3_hdr){"range", range};
     char what[96];
@@ -160,7 +161,7 @@ int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint6
         range_job *rj = &jobs[i];
         rj->job.run = run_range;
         rj->key = key;
-        rj->dst = dst;
+        rj->dst = dst + i * part;
         rj->off = i * part;
         rj->len = i + 1 < n ? part : size - i * part;
         rj->total = size;
@@ -173,11 +174,68 @@ int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint6
     for (uint64_t i = 0; i < submitted; i++) {
         ckpt__s3_wait(c, &jobs[i].job);
         if (rc == 0 && jobs[i].job.status < 0) rc = ckpt__s3_job_raise(&jobs[i].job);
-        if (rc == 0) XXH3_64bits_update(st, dst + jobs[i].off, (size_t)jobs[i].len);
+        if (rc == 0) XXH3_64bits_update(st, jobs[i].dst, (size_t)jobs[i].len);
     }
     if (rc == 0) *xxh3 = XXH3_64bits_digest(st);
     XXH3_freeState(st);
     free(jobs);
+    return rc;
+}
+
+int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn,
+                        void *user, uint64_t *xxh3) {
+    ckpt_s3_head h;
+    CKPT_TRY(ckpt__s3_head(c, key, &h));
+    if (h.size != size)
+        return ckpt__err(CKPT_ECORRUPT,
+                         "s3://%s/%s: the object holds %" PRIu64 " bytes, expected %" PRIu64,
+                         c->bucket, key, h.size, size);
+    uint64_t part = c->o.part_size;
+    uint64_t per = (uint64_t)c->o.connections;
+    uint64_t win = size < part * per ? size : part * per;
+    uint8_t *buf = ckpt__malloc(win ? (size_t)win : 1);
+    range_job *jobs = ckpt__calloc((size_t)per, sizeof *jobs);
+    XXH3_state_t *st = XXH3_createState();
+    int rc = 0;
+    if (!buf || !jobs || !st) rc = ckpt__err_nomem("s3 GET window");
+    if (rc == 0) XXH3_64bits_reset(st);
+    for (uint64_t base = 0; rc == 0 && base < size; base += win) {
+        uint64_t left = size - base, n = 0;
+        /* the window's ranges, each at its place in buf */
+        for (; n < per && n * part < left && rc == 0; n++) {
+            range_job *rj = &jobs[n];
+            memset(rj, 0, sizeof *rj);
+            rj->job.run = run_range;
+            rj->key = key;
+            rj->dst = buf + n * part;
+            rj->off = base + n * part;
+            rj->len = left - n * part < part ? left - n * part : part;
+            rj->total = size;
+            if (n + 1 == per || (n + 1) * part >= left) break;
+        }
+        uint64_t count = n + 1, sent = 0;
+        if (count == 1) {
+            rc = get_range(c, key, buf, jobs[0].off, jobs[0].len, size);
+            sent = 0;
+        } else {
+            for (uint64_t i = 0; i < count && rc == 0; i++) {
+                rc = ckpt__s3_submit(c, &jobs[i].job);
+                if (rc == 0) sent++;
+            }
+            for (uint64_t i = 0; i < sent; i++) {
+                ckpt__s3_wait(c, &jobs[i].job);
+                if (rc == 0 && jobs[i].job.status < 0) rc = ckpt__s3_job_raise(&jobs[i].job);
+            }
+        }
+        uint64_t got = 0;
+        for (uint64_t i = 0; i < count; i++) got += jobs[i].len;
+        if (rc == 0) XXH3_64bits_update(st, buf, (size_t)got);
+        if (rc == 0 && fn) rc = fn(user, buf, (size_t)got);
+    }
+    if (rc == 0) *xxh3 = size ? XXH3_64bits_digest(st) : XXH3_64bits(buf, 0);
+    XXH3_freeState(st);
+    free(jobs);
+    free(buf);
     return rc;
 }
 
@@ -457,6 +515,10 @@ void ckpt__s3_upload_abort(ckpt_s3_upload *u) {
 
 #else
 
+int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn,
+                        void *user, uint64_t *xxh3) {
+    return ckpt__s3_available(key);
+}
 int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint64_t *xxh3) {
     return ckpt__s3_available(key);
 }
