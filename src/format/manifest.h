@@ -82,6 +82,9 @@ int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_ma
  * checkpoint: CKPT_ENOENT "... not a checkpoint (no checkpoint.json)"; a
  * missing dir CKPT_ENOENT too. */
 int ckpt__manifest_read(const char *dir, ckpt_manifest *m);
+/* ckpt_checkpoint_files of a local folder (store/s3/project.c dispatches
+ * s3:// URLs before it). */
+int ckpt__checkpoint_files_local(const char *dir, ckpt_checkpoint_file **out, int64_t *count);
 
 /* An opened, verified checkpoint folder: its manifest and every listed file
  * mapped (maps[i] belongs to m.files[i]). */

@@ -397,7 +397,7 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
     return rc;
 }
 
-int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *count) {
+int ckpt__checkpoint_files_local(const char *dir, ckpt_checkpoint_file **out, int64_t *count) {
     if (out) *out = NULL;
     if (count) *count = 0;
     if (!dir || !out || !count) return ckpt__err(CKPT_EINVAL, "checkpoint_files: NULL argument");

@@ -12,6 +12,8 @@
 #include "format/manifest.h"
 #include "format/shard.h"
 #include "format/statedict.h"
+#include "store/s3/project.h"
+#include "store/s3/s3.h"
 
 /* Reads dir/f->name into private memory, hashing it on the way, and checks
  * it against the manifest: the readers then use exactly the bytes that were
@@ -63,6 +65,18 @@ int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader *
     if (!out) return ckpt__err(CKPT_EINVAL, "checkpoint_open_object: out is NULL");
     *out = NULL;
     if (!dir || !file) return ckpt__err(CKPT_EINVAL, "checkpoint_open_object: NULL argument");
+    if (ckpt__s3_is_url(dir)) {
+        /* the readers keep private copies of what they read: the local copy
+         * can go once the object is open */
+        char *local = NULL, *root = NULL;
+        CKPT_TRY(ckpt__remote_checkout(dir, &local, &root));
+        int rc = ckpt_checkpoint_open_object(local, file, out);
+        char saved[2048];
+        snprintf(saved, sizeof saved, "%s", rc < 0 ? ckpt_errmsg() : "");
+        ckpt__remote_checkout_done(local, root);
+        if (rc < 0) ckpt__err(rc, "%s", saved);
+        return rc;
+    }
     ckpt_manifest m;
     CKPT_TRY(ckpt__manifest_read(dir, &m));
     int rc = CKPT_OK;

@@ -19,6 +19,8 @@
 #include "base/error.h"
 #include "base/io.h"
 #include "format/manifest.h"
+#include "store/s3/project.h"
+#include "store/s3/s3.h"
 
 char *ckpt__path_join(const char *a, const char *b) {
     size_t n = strlen(a) + strlen(b) + 2;
@@ -590,6 +592,7 @@ int ckpt_checkpoint_shared_bytes(const char *dir, const char *other, uint64_t *b
     if (bytes) *bytes = 0;
     if (!dir || !other || !bytes)
         return ckpt__err(CKPT_EINVAL, "checkpoint_shared_bytes: NULL argument");
+    if (ckpt__s3_is_url(dir) || ckpt__s3_is_url(other)) return 0; /* objects are never shared */
     ckpt_manifest m;
     ckpt__manifest_init(&m);
     int rc = ckpt__manifest_read(dir, &m);
@@ -610,6 +613,7 @@ int ckpt_checkpoint_shared_bytes(const char *dir, const char *other, uint64_t *b
 
 int ckpt_checkpoint_verify_file(const char *dir, const char *name) {
     if (!dir || !name) return ckpt__err(CKPT_EINVAL, "checkpoint_verify_file: NULL argument");
+    if (ckpt__s3_is_url(dir)) return ckpt__remote_verify_file_url(dir, name);
     ckpt_manifest m;
     ckpt__manifest_init(&m);
     int rc = ckpt__manifest_read(dir, &m);
@@ -669,6 +673,7 @@ int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *inf
     info->number = -1;
     info->status = CKPT_CHECKPOINT_CORRUPT;
     if (!dir) return ckpt__err(CKPT_EINVAL, "checkpoint_verify: dir is NULL");
+    if (ckpt__s3_is_url(dir)) return ckpt__remote_verify_url(dir, deep, info);
     snprintf(info->path, sizeof info->path, "%s", dir);
     char base[256];
     int64_t n;
@@ -710,6 +715,7 @@ int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_inf
     if (count) *count = 0;
     if (!project_dir || !out || !count)
         return ckpt__err(CKPT_EINVAL, "checkpoint_list: NULL argument");
+    if (ckpt__s3_is_url(project_dir)) return ckpt__remote_list_url(project_dir, deep, out, count);
     struct stat st;
     if (ckpt__os_stat(project_dir, &st) != 0)
         return ckpt__err_os(errno, "project folder %s", project_dir);
@@ -798,6 +804,8 @@ int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_info **out,
     if (out) *out = NULL;
     if (count) *count = 0;
     if (!out || !count) return ckpt__err(CKPT_EINVAL, "checkpoint_leftovers: NULL argument");
+    if (project_dir && ckpt__s3_is_url(project_dir))
+        return ckpt__remote_leftovers_url(project_dir, out, count);
     char *dir = NULL;
     CKPT_TRY(project_checkpoints("checkpoint_leftovers", project_dir, &dir));
     if (!dir) return 0;
@@ -840,6 +848,8 @@ int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *
                           .best_mode = opts->best_mode,
                           .best_k = opts->best_k};
     CKPT_TRY(ckpt__retention_check(&pol, "checkpoint_prune"));
+    if (project_dir && ckpt__s3_is_url(project_dir))
+        return ckpt__remote_prune_url(project_dir, opts, removed);
     char *dir = NULL;
     CKPT_TRY(project_checkpoints("checkpoint_prune", project_dir, &dir));
     if (!dir) return 0;

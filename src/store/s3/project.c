@@ -1,0 +1,314 @@
+/* project.c — the folder tools on s3:// URLs (project.h): verify, list,
+ * leftovers, prune, files, one file's check, and a verified local copy. */
+#include "store/s3/project.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "base/io.h"
+#include "format/manifest.h"
+#include "store/s3/remote.h"
+#include "store/store.h"
+
+/* A checkpoint folder's URL: the remote of its bucket and its key ("dir"). */
+static int open_dir(const char *url, ckpt_remote *r, const char **dir) {
+    CKPT_TRY(ckpt__remote_open(r, url));
+    if (!*r->prefix) {
+        ckpt__remote_close(r);
+        return ckpt__err(CKPT_EINVAL, "%s: a bucket, not a checkpoint folder", url);
+    }
+    *dir = r->prefix;
+    return 0;
+}
+
+static void fill_info(ckpt_checkpoint_info *info, const ckpt_manifest *m) {
+    info->step = m->step;
+    info->iteration = m->iteration;
+    info->created_unix = m->created_unix;
+    info->num_files = (int)m->nfiles;
+    info->num_processes = m->num_processes;
+    info->format_version = (int)m->format_version;
+    snprintf(info->library_version, sizeof info->library_version, "%s", m->library_version);
+    info->num_metrics = m->nmetrics;
+    memcpy(info->metrics, m->metrics, sizeof info->metrics);
+    for (int64_t i = 0; i < m->nfiles; i++) info->total_bytes += m->files[i].size;
+}
+
+static int check_into(ckpt_remote *r, const char *dir, bool deep, ckpt_checkpoint_info *info) {
+    ckpt_manifest m;
+    bool have = false;
+    int rc = ckpt__remote_check(r, dir, deep, &m, &have);
+    if (have) fill_info(info, &m);
+    if (have) ckpt__manifest_clear(&m);
+    if (rc == 0) info->status = CKPT_CHECKPOINT_COMPLETE;
+    else if (!have && rc == CKPT_ENOENT) info->status = CKPT_CHECKPOINT_PARTIAL;
+    else info->status = CKPT_CHECKPOINT_CORRUPT;
+    return rc;
+}
+
+int ckpt__remote_verify_url(const char *url, bool deep, ckpt_checkpoint_info *info) {
+    snprintf(info->path, sizeof info->path, "%s", url);
+    ckpt_remote r;
+    const char *dir;
+    CKPT_TRY(open_dir(url, &r, &dir));
+    const char *base = strrchr(dir, '/');
+    int64_t n;
+    if (ckpt__parse_checkpoint_name(base ? base + 1 : dir, &n)) info->number = n;
+    int rc = check_into(&r, dir, deep, info);
+    ckpt__remote_close(&r);
+    return rc;
+}
+
+int ckpt__remote_list_url(const char *project_url, bool deep, ckpt_checkpoint_info **out,
+                          int64_t *count) {
+    ckpt_remote r;
+    CKPT_TRY(ckpt__remote_open(&r, project_url));
+    ckpt_remote_entry *v = NULL;
+    int64_t n = 0;
+    int rc = ckpt__remote_scan(&r, &v, &n);
+    ckpt_checkpoint_info *infos = NULL;
+    if (rc == 0 && n > 0 && !(infos = ckpt__calloc((size_t)n, sizeof *infos)))
+        rc = ckpt__err_nomem("checkpoint list");
+    for (int64_t i = 0; rc == 0 && i < n; i++) {
+        char rel[80];
+        snprintf(rel, sizeof rel, "checkpoints/checkpoint_%" PRId64, v[i].number);
+        char *dir = ckpt__remote_key(&r, rel);
+        if (!dir) {
+            rc = ckpt__err_nomem("checkpoint list");
+            break;
+        }
+        ckpt_checkpoint_info *info = &infos[i];
+        snprintf(info->path, sizeof info->path, "%s/%s", r.url, rel);
+        info->number = v[i].number;
+        if (!v[i].committed) {
+            info->status = CKPT_CHECKPOINT_PARTIAL;
+            info->total_bytes = v[i].bytes;
+        } else {
+            /* a bad checkpoint is an entry with its status; a failure of the
+             * store itself (access, network) fails the list */
+            int vrc = check_into(&r, dir, deep, info);
+            if (vrc < 0 && vrc != CKPT_ECORRUPT && vrc != CKPT_ENOENT &&
+                vrc != CKPT_EUNSUPPORTED)
+                rc = vrc;
+        }
+        free(dir);
+    }
+    free(v);
+    ckpt__remote_close(&r);
+    if (rc < 0) {
+        free(infos);
+        return rc;
+    }
+    if (rc == 0) ckpt_clear_error();
+    *out = infos;
+    *count = n;
+    return 0;
+}
+
+int ckpt__remote_leftovers_url(const char *project_url, ckpt_leftover_info **out,
+                               int64_t *count) {
+    ckpt_remote r;
+    CKPT_TRY(ckpt__remote_open(&r, project_url));
+    ckpt_remote_entry *v = NULL;
+    int64_t n = 0, k = 0;
+    int rc = ckpt__remote_scan(&r, &v, &n);
+    ckpt_leftover_info *l = NULL;
+    if (rc == 0 && n > 0 && !(l = ckpt__calloc((size_t)n, sizeof *l)))
+        rc = ckpt__err_nomem("leftover list");
+    for (int64_t i = 0; rc == 0 && i < n; i++) {
+        if (v[i].committed) continue;
+        snprintf(l[k].path, sizeof l[k].path, "%s/checkpoints/checkpoint_%" PRId64 "/", r.url,
+                 v[i].number);
+        l[k].pid = -1;
+        l[k].running = false;
+        k++;
+    }
+    free(v);
+    ckpt__remote_close(&r);
+    if (rc < 0) {
+        free(l);
+        return rc;
+    }
+    if (k == 0) {
+        free(l);
+        l = NULL;
+    }
+    *out = l;
+    *count = k;
+    return 0;
+}
+
+int ckpt__remote_prune_url(const char *project_url, const ckpt_prune_options *opts,
+                           int64_t *removed) {
+    if (opts->keep_every_steps > 0 || opts->best_k > 0)
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "checkpoint_prune: %s: keep_every_steps and best_k are not supported "
+                         "on object storage yet (keep is)",
+                         project_url);
+    ckpt_remote r;
+    CKPT_TRY(ckpt__remote_open(&r, project_url));
+    ckpt_remote_lock lk = {0};
+    int rc = 0;
+    if (!opts->dry_run) rc = ckpt__remote_lock(&r, &lk, NULL);
+    ckpt_remote_entry *v = NULL;
+    int64_t n = 0, kept = 0;
+    if (rc == 0) rc = ckpt__remote_scan(&r, &v, &n);
+    /* leftovers first */
+    for (int64_t i = 0; rc == 0 && i < n; i++) {
+        if (v[i].committed) continue;
+        char path[4200];
+        snprintf(path, sizeof path, "%s/checkpoints/checkpoint_%" PRId64 "/", r.url, v[i].number);
+        if (opts->report) opts->report(opts->user, path, CKPT_PRUNE_LEFTOVER, NULL);
+    }
+    if (rc == 0 && !opts->dry_run) rc = ckpt__remote_remove_leftovers(&r, NULL, NULL);
+    /* the newest `keep` valid (manifest and sizes) stay; older valid ones go,
+     * and invalid ones older than the newest valid one */
+    bool *go = rc == 0 && n ? ckpt__calloc((size_t)n, sizeof *go) : NULL;
+    char **why = rc == 0 && n ? ckpt__calloc((size_t)n, sizeof *why) : NULL;
+    if (rc == 0 && n && (!go || !why)) rc = ckpt__err_nomem("prune plan");
+    for (int64_t i = n - 1; rc == 0 && i >= 0; i--) {
+        if (!v[i].committed) continue;
+        char rel[80];
+        snprintf(rel, sizeof rel, "checkpoints/checkpoint_%" PRId64, v[i].number);
+        char *dir = ckpt__remote_key(&r, rel);
+        if (!dir) {
+            rc = ckpt__err_nomem("prune");
+            break;
+        }
+        ckpt_checkpoint_info info = {0};
+        int vrc = check_into(&r, dir, kept < opts->keep, &info);
+        free(dir);
+        if (vrc == 0) {
+            if (kept >= opts->keep) go[i] = true;
+            kept++;
+        } else if (vrc == CKPT_ECORRUPT || vrc == CKPT_ENOENT) {
+            why[i] = ckpt__strdup(ckpt_errmsg());
+            go[i] = kept > 0;
+        } else if (vrc != CKPT_EUNSUPPORTED) {
+            rc = vrc;
+        }
+    }
+    int64_t count = 0;
+    for (int64_t i = 0; rc == 0 && i < n; i++) {
+        if (!go || !go[i]) continue;
+        char path[4200];
+        snprintf(path, sizeof path, "%s/checkpoints/checkpoint_%" PRId64, r.url, v[i].number);
+        if (opts->report)
+            opts->report(opts->user, path, why[i] ? CKPT_PRUNE_INVALID : CKPT_PRUNE_OLD, why[i]);
+        if (!opts->dry_run) rc = ckpt__remote_remove(&r, v[i].number);
+        if (rc == 0) count++;
+    }
+    for (int64_t i = 0; why && i < n; i++) free(why[i]);
+    free(why);
+    free(go);
+    free(v);
+    if (!opts->dry_run) ckpt__remote_unlock(&r, &lk);
+    ckpt__remote_close(&r);
+    if (removed) *removed = count;
+    return rc;
+}
+
+int ckpt__remote_files_url(const char *url, ckpt_checkpoint_file **out, int64_t *count) {
+    ckpt_remote r;
+    const char *dir;
+    CKPT_TRY(open_dir(url, &r, &dir));
+    ckpt_manifest m;
+    int rc = ckpt__remote_manifest(&r, dir, &m);
+    ckpt_checkpoint_file *v = NULL;
+    if (rc == 0 && m.nfiles > 0 && !(v = ckpt__calloc((size_t)m.nfiles, sizeof *v)))
+        rc = ckpt__err_nomem("checkpoint files");
+    for (int64_t i = 0; rc == 0 && i < m.nfiles; i++) {
+        snprintf(v[i].name, sizeof v[i].name, "%s", m.files[i].name);
+        snprintf(v[i].kind, sizeof v[i].kind, "%s", m.files[i].kind);
+        v[i].size = m.files[i].size;
+        v[i].xxh3 = m.files[i].xxh3;
+        v[i].links = 1;
+    }
+    if (rc == 0) {
+        *out = v;
+        *count = m.nfiles;
+    } else {
+        free(v);
+    }
+    ckpt__manifest_clear(&m);
+    ckpt__remote_close(&r);
+    return rc;
+}
+
+int ckpt__remote_verify_file_url(const char *url, const char *name) {
+    ckpt_remote r;
+    const char *dir;
+    CKPT_TRY(open_dir(url, &r, &dir));
+    ckpt_manifest m;
+    int rc = ckpt__remote_manifest(&r, dir, &m);
+    const ckpt_manifest_file *f = rc == 0 ? ckpt__manifest_find(&m, name) : NULL;
+    if (rc == 0 && !f) rc = ckpt__err(CKPT_ENOENT, "%s: the manifest lists no file '%s'", url, name);
+    if (f) {
+        char *key = ckpt__path_join(dir, name);
+        uint64_t h = 0;
+        rc = key ? ckpt__s3_get_stream(r.c, key, f->size, NULL, NULL, &h)
+                 : ckpt__err_nomem("s3 key");
+        if (rc == 0 && h != f->xxh3)
+            rc = ckpt__err(CKPT_ECORRUPT,
+                           "%s/%s: checksum mismatch (XXH3-64 %016" PRIx64
+                           ", the manifest records %016" PRIx64 ")",
+                           url, name, h, f->xxh3);
+        free(key);
+    }
+    if (rc == 0 || f) ckpt__manifest_clear(&m);
+    ckpt__remote_close(&r);
+    return rc;
+}
+
+int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *count) {
+    if (out) *out = NULL;
+    if (count) *count = 0;
+    if (dir && out && count && ckpt__s3_is_url(dir)) return ckpt__remote_files_url(dir, out, count);
+    return ckpt__checkpoint_files_local(dir, out, count);
+}
+
+static _Atomic unsigned checkout_seq;
+
+int ckpt__remote_checkout(const char *url, char **local, char **root) {
+    *local = *root = NULL;
+    ckpt_remote r;
+    const char *dir;
+    CKPT_TRY(open_dir(url, &r, &dir));
+    const char *tmp = getenv("TMPDIR");
+    if (!tmp || !*tmp) tmp = "/tmp";
+    size_t n = strlen(tmp) + 64;
+    *root = ckpt__malloc(n);
+    int rc = *root ? 0 : ckpt__err_nomem("s3 checkout");
+    if (rc == 0) {
+        snprintf(*root, n, "%s/.ckpt-s3-%ld-%u", tmp, (long)getpid(),
+                 atomic_fetch_add(&checkout_seq, 1));
+        if (ckpt__os_mkdir(*root, 0700) != 0)
+            rc = ckpt__err_os(errno, "s3 checkout: %s", *root);
+    }
+    if (rc == 0 && !(*local = ckpt__path_join(*root, "checkpoint")))
+        rc = ckpt__err_nomem("s3 checkout");
+    if (rc == 0) rc = ckpt__remote_fetch(&r, dir, *local, NULL);
+    ckpt__remote_close(&r);
+    if (rc < 0) {
+        char saved[2048];
+        snprintf(saved, sizeof saved, "%s", ckpt_errmsg());
+        ckpt__remote_checkout_done(*local, *root);
+        *local = *root = NULL;
+        ckpt__err(rc, "%s", saved);
+    }
+    return rc;
+}
+
+void ckpt__remote_checkout_done(char *local, char *root) {
+    if (root) {
+        struct stat st;
+        if (ckpt__os_lstat(root, &st) == 0) (void)ckpt__remove_tree(root);
+    }
+    free(local);
+    free(root);
+}
