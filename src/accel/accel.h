@@ -96,6 +96,8 @@ struct ckpt_accelerator {
     bool no_link_unchanged;  /* incremental saves off: every file is written */
     uint64_t last_save_written, last_save_linked; /* ckpt_accelerator_last_save_bytes */
     char *link_dir; /* the checkpoint last saved or loaded (even partly): see save.c */
+    /* A project in object storage (remote.c); NULL for a local one. */
+    struct ckpt_acc_remote *remote;
     /* ckpt_set_metric: recorded by the next save */
     int nmetrics;
     ckpt_metric metrics[CKPT_MAX_METRICS];
@@ -134,6 +136,11 @@ bool ckpt__acc_holds_lock_file(const ckpt_accelerator *acc, const char *lock_pat
  * (or the status it returned). Post-hooks: a failure is logged as a warning
  * and the others still run; returns 0. */
 int ckpt__acc_run_hooks(ckpt_accelerator *acc, int which, const char *dir, const char *what);
+
+/* ckpt_load_state_ex on local folders only (load.c); remote.c's public
+ * function fetches a checkpoint of object storage first. */
+int ckpt__load_state_local(ckpt_accelerator *acc, const char *input_dir,
+                           const ckpt_load_options *opt, ckpt_load_report *report);
 
 /* ---- the save phases: save_op.h ------------------------------------------ */
 

@@ -1413,8 +1413,10 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     return ckpt_load_state_ex(acc, input_dir, NULL, NULL);
 }
 
-int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_load_options *opt,
-                       ckpt_load_report *report) {
+/* The load of a local folder (remote.c's ckpt_load_state_ex copies a
+ * checkpoint of object storage into one first). */
+int ckpt__load_state_local(ckpt_accelerator *acc, const char *input_dir,
+                           const ckpt_load_options *opt, ckpt_load_report *report) {
     if (report) memset(report, 0, sizeof *report);
     if (!acc) return ckpt__err(CKPT_EINVAL, "load_state: acc is NULL");
     load_op op;

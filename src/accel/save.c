@@ -29,6 +29,7 @@
 
 #include "ckpt.h"
 #include "accel/accel.h"
+#include "accel/remote.h"
 #include "accel/save_op.h"
 #include "base/error.h"
 #include "base/io.h"
@@ -36,6 +37,7 @@
 #include "format/manifest.h"
 #include "format/shard.h"
 #include "format/statedict.h"
+#include "store/s3/s3.h"
 #include "store/store.h"
 #include "store/txn.h"
 #include "accel/save_int.h"
@@ -94,6 +96,12 @@ static int plan_local(save_op *op, const char *output_dir) {
     if (op->automatic) {
         op->parent = ckpt__checkpoints_dir(acc->project_dir);
         if (!op->parent) return ckpt__err_nomem("save path");
+    } else if (ckpt__s3_is_url(output_dir)) {
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "save_state: %s: an explicit folder in object storage is not supported "
+                         "yet; give the accelerator project_dir s3://... and save with automatic "
+                         "naming",
+                         output_dir);
     } else {
         CKPT_TRY(split_dir(output_dir, &op->parent, &op->base));
     }
@@ -114,6 +122,16 @@ static int plan_local(save_op *op, const char *output_dir) {
         if (rc < 0) return ckpt__err_prefix(rc, "save_state");
         op->number = acc->iteration;
         if (count > 0 && nums[count - 1] + 1 > op->number) op->number = nums[count - 1] + 1;
+        /* object storage: numbered after the bucket's checkpoints; nothing
+         * to link (every file is uploaded) */
+        if (acc->remote) {
+            op->link = false;
+            rc = ckpt__acc_remote_plan(acc, &op->number, &op->log);
+            if (rc < 0) {
+                free(nums);
+                return rc;
+            }
+        }
         if (op->link && count > 0) {
             char nm[48];
             snprintf(nm, sizeof nm, "checkpoint_%" PRId64, nums[count - 1]);
@@ -491,6 +509,23 @@ static int commit(save_op *op) {
      * that a user's folder is never replaced. (Automatic names are published
      * without replacing.) The save owns its names (every rank has them), so
      * the transaction is a view of them. */
+    if (acc->remote && op->automatic) {
+        /* object storage: the staged files go up, the manifest last; the
+         * temporary folder is then removed like a failed save's (release) */
+        int64_t used = op->number;
+        rc = ckpt__acc_remote_commit(acc, op->tmp, op->number, &used, &op->log);
+        if (rc == 0 && used != op->number) {
+            op->number = used;
+            m->iteration = used + 1;
+        }
+        char *url = rc == 0 ? ckpt__acc_remote_checkpoint_url(acc, op->number) : NULL;
+        if (rc == 0 && !url) rc = ckpt__err_nomem("save path");
+        if (rc == 0) {
+            free(op->target);
+            op->target = url;
+        }
+        return rc;
+    }
     ckpt_txn t = {.target = op->target, .tmp = op->tmp, .what = "save_state", .made = op->tmp_made};
     rc = ckpt__txn_commit(&t, !op->automatic, &op->log);
     op->tmp_made = t.made;
@@ -501,8 +536,9 @@ static int commit(save_op *op) {
  * failure here leaves an extra old checkpoint, not a failed save. */
 static void rotate(save_op *op) {
     ckpt_accelerator *acc = op->acc;
-    if (!op->automatic || (acc->total_limit <= 0 && !ckpt__retention_active(&acc->retention)))
-        return;
+    if (!op->automatic || acc->remote ||
+        (acc->total_limit <= 0 && !ckpt__retention_active(&acc->retention)))
+        return; /* object storage: rotated by the commit (remote.c) */
     int64_t removed = 0;
     if (ckpt__rotate(op->parent, acc->total_limit, &acc->retention, &op->log, &removed) < 0)
         ckpt__log(&op->log, CKPT_LOG_WARNING, "total_limit rotation: %s", ckpt_errmsg());
@@ -767,7 +803,8 @@ void ckpt__save_op_apply(save_op *op) {
     acc->last_dir = op->target;
     op->target = NULL;
     free(acc->link_dir);
-    acc->link_dir = ckpt__strdup(acc->last_dir); /* NULL: no linking next time, that is all */
+    /* NULL: no linking next time, that is all (a URL has no files to link) */
+    acc->link_dir = acc->remote ? NULL : ckpt__strdup(acc->last_dir);
     acc->last_save_written = op->written_bytes;
     acc->last_save_linked = op->linked_bytes;
     /* After the lock is released, so that a post-hook may save again. */
