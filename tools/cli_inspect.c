@@ -465,6 +465,16 @@ int cli_inspect(int argc, char **argv) {
     if (!path) return cli_usage_error("inspect", "missing PATH");
 
     cli_kind kind = cli_classify(path);
+    char copy[1024];
+    if (kind == CLI_KIND_CHECKPOINT && strncmp(path, "s3://", 5) == 0) {
+        int st = cli_local_copy("inspect", path, copy, sizeof copy);
+        if (st != CLI_OK) return st;
+        path = copy;
+    }
+    if (kind == CLI_KIND_MISSING && strncmp(path, "s3://", 5) == 0) {
+        cli_error("inspect: %s: %s", path, *ckpt_errmsg() ? ckpt_errmsg() : strerror(errno));
+        return CLI_RUNTIME;
+    }
     if (kind == CLI_KIND_TORCH_ZIP) return inspect_torch(path, json);
     if (kind == CLI_KIND_OTHER_FILE || kind == CLI_KIND_PROJECT)
         return cli_wrong_kind("inspect", path, kind, "a checkpoint folder or a .safetensors file");
@@ -979,7 +989,9 @@ int cli_diff(int argc, char **argv) {
         dir[k] = kind == CLI_KIND_CHECKPOINT || kind == CLI_KIND_PROJECT;
         switch (kind) {
         case CLI_KIND_MISSING:
-            cli_error("diff: %s: %s", p, strerror(errno));
+            cli_error("diff: %s: %s", p,
+                      strncmp(p, "s3://", 5) == 0 && *ckpt_errmsg() ? ckpt_errmsg()
+                                                                   : strerror(errno));
             return CLI_RUNTIME;
         case CLI_KIND_CHECKPOINT:
         case CLI_KIND_STATE_FILE: break;
@@ -999,6 +1011,14 @@ int cli_diff(int argc, char **argv) {
         if (use[k] != paths[k])
             printf("%c: %s (the newest valid checkpoint of %s)\n", "AB"[k], cli_esc(use[k]),
                    cli_esc(paths[k]));
+    /* object storage: each side read from a verified local copy */
+    char copies[2][PATH_MAX];
+    for (int k = 0; k < 2; k++)
+        if (strncmp(use[k], "s3://", 5) == 0) {
+            int st = cli_local_copy("diff", use[k], copies[k], sizeof copies[k]);
+            if (st != CLI_OK) return st;
+            use[k] = copies[k];
+        }
     int status = dir[0] ? diff_dirs(&d, use[0], use[1]) : diff_files(&d, use[0], use[1], "file");
     if (status != CLI_OK) return status;
     if (d.differences) {

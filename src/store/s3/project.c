@@ -272,6 +272,21 @@ int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *
     return ckpt__checkpoint_files_local(dir, out, count);
 }
 
+int ckpt_checkpoint_fetch(const char *url, const char *local_dir) {
+    if (!url || !local_dir) return ckpt__err(CKPT_EINVAL, "checkpoint_fetch: NULL argument");
+    if (!ckpt__s3_is_url(url))
+        return ckpt__err(CKPT_EINVAL, "checkpoint_fetch: %s: not an s3:// URL", url);
+    struct stat st;
+    if (ckpt__os_lstat(local_dir, &st) == 0)
+        return ckpt__err(CKPT_EEXIST, "checkpoint_fetch: %s already exists", local_dir);
+    ckpt_remote r;
+    const char *dir;
+    CKPT_TRY(open_dir(url, &r, &dir));
+    int rc = ckpt__remote_fetch(&r, dir, local_dir, NULL);
+    ckpt__remote_close(&r);
+    return rc;
+}
+
 static _Atomic unsigned checkout_seq;
 
 int ckpt__remote_checkout(const char *url, char **local, char **root) {
