@@ -1079,6 +1079,10 @@ CKPT_API void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint
 /* The folder of the last save or load; "" if none. View valid until the next
  * save/load or free. */
 CKPT_API const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc);
+/* The folder for the run's logs: the config's logging_dir, else
+ * <project_dir>/logs; with a project in object storage (s3://), the logs
+ * folder of its local staging folder (docs/OBJECT_STORAGE.md). "" if none. */
+CKPT_API const char *ckpt_accelerator_logging_dir(const ckpt_accelerator *acc);
 
 CKPT_API int64_t ckpt_accelerator_step(const ckpt_accelerator *acc);
 CKPT_API void ckpt_accelerator_set_step(ckpt_accelerator *acc, int64_t step);

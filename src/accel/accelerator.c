@@ -209,6 +209,10 @@ const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc) {
     return acc && acc->last_dir ? acc->last_dir : "";
 }
 
+const char *ckpt_accelerator_logging_dir(const ckpt_accelerator *acc) {
+    return acc && acc->logging_dir ? acc->logging_dir : "";
+}
+
 /* ---- registration ---------------------------------------------------------- */
 
 static int add_obj(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops, void *self,

@@ -182,8 +182,10 @@ char *ckpt__acc_remote_checkpoint_url(const ckpt_accelerator *acc, int64_t numbe
 
 /* ---- loads ------------------------------------------------------------------ */
 
-int ckpt__acc_remote_prefetch(ckpt_accelerator *acc, const char *input_dir, char **local) {
+int ckpt__acc_remote_prefetch(ckpt_accelerator *acc, const char *input_dir, char **local,
+                              char **url) {
     *local = NULL;
+    *url = NULL;
     struct ckpt_acc_remote *rm = acc->remote;
     if (input_dir ? !ckpt__s3_is_url(input_dir) : !rm) return 0; /* a local folder */
     if (rm) CKPT_TRY(refuse_mpi(acc, "load_state"));
@@ -197,6 +199,7 @@ int ckpt__acc_remote_prefetch(ckpt_accelerator *acc, const char *input_dir, char
         free(cdir);
         rc = ckpt__remote_checkout(input_dir, local, &root);
         free(root); /* the parent of *local: after_load removes it */
+        if (rc == 0 && !(*url = ckpt__strdup(input_dir))) rc = ckpt__err_nomem("load path");
         if (rc < 0) rc = ckpt__err_prefix(rc, "load_state");
         return rc;
     }
@@ -220,7 +223,11 @@ int ckpt__acc_remote_prefetch(ckpt_accelerator *acc, const char *input_dir, char
         int frc = rc == 0 ? ckpt__remote_fetch(&rm->r, dir, dst, &acc->log) : rc;
         free(dir);
         free(dst);
-        if (frc == 0) break;
+        if (frc == 0) {
+            if (!(*url = ckpt__acc_remote_checkpoint_url(acc, v[i].number)))
+                rc = ckpt__err_nomem("load path");
+            break;
+        }
         if (frc != CKPT_ECORRUPT && frc != CKPT_ENOENT) {
             rc = ckpt__err_prefix(frc, "load_state");
             break;
@@ -238,9 +245,10 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
     if (!acc || (!acc->remote && !ckpt__s3_is_url(input_dir)))
         return ckpt__load_state_local(acc, input_dir, opt, report);
     if (report) memset(report, 0, sizeof *report);
-    char *local = NULL;
-    int rc = ckpt__acc_remote_prefetch(acc, input_dir, &local);
+    char *local = NULL, *url = NULL;
+    int rc = ckpt__acc_remote_prefetch(acc, input_dir, &local, &url);
     if (rc < 0) {
+        free(url);
         ckpt__acc_remote_after_load(acc, local);
         /* as a local load's failure: saves refuse until a load succeeds
          * (no such checkpoint aside) */
@@ -253,6 +261,22 @@ int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_
         return rc;
     }
     rc = ckpt__load_state_local(acc, local ? local : input_dir, opt, report);
+    /* what was loaded is the bucket's checkpoint, not the copy (gone now) */
+    if (rc == 0 && url && report) {
+        char *d = ckpt__strdup(url);
+        if (d) {
+            free(report->dir);
+            report->dir = d;
+        }
+    }
+    if (rc == 0 && url) {
+        free(acc->last_dir);
+        acc->last_dir = url;
+        url = NULL;
+        free(acc->link_dir);
+        acc->link_dir = NULL;
+    }
+    free(url);
     ckpt__acc_remote_after_load(acc, local);
     return rc;
 }

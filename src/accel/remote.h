@@ -23,11 +23,12 @@ int ckpt__acc_remote_commit(ckpt_accelerator *acc, const char *tmp, int64_t numb
                             int64_t *committed, const ckpt_logger *lg);
 /* "<url>/checkpoints/checkpoint_<number>" (ckpt__malloc'd). */
 char *ckpt__acc_remote_checkpoint_url(const ckpt_accelerator *acc, int64_t number);
-/* Before a load: input_dir NULL, the project's newest checkpoint that
+/* Before a load (*url: the checkpoint copied, for last_dir): input_dir NULL, the project's newest checkpoint that
  * arrives whole and verified is copied into the staging folder (where the
  * local load finds it); an s3:// input_dir is copied and *local names the
  * copy (load that instead). A local project and a local input_dir: nothing. */
-int ckpt__acc_remote_prefetch(ckpt_accelerator *acc, const char *input_dir, char **local);
+int ckpt__acc_remote_prefetch(ckpt_accelerator *acc, const char *input_dir, char **local,
+                              char **url);
 /* After the load: the copies are removed; frees local. */
 void ckpt__acc_remote_after_load(ckpt_accelerator *acc, char *local);
 

@@ -69,12 +69,16 @@ int ckpt__remote_list_url(const char *project_url, bool deep, ckpt_checkpoint_in
     ckpt_remote r;
     CKPT_TRY(ckpt__remote_open(&r, project_url));
     ckpt_remote_entry *v = NULL;
-    int64_t n = 0;
+    int64_t n = 0, k = 0;
     int rc = ckpt__remote_scan(&r, &v, &n);
     ckpt_checkpoint_info *infos = NULL;
     if (rc == 0 && n > 0 && !(infos = ckpt__calloc((size_t)n, sizeof *infos)))
         rc = ckpt__err_nomem("checkpoint list");
+    /* only committed checkpoints: objects without a manifest are a killed
+     * save's leftovers (ckpt_checkpoint_leftovers), as a local save's
+     * temporary folder is */
     for (int64_t i = 0; rc == 0 && i < n; i++) {
+        if (!v[i].committed) continue;
         char rel[80];
         snprintf(rel, sizeof rel, "checkpoints/checkpoint_%" PRId64, v[i].number);
         char *dir = ckpt__remote_key(&r, rel);
@@ -82,20 +86,14 @@ int ckpt__remote_list_url(const char *project_url, bool deep, ckpt_checkpoint_in
             rc = ckpt__err_nomem("checkpoint list");
             break;
         }
-        ckpt_checkpoint_info *info = &infos[i];
+        ckpt_checkpoint_info *info = &infos[k++];
         snprintf(info->path, sizeof info->path, "%s/%s", r.url, rel);
         info->number = v[i].number;
-        if (!v[i].committed) {
-            info->status = CKPT_CHECKPOINT_PARTIAL;
-            info->total_bytes = v[i].bytes;
-        } else {
-            /* a bad checkpoint is an entry with its status; a failure of the
-             * store itself (access, network) fails the list */
-            int vrc = check_into(&r, dir, deep, info);
-            if (vrc < 0 && vrc != CKPT_ECORRUPT && vrc != CKPT_ENOENT &&
-                vrc != CKPT_EUNSUPPORTED)
-                rc = vrc;
-        }
+        /* a bad checkpoint is an entry with its status; a failure of the
+         * store itself (access, network) fails the list */
+        int vrc = check_into(&r, dir, deep, info);
+        if (vrc < 0 && vrc != CKPT_ECORRUPT && vrc != CKPT_ENOENT && vrc != CKPT_EUNSUPPORTED)
+            rc = vrc;
         free(dir);
     }
     free(v);
@@ -104,9 +102,13 @@ int ckpt__remote_list_url(const char *project_url, bool deep, ckpt_checkpoint_in
         free(infos);
         return rc;
     }
-    if (rc == 0) ckpt_clear_error();
+    ckpt_clear_error();
+    if (k == 0) {
+        free(infos);
+        infos = NULL;
+    }
     *out = infos;
-    *count = n;
+    *count = k;
     return 0;
 }
 
