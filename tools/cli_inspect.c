@@ -991,7 +991,7 @@ int cli_diff(int argc, char **argv) {
         case CLI_KIND_MISSING:
             cli_error("diff: %s: %s", p,
                       strncmp(p, "s3://", 5) == 0 && *ckpt_errmsg() ? ckpt_errmsg()
-                                                                   : strerror(errno));
+                                                                    : strerror(errno));
             return CLI_RUNTIME;
         case CLI_KIND_CHECKPOINT:
         case CLI_KIND_STATE_FILE: break;

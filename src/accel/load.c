@@ -1409,10 +1409,6 @@ static void log_adaptation(load_op *op, const ckpt_load_report *r) {
                   a->renamed.v[0].key);
 }
 
-int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
-    return ckpt_load_state_ex(acc, input_dir, NULL, NULL);
-}
-
 /* The load of a local folder (remote.c's ckpt_load_state_ex copies a
  * checkpoint of object storage into one first). */
 int ckpt__load_state_local(ckpt_accelerator *acc, const char *input_dir,

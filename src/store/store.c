@@ -19,8 +19,6 @@
 #include "base/error.h"
 #include "base/io.h"
 #include "format/manifest.h"
-#include "store/s3/project.h"
-#include "store/s3/s3.h"
 
 char *ckpt__path_join(const char *a, const char *b) {
     size_t n = strlen(a) + strlen(b) + 2;
@@ -524,7 +522,7 @@ static int rotate(const char *dir, rotation *r) {
             break;
         }
         ckpt_checkpoint_info info;
-        int vrc = ckpt_checkpoint_verify(p, !beyond || r->verify_all, &info);
+        int vrc = ckpt__checkpoint_verify_local(p, !beyond || r->verify_all, &info);
         free(p);
         if (vrc == 0) {
             if (!beyond) kept++;
@@ -588,11 +586,10 @@ static const char *base_name(const char *path, char *buf, size_t cap) {
     return buf;
 }
 
-int ckpt_checkpoint_shared_bytes(const char *dir, const char *other, uint64_t *bytes) {
+int ckpt__checkpoint_shared_bytes_local(const char *dir, const char *other, uint64_t *bytes) {
     if (bytes) *bytes = 0;
     if (!dir || !other || !bytes)
         return ckpt__err(CKPT_EINVAL, "checkpoint_shared_bytes: NULL argument");
-    if (ckpt__s3_is_url(dir) || ckpt__s3_is_url(other)) return 0; /* objects are never shared */
     ckpt_manifest m;
     ckpt__manifest_init(&m);
     int rc = ckpt__manifest_read(dir, &m);
@@ -611,9 +608,8 @@ int ckpt_checkpoint_shared_bytes(const char *dir, const char *other, uint64_t *b
     return rc;
 }
 
-int ckpt_checkpoint_verify_file(const char *dir, const char *name) {
+int ckpt__checkpoint_verify_file_local(const char *dir, const char *name) {
     if (!dir || !name) return ckpt__err(CKPT_EINVAL, "checkpoint_verify_file: NULL argument");
-    if (ckpt__s3_is_url(dir)) return ckpt__remote_verify_file_url(dir, name);
     ckpt_manifest m;
     ckpt__manifest_init(&m);
     int rc = ckpt__manifest_read(dir, &m);
@@ -666,14 +662,13 @@ static char *predecessor(const char *dir, int64_t n) {
     return out;
 }
 
-int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *info) {
+int ckpt__checkpoint_verify_local(const char *dir, bool deep, ckpt_checkpoint_info *info) {
     ckpt_checkpoint_info local;
     if (!info) info = &local;
     memset(info, 0, sizeof *info);
     info->number = -1;
     info->status = CKPT_CHECKPOINT_CORRUPT;
     if (!dir) return ckpt__err(CKPT_EINVAL, "checkpoint_verify: dir is NULL");
-    if (ckpt__s3_is_url(dir)) return ckpt__remote_verify_url(dir, deep, info);
     snprintf(info->path, sizeof info->path, "%s", dir);
     char base[256];
     int64_t n;
@@ -700,7 +695,7 @@ int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *inf
     if (prev) {
         /* the verification's message stays the one callers read */
         char *keep = rc < 0 ? ckpt__strdup(ckpt_errmsg()) : NULL;
-        (void)ckpt_checkpoint_shared_bytes(dir, prev, &info->shared_bytes);
+        (void)ckpt__checkpoint_shared_bytes_local(dir, prev, &info->shared_bytes);
         if (keep) ckpt__err(rc, "%s", keep);
         else if (rc == 0) ckpt_clear_error();
         free(keep);
@@ -709,13 +704,12 @@ int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *inf
     return rc;
 }
 
-int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
-                         int64_t *count) {
+int ckpt__checkpoint_list_local(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
+                                int64_t *count) {
     if (out) *out = NULL;
     if (count) *count = 0;
     if (!project_dir || !out || !count)
         return ckpt__err(CKPT_EINVAL, "checkpoint_list: NULL argument");
-    if (ckpt__s3_is_url(project_dir)) return ckpt__remote_list_url(project_dir, deep, out, count);
     struct stat st;
     if (ckpt__os_stat(project_dir, &st) != 0)
         return ckpt__err_os(errno, "project folder %s", project_dir);
@@ -739,7 +733,7 @@ int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_inf
             break;
         }
         /* A bad checkpoint is an entry with its status, not a failure of the list. */
-        (void)ckpt_checkpoint_verify(p, deep, &infos[i]);
+        (void)ckpt__checkpoint_verify_local(p, deep, &infos[i]);
         free(p);
     }
     free(nums);
@@ -800,12 +794,11 @@ static int cmp_leftover(const void *a, const void *b) {
     return strcmp(((const ckpt_leftover_info *)a)->path, ((const ckpt_leftover_info *)b)->path);
 }
 
-int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_info **out, int64_t *count) {
+int ckpt__checkpoint_leftovers_local(const char *project_dir, ckpt_leftover_info **out,
+                                     int64_t *count) {
     if (out) *out = NULL;
     if (count) *count = 0;
     if (!out || !count) return ckpt__err(CKPT_EINVAL, "checkpoint_leftovers: NULL argument");
-    if (project_dir && ckpt__s3_is_url(project_dir))
-        return ckpt__remote_leftovers_url(project_dir, out, count);
     char *dir = NULL;
     CKPT_TRY(project_checkpoints("checkpoint_leftovers", project_dir, &dir));
     if (!dir) return 0;
@@ -837,8 +830,8 @@ static int prune_leftover(void *user, const char *dir, const char *name) {
     return rc;
 }
 
-int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *opts,
-                             int64_t *removed) {
+int ckpt__checkpoint_prune_ex_local(const char *project_dir, const ckpt_prune_options *opts,
+                                    int64_t *removed) {
     if (removed) *removed = 0;
     if (!opts) return ckpt__err(CKPT_EINVAL, "checkpoint_prune: opts is NULL");
     if (opts->keep < 0)
@@ -848,8 +841,6 @@ int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *
                           .best_mode = opts->best_mode,
                           .best_k = opts->best_k};
     CKPT_TRY(ckpt__retention_check(&pol, "checkpoint_prune"));
-    if (project_dir && ckpt__s3_is_url(project_dir))
-        return ckpt__remote_prune_url(project_dir, opts, removed);
     char *dir = NULL;
     CKPT_TRY(project_checkpoints("checkpoint_prune", project_dir, &dir));
     if (!dir) return 0;
@@ -868,9 +859,4 @@ int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *
     if (removed) *removed = r.removed;
     free(dir);
     return rc;
-}
-
-int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed) {
-    ckpt_prune_options o = {.keep = keep};
-    return ckpt_checkpoint_prune_ex(project_dir, &o, removed);
 }

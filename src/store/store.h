@@ -70,4 +70,17 @@ int ckpt__retention_check(const ckpt_retention *pol, const char *what);
 int ckpt__rotate(const char *dir, int64_t keep, const ckpt_retention *pol, const ckpt_logger *lg,
                  int64_t *removed);
 
+/* The folder tools of include/ckpt/files.h on local folders (store.c); the
+ * public functions (store/s3/project.c) hand s3:// URLs to object storage
+ * and everything else to these. */
+int ckpt__checkpoint_verify_local(const char *dir, bool deep, ckpt_checkpoint_info *info);
+int ckpt__checkpoint_verify_file_local(const char *dir, const char *name);
+int ckpt__checkpoint_shared_bytes_local(const char *dir, const char *other, uint64_t *bytes);
+int ckpt__checkpoint_list_local(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
+                                int64_t *count);
+int ckpt__checkpoint_leftovers_local(const char *project_dir, ckpt_leftover_info **out,
+                                     int64_t *count);
+int ckpt__checkpoint_prune_ex_local(const char *project_dir, const ckpt_prune_options *opts,
+                                    int64_t *removed);
+
 #endif

@@ -54,14 +54,15 @@ int main(int argc, char **argv) {
     const char *op = argv[1], *bucket = argv[2], *key = argv[3];
     ckpt_s3 *c = NULL;
     int rc = ckpt__s3_new(&c, bucket);
-    if (rc == 0 && getenv("S3_TOOL_LIST_PAGE")) ckpt__s3_set_list_page(c, atoi(getenv("S3_TOOL_LIST_PAGE")));
+    if (rc == 0 && getenv("S3_TOOL_LIST_PAGE"))
+        ckpt__s3_set_list_page(c, atoi(getenv("S3_TOOL_LIST_PAGE")));
     if (rc == 0 && strcmp(op, "put") == 0 && argc >= 5) {
         size_t n;
         char *p = slurp(argv[4], &n);
         char etag[128] = "";
         rc = ckpt__s3_put(c, key, p, n,
                           argc > 5 && strcmp(argv[5], "absent") == 0 ? CKPT_S3_IF_ABSENT
-                                                                      : CKPT_S3_ALWAYS,
+                                                                     : CKPT_S3_ALWAYS,
                           NULL, etag);
         if (rc == 0) printf("etag %s\n", etag);
         free(p);

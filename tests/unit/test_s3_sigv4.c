@@ -20,9 +20,8 @@
 #include "ckpt.h"
 #include "store/s3/s3.h"
 
-static const ckpt_s3_creds aws_example = {"AKIAIOSFODNN7EXAMPLE",
-                                          "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", NULL,
-                                          "us-east-1"};
+static const ckpt_s3_creds aws_example = {
+    "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", NULL, "us-east-1"};
 
 static int need_s3(void **state) {
     (void)state;
@@ -77,13 +76,13 @@ static void test_sigv4_put_object_signed_payload(void **state) {
                        {"date", "Fri, 24 May 2013 00:00:00 GMT"},
                        {"x-amz-content-sha256", ph}};
     char *auth = NULL;
-    assert_int_equal(ckpt__sigv4(&aws_example, "PUT", uri, "", h, 5, ph, "20130524T000000Z", NULL,
-                                 NULL, &auth),
-                     0);
+    assert_int_equal(
+        ckpt__sigv4(&aws_example, "PUT", uri, "", h, 5, ph, "20130524T000000Z", NULL, NULL, &auth),
+        0);
     assert_non_null(strstr(auth, "SignedHeaders=date;host;x-amz-content-sha256;x-amz-date;"
                                  "x-amz-storage-class, "));
-    assert_non_null(strstr(
-        auth, "Signature=98ad721746da40c64f1a55b78f14c238d841ea1380cd77a1b5971af0ece108bd"));
+    assert_non_null(
+        strstr(auth, "Signature=98ad721746da40c64f1a55b78f14c238d841ea1380cd77a1b5971af0ece108bd"));
     free(uri);
     free(auth);
 }
@@ -97,8 +96,8 @@ static void test_sigv4_list_with_query(void **state) {
     assert_int_equal(ckpt__sigv4(&aws_example, "GET", "/", "max-keys=2&prefix=J", h, 3,
                                  CKPT_SHA256_EMPTY, "20130524T000000Z", NULL, NULL, &auth),
                      0);
-    assert_non_null(strstr(
-        auth, "Signature=34b48302e7b5fa45bde8084f4b7868a86f0a534bc59db6670ed5711ef69dc6f7"));
+    assert_non_null(
+        strstr(auth, "Signature=34b48302e7b5fa45bde8084f4b7868a86f0a534bc59db6670ed5711ef69dc6f7"));
     free(auth);
 }
 
@@ -122,9 +121,9 @@ static void test_sigv4_path_style_token_conditional(void **state) {
                               "2d0d5a41");
     free(auth);
     /* a date that is not YYYYMMDDTHHMMSSZ is refused */
-    assert_int_equal(ckpt__sigv4(&cr, "PUT", "/", "", h, 5, "UNSIGNED-PAYLOAD", "2026-01-02",
-                                 NULL, NULL, &auth),
-                     CKPT_EINVAL);
+    assert_int_equal(
+        ckpt__sigv4(&cr, "PUT", "/", "", h, 5, "UNSIGNED-PAYLOAD", "2026-01-02", NULL, NULL, &auth),
+        CKPT_EINVAL);
     assert_null(auth);
 }
 
@@ -150,8 +149,8 @@ static void test_parse_url(void **state) {
     assert_string_equal(p, "");
     free(b);
     free(p);
-    const char *bad[] = {"s3://", "s3://ab", "s3://a b/x", "s3://bucket/../x", "s3://bucket/./x",
-                         "s3://bucket/a\x01", "file:///x", "s3://bucket//x"};
+    const char *bad[] = {"s3://",           "s3://ab",           "s3://a b/x", "s3://bucket/../x",
+                         "s3://bucket/./x", "s3://bucket/a\x01", "file:///x",  "s3://bucket//x"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         assert_int_equal(ckpt__s3_parse_url(bad[i], &b, &p), CKPT_EINVAL);
         assert_null(b);

@@ -54,7 +54,7 @@ static int check_into(ckpt_remote *r, const char *dir, bool deep, ckpt_checkpoin
 int ckpt__remote_verify_url(const char *url, bool deep, ckpt_checkpoint_info *info) {
     snprintf(info->path, sizeof info->path, "%s", url);
     ckpt_remote r;
-    const char *dir;
+    const char *dir = NULL;
     CKPT_TRY(open_dir(url, &r, &dir));
     const char *base = strrchr(dir, '/');
     int64_t n;
@@ -112,8 +112,7 @@ int ckpt__remote_list_url(const char *project_url, bool deep, ckpt_checkpoint_in
     return 0;
 }
 
-int ckpt__remote_leftovers_url(const char *project_url, ckpt_leftover_info **out,
-                               int64_t *count) {
+int ckpt__remote_leftovers_url(const char *project_url, ckpt_leftover_info **out, int64_t *count) {
     ckpt_remote r;
     CKPT_TRY(ckpt__remote_open(&r, project_url));
     ckpt_remote_entry *v = NULL;
@@ -217,7 +216,7 @@ int ckpt__remote_prune_url(const char *project_url, const ckpt_prune_options *op
 
 int ckpt__remote_files_url(const char *url, ckpt_checkpoint_file **out, int64_t *count) {
     ckpt_remote r;
-    const char *dir;
+    const char *dir = NULL;
     CKPT_TRY(open_dir(url, &r, &dir));
     ckpt_manifest m;
     int rc = ckpt__remote_manifest(&r, dir, &m);
@@ -244,12 +243,13 @@ int ckpt__remote_files_url(const char *url, ckpt_checkpoint_file **out, int64_t 
 
 int ckpt__remote_verify_file_url(const char *url, const char *name) {
     ckpt_remote r;
-    const char *dir;
+    const char *dir = NULL;
     CKPT_TRY(open_dir(url, &r, &dir));
     ckpt_manifest m;
     int rc = ckpt__remote_manifest(&r, dir, &m);
     const ckpt_manifest_file *f = rc == 0 ? ckpt__manifest_find(&m, name) : NULL;
-    if (rc == 0 && !f) rc = ckpt__err(CKPT_ENOENT, "%s: the manifest lists no file '%s'", url, name);
+    if (rc == 0 && !f)
+        rc = ckpt__err(CKPT_ENOENT, "%s: the manifest lists no file '%s'", url, name);
     if (f) {
         char *key = ckpt__path_join(dir, name);
         uint64_t h = 0;
@@ -267,6 +267,69 @@ int ckpt__remote_verify_file_url(const char *url, const char *name) {
     return rc;
 }
 
+/* ---- the public folder tools: a URL here, a folder in store.c ------------- */
+
+int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *info) {
+    if (dir && ckpt__s3_is_url(dir)) {
+        ckpt_checkpoint_info local;
+        if (!info) info = &local;
+        memset(info, 0, sizeof *info);
+        info->number = -1;
+        info->status = CKPT_CHECKPOINT_CORRUPT;
+        return ckpt__remote_verify_url(dir, deep, info);
+    }
+    return ckpt__checkpoint_verify_local(dir, deep, info);
+}
+
+int ckpt_checkpoint_verify_file(const char *dir, const char *name) {
+    if (dir && name && ckpt__s3_is_url(dir)) return ckpt__remote_verify_file_url(dir, name);
+    return ckpt__checkpoint_verify_file_local(dir, name);
+}
+
+int ckpt_checkpoint_shared_bytes(const char *dir, const char *other, uint64_t *bytes) {
+    if (dir && other && bytes && (ckpt__s3_is_url(dir) || ckpt__s3_is_url(other))) {
+        *bytes = 0; /* objects are never one copy */
+        return 0;
+    }
+    return ckpt__checkpoint_shared_bytes_local(dir, other, bytes);
+}
+
+int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
+                         int64_t *count) {
+    if (project_dir && out && count && ckpt__s3_is_url(project_dir)) {
+        *out = NULL;
+        *count = 0;
+        return ckpt__remote_list_url(project_dir, deep, out, count);
+    }
+    return ckpt__checkpoint_list_local(project_dir, deep, out, count);
+}
+
+int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_info **out, int64_t *count) {
+    if (project_dir && out && count && ckpt__s3_is_url(project_dir)) {
+        *out = NULL;
+        *count = 0;
+        return ckpt__remote_leftovers_url(project_dir, out, count);
+    }
+    return ckpt__checkpoint_leftovers_local(project_dir, out, count);
+}
+
+int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *opts,
+                             int64_t *removed) {
+    if (project_dir && opts && ckpt__s3_is_url(project_dir)) {
+        if (removed) *removed = 0;
+        if (opts->keep < 0)
+            return ckpt__err(CKPT_EINVAL, "checkpoint_prune: keep is %d, expected >= 0",
+                             opts->keep);
+        return ckpt__remote_prune_url(project_dir, opts, removed);
+    }
+    return ckpt__checkpoint_prune_ex_local(project_dir, opts, removed);
+}
+
+int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed) {
+    ckpt_prune_options o = {.keep = keep};
+    return ckpt_checkpoint_prune_ex(project_dir, &o, removed);
+}
+
 int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *count) {
     if (out) *out = NULL;
     if (count) *count = 0;
@@ -282,7 +345,7 @@ int ckpt_checkpoint_fetch(const char *url, const char *local_dir) {
     if (ckpt__os_lstat(local_dir, &st) == 0)
         return ckpt__err(CKPT_EEXIST, "checkpoint_fetch: %s already exists", local_dir);
     ckpt_remote r;
-    const char *dir;
+    const char *dir = NULL;
     CKPT_TRY(open_dir(url, &r, &dir));
     int rc = ckpt__remote_fetch(&r, dir, local_dir, NULL);
     ckpt__remote_close(&r);
@@ -294,7 +357,7 @@ static _Atomic unsigned checkout_seq;
 int ckpt__remote_checkout(const char *url, char **local, char **root) {
     *local = *root = NULL;
     ckpt_remote r;
-    const char *dir;
+    const char *dir = NULL;
     CKPT_TRY(open_dir(url, &r, &dir));
     const char *tmp = getenv("TMPDIR");
     if (!tmp || !*tmp) tmp = "/tmp";
@@ -304,8 +367,7 @@ int ckpt__remote_checkout(const char *url, char **local, char **root) {
     if (rc == 0) {
         snprintf(*root, n, "%s/.ckpt-s3-%ld-%u", tmp, (long)getpid(),
                  atomic_fetch_add(&checkout_seq, 1));
-        if (ckpt__os_mkdir(*root, 0700) != 0)
-            rc = ckpt__err_os(errno, "s3 checkout: %s", *root);
+        if (ckpt__os_mkdir(*root, 0700) != 0) rc = ckpt__err_os(errno, "s3 checkout: %s", *root);
     }
     if (rc == 0 && !(*local = ckpt__path_join(*root, "checkpoint")))
         rc = ckpt__err_nomem("s3 checkout");

@@ -12,8 +12,7 @@
 int ckpt__remote_verify_url(const char *url, bool deep, ckpt_checkpoint_info *info);
 int ckpt__remote_list_url(const char *project_url, bool deep, ckpt_checkpoint_info **out,
                           int64_t *count);
-int ckpt__remote_leftovers_url(const char *project_url, ckpt_leftover_info **out,
-                               int64_t *count);
+int ckpt__remote_leftovers_url(const char *project_url, ckpt_leftover_info **out, int64_t *count);
 int ckpt__remote_prune_url(const char *project_url, const ckpt_prune_options *opts,
                            int64_t *removed);
 int ckpt__remote_files_url(const char *url, ckpt_checkpoint_file **out, int64_t *count);

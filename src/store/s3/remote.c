@@ -123,8 +123,9 @@ int ckpt__remote_manifest(ckpt_remote *r, const char *dir, ckpt_manifest *m) {
     size_t len = 0;
     int rc = ckpt__s3_get_small(r->c, key, CKPT_MANIFEST_MAX_BYTES, &text, &len, NULL);
     if (rc == CKPT_ENOENT)
-        rc = ckpt__err(CKPT_ENOENT, "s3://%s/%s: no " CKPT_MANIFEST_NAME
-                                    " (not a checkpoint, or a save that did not finish)",
+        rc = ckpt__err(CKPT_ENOENT,
+                       "s3://%s/%s: no " CKPT_MANIFEST_NAME
+                       " (not a checkpoint, or a save that did not finish)",
                        r->bucket, dir);
     char what[600];
     snprintf(what, sizeof what, "s3://%s/%s", r->bucket, key);
@@ -344,8 +345,8 @@ static int number_used(ckpt_remote *r, int64_t n, bool *used) {
     return rc;
 }
 
-int ckpt__remote_publish(ckpt_remote *r, const char *local_dir, int64_t number,
-                         int64_t *committed, const ckpt_logger *lg) {
+int ckpt__remote_publish(ckpt_remote *r, const char *local_dir, int64_t number, int64_t *committed,
+                         const ckpt_logger *lg) {
     if (committed) *committed = -1;
     ckpt_manifest m;
     CKPT_TRY(ckpt__manifest_read(local_dir, &m));
@@ -364,8 +365,7 @@ int ckpt__remote_publish(ckpt_remote *r, const char *local_dir, int64_t number,
                       " already holds objects (another writer?); saving as the next number",
                       r->url, number);
             if (tries >= 100) {
-                rc = ckpt__err(CKPT_EBUSY, "%s: 100 checkpoint numbers in a row are taken",
-                               r->url);
+                rc = ckpt__err(CKPT_EBUSY, "%s: 100 checkpoint numbers in a row are taken", r->url);
                 break;
             }
             continue;
@@ -549,8 +549,7 @@ int ckpt__remote_lock_renew(ckpt_remote *r, ckpt_remote_lock *lk) {
     char *key = ckpt__remote_key(r, "checkpoints/.lock");
     if (!key) return ckpt__err_nomem("s3 lock");
     char etag[128];
-    int rc = ckpt__s3_put(r->c, key, lk->owner, strlen(lk->owner), CKPT_S3_IF_ETAG, lk->etag,
-                          etag);
+    int rc = ckpt__s3_put(r->c, key, lk->owner, strlen(lk->owner), CKPT_S3_IF_ETAG, lk->etag, etag);
     if (rc == CKPT_EEXIST) {
         lk->held = false;
         rc = ckpt__err(CKPT_EBUSY,

@@ -74,8 +74,8 @@ int ckpt__remote_fetch(ckpt_remote *r, const char *dir, const char *local_dir,
  * with If-None-Match: *. A number that holds any object already, or whose
  * manifest PUT gets 412, is stepped over (with a warning) to the next
  * free one; *committed (may be NULL) gets the number used. */
-int ckpt__remote_publish(ckpt_remote *r, const char *local_dir, int64_t number,
-                         int64_t *committed, const ckpt_logger *lg);
+int ckpt__remote_publish(ckpt_remote *r, const char *local_dir, int64_t number, int64_t *committed,
+                         const ckpt_logger *lg);
 /* Removes checkpoint_<number>: its manifest first (it is gone for every
  * reader from then on), then its other objects. */
 int ckpt__remote_remove(ckpt_remote *r, int64_t number);

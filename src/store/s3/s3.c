@@ -57,8 +57,8 @@ int ckpt__s3_parse_url(const char *url, char **bucket, char **prefix) {
             return ckpt__err(CKPT_EINVAL, "%s: a control character in the key prefix", url);
         if (i < pl && p[i] != '/') continue;
         size_t n = i - seg;
-        if (pl > 0 && (n == 0 || (n == 1 && p[seg] == '.') ||
-                       (n == 2 && p[seg] == '.' && p[seg + 1] == '.')))
+        if (pl > 0 &&
+            (n == 0 || (n == 1 && p[seg] == '.') || (n == 2 && p[seg] == '.' && p[seg + 1] == '.')))
             return ckpt__err(CKPT_EINVAL,
                              "%s: the key prefix has an empty, '.' or '..' segment; object "
                              "keys are not paths to be normalised",
@@ -112,9 +112,7 @@ int ckpt__s3_put(ckpt_s3 *c, const char *key, const void *p, size_t n, ckpt_s3_c
                  const char *etag, char *etag_out) {
     return ckpt__s3_available(key);
 }
-int ckpt__s3_head(ckpt_s3 *c, const char *key, ckpt_s3_head *h) {
-    return ckpt__s3_available(key);
-}
+int ckpt__s3_head(ckpt_s3 *c, const char *key, ckpt_s3_head *h) { return ckpt__s3_available(key); }
 int ckpt__s3_get_small(ckpt_s3 *c, const char *key, uint64_t max, char **out, size_t *len,
                        ckpt_s3_head *h) {
     *out = NULL;
@@ -159,8 +157,7 @@ static int env_bytes(const char *name, uint64_t dflt, uint64_t *out) {
     else if (end && (*end == 'M' || *end == 'm')) mul = 1024 * 1024, end++;
     else if (end && (*end == 'G' || *end == 'g')) mul = 1024ull * 1024 * 1024, end++;
     if (errno || end == v || *end || n == 0 || n > UINT64_MAX / mul || n * mul > (1ull << 32))
-        return ckpt__err(CKPT_EINVAL, "%s='%s': expected a size such as 8M (at most 4G)", name,
-                         v);
+        return ckpt__err(CKPT_EINVAL, "%s='%s': expected a size such as 8M (at most 4G)", name, v);
     *out = n * mul;
     return 0;
 }
@@ -188,7 +185,8 @@ static int read_options(ckpt_s3_options *o, bool custom_endpoint) {
     CKPT_TRY(env_long("CKPT_S3_SIGN_PAYLOAD", 0, 0, 1, &sign));
     /* S3 refuses parts under 5 MiB but the last; a custom endpoint may not */
     if (!custom_endpoint && o->part_size < (5u << 20))
-        return ckpt__err(CKPT_EINVAL, "CKPT_S3_PART_SIZE is %" PRIu64 " bytes; S3 needs at least 5M",
+        return ckpt__err(CKPT_EINVAL,
+                         "CKPT_S3_PART_SIZE is %" PRIu64 " bytes; S3 needs at least 5M",
                          o->part_size);
     o->connections = (int)conns;
     o->retries = (int)retries;
@@ -203,8 +201,9 @@ static int read_options(ckpt_s3_options *o, bool custom_endpoint) {
 static int parse_endpoint(ckpt_s3 *c, const char *ep) {
     const char *h = strstr(ep, "://");
     if (!h || (strncmp(ep, "http://", 7) != 0 && strncmp(ep, "https://", 8) != 0))
-        return ckpt__err(CKPT_EINVAL, "AWS_ENDPOINT_URL='%s': expected http://host[:port] or "
-                                      "https://host[:port]",
+        return ckpt__err(CKPT_EINVAL,
+                         "AWS_ENDPOINT_URL='%s': expected http://host[:port] or "
+                         "https://host[:port]",
                          ep);
     h += 3;
     size_t hl = strcspn(h, "/?#");
@@ -464,8 +463,9 @@ static bool range_ok(sink_ctx *s, long status) {
     /* a 200 is the whole object: fine only if that is what was asked */
     if (r->range_off != 0 || r->dst_len != r->range_total || !r->has_length ||
         r->head.size != r->dst_len)
-        return sink_refuse(r, "the server sent the whole object (%" PRIu64 " bytes) for a range of %" PRIu64,
-                           r->has_length ? r->head.size : 0, r->dst_len);
+        return sink_refuse(
+            r, "the server sent the whole object (%" PRIu64 " bytes) for a range of %" PRIu64,
+            r->has_length ? r->head.size : 0, r->dst_len);
     return true;
 }
 
@@ -482,8 +482,9 @@ static size_t write_cb(char *data, size_t size, size_t nitems, void *user) {
             s->checked = true;
         }
         if (n > r->dst_len - r->got) {
-            sink_refuse(r, "the server sent more than the %" PRIu64 " bytes asked for (offset %" PRIu64 ")",
-                        r->dst_len, r->range_off);
+            sink_refuse(
+                r, "the server sent more than the %" PRIu64 " bytes asked for (offset %" PRIu64 ")",
+                r->dst_len, r->range_off);
             return 0;
         }
         memcpy(r->dst + r->got, data, n);
@@ -749,8 +750,8 @@ int ckpt__s3_send(ckpt_s3 *c, s3_req *r, const char *what) {
         return ckpt__err(CKPT_ENOENT, "s3://%s%s%s: %s: not found (HTTP 404)%s", b, sep, k, what,
                          detail);
     case 412:
-        return ckpt__err(CKPT_EEXIST, "s3://%s%s%s: %s: precondition failed (HTTP 412): %s",
-                         b, sep, k, what,
+        return ckpt__err(CKPT_EEXIST, "s3://%s%s%s: %s: precondition failed (HTTP 412): %s", b, sep,
+                         k, what,
                          r->nextra && strcmp(r->extra[0].name, "if-none-match") == 0
                              ? "the key already exists"
                              : "the object changed or is gone");
@@ -761,8 +762,7 @@ int ckpt__s3_send(ckpt_s3 *c, s3_req *r, const char *what) {
                          b, sep, k, what, detail);
     default:
         return ckpt__err(CKPT_EIO, "s3://%s%s%s: %s: HTTP %ld%s%s", b, sep, k, what, r->status,
-                         detail,
-                         retry_status(r) && r->attempts > 1 ? " (after retries)" : "");
+                         detail, retry_status(r) && r->attempts > 1 ? " (after retries)" : "");
     }
 }
 
@@ -954,8 +954,9 @@ int ckpt__s3_list(ckpt_s3 *c, const char *prefix, const char *delimiter, ckpt_s3
             char size_s[32] = "";
             if (ckpt__s3_xml_text(t, tl, "Key", item, 4096) < 0 ||
                 ckpt__s3_xml_text(t, tl, "Size", size_s, sizeof size_s) < 0) {
-                rc = ckpt__err(CKPT_ECORRUPT, "s3://%s: ListObjectsV2: an entry without a "
-                                              "readable Key and Size",
+                rc = ckpt__err(CKPT_ECORRUPT,
+                               "s3://%s: ListObjectsV2: an entry without a "
+                               "readable Key and Size",
                                c->bucket);
                 break;
             }

@@ -122,8 +122,8 @@ int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint6
  * object order; fn's non-zero return stops the read and is returned. The
  * memory used is the window, whatever the object's size. */
 typedef int (*ckpt_s3_bytes_fn)(void *user, const uint8_t *p, size_t n);
-int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn,
-                        void *user, uint64_t *xxh3);
+int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn, void *user,
+                        uint64_t *xxh3);
 
 /* DELETE (a missing key is fine: S3 says 204 either way). */
 int ckpt__s3_delete(ckpt_s3 *c, const char *key);
@@ -173,7 +173,7 @@ char *ckpt__s3_uri_encode(const char *s, bool keep_slash);
  * x-amz-content-sha256 among them); amz_date: "YYYYMMDDTHHMMSSZ". */
 int ckpt__sigv4(const ckpt_s3_creds *cr, const char *method, const char *canon_uri,
                 const char *canon_query, const ckpt_s3_hdr *hdrs, int nhdrs,
-                const char *payload_hash, const char *amz_date, char **canonical,
-                char **to_sign, char **authorization);
+                const char *payload_hash, const char *amz_date, char **canonical, char **to_sign,
+                char **authorization);
 
 #endif

@@ -13,85 +13,6 @@
 
 #include "store/s3/s3_int.h"
 
-/* ---- workers ------------------------------------------------------------ */
-
-static void *worker(void *arg) {
-    ckpt_s3 *c = arg;
-    pthread_mutex_lock(&c->mu);
-    for (;;) {
-        while (!c->stop && !c->queue_head) pthread_cond_wait(&c->work_cv, &c->mu);
-        if (!c->queue_head) break; /* stopping, nothing left */
-        s3_job *j = c->queue_head;
-        c->queue_head = j->next;
-        if (!c->queue_head) c->queue_tail = NULL;
-        pthread_mutex_unlock(&c->mu);
-        ckpt_clear_error();
-        j->run(c, j);
-        pthread_mutex_lock(&c->mu);
-        j->done = true;
-        pthread_cond_broadcast(&c->done_cv);
-    }
-    pthread_mutex_unlock(&c->mu);
-    return NULL;
-}
-
-/* Starts the workers if they are not running (under c->mu). */
-static int start_workers(ckpt_s3 *c) {
-    if (c->workers) return 0;
-    int n = c->o.connections;
-    c->workers = ckpt__calloc((size_t)n, sizeof *c->workers);
-    if (!c->workers) return ckpt__err_nomem("s3 workers");
-    for (int i = 0; i < n; i++) {
-        if (pthread_create(&c->workers[i], NULL, worker, c) != 0) break;
-        c->nworkers++;
-    }
-    if (c->nworkers == 0) {
-        free(c->workers);
-        c->workers = NULL;
-        return ckpt__err(CKPT_EIO, "s3: could not start a transfer thread");
-    }
-    return 0;
-}
-
-int ckpt__s3_submit(ckpt_s3 *c, s3_job *j) {
-    j->next = NULL;
-    j->done = false;
-    j->status = 0;
-    j->msg[0] = '\0';
-    pthread_mutex_lock(&c->mu);
-    int rc = start_workers(c);
-    if (rc == 0) {
-        if (c->queue_tail) c->queue_tail->next = j;
-        else c->queue_head = j;
-        c->queue_tail = j;
-        pthread_cond_signal(&c->work_cv);
-    }
-    pthread_mutex_unlock(&c->mu);
-    return rc;
-}
-
-void ckpt__s3_wait(ckpt_s3 *c, s3_job *j) {
-    pthread_mutex_lock(&c->mu);
-    while (!j->done) pthread_cond_wait(&c->done_cv, &c->mu);
-    pthread_mutex_unlock(&c->mu);
-}
-
-void ckpt__s3_workers_stop(ckpt_s3 *c) {
-    pthread_mutex_lock(&c->mu);
-    c->stop = true;
-    pthread_cond_broadcast(&c->work_cv);
-    pthread_mutex_unlock(&c->mu);
-    for (int i = 0; i < c->nworkers; i++) pthread_join(c->workers[i], NULL);
-    free(c->workers);
-    c->workers = NULL;
-    c->nworkers = 0;
-}
-
-int ckpt__s3_job_raise(const s3_job *j) {
-    if (j->status >= 0) return 0;
-    return ckpt__err(j->status, "%s", j->msg);
-}
-
 static void job_fail(s3_job *j, int rc) {
     j->status = rc;
     snprintf(j->msg, sizeof j->msg, "%s", ckpt_errmsg());
@@ -111,8 +32,13 @@ static int get_range(ckpt_s3 *c, const char *key, uint8_t *dst, uint64_t off, ui
                      uint64_t total) {
     char range[64];
     snprintf(range, sizeof range, "bytes=%" PRIu64 "-%" PRIu64, off, off + len - 1);
-    s3_req r = {.method = "GET", .key = key, .query = "", .dst = dst, .dst_len = len,
-                .range_off = off, .range_total = total};
+    s3_req r = {.method = "GET",
+                .key = key,
+                .query = "",
+                .dst = dst,
+                .dst_len = len,
+                .range_off = off,
+                .range_total = total};
     r.extra[r.nextra++] = (ckpt_s3_hdr){"range", range};
     char what[96];
     snprintf(what, sizeof what, "GET of bytes %" PRIu64 "..%" PRIu64, off, off + len - 1);
@@ -182,8 +108,8 @@ int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint6
     return rc;
 }
 
-int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn,
-                        void *user, uint64_t *xxh3) {
+int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn, void *user,
+                        uint64_t *xxh3) {
     ckpt_s3_head h;
     CKPT_TRY(ckpt__s3_head(c, key, &h));
     if (h.size != size)
@@ -276,8 +202,8 @@ static void run_part(ckpt_s3 *c, s3_job *j) {
     }
     snprintf(q, sizeof q, "partNumber=%d&uploadId=%s", pj->number, id);
     free(id);
-    s3_req r = {.method = "PUT", .key = pj->u->key, .query = q, .body = pj->data,
-                .body_len = pj->len};
+    s3_req r = {
+        .method = "PUT", .key = pj->u->key, .query = q, .body = pj->data, .body_len = pj->len};
     r.sign_body = c->o.sign_payload || pj->len <= (8u << 20);
     char what[48];
     snprintf(what, sizeof what, "upload of part %d", pj->number);
@@ -331,9 +257,10 @@ static int initiate(ckpt_s3_upload *u) {
     int rc = ckpt__s3_send(u->c, &r, "start of a multipart upload");
     char id[1024];
     if (rc == 0 &&
-        (!r.body_out || ckpt__s3_xml_text(r.body_out, r.body_out_len, "UploadId", id, sizeof id) < 0 ||
-         !*id))
-        rc = ckpt__err(CKPT_EIO, "s3://%s/%s: start of a multipart upload: no UploadId in the answer",
+        (!r.body_out ||
+         ckpt__s3_xml_text(r.body_out, r.body_out_len, "UploadId", id, sizeof id) < 0 || !*id))
+        rc = ckpt__err(CKPT_EIO,
+                       "s3://%s/%s: start of a multipart upload: no UploadId in the answer",
                        u->c->bucket, u->key);
     if (rc == 0 && !(u->upload_id = ckpt__strdup(id))) rc = ckpt__err_nomem("s3 upload");
     ckpt__s3_req_clear(&r);
@@ -446,8 +373,13 @@ static int complete(ckpt_s3_upload *u) {
         free(x);
         return ckpt__err_nomem("s3 upload");
     }
-    s3_req r = {.method = "POST", .key = u->key, .query = q, .body = (const uint8_t *)x,
-                .body_len = o, .sign_body = true, .max_body = 1u << 20};
+    s3_req r = {.method = "POST",
+                .key = u->key,
+                .query = q,
+                .body = (const uint8_t *)x,
+                .body_len = o,
+                .sign_body = true,
+                .max_body = 1u << 20};
     int rc = ckpt__s3_send(u->c, &r, "completion of a multipart upload");
     /* S3 may answer 200 and put the failure in the body */
     char code[96];
@@ -515,8 +447,8 @@ void ckpt__s3_upload_abort(ckpt_s3_upload *u) {
 
 #else
 
-int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn,
-                        void *user, uint64_t *xxh3) {
+int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn, void *user,
+                        uint64_t *xxh3) {
     return ckpt__s3_available(key);
 }
 int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint64_t *xxh3) {

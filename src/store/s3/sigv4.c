@@ -114,8 +114,8 @@ static int cmp_hdr(const void *a, const void *b) {
 
 int ckpt__sigv4(const ckpt_s3_creds *cr, const char *method, const char *canon_uri,
                 const char *canon_query, const ckpt_s3_hdr *hdrs, int nhdrs,
-                const char *payload_hash, const char *amz_date, char **canonical,
-                char **to_sign, char **authorization) {
+                const char *payload_hash, const char *amz_date, char **canonical, char **to_sign,
+                char **authorization) {
     if (canonical) *canonical = NULL;
     if (to_sign) *to_sign = NULL;
     if (authorization) *authorization = NULL;
@@ -216,8 +216,8 @@ void ckpt__sha256_hex(const void *p, size_t n, char out[65]) {
 
 int ckpt__sigv4(const ckpt_s3_creds *cr, const char *method, const char *canon_uri,
                 const char *canon_query, const ckpt_s3_hdr *hdrs, int nhdrs,
-                const char *payload_hash, const char *amz_date, char **canonical,
-                char **to_sign, char **authorization) {
+                const char *payload_hash, const char *amz_date, char **canonical, char **to_sign,
+                char **authorization) {
     if (canonical) *canonical = NULL;
     if (to_sign) *to_sign = NULL;
     if (authorization) *authorization = NULL;
