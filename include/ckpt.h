@@ -295,9 +295,10 @@ typedef struct ckpt_model ckpt_model;
 
 CKPT_API int ckpt_model_new(ckpt_model **out);
 CKPT_API void ckpt_model_free(ckpt_model *m);
-/* Adds a parameter. Copies name and shape; borrows data and grad (grad may be
- * NULL for a frozen parameter) until the model is freed. Names follow the key
- * rules; a duplicate is CKPT_EEXIST. */
+/* Adds a parameter. Copies name and shape; borrows data and grad (of the
+ * parameter's dtype; NULL for a parameter ckpt's optimizers do not update:
+ * a frozen one, or one an external optimizer's caller updates) until the
+ * model is freed. Names follow the key rules; a duplicate is CKPT_EEXIST. */
 CKPT_API int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
                                   const int64_t *shape, void *data, void *grad);
 CKPT_API int64_t ckpt_model_num_params(const ckpt_model *m);   /* parameter tensors */
@@ -315,18 +316,27 @@ typedef struct ckpt_param_info {
 CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info);
 /* Marks every parameter whose name is pattern or matches it as a glob
  * (fnmatch: '*', '?', '[...]'; "fc1.*") frozen (frozen = true) or trainable.
- * Without a call, a parameter is frozen when it has no gradient buffer or
- * is in no group of its optimizer (ckpt_optimizer_set_groups, group -1).
+ * Frozen means not optimized, as requires_grad=False in PyTorch: an
+ * optimizer keeps no state for a frozen parameter and never updates it (it
+ * stays in its group, with its index, as PyTorch keeps it). Frozen after
+ * the optimizer has state for it, the state is dropped at the optimizer's
+ * next step, save or load (a later unfreeze starts from fresh state: zeros,
+ * step 0, as a new parameter). A checkpoint saved before the freeze loads:
+ * the parameter's value from the model's file, its optimizer state in the
+ * file skipped (logged once); one saved while frozen loads into a trainable
+ * parameter with fresh state (logged once). docs/TRAINING.md, "Frozen
+ * parameters". Without a call, a parameter in a group of an optimizer is
+ * trainable (whatever its gradient buffer), one in no group
+ * (ckpt_optimizer_set_groups, group -1) frozen, and before any optimizer
+ * has the model, one without a gradient buffer frozen.
  * Frozen parameters never change, so a checkpoint keeps them apart: a model
  * with both frozen and trainable parameters, saved by one process (and not
  * as Hugging Face shards), writes its trainable ones to <model>.safetensors
  * and its frozen ones to <model>-00001-of-00001.safetensors (format version
  * 2, docs/FORMAT.md), which every later save links instead of writing again
  * (ckpt_project_config.no_link_unchanged). Loads, verify, export and
- * ckpt_torch read the model from both files. Being frozen changes nothing
- * else: the optimizer still updates what it was given (leave frozen
- * parameters out of its groups). Returns how many parameters matched (> 0),
- * or CKPT_ENOENT naming the pattern if none did. */
+ * ckpt_torch read the model from both files. Returns how many parameters
+ * matched (> 0), or CKPT_ENOENT naming the pattern if none did. */
 CKPT_API int ckpt_model_set_frozen(ckpt_model *m, const char *pattern, bool frozen);
 /* State dict: every parameter as a tensor under its name, nothing else. */
 CKPT_API const ckpt_stateful_ops *ckpt_model_ops(void);
@@ -357,6 +367,17 @@ typedef struct ckpt_optim_options {
     bool amsgrad;         /* Adam/AdamW */
     double alpha;         /* RMSprop: smoothing of the squared gradients' average */
     bool centered;        /* RMSprop: divide by the gradients' estimated variance */
+    /* BF16/F16 parameters of the group keep an fp32 master copy: ckpt's
+     * optimizers update the master from the gradient (the parameter's dtype,
+     * widened exactly) and write the parameter back rounded to nearest even;
+     * saved as state.<i>.master (F32, the parameter's shape) in the
+     * optimizer's file, the parameters themselves in the model's. Where a
+     * parameter's value is not its master's rounding (initialised or loaded
+     * after the optimizer was made), the next step or save first takes the
+     * parameter's value into the master. External optimizers attach their
+     * masters as field "master". No effect on F32 parameters. Not a PyTorch
+     * field: not in param_groups. Default false. */
+    bool master_weights;
 } ckpt_optim_options;
 
 /* PyTorch's defaults for a kind (SGD lr 1e-3; Adam lr 1e-3, betas (0.9,
@@ -364,8 +385,10 @@ typedef struct ckpt_optim_options {
  * alpha 0.99, eps 1e-8). */
 CKPT_API ckpt_optim_options ckpt_optim_defaults(ckpt_optim_kind kind);
 
-/* An optimizer over all of m's parameters (fp32) in one group. Borrows m
- * until the optimizer is freed. */
+/* An optimizer over all of m's parameters in one group (frozen ones keep no
+ * state: ckpt_model_set_frozen). Trainable parameters are F32, or BF16/F16
+ * with opt->master_weights (else CKPT_EUNSUPPORTED naming the parameter).
+ * Borrows m until the optimizer is freed. */
 CKPT_API int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
                                 const ckpt_optim_options *opt);
 /* Contract shortcuts. SGD: dampening 0, no maximize. AdamW: amsgrad off. */
@@ -384,20 +407,38 @@ CKPT_API int ckpt_rmsprop_new(ckpt_optimizer **out, ckpt_model *model, double lr
                               double eps, double weight_decay, double momentum, bool centered);
 CKPT_API void ckpt_optimizer_free(ckpt_optimizer *o);
 /* Splits parameters into groups: group_of[i] is the group of the model's i-th
- * parameter (0..ngroups-1, or -1: not optimized, e.g. a frozen parameter
- * without gradient), opts[g] the options of group g; no group may be empty.
- * State is numbered as PyTorch does: group 0's parameters first. Only before
- * the first step. Copies both arrays. */
+ * parameter (0..ngroups-1, or -1: in no group, not optimized, and frozen
+ * unless ckpt_model_set_frozen says otherwise), opts[g] the options of
+ * group g; no group may be empty. State is numbered as PyTorch does: group
+ * 0's parameters first. Only before the first step. Copies both arrays. An
+ * external optimizer keeps the state attached to each parameter where its
+ * new group has the field. */
 CKPT_API int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_of,
                                        const ckpt_optim_options *opts);
 CKPT_API int ckpt_optimizer_num_groups(const ckpt_optimizer *o);
 CKPT_API double ckpt_optimizer_get_lr(const ckpt_optimizer *o, int group);
 CKPT_API int ckpt_optimizer_set_lr(ckpt_optimizer *o, int group, double lr);
-/* One update of every parameter from its gradient. CKPT_EINVAL if a
- * parameter being optimized has no gradient. */
+/* One update of every trainable parameter from its gradient (frozen ones
+ * are skipped). CKPT_EINVAL, nothing updated, if a trainable parameter has
+ * no gradient buffer, or if o is external (ckpt_optimizer_external_new). */
 CKPT_API int ckpt_optimizer_step(ckpt_optimizer *o);
 /* Sets every gradient to zero. */
 CKPT_API void ckpt_optimizer_zero_grad(ckpt_optimizer *o);
+/* The optimizer's step count: how many updates it made (or was told of).
+ * It is what PyTorch keeps per parameter as state[p]["step"] (saved as
+ * state.<i>.step, a float32, for every kind): ckpt_optimizer_step adds one
+ * to every trainable parameter's count, a load restores them (a frozen
+ * parameter has no state, so no count). get_step returns the largest count
+ * (all are equal unless set otherwise), 0 for an optimizer without
+ * trainable parameters or NULL. set_step gives every trainable parameter
+ * the count step, for an optimizer whose update the caller runs
+ * or to carry a count over; afterwards set_groups and set_shard refuse as
+ * after a first step when step > 0. CKPT_EINVAL for step outside
+ * 0..2^24 (a float32 counts exactly up to there). Unless
+ * ckpt_accelerator_set_step was called, an accelerator's step is the
+ * count of its first prepared optimizer (ckpt_accelerator_step). */
+CKPT_API int ckpt_optimizer_set_step(ckpt_optimizer *o, int64_t step);
+CKPT_API int64_t ckpt_optimizer_get_step(const ckpt_optimizer *o);
 CKPT_API const ckpt_stateful_ops *ckpt_optimizer_ops(void);
 /* Optimizer state names each state index's parameter (param_names.<i>) and
  * a load matches state to parameters by those names. State without names
@@ -409,8 +450,9 @@ CKPT_API const ckpt_stateful_ops *ckpt_optimizer_ops(void);
  * PyTorch does), and the load logs a warning saying so. Named state always
  * loads by name. Default off. */
 CKPT_API void ckpt_optimizer_set_match_by_position(ckpt_optimizer *o, bool on);
-/* ZeRO-1: from now on o keeps its state (momentum, Adam moments) only for
- * this rank's contiguous share of the flattened optimized parameters, and
+/* ZeRO-1: from now on o keeps its state (momentum, Adam moments, masters)
+ * only for this rank's contiguous share of the flattened trainable
+ * parameters (frozen ones are not split, nor updated), and
  * ckpt_optimizer_step is collective over comm (borrowed until o is freed):
  * each rank updates its share from the (already averaged) gradients, then
  * the ranks exchange the updated values so every rank holds all parameters.
@@ -418,6 +460,42 @@ CKPT_API void ckpt_optimizer_set_match_by_position(ckpt_optimizer *o, bool on);
  * checkpoint saved by P ranks loads on any other count (and unsharded).
  * Only before the first step. See docs/DISTRIBUTED.md. */
 CKPT_API int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm);
+
+/* An optimizer whose update the caller runs (its own AdamW over its own
+ * moment buffers): ckpt keeps the kind, the groups (ckpt_optimizer_set_groups
+ * works as for ckpt_optimizer_new), the learning rates and the step count,
+ * and borrows the caller's state buffers, attached below. They are saved,
+ * loaded, ZeRO-1-sharded and resharded (ckpt_optimizer_set_shard: the
+ * buffers still hold whole parameters' state; each rank saves and loads its
+ * share of it), linked when unchanged, exported to optimizer.bin and
+ * imported exactly as ckpt's own optimizer of that kind: same files, same
+ * keys. Fields are PyTorch's state keys: "exp_avg", "exp_avg_sq",
+ * "max_exp_avg_sq" (amsgrad) for Adam/AdamW; "momentum_buffer" (momentum
+ * != 0) for SGD; "square_avg", "momentum_buffer" (momentum > 0), "grad_avg"
+ * (centered) for RMSprop; and "master" for a BF16/F16 parameter of a group
+ * with master_weights. Every field is F32 with the parameter's shape (its
+ * numel floats). Every trainable parameter must have every field of its
+ * group when the optimizer is prepared, saved or loaded (CKPT_EINVAL naming
+ * the first missing one); frozen parameters (ckpt_model_set_frozen) have
+ * none. ckpt_optimizer_step on it is CKPT_EINVAL; ckpt_optimizer_set_step
+ * tells the count. Parameters may be of any dtype. */
+CKPT_API int ckpt_optimizer_external_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
+                                         const ckpt_optim_options *opts);
+/* Attaches data (numel floats, borrowed until o is freed) as field of the
+ * parameter named param. Replaces an earlier attachment. CKPT_ENOENT if no
+ * parameter of o's groups has that name; CKPT_EINVAL for a frozen parameter
+ * or a field its group does not have (the message lists those it has). */
+CKPT_API int ckpt_optimizer_set_state(ckpt_optimizer *o, const char *param, const char *field,
+                                      void *data);
+/* Attaches field for every trainable parameter at once, for state laid out
+ * like a contiguous parameter block: a parameter whose data is element k of
+ * the block at params_base (k counted in the parameter's dtype: F32, BF16 or
+ * F16) gets the floats from element k of state_base on. CKPT_EINVAL, with
+ * nothing attached, if a trainable parameter lies before params_base or is
+ * not a whole number of elements from it; a parameter that lives outside the
+ * block cannot be told apart, so attach such ones with set_state after. */
+CKPT_API int ckpt_optimizer_set_state_block(ckpt_optimizer *o, const char *field, void *state_base,
+                                            const void *params_base);
 
 /* ------------------------------------------------------------------------ */
 /* Learning-rate schedulers (drive every group of one optimizer)             */
@@ -1084,6 +1162,19 @@ CKPT_API const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc);
  * folder of its local staging folder (docs/OBJECT_STORAGE.md). "" if none. */
 CKPT_API const char *ckpt_accelerator_logging_dir(const ckpt_accelerator *acc);
 
+/* The step: what a save records in its manifest and a full load restores
+ * (the training step to resume at). It follows the optimizer: unless
+ * ckpt_accelerator_set_step was called, it is the step count of the first
+ * prepared optimizer (ckpt_optimizer_get_step: its number of updates, as
+ * PyTorch's state[p]["step"]), so a loop that never sets it saves and
+ * resumes at the right step; without a prepared optimizer, 0 until set or
+ * loaded. Once set, it is what was set (a loop that counts steps the
+ * optimizer does not, e.g. with gradient accumulation or a loss scaler
+ * that skips steps). The first save whose explicitly set step differs from
+ * the first prepared optimizer's count logs a warning saying both (once
+ * per accelerator); the checkpoint records the step set. A full load
+ * restores the checkpoint's step: from then on it follows the optimizer
+ * again if the two agree, else it stays as loaded until set. */
 CKPT_API int64_t ckpt_accelerator_step(const ckpt_accelerator *acc);
 CKPT_API void ckpt_accelerator_set_step(ckpt_accelerator *acc, int64_t step);
 /* The number the next automatic checkpoint will get. */

@@ -102,6 +102,40 @@ FILE *cli_fopen_regular(const char *path, char how);
  * with advice for a PyTorch file. Returns CLI_USAGE. */
 int cli_wrong_kind(const char *cmd, const char *path, cli_kind kind, const char *expected);
 
+/* ---- what `ls` and `verify` both print (cli_common.c) ---- */
+/* "complete", "partial", "corrupt". */
+const char *cli_status_name(ckpt_checkpoint_status s);
+/* Parses "[options] ARG" where the only options are the given flags. Returns
+ * 0 with *arg set, -1 after --help, or CLI_USAGE. */
+int cli_parse_simple(int argc, char **argv, const char *help, const char *flag1, bool *val1,
+                     const char *flag2, bool *val2, const char **arg);
+/* Prints the project's leftover temporary folders (if any) after a table. */
+void cli_print_leftovers(const char *project, bool json);
+
+/* ---- a checkpoint folder's state files, for inspect and diff (cli_files.c) ---- */
+struct dirent;
+bool cli_is_dir(const char *path);
+/* A model saved as Hugging Face shards is listed by its index,
+ * "<stem>.safetensors.index.json": the object is "<stem>.safetensors". Other
+ * names are themselves. */
+const char *cli_object_of(const char *name, char *buf, size_t cap);
+/* Whether name is a part of a model saved as Hugging Face shards in dir. */
+bool cli_is_hf_part(const char *dir, const char *name);
+/* The .safetensors files of a folder (and Hugging Face indexes), sorted by
+ * name. Returns the count or -1 with errno; free with cli_free_names. */
+int cli_list_state_files(const char *dir, struct dirent ***names);
+void cli_free_names(struct dirent **names, int n);
+const char *cli_kind_name(ckpt_entry_kind k);
+/* "[d0, d1, ...]" on stdout. */
+void cli_print_shape(const ckpt_entry_info *e);
+/* "<object>-DDDDD-of-DDDDD.safetensors": one process's shard file. */
+bool cli_is_shard_file(const char *name);
+/* A state file; inside a checkpoint folder an object's file is opened with
+ * its shard files, so sharded tensors read whole. */
+int cli_open_state(const char *path, ckpt_reader **r);
+/* Reports a failed library call ("what: message") and returns CLI_RUNTIME. */
+int cli_lib_error(const char *what, int rc);
+
 /* ---- many processes (cli_dist.c) ---- */
 struct ckpt_comm;
 typedef struct cli_dist {

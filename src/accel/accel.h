@@ -70,7 +70,12 @@ struct ckpt_accelerator {
     int nobjs, cap;
     int count[K_COUNT];
     ckpt_rng rng;
+    /* The step: the first prepared optimizer's count unless step_set (by
+     * ckpt_accelerator_set_step, or a load of a checkpoint whose step is
+     * not its optimizer's); step_warned: the save's warning that the two
+     * differ was given. */
     int64_t step;
+    bool step_set, step_warned;
     char *last_dir;
     ckpt_hook_handle *hooks[HOOK_KINDS];
     /* The last ckpt_load_state failed (other than "no checkpoint"): saves
@@ -121,6 +126,13 @@ bool ckpt__acc_is_shard_of(const char *name, const char *stem_file);
 /* Every saved object in file order, the accelerator's generator last. *n
  * entries in a ckpt__malloc'd array; NULL if out of memory. */
 ckpt_acc_obj *ckpt__acc_plan_objects(ckpt_accelerator *acc, int *n);
+/* A full load restores the checkpoint's step: it is followed as set when it
+ * differs from the (just loaded) first optimizer's count. */
+void ckpt__acc_restore_step(ckpt_accelerator *acc, int64_t step);
+/* The step a save records (ckpt_accelerator_step); the first time it was set
+ * explicitly to other than the first prepared optimizer's count, a warning
+ * says so (once per accelerator). */
+int64_t ckpt__acc_save_step(ckpt_accelerator *acc);
 /* One run per project: the first save or load (rank 0's) takes the project
  * lock, <project_dir>/checkpoints/.lock, and keeps it until the accelerator
  * is freed, so a second run is refused at its first call (CKPT_EBUSY naming

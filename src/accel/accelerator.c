@@ -194,10 +194,7 @@ int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed) {
     return 0;
 }
 
-int64_t ckpt_accelerator_step(const ckpt_accelerator *acc) { return acc ? acc->step : 0; }
-void ckpt_accelerator_set_step(ckpt_accelerator *acc, int64_t step) {
-    if (acc) acc->step = step;
-}
+/* The first prepared optimizer, or NULL. */
 int64_t ckpt_accelerator_iteration(const ckpt_accelerator *acc) { return acc ? acc->iteration : 0; }
 void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint64_t *written,
                                       uint64_t *linked) {
@@ -248,6 +245,8 @@ int ckpt_prepare_model(ckpt_accelerator *acc, ckpt_model *m) {
     return prepare_builtin(acc, K_MODEL, ckpt_model_ops(), m, "prepare_model");
 }
 int ckpt_prepare_optimizer(ckpt_accelerator *acc, ckpt_optimizer *o) {
+    /* an external optimizer: every trainable parameter's state attached */
+    if (o) CKPT_TRY(ckpt__optimizer_check_ready(o));
     CKPT_TRY(prepare_builtin(acc, K_OPTIMIZER, ckpt_optimizer_ops(), o, "prepare_optimizer"));
     ckpt__optimizer_set_log(o, acc->log.fn, acc->log.user);
     return CKPT_OK;

@@ -1247,7 +1247,7 @@ static int apply(load_op *op) {
         free(last);
         return CKPT_OK;
     }
-    acc->step = m->step;
+    ckpt__acc_restore_step(acc, m->step);
     int64_t next = m->iteration;
     {
         const char *dir = op->dir;

@@ -1,8 +1,9 @@
 /* objects.c — what the accelerator's save and load share: the kinds of
  * objects and their file names, the plan of objects to save, the project
- * lock and the hooks. Kept apart from accelerator.c (lifecycle and
+ * lock, the hooks and the step. Kept apart from accelerator.c (lifecycle and
  * registration) so that save.c and load.c depend on this file and
  * accelerator.c on them, never back: the call graph has no cycle. */
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -129,4 +130,46 @@ ckpt_acc_obj *ckpt__acc_plan_objects(ckpt_accelerator *acc, int *n) {
     v[k++] = (ckpt_acc_obj){K_RNG, 0, ckpt_rng_ops(), &acc->rng};
     *n = k;
     return v;
+}
+
+/* ---- the step -------------------------------------------------------------- */
+
+static const ckpt_optimizer *first_optimizer(const ckpt_accelerator *acc) {
+    for (int i = 0; i < acc->nobjs; i++)
+        if (acc->objs[i].kind == K_OPTIMIZER) return acc->objs[i].self;
+    return NULL;
+}
+
+/* The step follows the first prepared optimizer unless it was set. */
+int64_t ckpt_accelerator_step(const ckpt_accelerator *acc) {
+    if (!acc) return 0;
+    const ckpt_optimizer *o = acc->step_set ? NULL : first_optimizer(acc);
+    return o ? ckpt_optimizer_get_step(o) : acc->step;
+}
+
+void ckpt_accelerator_set_step(ckpt_accelerator *acc, int64_t step) {
+    if (!acc) return;
+    acc->step = step;
+    acc->step_set = true;
+}
+
+void ckpt__acc_restore_step(ckpt_accelerator *acc, int64_t step) {
+    const ckpt_optimizer *o = first_optimizer(acc);
+    acc->step = step;
+    /* a checkpoint whose step is its optimizer's goes on following it */
+    acc->step_set = !o || ckpt_optimizer_get_step(o) != step;
+}
+
+int64_t ckpt__acc_save_step(ckpt_accelerator *acc) {
+    const ckpt_optimizer *o = first_optimizer(acc);
+    int64_t step = ckpt_accelerator_step(acc);
+    if (!o || !acc->step_set || acc->step_warned || ckpt_optimizer_get_step(o) == step) return step;
+    acc->step_warned = true;
+    if (acc->comm->rank == 0)
+        ckpt__log(&acc->log, CKPT_LOG_WARNING,
+                  "save_state: the step set with ckpt_accelerator_set_step (%" PRId64
+                  ") differs from the step count of the first prepared optimizer (%" PRId64
+                  "); the checkpoint records %" PRId64 " (said once)",
+                  step, ckpt_optimizer_get_step(o), step);
+    return step;
 }

@@ -632,7 +632,7 @@ int ckpt__save_op_new(ckpt_accelerator *acc, const char *output_dir, save_op **o
     op->acc = acc;
     op->comm = acc->comm;
     op->log = acc->log;
-    op->step = acc->step;
+    op->step = ckpt__acc_save_step(acc);
     op->iteration = acc->iteration;
     op->automatic = output_dir == NULL;
     op->committer = acc->comm->rank == 0;

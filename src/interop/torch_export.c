@@ -440,6 +440,7 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
             const void *sv = NULL;
             ckpt_entry_info se;
             snprintf(key, sizeof key, "state.%" PRId64 ".step", i);
+            if (!has(r, key)) continue; /* a frozen parameter: no state, as in PyTorch */
             rc = ckpt_reader_tensor_view(r, key, &sv, &se);
             if (rc < 0) break;
             float step = 0;
@@ -461,6 +462,14 @@ static int export_optimizer(exp_ctx *c, const char *file, int k, const ckpt_read
                 if (rc < 0 || !there) continue;
                 snprintf(key, sizeof key, "state.%" PRId64 ".%s", i, d->buffers[b]);
                 rc = ckpt_reader_tensor_view(r, key, &sv, &se);
+                if (rc == 0) rc = ckpt_torch_put_tensor(w, se.dtype, se.ndim, se.shape, sv);
+            }
+            /* a BF16/F16 parameter's fp32 master (master_weights): under
+             * "master", which PyTorch's load_state_dict keeps as it is */
+            snprintf(key, sizeof key, "state.%" PRId64 ".master", i);
+            if (rc == 0 && has(r, key)) {
+                rc = ckpt_reader_tensor_view(r, key, &sv, &se);
+                if (rc == 0) rc = ckpt_torch_put_str(w, "master");
                 if (rc == 0) rc = ckpt_torch_put_tensor(w, se.dtype, se.ndim, se.shape, sv);
             }
             if (rc == 0) rc = ckpt_torch_end(w);

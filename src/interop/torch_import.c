@@ -591,6 +591,13 @@ static int import_optimizer(imp *x, const char *path) {
                 if (d->torch_none_buffer && bv && bv->kind == CKPT_TORCH_NONE) *step = 0.0f;
                 CKPT_TRY(state_tensor(x, path, idx, st, d->buffers[b], like, key, sizeof key));
             }
+            /* a master (ckpt export of master_weights state): carried as it is */
+            const ckpt_torch_value *mv = ckpt_torch_dict_get(st, "master");
+            if (mv && mv->kind != CKPT_TORCH_TENSOR)
+                return ckpt__err(CKPT_ECORRUPT,
+                                 "import: %s: state %" PRId64 " 'master' is not a tensor", path,
+                                 idx);
+            if (mv) CKPT_TRY(state_tensor(x, path, idx, st, "master", NULL, key, sizeof key));
             snprintf(key, sizeof key, "state.%" PRId64 ".step", idx);
             CKPT_TRY(ckpt_write_tensor(x->optim, key, CKPT_F32, 0, NULL, step));
             idx++;

@@ -21,13 +21,14 @@ typedef struct model_param {
     void *data;
     void *grad;
     signed char frozen_user; /* ckpt_model_set_frozen: 1 / 0; -1: not said */
-    bool ungrouped;          /* in no group of its optimizer */
+    signed char grouped;     /* in a group of its optimizer: 1 / 0; -1: no optimizer said */
 } model_param;
 
 struct ckpt_model {
     model_param *params;
     int64_t n, cap;
     int64_t numel;
+    uint64_t frozen_gen; /* counts ckpt_model_set_frozen calls, for the optimizers */
 };
 
 int ckpt_model_new(ckpt_model **out) {
@@ -85,6 +86,7 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
     p->data = data;
     p->grad = grad;
     p->frozen_user = -1;
+    p->grouped = -1;
     m->n++;
     m->numel += numel;
     return CKPT_OK;
@@ -94,11 +96,12 @@ int64_t ckpt_model_num_params(const ckpt_model *m) { return m ? m->n : 0; }
 
 int64_t ckpt_model_num_elements(const ckpt_model *m) { return m ? m->numel : 0; }
 
-/* Frozen: what the user said, else no gradient buffer or no optimizer
- * group. */
+/* Frozen: what the user said; else, once an optimizer has the model, in no
+ * group of it; else (no optimizer) without a gradient buffer. */
 static bool param_frozen(const model_param *p) {
     if (p->frozen_user >= 0) return p->frozen_user == 1;
-    return !p->grad || p->ungrouped;
+    if (p->grouped >= 0) return p->grouped == 0;
+    return !p->grad;
 }
 
 int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info) {
@@ -128,6 +131,7 @@ int ckpt_model_set_frozen(ckpt_model *m, const char *pattern, bool frozen) {
         p->frozen_user = frozen ? 1 : 0;
         n++;
     }
+    if (n > 0) m->frozen_gen++;
     if (n == 0)
         return ckpt__err(CKPT_ENOENT,
                          "model_set_frozen: no parameter name matches '%s' (the model has %lld "
@@ -136,9 +140,15 @@ int ckpt_model_set_frozen(ckpt_model *m, const char *pattern, bool frozen) {
     return n;
 }
 
-void ckpt__model_set_ungrouped(ckpt_model *m, int64_t i, bool ungrouped) {
-    if (m && i >= 0 && i < m->n) m->params[i].ungrouped = ungrouped;
+void ckpt__model_set_grouped(ckpt_model *m, int64_t i, bool grouped) {
+    if (m && i >= 0 && i < m->n) m->params[i].grouped = grouped ? 1 : 0;
 }
+
+bool ckpt__model_user_frozen(const ckpt_model *m, int64_t i) {
+    return m && i >= 0 && i < m->n && m->params[i].frozen_user == 1;
+}
+
+uint64_t ckpt__model_frozen_gen(const ckpt_model *m) { return m ? m->frozen_gen : 0; }
 
 /* ---- state dict --------------------------------------------------------- */
 

@@ -118,40 +118,114 @@ static bool rmsprop_needs(int b, const ckpt_optim_options *g) {
     return b == 0 || (b == 1 && g->momentum > 0) || (b == 2 && g->centered);
 }
 
-static void free_state(opt_param *p) {
+/* Drops p's state: frees what ckpt's own optimizer allocated; an external
+ * one's buffers are the caller's. */
+static void free_state(const ckpt_optimizer *o, opt_param *p) {
     for (int b = 0; b < CKPT_OPTIM_MAX_BUFFERS; b++) {
-        free(p->buf[b]);
+        if (!o->external) free(p->buf[b]);
         p->buf[b] = NULL;
     }
+    if (!o->external) free(p->master);
+    p->master = NULL;
 }
 
-static void free_params(opt_param *p, int64_t n) {
+static void free_params(const ckpt_optimizer *o, opt_param *p, int64_t n) {
     if (!p) return;
-    for (int64_t i = 0; i < n; i++) free_state(&p[i]);
+    for (int64_t i = 0; i < n; i++) free_state(o, &p[i]);
     free(p);
 }
 
 static float *zeros(int64_t n) { return ckpt__calloc(n > 0 ? (size_t)n : 1, sizeof(float)); }
 
-/* Allocates zeroed state for every parameter of p as its group needs.
- * State exists from the start (zeros, step 0) so that the state dict has the
- * same keys before and after the first step. */
+/* Whether ckpt's own optimizer can update a parameter of dtype dt under
+ * group options g: F32, or BF16/F16 through an fp32 master. */
+static int check_dtype(const ckpt_optimizer *o, const opt_param *p, const ckpt_optim_options *g) {
+    if (o->external || p->dtype == CKPT_F32) return CKPT_OK;
+    const char *dn = ckpt_dtype_name(p->dtype);
+    if ((p->dtype == CKPT_BF16 || p->dtype == CKPT_F16) && !g->master_weights)
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "optimizer: parameter '%s' is %s: its group needs master_weights "
+                         "(an fp32 master per parameter), or make the parameter F32",
+                         p->name, dn);
+    if (p->dtype != CKPT_BF16 && p->dtype != CKPT_F16)
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "optimizer: parameter '%s' is %s: only F32 parameters (and BF16/F16 "
+                         "ones with master_weights) are supported",
+                         p->name, dn ? dn : "?");
+    return CKPT_OK;
+}
+
+/* Fresh state for a trainable parameter of ckpt's own optimizer: zeroed
+ * buffers as its group needs, a master equal to the parameter, step 0
+ * (elements [lo, hi)). State exists from the start so that the state dict
+ * has the same keys before and after the first step. Nothing for an
+ * external optimizer (the caller attaches its own). */
+static int alloc_one(const ckpt_optimizer *o, opt_param *p, const ckpt_optim_options *g) {
+    p->step = 0;
+    if (o->external || p->frozen) return CKPT_OK;
+    CKPT_TRY(check_dtype(o, p, g));
+    int64_t own = p->hi - p->lo; /* the whole parameter unless sharded */
+    bool ok = true;
+    for (int b = 0; b < o->impl->d.nbuffers; b++)
+        if (o->impl->d.needs(b, g)) ok = ok && (p->buf[b] = zeros(own)) != NULL;
+    if (ok && p->needs_master) {
+        ok = (p->master = zeros(own)) != NULL;
+        if (ok && own > 0)
+            (void)ckpt_dtype_convert(p->dtype, (const char *)p->data + 2 * p->lo, CKPT_F32,
+                                     p->master, (uint64_t)own);
+    }
+    if (!ok) return ckpt__err_nomem("optimizer state");
+    return CKPT_OK;
+}
+
 static int alloc_state(const ckpt_optimizer *o, opt_param *p, int64_t n,
                        const ckpt_optim_options *opts) {
-    for (int64_t i = 0; i < n; i++) {
-        const ckpt_optim_options *g = &opts[p[i].group];
-        bool ok = true;
-        int64_t own = p[i].hi - p[i].lo; /* the whole parameter unless sharded */
-        for (int b = 0; b < o->impl->d.nbuffers; b++)
-            if (o->impl->d.needs(b, g)) ok = ok && (p[i].buf[b] = zeros(own)) != NULL;
-        if (!ok) return ckpt__err_nomem("optimizer state");
-    }
+    for (int64_t i = 0; i < n; i++) CKPT_TRY(alloc_one(o, &p[i], &opts[p[i].group]));
     return CKPT_OK;
+}
+
+/* p as the model's parameter mi in group g (no state yet, not sharded). */
+static void param_init(const ckpt_optimizer *o, opt_param *p, int64_t mi, int g,
+                       const ckpt_optim_options *opts) {
+    ckpt_param_info info;
+    ckpt_model_param(o->model, mi, &info);
+    memset(p, 0, sizeof *p);
+    p->name = info.name;
+    p->midx = mi;
+    p->dtype = info.dtype;
+    p->ndim = info.ndim;
+    memcpy(p->shape, info.shape, sizeof p->shape);
+    p->numel = info.numel;
+    p->data = info.data;
+    p->grad = info.grad;
+    p->group = g;
+    p->hi = p->numel;
+    p->frozen = ckpt__model_user_frozen(o->model, mi);
+    p->needs_master = opts[g].master_weights && (info.dtype == CKPT_BF16 || info.dtype == CKPT_F16);
+}
+
+/* An external optimizer's new parameter list keeps the buffers the caller
+ * attached to each parameter in the old one, where its group still needs
+ * them. */
+static void keep_attached(const ckpt_optimizer *o, opt_param *np_, int64_t n,
+                          const ckpt_optim_options *opts) {
+    if (!o->external) return;
+    for (int64_t k = 0; k < n; k++) {
+        opt_param *q = &np_[k];
+        for (int64_t i = 0; i < o->np && !q->frozen; i++) {
+            const opt_param *old = &o->p[i];
+            if (old->midx != q->midx) continue;
+            for (int b = 0; b < o->impl->d.nbuffers; b++)
+                if (o->impl->d.needs(b, &opts[q->group])) q->buf[b] = old->buf[b];
+            if (q->needs_master) q->master = old->master;
+            q->step = old->step;
+        }
+    }
 }
 
 void ckpt_optimizer_free(ckpt_optimizer *o) {
     if (!o) return;
-    free_params(o->p, o->np);
+    free_params(o, o->p, o->np);
     free(o->opts);
     free(o->group_start);
     free(o->param_index);
@@ -163,31 +237,24 @@ void ckpt_optimizer_free(ckpt_optimizer *o) {
     free(o);
 }
 
-int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
-                       const ckpt_optim_options *opt) {
-    if (!out) return ckpt__err(CKPT_EINVAL, "optimizer_new: out is NULL");
+int ckpt__optimizer_make(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
+                         const ckpt_optim_options *opt, bool external) {
+    const char *fn = external ? "optimizer_external_new" : "optimizer_new";
+    if (!out) return ckpt__err(CKPT_EINVAL, "%s: out is NULL", fn);
     *out = NULL;
-    if (!m || !opt) return ckpt__err(CKPT_EINVAL, "optimizer_new: model or options is NULL");
+    if (!m || !opt) return ckpt__err(CKPT_EINVAL, "%s: model or options is NULL", fn);
     const kind_impl *impl = impl_of(kind);
-    if (!impl) return ckpt__err(CKPT_EINVAL, "optimizer_new: unknown kind %d", (int)kind);
+    if (!impl) return ckpt__err(CKPT_EINVAL, "%s: unknown kind %d", fn, (int)kind);
     int64_t np = ckpt_model_num_params(m);
     if (np == 0) return ckpt__err(CKPT_EINVAL, "optimizer: the model has no parameters");
     CKPT_TRY(ckpt__optim_check_options(impl, opt, 0));
-    for (int64_t i = 0; i < np; i++) {
-        ckpt_param_info info;
-        CKPT_TRY(ckpt_model_param(m, i, &info));
-        if (info.dtype != CKPT_F32) {
-            const char *dn = ckpt_dtype_name(info.dtype);
-            return ckpt__err(CKPT_EUNSUPPORTED,
-                             "optimizer: parameter '%s' is %s: only F32 parameters are supported",
-                             info.name, dn ? dn : "?");
-        }
-    }
     ckpt_optimizer *o = ckpt__calloc(1, sizeof *o);
     if (!o) return ckpt__err_nomem("optimizer");
     o->kind = kind;
     o->impl = impl;
     o->model = m;
+    o->external = external;
+    o->frozen_gen = ckpt__model_frozen_gen(m);
     o->np = np;
     o->ngroups = 1;
     o->p = ckpt__calloc((size_t)np, sizeof *o->p);
@@ -203,16 +270,7 @@ int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m
     o->group_start[0] = 0;
     o->group_start[1] = np;
     for (int64_t i = 0; i < np; i++) {
-        ckpt_param_info info;
-        ckpt_model_param(m, i, &info);
-        opt_param *p = &o->p[i];
-        p->name = info.name;
-        p->ndim = info.ndim;
-        memcpy(p->shape, info.shape, sizeof p->shape);
-        p->numel = info.numel;
-        p->data = info.data;
-        p->grad = info.grad;
-        p->hi = p->numel;
+        param_init(o, &o->p[i], i, 0, o->opts);
         o->param_index[i] = i;
     }
     int rc = alloc_state(o, o->p, np, o->opts);
@@ -220,8 +278,14 @@ int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m
         ckpt_optimizer_free(o);
         return rc;
     }
+    for (int64_t i = 0; i < np; i++) ckpt__model_set_grouped(m, i, true);
     *out = o;
     return CKPT_OK;
+}
+
+int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
+                       const ckpt_optim_options *opt) {
+    return ckpt__optimizer_make(out, kind, m, opt, false);
 }
 
 int ckpt_sgd_new(ckpt_optimizer **out, ckpt_model *m, double lr, double momentum,
@@ -276,8 +340,10 @@ static bool has_stepped(const ckpt_optimizer *o) {
 /* ---- ZeRO-1 ------------------------------------------------------------- */
 
 /* Parameters that take part in the split: at least one dimension and one
- * element. Scalars and empty tensors are updated by every rank in full. */
-static bool splittable(const opt_param *p) { return p->ndim >= 1 && p->numel > 0; }
+ * element, and trainable when the split is made. Scalars, empty tensors and
+ * frozen parameters (should they be unfrozen later) are updated by every
+ * rank in full. */
+static bool splittable(const opt_param *p) { return p->ndim >= 1 && p->numel > 0 && !p->frozen; }
 
 /* The split (docs/DISTRIBUTED.md, "ZeRO-1"): the splittable parameters, in
  * state order, form one flat range of N elements. Rank r's nominal share
@@ -342,6 +408,7 @@ int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm) {
                          comm->rank, comm->size);
     if (has_stepped(o))
         return ckpt__err(CKPT_EINVAL, "optimizer_set_shard: only before the first step");
+    CKPT_TRY(ckpt__optim_sync_frozen(o));
     int64_t *cuts = NULL;
     opt_param *p = ckpt__calloc((size_t)o->np, sizeof *p);
     size_t *lens = ckpt__calloc((size_t)comm->size, sizeof *lens);
@@ -352,17 +419,20 @@ int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm) {
     }
     for (int64_t i = 0; i < o->np; i++) {
         p[i] = o->p[i];
-        memset(p[i].buf, 0, sizeof p[i].buf);
+        if (!o->external) {
+            memset(p[i].buf, 0, sizeof p[i].buf);
+            p[i].master = NULL;
+        }
     }
     int rc = shard_layout(comm, p, o->np, &cuts);
     if (rc == 0) rc = alloc_state(o, p, o->np, o->opts);
     if (rc < 0) {
-        free_params(p, o->np);
+        free_params(o, p, o->np);
         free(cuts);
         free(lens);
         return rc;
     }
-    free_params(o->p, o->np);
+    free_params(o, o->p, o->np);
     free(o->rank_start);
     free(o->exchange_lens);
     o->p = p;
@@ -372,18 +442,32 @@ int ckpt_optimizer_set_shard(ckpt_optimizer *o, const ckpt_comm *comm) {
     return exchange_alloc(o);
 }
 
+/* The bytes rank r contributes to the exchange: its share of every sharded
+ * parameter, each in the parameter's dtype. */
+static size_t share_bytes(const ckpt_optimizer *o, int r) {
+    int64_t a = o->rank_start[r], b = o->rank_start[r + 1], s = 0;
+    size_t n = 0;
+    for (int64_t i = 0; i < o->np; i++) {
+        const opt_param *p = &o->p[i];
+        if (!p->sharded) continue;
+        int64_t lo = a > s ? a : s, hi = b < s + p->numel ? b : s + p->numel;
+        if (hi > lo) n += (size_t)(hi - lo) * ckpt__optim_esize(p);
+        s += p->numel;
+    }
+    return n;
+}
+
 /* (Re)allocates the exchange buffers for the current cuts. */
 static int exchange_alloc(ckpt_optimizer *o) {
     const ckpt_comm *c = o->comm;
-    int64_t total = o->rank_start[c->size];
-    int64_t own = o->rank_start[c->rank + 1] - o->rank_start[c->rank];
+    size_t total = 0;
+    for (int r = 0; r < c->size; r++) total += o->exchange_lens[r] = share_bytes(o, r);
+    size_t own = o->exchange_lens[c->rank];
     free(o->exchange);
     free(o->send);
-    o->exchange = ckpt__malloc((size_t)(total ? total : 1) * sizeof(float));
-    o->send = ckpt__malloc((size_t)(own ? own : 1) * sizeof(float));
+    o->exchange = ckpt__malloc(total ? total : 1);
+    o->send = ckpt__malloc(own ? own : 1);
     if (!o->exchange || !o->send) return ckpt__err_nomem("optimizer exchange buffer");
-    for (int r = 0; r < c->size; r++)
-        o->exchange_lens[r] = (size_t)(o->rank_start[r + 1] - o->rank_start[r]) * sizeof(float);
     return CKPT_OK;
 }
 
@@ -391,25 +475,42 @@ static int exchange_alloc(ckpt_optimizer *o) {
  * values (one allgather of the flat range, in rank order). */
 static int exchange_shares(ckpt_optimizer *o) {
     const ckpt_comm *c = o->comm;
-    int64_t total = o->rank_start[c->size];
-    float *ex = o->exchange;
-    float *mine = o->send;
+    unsigned char *ex = o->exchange;
+    unsigned char *mine = o->send;
     if (!ex || !mine) return ckpt__err(CKPT_ENOMEM, "optimizer step: no exchange buffer");
     for (int64_t i = 0; i < o->np; i++) {
         const opt_param *p = &o->p[i];
         if (!p->sharded || p->hi == p->lo) continue;
-        memcpy(mine, p->data + p->lo, (size_t)(p->hi - p->lo) * sizeof(float));
-        mine += p->hi - p->lo;
+        size_t es = ckpt__optim_esize(p);
+        memcpy(mine, (const char *)p->data + (size_t)p->lo * es, (size_t)(p->hi - p->lo) * es);
+        mine += (size_t)(p->hi - p->lo) * es;
     }
     int rc = c->allgather(c->ctx, o->send, ex, o->exchange_lens);
     if (rc < 0) return ckpt__err_prefix(rc, "optimizer step: exchanging updated parameters");
+    /* rank r's bytes are its part of each parameter in turn: walk the
+     * ranks' parts of each parameter in rank order */
+    size_t *at = ckpt__calloc((size_t)c->size, sizeof *at);
+    if (!at) return ckpt__err_nomem("optimizer exchange");
+    size_t base = 0;
+    for (int r = 0; r < c->size; r++) {
+        at[r] = base;
+        base += o->exchange_lens[r];
+    }
     int64_t s = 0;
-    for (int64_t i = 0; i < o->np && total > 0; i++) {
+    for (int64_t i = 0; i < o->np; i++) {
         opt_param *p = &o->p[i];
         if (!p->sharded) continue;
-        memcpy(p->data, ex + s, (size_t)p->numel * sizeof(float));
+        size_t es = ckpt__optim_esize(p);
+        for (int r = 0; r < c->size; r++) {
+            int64_t a = o->rank_start[r], b = o->rank_start[r + 1];
+            int64_t lo = a > s ? a : s, hi = b < s + p->numel ? b : s + p->numel;
+            if (hi <= lo) continue;
+            memcpy((char *)p->data + (size_t)(lo - s) * es, ex + at[r], (size_t)(hi - lo) * es);
+            at[r] += (size_t)(hi - lo) * es;
+        }
         s += p->numel;
     }
+    free(at);
     return CKPT_OK;
 }
 
@@ -426,7 +527,7 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
     if (!count) return ckpt__err_nomem("optimizer groups");
     int64_t np = 0;
     for (int64_t i = 0; i < nm; i++) {
-        if (group_of[i] == -1) continue; /* not optimized (a frozen parameter) */
+        if (group_of[i] == -1) continue; /* not optimized */
         if (group_of[i] < 0 || group_of[i] >= ngroups) {
             free(count);
             return ckpt__err(CKPT_EINVAL,
@@ -445,11 +546,13 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
     ckpt_optim_options *nopts = ckpt__malloc((size_t)ngroups * sizeof *nopts);
     int64_t *start = ckpt__malloc(((size_t)ngroups + 1) * sizeof *start);
     int64_t *index = ckpt__malloc((size_t)np * sizeof *index);
-    if (!p || !nopts || !start || !index) {
+    int64_t *lmap = ckpt__malloc((size_t)(np ? np : 1) * sizeof *lmap);
+    if (!p || !nopts || !start || !index || !lmap) {
         free(p);
         free(nopts);
         free(start);
         free(index);
+        free(lmap);
         free(count);
         return ckpt__err_nomem("optimizer groups");
     }
@@ -461,41 +564,37 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
         if (group_of[i] == -1) continue;
         int g = group_of[i];
         int64_t k = start[g] + count[g]++;
-        ckpt_param_info info;
-        ckpt_model_param(o->model, i, &info);
-        p[k].name = info.name;
-        p[k].ndim = info.ndim;
-        memcpy(p[k].shape, info.shape, sizeof p[k].shape);
-        p[k].numel = info.numel;
-        p[k].data = info.data;
-        p[k].grad = info.grad;
-        p[k].hi = p[k].numel;
-        p[k].group = g;
+        param_init(o, &p[k], i, g, nopts);
         index[k] = k;
     }
     free(count);
+    keep_attached(o, p, np, nopts);
     int64_t *cuts = NULL;
     int rc = o->comm ? shard_layout(o->comm, p, np, &cuts) : CKPT_OK;
     if (rc == 0) rc = alloc_state(o, p, np, nopts);
     if (rc < 0) {
         free(cuts);
-        free_params(p, np);
+        free_params(o, p, np);
         free(nopts);
         free(start);
         free(index);
+        free(lmap);
         return rc;
     }
-    free_params(o->p, o->np);
+    free_params(o, o->p, o->np);
     free(o->opts);
     free(o->group_start);
     free(o->param_index);
+    free(o->load_map);
     o->p = p;
     o->np = np;
     o->opts = nopts;
     o->ngroups = ngroups;
     o->group_start = start;
     o->param_index = index;
-    for (int64_t i = 0; i < nm; i++) ckpt__model_set_ungrouped(o->model, i, group_of[i] == -1);
+    o->load_map = lmap;
+    o->frozen_gen = ckpt__model_frozen_gen(o->model);
+    for (int64_t i = 0; i < nm; i++) ckpt__model_set_grouped(o->model, i, group_of[i] != -1);
     if (o->comm) {
         free(o->rank_start);
         o->rank_start = cuts;
@@ -607,32 +706,130 @@ static const kind_impl KINDS[4] = {
 #undef HP
 #undef TF_HP
 
+/* ---- frozen parameters ------------------------------------------------ */
+
+int ckpt__optim_sync_frozen(ckpt_optimizer *o) {
+    uint64_t gen = ckpt__model_frozen_gen(o->model);
+    if (gen == o->frozen_gen) return CKPT_OK;
+    for (int64_t i = 0; i < o->np; i++) {
+        opt_param *p = &o->p[i];
+        bool f = ckpt__model_user_frozen(o->model, p->midx);
+        if (f == p->frozen) continue;
+        free_state(o, p); /* frozen: none; unfrozen: fresh (own) or the caller's (external) */
+        p->step = 0;
+        p->frozen = f;
+        int rc = f ? CKPT_OK : alloc_one(o, p, &o->opts[p->group]);
+        if (rc < 0) {
+            free_state(o, p);
+            p->frozen = true; /* tried again at the next call */
+            return rc;
+        }
+    }
+    o->frozen_gen = gen;
+    return CKPT_OK;
+}
+
+/* ---- state fields --------------------------------------------------------- */
+
+int ckpt__optim_fields(const ckpt_optimizer *o, const opt_param *p, const char **names,
+                       float **bufs) {
+    int n = 0;
+    const ckpt_optim_options *g = &o->opts[p->group];
+    for (int b = 0; b < o->impl->d.nbuffers; b++)
+        if (o->impl->d.needs(b, g)) {
+            names[n] = o->impl->d.buffers[b];
+            bufs[n++] = p->buf[b];
+        }
+    if (p->needs_master) {
+        names[n] = "master";
+        bufs[n++] = p->master;
+    }
+    return n;
+}
+
+int ckpt__optim_check_attached(const ckpt_optimizer *o) {
+    if (!o->external) return CKPT_OK;
+    const char *names[CKPT_OPTIM_MAX_FIELDS];
+    float *bufs[CKPT_OPTIM_MAX_FIELDS];
+    for (int64_t i = 0; i < o->np; i++) {
+        const opt_param *p = &o->p[i];
+        if (p->frozen || p->numel == 0) continue;
+        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs); j < n; j++)
+            if (!bufs[j])
+                return ckpt__err(CKPT_EINVAL,
+                                 "optimizer: external %s optimizer: parameter '%s' has no '%s' "
+                                 "(every trainable parameter needs every field of its group: "
+                                 "ckpt_optimizer_set_state or ckpt_optimizer_set_state_block)",
+                                 o->impl->d.name, p->name, names[j]);
+    }
+    return CKPT_OK;
+}
+
+/* ---- the step ------------------------------------------------------------ */
+
 int ckpt_optimizer_step(ckpt_optimizer *o) {
     if (!o) return ckpt__err(CKPT_EINVAL, "optimizer_step: optimizer is NULL");
+    if (o->external)
+        return ckpt__err(CKPT_EINVAL,
+                         "optimizer_step: this optimizer is external "
+                         "(ckpt_optimizer_external_new): the caller runs its update, and says "
+                         "how many it ran with ckpt_optimizer_set_step");
+    CKPT_TRY(ckpt__optim_sync_frozen(o));
     /* Check first so that a missing gradient changes nothing. */
     for (int64_t i = 0; i < o->np; i++)
-        if (!o->p[i].grad && o->p[i].numel > 0)
+        if (!o->p[i].frozen && !o->p[i].grad && o->p[i].numel > 0)
             return ckpt__err(CKPT_EINVAL,
                              "optimizer: parameter '%s' (state %lld) has no gradient buffer",
                              o->p[i].name, (long long)i);
-    for (int64_t i = 0; i < o->np; i++) o->impl->update(&o->p[i], &o->opts[o->p[i].group]);
+    for (int64_t i = 0; i < o->np; i++)
+        if (!o->p[i].frozen) ckpt__optim_update_param(o->impl, &o->p[i], &o->opts[o->p[i].group]);
     if (o->comm && o->comm->size > 1) return exchange_shares(o);
     return CKPT_OK;
 }
 
+/* PyTorch counts steps in a float32 per parameter: exact up to 2^24. */
+#define STEP_MAX ((int64_t)1 << 24)
+
+int ckpt_optimizer_set_step(ckpt_optimizer *o, int64_t step) {
+    if (!o) return ckpt__err(CKPT_EINVAL, "optimizer_set_step: optimizer is NULL");
+    if (step < 0 || step > STEP_MAX)
+        return ckpt__err(CKPT_EINVAL,
+                         "optimizer_set_step: step %lld, expected 0..%lld (PyTorch keeps the "
+                         "count in a float32, exact up to 2^24)",
+                         (long long)step, (long long)STEP_MAX);
+    CKPT_TRY(ckpt__optim_sync_frozen(o));
+    for (int64_t i = 0; i < o->np; i++)
+        if (!o->p[i].frozen) o->p[i].step = (float)step; /* frozen: no state, no count */
+    return CKPT_OK;
+}
+
+int64_t ckpt_optimizer_get_step(const ckpt_optimizer *o) {
+    if (!o) return 0;
+    float most = 0.0f;
+    for (int64_t i = 0; i < o->np; i++)
+        if (!o->p[i].frozen && o->p[i].step > most) most = o->p[i].step;
+    return (int64_t)most;
+}
+
 void ckpt_optimizer_zero_grad(ckpt_optimizer *o) {
     if (!o) return;
-    for (int64_t i = 0; i < o->np; i++)
-        if (o->p[i].grad) memset(o->p[i].grad, 0, (size_t)o->p[i].numel * sizeof(float));
+    for (int64_t i = 0; i < o->np; i++) {
+        const opt_param *p = &o->p[i];
+        uint64_t nb = 0;
+        if (p->grad && ckpt_tensor_nbytes(p->dtype, p->ndim, p->shape, &nb) == 0)
+            memset(p->grad, 0, (size_t)nb);
+    }
 }
 
 /* ---- internal accessors (optim.h) -------------------------------------- */
 
 int64_t ckpt__optimizer_num_params(const ckpt_optimizer *o) { return o ? o->np : 0; }
 
-float *ckpt__optimizer_grad(const ckpt_optimizer *o, int64_t i, int64_t *numel) {
-    if (numel) *numel = o->p[i].numel;
-    return o->p[i].grad;
+void *ckpt__optimizer_grad(const ckpt_optimizer *o, int64_t i, int64_t *numel, ckpt_dtype *dt) {
+    const opt_param *p = &o->p[i];
+    if (numel) *numel = p->numel;
+    if (dt) *dt = p->dtype;
+    return p->frozen ? NULL : p->grad;
 }
 
 const char *ckpt__optimizer_param_name(const ckpt_optimizer *o, int64_t i) {

@@ -11,19 +11,33 @@
 
 /* Parameters the optimizer updates (in PyTorch's numbering across groups). */
 int64_t ckpt__optimizer_num_params(const ckpt_optimizer *o);
-/* The fp32 gradient of parameter i and its element count (grad may be NULL). */
-float *ckpt__optimizer_grad(const ckpt_optimizer *o, int64_t i, int64_t *numel);
+/* The gradient of parameter i (of the parameter's dtype: F32, or BF16/F16
+ * with a master), its element count and dtype; NULL for a parameter without
+ * one or frozen (ckpt_model_set_frozen). */
+void *ckpt__optimizer_grad(const ckpt_optimizer *o, int64_t i, int64_t *numel, ckpt_dtype *dt);
 /* The name of parameter i, for messages. */
 const char *ckpt__optimizer_param_name(const ckpt_optimizer *o, int64_t i);
+
+/* Ready to be prepared: up to date with the model's frozen parameters and,
+ * external, every trainable parameter's every field attached (CKPT_EINVAL
+ * naming the first one missing). */
+int ckpt__optimizer_check_ready(ckpt_optimizer *o);
 
 /* Where the optimizer's warnings go (fn NULL: stderr); set by the
  * accelerator that prepares it (ckpt_prepare_optimizer, ckpt_accelerator_set_log). */
 void ckpt__optimizer_set_log(ckpt_optimizer *o, ckpt_log_fn fn, void *user);
 
-/* The model's side of ckpt_optimizer_set_groups: parameter i is in no
- * group of its optimizer (ungrouped), so it is frozen unless the user said
- * otherwise (ckpt_model_set_frozen). */
-void ckpt__model_set_ungrouped(ckpt_model *m, int64_t i, bool ungrouped);
+/* The model's side of an optimizer's groups (ckpt_optimizer_new puts every
+ * parameter in one, ckpt_optimizer_set_groups group -1 in none): a
+ * parameter in a group is trainable, one in none frozen, unless the user
+ * said otherwise (ckpt_model_set_frozen). */
+void ckpt__model_set_grouped(ckpt_model *m, int64_t i, bool grouped);
+/* Whether the user froze parameter i (ckpt_model_set_frozen(..., true)):
+ * the optimizers keep no state for it and never update it. */
+bool ckpt__model_user_frozen(const ckpt_model *m, int64_t i);
+/* Changes whenever ckpt_model_set_frozen matched a parameter: an optimizer
+ * compares it with the value it last saw before it steps, saves or loads. */
+uint64_t ckpt__model_frozen_gen(const ckpt_model *m);
 
 #define CKPT_OPTIM_MAX_BUFFERS 3
 #define CKPT_OPTIM_MAX_HPARAMS 6

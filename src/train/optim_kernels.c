@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "ckpt.h"
 #include "train/optim_int.h"
@@ -165,10 +166,9 @@ void ckpt__optim_force_generic(bool on) { (void)on; }
 static const adam_fn *adam_kernels(void) { return adam_generic; }
 #endif
 
-static void adam_like_update(opt_param *prm, const ckpt_optim_options *o, bool decoupled) {
-    /* Only this rank's elements [lo, hi); the state buffers hold just those. */
-    prm->step += 1.0f;
-    double step = prm->step;
+static void adam_like_update(opt_view *v, const ckpt_optim_options *o, bool decoupled) {
+    v->step += 1.0f;
+    double step = v->step;
     double bc1 = 1.0 - pow(o->beta1, step);
     double bc2 = 1.0 - pow(o->beta2, step);
     adam_consts c;
@@ -184,24 +184,21 @@ static void adam_like_update(opt_param *prm, const ckpt_optim_options *o, bool d
     c.neg_step_size = (float)-(o->lr / bc1);
     bool l2 = !decoupled && o->weight_decay != 0;
     int variant = (decoupled ? 4 : l2 ? 2 : 0) + (o->amsgrad ? 1 : 0);
-    if (prm->hi == prm->lo) return;
-    adam_kernels()[variant](prm->data + prm->lo, prm->grad + prm->lo, prm->buf[0], prm->buf[1],
-                            prm->buf[2], prm->hi - prm->lo, &c);
+    if (v->n == 0) return;
+    adam_kernels()[variant](v->data, v->grad, v->buf[0], v->buf[1], v->buf[2], v->n, &c);
 }
 
-void ckpt__optim_adam_update(opt_param *p, const ckpt_optim_options *g) {
-    adam_like_update(p, g, false);
+void ckpt__optim_adam_update(opt_view *v, const ckpt_optim_options *g) {
+    adam_like_update(v, g, false);
 }
-void ckpt__optim_adamw_update(opt_param *p, const ckpt_optim_options *g) {
-    adam_like_update(p, g, true);
-}
-
-void ckpt__optim_sgd_update(opt_param *p, const ckpt_optim_options *g) {
-    if (p->hi > p->lo)
-        sgd_update(p->data + p->lo, p->grad + p->lo, p->buf[0], p->hi - p->lo, g, p->step == 0);
-    p->step += 1.0f;
+void ckpt__optim_adamw_update(opt_view *v, const ckpt_optim_options *g) {
+    adam_like_update(v, g, true);
 }
 
+void ckpt__optim_sgd_update(opt_view *v, const ckpt_optim_options *g) {
+    if (v->n > 0) sgd_update(v->data, v->grad, v->buf[0], v->n, g, v->step == 0);
+    v->step += 1.0f;
+}
 /* torch.optim.RMSprop (foreach=False), one tensor, with PyTorch's CPU
  * kernels' roundings: add(alpha=) and addcmul as a fused multiply-add
  * (square_avg: fma((1 - alpha) * g, g, alpha * square_avg)), addcdiv as
@@ -239,9 +236,71 @@ UPDATE_CLONES static void rmsprop_loop(float *restrict p, const float *restrict 
     }
 }
 
-void ckpt__optim_rmsprop_update(opt_param *p, const ckpt_optim_options *g) {
-    p->step += 1.0f;
-    if (p->hi > p->lo)
-        rmsprop_loop(p->data + p->lo, p->grad + p->lo, p->buf[0], p->buf[1], p->buf[2],
-                     p->hi - p->lo, g);
+void ckpt__optim_rmsprop_update(opt_view *v, const ckpt_optim_options *g) {
+    v->step += 1.0f;
+    if (v->n > 0) rmsprop_loop(v->data, v->grad, v->buf[0], v->buf[1], v->buf[2], v->n, g);
+}
+
+/* ---- a parameter's update, with or without a master ----------------------- */
+
+/* Elements converted at a time: a gradient's and a master's rounding fit
+ * the stack and the first-level cache. */
+#define MASTER_CHUNK 1024
+
+/* n 16-bit values of dt at q: where they differ from the rounding of the
+ * fp32 master m, m takes their value (exactly: BF16/F16 widen to F32). */
+static void take_up(float *m, const unsigned char *q, ckpt_dtype dt, int64_t n) {
+    uint16_t r[MASTER_CHUNK];
+    float f[MASTER_CHUNK];
+    for (int64_t a = 0; a < n; a += MASTER_CHUNK) {
+        int64_t c = n - a < MASTER_CHUNK ? n - a : MASTER_CHUNK;
+        (void)ckpt_dtype_convert(CKPT_F32, m + a, dt, r, (uint64_t)c);
+        if (memcmp(r, q + 2 * a, (size_t)c * 2) == 0) continue;
+        (void)ckpt_dtype_convert(dt, q + 2 * a, CKPT_F32, f, (uint64_t)c);
+        for (int64_t i = 0; i < c; i++)
+            if (memcmp(&r[i], q + 2 * (a + i), 2) != 0) m[a + i] = f[i];
+    }
+}
+
+void ckpt__optim_master_take_up(opt_param *p) {
+    if (!p->needs_master || !p->master || p->hi == p->lo) return;
+    take_up(p->master, (const unsigned char *)p->data + 2 * p->lo, p->dtype, p->hi - p->lo);
+}
+
+void ckpt__optim_update_param(const kind_impl *k, opt_param *p, const ckpt_optim_options *g) {
+    int64_t n = p->hi - p->lo;
+    opt_view v;
+    memset(&v, 0, sizeof v);
+    v.step = p->step;
+    if (!p->needs_master || n == 0) {
+        v.data = n ? (float *)p->data + p->lo : NULL;
+        v.grad = n ? (const float *)p->grad + p->lo : NULL;
+        for (int b = 0; b < CKPT_OPTIM_MAX_BUFFERS; b++) v.buf[b] = p->buf[b];
+        v.n = n;
+        k->update(&v, g);
+        p->step = v.step;
+        return;
+    }
+    /* The fp32 update of the master, a chunk at a time, each from the same
+     * step count: the gradient widened exactly, the parameter written back
+     * rounded to nearest, ties to even. */
+    float gf[MASTER_CHUNK];
+    unsigned char *param = (unsigned char *)p->data + 2 * p->lo;
+    const unsigned char *grad = (const unsigned char *)p->grad + 2 * p->lo;
+    float after = p->step;
+    for (int64_t a = 0; a < n; a += MASTER_CHUNK) {
+        int64_t c = n - a < MASTER_CHUNK ? n - a : MASTER_CHUNK;
+        take_up(p->master + a, param + 2 * a, p->dtype, c);
+        (void)ckpt_dtype_convert(p->dtype, grad + 2 * a, CKPT_F32, gf, (uint64_t)c);
+        v.data = p->master + a;
+        v.grad = gf;
+        for (int b = 0; b < CKPT_OPTIM_MAX_BUFFERS; b++)
+            v.buf[b] = p->buf[b] ? p->buf[b] + a : NULL;
+        v.n = c;
+        v.step = p->step;
+        k->update(&v, g);
+        after = v.step;
+        (void)ckpt_dtype_convert(CKPT_F32, p->master + a, p->dtype, param + 2 * a, (uint64_t)c);
+    }
+    p->step = after;
 }

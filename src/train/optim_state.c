@@ -38,20 +38,6 @@ static int write_group(const ckpt_optimizer *o, ckpt_writer *w, int g) {
     return CKPT_OK;
 }
 
-/* A parameter's state tensors besides step, in key order: their key suffixes
- * and buffers. Returns how many it has. */
-static int state_buffers(const ckpt_optimizer *o, const opt_param *p,
-                         const char *names[CKPT_OPTIM_MAX_BUFFERS],
-                         float *bufs[CKPT_OPTIM_MAX_BUFFERS]) {
-    int n = 0;
-    for (int b = 0; b < o->impl->d.nbuffers; b++)
-        if (p->buf[b]) {
-            names[n] = o->impl->d.buffers[b];
-            bufs[n++] = p->buf[b];
-        }
-    return n;
-}
-
 /* This rank's part [lo, hi) of a sharded parameter as a box: whole rows. */
 static void share_box(const opt_param *p, int64_t *off, int64_t *local) {
     int64_t row = ckpt__optim_row_size(p);
@@ -63,31 +49,45 @@ static void share_box(const opt_param *p, int64_t *off, int64_t *local) {
     local[0] = (p->hi - p->lo) / row;
 }
 
-/* Writes one state buffer: a chunk of the whole tensor when sharded (every
+/* Writes one state field: a chunk of the whole tensor when sharded (every
  * rank writes one, empty if it owns no row of the parameter, so every rank's
  * state dict has the same keys), else the tensor. */
 static int write_state(const ckpt_optimizer *o, ckpt_writer *w, const char *k, const opt_param *p,
-                       const float *buf) {
-    if (!o->comm || !p->sharded) return ckpt_write_tensor(w, k, CKPT_F32, p->ndim, p->shape, buf);
+                       float *buf) {
+    const float *at = ckpt__optim_state_at(o, p, buf);
+    if (!o->comm || !p->sharded) return ckpt_write_tensor(w, k, CKPT_F32, p->ndim, p->shape, at);
     int64_t off[CKPT_MAX_NDIM], local[CKPT_MAX_NDIM];
     share_box(p, off, local);
-    return ckpt_write_tensor_shard(w, k, CKPT_F32, p->ndim, p->shape, off, local, buf);
+    return ckpt_write_tensor_shard(w, k, CKPT_F32, p->ndim, p->shape, off, local, at);
 }
 
-/* Reads one state buffer: this rank's slice when sharded, from however
+/* Reads one state field: this rank's slice when sharded, from however
  * many chunks (or a whole tensor) the file has. */
 static int read_state(const ckpt_optimizer *o, ckpt_reader *r, const char *k, const opt_param *p,
                       float *buf) {
-    if (!o->comm || !p->sharded) return ckpt_read_tensor(r, k, CKPT_F32, p->ndim, p->shape, buf);
+    float *at = ckpt__optim_state_at(o, p, buf);
+    if (!o->comm || !p->sharded) return ckpt_read_tensor(r, k, CKPT_F32, p->ndim, p->shape, at);
     if (p->hi == p->lo) return CKPT_OK;
     int64_t off[CKPT_MAX_NDIM], local[CKPT_MAX_NDIM];
     share_box(p, off, local);
-    return ckpt_read_tensor_shard(r, k, CKPT_F32, p->ndim, p->shape, off, local, buf);
+    return ckpt_read_tensor_shard(r, k, CKPT_F32, p->ndim, p->shape, off, local, at);
+}
+
+/* A schema entry a file may or may not have (state of a parameter frozen
+ * or not when it was saved): its shape is checked by the object. */
+static int schema_optional(ckpt_writer *w, const char *k) {
+    CKPT_TRY(ckpt__writer_set_optional(w, k));
+    return ckpt__writer_set_shape_by_object(w, k);
 }
 
 static int optimizer_state_dict(void *self, ckpt_writer *w) {
-    const ckpt_optimizer *o = self;
+    ckpt_optimizer *o = self;
+    bool schema = ckpt__writer_is_schema(w);
     char k[KEY_CAP];
+    CKPT_TRY(ckpt__optim_sync_frozen(o));
+    CKPT_TRY(ckpt__optim_check_attached(o));
+    for (int64_t i = 0; i < o->np && !schema && !o->external; i++)
+        if (!o->p[i].frozen) ckpt__optim_master_take_up(&o->p[i]);
     CKPT_TRY(ckpt_write_str(w, "kind", o->impl->d.name));
     /* Each state index's parameter name, so a load maps state by name, not
      * by position (files written before these entries load by position). */
@@ -98,16 +98,23 @@ static int optimizer_state_dict(void *self, ckpt_writer *w) {
     }
     for (int64_t i = 0; i < o->np; i++) {
         const opt_param *p = &o->p[i];
+        const char *names[CKPT_OPTIM_MAX_FIELDS];
+        float *bufs[CKPT_OPTIM_MAX_FIELDS];
+        int n = ckpt__optim_fields(o, p, names, bufs);
+        /* A frozen parameter has no state. A file saved before it was
+         * frozen has some, which a load skips: the schema allows it. */
+        if (p->frozen && !schema) continue;
         snprintf(k, sizeof k, "state.%lld.step", (long long)i);
         CKPT_TRY(ckpt_write_tensor(w, k, CKPT_F32, 0, NULL, &p->step));
-        const char *names[CKPT_OPTIM_MAX_BUFFERS];
-        float *bufs[CKPT_OPTIM_MAX_BUFFERS];
-        for (int j = 0, n = state_buffers(o, p, names, bufs); j < n; j++) {
+        /* the file's state.<i> may be another parameter's (a load maps by
+         * name), or missing (its parameter frozen when saved): the object
+         * checks it after the mapping */
+        if (schema) CKPT_TRY(schema_optional(w, k));
+        for (int j = 0; j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
-            CKPT_TRY(write_state(o, w, k, p, bufs[j]));
-            /* the file's state.<i> may be another parameter's (a load maps
-             * by name): its shape is checked after the mapping */
-            if (ckpt__writer_is_schema(w)) CKPT_TRY(ckpt__writer_set_shape_by_object(w, k));
+            if (p->frozen) CKPT_TRY(ckpt_write_tensor(w, k, CKPT_F32, p->ndim, p->shape, NULL));
+            else CKPT_TRY(write_state(o, w, k, p, bufs[j]));
+            if (schema) CKPT_TRY(schema_optional(w, k));
         }
     }
     for (int g = 0; g < o->ngroups; g++) CKPT_TRY(write_group(o, w, g));
@@ -288,14 +295,31 @@ static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map
         return ckpt__err(CKPT_EMISMATCH, "optimizer: the state dict has state for more than %lld "
                          "parameters", (long long)o->np);
     CKPT_TRY(map_by_name(o, r, map, unnamed));
-    const char *names[CKPT_OPTIM_MAX_BUFFERS];
-    float *bufs[CKPT_OPTIM_MAX_BUFFERS];
+    const char *names[CKPT_OPTIM_MAX_FIELDS];
+    float *bufs[CKPT_OPTIM_MAX_FIELDS];
     for (int64_t i = 0; i < o->np; i++) {
         const opt_param *p = &o->p[i];
+        if (p->frozen) continue; /* whatever the file has for it is not read */
+        snprintf(k, sizeof k, "state.%lld.step", (long long)map[i]);
+        if (!ckpt__reader_has(r, k, NULL)) {
+            /* frozen when saved (the file names it but keeps no state):
+             * fresh state; a file without names cannot say so */
+            if (*unnamed)
+                return ckpt__err(CKPT_EMISMATCH, "optimizer: state dict has no tensor '%s'", k);
+            continue;
+        }
         float step;
         CKPT_TRY(read_step(r, map[i], &step));
-        for (int j = 0, n = state_buffers(o, p, names, bufs); j < n; j++) {
+        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)map[i], names[j]);
+            if (!strcmp(names[j], "master") && !ckpt__reader_has(r, k, NULL)) {
+                if (!o->external) continue; /* the master starts as the parameter */
+                return ckpt__err(CKPT_EMISMATCH,
+                                 "optimizer: the state dict has no master weights for parameter "
+                                 "'%s' ('%s': saved without master_weights), and an external "
+                                 "optimizer's masters are the caller's to fill",
+                                 p->name, k);
+            }
             CKPT_TRY(check_state_tensor(r, k, p->ndim, p->shape));
         }
     }
@@ -303,7 +327,9 @@ static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map
 }
 
 static int optimizer_check_state_dict(void *self, ckpt_reader *r) {
-    const ckpt_optimizer *o = self;
+    ckpt_optimizer *o = self;
+    CKPT_TRY(ckpt__optim_sync_frozen(o));
+    CKPT_TRY(ckpt__optim_check_attached(o));
     int64_t *map = ckpt__malloc((size_t)(o->np ? o->np : 1) * sizeof *map);
     if (!map) return ckpt__err_nomem("optimizer check");
     bool unnamed;
@@ -324,19 +350,77 @@ void ckpt__optimizer_set_log(ckpt_optimizer *o, ckpt_log_fn fn, void *user) {
     o->log_user = user;
 }
 
+/* Logs what a load did that a plain resume never does: state in the file
+ * for parameters now frozen (not loaded), parameters without state in the
+ * file (frozen when saved: fresh state), masters missing (taken from the
+ * parameters). */
+static void log_load(const ckpt_optimizer *o, ckpt_reader *r, const int64_t *map, bool unnamed) {
+    ckpt_logger lg = {o->log_fn, o->log_user};
+    char k[KEY_CAP];
+    int64_t dropped = 0, fresh = 0, masters = 0;
+    const char *first[3] = {NULL, NULL, NULL};
+    for (int64_t i = 0; i < o->np; i++) {
+        const opt_param *p = &o->p[i];
+        snprintf(k, sizeof k, "state.%lld.step", (long long)map[i]);
+        bool has = ckpt__reader_has(r, k, NULL);
+        snprintf(k, sizeof k, "state.%lld.master", (long long)map[i]);
+        if (p->frozen && has && !dropped++) first[0] = p->name;
+        if (!p->frozen && !has && !fresh++) first[1] = p->name;
+        if (!p->frozen && has && p->needs_master && !ckpt__reader_has(r, k, NULL) && !masters++)
+            first[2] = p->name;
+    }
+    if (dropped)
+        ckpt__log(&lg, CKPT_LOG_WARNING,
+                  "optimizer: the state dict holds state for %lld parameter%s frozen here "
+                  "('%s'%s): not loaded, frozen parameters have none",
+                  (long long)dropped, dropped == 1 ? "" : "s", first[0],
+                  dropped > 1 ? ", ..." : "");
+    if (fresh)
+        ckpt__log(&lg, CKPT_LOG_WARNING,
+                  "optimizer: the state dict holds no state for %lld parameter%s ('%s'%s: frozen "
+                  "when saved): %s from fresh state (step 0)",
+                  (long long)fresh, fresh == 1 ? "" : "s", first[1], fresh > 1 ? ", ..." : "",
+                  fresh == 1 ? "it starts" : "they start");
+    if (masters)
+        ckpt__log(&lg, CKPT_LOG_WARNING,
+                  "optimizer: the state dict holds no master weights for %lld parameter%s "
+                  "('%s'%s): %s the parameter's value",
+                  (long long)masters, masters == 1 ? "" : "s", first[2], masters > 1 ? ", ..." : "",
+                  masters == 1 ? "its master starts as" : "their masters start as");
+    if (unnamed)
+        ckpt__log(&lg, CKPT_LOG_WARNING,
+                  "optimizer: the state dict does not name its parameters; its state was "
+                  "matched by position (%lld parameters, as allowed by "
+                  "ckpt_optimizer_set_match_by_position)",
+                  (long long)o->np);
+}
+
 static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
     ckpt_optimizer *o = self;
+    CKPT_TRY(ckpt__optim_sync_frozen(o));
+    CKPT_TRY(ckpt__optim_check_attached(o));
     /* Validate everything before changing anything. */
     bool unnamed;
     CKPT_TRY(optimizer_check(o, r, o->load_map, &unnamed));
     CKPT_TRY(optimizer_commit(o, r, o->load_map));
-    if (unnamed)
-        ckpt__log(&(ckpt_logger){o->log_fn, o->log_user}, CKPT_LOG_WARNING,
-                   "optimizer: the state dict does not name its parameters; its state was "
-                   "matched by position (%lld parameters, as allowed by "
-                   "ckpt_optimizer_set_match_by_position)",
-                   (long long)o->np);
+    log_load(o, r, o->load_map, unnamed);
     return CKPT_OK;
+}
+
+/* Fresh state for trainable p (no state in the file): zeros, step 0, the
+ * master (ckpt's own optimizer) as the parameter. */
+static void fresh_state(const ckpt_optimizer *o, opt_param *p) {
+    const char *names[CKPT_OPTIM_MAX_FIELDS];
+    float *bufs[CKPT_OPTIM_MAX_FIELDS];
+    int64_t own = p->hi - p->lo;
+    for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs); j < n && own > 0; j++) {
+        float *at = ckpt__optim_state_at(o, p, bufs[j]);
+        if (!strcmp(names[j], "master"))
+            (void)ckpt_dtype_convert(p->dtype, (const char *)p->data + 2 * p->lo, CKPT_F32, at,
+                                     (uint64_t)own);
+        else memset(at, 0, (size_t)own * sizeof(float));
+    }
+    p->step = 0;
 }
 
 static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *map) {
@@ -350,14 +434,28 @@ static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *ma
         o->opts[g] = op;
     }
     char k[KEY_CAP];
-    const char *names[CKPT_OPTIM_MAX_BUFFERS];
-    float *bufs[CKPT_OPTIM_MAX_BUFFERS];
+    const char *names[CKPT_OPTIM_MAX_FIELDS];
+    float *bufs[CKPT_OPTIM_MAX_FIELDS];
     for (int64_t i = 0; i < o->np; i++) {
         opt_param *p = &o->p[i];
+        if (p->frozen) continue;
+        snprintf(k, sizeof k, "state.%lld.step", (long long)map[i]);
+        if (!ckpt__reader_has(r, k, NULL)) {
+            fresh_state(o, p);
+            continue;
+        }
         float step;
         CKPT_TRY(read_step(r, map[i], &step));
-        for (int j = 0, n = state_buffers(o, p, names, bufs); j < n; j++) {
+        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)map[i], names[j]);
+            if (!strcmp(names[j], "master") && !ckpt__reader_has(r, k, NULL)) {
+                /* the master follows the parameter (ckpt__optim_master_take_up) */
+                int64_t own = p->hi - p->lo;
+                if (own > 0)
+                    (void)ckpt_dtype_convert(p->dtype, (const char *)p->data + 2 * p->lo, CKPT_F32,
+                                             bufs[j], (uint64_t)own);
+                continue;
+            }
             CKPT_TRY(read_state(o, r, k, p, bufs[j]));
         }
         p->step = step;

@@ -88,14 +88,39 @@ static int entry_of(ckpt_grad_scaler *gs, ckpt_optimizer *o, scaler_entry **out)
     return CKPT_OK;
 }
 
+/* A BF16/F16 gradient (a parameter with an fp32 master), as PyTorch's
+ * unscale does it: each value widened, checked, multiplied in fp32 and
+ * rounded back to nearest even. */
+static bool unscale_half(void *g, ckpt_dtype dt, int64_t n, float inv) {
+    float f[512];
+    bool found = false;
+    for (int64_t a = 0; a < n; a += 512) {
+        int64_t c = n - a < 512 ? n - a : 512;
+        char *at = (char *)g + 2 * a;
+        (void)ckpt_dtype_convert(dt, at, CKPT_F32, f, (uint64_t)c);
+        for (int64_t j = 0; j < c; j++) {
+            found |= !isfinite(f[j]);
+            f[j] *= inv;
+        }
+        (void)ckpt_dtype_convert(CKPT_F32, f, dt, at, (uint64_t)c);
+    }
+    return found;
+}
+
 static void unscale_grads(const ckpt_grad_scaler *gs, ckpt_optimizer *o, scaler_entry *e) {
     /* PyTorch: inv_scale = scale.double().reciprocal().float() */
     const float inv = (float)(1.0 / (double)gs->scale);
     bool found = false;
     for (int64_t i = 0; i < ckpt__optimizer_num_params(o); i++) {
         int64_t n;
-        float *restrict g = ckpt__optimizer_grad(o, i, &n);
-        if (!g) continue;
+        ckpt_dtype dt;
+        void *gv = ckpt__optimizer_grad(o, i, &n, &dt);
+        if (!gv) continue;
+        if (dt != CKPT_F32) {
+            if (dt == CKPT_BF16 || dt == CKPT_F16) found |= unscale_half(gv, dt, n, inv);
+            continue;
+        }
+        float *restrict g = gv;
         for (int64_t j = 0; j < n; j++) {
             found |= !isfinite(g[j]);
             g[j] *= inv;

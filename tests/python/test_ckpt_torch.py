@@ -33,6 +33,7 @@ sys.dont_write_bytecode = True  # no __pycache__ in the source tree
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import ckpt_torch  # noqa: E402
 from ckpt_torch import _format as F  # noqa: E402
+from ckpt_torch import _verify as V  # noqa: E402
 
 try:
     import torch
@@ -98,7 +99,7 @@ def check_c_checkpoints(tmp):
             data, digests = F.encode_state(F.read_state_file(os.path.join(d, f["name"])).flat())
             assert data == file_bytes(d, f["name"]), f["name"]
             assert {k: "%016x" % h for k, h in digests} == f["tensors"], f["name"]
-        assert F.manifest_text(m) == file_bytes(d, "checkpoint.json")
+        assert V.manifest_text(m) == file_bytes(d, "checkpoint.json")
     assert ckpt_torch.latest(proj) == os.path.join(cdir, "checkpoint_2")
     # the manifest agrees with the C tool's reading of it
     info = json.loads(run("inspect", "--json", os.path.join(cdir, "checkpoint_2")).stdout)

@@ -34,6 +34,7 @@ sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import ckpt_torch  # noqa: E402
 from ckpt_torch import _format as F  # noqa: E402
+from ckpt_torch import _verify as V  # noqa: E402
 
 try:
     import torch
@@ -107,11 +108,11 @@ def check_files_keys_and_extra(tmp):
         f.write(b"a hook wrote this\n")
     path = os.path.join(d, "checkpoint.json")
     with open(path, "rb") as f:
-        m = F.parse_manifest(f.read(), path)
+        m = V.parse_manifest(f.read(), path)
     m["files"].append({"name": "notes.txt", "kind": "extra", "size": 18,
                        "xxh3": "%016x" % F.xxh3_64(b"a hook wrote this\n"), "tensors": {}})
     with open(path, "wb") as f:
-        f.write(F.manifest_text(m))
+        f.write(V.manifest_text(m))
     subprocess.run([CKPT, "verify", d], check=True, capture_output=True)
     r = ckpt_torch.load(d, as_torch=False)
     assert set(r["files"]) == stems, sorted(r["files"])

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import ckpt_torch  # noqa: E402
-from ckpt_torch import _format as F  # noqa: E402
+from ckpt_torch import _verify as V  # noqa: E402
 
 BUILD = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build-test")
 CKPT = os.environ.get("CKPT_BIN") or os.path.join(BUILD, "ckpt")
@@ -82,9 +82,9 @@ def forge_manifest(d, edit):
     self-checksum: damage that only the files themselves can reveal."""
     path = os.path.join(d, "checkpoint.json")
     with open(path, "rb") as f:
-        m = F.parse_manifest(f.read(), path)
+        m = V.parse_manifest(f.read(), path)
     edit(m)
-    write(path, F.manifest_text(m))
+    write(path, V.manifest_text(m))
 
 
 def newest_fell_back(p, expect, needle, fn):

@@ -564,6 +564,66 @@ static void test_state_before_first_step_is_zeros_and_step_zero(void **state) {
     ckpt_model_free(f.m);
 }
 
+/* The step count is PyTorch's state[p]["step"]: one per update, restored
+ * by a load, settable for an optimizer whose update the caller runs. */
+static void test_step_count_follows_updates_and_loads_and_can_be_set(void **state) {
+    (void)state;
+    fixture f;
+    fixture_init(&f);
+    ckpt_optimizer *o, *back;
+    assert_int_equal(ckpt_adamw_new(&o, f.m, 0.01, 0.9, 0.999, 1e-8, 0.01), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_get_step(o), 0);
+    for (int t = 0; t < 3; t++) {
+        grads(&f, t);
+        assert_int_equal(ckpt_optimizer_step(o), CKPT_OK);
+    }
+    assert_int_equal(ckpt_optimizer_get_step(o), 3);
+    tu_save_state(ckpt_optimizer_ops(), o, path_of("o.safetensors"));
+    ckpt_reader *r;
+    float step = -1;
+    assert_int_equal(ckpt_reader_open(&r, path_of("o.safetensors")), CKPT_OK);
+    assert_int_equal(ckpt_read_tensor(r, "state.1.step", CKPT_F32, 0, NULL, &step), CKPT_OK);
+    assert_true(step == 3.0f);
+    ckpt_reader_free(r);
+    assert_int_equal(ckpt_adamw_new(&back, f.m, 0.01, 0.9, 0.999, 1e-8, 0.01), CKPT_OK);
+    assert_int_equal(tu_load_state(ckpt_optimizer_ops(), back, path_of("o.safetensors")), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_get_step(back), 3);
+    /* set: every parameter's count, saved as such */
+    assert_int_equal(ckpt_optimizer_set_step(back, 1000), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_get_step(back), 1000);
+    tu_save_state(ckpt_optimizer_ops(), back, path_of("o2.safetensors"));
+    assert_int_equal(ckpt_reader_open(&r, path_of("o2.safetensors")), CKPT_OK);
+    for (int i = 0; i < 2; i++) {
+        char k[32];
+        snprintf(k, sizeof k, "state.%d.step", i);
+        assert_int_equal(ckpt_read_tensor(r, k, CKPT_F32, 0, NULL, &step), CKPT_OK);
+        assert_true(step == 1000.0f);
+    }
+    ckpt_reader_free(r);
+    /* a float32 counts exactly up to 2^24; nothing changes on a refusal */
+    assert_int_equal(ckpt_optimizer_set_step(back, ((int64_t)1 << 24) + 1), CKPT_EINVAL);
+    assert_non_null(strstr(ckpt_errmsg(), "2^24"));
+    assert_int_equal(ckpt_optimizer_set_step(back, -1), CKPT_EINVAL);
+    assert_int_equal(ckpt_optimizer_get_step(back), 1000);
+    assert_int_equal(ckpt_optimizer_set_step(back, (int64_t)1 << 24), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_get_step(back), (int64_t)1 << 24);
+    assert_int_equal(ckpt_optimizer_set_step(NULL, 1), CKPT_EINVAL);
+    assert_int_equal(ckpt_optimizer_get_step(NULL), 0);
+    /* a count set before the first step counts as a step: groups refuse */
+    ckpt_optimizer *fresh;
+    assert_int_equal(ckpt_sgd_new(&fresh, f.m, 0.1, 0.0, 0.0, false), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_set_step(fresh, 2), CKPT_OK);
+    int groups[2] = {0, 0};
+    ckpt_optim_options go = ckpt_optim_defaults(CKPT_OPTIM_SGD);
+    assert_int_equal(ckpt_optimizer_set_groups(fresh, 1, groups, &go), CKPT_EINVAL);
+    assert_int_equal(ckpt_optimizer_set_step(fresh, 0), CKPT_OK);
+    assert_int_equal(ckpt_optimizer_set_groups(fresh, 1, groups, &go), CKPT_OK);
+    ckpt_optimizer_free(fresh);
+    ckpt_optimizer_free(back);
+    ckpt_optimizer_free(o);
+    ckpt_model_free(f.m);
+}
+
 static void test_new_allocation_failures_are_clean(void **state) {
     (void)state;
     fixture f;
@@ -909,6 +969,7 @@ int main(void) {
         T(test_load_rejects_bad_values_and_changes_nothing),
         T(test_check_state_dict_refuses_what_load_refuses_and_changes_nothing),
         T(test_state_before_first_step_is_zeros_and_step_zero),
+        T(test_step_count_follows_updates_and_loads_and_can_be_set),
         T(test_new_allocation_failures_are_clean),
         T(test_simd_and_portable_adam_loops_agree_bit_for_bit),
         T(test_state_maps_by_parameter_name),

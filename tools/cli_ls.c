@@ -1,0 +1,117 @@
+/* cli_ls.c — `ckpt ls`: a project's checkpoints and their status. */
+#include <dirent.h>
+#include <errno.h>
+#include <getopt.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ckpt.h"
+#include "cli.h"
+
+static const char ls_help[] =
+    "usage: ckpt ls [--fast] [--json] PROJECT_DIR|CHECKPOINT_DIR\n"
+    "\n"
+    "Lists PROJECT_DIR/checkpoints/checkpoint_<n> (or the one checkpoint folder given):\n"
+    "number, step, creation time (UTC), size and status: complete, partial (no\n"
+    "manifest: not a checkpoint) or corrupt (the manifest or a file fails\n"
+    "verification; the reason follows). Then any leftover temporary folders of\n"
+    "interrupted saves ('ckpt prune' removes them).\n"
+    "\n"
+    "  --fast   check manifests only, not every file's checksum\n"
+    "  --json   one JSON document instead of a table\n";
+
+static void format_time(int64_t unix_s, char *buf, size_t cap) {
+    time_t t = (time_t)unix_s;
+    struct tm tm;
+    if (unix_s <= 0 || !gmtime_r(&t, &tm) || !strftime(buf, cap, "%Y-%m-%d %H:%M:%S", &tm))
+        snprintf(buf, cap, "-");
+}
+
+int cli_ls(int argc, char **argv) {
+    bool fast = false, json = false;
+    const char *dir;
+    int rc = cli_parse_simple(argc, argv, ls_help, "--fast", &fast, "--json", &json, &dir);
+    if (rc) return rc < 0 ? CLI_OK : rc;
+
+    ckpt_checkpoint_info *list = NULL;
+    int64_t n = 0;
+    bool single = cli_classify(dir) == CLI_KIND_CHECKPOINT;
+    if (single) {
+        /* a checkpoint folder: list that one */
+        list = calloc(1, sizeof *list);
+        if (!list) {
+            cli_error("ls: out of memory");
+            return CLI_RUNTIME;
+        }
+        (void)ckpt_checkpoint_verify(dir, !fast, list);
+        n = 1;
+    } else if ((rc = ckpt_checkpoint_list(dir, !fast, &list, &n)) < 0) {
+        cli_error("ls: %s", *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc));
+        return CLI_RUNTIME;
+    }
+    if (json) printf("{\"project_dir\":");
+    if (json) cli_json_string(dir);
+    if (json) printf(",\"checkpoints\":[");
+    else if (n == 0) printf("no checkpoints in %s\n", cli_esc(dir));
+    else
+        printf("%-8s %10s  %-19s  %10s  %-8s  %s\n", "NUMBER", "STEP", "CREATED (UTC)", "SIZE",
+               "STATUS", "PATH");
+    for (int64_t i = 0; i < n; i++) {
+        const ckpt_checkpoint_info *c = &list[i];
+        char when[32], size[32], reason[1024] = "";
+        format_time(c->created_unix, when, sizeof when);
+        cli_human_bytes(c->total_bytes, size, sizeof size);
+        if (c->status == CKPT_CHECKPOINT_CORRUPT) {
+            /* the list gives the status; a second look gives the reason */
+            ckpt_checkpoint_info again;
+            if (ckpt_checkpoint_verify(c->path, !fast, &again) < 0)
+                snprintf(reason, sizeof reason, "%s", ckpt_errmsg());
+        }
+        if (json) {
+            printf("%s{\"number\":%lld,\"step\":%lld,\"iteration\":%lld,\"created_unix\":%lld,"
+                   "\"bytes\":%llu,\"shared_bytes\":%llu,\"files\":%d,\"num_processes\":%d,"
+                   "\"status\":\"%s\",\"path\":",
+                   i ? "," : "", (long long)c->number, (long long)c->step, (long long)c->iteration,
+                   (long long)c->created_unix, (unsigned long long)c->total_bytes,
+                   (unsigned long long)c->shared_bytes, c->num_files, c->num_processes,
+                   cli_status_name(c->status));
+            cli_json_string(c->path);
+            if (*reason) {
+                printf(",\"error\":");
+                cli_json_string(reason);
+            }
+            cli_print_metrics(c, true);
+            putchar('}');
+        } else {
+            char stepbuf[32];
+            if (c->status == CKPT_CHECKPOINT_PARTIAL) snprintf(stepbuf, sizeof stepbuf, "-");
+            else snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)c->step);
+            char num[24];
+            if (c->number < 0) snprintf(num, sizeof num, "-");
+            else snprintf(num, sizeof num, "%lld", (long long)c->number);
+            printf("%-8s %10s  %-19s  %10s  %-8s  %s", num, stepbuf,
+                   c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : when,
+                   c->status == CKPT_CHECKPOINT_PARTIAL ? "-" : size, cli_status_name(c->status),
+                   cli_esc(c->path));
+            if (c->num_processes > 1) printf("  (%d processes)", c->num_processes);
+            if (c->shared_bytes > 0) {
+                char shared[32];
+                printf("  (%s shared with the previous)",
+                       cli_human_bytes(c->shared_bytes, shared, sizeof shared));
+            }
+            cli_print_metrics(c, false);
+            putchar('\n');
+            if (*reason) printf("         %s\n", cli_esc(reason));
+        }
+    }
+    if (json) putchar(']');
+    if (!single) cli_print_leftovers(dir, json);
+    if (json) printf("}\n");
+    free(list);
+    return CLI_OK;
+}
