@@ -681,6 +681,12 @@ typedef struct ckpt_metric {
 /* Which end of a metric is best (retention's best_k). */
 typedef enum ckpt_best_mode { CKPT_BEST_MIN = 0, CKPT_BEST_MAX = 1 } ckpt_best_mode;
 
+/* project_dir may be a bucket prefix, "s3://bucket/prefix" (the same keys
+ * as a folder; credentials from AWS_*; docs/OBJECT_STORAGE.md): saves are
+ * committed there (data objects, then the manifest with If-None-Match: *),
+ * loads read it, one process at a time holds its lock object; the logs go
+ * to a local staging folder (ckpt_accelerator_logging_dir). Not yet with
+ * several processes (CKPT_EUNSUPPORTED). */
 typedef struct ckpt_project_config {
     const char *project_dir;          /* checkpoints: <project_dir>/checkpoints/checkpoint_<n> */
     const char *logging_dir;          /* NULL: <project_dir>/logs */

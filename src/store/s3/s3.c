@@ -2,8 +2,8 @@
  * environment, one signed request with its retries, and the single-request
  * operations (PUT, HEAD, small GET, DELETE, ListObjectsV2).
  *
- * Payload signing. A request body is signed with its SHA-256 when it is at
- * most 8 MiB (a manifest, a lock, a small state file, the multipart
+ * Payload signing. A request body is signed with its SHA-256 when it is
+ * under 1 MiB (a manifest, a lock, a small state file, the multipart
  * completion: nothing to pay) or when CKPT_S3_SIGN_PAYLOAD=1; larger bodies
  * go as UNSIGNED-PAYLOAD. Hashing every byte with SHA-256 (about 1.5 GB/s
  * on one core with the SHA extensions, far less without) would cost a save
@@ -838,7 +838,7 @@ int ckpt__s3_xml_text(const char *xml, size_t len, const char *tag, char *out, s
 int ckpt__s3_put(ckpt_s3 *c, const char *key, const void *p, size_t n, ckpt_s3_cond cond,
                  const char *etag, char *etag_out) {
     s3_req r = {.method = "PUT", .key = key, .query = "", .body = p, .body_len = n};
-    r.sign_body = c->o.sign_payload || n <= (8u << 20);
+    r.sign_body = c->o.sign_payload || n < CKPT_S3_SIGN_MAX;
     if (cond == CKPT_S3_IF_ABSENT) r.extra[r.nextra++] = (ckpt_s3_hdr){"if-none-match", "*"};
     else if (cond == CKPT_S3_IF_ETAG) r.extra[r.nextra++] = (ckpt_s3_hdr){"if-match", etag};
     int rc = ckpt__s3_send(c, &r, "PUT");

@@ -19,7 +19,7 @@
  *   CKPT_S3_BACKOFF_MS    first retry delay, doubled each time up to 5 s, with
  *                         jitter (default 200)
  *   CKPT_S3_SIGN_PAYLOAD  1: SHA-256 every request body (default: bodies up
- *                         to 8 MiB, see s3.c)
+ *                         under 1 MiB, see s3.c)
  *
  * A library built without libcurl or OpenSSL keeps this interface: every
  * call then returns CKPT_EUNSUPPORTED saying so (ckpt__s3_available).
@@ -50,6 +50,9 @@ typedef struct ckpt_s3_options {
 } ckpt_s3_options;
 
 typedef struct ckpt_s3 ckpt_s3;
+
+/* Bodies under this many bytes are signed with their SHA-256 (s3.c). */
+#define CKPT_S3_SIGN_MAX (1u << 20)
 
 /* Whether path names an object-store location ("s3://..."). */
 bool ckpt__s3_is_url(const char *path);

@@ -204,7 +204,7 @@ static void run_part(ckpt_s3 *c, s3_job *j) {
     free(id);
     s3_req r = {
         .method = "PUT", .key = pj->u->key, .query = q, .body = pj->data, .body_len = pj->len};
-    r.sign_body = c->o.sign_payload || pj->len <= (8u << 20);
+    r.sign_body = c->o.sign_payload || pj->len < CKPT_S3_SIGN_MAX;
     char what[48];
     snprintf(what, sizeof what, "upload of part %d", pj->number);
     int rc = ckpt__s3_send(c, &r, what);
