@@ -74,7 +74,8 @@ int main(int argc, char **argv) {
                *sk = getenv("AWS_SECRET_ACCESS_KEY");
     const char *region = getenv("AWS_REGION") ? getenv("AWS_REGION") : "us-east-1";
     if (!ep || !ak || !sk) {
-        fprintf(stderr, "bench_s3: set AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY\n");
+        fprintf(stderr,
+                "bench_s3: set AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY\n");
         return 2;
     }
     gpt2_small_each(add);
@@ -121,15 +122,15 @@ int main(int argc, char **argv) {
         if (t < t_save) t_save = t;
         if (r == 0) {
             ckpt_checkpoint_info info;
-            if (ckpt_checkpoint_verify(ckpt_accelerator_last_dir(acc), false, &info))
-                die("verify");
+            if (ckpt_checkpoint_verify(ckpt_accelerator_last_dir(acc), false, &info)) die("verify");
             bytes = info.total_bytes;
-            snprintf(cmd, sizeof cmd, "head -c %llu /dev/urandom > '%s'",
-                     (unsigned long long)bytes, file);
+            snprintf(cmd, sizeof cmd, "head -c %llu /dev/urandom > '%s'", (unsigned long long)bytes,
+                     file);
             run_shell(cmd);
         }
         snprintf(cmd, sizeof cmd,
-                 "curl -sS -f --aws-sigv4 'aws:amz:%s:s3' -H 'x-amz-content-sha256: UNSIGNED-PAYLOAD' --user '%s:%s' -T '%s' '%s/%s/curl.bin'",
+                 "curl -sS -f --aws-sigv4 'aws:amz:%s:s3' -H 'x-amz-content-sha256: "
+                 "UNSIGNED-PAYLOAD' --user '%s:%s' -T '%s' '%s/%s/curl.bin'",
                  region, ak, sk, file, ep, bucket);
         t = run_shell(cmd);
         if (t < t_put) t_put = t;
@@ -138,7 +139,8 @@ int main(int argc, char **argv) {
         t = now() - t0;
         if (t < t_load) t_load = t;
         snprintf(cmd, sizeof cmd,
-                 "curl -sS -f --aws-sigv4 'aws:amz:%s:s3' -H 'x-amz-content-sha256: UNSIGNED-PAYLOAD' --user '%s:%s' -o /dev/null "
+                 "curl -sS -f --aws-sigv4 'aws:amz:%s:s3' -H 'x-amz-content-sha256: "
+                 "UNSIGNED-PAYLOAD' --user '%s:%s' -o /dev/null "
                  "'%s/%s/curl.bin'",
                  region, ak, sk, ep, bucket);
         t = run_shell(cmd);
@@ -149,10 +151,10 @@ int main(int argc, char **argv) {
     printf("bench_s3: GPT-2 small + AdamW, %.3f GB, loopback S3 (s3rver behind the test proxy), "
            "best of %d:\n",
            gb, reps);
-    printf("  save %.2f s (%.2f GB/s) vs curl PUT %.2f s: %.2fx curl's time\n", t_save,
-           gb / t_save, t_put, t_save / t_put);
-    printf("  load %.2f s (%.2f GB/s) vs curl GET %.2f s: %.2fx curl's time\n", t_load,
-           gb / t_load, t_get, t_load / t_get);
+    printf("  save %.2f s (%.2f GB/s) vs curl PUT %.2f s: %.2fx curl's time\n", t_save, gb / t_save,
+           t_put, t_save / t_put);
+    printf("  load %.2f s (%.2f GB/s) vs curl GET %.2f s: %.2fx curl's time\n", t_load, gb / t_load,
+           t_get, t_load / t_get);
     ckpt_accelerator_free(acc);
     ckpt_optimizer_free(opt);
     ckpt_model_free(model);
