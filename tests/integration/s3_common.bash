@@ -8,7 +8,8 @@
 #   s3_file KEY     the file where s3rver keeps the object KEY of ckpt-test
 #   S3_TOOL         tests/progs/s3_tool
 # A library built without object storage skips the test (77); a missing
-# s3rver is a failure that says how to install it.
+# s3rver is installed (scripts/setup s3rver), and a failure to install it
+# fails the test saying so.
 if [ "${CKPT_HAVE_S3:-0}" != 1 ]; then
     echo "SKIP: this ckpt was built without libcurl/OpenSSL (no s3:// support)"
     exit 77
@@ -17,8 +18,10 @@ S3_TOOL="$CKPT_BUILD_DIR/tests/s3_tool"
 S3RVER_DIR=${CKPT_S3RVER_DIR:-$CKPT_BUILD_DIR/s3rver}
 
 s3_start() {
+    # make build-test installs it; a build folder made otherwise gets it here
     [ -f "$S3RVER_DIR/node_modules/s3rver/package.json" ] ||
-        fail "s3rver is not installed in $S3RVER_DIR: run scripts/setup s3rver $S3RVER_DIR"
+        bash "$CKPT_SOURCE_DIR/scripts/setup" s3rver "$S3RVER_DIR" >&2 ||
+        fail "s3rver could not be installed in $S3RVER_DIR (scripts/setup s3rver $S3RVER_DIR)"
     command -v node >/dev/null || fail "node is missing: run scripts/setup nodejs"
     mkdir -p "$WORK/s3"
     CKPT_S3RVER_DIR="$S3RVER_DIR" CKPT_S3_SERVER_LIFETIME=1200 \
