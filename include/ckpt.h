@@ -23,9 +23,11 @@
  *       dataloader.safetensors
  *       random_states_<p>.safetensors   process p's default generator
  *       custom_checkpoint_<i>.safetensors
+ *       <name>.safetensors           a named custom object
  * Every state file is a standard safetensors file: tensors as tensors, every
- * other entry (int, float, string, bytes) in __metadata__["ckpt"], one JSON
- * document that keeps each entry's type (see docs/FORMAT.md).
+ * other entry (int, unsigned 64-bit int, float, string, bytes, alias) in
+ * __metadata__["ckpt"], one JSON document that keeps each entry's type (see
+ * docs/FORMAT.md).
  *
  * This header holds the everyday API: errors, state dicts, stateful objects,
  * the training blocks and the accelerator. The specialised parts are in
@@ -168,20 +170,32 @@ typedef struct ckpt_reader ckpt_reader;
 CKPT_API int ckpt_write_tensor(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
                                const int64_t *shape, const void *data);
 CKPT_API int ckpt_write_i64(ckpt_writer *w, const char *key, int64_t v);
+/* Every 64-bit unsigned value, exactly (a seed, a generator's state, a byte
+ * count): a u64 entry, read back only by ckpt_read_u64 (an i64 entry is not
+ * a u64 one, whatever its value). */
+CKPT_API int ckpt_write_u64(ckpt_writer *w, const char *key, uint64_t v);
 /* Exact: the bits of every finite value, infinities and NaN round-trip. */
 CKPT_API int ckpt_write_f64(ckpt_writer *w, const char *key, double v);
 /* Copies v, which must be valid UTF-8. */
 CKPT_API int ckpt_write_str(ckpt_writer *w, const char *key, const char *v);
 /* Copies n bytes from p. */
 CKPT_API int ckpt_write_bytes(ckpt_writer *w, const char *key, const void *p, size_t n);
+/* A second name of a tensor (tied weights): alias names the tensor target,
+ * which this writer already holds (written whole with ckpt_write_tensor, not
+ * an alias itself). The file holds target's bytes once and records "alias
+ * is target" (docs/FORMAT.md, "Aliases"); a reader gives alias's reads
+ * target's tensor, and lists alias as an entry of kind CKPT_ENTRY_ALIAS.
+ * Key rules as above; CKPT_ENOENT if target is no tensor of w. */
+CKPT_API int ckpt_write_alias(ckpt_writer *w, const char *alias, const char *target);
 
 /* Reads a tensor into dst, which has room for exactly its bytes. dtype, ndim
  * and shape must match the file exactly, else CKPT_EMISMATCH naming the key,
  * what is in the file and what was asked for. CKPT_ENOENT if there is no such
- * key (or it is not a tensor). */
+ * key (or it is not a tensor). An alias reads its target. */
 CKPT_API int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
                               const int64_t *shape, void *dst);
 CKPT_API int ckpt_read_i64(ckpt_reader *r, const char *key, int64_t *v);
+CKPT_API int ckpt_read_u64(ckpt_reader *r, const char *key, uint64_t *v);
 CKPT_API int ckpt_read_f64(ckpt_reader *r, const char *key, double *v);
 /* Copies the string with its NUL into buf; CKPT_EINVAL if cap is too small. */
 CKPT_API int ckpt_read_str(ckpt_reader *r, const char *key, char *buf, size_t cap);
@@ -301,8 +315,32 @@ CKPT_API void ckpt_model_free(ckpt_model *m);
  * model is freed. Names follow the key rules; a duplicate is CKPT_EEXIST. */
 CKPT_API int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
                                   const int64_t *shape, void *data, void *grad);
-CKPT_API int64_t ckpt_model_num_params(const ckpt_model *m);   /* parameter tensors */
-CKPT_API int64_t ckpt_model_num_elements(const ckpt_model *m); /* sum of their elements */
+/* Tied weights (GPT-2's lm_head.weight is transformer.wte.weight): alias
+ * becomes a second name of the parameter target (or of target's own target,
+ * if target is itself an alias). The pair is ONE parameter: one buffer (the
+ * target's), one gradient, one optimizer state (an optimizer skips tied
+ * names), frozen together. A checkpoint holds its bytes once, under target's
+ * name, and records the alias (docs/FORMAT.md, "Aliases"); a load fills the
+ * one buffer. alias is added as a new name (appended: ckpt_model_param lists
+ * it after the parameters before it); if it already names target's
+ * parameter the call does nothing. CKPT_ENOENT if target is no parameter,
+ * CKPT_EEXIST if alias is already a parameter of its own or tied elsewhere,
+ * CKPT_EINVAL for a bad name.
+ * ckpt_model_add_param ties without this call: a parameter registered on the
+ * very data pointer of an earlier one, with the same dtype and shape, becomes
+ * its alias (a different gradient buffer is then CKPT_EINVAL: a tied pair has
+ * one gradient; NULL, or the same buffer, is fine).
+ * Loads: a file where the two names are tied, and memory where they are
+ * not, or the reverse, is CKPT_EMISMATCH naming both (the files hold one
+ * tensor where memory expects two, or the reverse); a file without the
+ * alias at all (Hugging Face's files leave tied names out) loads: the
+ * target fills the one buffer. */
+CKPT_API int ckpt_model_tie(ckpt_model *m, const char *alias, const char *target);
+/* Parameter names, tied ones included. */
+CKPT_API int64_t ckpt_model_num_params(const ckpt_model *m);
+/* Sum of the elements of the distinct parameters (a tied pair counts once,
+ * as PyTorch's sum(p.numel() for p in model.parameters())). */
+CKPT_API int64_t ckpt_model_num_elements(const ckpt_model *m);
 typedef struct ckpt_param_info {
     const char *name;  /* view valid until the model is freed */
     ckpt_dtype dtype;
@@ -312,6 +350,10 @@ typedef struct ckpt_param_info {
     void *data;
     void *grad;
     bool frozen; /* see ckpt_model_set_frozen */
+    /* A tied name (ckpt_model_tie): the parameter it is another name of
+     * (view valid until the model is freed); data, grad and frozen are that
+     * parameter's. NULL for a parameter of its own. */
+    const char *tied_to;
 } ckpt_param_info;
 CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info);
 /* Marks every parameter whose name is pattern or matches it as a glob
@@ -338,7 +380,8 @@ CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *i
  * ckpt_torch read the model from both files. Returns how many parameters
  * matched (> 0), or CKPT_ENOENT naming the pattern if none did. */
 CKPT_API int ckpt_model_set_frozen(ckpt_model *m, const char *pattern, bool frozen);
-/* State dict: every parameter as a tensor under its name, nothing else. */
+/* State dict: every parameter as a tensor under its name, and every tied
+ * name as an alias of its parameter (ckpt_write_alias), nothing else. */
 CKPT_API const ckpt_stateful_ops *ckpt_model_ops(void);
 
 /* ------------------------------------------------------------------------ */
@@ -386,8 +429,10 @@ typedef struct ckpt_optim_options {
 CKPT_API ckpt_optim_options ckpt_optim_defaults(ckpt_optim_kind kind);
 
 /* An optimizer over all of m's parameters in one group (frozen ones keep no
- * state: ckpt_model_set_frozen). Trainable parameters are F32, or BF16/F16
- * with opt->master_weights (else CKPT_EUNSUPPORTED naming the parameter).
+ * state: ckpt_model_set_frozen), one state per distinct parameter (a tied
+ * name is its parameter, ckpt_model_tie). Trainable parameters are F32, or
+ * BF16/F16 with opt->master_weights (else CKPT_EUNSUPPORTED naming the
+ * parameter).
  * Borrows m until the optimizer is freed. */
 CKPT_API int ckpt_optimizer_new(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model *m,
                                 const ckpt_optim_options *opt);
@@ -409,8 +454,9 @@ CKPT_API void ckpt_optimizer_free(ckpt_optimizer *o);
 /* Splits parameters into groups: group_of[i] is the group of the model's i-th
  * parameter (0..ngroups-1, or -1: in no group, not optimized, and frozen
  * unless ckpt_model_set_frozen says otherwise), opts[g] the options of
- * group g; no group may be empty. State is numbered as PyTorch does: group
- * 0's parameters first. Only before the first step. Copies both arrays. An
+ * group g; no group may be empty. A tied name's entry is ignored: it is its
+ * parameter (ckpt_model_tie). State is numbered as PyTorch does: group 0's
+ * parameters first. Only before the first step. Copies both arrays. An
  * external optimizer keeps the state attached to each parameter where its
  * new group has the field. */
 CKPT_API int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_of,
@@ -802,6 +848,22 @@ CKPT_API int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs);
  * are then already changed (the error says "state partially loaded"). */
 CKPT_API int ckpt_register_for_checkpointing(ckpt_accelerator *acc, const ckpt_stateful_ops *ops,
                                              void *self);
+/* A custom object under a name of its own: saved as <name>.safetensors,
+ * found by that name when loaded (registration order does not matter; the
+ * unnamed objects keep their custom_checkpoint_<i> numbering among
+ * themselves), selected by it in ckpt_load_options.names, shown by it in
+ * `ckpt ls` / `ckpt inspect` and python/ckpt_torch, exported as <name>.pkl
+ * (docs/PYTORCH.md). name: 1 to 64 bytes of [A-Za-z0-9_.-], not starting
+ * with '.', without ".safetensors" in it, unique among this accelerator's
+ * named objects letter case aside (a checkpoint may be copied to a
+ * case-insensitive file system), and no name the library's own files take:
+ * model, optimizer, scheduler, dataloader, scaler, custom_checkpoint,
+ * random_states, alone or followed by _<digits>, nor a name ending in
+ * -DDDDD-of-DDDDD (shard files).
+ * CKPT_EINVAL naming the rule broken, CKPT_EEXIST for a name or an object
+ * registered already; otherwise as ckpt_register_for_checkpointing. */
+CKPT_API int ckpt_register_for_checkpointing_named(ckpt_accelerator *acc, const char *name,
+                                                   const ckpt_stateful_ops *ops, void *self);
 
 /* The process's default generator, always saved as
  * random_states_<process_index>.safetensors. View valid until free. */

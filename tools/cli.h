@@ -135,6 +135,10 @@ bool cli_is_shard_file(const char *name);
 int cli_open_state(const char *path, ckpt_reader **r);
 /* Reports a failed library call ("what: message") and returns CLI_RUNTIME. */
 int cli_lib_error(const char *what, int rc);
+/* Element i of a tensor's bytes p as text (cli_diff.c): integers exactly,
+ * floats as the shortest decimal that reads back to the same value of the
+ * dtype; "?" for a dtype without a number form here (F8, F4, C64...). */
+const char *cli_element_text(ckpt_dtype dt, const unsigned char *p, int64_t i, char *buf, int cap);
 
 /* ---- many processes (cli_dist.c) ---- */
 struct ckpt_comm;

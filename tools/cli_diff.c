@@ -158,8 +158,7 @@ static bool element_int(ckpt_dtype dt, const unsigned char *p, int64_t i, bool *
 
 /* Element i as text: integers as integers, floats as the shortest decimal
  * that reads back to the same value of the tensor's type. */
-static const char *element_text(ckpt_dtype dt, const unsigned char *p, int64_t i, char *buf,
-                                int cap) {
+const char *cli_element_text(ckpt_dtype dt, const unsigned char *p, int64_t i, char *buf, int cap) {
     bool sg;
     int64_t sv;
     uint64_t uv;
@@ -290,8 +289,8 @@ static void diff_tensor_bytes(diff_ctx *d, const char *file, const ckpt_entry_in
     report(d, file, ea->key,
            "max |a-b| = %s, %lld of %lld elements differ (first at flat index %lld: %s vs %s)",
            maxs, (long long)ndiff, (long long)numel, (long long)first,
-           element_text(ea->dtype, pa, first, va, sizeof va),
-           element_text(ea->dtype, pb, first, vb, sizeof vb));
+           cli_element_text(ea->dtype, pa, first, va, sizeof va),
+           cli_element_text(ea->dtype, pb, first, vb, sizeof vb));
 }
 
 static void diff_scalar(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_reader *rb,
@@ -309,6 +308,19 @@ static void diff_scalar(diff_ctx *d, const char *file, ckpt_reader *ra, ckpt_rea
         if (a != b) report(d, file, ea->key, "%lld vs %lld", (long long)a, (long long)b);
         break;
     }
+    case CKPT_ENTRY_U64: {
+        uint64_t a = 0, b = 0;
+        ckpt_read_u64(ra, ea->key, &a);
+        ckpt_read_u64(rb, eb->key, &b);
+        if (a != b)
+            report(d, file, ea->key, "%llu vs %llu", (unsigned long long)a, (unsigned long long)b);
+        break;
+    }
+    case CKPT_ENTRY_ALIAS:
+        if (strcmp(ea->target, eb->target) != 0)
+            report(d, file, ea->key, "an alias of '%s' vs of '%s'", cli_esc(ea->target),
+                   cli_esc(eb->target));
+        break;
     case CKPT_ENTRY_F64: {
         double a = 0, b = 0;
         ckpt_read_f64(ra, ea->key, &a);

@@ -55,7 +55,28 @@ static void print_extra_files(const char *dir, bool json) {
 
 /* ---- inspect -------------------------------------------------------------- */
 
-/* Prints one entry's value (scalars) or description (tensors). */
+/* A 0-dim tensor's value (a step count, a scale kept as a tensor): as
+ * numbers are printed, or its bytes in hex for a dtype without a number
+ * form here (F8, F4, C64...). */
+static void print_tensor_value(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
+    const void *data = NULL;
+    char num[48];
+    if (ckpt_reader_tensor_view(r, e->key, &data, NULL) < 0 || !data) return;
+    const unsigned char *p = data;
+    cli_element_text(e->dtype, p, 0, num, sizeof num);
+    if (strcmp(num, "?") != 0) {
+        bool finite = strspn(num, "-+0123456789.eE") == strlen(num);
+        printf(json ? (finite ? ",\"value\":%s" : ",\"value\":\"%s\"") : "  = %s", num);
+        return;
+    }
+    printf(json ? ",\"hex\":\"" : "  = 0x");
+    for (uint64_t i = e->nbytes; i-- > 0;)
+        printf("%02x", p[i]); /* little-endian: high byte first */
+    if (json) putchar('"');
+}
+
+/* Prints one entry's value (scalars, 0-dim tensors) or description (tensors,
+ * aliases). */
 static int print_entry(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
     int rc = CKPT_OK;
     if (json) {
@@ -70,14 +91,34 @@ static int print_entry(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
         if (json) {
             printf(",\"dtype\":\"%s\",\"shape\":", ckpt_dtype_name(e->dtype));
             cli_print_shape(e);
-            printf(",\"bytes\":%llu,\"offset\":%llu}", (unsigned long long)e->nbytes,
+            printf(",\"bytes\":%llu,\"offset\":%llu", (unsigned long long)e->nbytes,
                    (unsigned long long)e->offset);
+            if (e->ndim == 0) print_tensor_value(r, e, true);
+            putchar('}');
         } else {
             printf("%-5s ", ckpt_dtype_name(e->dtype));
             cli_print_shape(e);
-            printf("  %llu bytes\n", (unsigned long long)e->nbytes);
+            printf("  %llu bytes", (unsigned long long)e->nbytes);
+            if (e->ndim == 0) print_tensor_value(r, e, false);
+            putchar('\n');
         }
         break;
+    case CKPT_ENTRY_ALIAS:
+        if (json) {
+            printf(",\"target\":");
+            cli_json_string(e->target ? e->target : "");
+            putchar('}');
+        } else {
+            printf("-> %s (tied: the same tensor, saved once)\n",
+                   cli_esc(e->target ? e->target : ""));
+        }
+        break;
+    case CKPT_ENTRY_U64: {
+        uint64_t v = 0;
+        rc = ckpt_read_u64(r, e->key, &v);
+        printf(json ? ",\"value\":%llu}" : "= %llu\n", (unsigned long long)v);
+        break;
+    }
     case CKPT_ENTRY_I64: {
         int64_t v = 0;
         rc = ckpt_read_i64(r, e->key, &v);

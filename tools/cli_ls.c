@@ -20,7 +20,8 @@ static const char ls_help[] =
     "number, step, creation time (UTC), size and status: complete, partial (no\n"
     "manifest: not a checkpoint) or corrupt (the manifest or a file fails\n"
     "verification; the reason follows). Then any leftover temporary folders of\n"
-    "interrupted saves ('ckpt prune' removes them).\n"
+    "interrupted saves ('ckpt prune' removes them). For one checkpoint folder, also\n"
+    "the objects it holds, by name (a custom object's kind in parentheses).\n"
     "\n"
     "  --fast   check manifests only, not every file's checksum\n"
     "  --json   one JSON document instead of a table\n";
@@ -30,6 +31,40 @@ static void format_time(int64_t unix_s, char *buf, size_t cap) {
     struct tm tm;
     if (unix_s <= 0 || !gmtime_r(&t, &tm) || !strftime(buf, cap, "%Y-%m-%d %H:%M:%S", &tm))
         snprintf(buf, cap, "-");
+}
+
+/* The objects of one checkpoint, by name (the file's stem: "model",
+ * "rng_state"; a model saved as Hugging Face shards by its index), from its
+ * manifest: a line, or, with json, an "objects" member. */
+static void print_objects(const char *dir, bool json) {
+    ckpt_checkpoint_file *files = NULL;
+    int64_t n = 0;
+    if (ckpt_checkpoint_files(dir, &files, &n) < 0) return;
+    printf(json ? ",\"objects\":[" : "         objects:");
+    int shown = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const char *f = files[i].name;
+        size_t len = strlen(f), cut = 0;
+        if (!strcmp(files[i].kind, "extra") || cli_is_shard_file(f)) continue;
+        if (len > 23 && !strcmp(f + len - 23, ".safetensors.index.json")) cut = 23;
+        else if (len > 12 && !strcmp(f + len - 12, ".safetensors")) cut = 12;
+        else continue;
+        char name[256];
+        snprintf(name, sizeof name, "%.*s", (int)(len - cut), f);
+        if (json) {
+            printf("%s{\"name\":", shown ? "," : "");
+            cli_json_string(name);
+            printf(",\"kind\":");
+            cli_json_string(files[i].kind);
+            putchar('}');
+        } else {
+            printf("%s %s", shown ? "," : "", cli_esc(name));
+            if (!strcmp(files[i].kind, "custom")) printf(" (custom)");
+        }
+        shown++;
+    }
+    printf(json ? "]" : "\n");
+    free(files);
 }
 
 int cli_ls(int argc, char **argv) {
@@ -86,6 +121,7 @@ int cli_ls(int argc, char **argv) {
                 cli_json_string(reason);
             }
             cli_print_metrics(c, true);
+            if (single && c->status == CKPT_CHECKPOINT_COMPLETE) print_objects(c->path, true);
             putchar('}');
         } else {
             char stepbuf[32];
@@ -107,6 +143,7 @@ int cli_ls(int argc, char **argv) {
             cli_print_metrics(c, false);
             putchar('\n');
             if (*reason) printf("         %s\n", cli_esc(reason));
+            if (single && c->status == CKPT_CHECKPOINT_COMPLETE) print_objects(c->path, false);
         }
     }
     if (json) putchar(']');

@@ -46,10 +46,13 @@ typedef enum ckpt_entry_kind {
     CKPT_ENTRY_I64 = 2,
     CKPT_ENTRY_F64 = 3,
     CKPT_ENTRY_STR = 4,
-    CKPT_ENTRY_BYTES = 5
+    CKPT_ENTRY_BYTES = 5,
+    CKPT_ENTRY_U64 = 6,  /* ckpt_write_u64 */
+    CKPT_ENTRY_ALIAS = 7 /* ckpt_write_alias: a second name of a tensor */
 } ckpt_entry_kind;
 
-/* "tensor", "i64", "f64", "str", "bytes"; NULL for an invalid value. Static. */
+/* "tensor", "i64", "f64", "str", "bytes", "u64", "alias"; NULL for an
+ * invalid value. Static. */
 CKPT_API const char *ckpt_entry_kind_name(ckpt_entry_kind kind);
 
 typedef struct ckpt_entry_info {
@@ -58,12 +61,17 @@ typedef struct ckpt_entry_info {
     ckpt_dtype dtype;      /* tensors only */
     int ndim;              /* tensors only */
     int64_t shape[CKPT_MAX_NDIM];
-    uint64_t nbytes;       /* tensor bytes; string length; bytes length; 8 for i64/f64 */
+    uint64_t nbytes;       /* tensor bytes; string length; bytes length; 8 for i64/f64/u64;
+                              0 for an alias (its bytes are its target's) */
     uint64_t offset;       /* tensors in a reader: byte offset of the data in the file */
+    /* Aliases: the tensor this key names (a view like key); dtype, ndim and
+     * shape are then that tensor's (dtype CKPT_DTYPE_INVALID where a reader
+     * does not hold it). NULL for other entries. */
+    const char *target;
 } ckpt_entry_info;
 
-/* Entries in file order (tensors by data offset, then scalar entries in the
- * order they were written). */
+/* Entries in file order (tensors by data offset, then scalar entries and
+ * aliases in the order they were written). */
 CKPT_API int64_t ckpt_reader_count(const ckpt_reader *r);
 CKPT_API int ckpt_reader_entry(const ckpt_reader *r, int64_t i, ckpt_entry_info *info);
 /* CKPT_ENOENT if absent. */

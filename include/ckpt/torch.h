@@ -121,11 +121,16 @@ CKPT_API int ckpt_torch_end(ckpt_torch_writer *w);
 CKPT_API int ckpt_torch_put_none(ckpt_torch_writer *w);
 CKPT_API int ckpt_torch_put_bool(ckpt_torch_writer *w, bool v);
 CKPT_API int ckpt_torch_put_int(ckpt_torch_writer *w, int64_t v);
+/* A Python int from 0 to 2^64 - 1 (a u64 entry). */
+CKPT_API int ckpt_torch_put_uint(ckpt_torch_writer *w, uint64_t v);
 CKPT_API int ckpt_torch_put_float(ckpt_torch_writer *w, double v);
 /* Copies v (valid UTF-8). */
 CKPT_API int ckpt_torch_put_str(ckpt_torch_writer *w, const char *v);
-/* A tensor in its own storage. Copies shape; borrows data until the writer is
- * saved or freed. dtype: one of the ten above (else CKPT_EUNSUPPORTED). */
+/* A tensor in its own storage, or, when data is the very pointer of an
+ * earlier tensor of the same dtype and byte count, in that tensor's storage
+ * (torch.load then gives both one storage, as for PyTorch's tied weights).
+ * Copies shape; borrows data until the writer is saved or freed. dtype: one
+ * of the ten above (else CKPT_EUNSUPPORTED). */
 CKPT_API int ckpt_torch_put_tensor(ckpt_torch_writer *w, ckpt_dtype dt, int ndim,
                                    const int64_t *shape, const void *data);
 /* Writes the file crash-safely (temporary file, fsync, rename, folder
@@ -153,9 +158,15 @@ typedef struct ckpt_export_options {
 
 /* Writes an Accelerate-style folder PyTorch loads as is from a complete
  * checkpoint (verified first): model.safetensors (model_<k> for the k-th
- * model), optimizer.bin / scheduler.bin (torch.optim and lr_scheduler
+ * model; a tied name as Hugging Face's save_model leaves it: the tensor
+ * once, the __metadata__ record; in pytorch_model.bin both names on one
+ * storage), optimizer.bin / scheduler.bin (torch.optim and lr_scheduler
  * state_dict() structures of PyTorch 1.13 and later), scaler.pt (a
- * GradScaler state dict) and README.md saying what does not carry over.
+ * GradScaler state dict), every custom object as Accelerate saves one
+ * (custom_checkpoint_<i>.pkl, or <name>.pkl for a named one: torch.save of
+ * its flat state dict; not with weights_only) and README.md saying what
+ * does not carry over (and which custom object was left out, holding a
+ * tensor PyTorch has no dtype for).
  * Crash-safe: out_dir appears complete or not at all; an existing out_dir is
  * CKPT_EEXIST. opt may be NULL (defaults). A scheduler PyTorch cannot load
  * with weights_only (multisteplr: a collections.Counter) is CKPT_EUNSUPPORTED. */

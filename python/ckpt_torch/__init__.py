@@ -14,28 +14,30 @@ library's ckpt_load_state resumes, byte for byte in the C writer's layout.
 Nothing is unpickled: safetensors and JSON only. See docs/PYTORCH.md."""
 import collections
 import os
+import re
 import warnings
 
 import numpy as np
 
 # Some names are imported only to stay where they always were (ckpt_torch.StateFile, ...).
 from ._folder import checkpoint_number, list_numbers, write_checkpoint
-from ._format import (DTYPES, LIBRARY_VERSION, BusyError, CkptError, CorruptError, InvalidError,
-                      MismatchError, NotFoundError, RawTensor, StateFile, TooLargeError,
-                      UnsupportedError, check_key, escape, read_state_file, shape_str)
-from ._read import _read_checkpoint
+from ._format import (DTYPES, LIBRARY_VERSION, U64, BusyError, CkptError, CorruptError,
+                      InvalidError, MismatchError, NotFoundError, RawTensor, StateFile,
+                      TooLargeError, UnsupportedError, check_key, escape, read_state_file,
+                      shape_str)
+from ._read import _SHARD_NAME, _read_checkpoint
 from ._torch_objects import (Constant, WarmupCosine, WarmupLinear, _adapt_model, _from_torch,
                              _keep_masters, _merge_optimizer, _merge_scheduler, _need_torch,
                              _param_names,
                              _prefix_pairs, _to_np, _to_torch, optimizer_from_flat,
                              optimizer_to_flat, scaler_from_flat, scaler_to_flat,
-                             scheduler_from_flat, scheduler_to_flat, torch)
+                             scheduler_from_flat, scheduler_to_flat, _storage_key, torch)
 from ._verify import verify_folder
 
 __version__ = LIBRARY_VERSION
 __all__ = ["verify", "latest", "load", "load_state_dict", "save", "WarmupCosine", "WarmupLinear",
            "Constant", "CkptError", "CorruptError", "UnsupportedError", "MismatchError",
-           "InvalidError", "NotFoundError", "BusyError", "TooLargeError", "RawTensor"]
+           "InvalidError", "NotFoundError", "BusyError", "TooLargeError", "RawTensor", "U64"]
 
 # A damaged checkpoint: a project load falls back past it (with a warning).
 _DAMAGE = (CorruptError, UnsupportedError, NotFoundError)
@@ -95,8 +97,7 @@ def load_state_dict(path, as_torch=False):
     flat = read_state_file(path).flat()
     if as_torch:
         _need_torch("load_state_dict(as_torch=True)")
-        flat = {k: _to_torch(v) if isinstance(v, (np.ndarray, RawTensor)) else v
-                for k, v in flat.items()}
+        flat = _tensorize(flat, True)
     return flat
 
 
@@ -115,19 +116,23 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _tensorize(obj, as_torch):
-    """numpy arrays (and RawTensor) in a nested state dict as torch tensors."""
+def _tensorize(obj, as_torch, memo=None):
+    """numpy arrays (and RawTensor) in a nested state dict as torch tensors;
+    one array under two names (a tied name) becomes one tensor."""
     if not as_torch:
         return obj
+    memo = {} if memo is None else memo
     if isinstance(obj, (np.ndarray, RawTensor)):
-        try:
-            return _to_torch(obj)
-        except UnsupportedError:
-            return obj  # U32 and the like in an older torch: kept as numpy
+        if id(obj) not in memo:
+            try:
+                memo[id(obj)] = _to_torch(obj)
+            except UnsupportedError:
+                memo[id(obj)] = obj  # U32 and the like in an older torch: kept as numpy
+        return memo[id(obj)]
     if isinstance(obj, dict) and not isinstance(obj, collections.Counter):
-        return {k: _tensorize(v, as_torch) for k, v in obj.items()}
+        return {k: _tensorize(v, as_torch, memo) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_tensorize(v, as_torch) for v in obj]
+        return [_tensorize(v, as_torch, memo) for v in obj]
     return obj
 
 
@@ -271,12 +276,21 @@ def load(dir=None, model=None, optimizer=None, scheduler=None, scaler=None, *, p
 # ---- save ----------------------------------------------------------------------
 
 def _model_flat(x):
+    """A model's flat state dict; tied weights (two names on one storage, as
+    model.state_dict() gives them) are one array under both names, which
+    the file keeps once with an alias record."""
     if torch is not None and isinstance(x, torch.nn.Module):
         x = x.state_dict()
-    out = {}
+    out, seen = {}, {}
     for k, v in x.items():
         if torch is not None and isinstance(v, torch.Tensor):
+            sk = _storage_key(v) if v.numel() > 0 else None
+            if sk is not None and sk in seen:
+                out[k] = out[seen[sk]]
+                continue
             out[k] = _from_torch(v)
+            if sk is not None:
+                seen[sk] = k
         elif isinstance(v, (np.ndarray, RawTensor)):
             out[k] = v
         else:
@@ -353,9 +367,32 @@ def _check_position(loaders, step, batches_per_step):
                    int(flat["batches_yielded"]), int(step), batches_per_step, want))
 
 
+_OWN_STEMS = ("model", "optimizer", "scheduler", "dataloader", "scaler", "custom_checkpoint",
+              "random_states")
+
+
+def _check_object_name(name, taken):
+    """The rules of ckpt_register_for_checkpointing_named."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        raise InvalidError("save: custom object name %r is not 1 to 64 bytes of [A-Za-z0-9_.-]"
+                           % (name,))
+    if name.startswith("."):
+        raise InvalidError("save: custom object name '%s' starts with '.' (a hidden file)" % name)
+    low = name.lower()
+    if ".safetensors" in low:
+        raise InvalidError("save: custom object name '%s' contains '.safetensors'" % name)
+    if any(low == s or re.fullmatch(re.escape(s) + r"_[0-9]+", low) for s in _OWN_STEMS):
+        raise InvalidError("save: custom object name '%s' is taken by the library's own files"
+                           % name)
+    if _SHARD_NAME.fullmatch(name + ".safetensors"):
+        raise InvalidError("save: custom object name '%s' ends like a shard file's" % name)
+    if (name + ".safetensors").lower() in (t.lower() for t in taken):
+        raise InvalidError("save: custom object name '%s' is taken (letter case aside)" % name)
+
+
 def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *, iteration=None,
-         dataloader=None, custom=None, random_states=None, seed=0, warn=None, metrics=None,
-         batches_per_step=1):
+         dataloader=None, custom=None, named=None, random_states=None, seed=0, warn=None,
+         metrics=None, batches_per_step=1):
     """Writes a ckpt checkpoint folder `dir` that the C library's
     ckpt_load_state (and `ckpt verify`, `ckpt inspect`) accepts, in exactly
     the layout and metadata document the C writer produces.
@@ -372,7 +409,10 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
                   flat dicts (as load_state_dict() returns) for the C objects
                   PyTorch has no counterpart of: the data loader's position,
                   custom objects (custom_checkpoint_<i>), and the
-                  accelerator's Philox generator; without random_states a
+                  accelerator's Philox generator;
+      named       {name: flat dict}: custom objects under names of their own
+                  (<name>.safetensors, what ckpt_register_for_checkpointing_named
+                  registers; the same name rules); without random_states a
                   fresh generator seeded with `seed` is written, since every
                   C load expects random_states_0.safetensors.
       iteration   the manifest's iteration; default n + 1 for a folder named
@@ -413,6 +453,9 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
         files.append((_file_name("scaler", i), "scaler", scaler_to_flat(x)))
     for i, x in enumerate(_as_list(custom)):
         files.append(("custom_checkpoint_%d.safetensors" % i, "custom", _plain_flat(x)))
+    for name, x in (named or {}).items():
+        _check_object_name(name, [f[0] for f in files])
+        files.append(("%s.safetensors" % name, "custom", _plain_flat(x)))
     rs = fresh_random_states(seed) if random_states is None else _plain_flat(random_states)
     files.append(("random_states_0.safetensors", "random_states", rs))
     if iteration is None:

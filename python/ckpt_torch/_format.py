@@ -24,7 +24,9 @@ except ImportError:  # pragma: no cover - reported when a checksum is needed
 LIBRARY_VERSION = "0.1.0"
 FORMAT_VERSION = 2  # the newest read; several processes write 2 (chunks of replicated tensors)
 WRITE_FORMAT_VERSION = 1  # what one process writes
-DOC_VERSION = 1
+DOC_VERSION = 2  # the newest read; 2 (u64 and alias entries) is written only when used
+DOC_VERSION_BASE = 1
+UINT64_MAX = (1 << 64) - 1
 MANIFEST_NAME = "checkpoint.json"
 MANIFEST_MAX_BYTES = 16 << 20
 ST_MAX_HEADER = 100_000_000
@@ -158,6 +160,21 @@ def _nbytes(dtype, shape):
 def shape_str(shape):
     """A shape as the C library prints it: [2,3]."""
     return "[" + ",".join(str(int(d)) for d in shape) + "]"
+
+
+class U64(int):
+    """An unsigned 64-bit entry (ckpt_write_u64): an int from 0 to 2**64 - 1
+    that a state file keeps as a u64 (a plain int is an i64; one above
+    2**63 - 1 is written as a u64 too). Readers return u64 entries as U64."""
+
+    def __new__(cls, v):
+        v = int(v)
+        if not 0 <= v <= UINT64_MAX:
+            raise InvalidError("U64: %d is outside 0..2**64 - 1" % v)
+        return super().__new__(cls, v)
+
+    def __repr__(self):
+        return "U64(%d)" % int(self)
 
 
 class RawTensor:
@@ -525,6 +542,18 @@ class StateFile:
                 if not _is_int(v):
                     raise self._doc_err("entry '%s': i64 value is not an integer" % key)
                 val = int(v)
+            elif typ == "u64":
+                if not (isinstance(v, str) and 1 <= len(v) <= 20 and v.isascii() and v.isdigit()
+                        and (len(v) == 1 or v[0] != "0") and int(v) <= UINT64_MAX):
+                    raise self._doc_err("entry '%s': u64 value is not a string of decimal digits "
+                                        "below 2^64 (no sign, no leading zero)" % key)
+                val = U64(int(v))
+            elif typ == "alias":
+                if not isinstance(v, str) or "\0" in v or not _key_ok(v):
+                    raise self._doc_err("entry '%s': alias value is not a valid tensor name" % key)
+                if v == key:
+                    raise self._doc_err("entry '%s': an alias of itself" % key)
+                val = v
             elif typ == "f64":
                 if isinstance(v, float):
                     val = v
@@ -553,6 +582,10 @@ class StateFile:
                 other = "tensor" if key in self.tensors else self.entries[key][0]
                 raise CorruptError("%s: duplicate key '%s' (%s and %s)" % (self.name, key, other, typ))
             self.entries[key] = (typ, val)
+        for key, (typ, val) in self.entries.items():
+            if typ == "alias" and val in self.entries:
+                raise self._doc_err("entry '%s': an alias of '%s', which is not a tensor"
+                                    % (key, val))
 
     def tensor_bytes(self, key):
         dtype, shape, b, e = self.tensors[key]
@@ -568,13 +601,33 @@ class StateFile:
         return np.frombuffer(self.data, dtype=npdt, count=(e - b) // npdt.itemsize,
                              offset=b).reshape(shape).copy()
 
-    def flat(self):
+    def aliases(self):
+        """{alias: target} of the file's tied names (alias entries)."""
+        return {k: v for k, (t, v) in self.entries.items() if t == "alias"}
+
+    def flat(self, aliases=None):
         """Every entry: tensors (numpy arrays or RawTensor) in file order,
-        then scalars in document order (int, float, str, bytes)."""
+        then scalars in document order (int, U64, float, str, bytes); an
+        alias (a tied name) is the very array of its target. With a dict
+        `aliases`, the aliases go there ({alias: target}) instead, for a
+        caller whose object has tensors in other files too."""
         out = {k: self.array(k) for k in self.tensors}
-        for k, (_t, v) in self.entries.items():
-            out[k] = v
+        for k, (t, v) in self.entries.items():
+            out[k] = None if t == "alias" else v  # an alias keeps its place in the order
+        if aliases is not None:
+            aliases.update(self.aliases())
+        else:
+            resolve_aliases(out, self.aliases(), self.name)
         return out
+
+
+def resolve_aliases(flat, aliases, what):
+    """Each alias of flat (a tied name) becomes the very array of its target."""
+    for k, v in aliases.items():
+        if not isinstance(flat.get(v), (np.ndarray, RawTensor)):
+            raise CorruptError("%s: '%s' is an alias of '%s', which the file does not hold"
+                               % (what, k, v))
+        flat[k] = flat[v]
 
 
 # ---- reading files: regular files only, never blocking, sizes first ---------
@@ -709,8 +762,12 @@ def _entry_of(key, v):
         return "tensor", (dt, tuple(int(d) for d in a.shape), a.tobytes())
     if isinstance(v, (bool, np.bool_)):
         return "i64", int(v)
+    if isinstance(v, (U64, np.uint64)):
+        return "u64", int(v)
     if isinstance(v, (int, np.integer)):
         iv = int(v)
+        if INT64_MAX < iv <= UINT64_MAX:
+            return "u64", iv
         if not INT64_MIN <= iv <= INT64_MAX:
             raise InvalidError("state dict: '%s': %d does not fit in 64 bits" % (key, iv))
         return "i64", iv
@@ -734,12 +791,17 @@ def encode_state(flat, what="state dict"):
     """The bytes of one state file for a flat state dict (key -> numpy
     array / RawTensor / int / float / str / bytes), laid out exactly as the C
     writer lays it out. Returns (bytes, [(tensor name, xxh3)] in file order)."""
-    tensors, doc = [], []
+    tensors, doc, seen = [], [], {}
     for key, v in flat.items():
         check_key(key, what)
+        if isinstance(v, (np.ndarray, RawTensor)) and id(v) in seen:
+            # the very array of an earlier key: a tied name, saved once
+            doc.append((key, "alias", seen[id(v)]))
+            continue
         kind, payload = _entry_of(key, v)
         if kind == "tensor":
             tensors.append((key, payload))
+            seen[id(v)] = key
         else:
             doc.append((key, kind, payload))
     tensors.sort(key=lambda t: (-_align(t[1][0]), t[0].encode("utf-8")))
@@ -747,6 +809,8 @@ def encode_state(flat, what="state dict"):
     for key, kind, val in doc:
         if kind == "i64":
             vs = str(val)
+        elif kind in ("u64", "alias"):
+            vs = jstr(str(val))
         elif kind == "f64":
             if math.isnan(val):
                 vs = '"nan"'
@@ -759,8 +823,13 @@ def encode_state(flat, what="state dict"):
         else:
             vs = jstr(base64.b64encode(val).decode("ascii"))
         parts.append('{"key":%s,"type":"%s","value":%s}' % (jstr(key), kind, vs))
-    doc_text = '{"version":%d,"entries":[%s]}' % (DOC_VERSION, ",".join(parts))
-    hdr = ['{"__metadata__":{"format":"pt","ckpt":%s}' % jstr(doc_text)]
+    version = DOC_VERSION if any(k in ("u64", "alias") for _, k, _ in doc) else DOC_VERSION_BASE
+    doc_text = '{"version":%d,"entries":[%s]}' % (version, ",".join(parts))
+    # Hugging Face's record of each tied name left out (safetensors.torch's
+    # save_model): __metadata__[alias] = the name kept
+    hf = "".join(",%s:%s" % (jstr(k), jstr(v)) for k, kind, v in doc
+                 if kind == "alias" and k not in ("format", "ckpt"))
+    hdr = ['{"__metadata__":{"format":"pt","ckpt":%s%s}' % (jstr(doc_text), hf)]
     off = 0
     for key, (dt, shape, data) in tensors:
         hdr.append(',%s:{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}'

@@ -7,7 +7,8 @@ import re
 
 import numpy as np
 
-from ._format import DTYPES, CorruptError, RawTensor, StateFile, UnsupportedError, _loads_strict
+from ._format import (DTYPES, CorruptError, RawTensor, StateFile, UnsupportedError, _loads_strict,
+                      resolve_aliases)
 from ._verify import verify_folder
 
 
@@ -36,19 +37,19 @@ def _object_flats(dir, m, datas, kinds):
     indexes = {f["name"]: _hf_index(dir, f["name"], datas[f["name"]]) for f in m["files"]
                if f["name"].endswith(".safetensors.index.json")}
     parts = {p for wm in indexes.values() for p in wm.values()}
-    flats = {}
+    flats, aliases = {}, {}
     for f in m["files"]:
         name = f["name"]
         if name in parts or f["kind"] == "extra":  # a save pre-hook's file is no object
             continue
         if name in indexes:
             wm = indexes[name]
-            pf = {}
+            pf, tied = {}, {}
             for p in sorted(set(wm.values())):
                 if kinds.get(p) != "model":
                     raise CorruptError("%s: %s names %s, which the manifest does not list as a "
                                        "model file" % (dir, name, p))
-                pf[p] = StateFile(os.path.join(dir, p), datas[p]).flat()
+                pf[p] = StateFile(os.path.join(dir, p), datas[p]).flat(tied)
             flat = {}
             for k, p in wm.items():
                 if k not in pf[p]:
@@ -56,16 +57,22 @@ def _object_flats(dir, m, datas, kinds):
                                        "tensor" % (dir, k, p))
                 flat[k] = pf[p][k]
             for p, part in pf.items():
-                extra = set(part) - {k for k, q in wm.items() if q == p}
+                extra = set(part) - {k for k, q in wm.items() if q == p} - set(tied)
                 if extra:
                     raise CorruptError("%s: %s holds '%s', which the index does not name"
                                        % (dir, p, sorted(extra)[0]))
+            for k in tied:
+                flat[k] = None  # its target's array, below
             obj = name[:-len(".index.json")]
             flats[obj] = flat
+            aliases[obj] = tied  # tied names: in their target's part, not in the index
             kinds[obj] = "model"
         elif f.get("chunks") is None:
-            flats[name] = StateFile(os.path.join(dir, name), datas[name]).flat()
+            aliases[name] = {}
+            flats[name] = StateFile(os.path.join(dir, name), datas[name]).flat(aliases[name])
     _assemble_chunks(dir, m, datas, flats)
+    for obj, tied in aliases.items():  # a target may be chunks of shard files
+        resolve_aliases(flats[obj], tied, "%s: %s" % (dir, obj))
     return flats
 
 

@@ -542,6 +542,16 @@ def _map_key(pairs, rename, obj, key):
     return out
 
 
+def _storage_key(t):
+    """Where a torch tensor's elements are: two tensors with one key are one
+    tensor under two names (tied weights)."""
+    try:
+        base = t.untyped_storage().data_ptr()
+    except AttributeError:  # torch before 2.0
+        base = t.storage().data_ptr()
+    return (base, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
 def _adapt_model(module, flat, name, obj, strict, pairs, rename, report):
     """The model's schema against the file, as the C loader matches it: the
     file's keys renamed (prefix map, then rename), two file keys becoming
@@ -557,6 +567,16 @@ def _adapt_model(module, flat, name, obj, strict, pairs, rename, report):
                                 % (name, orig[nk], k, nk))
         named[nk], orig[nk] = v, k
     mine = module.state_dict()
+    # a tied name the file leaves out (Hugging Face's files): its partner on
+    # the same storage fills the one parameter, as in the C library
+    first = {}
+    for k, t in mine.items():
+        if t.numel() > 0:
+            first.setdefault(_storage_key(t), k)
+    for k, t in mine.items():
+        partner = first.get(_storage_key(t)) if t.numel() > 0 else None
+        if k not in named and partner is not None and partner != k and partner in named:
+            named[k], orig[k] = named[partner], k
     for k, t in mine.items():
         if k not in named:
             if strict:

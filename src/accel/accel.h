@@ -30,11 +30,15 @@ extern const char *const ckpt__kind_stem[K_COUNT];
 extern const char *const ckpt__kind_name[K_COUNT];
 extern const char *const ckpt__kind_noun[K_COUNT];
 
+/* Longest name of a named custom object (ckpt_register_for_checkpointing_named). */
+#define CKPT_ACC_NAME_MAX 64
+
 typedef struct ckpt_acc_obj {
     int kind;
-    int index; /* k-th of its kind */
+    int index; /* k-th of its kind (a custom object: k-th unnamed one, or, named, k-th of all) */
     const ckpt_stateful_ops *ops;
     void *self;
+    char name[CKPT_ACC_NAME_MAX + 1]; /* a named custom object's name, its file's stem; else "" */
 } ckpt_acc_obj;
 
 enum { HOOK_SAVE = 0, HOOK_LOAD = 1, HOOK_SAVE_POST = 2, HOOK_LOAD_POST = 3, HOOK_KINDS = 4 };
@@ -69,6 +73,7 @@ struct ckpt_accelerator {
     ckpt_acc_obj *objs;
     int nobjs, cap;
     int count[K_COUNT];
+    int unnamed; /* unnamed custom objects: custom_checkpoint_<i> */
     ckpt_rng rng;
     /* The step: the first prepared optimizer's count unless step_set (by
      * ckpt_accelerator_set_step, or a load of a checkpoint whose step is
@@ -114,7 +119,8 @@ double ckpt__now(void);
 void ckpt__set_clock(double (*fn)(void));
 
 /* The file an object's state goes to: "model.safetensors",
- * "custom_checkpoint_2.safetensors", "random_states_<process_index>...". */
+ * "custom_checkpoint_2.safetensors", "<name>.safetensors" (a named custom
+ * object), "random_states_<process_index>...". */
 void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, char *buf, size_t cap);
 /* The name of this process's shard file of the object whose file is
  * `file`: "<stem>-<rank+1>-of-<size>.safetensors", 5 digits each. */

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 
 #include "ckpt.h"
@@ -212,14 +213,18 @@ const char *ckpt_accelerator_logging_dir(const ckpt_accelerator *acc) {
 
 /* ---- registration ---------------------------------------------------------- */
 
-static int add_obj(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops, void *self,
-                   const char *what) {
+static int add_named(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops, void *self,
+                     const char *name, const char *what) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "%s: acc is NULL", what);
     for (int i = 0; i < acc->nobjs; i++) {
         const ckpt_acc_obj *o = &acc->objs[i];
-        if ((self && o->self == self) || (!self && !o->self && o->ops == ops))
+        if ((self && o->self == self) || (!self && !o->self && o->ops == ops)) {
+            if (o->name[0])
+                return ckpt__err(CKPT_EEXIST, "%s: this object is already registered (as '%s')",
+                                 what, o->name);
             return ckpt__err(CKPT_EEXIST, "%s: this object is already registered (as %s %d)", what,
                              ckpt__kind_noun[o->kind], o->index);
+        }
     }
     if (acc->nobjs == acc->cap) {
         int cap = acc->cap ? acc->cap * 2 : 8;
@@ -228,8 +233,16 @@ static int add_obj(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops
         acc->objs = n;
         acc->cap = cap;
     }
-    acc->objs[acc->nobjs++] = (ckpt_acc_obj){kind, acc->count[kind]++, ops, self};
+    ckpt_acc_obj *o = &acc->objs[acc->nobjs++];
+    *o = (ckpt_acc_obj){kind, acc->count[kind]++, ops, self, ""};
+    if (name) snprintf(o->name, sizeof o->name, "%s", name);
+    else if (kind == K_CUSTOM) o->index = acc->unnamed++; /* named ones do not shift these */
     return 0;
+}
+
+static int add_obj(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops, void *self,
+                   const char *what) {
+    return add_named(acc, kind, ops, self, NULL, what);
 }
 
 static int prepare_builtin(ckpt_accelerator *acc, int kind, const ckpt_stateful_ops *ops,
@@ -271,20 +284,87 @@ int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs) {
                            "prepare_scaler");
 }
 
+static int check_ops(const ckpt_stateful_ops *ops, const char *what, const char *obj) {
+    if (!ops)
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: %s: ops is NULL (it needs state_dict and load_state_dict)", what,
+                         obj);
+    if (!ops->state_dict || !ops->load_state_dict)
+        return ckpt__err(CKPT_EINVAL, "%s: %s: ops has no %s function", what, obj,
+                         !ops->state_dict ? "state_dict" : "load_state_dict");
+    return CKPT_OK;
+}
+
 int ckpt_register_for_checkpointing(ckpt_accelerator *acc, const ckpt_stateful_ops *ops,
                                     void *self) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "register_for_checkpointing: acc is NULL");
-    int i = acc->count[K_CUSTOM];
-    if (!ops)
-        return ckpt__err(CKPT_EINVAL,
-                         "register_for_checkpointing: custom object %d: ops is NULL (it needs "
-                         "state_dict and load_state_dict)",
-                         i);
-    if (!ops->state_dict || !ops->load_state_dict)
-        return ckpt__err(CKPT_EINVAL,
-                         "register_for_checkpointing: custom object %d: ops has no %s function",
-                         i, !ops->state_dict ? "state_dict" : "load_state_dict");
+    char obj[48];
+    snprintf(obj, sizeof obj, "custom object %d", acc->unnamed);
+    CKPT_TRY(check_ops(ops, "register_for_checkpointing", obj));
     return add_obj(acc, K_CUSTOM, ops, self, "register_for_checkpointing");
+}
+
+/* Whether name is stem, or stem followed by "_<digits>", letter case aside:
+ * the name of one of the library's own files. */
+static bool is_builtin_name(const char *name, const char *stem) {
+    size_t n = strlen(stem);
+    if (strncasecmp(name, stem, n) != 0) return false;
+    if (name[n] == '\0') return true;
+    return name[n] == '_' && name[n + 1] &&
+           strspn(name + n + 1, "0123456789") == strlen(name + n + 1);
+}
+
+/* The rules of ckpt.h: a file name of its own, the same on every file
+ * system, that no file of the library's can take. */
+static int check_object_name(const ckpt_accelerator *acc, const char *name, const char *what) {
+    if (!name) return ckpt__err(CKPT_EINVAL, "%s: name is NULL", what);
+    size_t n = strlen(name);
+    if (n == 0 || n > CKPT_ACC_NAME_MAX)
+        return ckpt__err(CKPT_EINVAL, "%s: name '%.80s' is %zu bytes, expected 1 to %d", what, name,
+                         n, CKPT_ACC_NAME_MAX);
+    size_t ok = strspn(name, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-");
+    if (ok != n)
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: name '%s': byte %zu (0x%02x) is not one of [A-Za-z0-9_.-]", what,
+                         name, ok, (unsigned char)name[ok]);
+    if (name[0] == '.')
+        return ckpt__err(CKPT_EINVAL, "%s: name '%s' starts with '.' (a hidden file)", what, name);
+    if (strcasestr(name, ".safetensors"))
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: name '%s' contains '.safetensors' (the name is the file's stem)",
+                         what, name);
+    for (int k = 0; k < K_COUNT; k++)
+        if (is_builtin_name(name, ckpt__kind_stem[k]))
+            return ckpt__err(CKPT_EINVAL,
+                             "%s: name '%s' is taken by the library's own files (%s, %s_<k>)", what,
+                             name, ckpt__kind_stem[k], ckpt__kind_stem[k]);
+    char file[CKPT_ACC_NAME_MAX + 16];
+    snprintf(file, sizeof file, "%s.safetensors", name);
+    if (ckpt__acc_is_shard_of(file, NULL))
+        return ckpt__err(CKPT_EINVAL,
+                         "%s: name '%s' ends like a shard file's (-DDDDD-of-DDDDD), which another "
+                         "object's files may take",
+                         what, name);
+    for (int i = 0; i < acc->nobjs; i++)
+        if (acc->objs[i].name[0] && strcasecmp(acc->objs[i].name, name) == 0)
+            return ckpt__err(CKPT_EEXIST, "%s: name '%s' is taken by another object ('%s')%s", what,
+                             name, acc->objs[i].name,
+                             strcmp(acc->objs[i].name, name) != 0
+                                 ? " (names differing only in letter case would be one file on a "
+                                   "case-insensitive file system)"
+                                 : "");
+    return CKPT_OK;
+}
+
+int ckpt_register_for_checkpointing_named(ckpt_accelerator *acc, const char *name,
+                                          const ckpt_stateful_ops *ops, void *self) {
+    const char *what = "register_for_checkpointing_named";
+    if (!acc) return ckpt__err(CKPT_EINVAL, "%s: acc is NULL", what);
+    CKPT_TRY(check_object_name(acc, name, what));
+    char obj[CKPT_ACC_NAME_MAX + 24];
+    snprintf(obj, sizeof obj, "custom object '%s'", name);
+    CKPT_TRY(check_ops(ops, what, obj));
+    return add_named(acc, K_CUSTOM, ops, self, name, what);
 }
 
 /* ---- hooks ----------------------------------------------------------------- */

@@ -146,7 +146,7 @@ static int plan_reads(load_op *op) {
     int saved_np = m->num_processes > 0 ? m->num_processes : 1;
     bool reshard = saved_np != op->acc->num_processes;
     char mine[96];
-    ckpt_acc_obj rng = {K_RNG, 0, NULL, NULL};
+    ckpt_acc_obj rng = {.kind = K_RNG};
     ckpt__acc_file_name(op->acc, &rng, mine, sizeof mine);
     int64_t nv = 0;
     for (int64_t j = 0; j < n; j++) {

@@ -89,6 +89,7 @@ void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, cha
                          size_t cap) {
     if (o->kind == K_RNG)
         snprintf(buf, cap, "%s_%d.safetensors", ckpt__kind_stem[K_RNG], acc->process_index);
+    else if (o->kind == K_CUSTOM && o->name[0]) snprintf(buf, cap, "%s.safetensors", o->name);
     else if (o->kind == K_CUSTOM)
         snprintf(buf, cap, "%s_%d.safetensors", ckpt__kind_stem[K_CUSTOM], o->index);
     else if (o->index == 0) snprintf(buf, cap, "%s.safetensors", ckpt__kind_stem[o->kind]);
@@ -127,7 +128,7 @@ ckpt_acc_obj *ckpt__acc_plan_objects(ckpt_accelerator *acc, int *n) {
     for (int kind = 0; kind < K_COUNT; kind++)
         for (int i = 0; i < acc->nobjs; i++)
             if (acc->objs[i].kind == kind) v[k++] = acc->objs[i];
-    v[k++] = (ckpt_acc_obj){K_RNG, 0, ckpt_rng_ops(), &acc->rng};
+    v[k++] = (ckpt_acc_obj){.kind = K_RNG, .ops = ckpt_rng_ops(), .self = &acc->rng};
     *n = k;
     return v;
 }

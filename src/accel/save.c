@@ -294,10 +294,17 @@ static int write_hf(save_op *op, int i, const char *file) {
         rc = ckpt_writer_new(&part);
         for (int64_t j = l->starts[s]; j < l->starts[s + 1] && rc == 0; j++) {
             ckpt_entry_info e;
-            rc = ckpt_writer_entry(w, j, &e);
+            rc = ckpt_writer_entry(w, l->entry[j], &e);
             if (rc == 0)
                 rc = ckpt_write_tensor(part, e.key, e.dtype, e.ndim, e.shape,
-                                       ckpt__writer_tensor_data(w, j));
+                                       ckpt__writer_tensor_data(w, l->entry[j]));
+        }
+        /* a tied name in the part of its target; the index names tensors only */
+        for (int64_t j = 0; j < ckpt_writer_entry_count(w) && rc == 0; j++) {
+            ckpt_entry_info e;
+            rc = ckpt_writer_entry(w, j, &e);
+            if (rc == 0 && e.kind == CKPT_ENTRY_ALIAS && ckpt__writer_has(part, e.target))
+                rc = ckpt_write_alias(part, e.key, e.target);
         }
         if (rc == 0)
             rc = write_file(op, part, l->names[s], ckpt__kind_name[K_MODEL], false, &op->hf[i][s]);

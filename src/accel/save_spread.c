@@ -13,7 +13,8 @@
 #include "format/shard.h"
 
 /* Whether object i is written as Hugging Face shards: a model beyond
- * max_shard_size with tensors only, none sharded across processes. */
+ * max_shard_size with tensors (and aliases: tied names) only, none sharded
+ * across processes. */
 static bool hf_decide(const save_op *op, int i) {
     const ckpt_writer *w = op->writers[i];
     if (op->objs[i].kind != K_MODEL || !op->acc->max_shard_size || ckpt__writer_has_shards(w))
@@ -21,7 +22,9 @@ static bool hf_decide(const save_op *op, int i) {
     uint64_t total = 0;
     for (int64_t j = 0; j < ckpt_writer_entry_count(w); j++) {
         ckpt_entry_info e;
-        if (ckpt_writer_entry(w, j, &e) < 0 || e.kind != CKPT_ENTRY_TENSOR) return false;
+        if (ckpt_writer_entry(w, j, &e) < 0) return false;
+        if (e.kind == CKPT_ENTRY_ALIAS) continue;
+        if (e.kind != CKPT_ENTRY_TENSOR) return false;
         total += e.nbytes;
     }
     return total > op->acc->max_shard_size;
@@ -72,14 +75,20 @@ static int hf_layout(save_op *op, int i, const char *file, ckpt_hf_layout *l) {
     snprintf(stem, sizeof stem, "%.*s", (int)(strlen(file) - 12), file); /* without .safetensors */
     uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
     const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
-    int rc = nb && keys ? CKPT_OK : ckpt__err_nomem("save shards");
+    int64_t *entry = ckpt__calloc((size_t)n + 1, sizeof *entry);
+    int rc = nb && keys && entry ? CKPT_OK : ckpt__err_nomem("save shards");
+    int64_t k = 0; /* the tensors: tied names go with their target (write_hf) */
     for (int64_t j = 0; j < n && rc == 0; j++) {
         ckpt_entry_info e;
         rc = ckpt_writer_entry(w, j, &e);
-        nb[j] = e.nbytes;
-        keys[j] = e.key;
+        if (rc < 0 || e.kind == CKPT_ENTRY_ALIAS) continue;
+        nb[k] = e.nbytes;
+        keys[k] = e.key;
+        entry[k++] = j;
     }
-    if (rc == 0) rc = ckpt__hf_layout_make(keys, nb, n, op->acc->max_shard_size, stem, l);
+    if (rc == 0) rc = ckpt__hf_layout_make(keys, nb, k, op->acc->max_shard_size, stem, l);
+    if (rc == 0) l->entry = entry;
+    else free(entry);
     free(keys);
     free(nb);
     return rc;
@@ -123,7 +132,7 @@ static int plan_hf(save_op *op, uint64_t *hf_bytes) {
             v[t].shard = t;
             for (int64_t j = l->starts[t]; j < l->starts[t + 1]; j++) {
                 ckpt_entry_info e;
-                if (ckpt_writer_entry(op->writers[i], j, &e) == 0) v[t].bytes += e.nbytes;
+                if (ckpt_writer_entry(op->writers[i], l->entry[j], &e) == 0) v[t].bytes += e.nbytes;
             }
         }
         qsort(v, (size_t)ns, sizeof *v, cmp_hf_item);

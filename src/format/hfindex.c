@@ -80,6 +80,7 @@ int ckpt__hf_layout_make_ext(const char *const *keys, const uint64_t *nbytes, in
 }
 
 void ckpt__hf_layout_free(ckpt_hf_layout *l) {
+    free(l->entry);
     free(l->starts);
     free(l->names);
     free(l->index);
@@ -185,6 +186,19 @@ int ckpt__hf_combine(const ckpt_hf_index *x, ckpt_reader *const *part_readers, c
         used[p]++;
         rc = ckpt__reader_put_from_reader(r, x->keys[i], part_readers[p], x->keys[i],
                                           CKPT_DTYPE_INVALID);
+    }
+    /* Tied names: an alias in the part of its target (the index, as
+     * Hugging Face's, names only the tensors). */
+    for (int64_t p = 0; p < x->nparts && rc == 0; p++) {
+        for (int64_t j = 0; j < ckpt_reader_count(part_readers[p]) && rc == 0; j++) {
+            ckpt_entry_info e;
+            rc = ckpt_reader_entry(part_readers[p], j, &e);
+            if (rc || e.kind != CKPT_ENTRY_ALIAS) continue;
+            if (ckpt__reader_has(r, e.key, NULL))
+                rc = ckpt__err(CKPT_ECORRUPT, "%s: %s: '%s' is both a tensor and an alias", what,
+                               x->parts[p], e.key);
+            else if ((rc = ckpt__reader_put_alias(r, e.key, e.target)) == 0) used[p]++;
+        }
     }
     for (int64_t p = 0; p < x->nparts && rc == 0; p++)
         if (used[p] != ckpt_reader_count(part_readers[p]))

@@ -23,6 +23,10 @@ typedef struct ckpt_hf_layout {
     int64_t *starts;     /* nshards + 1: shard s holds tensors [starts[s], starts[s+1]) */
     char (*names)[160];  /* nshards */
     char *index;         /* the index document */
+    int64_t *entry;      /* NULL, or the caller's: entry[k] is the state-dict entry of the
+                            layout's tensor k (a state dict whose aliases are left out of
+                            the layout, as Hugging Face leaves tied names out); freed with
+                            the layout */
 } ckpt_hf_layout;
 int ckpt__hf_layout_make(const char *const *keys, const uint64_t *nbytes, int64_t n, uint64_t max,
                          const char *stem, ckpt_hf_layout *out);
@@ -50,9 +54,10 @@ typedef struct ckpt_hf_index {
 int ckpt__hf_index_parse(const char *text, size_t len, const char *what, ckpt_hf_index *out);
 void ckpt__hf_index_free(ckpt_hf_index *x);
 /* One reader over every part: each key the index names, read from its
- * part (part_readers[p] for parts[p], borrowed: free *out first). Every
- * part's tensors must be exactly the keys the index gives it
- * (CKPT_ECORRUPT otherwise); non-tensor entries are refused. */
+ * part (part_readers[p] for parts[p], borrowed: free *out first), and the
+ * aliases (tied names) the parts hold. Every part's tensors must be exactly
+ * the keys the index gives it (CKPT_ECORRUPT otherwise); other non-tensor
+ * entries are refused. */
 int ckpt__hf_combine(const ckpt_hf_index *x, ckpt_reader *const *part_readers, const char *what,
                      ckpt_reader **out);
 

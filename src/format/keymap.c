@@ -179,7 +179,15 @@ static int rename_all(ckpt_reader *src, const ckpt_load_options *opt, const char
             return ckpt__err(CKPT_EMISMATCH, "%s: file keys '%s' and '%s' both become '%s'", what,
                              first, info.key, nk);
         }
-        CKPT_TRY(ckpt__reader_put_from_reader(*out, nk, src, info.key, CKPT_DTYPE_INVALID));
+        if (info.kind == CKPT_ENTRY_ALIAS) { /* its target under the target's new name */
+            char nt[CKPT_MAX_KEY + 1];
+            bool rt = false;
+            CKPT_TRY(ckpt__keymap_apply(opt, object, info.target, nt, sizeof nt, &rt));
+            *any = *any || rt;
+            CKPT_TRY(ckpt__reader_put_alias(*out, nk, nt));
+        } else {
+            CKPT_TRY(ckpt__reader_put_from_reader(*out, nk, src, info.key, CKPT_DTYPE_INVALID));
+        }
         (*orig)[j] = info.key; /* a view into src, which outlives this */
     }
     return CKPT_OK;
@@ -199,7 +207,10 @@ static int match(const ckpt_writer *schema, ckpt_reader *named, const char **ori
     for (int64_t i = 0; i < ns; i++) {
         ckpt_entry_info m, f;
         CKPT_TRY(ckpt_writer_entry(schema, i, &m));
-        if (!ckpt__reader_has(named, m.key, &f)) {
+        bool present = ckpt__reader_has(named, m.key, &f);
+        /* a tied name the file leaves out: its target fills the one buffer */
+        if (!present && m.kind == CKPT_ENTRY_ALIAS) continue;
+        if (!present) {
             if (!opt->non_strict)
                 return ckpt__err(CKPT_EMISMATCH,
                                  "%s: key '%s' missing in file (memory has %s%s); a non-strict "
@@ -214,10 +225,17 @@ static int match(const ckpt_writer *schema, ckpt_reader *named, const char **ori
         }
         const char *fk = file_key_of(named, orig, m.key);
         if (f.kind != m.kind)
-            return ckpt__err(CKPT_EMISMATCH, "%s: key '%s'%s%s%s: %s in file, %s in memory", what,
+            return ckpt__err(CKPT_EMISMATCH, "%s: key '%s'%s%s%s: %s in file, %s in memory%s", what,
                              m.key, fk != m.key ? " (file key '" : "", fk != m.key ? fk : "",
                              fk != m.key ? "')" : "", ckpt_entry_kind_name(f.kind),
-                             ckpt_entry_kind_name(m.kind));
+                             ckpt_entry_kind_name(m.kind),
+                             f.kind == CKPT_ENTRY_ALIAS || m.kind == CKPT_ENTRY_ALIAS
+                                 ? " (tied tensors must be tied alike in the file and in memory)"
+                                 : "");
+        if (m.kind == CKPT_ENTRY_ALIAS && strcmp(f.target, m.target) != 0)
+            return ckpt__err(CKPT_EMISMATCH,
+                             "%s: key '%s': an alias of '%s' in file, of '%s' in memory", what,
+                             m.key, f.target, m.target);
         if (strcmp(fk, m.key) != 0)
             CKPT_TRY(ckpt__key_list_add(&res->renamed, object, m.key, fk, f.dtype, m.dtype));
         if (m.kind != CKPT_ENTRY_TENSOR) continue;
@@ -285,6 +303,10 @@ int ckpt__adapt(const ckpt_writer *schema, ckpt_reader *src, const ckpt_load_opt
     for (int64_t i = 0; i < ns && rc == 0; i++) {
         ckpt_entry_info m;
         if ((rc = ckpt_writer_entry(schema, i, &m))) break;
+        if (m.kind == CKPT_ENTRY_ALIAS && !ckpt__reader_has(named, m.key, NULL)) {
+            rc = ckpt__reader_put_alias(fin, m.key, m.target);
+            continue;
+        }
         if (ckpt__reader_has(named, m.key, NULL)) {
             rc = ckpt__reader_put_from_reader(fin, m.key, named, m.key,
                                               m.kind == CKPT_ENTRY_TENSOR ? m.dtype

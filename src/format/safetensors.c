@@ -277,7 +277,8 @@ static int set_new(json_t *obj, const char *key, json_t *v) {
 }
 
 int ckpt__st_write(ckpt_ostream *s, const ckpt_st_out *t, int64_t n, const char *ckpt_doc,
-                   ckpt_st_written *res, uint64_t *header_xxh3) {
+                   const char *const *extra, int64_t nmeta, ckpt_st_written *res,
+                   uint64_t *header_xxh3) {
     int rc = CKPT_OK;
     uint8_t *head = NULL;
     order_item *ord = ckpt__calloc(n > 0 ? (size_t)n : 1, sizeof *ord);
@@ -293,9 +294,13 @@ int ckpt__st_write(ckpt_ostream *s, const ckpt_st_out *t, int64_t n, const char 
         ord[i].index = i;
     }
     qsort(ord, (size_t)n, sizeof *ord, cmp_write_order);
-    if (set_new(meta, "format", json_string("pt")) ||
-        (ckpt_doc && set_new(meta, "ckpt", json_string(ckpt_doc))) ||
-        json_object_set(root, "__metadata__", meta) != 0) {
+    bool bad = set_new(meta, "format", json_string("pt")) ||
+               (ckpt_doc && set_new(meta, "ckpt", json_string(ckpt_doc)));
+    for (int64_t i = 0; i < nmeta && !bad; i++)
+        if (strcmp(extra[2 * i], "format") && strcmp(extra[2 * i], "ckpt") &&
+            !json_object_get(meta, extra[2 * i]))
+            bad = set_new(meta, extra[2 * i], json_string(extra[2 * i + 1]));
+    if (bad || json_object_set(root, "__metadata__", meta) != 0) {
         rc = ckpt__err(CKPT_ENOMEM, "safetensors header: building JSON failed");
         goto out;
     }

@@ -58,13 +58,15 @@ typedef struct ckpt_st_written {
 } ckpt_st_written;
 
 /* Streams a whole safetensors file through s: the header (__metadata__
- * first with "format":"pt" and, if ckpt_doc is not NULL, "ckpt": ckpt_doc;
+ * first with "format":"pt", then, if ckpt_doc is not NULL, "ckpt": ckpt_doc,
+ * then the nmeta pairs meta[2i] : meta[2i + 1] whose key is neither;
  * then the tensors in the reference writer's order: alignment descending,
  * then name), padded with spaces so the data starts 8-aligned, then each
  * tensor straight from its data pointer. res (may be NULL) gets n results,
  * header_xxh3 (may be NULL) the XXH3-64 of the file's first 8 + header
  * length bytes (the length, the header, its padding). */
 int ckpt__st_write(ckpt_ostream *s, const ckpt_st_out *t, int64_t n, const char *ckpt_doc,
-                   ckpt_st_written *res, uint64_t *header_xxh3);
+                   const char *const *meta, int64_t nmeta, ckpt_st_written *res,
+                   uint64_t *header_xxh3);
 
 #endif

@@ -74,6 +74,8 @@ const char *ckpt_entry_kind_name(ckpt_entry_kind kind) {
     case CKPT_ENTRY_F64: return "f64";
     case CKPT_ENTRY_STR: return "str";
     case CKPT_ENTRY_BYTES: return "bytes";
+    case CKPT_ENTRY_U64: return "u64";
+    case CKPT_ENTRY_ALIAS: return "alias";
     }
     return NULL;
 }

@@ -204,8 +204,11 @@ int ckpt__reader_adopt_reader(ckpt_reader *r, ckpt_reader *sub);
  * must outlive r. CKPT_EEXIST if key is there already. */
 int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *src,
                                  const char *src_key, ckpt_dtype dt);
-/* Adds every tensor of writer w under its own key, borrowing the bytes w
- * borrows (they must outlive r). Non-tensor entries are CKPT_EINVAL. */
+/* Adds key as an alias of target (a tensor r holds, or will: resolved when
+ * read). */
+int ckpt__reader_put_alias(ckpt_reader *r, const char *key, const char *target);
+/* Adds every tensor and alias of writer w under its own key, borrowing the
+ * bytes w borrows (they must outlive r). Other entries are CKPT_EINVAL. */
 int ckpt__reader_put_writer_views(ckpt_reader *r, const ckpt_writer *w);
 /* Adds a copy of writer w's entry key (its value as memory holds it now).
  * CKPT_EUNSUPPORTED for a chunk of a sharded tensor. */

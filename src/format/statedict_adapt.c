@@ -71,8 +71,11 @@ static int adapted_append(ckpt_reader *r, entry *e) {
 
 static int adapted_scalar(ckpt_reader *r, entry *e, const entry *s) {
     e->i64 = s->i64;
+    e->u64 = s->u64;
     e->f64 = s->f64;
-    if (s->kind == CKPT_ENTRY_STR) {
+    if (s->kind == CKPT_ENTRY_ALIAS) {
+        if (!(e->str = reader_own_strdup(r, s->str, strlen(s->str)))) return CKPT_ENOMEM;
+    } else if (s->kind == CKPT_ENTRY_STR) {
         if (!(e->str = reader_own_strdup(r, s->str ? s->str : "", (size_t)s->nbytes)))
             return CKPT_ENOMEM;
     } else if (s->kind == CKPT_ENTRY_BYTES && s->nbytes) {
@@ -123,9 +126,29 @@ int ckpt__reader_put_from_reader(ckpt_reader *r, const char *key, ckpt_reader *s
     return adapted_append(r, &e);
 }
 
+int ckpt__reader_put_alias(ckpt_reader *r, const char *key, const char *target) {
+    entry e;
+    memset(&e, 0, sizeof e);
+    e.kind = CKPT_ENTRY_ALIAS;
+    if (!(e.key = reader_own_strdup(r, key, strlen(key))) ||
+        !(e.str = reader_own_strdup(r, target, strlen(target))))
+        return CKPT_ENOMEM;
+    const entry *t = reader_get(r, target);
+    if (t && t->kind == CKPT_ENTRY_TENSOR) {
+        e.dtype = t->dtype;
+        e.ndim = t->ndim;
+        memcpy(e.shape, t->shape, sizeof e.shape);
+    }
+    return adapted_append(r, &e);
+}
+
 int ckpt__reader_put_writer_views(ckpt_reader *r, const ckpt_writer *w) {
     for (int64_t i = 0; i < w->count; i++) {
         const entry *s = &w->entries[i];
+        if (s->kind == CKPT_ENTRY_ALIAS) {
+            CKPT_TRY(ckpt__reader_put_alias(r, s->key, s->str));
+            continue;
+        }
         if (s->kind != CKPT_ENTRY_TENSOR || (s->shard && !shard_is_whole(s)))
             return ckpt__err(CKPT_EINVAL, "state dict: '%s' is not a whole tensor", s->key);
         entry e = entry_header(s);

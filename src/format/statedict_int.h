@@ -23,8 +23,12 @@
 #include "format/shard.h"
 #include "format/statedict.h"
 
-/* Version of the __metadata__["ckpt"] document. */
-#define CKPT_DOC_VERSION 1
+/* Version of the __metadata__["ckpt"] document: the newest one read, and
+ * the one written when the document holds no u64 or alias entry (which
+ * version 2 added): files without them stay readable by version-1 readers,
+ * and those readers refuse the others as too new rather than corrupt. */
+#define CKPT_DOC_VERSION 2
+#define CKPT_DOC_VERSION_BASE 1
 
 /* ---- a small key -> index hash table ------------------------------------ */
 
@@ -100,8 +104,10 @@ typedef struct entry {
     uint64_t offset;       /* reader tensors: absolute file offset */
     const void *data;      /* writer tensors: borrowed */
     int64_t i64;
+    uint64_t u64;
     double f64;
-    char *str;             /* writer: owned copy; reader: view into the doc */
+    char *str;             /* writer: owned copy; reader: view into the doc; an alias's
+                              target */
     uint8_t *bytes;        /* owned (both sides) */
     /* Sharded tensors: shape/nbytes above are the whole tensor's. */
     bool shard;                        /* writer: added with ckpt_write_tensor_shard */
@@ -124,6 +130,10 @@ static inline const char *kind_name(ckpt_entry_kind k) {
 
 /* "tensor F32 [2,3]" / "i64" */
 static inline const char *describe(char *buf, size_t cap, const entry *e) {
+    if (e->kind == CKPT_ENTRY_ALIAS) {
+        snprintf(buf, cap, "an alias of '%s'", e->str ? e->str : "?");
+        return buf;
+    }
     if (e->kind != CKPT_ENTRY_TENSOR) {
         snprintf(buf, cap, "%s", kind_name(e->kind));
         return buf;
@@ -138,11 +148,13 @@ static inline void entry_info(const entry *e, ckpt_entry_info *info) {
     memset(info, 0, sizeof *info);
     info->key = e->key;
     info->kind = e->kind;
-    info->dtype = e->kind == CKPT_ENTRY_TENSOR ? e->dtype : CKPT_DTYPE_INVALID;
+    info->dtype =
+        e->kind == CKPT_ENTRY_TENSOR || e->kind == CKPT_ENTRY_ALIAS ? e->dtype : CKPT_DTYPE_INVALID;
     info->ndim = e->ndim;
     memcpy(info->shape, e->shape, sizeof info->shape);
     info->nbytes = e->nbytes;
     info->offset = e->offset;
+    if (e->kind == CKPT_ENTRY_ALIAS) info->target = e->str;
 }
 
 /* ---- writer ------------------------------------------------------------- */

@@ -114,6 +114,13 @@ static int find_tensor(const ckpt_reader *r, const char *key, const entry **out)
     if (!r || !key) return ckpt__err(CKPT_EINVAL, "read tensor: NULL argument");
     const entry *e = reader_get(r, key);
     if (!e) return ckpt__err(CKPT_ENOENT, "%s: no tensor '%s'", r->name, key);
+    if (e->kind == CKPT_ENTRY_ALIAS) { /* its target's tensor */
+        const entry *t = reader_get(r, e->str);
+        if (!t || t->kind != CKPT_ENTRY_TENSOR)
+            return ckpt__err(CKPT_ECORRUPT, "%s: '%s' is an alias of '%s', which %s", r->name, key,
+                             e->str, t ? "is not a tensor" : "the file does not hold");
+        e = t;
+    }
     if (e->kind != CKPT_ENTRY_TENSOR)
         return ckpt__err(CKPT_ENOENT, "%s: key '%s' is a %s, not a tensor", r->name, key,
                          kind_name(e->kind));
@@ -555,6 +562,13 @@ int ckpt_read_i64(ckpt_reader *r, const char *key, int64_t *v) {
     const entry *e = NULL;
     CKPT_TRY(find_scalar(r, key, CKPT_ENTRY_I64, &e));
     if (v) *v = e->i64;
+    return CKPT_OK;
+}
+
+int ckpt_read_u64(ckpt_reader *r, const char *key, uint64_t *v) {
+    const entry *e = NULL;
+    CKPT_TRY(find_scalar(r, key, CKPT_ENTRY_U64, &e));
+    if (v) *v = e->u64;
     return CKPT_OK;
 }
 

@@ -91,6 +91,32 @@ static int parse_doc_entry(ckpt_reader *r, json_t *o, size_t idx, entry *e) {
         e->kind = CKPT_ENTRY_I64;
         e->i64 = (int64_t)json_integer_value(jv);
         e->nbytes = 8;
+    } else if (strcmp(type, "u64") == 0) {
+        /* a decimal string of 1 to 20 digits, no sign, no leading zero */
+        const char *s = json_is_string(jv) ? json_string_value(jv) : NULL;
+        size_t n = s ? json_string_length(jv) : 0;
+        bool ok = s && n >= 1 && n <= 20 && strspn(s, "0123456789") == n && (n == 1 || s[0] != '0');
+        uint64_t v = 0;
+        for (size_t i = 0; ok && i < n; i++) {
+            unsigned d = (unsigned)(s[i] - '0');
+            if (v > (UINT64_MAX - d) / 10) ok = false;
+            else v = v * 10 + d;
+        }
+        if (!ok)
+            return doc_err(r,
+                           "entry '%s': u64 value is not a string of decimal digits below 2^64 "
+                           "(no sign, no leading zero)",
+                           key, NULL);
+        e->kind = CKPT_ENTRY_U64;
+        e->u64 = v;
+        e->nbytes = 8;
+    } else if (strcmp(type, "alias") == 0) {
+        const char *t = json_is_string(jv) ? json_string_value(jv) : NULL;
+        if (!t || strlen(t) != json_string_length(jv) || ckpt__check_key(t, "alias") != CKPT_OK)
+            return doc_err(r, "entry '%s': alias value is not a valid tensor name", key, NULL);
+        if (strcmp(t, key) == 0) return doc_err(r, "entry '%s': an alias of itself", key, NULL);
+        e->kind = CKPT_ENTRY_ALIAS;
+        e->str = (char *)t;
     } else if (strcmp(type, "f64") == 0) {
         e->kind = CKPT_ENTRY_F64;
         e->nbytes = 8;
@@ -198,6 +224,21 @@ static int reader_build(ckpt_reader *r) {
         r->count++; /* counted even on failure so free() releases e->bytes */
         if (rc) return rc;
         CKPT_TRY(reader_index_add(r, r->count - 1));
+    }
+    /* An alias names a tensor: of this file, or (a checkpoint's object
+     * file) of the shard files attached to it later, found when read. */
+    for (int64_t i = 0; i < r->count; i++) {
+        entry *e = &r->entries[i];
+        if (e->kind != CKPT_ENTRY_ALIAS) continue;
+        const entry *t = reader_get(r, e->str);
+        if (t && t->kind != CKPT_ENTRY_TENSOR)
+            return doc_err(r, "entry '%s': an alias of '%s', which is not a tensor", e->key,
+                           e->str);
+        if (t) {
+            e->dtype = t->dtype;
+            e->ndim = t->ndim;
+            memcpy(e->shape, t->shape, sizeof e->shape);
+        }
     }
     return CKPT_OK;
 }

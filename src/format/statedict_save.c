@@ -20,7 +20,12 @@ static int build_doc(const ckpt_writer *w, char **out) {
     int rc = CKPT_OK;
     json_t *doc = json_object();
     json_t *arr = json_array();
-    if (!doc || !arr || json_object_set_new(doc, "version", json_integer(CKPT_DOC_VERSION)) ||
+    /* Version 2 only for what version 1 lacks (docs/FORMAT.md). */
+    int version = CKPT_DOC_VERSION_BASE;
+    for (int64_t i = 0; i < w->count; i++)
+        if (w->entries[i].kind == CKPT_ENTRY_U64 || w->entries[i].kind == CKPT_ENTRY_ALIAS)
+            version = CKPT_DOC_VERSION;
+    if (!doc || !arr || json_object_set_new(doc, "version", json_integer(version)) ||
         json_object_set(doc, "entries", arr)) {
         rc = ckpt__err(CKPT_ENOMEM, "state dict: building the metadata document failed");
         goto out;
@@ -32,6 +37,15 @@ static int build_doc(const ckpt_writer *w, char **out) {
         char *b64 = NULL;
         switch (e->kind) {
         case CKPT_ENTRY_I64: v = json_integer((json_int_t)e->i64); break;
+        case CKPT_ENTRY_U64: {
+            /* a decimal string: a JSON integer beyond 2^63 - 1 is lost or
+             * refused by many parsers (jansson's included) */
+            char num[24];
+            snprintf(num, sizeof num, "%" PRIu64, e->u64);
+            v = json_string(num);
+            break;
+        }
+        case CKPT_ENTRY_ALIAS: v = json_string(e->str); break;
         case CKPT_ENTRY_F64:
             if (isnan(e->f64)) v = json_string("nan");
             else if (isinf(e->f64)) v = json_string(e->f64 > 0 ? "inf" : "-inf");
@@ -74,6 +88,10 @@ typedef struct save_ctx {
     ckpt_st_written *res;
     ckpt_chunk *chunks; /* SAVE_SHARDS: each out's chunk record */
     uint64_t header_xxh3;
+    /* Hugging Face's record of a tied name left out (safetensors.torch's
+     * save_model: __metadata__[alias] = the name kept): alias, target, ... */
+    const char **meta;
+    int64_t nmeta;
 } save_ctx;
 
 /* What a save writes: a standalone file (sharded entries only if their chunk
@@ -83,7 +101,7 @@ typedef enum save_mode { SAVE_STANDALONE, SAVE_PLAIN, SAVE_SHARDS } save_mode;
 
 static int fill_file(ckpt_ostream *s, void *ctx) {
     save_ctx *c = ctx;
-    return ckpt__st_write(s, c->outs, c->nt, c->doc, c->res, &c->header_xxh3);
+    return ckpt__st_write(s, c->outs, c->nt, c->doc, c->meta, c->nmeta, c->res, &c->header_xxh3);
 }
 
 static void digest_clear(ckpt_file_digest *d) { memset(d, 0, sizeof *d); }
@@ -152,10 +170,19 @@ static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c, save_mode
     int rc = build_doc(w, &doc);
     if (rc) return ckpt__err_prefix(rc, "%s", path);
     c->doc = doc;
+    for (int64_t i = 0; i < w->count; i++) c->nmeta += w->entries[i].kind == CKPT_ENTRY_ALIAS;
+    if (c->nmeta && !(c->meta = ckpt__calloc((size_t)c->nmeta * 2, sizeof *c->meta)))
+        return ckpt__err_nomem("save");
+    for (int64_t i = 0, m = 0; i < w->count && c->nmeta; i++)
+        if (w->entries[i].kind == CKPT_ENTRY_ALIAS) {
+            c->meta[m++] = w->entries[i].key;
+            c->meta[m++] = w->entries[i].str;
+        }
     return CKPT_OK;
 }
 
 static void save_release(save_ctx *c) {
+    free(c->meta);
     free(c->outs);
     free(c->res);
     free(c->chunks);

@@ -2,6 +2,7 @@
  * file hold every entry a schema writer describes, of the same kind, dtype
  * and shape? */
 #include <stdio.h>
+#include <string.h>
 
 #include "base/error.h"
 #include "base/io.h"
@@ -18,12 +19,25 @@ int ckpt__schema_check(const ckpt_writer *schema, const ckpt_reader *r, const ch
         const entry *m = &schema->entries[i];
         const entry *f = reader_get(r, m->key);
         if (!f && m->optional) continue; /* written by newer versions only */
+        /* A tied name the file leaves out (as Hugging Face's files do): its
+         * target, checked as any tensor, fills the one buffer. */
+        if (!f && m->kind == CKPT_ENTRY_ALIAS) continue;
         if (!f)
             return ckpt__err(CKPT_EMISMATCH, "%s: key '%s' missing in file (memory has %s)", what,
                              m->key, describe(a, sizeof a, m));
-        if (f->kind != m->kind)
-            return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': %s in file, %s in memory", what, m->key,
-                             describe(a, sizeof a, f), describe(b, sizeof b, m));
+        if (f->kind != m->kind || (m->kind == CKPT_ENTRY_ALIAS && strcmp(f->str, m->str) != 0))
+            return ckpt__err(CKPT_EMISMATCH, "%s: key '%s': %s in file, %s in memory%s", what,
+                             m->key, describe(a, sizeof a, f), describe(b, sizeof b, m),
+                             f->kind == CKPT_ENTRY_ALIAS || m->kind == CKPT_ENTRY_ALIAS
+                                 ? " (tied tensors must be tied alike in the file and in memory)"
+                                 : "");
+        if (m->kind == CKPT_ENTRY_ALIAS) {
+            const entry *t = reader_get(r, f->str);
+            if (!t || t->kind != CKPT_ENTRY_TENSOR)
+                return ckpt__err(CKPT_ECORRUPT, "%s: '%s' is an alias of '%s', which %s", what,
+                                 m->key, f->str, t ? "is not a tensor" : "the file does not hold");
+            continue;
+        }
         if (m->kind != CKPT_ENTRY_TENSOR) continue;
         if (f->dtype != m->dtype)
             return ckpt__err(CKPT_EMISMATCH, "%s: tensor '%s': dtype %s in file, %s in memory",

@@ -283,6 +283,50 @@ int ckpt_write_i64(ckpt_writer *w, const char *key, int64_t v) {
     return CKPT_OK;
 }
 
+int ckpt_write_u64(ckpt_writer *w, const char *key, uint64_t v) {
+    entry *e = NULL;
+    CKPT_TRY(writer_add(w, key, CKPT_ENTRY_U64, &e));
+    e->u64 = v;
+    e->nbytes = 8;
+    w->count++;
+    return CKPT_OK;
+}
+
+int ckpt_write_alias(ckpt_writer *w, const char *alias, const char *target) {
+    if (!w) return ckpt__err(CKPT_EINVAL, "write: writer is NULL");
+    if (!target)
+        return ckpt__err(CKPT_EINVAL, "state dict: alias '%s': target is NULL",
+                         alias ? alias : "(null)");
+    int64_t t = key_index_get(&w->index, target);
+    const entry *te = t >= 0 ? &w->entries[t] : NULL;
+    if (!te || te->kind != CKPT_ENTRY_TENSOR)
+        return ckpt__err(CKPT_ENOENT,
+                         "state dict: alias '%s': '%s' is %s, expected a tensor written before",
+                         alias ? alias : "(null)", target,
+                         !te ? "no key of this state dict" : kind_name(te->kind));
+    if (te->shard)
+        return ckpt__err(CKPT_EINVAL,
+                         "state dict: alias '%s': '%s' is a sharded tensor; only a tensor written "
+                         "whole can have an alias",
+                         alias ? alias : "(null)", target);
+    char *copy = ckpt__strdup(target);
+    if (!copy) return ckpt__err_nomem("state dict alias");
+    entry *e = NULL;
+    int rc = writer_add(w, alias, CKPT_ENTRY_ALIAS, &e);
+    if (rc) {
+        free(copy);
+        return rc;
+    }
+    te = &w->entries[t]; /* writer_add may have moved the entries */
+    e->str = copy;
+    e->dtype = te->dtype;
+    e->ndim = te->ndim;
+    memcpy(e->shape, te->shape, sizeof e->shape);
+    e->frozen = te->frozen;
+    w->count++;
+    return CKPT_OK;
+}
+
 int ckpt_write_f64(ckpt_writer *w, const char *key, double v) {
     entry *e = NULL;
     CKPT_TRY(writer_add(w, key, CKPT_ENTRY_F64, &e));

@@ -13,6 +13,7 @@
 #include "base/io.h"
 #include "format/hfindex.h"
 #include "format/manifest.h"
+#include "format/shard.h"
 #include "format/statedict.h"
 #include "store/s3/project.h"
 #include "store/s3/s3.h"
@@ -37,6 +38,11 @@ static const char readme_text[] =
     "- `scheduler.bin`: the matching `torch.optim.lr_scheduler` state dict\n"
     "  (warmup schedules are `LambdaLR`; build yours with the same lambda)\n"
     "- `scaler.pt`: `GradScaler.load_state_dict(...)`\n"
+    "- `custom_checkpoint_<i>.pkl` (the i-th unnamed custom object, the name\n"
+    "  Accelerate gives it) and `<name>.pkl` (a named one): the object's state\n"
+    "  dict, flat (`torch.load(..., weights_only=True)` gives a dict: tensors,\n"
+    "  ints, floats, strings, byte strings as uint8 tensors, a tied name as a\n"
+    "  second key on the same storage) for its `load_state_dict`\n"
     "\n"
     "What does not carry over:\n"
     "\n"
@@ -46,15 +52,17 @@ static const char readme_text[] =
     "- data order: the data loader's position (epoch, batches yielded, shuffle\n"
     "  seed) has no PyTorch counterpart; skip the batches yourself\n"
     "  (`accelerator.skip_first_batches`).\n"
-    "- custom objects registered with `ckpt_register_for_checkpointing`.\n"
+    "- a custom object holding a tensor of a dtype PyTorch has no storage for\n"
+    "  (U16, U32, U64, F8...): listed at the end of this file when there is one.\n"
     "\n"
     "Which PyTorch opens what with `torch.load(..., weights_only=True)`:\n"
     "\n"
     "- PyTorch 2.x: every `.bin` and `.pt` file here.\n"
     "- PyTorch 1.13 (Debian 12's): `pytorch_model.bin` and its shards only. Its\n"
     "  weights-only unpickler lacks the float opcode (BINFLOAT) and refuses any\n"
-    "  file with a Python float in it: `optimizer.bin`, `scheduler.bin` and\n"
-    "  `scaler.pt` (as it refuses PyTorch's own optimizer files). There, load the\n"
+    "  file with a Python float in it: `optimizer.bin`, `scheduler.bin`,\n"
+    "  `scaler.pt` (as it refuses PyTorch's own optimizer files) and a custom\n"
+    "  object's `.pkl` with a float in it. There, load the\n"
     "  state straight from the ckpt checkpoint this folder was exported from, with\n"
     "  python/ckpt_torch (in the ckpt sources), which reads only safetensors and\n"
     "  JSON and never unpickles: `ckpt_torch.load(CHECKPOINT, model=model,\n"
@@ -69,7 +77,18 @@ typedef struct exp_ctx {
     ckpt_manifest m;
     ckpt_reader **readers;
     int nreaders;
+    char *left_out; /* README lines: the custom objects PyTorch cannot hold */
+    void **kept;    /* buffers a torch writer borrows until the export ends */
+    int nkept;
 } exp_ctx;
+
+static int reader_keep(exp_ctx *c, void *p) {
+    void *grown = ckpt__realloc(c->kept, (size_t)(c->nkept + 1) * sizeof *c->kept);
+    if (!grown) return ckpt__err_nomem("export");
+    c->kept = grown;
+    c->kept[c->nkept++] = p;
+    return CKPT_OK;
+}
 
 static int open_state(exp_ctx *c, const char *file, ckpt_reader **out) {
     char *p = ckpt__path_join(c->src, file);
@@ -147,16 +166,39 @@ static void out_name(char *buf, size_t cap, const char *stem, int k, const char 
 
 /* ---- model ---------------------------------------------------------------- */
 
-static int write_shard(exp_ctx *c, ckpt_reader *r, int64_t from, int64_t to, const char *name) {
+/* The tensors idx[0..n) of r (entry indices), and the aliases (tied names)
+ * of r whose target is one of them. */
+typedef struct shard_set {
+    const int64_t *idx;
+    int64_t n;
+} shard_set;
+
+static bool in_set(const ckpt_reader *r, const shard_set *set, const char *key) {
+    for (int64_t k = 0; k < set->n; k++) {
+        ckpt_entry_info e;
+        if (ckpt_reader_entry(r, set->idx[k], &e) == 0 && strcmp(e.key, key) == 0) return true;
+    }
+    return false;
+}
+
+/* As model.safetensors: each tensor once, a tied name as an alias of its
+ * tensor (with Hugging Face's record, see ckpt_write_alias). */
+static int write_shard(exp_ctx *c, ckpt_reader *r, const shard_set *set, const char *name) {
     ckpt_writer *w = NULL;
     CKPT_TRY(ckpt_writer_new(&w));
     int rc = 0;
-    for (int64_t i = from; i < to && rc == 0; i++) {
+    for (int64_t k = 0; k < set->n && rc == 0; k++) {
         ckpt_entry_info e;
         const void *data = NULL;
-        rc = ckpt_reader_entry(r, i, &e);
+        rc = ckpt_reader_entry(r, set->idx[k], &e);
         if (rc == 0) rc = ckpt_reader_tensor_view(r, e.key, &data, NULL);
         if (rc == 0) rc = ckpt_write_tensor(w, e.key, e.dtype, e.ndim, e.shape, data);
+    }
+    for (int64_t i = 0; i < ckpt_reader_count(r) && rc == 0; i++) {
+        ckpt_entry_info e;
+        rc = ckpt_reader_entry(r, i, &e);
+        if (rc == 0 && e.kind == CKPT_ENTRY_ALIAS && in_set(r, set, e.target))
+            rc = ckpt_write_alias(w, e.key, e.target);
     }
     char *p = rc == 0 ? ckpt__path_join(c->tmp, name) : NULL;
     if (rc == 0 && !p) rc = ckpt__err_nomem("export");
@@ -182,24 +224,54 @@ static int write_text(exp_ctx *c, const char *name, const char *text) {
     return rc;
 }
 
-/* Tensors [from, to) of r as one torch.save file: an OrderedDict of
- * tensors, what module.state_dict() gives torch.save. */
-static int write_shard_bin(exp_ctx *c, ckpt_reader *r, int64_t from, int64_t to, const char *name) {
+/* The tensors of set as one torch.save file: an OrderedDict of tensors,
+ * what module.state_dict() gives torch.save; a tied name (an alias of one
+ * of them) is a second key on the same storage, as torch.save writes tied
+ * weights. */
+static int write_shard_bin(exp_ctx *c, ckpt_reader *r, const shard_set *set, const char *name) {
     ckpt_torch_writer *w = NULL;
     CKPT_TRY(ckpt_torch_writer_new(&w));
-    int rc = ckpt_torch_begin_dict(w, true);
-    for (int64_t i = from; i < to && rc == 0; i++) {
+    const void **views = ckpt__calloc((size_t)set->n + 1, sizeof *views);
+    int rc = views ? ckpt_torch_begin_dict(w, true) : ckpt__err_nomem("export");
+    for (int64_t k = 0; k < set->n && rc == 0; k++) {
         ckpt_entry_info e;
-        const void *data = NULL;
-        rc = ckpt_reader_entry(r, i, &e);
-        if (rc == 0) rc = ckpt_reader_tensor_view(r, e.key, &data, NULL);
+        rc = ckpt_reader_entry(r, set->idx[k], &e);
+        if (rc == 0) rc = ckpt_reader_tensor_view(r, e.key, &views[k], NULL);
         if (rc == 0) rc = ckpt_torch_put_str(w, e.key);
-        if (rc == 0) rc = ckpt_torch_put_tensor(w, e.dtype, e.ndim, e.shape, data);
+        if (rc == 0) rc = ckpt_torch_put_tensor(w, e.dtype, e.ndim, e.shape, views[k]);
+    }
+    for (int64_t i = 0; i < ckpt_reader_count(r) && rc == 0; i++) {
+        ckpt_entry_info e, t;
+        rc = ckpt_reader_entry(r, i, &e);
+        if (rc || e.kind != CKPT_ENTRY_ALIAS) continue;
+        for (int64_t k = 0; k < set->n && rc == 0; k++) {
+            rc = ckpt_reader_entry(r, set->idx[k], &t);
+            if (rc || strcmp(t.key, e.target) != 0) continue;
+            /* the target's very view: one storage in the file */
+            rc = ckpt_torch_put_str(w, e.key);
+            if (rc == 0) rc = ckpt_torch_put_tensor(w, t.dtype, t.ndim, t.shape, views[k]);
+            break;
+        }
     }
     if (rc == 0) rc = ckpt_torch_end(w);
     if (rc == 0) rc = save_torch(c, w, name);
+    free(views);
     ckpt_torch_writer_free(w);
     return rc;
+}
+
+/* Every tensor entry of r, in order: *out (malloc'd) and *n. */
+static int tensor_entries(const ckpt_reader *r, int64_t **out, int64_t *n) {
+    int64_t count = ckpt_reader_count(r), k = 0;
+    int64_t *v = ckpt__calloc((size_t)count + 1, sizeof *v);
+    if (!v) return ckpt__err_nomem("export");
+    for (int64_t i = 0; i < count; i++) {
+        ckpt_entry_info e;
+        if (ckpt_reader_entry(r, i, &e) == 0 && e.kind == CKPT_ENTRY_TENSOR) v[k++] = i;
+    }
+    *out = v;
+    *n = k;
+    return CKPT_OK;
 }
 
 static int cmp_str(const void *a, const void *b) {
@@ -250,6 +322,7 @@ static int export_parts_bin(exp_ctx *c, const char *object, const char *stem, bo
             if (gf) files = gf;
             if (!gk || !gf) rc = ckpt__err_nomem("export");
         }
+        /* tied names too: a .bin index lists both names of a shared storage */
         for (int64_t i = 0; i < n && rc == 0; i++) {
             ckpt_entry_info e;
             rc = ckpt_reader_entry(r, i, &e);
@@ -259,7 +332,10 @@ static int export_parts_bin(exp_ctx *c, const char *object, const char *stem, bo
                 total += e.nbytes;
             }
         }
-        if (rc == 0) rc = write_shard_bin(c, r, 0, n, bin);
+        int64_t *idx = NULL, ni = 0;
+        if (rc == 0) rc = tensor_entries(r, &idx, &ni);
+        if (rc == 0) rc = write_shard_bin(c, r, &(shard_set){idx, ni}, bin);
+        free(idx);
         ckpt_reader_free(r);
     }
     char *index = NULL;
@@ -279,6 +355,40 @@ static int export_parts_bin(exp_ctx *c, const char *object, const char *stem, bo
     return rc;
 }
 
+/* A .bin shard index lists a tied name with the shard of its target (one
+ * storage); a .safetensors one, as Hugging Face's, only the tensors. */
+static int bin_index(const ckpt_reader *r, const int64_t *idx, int64_t n, const ckpt_hf_layout *l,
+                     char **out) {
+    int64_t count = ckpt_reader_count(r), nk = 0;
+    const char **keys = ckpt__calloc((size_t)count + 1, sizeof *keys);
+    const char **files = ckpt__calloc((size_t)count + 1, sizeof *files);
+    int rc = keys && files ? CKPT_OK : ckpt__err_nomem("export");
+    uint64_t total = 0;
+    for (int64_t s = 0; s < l->nshards && rc == 0; s++)
+        for (int64_t k = l->starts[s]; k < l->starts[s + 1] && rc == 0; k++) {
+            ckpt_entry_info e;
+            rc = ckpt_reader_entry(r, idx[k], &e);
+            keys[nk] = e.key;
+            files[nk++] = l->names[s];
+            total += e.nbytes;
+        }
+    for (int64_t i = 0; i < count && rc == 0; i++) {
+        ckpt_entry_info e;
+        rc = ckpt_reader_entry(r, i, &e);
+        if (rc || e.kind != CKPT_ENTRY_ALIAS) continue;
+        for (int64_t k = 0; k < n && k < nk; k++)
+            if (strcmp(keys[k], e.target) == 0) {
+                files[nk] = files[k];
+                keys[nk++] = e.key;
+                break;
+            }
+    }
+    if (rc == 0) rc = ckpt__hf_index_text(keys, files, nk, total, out);
+    free(keys);
+    free(files);
+    return rc;
+}
+
 static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard, bool bin) {
     char stem[64], name[128];
     const char *ext = bin ? ".bin" : ".safetensors";
@@ -290,33 +400,44 @@ static int export_model(exp_ctx *c, const char *file, int k, uint64_t max_shard,
     }
     ckpt_reader *r = NULL;
     CKPT_TRY(open_state(c, file, &r));
-    int64_t n = ckpt_reader_count(r);
+    int64_t count = ckpt_reader_count(r), n = 0;
+    for (int64_t i = 0; i < count; i++) {
+        ckpt_entry_info e;
+        CKPT_TRY(ckpt_reader_entry(r, i, &e));
+        if (e.kind != CKPT_ENTRY_TENSOR && e.kind != CKPT_ENTRY_ALIAS)
+            return ckpt__err(CKPT_ECORRUPT, "%s: entry '%s' is not a tensor", file, e.key);
+    }
+    int64_t *idx = NULL; /* the tensors; tied names go with their target */
+    CKPT_TRY(tensor_entries(r, &idx, &n));
     uint64_t *nb = ckpt__calloc((size_t)n + 1, sizeof *nb);
     const char **keys = ckpt__calloc((size_t)n + 1, sizeof *keys);
     int rc = nb && keys ? CKPT_OK : ckpt__err_nomem("export");
     for (int64_t i = 0; i < n && rc == 0; i++) {
         ckpt_entry_info e;
-        rc = ckpt_reader_entry(r, i, &e);
-        if (rc == 0 && e.kind != CKPT_ENTRY_TENSOR)
-            rc = ckpt__err(CKPT_ECORRUPT, "%s: entry '%s' is not a tensor", file, e.key);
+        rc = ckpt_reader_entry(r, idx[i], &e);
         if (rc == 0) nb[i] = e.nbytes, keys[i] = e.key;
     }
     ckpt_hf_layout l;
     memset(&l, 0, sizeof l);
     if (rc == 0 && max_shard) rc = ckpt__hf_layout_make_ext(keys, nb, n, max_shard, stem, ext, &l);
-    int (*write)(exp_ctx *, ckpt_reader *, int64_t, int64_t, const char *) =
+    int (*write)(exp_ctx *, ckpt_reader *, const shard_set *, const char *) =
         bin ? write_shard_bin : write_shard;
     if (rc == 0 && l.nshards <= 1) { /* one file */
         snprintf(name, sizeof name, "%s%s", stem, ext);
-        rc = write(c, r, 0, n, name);
+        rc = write(c, r, &(shard_set){idx, n}, name);
     }
     for (int64_t s = 0; s < l.nshards && l.nshards > 1 && rc == 0; s++)
-        rc = write(c, r, l.starts[s], l.starts[s + 1], l.names[s]);
+        rc =
+            write(c, r, &(shard_set){idx + l.starts[s], l.starts[s + 1] - l.starts[s]}, l.names[s]);
     snprintf(name, sizeof name, "%s%s.index.json", stem, ext);
-    if (rc == 0 && l.nshards > 1) rc = write_text(c, name, l.index);
+    char *index = NULL;
+    if (rc == 0 && l.nshards > 1 && bin) rc = bin_index(r, idx, n, &l, &index);
+    if (rc == 0 && l.nshards > 1) rc = write_text(c, name, index ? index : l.index);
+    free(index);
     ckpt__hf_layout_free(&l);
     free(keys);
     free(nb);
+    free(idx);
     return rc;
 }
 
@@ -642,6 +763,114 @@ static int export_scaler(exp_ctx *c, const char *file) {
     return rc;
 }
 
+/* ---- custom objects --------------------------------------------------------- */
+
+/* Why PyTorch cannot hold object r (a tensor of a dtype it has no storage
+ * for), into why; false if it can. */
+static bool torch_lacks(ckpt_reader *r, char *why, size_t cap) {
+    for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
+        ckpt_entry_info e;
+        if (ckpt_reader_entry(r, i, &e) < 0 || e.kind != CKPT_ENTRY_TENSOR) continue;
+        if (e.dtype == CKPT_F64 || e.dtype == CKPT_F32 || e.dtype == CKPT_F16 ||
+            e.dtype == CKPT_BF16 || e.dtype == CKPT_I64 || e.dtype == CKPT_I32 ||
+            e.dtype == CKPT_I16 || e.dtype == CKPT_I8 || e.dtype == CKPT_U8 || e.dtype == CKPT_BOOL)
+            continue;
+        snprintf(why, cap, "tensor '%s' is %s", e.key, ckpt_dtype_name(e.dtype));
+        return true;
+    }
+    return false;
+}
+
+/* A custom object as Accelerate saves one (torch.save of its state dict):
+ * custom_checkpoint_<i>.pkl, or <name>.pkl for a named object. Its flat
+ * entries in file order: tensors, a tied name a second key on its tensor's
+ * storage, ints (u64 ones too), floats, strings, byte strings as uint8
+ * tensors. An object with a tensor PyTorch has no dtype for is left out and
+ * listed in the README. */
+static int export_custom(exp_ctx *c, const char *file) {
+    ckpt_reader *r = NULL;
+    CKPT_TRY(open_state(c, file, &r));
+    char name[300], why[CKPT_MAX_KEY + 64];
+    snprintf(name, sizeof name, "%.*s.pkl", (int)(strlen(file) - strlen(".safetensors")), file);
+    if (torch_lacks(r, why, sizeof why)) {
+        size_t have = c->left_out ? strlen(c->left_out) : 0, add = strlen(name) + strlen(why) + 8;
+        char *grown = ckpt__realloc(c->left_out, have + add);
+        if (!grown) return ckpt__err_nomem("export");
+        snprintf(grown + have, add, "- %s: %s\n", name, why);
+        c->left_out = grown;
+        return CKPT_OK;
+    }
+    int64_t n = ckpt_reader_count(r);
+    const void **views = ckpt__calloc((size_t)n + 1, sizeof *views);
+    ckpt_torch_writer *w = NULL;
+    int rc = views ? ckpt_torch_writer_new(&w) : ckpt__err_nomem("export");
+    if (rc == 0) rc = ckpt_torch_begin_dict(w, false);
+    for (int64_t i = 0; i < n && rc == 0; i++) {
+        ckpt_entry_info e;
+        rc = ckpt_reader_entry(r, i, &e);
+        if (rc == 0) rc = ckpt_torch_put_str(w, e.key);
+        if (rc < 0) break;
+        switch (e.kind) {
+        case CKPT_ENTRY_TENSOR:
+            rc = ckpt_reader_tensor_view(r, e.key, &views[i], NULL);
+            if (rc == 0) rc = ckpt_torch_put_tensor(w, e.dtype, e.ndim, e.shape, views[i]);
+            break;
+        case CKPT_ENTRY_ALIAS: { /* its target's very view: one storage */
+            ckpt_entry_info t;
+            int64_t j = 0;
+            while (j < i && !(ckpt_reader_entry(r, j, &t) == 0 && !strcmp(t.key, e.target))) j++;
+            if (j == i)
+                rc = ckpt__err(CKPT_ECORRUPT, "%s: '%s' is an alias of '%s', which it lacks", file,
+                               e.key, e.target);
+            else rc = ckpt_torch_put_tensor(w, t.dtype, t.ndim, t.shape, views[j]);
+            break;
+        }
+        case CKPT_ENTRY_I64: {
+            int64_t v = 0;
+            rc = ckpt_read_i64(r, e.key, &v);
+            if (rc == 0) rc = ckpt_torch_put_int(w, v);
+            break;
+        }
+        case CKPT_ENTRY_U64: {
+            uint64_t v = 0;
+            rc = ckpt_read_u64(r, e.key, &v);
+            if (rc == 0) rc = ckpt_torch_put_uint(w, v);
+            break;
+        }
+        case CKPT_ENTRY_F64: {
+            double v = 0;
+            rc = ckpt_read_f64(r, e.key, &v);
+            if (rc == 0) rc = ckpt_torch_put_float(w, v);
+            break;
+        }
+        case CKPT_ENTRY_STR: {
+            char *v = ckpt__malloc((size_t)e.nbytes + 1);
+            rc = v ? ckpt_read_str(r, e.key, v, (size_t)e.nbytes + 1) : ckpt__err_nomem("export");
+            if (rc == 0) rc = ckpt_torch_put_str(w, v);
+            free(v);
+            break;
+        }
+        case CKPT_ENTRY_BYTES: {
+            uint8_t *v = ckpt__malloc((size_t)e.nbytes + 1);
+            size_t got = 0;
+            rc = v ? ckpt_read_bytes(r, e.key, v, (size_t)e.nbytes, &got)
+                   : ckpt__err_nomem("export");
+            int64_t len[1] = {(int64_t)got};
+            if (rc == 0) rc = ckpt_torch_put_tensor(w, CKPT_U8, 1, len, v);
+            /* the writer borrows v until it is saved: kept with the readers */
+            if (rc == 0) rc = reader_keep(c, v);
+            else free(v);
+            break;
+        }
+        }
+    }
+    if (rc == 0) rc = ckpt_torch_end(w);
+    if (rc == 0) rc = save_torch(c, w, name);
+    ckpt_torch_writer_free(w);
+    free(views);
+    return rc < 0 ? ckpt__err_prefix(rc, "%s", file) : rc;
+}
+
 /* ---- the whole folder ---------------------------------------------------------- */
 
 static int export_all(exp_ctx *c, const ckpt_export_options *o) {
@@ -681,6 +910,9 @@ static int export_all(exp_ctx *c, const ckpt_export_options *o) {
             CKPT_TRY(export_optimizer(c, f->name, k, sched));
         } else if (!strcmp(f->kind, "scaler")) {
             CKPT_TRY(export_scaler(c, f->name));
+        } else if (!strcmp(f->kind, "custom") &&
+                   !ckpt__shard_file_parse(f->name, NULL, NULL, NULL)) {
+            CKPT_TRY(export_custom(c, f->name));
         }
     }
     return CKPT_OK;
@@ -720,9 +952,22 @@ int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir,
     if (rc == 0) rc = ckpt__txn_begin(&t, out_dir, "export", true, NULL);
     c.tmp = t.tmp;
     if (rc == 0) rc = export_all(&c, &o);
-    if (rc == 0) rc = write_text(&c, "README.md", readme_text);
+    char *readme = NULL;
+    if (rc == 0 && c.left_out) {
+        const char *head = "\nLeft out of this export (PyTorch has no dtype for these tensors; "
+                           "python/ckpt_torch reads them from the checkpoint):\n\n";
+        size_t n = strlen(readme_text) + strlen(head) + strlen(c.left_out) + 1;
+        if ((readme = ckpt__malloc(n)))
+            snprintf(readme, n, "%s%s%s", readme_text, head, c.left_out);
+        else rc = ckpt__err_nomem("export");
+    }
+    if (rc == 0) rc = write_text(&c, "README.md", readme ? readme : readme_text);
+    free(readme);
+    free(c.left_out);
     for (int i = 0; i < c.nreaders; i++) ckpt_reader_free(c.readers[i]);
     free(c.readers);
+    for (int i = 0; i < c.nkept; i++) free(c.kept[i]);
+    free(c.kept);
     if (rc == 0) rc = ckpt__txn_commit(&t, false, NULL);
     ckpt__txn_end(&t, NULL);
     if (rc < 0) rc = ckpt__err_prefix(rc, "export %s", checkpoint_dir);

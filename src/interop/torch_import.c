@@ -25,6 +25,8 @@ typedef struct mparam {
     char *name;
     int ndim;
     int64_t shape[CKPT_MAX_NDIM];
+    ckpt_dtype dtype;
+    const void *data; /* the model's tensors: where their bytes are (shared storages) */
 } mparam;
 
 typedef struct imp {
@@ -37,6 +39,7 @@ typedef struct imp {
     int nbufs;
     mparam *params;
     int64_t nparams;
+    int64_t nshared; /* tied names: a tensor on the storage of an earlier one */
     ckpt_writer *model, *optim, *sched, *scaler, *rng;
     int opt_groups;
     int64_t opt_step; /* largest Adam step; -1 if none */
@@ -183,8 +186,23 @@ static int add_param(imp *x, const char *name, ckpt_dtype dt, int ndim, const in
     if (!p->name) return ckpt__err_nomem("import");
     p->ndim = ndim;
     if (ndim) memcpy(p->shape, shape, (size_t)ndim * sizeof *shape);
+    p->dtype = dt;
+    p->data = data;
     x->nparams++;
     return CKPT_OK;
+}
+
+/* A tensor of a torch file on the very bytes of an earlier one, seen the
+ * same way: PyTorch's tied weights (torch.save keeps a shared storage
+ * once). The earlier tensor's name, or NULL. */
+static const char *shared_with(const imp *x, const ckpt_torch_value *v) {
+    for (int64_t i = 0; v->nbytes > 0 && i < x->nparams; i++) {
+        const mparam *p = &x->params[i];
+        bool same = p->data == v->data && p->dtype == v->dtype && p->ndim == v->ndim;
+        for (int d = 0; same && d < v->ndim; d++) same = p->shape[d] == v->shape[d];
+        if (same) return p->name;
+    }
+    return NULL;
 }
 
 static int model_from_torch(imp *x, const char *path) {
@@ -200,6 +218,13 @@ static int model_from_torch(imp *x, const char *path) {
             return ckpt__err(CKPT_EUNSUPPORTED, "import: %s: '%s' is a %s, not a tensor (not a "
                              "model state dict; an Accelerate folder keeps the optimizer in "
                              "optimizer.bin)", path, k->s, ckpt_torch_kind_name(v->kind));
+        const char *target = shared_with(x, v);
+        if (target) { /* tied: one parameter, saved once (ckpt_model_tie) */
+            int rc = ckpt_write_alias(x->model, k->s, target);
+            if (rc < 0) return ckpt__err_prefix(rc, "import: %s", path);
+            x->nshared++;
+            continue;
+        }
         CKPT_TRY(add_param(x, k->s, v->dtype, v->ndim, v->shape, v->data, path));
     }
     return CKPT_OK;
@@ -213,6 +238,11 @@ static int model_from_safetensors(imp *x, const char *path) {
         ckpt_entry_info e;
         const void *data = NULL;
         CKPT_TRY(ckpt_reader_entry(r, i, &e));
+        if (e.kind == CKPT_ENTRY_ALIAS) { /* a ckpt file's tied name (after the tensors) */
+            int rc = ckpt_write_alias(x->model, e.key, e.target);
+            if (rc < 0) return ckpt__err_prefix(rc, "import: %s", path);
+            continue;
+        }
         if (e.kind != CKPT_ENTRY_TENSOR) continue;
         CKPT_TRY(ckpt_reader_tensor_view(r, e.key, &data, NULL));
         CKPT_TRY(add_param(x, e.key, e.dtype, e.ndim, e.shape, data, path));
@@ -250,7 +280,7 @@ static int model_from_index(imp *x, const char *dir, const char *index) {
         while (k < nshards && strcmp(shards[k], s)) k++;
         if (k == nshards) shards[nshards++] = s;
     }
-    int64_t before = x->nparams;
+    int64_t before = x->nparams, shared_before = x->nshared;
     for (size_t k = 0; k < nshards && rc == 0; k++) {
         char *sp = ckpt__path_join(dir, shards[k]);
         if (!sp) rc = ckpt__err_nomem("import");
@@ -258,9 +288,11 @@ static int model_from_index(imp *x, const char *dir, const char *index) {
         else rc = model_from_torch(x, sp);
         free(sp);
     }
-    if (rc == 0 && (size_t)(x->nparams - before) != json_object_size(map))
+    /* a .bin index lists tied names too (their shard shares the storage) */
+    int64_t held = x->nparams - before + x->nshared - shared_before;
+    if (rc == 0 && (size_t)held != json_object_size(map))
         rc = ckpt__err(CKPT_ECORRUPT, "import: %s lists %zu tensors, its shards hold %" PRId64,
-                       path, json_object_size(map), x->nparams - before);
+                       path, json_object_size(map), held);
     /* the index's order is the model's (the shards' own order is by name) */
     if (rc == 0) {
         int64_t pos = before;
@@ -270,10 +302,10 @@ static int model_from_index(imp *x, const char *dir, const char *index) {
                     mparam t = x->params[pos];
                     x->params[pos] = x->params[j];
                     x->params[j] = t;
+                    pos++;
                     break;
                 }
             }
-            pos++;
         }
     }
     free(shards);

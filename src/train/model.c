@@ -22,6 +22,8 @@ typedef struct model_param {
     void *grad;
     signed char frozen_user; /* ckpt_model_set_frozen: 1 / 0; -1: not said */
     signed char grouped;     /* in a group of its optimizer: 1 / 0; -1: no optimizer said */
+    int64_t tied;            /* a tied name: the index of its parameter (never itself tied);
+                                -1 for a parameter of its own */
 } model_param;
 
 struct ckpt_model {
@@ -29,6 +31,7 @@ struct ckpt_model {
     int64_t n, cap;
     int64_t numel;
     uint64_t frozen_gen; /* counts ckpt_model_set_frozen calls, for the optimizers */
+    int64_t ntied;       /* tied names among params */
 };
 
 int ckpt_model_new(ckpt_model **out) {
@@ -67,6 +70,21 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
     for (int64_t i = 0; i < m->n; i++)
         if (strcmp(m->params[i].name, name) == 0)
             return ckpt__err(CKPT_EEXIST, "model: duplicate parameter name '%s'", name);
+    /* The very buffer of an earlier parameter, seen the same way: tied. */
+    int64_t tied = -1;
+    for (int64_t i = 0; i < m->n && tied < 0 && nbytes > 0; i++) {
+        const model_param *q = &m->params[i];
+        bool same = q->tied < 0 && q->data == data && q->dtype == dt && q->ndim == ndim;
+        for (int d = 0; same && d < ndim; d++) same = q->shape[d] == shape[d];
+        if (!same) continue;
+        if (grad && q->grad && grad != q->grad)
+            return ckpt__err(CKPT_EINVAL,
+                             "model: parameter '%s' is registered on the buffer of '%s', which "
+                             "ties them, but with another gradient buffer: a tied pair has one "
+                             "gradient (pass the same buffer, or NULL)",
+                             name, q->name);
+        tied = i;
+    }
     if (m->n == m->cap) {
         int64_t cap = m->cap ? m->cap * 2 : 16;
         model_param *p = ckpt__realloc(m->params, (size_t)cap * sizeof *p);
@@ -87,8 +105,56 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
     p->grad = grad;
     p->frozen_user = -1;
     p->grouped = -1;
+    p->tied = tied;
+    if (tied >= 0) {
+        model_param *t = &m->params[tied];
+        if (!t->grad) t->grad = grad; /* the pair's one gradient */
+        p->data = p->grad = NULL;
+        m->ntied++;
+    } else {
+        m->numel += numel;
+    }
     m->n++;
-    m->numel += numel;
+    return CKPT_OK;
+}
+
+static int64_t find_param(const ckpt_model *m, const char *name) {
+    for (int64_t i = 0; i < m->n; i++)
+        if (strcmp(m->params[i].name, name) == 0) return i;
+    return -1;
+}
+
+int ckpt_model_tie(ckpt_model *m, const char *alias, const char *target) {
+    if (!m || !alias || !target) return ckpt__err(CKPT_EINVAL, "model_tie: NULL argument");
+    int64_t t = find_param(m, target);
+    if (t < 0)
+        return ckpt__err(CKPT_ENOENT, "model_tie: '%s' (to tie '%s' to) is no parameter", target,
+                         alias);
+    if (m->params[t].tied >= 0) t = m->params[t].tied;
+    int64_t a = find_param(m, alias);
+    if (a >= 0) {
+        if (a == t)
+            return ckpt__err(CKPT_EINVAL, "model_tie: '%s' cannot be tied to itself", alias);
+        if (m->params[a].tied == t) return CKPT_OK;
+        return ckpt__err(CKPT_EEXIST,
+                         "model_tie: '%s' is already %s%s%s; a tied name is added by the tie (do "
+                         "not register it), or registered on the target's buffer",
+                         alias, m->params[a].tied >= 0 ? "tied to '" : "a parameter of its own",
+                         m->params[a].tied >= 0 ? m->params[m->params[a].tied].name : "",
+                         m->params[a].tied >= 0 ? "'" : "");
+    }
+    /* registered on the target's buffer: tied to it (the only parameter of
+     * its own there), or, for an empty tensor, tied here */
+    const model_param *q = &m->params[t];
+    int rc = ckpt_model_add_param(m, alias, q->dtype, q->ndim, q->shape, q->data, NULL);
+    if (rc < 0) return ckpt__err_prefix(rc, "model_tie");
+    model_param *p = &m->params[m->n - 1];
+    if (p->tied < 0) {
+        m->numel -= p->numel;
+        p->data = NULL;
+        m->ntied++;
+    }
+    p->tied = t;
     return CKPT_OK;
 }
 
@@ -97,8 +163,10 @@ int64_t ckpt_model_num_params(const ckpt_model *m) { return m ? m->n : 0; }
 int64_t ckpt_model_num_elements(const ckpt_model *m) { return m ? m->numel : 0; }
 
 /* Frozen: what the user said; else, once an optimizer has the model, in no
- * group of it; else (no optimizer) without a gradient buffer. */
-static bool param_frozen(const model_param *p) {
+ * group of it; else (no optimizer) without a gradient buffer. A tied name is
+ * frozen with its parameter. */
+static bool param_frozen(const ckpt_model *m, const model_param *p) {
+    if (p->tied >= 0) p = &m->params[p->tied];
     if (p->frozen_user >= 0) return p->frozen_user == 1;
     if (p->grouped >= 0) return p->grouped == 0;
     return !p->grad;
@@ -110,15 +178,17 @@ int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info) {
         return ckpt__err(CKPT_EINVAL, "model: parameter index %lld outside 0..%lld", (long long)i,
                          (long long)m->n - 1);
     const model_param *p = &m->params[i];
+    const model_param *own = p->tied >= 0 ? &m->params[p->tied] : p;
     memset(info, 0, sizeof *info);
     info->name = p->name;
     info->dtype = p->dtype;
     info->ndim = p->ndim;
     memcpy(info->shape, p->shape, sizeof p->shape);
     info->numel = p->numel;
-    info->data = p->data;
-    info->grad = p->grad;
-    info->frozen = param_frozen(p);
+    info->data = own->data;
+    info->grad = own->grad;
+    info->frozen = param_frozen(m, p);
+    info->tied_to = p->tied >= 0 ? own->name : NULL;
     return CKPT_OK;
 }
 
@@ -128,6 +198,7 @@ int ckpt_model_set_frozen(ckpt_model *m, const char *pattern, bool frozen) {
     for (int64_t i = 0; i < m->n; i++) {
         model_param *p = &m->params[i];
         if (strcmp(p->name, pattern) != 0 && fnmatch(pattern, p->name, 0) != 0) continue;
+        if (p->tied >= 0) p = &m->params[p->tied]; /* one parameter, two names */
         p->frozen_user = frozen ? 1 : 0;
         n++;
     }
@@ -141,11 +212,27 @@ int ckpt_model_set_frozen(ckpt_model *m, const char *pattern, bool frozen) {
 }
 
 void ckpt__model_set_grouped(ckpt_model *m, int64_t i, bool grouped) {
-    if (m && i >= 0 && i < m->n) m->params[i].grouped = grouped ? 1 : 0;
+    if (m && i >= 0 && i < m->n && m->params[i].tied < 0) m->params[i].grouped = grouped ? 1 : 0;
+}
+
+int64_t ckpt__model_num_distinct(const ckpt_model *m) { return m ? m->n - m->ntied : 0; }
+
+int64_t ckpt__model_distinct(const ckpt_model *m, int64_t k) {
+    if (m && m->ntied == 0) return k >= 0 && k < m->n ? k : -1;
+    for (int64_t i = 0; m && i < m->n; i++)
+        if (m->params[i].tied < 0 && k-- == 0) return i;
+    return -1;
+}
+
+bool ckpt__model_is_tied(const ckpt_model *m, int64_t i) {
+    return m && i >= 0 && i < m->n && m->params[i].tied >= 0;
 }
 
 bool ckpt__model_user_frozen(const ckpt_model *m, int64_t i) {
-    return m && i >= 0 && i < m->n && m->params[i].frozen_user == 1;
+    if (!m || i < 0 || i >= m->n) return false;
+    const model_param *p = &m->params[i];
+    if (p->tied >= 0) p = &m->params[p->tied]; /* frozen with its parameter */
+    return p->frozen_user == 1;
 }
 
 uint64_t ckpt__model_frozen_gen(const ckpt_model *m) { return m ? m->frozen_gen : 0; }
@@ -156,8 +243,12 @@ static int model_state_dict(void *self, ckpt_writer *w) {
     ckpt_model *m = self;
     for (int64_t i = 0; i < m->n; i++) {
         const model_param *p = &m->params[i];
+        if (p->tied >= 0) { /* its parameter's bytes, once (written before it) */
+            CKPT_TRY(ckpt_write_alias(w, p->name, m->params[p->tied].name));
+            continue;
+        }
         CKPT_TRY(ckpt_write_tensor(w, p->name, p->dtype, p->ndim, p->shape, p->data));
-        if (param_frozen(p)) CKPT_TRY(ckpt__writer_set_frozen(w, p->name));
+        if (param_frozen(m, p)) CKPT_TRY(ckpt__writer_set_frozen(w, p->name));
     }
     return CKPT_OK;
 }
@@ -180,6 +271,28 @@ static int model_check(const ckpt_model *m, ckpt_reader *r) {
         const model_param *p = &m->params[i];
         ckpt_entry_info e;
         int rc = ckpt_reader_find(r, p->name, &e);
+        if (p->tied >= 0) {
+            /* tied in the file too, or left out (Hugging Face's files): the
+             * target, checked as any parameter, fills the one buffer */
+            const char *t = m->params[p->tied].name;
+            if (rc == CKPT_ENOENT ||
+                (rc == CKPT_OK && e.kind == CKPT_ENTRY_ALIAS && strcmp(e.target, t) == 0))
+                continue;
+            if (rc < 0) return rc;
+            return ckpt__err(
+                CKPT_EMISMATCH,
+                "model: parameter '%s' is tied to '%s' in memory, but the state dict "
+                "has %s%s%s (tie them alike: ckpt_model_tie, or one buffer for both)",
+                p->name, t,
+                e.kind == CKPT_ENTRY_ALIAS ? "it tied to '" : "it as a tensor of its own",
+                e.kind == CKPT_ENTRY_ALIAS ? e.target : "", e.kind == CKPT_ENTRY_ALIAS ? "'" : "");
+        }
+        if (rc == CKPT_OK && e.kind == CKPT_ENTRY_ALIAS)
+            return ckpt__err(CKPT_EMISMATCH,
+                             "model: parameter '%s' is tied to '%s' in the state dict (saved "
+                             "once), but a parameter of its own in memory (tie them alike: "
+                             "ckpt_model_tie, or one buffer for both)",
+                             p->name, e.target);
         if (rc == CKPT_ENOENT || (rc == CKPT_OK && e.kind != CKPT_ENTRY_TENSOR))
             return ckpt__err(CKPT_EMISMATCH, "model: parameter '%s' missing from the state dict",
                              p->name);
@@ -194,7 +307,9 @@ static int model_check(const ckpt_model *m, ckpt_reader *r) {
                              fd ? fd : "?", fs, md ? md : "?", ms);
         }
     }
-    int64_t extra = ckpt_reader_count(r) - m->n;
+    int64_t own = 0; /* a file may leave tied names out */
+    for (int64_t i = 0; i < m->n; i++) own += m->params[i].tied < 0;
+    int64_t extra = ckpt_reader_count(r) - own;
     if (extra > 0) {
         for (int64_t i = 0; i < ckpt_reader_count(r); i++) {
             ckpt_entry_info e;
@@ -220,6 +335,7 @@ static int model_load_state_dict(void *self, ckpt_reader *r) {
     /* Commit. Only a read error of a file-backed reader can stop it midway. */
     for (int64_t i = 0; i < m->n; i++) {
         const model_param *p = &m->params[i];
+        if (p->tied >= 0) continue; /* its parameter's buffer is read once */
         CKPT_TRY(ckpt_read_tensor(r, p->name, p->dtype, p->ndim, p->shape, p->data));
     }
     return CKPT_OK;

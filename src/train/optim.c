@@ -245,7 +245,7 @@ int ckpt__optimizer_make(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model 
     if (!m || !opt) return ckpt__err(CKPT_EINVAL, "%s: model or options is NULL", fn);
     const kind_impl *impl = impl_of(kind);
     if (!impl) return ckpt__err(CKPT_EINVAL, "%s: unknown kind %d", fn, (int)kind);
-    int64_t np = ckpt_model_num_params(m);
+    int64_t np = ckpt__model_num_distinct(m); /* tied names: one parameter, one state */
     if (np == 0) return ckpt__err(CKPT_EINVAL, "optimizer: the model has no parameters");
     CKPT_TRY(ckpt__optim_check_options(impl, opt, 0));
     ckpt_optimizer *o = ckpt__calloc(1, sizeof *o);
@@ -270,7 +270,7 @@ int ckpt__optimizer_make(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model 
     o->group_start[0] = 0;
     o->group_start[1] = np;
     for (int64_t i = 0; i < np; i++) {
-        param_init(o, &o->p[i], i, 0, o->opts);
+        param_init(o, &o->p[i], ckpt__model_distinct(m, i), 0, o->opts);
         o->param_index[i] = i;
     }
     int rc = alloc_state(o, o->p, np, o->opts);
@@ -278,7 +278,7 @@ int ckpt__optimizer_make(ckpt_optimizer **out, ckpt_optim_kind kind, ckpt_model 
         ckpt_optimizer_free(o);
         return rc;
     }
-    for (int64_t i = 0; i < np; i++) ckpt__model_set_grouped(m, i, true);
+    for (int64_t i = 0; i < ckpt_model_num_params(m); i++) ckpt__model_set_grouped(m, i, true);
     *out = o;
     return CKPT_OK;
 }
@@ -527,7 +527,8 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
     if (!count) return ckpt__err_nomem("optimizer groups");
     int64_t np = 0;
     for (int64_t i = 0; i < nm; i++) {
-        if (group_of[i] == -1) continue; /* not optimized */
+        /* not optimized (a frozen parameter), or a tied name (its parameter's group) */
+        if (group_of[i] == -1 || ckpt__model_is_tied(o->model, i)) continue;
         if (group_of[i] < 0 || group_of[i] >= ngroups) {
             free(count);
             return ckpt__err(CKPT_EINVAL,
@@ -561,7 +562,7 @@ int ckpt_optimizer_set_groups(ckpt_optimizer *o, int ngroups, const int *group_o
     for (int g = 0; g < ngroups; g++) start[g + 1] = start[g] + count[g];
     memset(count, 0, ((size_t)ngroups + 1) * sizeof *count);
     for (int64_t i = 0; i < nm; i++) {
-        if (group_of[i] == -1) continue;
+        if (group_of[i] == -1 || ckpt__model_is_tied(o->model, i)) continue;
         int g = group_of[i];
         int64_t k = start[g] + count[g]++;
         param_init(o, &p[k], i, g, nopts);

@@ -38,6 +38,13 @@ bool ckpt__model_user_frozen(const ckpt_model *m, int64_t i);
 /* Changes whenever ckpt_model_set_frozen matched a parameter: an optimizer
  * compares it with the value it last saw before it steps, saves or loads. */
 uint64_t ckpt__model_frozen_gen(const ckpt_model *m);
+/* The model's distinct parameters, what an optimizer updates: its names
+ * without the tied ones (ckpt_model_tie: one parameter, one state). How
+ * many, the model index of the k-th (-1 outside 0..count-1), and whether
+ * the model's i-th name is a tied one. */
+int64_t ckpt__model_num_distinct(const ckpt_model *m);
+int64_t ckpt__model_distinct(const ckpt_model *m, int64_t k);
+bool ckpt__model_is_tied(const ckpt_model *m, int64_t i);
 
 #define CKPT_OPTIM_MAX_BUFFERS 3
 #define CKPT_OPTIM_MAX_HPARAMS 6

@@ -71,6 +71,11 @@ int ckpt_optimizer_set_state(ckpt_optimizer *o, const char *param, const char *f
     opt_param *p = NULL;
     for (int64_t i = 0; i < o->np && !p; i++)
         if (!strcmp(o->p[i].name, param)) p = &o->p[i];
+    ckpt_param_info info; /* a tied name (ckpt_model_tie): its parameter's state */
+    for (int64_t i = 0; !p && i < ckpt_model_num_params(o->model); i++)
+        if (ckpt_model_param(o->model, i, &info) == 0 && info.tied_to && !strcmp(info.name, param))
+            for (int64_t k = 0; k < o->np && !p; k++)
+                if (!strcmp(o->p[k].name, info.tied_to)) p = &o->p[k];
     if (!p)
         return ckpt__err(CKPT_ENOENT,
                          "optimizer_set_state: no parameter '%s' in this optimizer's groups",

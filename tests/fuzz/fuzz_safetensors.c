@@ -64,6 +64,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             free(buf);
             break;
         }
+        case CKPT_ENTRY_U64: {
+            uint64_t v;
+            if (ckpt_read_u64(r, info.key, &v) != CKPT_OK) abort();
+            sink += v;
+            break;
+        }
+        case CKPT_ENTRY_ALIAS: {
+            /* its target's tensor, or a clear error when the file lacks it */
+            ckpt_entry_info t;
+            const void *view = NULL;
+            if (!info.target) abort();
+            bool has =
+                ckpt_reader_find(r, info.target, &t) == CKPT_OK && t.kind == CKPT_ENTRY_TENSOR;
+            int rc = ckpt_reader_tensor_view(r, info.key, &view, NULL);
+            if (has != (rc == CKPT_OK) || (!has && rc != CKPT_ECORRUPT)) abort();
+            break;
+        }
         }
     }
     (void)sink;

@@ -102,7 +102,9 @@ grep -q "^ckpt verify: $WORK/unrelated is not a checkpoint (no checkpoint.json) 
 
 # ---- ls of a checkpoint folder lists it
 run_rc 0 "$CKPT_BIN" ls "$cks/checkpoint_2"
-[ "$(wc -l <"$WORK/out")" -eq 2 ] || fail "ls checkpoint: expected a header and one row"
+[ "$(wc -l <"$WORK/out")" -eq 3 ] || fail "ls checkpoint: expected a header, one row and its objects"
+grep -q "^         objects: model, optimizer, .*random_states_0$" "$WORK/out" \
+    || fail "ls checkpoint: the objects it holds, by name"
 # (the files unchanged since the previous checkpoint, such as the run's
 # settings, are linked: the row says how many bytes it shares)
 shared="\(([0-9.]* [KMG]\?i\?B shared with the previous)  \)\?"

@@ -330,6 +330,64 @@ static void test_round_trip_i64_f64_str_bytes_exactly(void **state) {
     ckpt_reader_free(r);
 }
 
+/* u64 entries: every 64-bit value exactly (a decimal string in the
+ * document), a kind of their own; the document says version 2 only when it
+ * holds one (or an alias). */
+static void test_round_trip_u64_exactly(void **state) {
+    fx *f = *state;
+    static const uint64_t vals[] = {0,
+                                    1,
+                                    9007199254740993ULL,
+                                    (uint64_t)INT64_MAX,
+                                    (uint64_t)INT64_MAX + 1,
+                                    UINT64_MAX - 1,
+                                    UINT64_MAX};
+    const size_t nv = sizeof vals / sizeof vals[0];
+    ckpt_writer *w;
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    char key[32];
+    for (size_t i = 0; i < nv; i++) {
+        snprintf(key, sizeof key, "u.%zu", i);
+        assert_int_equal(ckpt_write_u64(w, key, vals[i]), CKPT_OK);
+    }
+    assert_int_equal(ckpt_write_i64(w, "i", -1), CKPT_OK);
+    assert_int_equal(ckpt_write_u64(w, "i", 1), CKPT_EEXIST);
+    assert_int_equal(ckpt_writer_save(w, f->path), CKPT_OK);
+    ckpt_writer_free(w);
+    size_t len = 0;
+    char *bytes = tu_read_file(f->path, &len);
+    tu_assert_contains(bytes + 8, "{\\\"version\\\":2");
+    tu_assert_contains(bytes + 8,
+                       "\\\"type\\\":\\\"u64\\\",\\\"value\\\":\\\"18446744073709551615\\\"");
+    free(bytes);
+    ckpt_reader *r;
+    assert_int_equal(ckpt_reader_open(&r, f->path), CKPT_OK);
+    for (size_t i = 0; i < nv; i++) {
+        snprintf(key, sizeof key, "u.%zu", i);
+        uint64_t v = 7;
+        assert_int_equal(ckpt_read_u64(r, key, &v), CKPT_OK);
+        assert_true(v == vals[i]);
+        ckpt_entry_info e;
+        assert_int_equal(ckpt_reader_find(r, key, &e), CKPT_OK);
+        assert_int_equal(e.kind, CKPT_ENTRY_U64);
+        assert_int_equal(e.nbytes, 8);
+        assert_string_equal(ckpt_entry_kind_name(e.kind), "u64");
+    }
+    int64_t i64 = 0;
+    uint64_t u64 = 0;
+    tu_expect_error(ckpt_read_i64(r, "u.1", &i64), CKPT_EMISMATCH, "u64 in file, i64 asked");
+    tu_expect_error(ckpt_read_u64(r, "i", &u64), CKPT_EMISMATCH, "i64 in file, u64 asked");
+    ckpt_reader_free(r);
+    /* without a u64 (or an alias) the document stays version 1 */
+    assert_int_equal(ckpt_writer_new(&w), CKPT_OK);
+    assert_int_equal(ckpt_write_i64(w, "i", 1), CKPT_OK);
+    assert_int_equal(ckpt_writer_save(w, f->path), CKPT_OK);
+    ckpt_writer_free(w);
+    bytes = tu_read_file(f->path, &len);
+    tu_assert_contains(bytes + 8, "{\\\"version\\\":1");
+    free(bytes);
+}
+
 static void test_entries_listed_in_file_order(void **state) {
     fx *f = *state;
     ckpt_writer *w;
@@ -884,7 +942,42 @@ static void test_reader_rejects_hostile_metadata_documents(void **state) {
     expect_doc(NULL, CKPT_OK, NULL); /* a file from another tool: tensors only */
     expect_doc("{\"version\":1,\"entries\":[]}", CKPT_OK, NULL);
     expect_doc("{\"version\":1,\"entries\":[{\"key\":\"a\",\"type\":\"f64\",\"value\":2}]}", CKPT_OK, NULL);
-    expect_doc("{\"version\":2,\"entries\":[]}", CKPT_EUNSUPPORTED, "version 2 is newer");
+    expect_doc("{\"version\":2,\"entries\":[]}", CKPT_OK, NULL);
+    expect_doc("{\"version\":3,\"entries\":[]}", CKPT_EUNSUPPORTED, "version 3 is newer");
+    /* u64: a decimal string, every 64-bit value and nothing else */
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"u64\",\"value\":"
+               "\"18446744073709551615\"}]}",
+               CKPT_OK, NULL);
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"u64\",\"value\":\"0\"}]}",
+               CKPT_OK, NULL);
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"u64\",\"value\":"
+               "\"18446744073709551616\"}]}",
+               CKPT_ECORRUPT, "below 2^64");
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"u64\",\"value\":"
+               "\"99999999999999999999\"}]}",
+               CKPT_ECORRUPT, "u64 value");
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"u64\",\"value\":\"007\"}]}",
+               CKPT_ECORRUPT, "leading zero");
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"u64\",\"value\":\"-1\"}]}",
+               CKPT_ECORRUPT, "u64 value");
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"u64\",\"value\":\"\"}]}",
+               CKPT_ECORRUPT, "u64 value");
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"u64\",\"value\":7}]}",
+               CKPT_ECORRUPT, "u64 value");
+    /* alias: the name of a tensor, never itself, never a scalar */
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"alias\",\"value\":\"t\"}]}",
+               CKPT_OK, NULL);
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"alias\",\"value\":\"a\"}]}",
+               CKPT_ECORRUPT, "an alias of itself");
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"alias\",\"value\":3}]}",
+               CKPT_ECORRUPT, "not a valid tensor name");
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"a\",\"type\":\"alias\",\"value\":\"\"}]}",
+               CKPT_ECORRUPT, "not a valid tensor name");
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"n\",\"type\":\"i64\",\"value\":1},{\"key\":"
+               "\"a\",\"type\":\"alias\",\"value\":\"n\"}]}",
+               CKPT_ECORRUPT, "not a tensor");
+    expect_doc("{\"version\":2,\"entries\":[{\"key\":\"t\",\"type\":\"alias\",\"value\":\"x\"}]}",
+               CKPT_ECORRUPT, "duplicate key 't'");
     expect_doc("{\"version\":0,\"entries\":[]}", CKPT_ECORRUPT, "version");
     expect_doc("{\"version\":\"1\",\"entries\":[]}", CKPT_ECORRUPT, "version");
     expect_doc("{\"entries\":[]}", CKPT_ECORRUPT, "version is missing");
@@ -941,24 +1034,32 @@ int main(void) {
         cmocka_unit_test(test_dtype_names_round_trip),
         cmocka_unit_test(test_tensor_nbytes_checks_overflow_and_sub_byte),
         cmocka_unit_test_setup_teardown(test_round_trip_every_dtype, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_round_trip_scalars_and_zero_sized_tensors, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_round_trip_scalars_and_zero_sized_tensors, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_round_trip_i64_f64_str_bytes_exactly, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_round_trip_u64_exactly, setup, teardown),
         cmocka_unit_test_setup_teardown(test_entries_listed_in_file_order, setup, teardown),
         cmocka_unit_test(test_writer_rejects_malformed_keys),
         cmocka_unit_test(test_writer_rejects_duplicate_keys_across_kinds),
-        cmocka_unit_test_setup_teardown(test_read_tensor_rejects_dtype_and_shape_mismatch, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_read_tensor_rejects_dtype_and_shape_mismatch, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_scalar_reads_check_kind_and_capacity, setup, teardown),
         cmocka_unit_test_setup_teardown(test_reader_open_missing_file_is_enoent, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_schema_check_reports_missing_extra_dtype_shape_kind, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_save_digest_matches_file_and_tensor_bytes, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_schema_check_reports_missing_extra_dtype_shape_kind,
+                                        setup, teardown),
+        cmocka_unit_test_setup_teardown(test_save_digest_matches_file_and_tensor_bytes, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_save_fault_sweep_enospc_new_file, setup, teardown),
         cmocka_unit_test_setup_teardown(test_save_fault_sweep_eio_new_file, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_save_fault_sweep_enospc_keeps_previous_file, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_save_fault_sweep_eio_keeps_previous_file, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_save_fault_sweep_enospc_keeps_previous_file, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_save_fault_sweep_eio_keeps_previous_file, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_save_survives_short_writes_and_eintr, setup, teardown),
         cmocka_unit_test_setup_teardown(test_write_new_fault_leaves_no_file, setup, teardown),
         cmocka_unit_test_setup_teardown(test_read_fault_is_reported, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_allocation_failure_sweep_is_clean_enomem, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_allocation_failure_sweep_is_clean_enomem, setup,
+                                        teardown),
         cmocka_unit_test(test_reader_rejects_hostile_metadata_documents),
         cmocka_unit_test(test_memory_reader_uses_given_name_in_messages),
     };

@@ -856,6 +856,19 @@ void ckpt__pkl_int(ckpt_pkl_buf *b, int64_t v) {
     }
 }
 
+void ckpt__pkl_uint(ckpt_pkl_buf *b, uint64_t v) {
+    if (v <= (uint64_t)INT64_MAX) {
+        ckpt__pkl_int(b, (int64_t)v);
+        return;
+    }
+    uint8_t x[11];
+    x[0] = 0x8a; /* LONG1: two's complement, so a ninth byte keeps it positive */
+    x[1] = 9;
+    for (int i = 0; i < 8; i++) x[2 + i] = (uint8_t)(v >> 8 * i);
+    x[10] = 0;
+    ckpt__pkl_bytes(b, x, 11);
+}
+
 void ckpt__pkl_float(ckpt_pkl_buf *b, double v) {
     uint64_t u = 0;
     memcpy(&u, &v, 8);

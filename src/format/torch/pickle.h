@@ -44,6 +44,8 @@ void ckpt__pkl_byte(ckpt_pkl_buf *b, uint8_t op);
 void ckpt__pkl_bytes(ckpt_pkl_buf *b, const void *p, size_t n);
 /* The shortest of BININT1, BININT2, BININT, LONG1. */
 void ckpt__pkl_int(ckpt_pkl_buf *b, int64_t v);
+/* The same for an unsigned value: LONG1 of 9 bytes from 2^63 on. */
+void ckpt__pkl_uint(ckpt_pkl_buf *b, uint64_t v);
 void ckpt__pkl_float(ckpt_pkl_buf *b, double v);
 /* BINUNICODE */
 void ckpt__pkl_str(ckpt_pkl_buf *b, const char *s, size_t n);

@@ -258,6 +258,7 @@ enum { F_DICT = 1, F_LIST, F_TUPLE };
 typedef struct wtensor {
     const void *data;
     uint64_t nbytes;
+    ckpt_dtype dtype;
 } wtensor;
 
 struct ckpt_torch_writer {
@@ -381,6 +382,12 @@ int ckpt_torch_put_int(ckpt_torch_writer *w, int64_t v) {
     return emitted(w);
 }
 
+int ckpt_torch_put_uint(ckpt_torch_writer *w, uint64_t v) {
+    CKPT_TRY(slot(w, true));
+    ckpt__pkl_uint(&w->pk, v);
+    return emitted(w);
+}
+
 int ckpt_torch_put_float(ckpt_torch_writer *w, double v) {
     CKPT_TRY(slot(w, true));
     ckpt__pkl_float(&w->pk, v);
@@ -410,7 +417,14 @@ int ckpt_torch_put_tensor(ckpt_torch_writer *w, ckpt_dtype dt, int ndim, const i
     }
     if (nbytes && !data) return misuse(w, "tensor data is NULL", NULL);
     CKPT_TRY(slot(w, false));
-    if (w->ntensors == w->cap) {
+    /* The very bytes of an earlier tensor of the dtype: its storage, shared
+     * (torch.load gives both one storage, as torch.save of tied weights). */
+    int64_t id = -1;
+    for (int64_t i = 0; i < w->ntensors && nbytes > 0 && id < 0; i++)
+        if (w->tensors[i].data == data && w->tensors[i].nbytes == nbytes &&
+            w->tensors[i].dtype == dt)
+            id = i;
+    if (id < 0 && w->ntensors == w->cap) {
         int64_t cap = w->cap ? w->cap * 2 : 16;
         void *p = ckpt__realloc(w->tensors, (size_t)cap * sizeof *w->tensors);
         if (!p) {
@@ -420,8 +434,10 @@ int ckpt_torch_put_tensor(ckpt_torch_writer *w, ckpt_dtype dt, int ndim, const i
         w->tensors = p;
         w->cap = cap;
     }
-    int64_t id = w->ntensors++;
-    w->tensors[id] = (wtensor){data, nbytes};
+    if (id < 0) {
+        id = w->ntensors++;
+        w->tensors[id] = (wtensor){data, nbytes, dt};
+    }
     char key[32];
     int klen = snprintf(key, sizeof key, "%" PRId64, id);
     size_t es = (size_t)ckpt_dtype_bits(dt) / 8;
