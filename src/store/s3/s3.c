@@ -85,8 +85,8 @@ int ckpt__s3_parse_url(const char *url, char **bucket, char **prefix) {
 int ckpt__s3_available(const char *what) {
     return ckpt__err(CKPT_EUNSUPPORTED,
                      "%s: this ckpt was built without object storage (s3://) support: libcurl "
-                     "and OpenSSL were not found when it was built (Debian: "
-                     "libcurl4-openssl-dev and libssl-dev; scripts/setup installs them)",
+                     "and OpenSSL were not found when it was built, or CKPT_WITH_S3 was OFF "
+                     "(Debian: libcurl4-openssl-dev and libssl-dev; scripts/setup installs them)",
                      what);
 }
 int ckpt__s3_new(ckpt_s3 **out, const char *bucket) {
