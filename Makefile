@@ -1,6 +1,7 @@
 # Thin wrapper over CMake for the README's commands.
 #   make          release build (build/)
 #   make test     sanitizer build (build-test/) and every test
+#   make check    sanitizer build and the quick tests (label quick): a few minutes
 #   make demo     the main job: train, kill -9, resume, compare
 #   make bench    benchmarks (bench/README.md)
 #   make memflat  1,000 async/sync saves and loads of a ~100 MB state: memory stays flat
@@ -15,7 +16,7 @@ CMAKE ?= cmake
 # the build would come wrapped in "Entering/Leaving directory" messages.
 MAKEFLAGS += --no-print-directory
 
-.PHONY: all setup build build-test test demo bench memflat install clean fuzz tsan valgrind format-check
+.PHONY: all setup build build-test test check demo bench memflat install clean fuzz tsan valgrind format-check
 
 all: build
 
@@ -35,6 +36,12 @@ build-test:
 
 test: build-test
 	@cd build-test && ctest --output-on-failure -j $(JOBS)
+
+# The quick loop while changing code: the unit tests, the fuzz corpora and
+# the integration tests that take seconds (tests/CMakeLists.txt labels them
+# quick); `make test` before a pull request.
+check: build-test
+	@cd build-test && ctest --output-on-failure -j $(JOBS) -L quick
 
 demo: build
 	@bash scripts/setup demo

@@ -58,7 +58,7 @@ int main(int argc, char **argv) {
     CHECK(ckpt_prepare_model(acc, model));
     CHECK(ckpt_prepare_optimizer(acc, opt));
     CHECK(ckpt_prepare_dataloader(acc, loader));
-    CHECK(ckpt_register_for_checkpointing(acc, ckpt_scheduler_ops(), sched)); /* as Accelerate's docs do */
+    CHECK(ckpt_prepare_scheduler(acc, sched)); /* a scheduler: ckpt export writes scheduler.bin */
     int rc = ckpt_load_state(acc, NULL); /* the newest complete checkpoint, if any */
     if (rc < 0 && rc != CKPT_ENOENT) CHECK(rc);
     if (rc == CKPT_OK) printf("resumed from %s\n", ckpt_accelerator_last_dir(acc));

@@ -374,8 +374,8 @@ CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *i
  * Frozen parameters never change, so a checkpoint keeps them apart: a model
  * with both frozen and trainable parameters, saved by one process (and not
  * as Hugging Face shards), writes its trainable ones to <model>.safetensors
- * and its frozen ones to <model>-00001-of-00001.safetensors (format version
- * 2, docs/FORMAT.md), which every later save links instead of writing again
+ * and its frozen ones to <model>.frozen.safetensors (format version 3,
+ * docs/FORMAT.md), which every later save links instead of writing again
  * (ckpt_project_config.no_link_unchanged). Loads, verify, export and
  * ckpt_torch read the model from both files. Returns how many parameters
  * matched (> 0), or CKPT_ENOENT naming the pattern if none did. */
@@ -821,7 +821,9 @@ CKPT_API int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_con
 /* Releases the project lock, if held. */
 CKPT_API void ckpt_accelerator_free(ckpt_accelerator *acc);
 /* Sets where the accelerator's warnings go (fn NULL: stderr), and those of
- * every data loader prepared with it (now or later). */
+ * every data loader and optimizer prepared with it (now or later). Under
+ * several processes those objects' warnings, the same on every rank, are
+ * reported by the process of index 0 only. */
 CKPT_API void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user);
 /* Sets where a data loader's warnings go (fn NULL, the default: "ckpt:
  * warning: <msg>" on stderr). ckpt_prepare_dataloader and a later
@@ -859,7 +861,7 @@ CKPT_API int ckpt_register_for_checkpointing(ckpt_accelerator *acc, const ckpt_s
  * case-insensitive file system), and no name the library's own files take:
  * model, optimizer, scheduler, dataloader, scaler, custom_checkpoint,
  * random_states, alone or followed by _<digits>, nor a name ending in
- * -DDDDD-of-DDDDD (shard files).
+ * -DDDDD-of-DDDDD (shard files) or in .frozen (a model's frozen file).
  * CKPT_EINVAL naming the rule broken, CKPT_EEXIST for a name or an object
  * registered already; otherwise as ckpt_register_for_checkpointing. */
 CKPT_API int ckpt_register_for_checkpointing_named(ckpt_accelerator *acc, const char *name,

@@ -130,6 +130,13 @@ const char *cli_kind_name(ckpt_entry_kind k);
 void cli_print_shape(const ckpt_entry_info *e);
 /* "<object>-DDDDD-of-DDDDD.safetensors": one process's shard file. */
 bool cli_is_shard_file(const char *name);
+/* "<stem>.frozen.safetensors": a model's frozen tensors, kept apart by one
+ * process (format version 3). */
+bool cli_is_frozen_file(const char *name);
+/* Whether name is a file of chunks of another object's tensors in the
+ * checkpoint folder dir (a shard file, the frozen file; not a Hugging Face
+ * part); if so that object's file name goes to obj. */
+bool cli_part_of(const char *dir, const char *name, char *obj, size_t cap);
 /* A state file; inside a checkpoint folder an object's file is opened with
  * its shard files, so sharded tensors read whole. */
 int cli_open_state(const char *path, ckpt_reader **r);

@@ -453,11 +453,11 @@ static int diff_dirs(diff_ctx *d, const char *a, const char *b) {
     /* both lists are sorted: walk them together */
     while (status == CLI_OK && (i < ca || j < cb)) {
         /* Shard files are read with their object's file. */
-        if (i < ca && cli_is_shard_file(na[i]->d_name)) {
+        if (i < ca && (cli_is_shard_file(na[i]->d_name) || cli_is_frozen_file(na[i]->d_name))) {
             i++;
             continue;
         }
-        if (j < cb && cli_is_shard_file(nb[j]->d_name)) {
+        if (j < cb && (cli_is_shard_file(nb[j]->d_name) || cli_is_frozen_file(nb[j]->d_name))) {
             j++;
             continue;
         }

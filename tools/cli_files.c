@@ -81,6 +81,18 @@ bool cli_is_shard_file(const char *name) {
     return true;
 }
 
+bool cli_is_frozen_file(const char *name) { return has_suffix(name, ".frozen.safetensors"); }
+
+bool cli_part_of(const char *dir, const char *name, char *obj, size_t cap) {
+    size_t n = strlen(name), tail = 0;
+    if (cli_is_frozen_file(name)) tail = strlen(".frozen.safetensors");
+    else if (cli_is_shard_file(name) && !cli_is_hf_part(dir, name))
+        tail = strlen("-00000-of-00000.safetensors");
+    if (!tail || n <= tail) return false;
+    snprintf(obj, cap, "%.*s.safetensors", (int)(n - tail), name);
+    return true;
+}
+
 /* A state file; inside a checkpoint folder an object's file is opened with
  * its shard files, so sharded tensors read whole. */
 int cli_open_state(const char *path, ckpt_reader **r) {
@@ -90,7 +102,7 @@ int cli_open_state(const char *path, ckpt_reader **r) {
     snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
     snprintf(manifest, sizeof manifest, "%s/checkpoint.json", dir);
     struct stat st;
-    if (!cli_is_shard_file(base) && stat(manifest, &st) == 0) {
+    if (!cli_is_shard_file(base) && !cli_is_frozen_file(base) && stat(manifest, &st) == 0) {
         int rc = ckpt_checkpoint_open_object(dir, base, r);
         if (rc != CKPT_ENOENT) return rc;
     }

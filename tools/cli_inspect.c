@@ -163,9 +163,58 @@ static int print_entry(ckpt_reader *r, const ckpt_entry_info *e, bool json) {
     return rc;
 }
 
-static int inspect_file(const char *path, const char *label, bool json, bool first) {
+/* What a part file holds, for its heading: "the frozen tensors of
+ * model.safetensors, whole" (the frozen file, and a model's shard 1 of 1
+ * written by one process before format version 3), else "rank 2's chunks
+ * of tensors of optimizer.safetensors". */
+static void part_note(const char *name, const char *obj, const char *kind, int nprocs, char *buf,
+                      size_t cap) {
+    size_t n = strlen(name), tail = strlen("-00000-of-00000.safetensors");
+    bool frozen = cli_is_frozen_file(name);
+    int rank = frozen ? 0 : atoi(name + n - tail + 1) - 1;
+    bool single = frozen || (nprocs == 1 && strstr(name + n - tail, "-of-00001."));
+    if (single && !strcmp(kind, "model"))
+        snprintf(buf, cap, "the frozen tensors of %s, whole", obj);
+    else
+        snprintf(buf, cap, "rank %d's chunks of tensors of %s (sharded, or split over the ranks)",
+                 rank, obj);
+}
+
+/* For an object's file: which files of the folder hold its other tensors
+ * ("; its other tensors are in model.frozen.safetensors"), or "". */
+static void companions_note(const char *dir, const char *file, struct dirent **names, int n,
+                            char *buf, size_t cap) {
+    int count = 0;
+    const char *one = NULL;
+    char obj[512];
+    for (int i = 0; i < n; i++)
+        if (cli_part_of(dir, names[i]->d_name, obj, sizeof obj) && !strcmp(obj, file)) {
+            count++;
+            if (!one) one = names[i]->d_name;
+        }
+    if (count == 0) buf[0] = '\0';
+    else if (count == 1) snprintf(buf, cap, "; its other tensors are in %s", one);
+    else snprintf(buf, cap, "; its other tensors are chunks in %d shard files", count);
+}
+
+/* Lists the entries of path: of that file alone (whole false), or of the
+ * object it is with its other files (a model saved as Hugging Face shards).
+ * check (may be NULL): an object's file, opened first as the library opens
+ * a checkpoint's object (every file of it checked against the manifest,
+ * never through a link), so that a damaged file is refused before its
+ * entries are listed. note follows the heading; part: the object a part
+ * file belongs to. */
+static int inspect_file(const char *path, const char *label, const char *note, const char *part,
+                        bool whole, const char *check, bool json, bool first) {
     ckpt_reader *r = NULL;
-    int rc = cli_open_state(path, &r);
+    int rc = CKPT_OK;
+    if (!whole && check) {
+        rc = cli_open_state(check, &r);
+        ckpt_reader_free(r);
+        r = NULL;
+        if (rc < 0) return cli_lib_error("inspect", rc);
+    }
+    rc = whole ? cli_open_state(path, &r) : ckpt_reader_open(&r, path);
     if (rc < 0) return cli_lib_error("inspect", rc);
     int64_t n = ckpt_reader_count(r);
     uint64_t tensor_bytes = 0;
@@ -180,13 +229,14 @@ static int inspect_file(const char *path, const char *label, bool json, bool fir
     if (json) {
         printf("%s{\"file\":", first ? "" : ",");
         cli_json_string(label);
+        if (part) printf(",\"part_of\":"), cli_json_string(part);
         printf(",\"tensors\":%lld,\"tensor_bytes\":%llu,\"entries\":[", (long long)ntensors,
                (unsigned long long)tensor_bytes);
     } else {
         char size[32];
         printf("%s: %lld entries, %lld tensors (%s)%s\n", cli_esc(label), (long long)n,
                (long long)ntensors, cli_human_bytes(tensor_bytes, size, sizeof size),
-               cli_is_shard_file(label) ? ", one process's chunks of sharded tensors" : "");
+               cli_esc(note));
     }
     for (int64_t i = 0; i < n && rc == CKPT_OK; i++) {
         ckpt_entry_info e;
@@ -411,7 +461,18 @@ int cli_inspect(int argc, char **argv) {
         return cli_wrong_kind("inspect", path, kind, "a checkpoint folder or a .safetensors file");
     if (!cli_is_dir(path)) {
         if (json) printf("{\"path\":"), cli_json_string(path), printf(",\"objects\":[");
-        int st = inspect_file(path, path, json, true);
+        /* inside a checkpoint, its object is checked first (a part file's
+         * object is the file it belongs to) */
+        const char *slash = strrchr(path, '/');
+        char dir[4096], obj[512], manifest[4200], check[4700];
+        snprintf(dir, sizeof dir, "%.*s", slash ? (int)(slash - path) : 1, slash ? path : ".");
+        snprintf(manifest, sizeof manifest, "%s/checkpoint.json", dir);
+        struct stat mst;
+        bool in_ckpt = lstat(manifest, &mst) == 0;
+        if (in_ckpt && cli_part_of(dir, slash ? slash + 1 : path, obj, sizeof obj))
+            snprintf(check, sizeof check, "%s/%s", dir, obj);
+        else snprintf(check, sizeof check, "%s", path);
+        int st = inspect_file(path, path, "", NULL, false, check, json, true);
         if (st == CLI_OK && json) printf("]}\n");
         return st;
     }
@@ -479,21 +540,61 @@ int cli_inspect(int argc, char **argv) {
         printf("%s %s\n  manifest: %s\n", kind == CLI_KIND_CHECKPOINT ? "checkpoint" : "folder",
                cli_esc(path), cli_esc(vmsg));
     }
+    ckpt_checkpoint_file *files = NULL; /* the manifest's kinds, if it reads */
+    int64_t nfiles = 0;
+    if (ckpt_checkpoint_files(path, &files, &nfiles) < 0) nfiles = 0;
+    char **checked = calloc((size_t)n + 1, sizeof *checked); /* objects checked so far */
+    int nchecked = 0;
+    if (!checked) {
+        cli_free_names(names, n);
+        free(files);
+        cli_error("inspect: out of memory");
+        return CLI_RUNTIME;
+    }
+    char manifest[4200]; /* with one, each object is checked as the library opens it */
+    snprintf(manifest, sizeof manifest, "%s/checkpoint.json", path);
+    struct stat mst;
+    bool in_ckpt = lstat(manifest, &mst) == 0;
     int status = CLI_OK, shown = 0;
     for (int i = 0; i < n && status == CLI_OK; i++) {
         const char *name = names[i]->d_name;
         if (cli_is_shard_file(name) && cli_is_hf_part(path, name))
             continue; /* shown with its index */
-        char file[4096], obj[512], label[640];
+        char file[4096], obj[512], label[640], note[1024] = "", part[512];
         const char *o = cli_object_of(name, obj, sizeof obj);
         snprintf(file, sizeof file, "%s/%s", path, o);
         if (o != name && !json)
             snprintf(label, sizeof label, "%s (Hugging Face shards: %s)", o, name);
         else snprintf(label, sizeof label, "%s", name);
+        /* each file lists what it holds; a frozen or shard file says whose
+         * tensors, an object's file where its other tensors are */
+        bool is_part = cli_part_of(path, name, part, sizeof part);
+        if (is_part) {
+            char what[900];
+            const char *fkind = "";
+            for (int64_t k = 0; k < nfiles; k++)
+                if (!strcmp(files[k].name, name)) fkind = files[k].kind;
+            part_note(name, part, fkind, vrc == CKPT_OK ? info.num_processes : 0, what,
+                      sizeof what);
+            snprintf(note, sizeof note, ", %s", what);
+        } else if (o == name) {
+            companions_note(path, name, names, n, note, sizeof note);
+        }
+        /* each object is checked once, before the first of its files */
+        const char *objname = is_part ? part : name;
+        bool seen = false;
+        for (int k = 0; k < nchecked && !seen; k++) seen = !strcmp(checked[k], objname);
+        char check[4600];
+        snprintf(check, sizeof check, "%s/%s", path, objname);
+        if (!seen && nchecked < n && (checked[nchecked] = strdup(objname)) != NULL) nchecked++;
         if (!json) putchar('\n');
-        status = inspect_file(file, label, json, shown++ == 0);
+        status = inspect_file(file, label, note, is_part ? part : NULL, o != name,
+                              seen || !in_ckpt ? NULL : check, json, shown++ == 0);
     }
+    for (int k = 0; k < nchecked; k++) free(checked[k]);
+    free(checked);
     cli_free_names(names, n);
+    free(files);
     if (status == CLI_OK) print_extra_files(path, json);
     if (status == CLI_OK && json) printf("}\n");
     return status;

@@ -191,16 +191,30 @@ int cli_prune(int argc, char **argv) {
                             .best_metric = best_k ? metric : NULL,
                             .best_mode = mode,
                             .best_k = (int)best_k};
-    int64_t removed = 0;
+    int64_t removed = 0, valid = 0;
+    o.valid_kept = &valid;
     int rc = ckpt_checkpoint_prune_ex(dir, &o, &removed);
     if (rc < 0) {
         cli_error("prune: %s%s", *ckpt_errmsg() ? ckpt_errmsg() : ckpt_strerror(rc),
                   rc == CKPT_EBUSY ? "; nothing removed, try again when the save is done" : "");
         return CLI_RUNTIME;
     }
-    printf("%s %lld checkpoint%s and %lld leftover folder%s from %s, kept the newest %lld valid",
+    printf("%s %lld checkpoint%s and %lld leftover folder%s from %s, ",
            dry_run ? "would remove" : "removed", (long long)removed, removed == 1 ? "" : "s",
-           (long long)pl.leftovers, pl.leftovers == 1 ? "" : "s", cli_esc(dir), (long long)keep);
+           (long long)pl.leftovers, pl.leftovers == 1 ? "" : "s", cli_esc(dir));
+    const char *kept = dry_run ? "would keep" : "kept";
+    if (keep == 0 && !policy) {
+        printf("%s none (--keep 0)\n", kept);
+        return CLI_OK;
+    }
+    if (valid == 0) {
+        /* nothing to fall back to: the library removes no checkpoint then */
+        printf("%s every checkpoint: none is valid ('ckpt verify %s' says why)\n", kept,
+               cli_esc(dir));
+        return CLI_OK;
+    }
+    printf("%s %lld valid checkpoint%s: the newest %lld", kept, (long long)valid,
+           valid == 1 ? "" : "s", (long long)(keep < valid ? keep : valid));
     if (every > 0) printf(", every step multiple of %lld", (long long)every);
     if (best_k > 0)
         printf(", the best %lld by %s (%s)", (long long)best_k, cli_esc(metric),

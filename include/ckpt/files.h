@@ -218,6 +218,9 @@ typedef struct ckpt_prune_options {
     const char *best_metric;
     ckpt_best_mode best_mode;
     int best_k;
+    /* Out (may be NULL): how many valid checkpoints remain (would remain, in
+     * a dry run); 0 when none is valid, and then only leftovers go. */
+    int64_t *valid_kept;
 } ckpt_prune_options;
 
 /* Retention with policies. When keep_every_steps or best_k is set (here or

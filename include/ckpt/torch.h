@@ -70,7 +70,7 @@ typedef struct ckpt_torch_value {
      * tensor is contiguous in its storage, else a copy owned by the file) */
     ckpt_dtype dtype;
     int ndim;
-    int64_t shape[CKPT_MAX_NDIM];
+    const int64_t *shape; /* ndim sizes (a pointer, so that other values stay small) */
     uint64_t nbytes;
     const void *data;
     bool requires_grad;

@@ -7,6 +7,7 @@ hostile input: every rule the C library enforces is enforced here, and a
 violation raises an error naming the file, tensor or key. numpy is the only
 dependency besides XXH3-64 (python3-xxhash)."""
 import base64
+import errno
 import json
 import math
 import os
@@ -22,7 +23,8 @@ except ImportError:  # pragma: no cover - reported when a checksum is needed
     xxhash = None
 
 LIBRARY_VERSION = "0.1.0"
-FORMAT_VERSION = 2  # the newest read; several processes write 2 (chunks of replicated tensors)
+FORMAT_VERSION = 3  # the newest read; several processes write 2 (chunks of replicated
+# tensors), one process that keeps a model's frozen tensors apart 3 (<model>.frozen.safetensors)
 WRITE_FORMAT_VERSION = 1  # what one process writes
 DOC_VERSION = 2  # the newest read; 2 (u64 and alias entries) is written only when used
 DOC_VERSION_BASE = 1
@@ -635,7 +637,7 @@ def resolve_aliases(flat, aliases, what):
 _PIECE = 8 << 20
 _MODE_NAMES = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-               (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
+               (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symlink"))
 
 
 def _kind_of(mode):
@@ -660,6 +662,35 @@ def open_regular(path, what=None):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise CorruptError("%s: not a regular file (%s)" % (what, _kind_of(st.st_mode)))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def open_own(path, what=None):
+    """(fd, size) of a file a checkpoint holds (its manifest, a state file,
+    a shard index), open for reading, as the C library opens one
+    (ckpt__open_read, own): never through a symbolic link (lstat, then
+    O_NOFOLLOW: ckpt writes none, and a link could lead anywhere), a regular
+    file only, never blocking (a FIFO is never opened; O_NONBLOCK if one is
+    swapped in). CorruptError in the C library's words otherwise ("<what>: a
+    symlink, expected a regular file"); FileNotFoundError passes through."""
+    what = what or path
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise CorruptError("%s: %s, expected a regular file" % (what, _kind_of(st.st_mode)))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a link put there since the look
+            raise CorruptError("%s: a symlink, expected a regular file" % what) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptError("%s: %s, expected a regular file" % (what, _kind_of(st.st_mode)))
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -735,10 +766,11 @@ def read_state_file(path, name=None):
     return StateFile(name, data)
 
 
-def _read_small(path, limit, what):
+def _read_small(path, limit, what, own=False):
     """A small file (a manifest, an index) whole, refused above limit bytes
-    before any is read (C: ckpt__read_small_file)."""
-    fd, size = open_regular(path, what)
+    before any is read (C: ckpt__read_small_file); own: a checkpoint's own
+    file, opened as open_own does."""
+    fd, size = (open_own if own else open_regular)(path, what)
     try:
         if size > limit:
             raise CorruptError("%s: %d bytes, more than the %d-byte limit" % (what, size, limit))

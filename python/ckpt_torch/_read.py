@@ -76,14 +76,17 @@ def _object_flats(dir, m, datas, kinds):
     return flats
 
 
-_SHARD_NAME = re.compile(r"(.+)-[0-9]{5,}-of-[0-9]{5,}\.safetensors")
+# a process's shard file; version 3 names a one-process model's frozen
+# tensors '<stem>.frozen.safetensors' (version 2: '<stem>-00001-of-00001')
+_SHARD_NAME = re.compile(r"(.+?)(?:-[0-9]{5,}-of-[0-9]{5,}|\.frozen)\.safetensors")
 
 
 def _assemble_chunks(dir, m, datas, flats):
-    """Format version 2: tensors saved by several processes as chunks in
-    shard files ('<stem>-0000k-of-0000N.safetensors': the sharded tensors,
-    and the replicated ones the save plan split over the ranks) are put
-    together whole into their object's flat dict."""
+    """Format versions 2 and 3: tensors saved as chunks in shard files
+    ('<stem>-0000k-of-0000N.safetensors': the sharded tensors, and the
+    replicated ones the save plan split over the ranks;
+    '<stem>.frozen.safetensors': a one-process model's frozen tensors,
+    whole) are put together whole into their object's flat dict."""
     parts = {}
     for f in m["files"]:
         if f.get("chunks") is None:

@@ -11,7 +11,7 @@ from ._format import (DTYPES, FORMAT_VERSION, INT64_MAX, INT64_MIN, MANIFEST_MAX
                       MANIFEST_NAME, MAX_KEY, MAX_NDIM, _PIECE, _SUM_KEY, _SUM_PREFIX, CkptError,
                       CorruptError, InvalidError, NotFoundError, StateFile, UnsupportedError, _hex,
                       _is_int, _kind_of, _loads_strict, _pread_into, _read_fd, _read_head,
-                      _read_small, jstr, open_regular, xxh3_64, xxhash)
+                      _read_small, jstr, open_own, xxh3_64, xxhash)
 
 # ---- the manifest -----------------------------------------------------------
 
@@ -273,10 +273,10 @@ def read_manifest(dir):
         # checkpoint (an interrupted save leaves a hidden temporary folder,
         # never a visible one without its manifest).
         raise NotFoundError(errno.ENOENT, "%s: not a checkpoint (no %s)" % (dir, MANIFEST_NAME))
-    try:
-        text = _read_small(path, MANIFEST_MAX_BYTES, path)
-    except FileNotFoundError:  # a link to nothing, or removed meanwhile
-        raise CorruptError("%s: not a regular file (a link to nothing)" % path) from None
+    try:  # never through a link, as the C library reads it
+        text = _read_small(path, MANIFEST_MAX_BYTES, path, own=True)
+    except FileNotFoundError:  # removed meanwhile
+        raise CorruptError("%s: missing (removed while read)" % path) from None
     return parse_manifest(text, path)
 
 
@@ -286,12 +286,29 @@ def _state_file(f):
     return f["kind"] != "extra" and f["name"].endswith(".safetensors")
 
 
+def _index_mismatch(dir, f, fd, size):
+    """A shard index whose digest differs: whether it still parses as JSON
+    (not as a safetensors header, which it is not)."""
+    what = "%s: %s" % (dir, f["name"])
+    if size > MANIFEST_MAX_BYTES:
+        raise CorruptError("%s: checksum mismatch in the shard index (%d bytes)" % (what, size))
+    text = bytes(_read_fd(fd, size, what))
+    try:
+        _loads_strict(text.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptError("%s: checksum mismatch and the shard index does not parse: not valid "
+                           "JSON: %s" % (what, e)) from None
+    raise CorruptError("%s: checksum mismatch in the shard index (it still parses)" % what)
+
+
 def _name_mismatch(dir, f, fd, size):
     """The file's digest differs: say which tensor if the file still parses
     (its tensors hashed one by one from the file)."""
     if f["kind"] == "extra":
         raise CorruptError("%s: %s: checksum mismatch (a file a save pre-hook added)"
                            % (dir, f["name"]))
+    if f["name"].endswith(".index.json"):  # a Hugging Face shard index: JSON
+        _index_mismatch(dir, f, fd, size)
     try:
         sf = StateFile(f["name"], _read_head(fd, size, f["name"]), size=size, layout_only=True)
     except CkptError as e:
@@ -329,12 +346,12 @@ def verify_folder(dir, keep_data=False):
     total = 0
     for f in m["files"]:
         path = os.path.join(dir, f["name"])
-        try:
-            st = os.stat(path)
+        try:  # lstat: a checkpoint's file is never a link (C: check_size)
+            st = os.lstat(path)
         except FileNotFoundError:
             raise CorruptError("%s: %s is listed in the manifest but missing" % (dir, f["name"])) from None
         if not stat.S_ISREG(st.st_mode):
-            raise CorruptError("%s: %s is not a regular file (%s)"
+            raise CorruptError("%s: %s: %s, expected a regular file"
                                % (dir, f["name"], _kind_of(st.st_mode)))
         if st.st_size != f["size"]:
             raise CorruptError("%s: %s: size %d bytes, the manifest says %d%s"
@@ -349,7 +366,7 @@ def verify_folder(dir, keep_data=False):
         name = f["name"]
         what = "%s: %s" % (dir, name)
         try:
-            fd, size = open_regular(os.path.join(dir, name), what)
+            fd, size = open_own(os.path.join(dir, name), what)
         except FileNotFoundError:
             raise CorruptError("%s: %s is listed in the manifest but missing"
                                % (dir, name)) from None

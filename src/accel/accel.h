@@ -125,7 +125,11 @@ void ckpt__acc_file_name(const ckpt_accelerator *acc, const ckpt_acc_obj *o, cha
 /* The name of this process's shard file of the object whose file is
  * `file`: "<stem>-<rank+1>-of-<size>.safetensors", 5 digits each. */
 int ckpt__acc_shard_name(const char *file, int rank, int size, char *buf, size_t cap);
-/* Whether name is a shard file "<stem>-DDDDD-of-DDDDD.safetensors"; if so
+/* The file of the frozen tensors of the model whose file is file, kept apart
+ * by one process: "<stem>.frozen.safetensors". */
+int ckpt__acc_frozen_name(const char *file, char *buf, size_t cap);
+/* Whether name is a shard file "<stem>-DDDDD-of-DDDDD.safetensors" (or a
+ * frozen file "<stem>.frozen.safetensors", shard 1 of 1); if so
  * and stem is not NULL, whether its stem is exactly stem (the object's file
  * name without ".safetensors"). */
 bool ckpt__acc_is_shard_of(const char *name, const char *stem_file);

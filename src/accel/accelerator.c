@@ -162,14 +162,29 @@ void ckpt_clear_metrics(ckpt_accelerator *acc) {
     if (acc) acc->nmetrics = 0;
 }
 
+/* The warnings of a prepared data loader or optimizer are about state that
+ * every rank holds alike (a skip on top of a restored position, optimizer
+ * state matched by position or dropped for a frozen parameter): under
+ * several processes rank 0 alone reports them, or mpirun would print each
+ * once per rank. The other ranks' objects get this logger, which drops them. */
+static void quiet_log(void *user, ckpt_log_level level, const char *msg) {
+    (void)user;
+    (void)level;
+    (void)msg;
+}
+
+static void set_object_log(const ckpt_accelerator *acc, const ckpt_acc_obj *o) {
+    ckpt_log_fn fn = acc->process_index == 0 ? acc->log.fn : quiet_log;
+    void *user = acc->process_index == 0 ? acc->log.user : NULL;
+    if (o->kind == K_DATALOADER) ckpt_dataloader_set_log(o->self, fn, user);
+    if (o->kind == K_OPTIMIZER) ckpt__optimizer_set_log(o->self, fn, user);
+}
+
 void ckpt_accelerator_set_log(ckpt_accelerator *acc, ckpt_log_fn fn, void *user) {
     if (!acc) return;
     acc->log.fn = fn;
     acc->log.user = user;
-    for (int i = 0; i < acc->nobjs; i++) {
-        if (acc->objs[i].kind == K_DATALOADER) ckpt_dataloader_set_log(acc->objs[i].self, fn, user);
-        if (acc->objs[i].kind == K_OPTIMIZER) ckpt__optimizer_set_log(acc->objs[i].self, fn, user);
-    }
+    for (int i = 0; i < acc->nobjs; i++) set_object_log(acc, &acc->objs[i]);
 }
 
 int ckpt_accelerator_start_over(ckpt_accelerator *acc) {
@@ -261,7 +276,7 @@ int ckpt_prepare_optimizer(ckpt_accelerator *acc, ckpt_optimizer *o) {
     /* an external optimizer: every trainable parameter's state attached */
     if (o) CKPT_TRY(ckpt__optimizer_check_ready(o));
     CKPT_TRY(prepare_builtin(acc, K_OPTIMIZER, ckpt_optimizer_ops(), o, "prepare_optimizer"));
-    ckpt__optimizer_set_log(o, acc->log.fn, acc->log.user);
+    set_object_log(acc, &acc->objs[acc->nobjs - 1]);
     return CKPT_OK;
 }
 int ckpt_prepare_scheduler(ckpt_accelerator *acc, ckpt_scheduler *s) {
@@ -276,7 +291,7 @@ int ckpt_prepare_dataloader(ckpt_accelerator *acc, ckpt_dataloader *dl) {
             return ckpt__err(CKPT_EEXIST, "prepare_dataloader: this object is already registered");
     CKPT_TRY(ckpt__dataloader_set_shard(dl, acc->num_processes, acc->process_index));
     CKPT_TRY(prepare_builtin(acc, K_DATALOADER, ckpt_dataloader_ops(), dl, "prepare_dataloader"));
-    ckpt_dataloader_set_log(dl, acc->log.fn, acc->log.user);
+    set_object_log(acc, &acc->objs[acc->nobjs - 1]);
     return CKPT_OK;
 }
 int ckpt_prepare_scaler(ckpt_accelerator *acc, ckpt_grad_scaler *gs) {
@@ -340,10 +355,12 @@ static int check_object_name(const ckpt_accelerator *acc, const char *name, cons
                              name, ckpt__kind_stem[k], ckpt__kind_stem[k]);
     char file[CKPT_ACC_NAME_MAX + 16];
     snprintf(file, sizeof file, "%s.safetensors", name);
-    if (ckpt__acc_is_shard_of(file, NULL))
+    size_t tail = strlen(".frozen");
+    if (ckpt__acc_is_shard_of(file, NULL) ||
+        (n > tail && strcasecmp(name + n - tail, ".frozen") == 0))
         return ckpt__err(CKPT_EINVAL,
-                         "%s: name '%s' ends like a shard file's (-DDDDD-of-DDDDD), which another "
-                         "object's files may take",
+                         "%s: name '%s' ends like a shard file's (-DDDDD-of-DDDDD) or a frozen "
+                         "file's (.frozen), which another object's files may take",
                          what, name);
     for (int i = 0; i < acc->nobjs; i++)
         if (acc->objs[i].name[0] && strcasecmp(acc->objs[i].name, name) == 0)

@@ -113,6 +113,16 @@ int ckpt__acc_shard_name(const char *file, int rank, int size, char *buf, size_t
     return ckpt__shard_file_name(buf, cap, stem, rank, size);
 }
 
+int ckpt__acc_frozen_name(const char *file, char *buf, size_t cap) {
+    char stem[128];
+    size_t n = stem_len(file);
+    if (n >= sizeof stem)
+        return ckpt__err(CKPT_EINVAL, "%s: name too long for a frozen file", file);
+    memcpy(stem, file, n);
+    stem[n] = '\0';
+    return ckpt__frozen_file_name(buf, cap, stem);
+}
+
 bool ckpt__acc_is_shard_of(const char *name, const char *stem_file) {
     size_t n = 0;
     int index = 0, count = 0;

@@ -321,7 +321,6 @@ static int write_hf(save_op *op, int i, const char *file) {
  * an object it holds chunks of (the plan's share of the replicated tensors,
  * its own sharded tensors), its own shard file. */
 static int write_object(save_op *op, int i) {
-    const ckpt_comm *c = op->comm;
     const ckpt_acc_obj *o = &op->objs[i];
     char name[96];
     ckpt__acc_file_name(op->acc, o, name, sizeof name);
@@ -332,7 +331,7 @@ static int write_object(save_op *op, int i) {
                         &op->slots[2 * i]);
     if (rc == 0 && ckpt__writer_shard_file_needed(op->writers[i])) {
         char shard[160];
-        rc = ckpt__acc_shard_name(name, c->rank, c->size, shard, sizeof shard);
+        rc = ckpt__save_shard_name(op, i, name, shard, sizeof shard);
         if (rc == 0)
             rc = write_file(op, op->writers[i], shard, ckpt__kind_name[o->kind], true,
                             &op->slots[2 * i + 1]);
@@ -499,7 +498,9 @@ static int commit(save_op *op) {
     /* Saved by several processes, replicated tensors may sit in shard files
      * (the save plan), and so may a model's frozen tensors (split_frozen):
      * readers of version 1 would not look for them there. */
-    m->format_version = op->comm->size > 1 || op->split ? CKPT_FORMAT_VERSION_SPREAD : 1;
+    m->format_version = op->split            ? CKPT_FORMAT_VERSION_FROZEN
+                        : op->comm->size > 1 ? CKPT_FORMAT_VERSION_SPREAD
+                                             : 1;
     m->nmetrics = op->nmetrics;
     memcpy(m->metrics, op->metrics, sizeof m->metrics);
     /* The ranks' chunks of each sharded tensor must tile it exactly. */
@@ -584,6 +585,7 @@ void ckpt__save_op_free(save_op *op) {
     for (int i = 0; op->hf_owner && i < op->nobjs; i++) free(op->hf_owner[i]);
     free(op->hf_owner);
     free(op->hf_model);
+    free(op->frozen_apart);
     free(op->writers);
     free(op->objs);
     ckpt__manifest_clear(&op->mine);

@@ -31,8 +31,7 @@ static bool writes_name(const save_op *op, const char *name) {
                     return true;
         }
         if (ckpt__writer_shard_file_needed(op->writers[i]) &&
-            ckpt__acc_shard_name(own, op->comm->rank, op->comm->size, shard, sizeof shard) == 0 &&
-            strcmp(name, shard) == 0)
+            ckpt__save_shard_name(op, i, own, shard, sizeof shard) == 0 && strcmp(name, shard) == 0)
             return true;
     }
     return false;

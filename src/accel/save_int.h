@@ -70,6 +70,7 @@ struct ckpt_save_op {
     ckpt_manifest prev;
     bool have_prev;
     bool split;             /* a model's frozen tensors went to a file of their own */
+    bool *frozen_apart;     /* per object: its frozen tensors went there (one process) */
     uint64_t linked_bytes;  /* this rank's files linked, not written */
     uint64_t written_bytes; /* this rank's files written */
     /* The objects and replicated tensors the spread plan depends on, one
@@ -88,6 +89,10 @@ int ckpt__save_plan_spread(save_op *op);
 /* Whether entry j of object i is a replicated tensor the plan places (its
  * rows and bytes); the same before and after the plan marks it. */
 bool ckpt__save_plan_entry(const save_op *op, int i, int64_t j, int64_t *rows, uint64_t *nbytes);
+/* The name of this rank's shard file of object i, whose own file is own:
+ * "<stem>-<rank+1>-of-<P>.safetensors", or "<stem>.frozen.safetensors" for
+ * the frozen tensors a one-process model keeps apart. */
+int ckpt__save_shard_name(const save_op *op, int i, const char *own, char *buf, size_t cap);
 /* Whether object i is saved as Hugging Face shards, as the plan decided. */
 bool ckpt__save_hf_sharded(const save_op *op, int i);
 /* Whether this rank writes a shard of object i (saved as such shards). */

@@ -162,13 +162,15 @@ bool ckpt__save_plan_entry(const save_op *op, int i, int64_t j, int64_t *rows, u
 }
 
 /* One process: a model with both frozen and trainable parameters keeps its
- * frozen tensors apart, whole, in its shard file
- * (<model>-00001-of-00001.safetensors, the layout of format version 2, as
- * chunks that are the whole tensor), so that file has the same bytes at
- * every save and is linked, not written. A model of one kind only stays one
- * file (it changes as a whole or not at all); a model saved as Hugging Face
- * shards keeps its layout. */
+ * frozen tensors apart, whole, in its shard file, named
+ * <model>.frozen.safetensors (format version 3; the tensors are chunks that
+ * are the whole tensor, as in version 2's <model>-00001-of-00001), so that
+ * file has the same bytes at every save and is linked, not written. A
+ * model of one kind only stays one file (it changes as a whole or not at
+ * all); a model saved as Hugging Face shards keeps its layout. */
 static int split_frozen(save_op *op) {
+    op->frozen_apart = ckpt__calloc((size_t)(op->nobjs ? op->nobjs : 1), sizeof *op->frozen_apart);
+    if (!op->frozen_apart) return ckpt__err_nomem("save plan");
     for (int i = 0; i < op->nobjs; i++) {
         ckpt_writer *w = op->writers[i];
         if (op->objs[i].kind != K_MODEL || op->hf_model[i] || ckpt__writer_has_shards(w)) continue;
@@ -183,9 +185,15 @@ static int split_frozen(save_op *op) {
         for (int64_t j = 0; j < n; j++)
             if (ckpt__save_plan_entry(op, i, j, &rows, &nb) && ckpt__writer_entry_frozen(w, j))
                 CKPT_TRY(ckpt__writer_spread(w, j, 0, rows));
-        op->split = true;
+        op->split = op->frozen_apart[i] = true;
     }
     return CKPT_OK;
+}
+
+int ckpt__save_shard_name(const save_op *op, int i, const char *own, char *buf, size_t cap) {
+    const ckpt_comm *c = op->comm;
+    if (op->frozen_apart && op->frozen_apart[i]) return ckpt__acc_frozen_name(own, buf, cap);
+    return ckpt__acc_shard_name(own, c->rank, c->size, buf, cap);
 }
 
 /* With several processes, the replicated tensors of every object (a

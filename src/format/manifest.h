@@ -16,9 +16,13 @@
  * checkpoint, or several processes' where rank 0 wrote every replicated
  * tensor into its object's file. Version 2 (written when several processes
  * save): replicated tensors may be split over the ranks' shard files, as
- * chunks, like sharded tensors (docs/FORMAT.md). One process still writes 1. */
-#define CKPT_FORMAT_VERSION 2
+ * chunks, like sharded tensors (docs/FORMAT.md). Version 3 (written by one
+ * process that keeps a model's frozen tensors apart): version 2 with that
+ * file named <model>.frozen.safetensors, not <model>-00001-of-00001 (which
+ * Hugging Face readers take for a shard). One process otherwise writes 1. */
+#define CKPT_FORMAT_VERSION 3
 #define CKPT_FORMAT_VERSION_SPREAD 2
+#define CKPT_FORMAT_VERSION_FROZEN 3
 /* A manifest lists a few dozen files; anything this large is not ours. */
 #define CKPT_MANIFEST_MAX_BYTES (16u << 20)
 
@@ -120,6 +124,17 @@ int ckpt__checkpoint_open_some(const char *dir, bool deep, bool keep_maps,
 int ckpt__checkpoint_open_into(const char *dir,
                                bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
                                ckpt_arena *arena, ckpt_checkpoint_open *c);
+/* The two steps of the opens above, apart (a load plans between them which
+ * files each process reads). open_manifest: c zeroed, then the manifest of
+ * dir read and parsed (c->have_manifest; on failure c->no_manifest says
+ * whether dir is a folder without one). read_files: every listed file's
+ * size checked against the folder, the files with shallow[i] false (shallow
+ * NULL: all) hashed if deep and, with keep_maps (deep only), read into
+ * arena (NULL: c's own buffers); no unlisted .safetensors file. On failure
+ * the manifest stays, the maps are dropped. */
+int ckpt__checkpoint_open_manifest(const char *dir, ckpt_checkpoint_open *c);
+int ckpt__checkpoint_read_files(const char *dir, bool deep, bool keep_maps, const bool *shallow,
+                                ckpt_arena *arena, ckpt_checkpoint_open *c);
 /* Deep checks hash the files on two threads once they hold at least this
  * many bytes (default 64 MiB). Tests set 0 to exercise the threaded path on
  * small checkpoints; returns the previous value. */

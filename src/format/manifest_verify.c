@@ -15,9 +15,15 @@
 #include "base/io.h"
 #include "format/manifest.h"
 #include "format/manifest_int.h"
+#include "format/hfindex.h"
 #include "format/shard.h"
 
 /* ---- verification ------------------------------------------------------- */
+
+static bool ends_with(const char *s, const char *suffix) {
+    size_t n = strlen(s), k = strlen(suffix);
+    return n >= k && strcmp(s + n - k, suffix) == 0;
+}
 
 /* The file's digest differs: say which tensor if the file still parses. */
 static int name_mismatch(const char *dir, const ckpt_manifest_file *f, const ckpt_mapped *mp) {
@@ -25,6 +31,20 @@ static int name_mismatch(const char *dir, const ckpt_manifest_file *f, const ckp
     if (strcmp(f->kind, "extra") == 0)
         return ckpt__err(CKPT_ECORRUPT, "%s: %s: checksum mismatch (a file a save pre-hook added)",
                          dir, f->name);
+    /* The index of a model saved as Hugging Face shards is JSON. */
+    if (ends_with(f->name, ".index.json")) {
+        ckpt_hf_index x;
+        memset(&x, 0, sizeof x);
+        int rc = ckpt__hf_index_parse((const char *)mp->data, (size_t)mp->size, f->name, &x);
+        ckpt__hf_index_free(&x);
+        if (rc < 0)
+            return ckpt__err_prefix(CKPT_ECORRUPT,
+                                    "%s: %s: checksum mismatch and the shard index does not parse",
+                                    dir, f->name);
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: %s: checksum mismatch in the shard index (it still parses)", dir,
+                         f->name);
+    }
     ckpt_reader *r = NULL;
     int rc = ckpt_reader_open_memory(&r, mp->data, (size_t)mp->size, f->name);
     if (rc < 0)
@@ -48,11 +68,6 @@ static int name_mismatch(const char *dir, const ckpt_manifest_file *f, const ckp
     return ckpt__err(CKPT_ECORRUPT,
                      "%s: %s: checksum mismatch in the header or metadata (tensor data intact)",
                      dir, f->name);
-}
-
-static bool ends_with(const char *s, const char *suffix) {
-    size_t n = strlen(s), k = strlen(suffix);
-    return n >= k && strcmp(s + n - k, suffix) == 0;
 }
 
 static int check_unlisted(const char *dir, const ckpt_manifest *m) {
@@ -332,9 +347,7 @@ int ckpt__checkpoint_open_into(const char *dir,
     return open_checkpoint(dir, true, true, want, ctx, arena, c);
 }
 
-static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
-                           bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
-                           ckpt_arena *arena, ckpt_checkpoint_open *c) {
+int ckpt__checkpoint_open_manifest(const char *dir, ckpt_checkpoint_open *c) {
     memset(c, 0, sizeof *c);
     int rc = ckpt__manifest_read(dir, &c->m);
     if (rc < 0) {
@@ -346,24 +359,21 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
         return rc;
     }
     c->have_manifest = true;
+    for (int64_t i = 0; i < c->m.nfiles; i++)
+        if (__builtin_add_overflow(c->total_bytes, c->m.files[i].size, &c->total_bytes))
+            c->total_bytes = UINT64_MAX;
+    return CKPT_OK;
+}
+
+int ckpt__checkpoint_read_files(const char *dir, bool deep, bool keep_maps, const bool *shallow,
+                                ckpt_arena *arena, ckpt_checkpoint_open *c) {
+    int rc = CKPT_OK;
     if (keep_maps && deep) {
         c->maps = ckpt__calloc((size_t)(c->m.nfiles ? c->m.nfiles : 1), sizeof *c->maps);
         if (!c->maps) {
             ckpt__checkpoint_close(c);
             return ckpt__err_nomem("checkpoint maps");
         }
-    }
-    for (int64_t i = 0; i < c->m.nfiles; i++)
-        if (__builtin_add_overflow(c->total_bytes, c->m.files[i].size, &c->total_bytes))
-            c->total_bytes = UINT64_MAX;
-    bool *shallow = NULL;
-    if (want) {
-        shallow = ckpt__calloc((size_t)(c->m.nfiles ? c->m.nfiles : 1), sizeof *shallow);
-        if (!shallow) {
-            ckpt__checkpoint_close(c);
-            return ckpt__err_nomem("checkpoint check");
-        }
-        for (int64_t i = 0; i < c->m.nfiles; i++) shallow[i] = !want(&c->m.files[i], ctx);
     }
     uint8_t **dst = NULL;
     /* Every size against the folder before a byte is reserved or read. */
@@ -384,7 +394,6 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
     if (rc == 0 && c->maps) rc = place_files(dir, c, shallow, arena, &dst);
     if (rc == 0) rc = check_files(dir, &c->m, deep, shallow, c->maps, dst);
     free(dst);
-    free(shallow);
     if (rc == 0) rc = check_unlisted(dir, &c->m);
     if (rc < 0) {
         /* Keep the manifest (callers report what could be read); drop maps. */
@@ -394,6 +403,24 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
             c->maps = NULL;
         }
     }
+    return rc;
+}
+
+static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
+                           bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
+                           ckpt_arena *arena, ckpt_checkpoint_open *c) {
+    CKPT_TRY(ckpt__checkpoint_open_manifest(dir, c));
+    bool *shallow = NULL;
+    if (want) {
+        shallow = ckpt__calloc((size_t)(c->m.nfiles ? c->m.nfiles : 1), sizeof *shallow);
+        if (!shallow) {
+            ckpt__checkpoint_close(c);
+            return ckpt__err_nomem("checkpoint check");
+        }
+        for (int64_t i = 0; i < c->m.nfiles; i++) shallow[i] = !want(&c->m.files[i], ctx);
+    }
+    int rc = ckpt__checkpoint_read_files(dir, deep, keep_maps, shallow, arena, c);
+    free(shallow);
     return rc;
 }
 

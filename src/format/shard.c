@@ -340,10 +340,24 @@ static const char *digits_back(const char *start, const char *end, int *value) {
     return p;
 }
 
+int ckpt__frozen_file_name(char *buf, size_t cap, const char *stem) {
+    int n = snprintf(buf, cap, "%s" CKPT_FROZEN_FILE_TAIL, stem ? stem : "");
+    if (!stem || !*stem || n < 0 || (size_t)n >= cap)
+        return ckpt__err(CKPT_EINVAL, "frozen file name: '%s' is empty or too long",
+                         stem ? stem : "");
+    return CKPT_OK;
+}
+
 bool ckpt__shard_file_parse(const char *name, size_t *stem_len, int *index, int *count) {
     static const char ext[] = ".safetensors";
-    size_t n = strlen(name), e = sizeof ext - 1;
+    size_t n = strlen(name), e = sizeof ext - 1, f = sizeof CKPT_FROZEN_FILE_TAIL - 1;
     if (n <= e || strcmp(name + n - e, ext) != 0) return false;
+    if (n > f && strcmp(name + n - f, CKPT_FROZEN_FILE_TAIL) == 0) {
+        if (stem_len) *stem_len = n - f;
+        if (index) *index = 1;
+        if (count) *count = 1;
+        return true;
+    }
     const char *end = name + n - e;
     int of = 0, idx = 0;
     const char *p = digits_back(name, end, &of);

@@ -58,8 +58,15 @@ int ckpt__box_copy_range(ckpt_dtype dt, int ndim, const int64_t *src_off, const 
 /* Hugging Face's shard names: "<stem>-<rank+1>-of-<size>.safetensors", each
  * number 5 digits (more if needed). CKPT_EINVAL if it does not fit in cap. */
 int ckpt__shard_file_name(char *buf, size_t cap, const char *stem, int rank, int size);
-/* Whether name is such a shard name; if so *stem_len gets the length of its
- * stem, *index its 1-based number and *count the "of" number. */
+/* The file of a model's frozen tensors kept apart by one process (format
+ * version 3): "<stem>.frozen.safetensors", a name no Hugging Face reader
+ * takes for one of its shards. Version 2 named it as shard 1 of 1,
+ * "<stem>-00001-of-00001.safetensors", which still reads. */
+#define CKPT_FROZEN_FILE_TAIL ".frozen.safetensors"
+int ckpt__frozen_file_name(char *buf, size_t cap, const char *stem);
+/* Whether name is a shard name or a frozen file's name (shard 1 of 1); if
+ * so *stem_len gets the length of its stem, *index its 1-based number and
+ * *count the "of" number. */
 bool ckpt__shard_file_parse(const char *name, size_t *stem_len, int *index, int *count);
 
 /* A reader with no entries, for an object whose state is only sharded

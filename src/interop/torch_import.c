@@ -12,6 +12,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "accel/accel.h"
+#include "accel/load_op.h"
 #include "base/error.h"
 #include "base/io.h"
 #include "format/keymap.h"
@@ -933,14 +935,6 @@ int ckpt_import_torch(const char *src, const char *checkpoint_dir, const ckpt_im
 
 /* ---- weights straight into a model ---------------------------------------- */
 
-static int model_current(void *ctx, ckpt_writer *w) { return ckpt_model_ops()->state_dict(ctx, w); }
-
-static void move_keys(ckpt_load_key **v, int64_t *n, ckpt_key_list *l) {
-    *v = l->v;
-    *n = l->n;
-    memset(l, 0, sizeof *l);
-}
-
 int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_options *opt,
                             ckpt_load_report *report) {
     if (report) memset(report, 0, sizeof *report);
@@ -952,10 +946,7 @@ int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_opti
     imp x;
     memset(&x, 0, sizeof x);
     x.o = defaults();
-    ckpt_reader *file = NULL, *ad = NULL, *ex = NULL;
-    ckpt_writer *schema = NULL;
-    ckpt_adapt_result res;
-    memset(&res, 0, sizeof res);
+    ckpt_reader *file = NULL;
     int64_t step = 0;
     struct stat st;
     int rc = ckpt__os_stat(src, &st) == 0 ? CKPT_OK : ckpt__err_os(errno, "load_weights: %s", src);
@@ -977,35 +968,24 @@ int ckpt_model_load_weights(ckpt_model *m, const char *src, const ckpt_load_opti
         if (rc == 0) rc = ckpt__reader_put_writer_views(file, x.model);
     }
     free(manifest);
-    /* match, adapt, check: nothing changes before all of it passed */
-    if (rc == 0) rc = ckpt_writer_new_schema(&schema);
-    if (rc == 0) rc = ckpt_model_ops()->state_dict(m, schema);
+    /* The rest is the load op's (accel/load_op.h) from its read phase on,
+     * with this source: match, adapt and check (nothing changes before all
+     * of it passed), then apply. */
+    ckpt__load_op *op = NULL;
     if (rc == 0)
-        rc = ckpt__adapt(schema, file, opt, "model", src, model_current, m, &ad, &ex, &res);
-    ckpt_reader *use = ad ? ad : file;
-    if (rc == 0) rc = ckpt__schema_check(schema, use, src);
-    if (rc == 0) rc = ckpt_model_ops()->check_state_dict(m, use);
-    if (rc == 0 && report) {
-        report->dir = ckpt__strdup(src);
-        report->loaded = ckpt__calloc(1, sizeof *report->loaded);
-        if (!report->dir || !report->loaded || !(report->loaded[0] = ckpt__strdup("model")))
-            rc = ckpt__err_nomem("load report");
-        else report->num_loaded = 1;
-    }
-    if (rc == 0) rc = ckpt_model_ops()->load_state_dict(m, use);
-    if (rc == 0 && report) {
-        report->step = step;
-        move_keys(&report->missing, &report->num_missing, &res.missing);
-        move_keys(&report->unexpected, &report->num_unexpected, &res.unexpected);
-        move_keys(&report->renamed, &report->num_renamed, &res.renamed);
-        move_keys(&report->converted, &report->num_converted, &res.converted);
+        rc = ckpt__load_op_new_object(K_MODEL, ckpt_model_ops(), m, opt, report, "load_weights",
+                                      &op);
+    if (op) {
+        ckpt__load_op_read_from(op, src, step, file); /* takes file over */
+        file = NULL;
+        ckpt__load_op_check(op);
+        ckpt__load_op_agree(op);
+        ckpt__load_op_apply(op);
+        rc = ckpt__load_op_finish(op);
+        ckpt__load_op_free(op);
     }
     if (rc < 0 && report) ckpt_load_report_free(report);
     if (rc < 0) rc = ckpt__err_prefix(rc, "load_weights");
-    ckpt__adapt_result_free(&res);
-    ckpt_writer_free(schema);
-    ckpt_reader_free(ad);
-    ckpt_reader_free(ex);
     ckpt_reader_free(file);
     imp_free(&x);
     return rc;

@@ -210,11 +210,26 @@ int ckpt__lock_acquire(ckpt_lock *lk, const char *lock_path, bool load_only) {
     if (fd < 0) return fd;
     if (ckpt__os_flock(fd, LOCK_EX | LOCK_NB) != 0) {
         e = errno;
+        /* The holder wrote "<pid> <host>\n" once it took the lock: read it
+         * again now, the text read before may be its predecessor's. */
+        if (e == EWOULDBLOCK) {
+            ssize_t again = lock_read(fd, holder);
+            if (again > 0) holder[again] = '\0';
+            if (again > 0) got = again;
+        }
         ckpt__os_close(fd);
         if (e == EWOULDBLOCK) {
-            /* The holder wrote "<pid> <host>\n" when it took the lock. */
             long pid = 0;
-            char host[256] = "";
+            char host[256] = "", me[256] = "";
+            if (gethostname(me, sizeof me) != 0) me[0] = '\0';
+            me[sizeof me - 1] = '\0';
+            if (got > 0 && sscanf(holder, "%ld %255s", &pid, host) == 2 && pid > 0 &&
+                pid == (long)getpid() && strcmp(host, me) == 0)
+                return ckpt__err(CKPT_EBUSY,
+                                 "%s is held by this process (pid %ld) itself: another "
+                                 "accelerator of this project, not freed yet, or a save or load "
+                                 "of it still running",
+                                 lock_path, pid);
             if (got > 0 && sscanf(holder, "%ld %255s", &pid, host) == 2 && pid > 0)
                 return ckpt__err(CKPT_EBUSY,
                                  "%s is held by another process (pid %ld on host %s) that saves "
@@ -377,6 +392,7 @@ typedef struct rotation {
     void *user;
     const ckpt_logger *lg; /* NULL: no warnings (the report says it) */
     int64_t removed;
+    int64_t valid_kept; /* valid checkpoints not removed (of those verified) */
 } rotation;
 
 bool ckpt__retention_active(const ckpt_retention *pol) {
@@ -540,6 +556,7 @@ static int rotate(const char *dir, rotation *r) {
         }
     }
     if (rc == 0 && policy) rc = apply_policy(v, count, r->pol);
+    for (int64_t i = 0; rc == 0 && i < count; i++) r->valid_kept += v[i].valid && !v[i].remove;
     for (int64_t i = 0; rc == 0 && i < count; i++) {
         if (!v[i].remove) continue;
         char name[48];
@@ -841,6 +858,7 @@ int ckpt__checkpoint_prune_ex_local(const char *project_dir, const ckpt_prune_op
                           .best_mode = opts->best_mode,
                           .best_k = opts->best_k};
     CKPT_TRY(ckpt__retention_check(&pol, "checkpoint_prune"));
+    if (opts->valid_kept) *opts->valid_kept = 0;
     char *dir = NULL;
     CKPT_TRY(project_checkpoints("checkpoint_prune", project_dir, &dir));
     if (!dir) return 0;
@@ -857,6 +875,7 @@ int ckpt__checkpoint_prune_ex_local(const char *project_dir, const ckpt_prune_op
     if (rc == 0) rc = rotate(dir, &r);
     ckpt__lock_release(&lk);
     if (removed) *removed = r.removed;
+    if (opts->valid_kept) *opts->valid_kept = rc == 0 ? r.valid_kept : 0;
     free(dir);
     return rc;
 }

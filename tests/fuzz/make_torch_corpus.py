@@ -114,6 +114,14 @@ def main():
     write("bad_recursion_bomb", archive(b"\x80\x02" + b"]" * 100000 + b"a" * 99999 + b"."))
     write("bad_mark_bomb", archive(b"\x80\x02" + b"(" * 100000 + b"."))
     write("bad_self_containing_list", archive(b"\x80\x02]q\x00h\x00a."))
+    # memory amplification: 2 million one-byte lists (~160 bytes each), and a
+    # set() of a 100,000-item list made again every 5 bytes (deflated, the
+    # files stay small; the limit is set by the pickle's own length)
+    write("bad_object_bomb", archive(b"\x80\x02" + b"]" * 2000000 + b".",
+                                     compression=zipfile.ZIP_DEFLATED))
+    copies = b"\x80\x02cbuiltins\nset\nq\x00]q\x01(" + b"K\x07" * 100000 + b"e"
+    write("bad_set_copy_bomb", archive(copies + b"h\x00h\x01\x85R" * 20000 + b".",
+                                       compression=zipfile.ZIP_DEFLATED))
     laughs = b"\x80\x02(]q\x00"  # 60 tuples, each of two of the one before: opens (a DAG), flattening stops
     for i in range(1, 60):
         laughs += b"(h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + b"lq" + bytes([i])

@@ -65,25 +65,26 @@ run_rc 3 "$CKPT_BIN" inspect "$WORK/bad.safetensors"
 raw_ctl "$WORK/err" || fail "an error message prints raw control characters"
 grep -q '^ckpt: inspect: ' "$WORK/err" || fail "inspect: no error for a bad dtype"
 
-# ---- import amplification: 64 keys share one deflated storage of 1 MiB
+# ---- import amplification: 64 keys share one deflated storage of 1 MiB (each
+# one element further in, so that they are views of their own, not tied weights)
 python3 - "$WORK/amp.bin" <<'PY'
 import io, struct, sys, zipfile
 def uni(s):
     b = s.encode()
     return b"X" + struct.pack("<I", len(b)) + b
 numel = 1 << 18  # 1 MiB of float32 zeros
-def tensor():
+def tensor(i):
     p = b"ctorch._utils\n_rebuild_tensor_v2\n(("
     p += uni("storage") + b"ctorch\nFloatStorage\n" + uni("0") + uni("cpu")
-    p += b"J" + struct.pack("<i", numel) + b"tQ" + b"J" + struct.pack("<i", 0)
+    p += b"J" + struct.pack("<i", numel + 64) + b"tQ" + b"J" + struct.pack("<i", i)
     p += b"(J" + struct.pack("<i", numel) + b"t(J" + struct.pack("<i", 1) + b"t"
     p += b"\x89ccollections\nOrderedDict\n)RtR"
     return p
-pkl = b"\x80\x02}(" + b"".join(uni("w%d" % i) + tensor() for i in range(64)) + b"u."
+pkl = b"\x80\x02}(" + b"".join(uni("w%d" % i) + tensor(i) for i in range(64)) + b"u."
 buf = io.BytesIO()
 with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
     z.writestr("archive/data.pkl", pkl)
-    z.writestr("archive/data/0", b"\0" * (4 * numel))
+    z.writestr("archive/data/0", b"\0" * (4 * (numel + 64)))
     z.writestr("archive/version", "3\n")
 open(sys.argv[1], "wb").write(buf.getvalue())
 PY

@@ -134,7 +134,7 @@ would remove $p/checkpoints/.checkpoint_5.tmp.999999999  (temporary folder of an
 would remove $p/checkpoints/checkpoint_0  (valid, older than the newest 1 valid)
 would remove $p/checkpoints/checkpoint_1  (valid, older than the newest 1 valid)
 would remove $p/checkpoints/checkpoint_2  (valid, older than the newest 1 valid)
-would remove 3 checkpoints and 1 leftover folder from $p, kept the newest 1 valid
+would remove 3 checkpoints and 1 leftover folder from $p, would keep 1 valid checkpoint: the newest 1
 EOF
 diff "$WORK/want" "$WORK/out" || fail "prune --dry-run output"
 [ "$(left "$p")" = ".checkpoint_5.tmp.999999999 checkpoint_0 checkpoint_1 checkpoint_2 checkpoint_3 checkpoint_4 " ] \
@@ -149,7 +149,7 @@ grep -q "is held by another process.*nothing removed" "$WORK/err" || fail "prune
 exec 9>&-
 
 run_rc 0 "$CKPT_BIN" prune "$p" --keep 1
-grep -q "^removed 3 checkpoints and 1 leftover folder from $p, kept the newest 1 valid$" "$WORK/out" \
+grep -q "^removed 3 checkpoints and 1 leftover folder from $p, kept 1 valid checkpoint: the newest 1$" "$WORK/out" \
     || fail "prune: summary"
 [ "$(left "$p")" = "checkpoint_3 checkpoint_4 " ] || fail "prune: wrong folders left: $(left "$p")"
 # the run still resumes (from checkpoint_3, the corrupt newest is skipped)
@@ -167,6 +167,14 @@ run_rc 0 "$CKPT_BIN" prune "$p" --keep 5
 grep -q "^removing $p/checkpoints/checkpoint_3  (not valid, older than the newest valid checkpoint: .*checksum mismatch)$" \
     "$WORK/out" || fail "prune: reason for a corrupt one"
 [ "$(left "$p")" = "checkpoint_10 checkpoint_2 " ] || fail "prune: invalid ones kept: $(left "$p")"
+# none valid: nothing goes, and the summary does not claim a valid one
+flip_byte "$p/checkpoints/checkpoint_10/model.safetensors" 3000
+flip_byte "$p/checkpoints/checkpoint_2/model.safetensors" 3000
+run_rc 0 "$CKPT_BIN" prune "$p" --keep 1
+grep -q "^removed 0 checkpoints and 0 leftover folders from $p, kept every checkpoint: none is valid" \
+    "$WORK/out" || fail "prune: summary with no valid checkpoint: $(cat "$WORK/out")"
+[ "$(left "$p")" = "checkpoint_10 checkpoint_2 " ] || fail "prune removed with none valid"
 run_rc 0 "$CKPT_BIN" prune "$p" --keep 0 --force
+grep -q "kept none (--keep 0)$" "$WORK/out" || fail "prune --keep 0: summary"
 [ "$(left "$p")" = "" ] || fail "prune --keep 0 --force"
 echo "ok: diff, prune, ls, verify and inspect are exact about what they were given"

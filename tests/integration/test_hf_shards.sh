@@ -69,5 +69,26 @@ assert sorted(r["model"]) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight"
 flip_byte "$ck/model-00002-of-00003.safetensors" 300
 run_rc 1 "$CKPT_BIN" verify "$ck"
 grep -q "model-00002-of-00003.safetensors" "$WORK/out" || { cat "$WORK/out" >&2; fail "verify does not name the shard"; }
+flip_byte "$ck/model-00002-of-00003.safetensors" 300
+
+# a damaged index is said to be a shard index that does not parse (JSON), by
+# ckpt verify and by ckpt_torch, never a bad safetensors header
+flip_byte "$ck/model.safetensors.index.json" 0
+run_rc 1 "$CKPT_BIN" verify "$ck"
+has "model.safetensors.index.json: checksum mismatch and the shard index does not parse: .*not valid JSON" \
+    <"$WORK/out" || fail "verify of a damaged index: $(cat "$WORK/out")"
+! has "header" <"$WORK/out" || fail "a damaged index is called a bad header"
+PYTHONPATH="$CKPT_SOURCE_DIR/python" "${CKPT_PYTHON:-python3}" -B -c '
+import sys, ckpt_torch
+try:
+    ckpt_torch.verify(sys.argv[1])
+except ckpt_torch.CorruptError as e:
+    assert "model.safetensors.index.json: checksum mismatch and the shard index does not parse: not valid JSON" in str(e), e
+    assert "header" not in str(e), e
+else:
+    raise SystemExit("verify passed a damaged index")
+' "$ck" || fail "ckpt_torch.verify of a damaged index"
+flip_byte "$ck/model.safetensors.index.json" 0
+run_rc 0 "$CKPT_BIN" verify "$ck"
 run_rc 2 "$CKPT_BIN" train --max-shard-size 0 --project-dir "$WORK/bad"
 echo "ok"

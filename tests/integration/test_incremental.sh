@@ -15,7 +15,7 @@ run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 20 --total-limit 0 --project-
 grep -q "^bytes written per save: .* the first, then .* on average" "$WORK/out" ||
     fail "no bytes-per-save line: $(cat "$WORK/out")"
 cks=$base/checkpoints
-frozen=model-00001-of-00001.safetensors
+frozen=model.frozen.safetensors
 for n in 0 1 2; do [ -f "$cks/checkpoint_$n/$frozen" ] || fail "checkpoint_$n has no $frozen"; done
 [ "$(inode "$cks/checkpoint_0/$frozen")" = "$(inode "$cks/checkpoint_2/$frozen")" ] ||
     fail "the frozen file was written again, not linked"
@@ -47,6 +47,46 @@ m = ckpt_torch.load(sys.argv[1], as_torch=False)["files"]["model"]
 assert sorted(m) == ["fc1.bias", "fc1.weight", "fc2.bias", "fc2.weight", "fc3.bias",
                      "fc3.weight"], sorted(m)
 ' "$cks/checkpoint_2" || fail "ckpt_torch does not read the whole model"
+
+for n in 0 1 2; do [ ! -e "$cks/checkpoint_$n/model-00001-of-00001.safetensors" ] ||
+    fail "checkpoint_$n still has a file named as a Hugging Face shard"; done
+run_rc 0 "$CKPT_BIN" inspect "$cks/checkpoint_2"
+has "^  1 process, format 3," <"$WORK/out" || fail "the frozen layout is not format 3"
+
+# a version 2 checkpoint (the frozen file named model-00001-of-00001): made
+# from a copy of checkpoint_2, its manifest rewritten with its digest
+old=$WORK/old
+mkdir -p "$old/checkpoints"
+cp -r "$cks/checkpoint_2" "$old/checkpoints/checkpoint_0"
+o=$old/checkpoints/checkpoint_0
+mv "$o/$frozen" "$o/model-00001-of-00001.safetensors"
+"${CKPT_PYTHON:-python3}" -B - "$o/checkpoint.json" <<'PY' || fail "could not rewrite the manifest"
+import sys, xxhash
+path = sys.argv[1]
+t = open(path, "rb").read()
+t = t.replace(b'"name": "model.frozen.safetensors"', b'"name": "model-00001-of-00001.safetensors"')
+t = t.replace(b'"format_version": 3,', b'"format_version": 2,')
+key = b'"manifest_xxh3": "'
+at = t.index(key) + len(key)
+zeroed = t[:at] + b"0" * 16 + t[at + 16:]
+open(path, "wb").write(t[:at] + b"%016x" % xxhash.xxh3_64_intdigest(zeroed) + t[at + 16:])
+PY
+run_rc 0 "$CKPT_BIN" verify "$o"
+run_rc 0 "$CKPT_BIN" inspect "$o"
+has "^  1 process, format 2," <"$WORK/out" || fail "the copy is not format 2"
+has "^model-00001-of-00001.safetensors: .*frozen tensors of model.safetensors" <"$WORK/out" ||
+    fail "inspect does not say what the version 2 frozen file holds: $(cat "$WORK/out")"
+run_rc 0 "$CKPT_BIN" export "$o" "$WORK/exp2"
+run_rc 0 "$CKPT_BIN" diff "$WORK/exp2/model.safetensors" "$WORK/exp/model.safetensors"
+PYTHONPATH="$CKPT_SOURCE_DIR/python" "${CKPT_PYTHON:-python3}" -B -c '
+import sys, ckpt_torch
+m = ckpt_torch.load(sys.argv[1], as_torch=False)["files"]["model"]
+assert len(m) == 6, sorted(m)
+' "$o" || fail "ckpt_torch does not read a version 2 frozen file"
+run_rc 0 "$CKPT_BIN" train --epochs 2 --save-every 20 --project-dir "$old" --resume \
+    "${FREEZE[@]}" --quiet
+n=$(latest_checkpoint "$old")
+[ -f "$n/$frozen" ] || fail "the save after a version 2 resume did not write $frozen"
 
 # --init-from: the fine-tune's first save links the frozen file of the
 # checkpoint it started from

@@ -246,5 +246,71 @@ print(f"file-system table: {len(objs) - 1} object files call no libc file functi
       "only src/base/fs.c does")
 PY
 
+# The CLI: its checkpoints' bytes go through the library (so through the
+# table, its trust rules and the test layers); it opens by itself only what
+# is not a checkpoint, in the files listed here, each for the reason given
+# (docs/ARCHITECTURE.md, "The CLI and the table"). Any other tools/ object
+# that names a libc file function fails, and a planted one is caught.
+python3 - "$objdir" "$probe/direct.c.o" <<'PY' || bad=1
+import os, re, subprocess, sys
+NAMES = """open openat creat close read pread write pwrite readv writev lseek fsync
+fdatasync sync_file_range ftruncate truncate fcntl flock posix_fadvise
+fallocate posix_fallocate rename renameat renameat2 mkdir mkdirat rmdir unlink
+unlinkat link linkat symlink symlinkat readlink readlinkat stat lstat fstat
+fstatat statx access faccessat opendir fdopendir readdir closedir dirfd
+scandir nftw ftw mmap munmap mremap msync fopen freopen fdopen""".split()
+pat = re.compile(r"^(__)?(%s)(64)?(_2|_chk)?$" % "|".join(NAMES))
+pat_old = re.compile(r"^__(x|fx|lx|fxat)stat(64)?$")
+OWN = {
+    "tools/cli_common.c": "cli_fopen_regular (the tool's own files) and cli_classify "
+                          "(what a path on the command line is)",
+    "tools/cli_train.c": "the metrics log ckpt train writes",
+    "tools/cli_train_setup.c": "finding the demo's data set",
+    "tools/digits.c": "reading the demo's data set",
+    "tools/cli_files.c": "listing a folder's state files by name for inspect and diff",
+    "tools/cli_inspect.c": "whether a file named in advice exists",
+    "tools/cli_verify.c": "whether a path is a project, a checkpoint or a partial one",
+}
+def objects(root):
+    found = {}
+    for d, _, files in os.walk(root):
+        if "/ckpt_cli.dir/" not in d + "/":
+            continue
+        for n in files:
+            p = os.path.join(d, n)
+            rel = "tools/" + p.split("/tools/", 1)[1][:-2] if "/tools/" in p else ""
+            if n.endswith(".c.o") and rel and os.path.exists(rel):
+                found.setdefault(rel, p)
+    return found
+def direct(objs):
+    bad = []
+    for rel, p in sorted(objs.items()):
+        if rel in OWN:
+            continue
+        out = subprocess.run(["nm", "-u", "-P", p], capture_output=True, text=True,
+                             check=True).stdout
+        for line in out.splitlines():
+            sym = line.split()[0].split("@")[0]
+            if pat.match(sym) or pat_old.match(sym):
+                bad.append(f"the CLI opens files itself outside its own files' code: {rel} "
+                           f"calls {sym} (checkpoints go through the library)")
+    return bad
+objs = objects(sys.argv[1])
+if len(objs) < 10:
+    print(f"CLI fs check: only {len(objs)} tools objects under {sys.argv[1]}", file=sys.stderr)
+    sys.exit(1)
+planted = dict(objs)
+planted["tools/cli_probe.c"] = sys.argv[2]
+if not any("tools/cli_probe.c calls lstat" in b for b in direct(planted)):
+    print("CLI fs check: a planted direct lstat call was not caught", file=sys.stderr)
+    sys.exit(1)
+found = direct(objs)
+for b in found:
+    print(b, file=sys.stderr)
+if found:
+    sys.exit(1)
+print(f"CLI: {len(objs)} object files; only {len(OWN)} open the tool's own files themselves")
+PY
+
 [ "$bad" -eq 0 ] || exit 1
 echo "layers: $(find src -name '*.[ch]' | wc -l) library files, every include within its layer or below, no cycles"

@@ -10,7 +10,11 @@
 #  - one rank's file corrupted in the newest checkpoint: every rank falls back
 #    to the same older checkpoint, and the run still ends bit for bit equal;
 #  - SIGTERM to every rank: each saves at the same step and exits 0.
+# The suite runs it as several tests side by side (tests/CMakeLists.txt):
+# CKPT_MPI_PROCS selects the process counts of the kill part (default
+# "1 2 4"; empty: none), CKPT_MPI_REST=0 skips the rest.
 source "$(dirname "$0")/common.bash"
+PROCS=${CKPT_MPI_PROCS-1 2 4}
 
 mpi_setup
 
@@ -40,15 +44,16 @@ kill_job() {
 }
 
 # ---- kill -9 and resume, for 1, 2 and 4 processes --------------------------
-total_kills=0 mid_save=0 aim_misses=0
+total_kills=0 mid_save=0 aim_misses=0 expected=0
 RANDOM=${KILL_SEED:-$$}
-for p in 1 2 4; do
+for p in $PROCS; do
     ref=$WORK/ref$p
     start=$(date +%s%N)
     run_rc 0 mpi "$p" "${ARGS[@]}" --save-every 4 --project-dir "$ref"
     elapsed_ms=$(( ($(date +%s%N) - start) / 1000000 ))
     ref_final=$(latest_checkpoint "$ref")
     kills_for=$(( p == 1 ? 1 : 2 + (p == 2) ))
+    expected=$((expected + kills_for))
     run=$WORK/run$p
     k=0
     while :; do
@@ -99,9 +104,18 @@ for p in 1 2 4; do
     n_rng=$(ls "$(latest_checkpoint "$run")" | grep -c '^random_states_[0-9]*\.safetensors$')
     [ "$n_rng" -eq "$p" ] || fail "P=$p: $n_rng random state files, expected one per rank"
 done
-[ "$total_kills" -ge 5 ] || fail "only $total_kills kills"
-[ "$mid_save" -ge 1 ] || fail "no kill landed during a save"
-echo "ok: $total_kills kills of whole jobs ($mid_save during a save); P=1, 2, 4 resumed bit for bit"
+if [ -n "$PROCS" ]; then
+    [ "$total_kills" -ge "$expected" ] || fail "only $total_kills kills"
+    # (every second kill of a job is aimed at a save: only P=1 has one kill)
+    [ "$expected" -le 1 ] || [ "$mid_save" -ge 1 ] || fail "no kill landed during a save"
+    echo "ok: $total_kills kills of whole jobs ($mid_save during a save); P=$PROCS resumed bit for bit"
+fi
+[ "${CKPT_MPI_REST:-1}" = 1 ] || exit 0
+# The uninterrupted runs of 1 and 2 processes the rest compares with (the
+# kill part's references, when it ran for them).
+for p in 1 2; do
+    [ -d "$WORK/ref$p" ] || run_rc 0 mpi "$p" "${ARGS[@]}" --save-every 4 --project-dir "$WORK/ref$p"
+done
 
 # ---- a fault on one rank ------------------------------------------------------
 # same_error FILE CODE_TEXT RANK1_FILE: both ranks printed the same "save

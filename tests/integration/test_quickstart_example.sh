@@ -9,6 +9,13 @@ run_rc 0 "$ex" "$WORK/a"
 want=$(tail -1 "$WORK/out")
 [[ $want == "w = ["* ]] || fail "unexpected output: $want"
 [ "$(grep -c ', saved ' "$WORK/out")" -eq 12 ] || fail "expected 12 saves"
+# the scheduler is prepared as a scheduler, not registered as a custom object:
+# it is scheduler.safetensors, and export writes it as scheduler.bin
+last=$(latest_checkpoint "$WORK/a")
+[ -f "$last/scheduler.safetensors" ] || fail "no scheduler.safetensors in $last"
+[ ! -e "$last/custom_checkpoint_0.safetensors" ] || fail "the scheduler is saved as a custom object"
+run_rc 0 "$CKPT_BIN" export "$last" "$WORK/exp"
+[ -f "$WORK/exp/scheduler.bin" ] || fail "export dropped the scheduler: $(ls "$WORK/exp")"
 
 # killed as soon as its first checkpoint exists, then run again
 "$ex" "$WORK/b" >/dev/null 2>&1 &

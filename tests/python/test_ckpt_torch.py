@@ -153,8 +153,8 @@ def check_damage(tmp, proj):
     d = damaged("optimizer.safetensors", edit=lambda b: b[:-1])
     expect_error(ckpt_torch.CorruptError, "optimizer.safetensors: size %d bytes, the manifest "
                  "says %d (truncated)" % (size - 1, size), ckpt_torch.verify, d)
-    d = damaged("checkpoint.json", edit=lambda b: b.replace(b'"format_version": 1', b'"format_version": 3'))
-    expect_error(ckpt_torch.UnsupportedError, "format version 3 is newer", ckpt_torch.verify, d)
+    d = damaged("checkpoint.json", edit=lambda b: b.replace(b'"format_version": 1', b'"format_version": 4'))
+    expect_error(ckpt_torch.UnsupportedError, "format version 4 is newer", ckpt_torch.verify, d)
     d = damaged("checkpoint.json", edit=lambda b: b)
     shutil.copy(os.path.join(bad, "model.safetensors"), os.path.join(bad, "extra.safetensors"))
     expect_error(ckpt_torch.CorruptError, "extra.safetensors is not listed in the manifest",

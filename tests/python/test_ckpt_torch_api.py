@@ -303,6 +303,35 @@ def check_pip_install(tmp):
     assert meta == ["ckpt_torch-%s.dist-info" % ckpt_torch.__version__], meta
     print("ok: pip install --no-deps --no-build-isolation --target of python/ works offline; "
           "the installed ckpt_torch %s imports and verifies" % ckpt_torch.__version__)
+    # The build needs nothing but the standard library (no setuptools, no
+    # wheel: a Python whose setuptools lacks bdist_wheel once failed with
+    # "invalid command 'bdist_wheel'"): the backend run with no site-packages
+    # at all (-S) writes a wheel, and pip builds one with build isolation,
+    # offline (it installs nothing into the isolated environment).
+    wheels = os.path.join(tmp, "wheels")
+    os.makedirs(wheels)
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import ckpt_torch_build as b; "
+            "print(b.build_wheel(sys.argv[2]))")
+    p = subprocess.run([sys.executable, "-S", "-I", "-c", code, os.path.join(src, "_backend"),
+                        wheels], capture_output=True, text=True, cwd=tmp)
+    assert p.returncode == 0, p.stdout + p.stderr
+    whl = os.path.join(wheels, p.stdout.strip())
+    import zipfile
+    with zipfile.ZipFile(whl) as z:
+        names = z.namelist()
+    assert "ckpt_torch/__init__.py" in names and \
+        "ckpt_torch-%s.dist-info/RECORD" % ckpt_torch.__version__ in names, names
+    pythons = [sys.executable]
+    other = shutil.which("python3")  # another Python 3 (not Debian's) on PATH, if any
+    if other and os.path.realpath(other) != os.path.realpath(sys.executable):
+        pythons.append(other)
+    for py in pythons:
+        out = os.path.join(tmp, "wheel-%d" % len(os.listdir(tmp)))
+        p = subprocess.run([py, "-m", "pip", "wheel", "--no-deps", "-w", out, src],
+                           capture_output=True, text=True, env=env, cwd=tmp)
+        assert p.returncode == 0 and os.listdir(out), "%s: %s" % (py, p.stdout + p.stderr)
+    print("ok: python/ builds with the standard library alone (python -S), and pip builds it "
+          "with build isolation offline under %s" % " and ".join(pythons))
 
 
 def main():

@@ -13,7 +13,11 @@ Usage: test_ckpt_torch_hostile.py <build dir>   (CKPT_BIN: the ckpt CLI)
    single file), a folder and a link to /dev/zero as checkpoint.json never
    block and are damage: verify names them, latest() and load(project_dir=)
    fall back with a warning. Each call runs in a child with a time limit,
-   so a regression fails instead of hanging.
+   so a regression fails instead of hanging. A checkpoint's own files are
+   never read through a symbolic link (a state file, the manifest, a shard
+   index; a link swapped in after the look too): verify refuses them with
+   the very message `ckpt verify` prints; a single file the caller names
+   (load_state_dict) may be a link, as in the C library.
 4. The save lock is never followed or truncated: a symbolic link, a hard
    link, a FIFO as checkpoints/.lock are refused and the target is intact.
 5. Control characters of hostile names are escaped in errors and warnings.
@@ -283,12 +287,14 @@ def check_nonregular(tmp):
         os.remove(man) if not os.path.isdir(man) or os.path.islink(man) else os.rmdir(man)
         make()
         r = child("verify", d1)
-        needle = "checkpoint.json: not a regular file (%s)" % what
+        # never followed: the link to /dev/zero is a symlink, as C says it
+        needle = "checkpoint.json: %s, expected a regular file" % (
+            "a symlink" if what == "a character device" else what)
         assert r.get("error") == "CorruptError" and needle in r["message"], r
         for op in ("latest", "load_project"):
             r = child(op, p)
             assert r.get("result") == d0, (what, op, r)
-            assert any("skipping %s" % d1 in w and what in w for w in r["warnings"]), r
+            assert any("skipping %s" % d1 in w and needle in w for w in r["warnings"]), r
     print("ok: checkpoint.json as a FIFO, a folder, a link to /dev/zero: verify refuses at once, "
           "latest() and load(project_dir=) fall back with a warning")
     # a FIFO as a listed state file, and as a single file
@@ -299,12 +305,59 @@ def check_nonregular(tmp):
     os.mkfifo(model)
     r = child("verify", d1)
     assert r.get("error") == "CorruptError" and \
-        "model.safetensors is not a regular file (a FIFO)" in r["message"], r
+        "model.safetensors: a FIFO, expected a regular file" in r["message"], r
     r = child("load_project", p)
     assert r.get("result") == d0, r
     r = child("load_state_dict", model)
     assert r.get("error") == "CorruptError" and "not a regular file (a FIFO)" in r["message"], r
     print("ok: a FIFO state file is refused by verify, load and load_state_dict without blocking")
+
+
+def ckpt_verify_says(d):
+    """The reason `ckpt verify` gives for the checkpoint folder d."""
+    p = subprocess.run([CKPT, "verify", d], capture_output=True, text=True)
+    assert p.returncode == 1, (d, p.stdout, p.stderr)
+    return p.stdout.strip().splitlines()[-1].strip()
+
+
+def check_symlinks(tmp):
+    p = project(tmp, "links")
+    d0 = os.path.join(p, "checkpoints", "checkpoint_0")
+    d1 = os.path.join(p, "checkpoints", "checkpoint_1")
+    outside = os.path.join(tmp, "outside")
+    os.mkdir(outside)
+    # a state file and the manifest, each moved out of the folder with a link
+    # left in its place: the same bytes, but not the checkpoint's own file
+    for name in ("model.safetensors", "checkpoint.json"):
+        path = os.path.join(d1, name)
+        real = os.path.join(outside, name)
+        shutil.move(path, real)
+        os.symlink(real, path)
+        c_says = ckpt_verify_says(d1)
+        r = child("verify", d1)
+        assert r.get("error") == "CorruptError" and r["message"] == c_says, (name, r, c_says)
+        assert r["message"].endswith("%s: a symlink, expected a regular file" % name), r
+        r = child("load_project", p)
+        assert r.get("result") == d0, (name, r)
+        assert any("skipping %s" % d1 in w and "a symlink" in w for w in r["warnings"]), r
+        os.remove(path)
+        shutil.move(real, path)
+    assert ckpt_torch.verify(d1)["step"] == 20
+    # a file the caller names may be a link (the C library follows it too)
+    link = os.path.join(tmp, "model-link.safetensors")
+    os.symlink(os.path.join(d1, "model.safetensors"), link)
+    assert sorted(ckpt_torch.load_state_dict(link)) == ["fc.bias", "fc.weight"]
+    # a link swapped in between the look (lstat) and the open: O_NOFOLLOW
+    from ckpt_torch import _format as F
+    real_lstat = F.os.lstat
+    F.os.lstat = os.stat  # the look sees the link's target, a regular file
+    try:
+        expect_error(ckpt_torch.CorruptError, "x: a symlink, expected a regular file",
+                     F.open_own, link, "x")
+    finally:
+        F.os.lstat = real_lstat
+    print("ok: a symlinked state file or manifest is refused by verify with ckpt verify's very "
+          "message, load(project_dir=) falls back; a single file the caller names may be a link")
 
 
 # ---- 4. the save lock ------------------------------------------------------------------------
@@ -374,6 +427,7 @@ def main():
         check_sizes(tmp)
         check_8eib()
         check_nonregular(tmp)
+        check_symlinks(tmp)
         check_lock(tmp)
         check_escaping(tmp)
     finally:

@@ -969,7 +969,7 @@ static void test_checkpoint_list_and_prune(void **st) {
     int64_t removed = 0;
     /* The run owns its project until it is freed: prune waits for it. */
     assert_int_equal(ckpt_checkpoint_prune(t, 2, &removed), CKPT_EBUSY);
-    tu_assert_errmsg_has("held by another process (pid ");
+    tu_assert_errmsg_has("held by this process (pid ");
     ckpt_accelerator_free(acc);
     acc = NULL;
     assert_int_equal(ckpt_checkpoint_prune(t, 2, &removed), 0);
@@ -996,7 +996,11 @@ static void test_one_run_per_project(void **st) {
     char *t = tu_tmpdir_new("acc");
     char host[256] = "";
     assert_int_equal(gethostname(host, sizeof host), 0);
-    char *owner = tu_pathf("held by another process (pid %ld on host %s)", (long)getpid(), host);
+    /* the owner is this very process: the message says so, not "another" */
+    char *owner = tu_pathf("held by this process (pid %ld) itself: another accelerator of this "
+                           "project",
+                           (long)getpid());
+    (void)host;
     ckpt_accelerator *a = new_acc(t, true, 0, NULL);
     counter ca, cb;
     register_counter(a, &ca, 1);
@@ -1571,9 +1575,9 @@ static void test_load_state_refuses_a_newer_format_version(void **st) {
     (void)st;
     char *t = tu_tmpdir_new("acc");
     char *dir = save_two(t);
-    rewrite_manifest(dir, "\"format_version\": 1", "\"format_version\": 3");
+    rewrite_manifest(dir, "\"format_version\": 1", "\"format_version\": 4");
     expect_load_fails(dir, 2, NULL, CKPT_EUNSUPPORTED,
-                      "checkpoint format version 3 is newer than this library's (2); upgrade ckpt");
+                      "checkpoint format version 4 is newer than this library's (3); upgrade ckpt");
     free(dir);
     tu_tmpdir_free(t);
 }

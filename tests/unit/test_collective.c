@@ -581,6 +581,58 @@ static void add_file(ckpt_manifest *m, const char *name, const char *kind, int r
     m->files[m->nfiles - 1].rank = rank;
 }
 
+/* ---- warnings ---------------------------------------------------------------- */
+
+/* A data loader's warning is about what every rank holds alike: said by
+ * rank 0 alone, not once per rank (as mpirun showed it, twice). */
+typedef struct warn_scen {
+    const char *proj;
+    int rc[P];
+    int warnings[P];
+    char last[P][512];
+} warn_scen;
+
+static void count_warning(void *user, ckpt_log_level level, const char *msg) {
+    int *n = user;
+    if (level == CKPT_LOG_WARNING) (*n)++;
+    (void)msg;
+}
+
+static void skip_after_load(const ckpt_comm *c, void *arg) {
+    warn_scen *s = arg;
+    static const float data[P][64] = {{0}};
+    ckpt_dataset ds;
+    ckpt_dataloader *dl = NULL;
+    ckpt_accelerator *acc = NULL;
+    ckpt_dataloader_config dc = ckpt_dataloader_defaults();
+    dc.batch_size = 4;
+    ckpt_project_config cfg = {
+        .project_dir = s->proj, .automatic_checkpoint_naming = true, .comm = c};
+    ckpt_batch b;
+    int rc = ckpt_memory_dataset(&ds, data[c->rank], 64, sizeof(float));
+    if (rc == 0) rc = ckpt_dataloader_new(&dl, &ds, &dc);
+    if (rc == 0) rc = ckpt_accelerator_new(&acc, &cfg);
+    if (rc == 0) ckpt_accelerator_set_log(acc, count_warning, &s->warnings[c->rank]);
+    if (rc == 0) rc = ckpt_prepare_dataloader(acc, dl);
+    for (int i = 0; i < 3 && rc == 0; i++) rc = ckpt_dataloader_next(dl, &b) == 1 ? 0 : -1;
+    if (rc == 0) rc = ckpt_save_state(acc, NULL);
+    if (rc == 0) rc = ckpt_load_state(acc, NULL);
+    if (rc == 0) rc = ckpt_skip_first_batches(dl, 1); /* on top of the restored position */
+    s->rc[c->rank] = rc;
+    if (acc) snprintf(s->last[c->rank], sizeof s->last[0], "%s", ckpt_accelerator_last_dir(acc));
+    ckpt_accelerator_free(acc);
+    ckpt_dataloader_free(dl);
+}
+
+static void test_warnings_about_replicated_state_are_said_once(void **st) {
+    (void)st;
+    warn_scen s = {.proj = tu_dir()};
+    tc_run(P, skip_after_load, &s);
+    for (int r = 0; r < P; r++) assert_int_equal(s.rc[r], 0);
+    assert_int_equal(s.warnings[0], 1);
+    for (int r = 1; r < P; r++) assert_int_equal(s.warnings[r], 0);
+}
+
 static void test_file_records_travel_as_json_and_are_checked_on_arrival(void **st) {
     (void)st;
     ckpt_manifest a, b;
@@ -626,27 +678,38 @@ static void test_file_records_travel_as_json_and_are_checked_on_arrival(void **s
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_collective_save_writes_replicated_files_once_and_a_random_state_per_rank,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_load_restores_every_rank_with_its_own_random_state,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_save_failing_on_one_rank_fails_on_every_rank_naming_it,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_load_refused_on_one_rank_changes_nothing_on_any_rank,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_load_falls_back_on_every_rank_past_one_ranks_corrupt_file,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_save_writes_replicated_files_once_and_a_random_state_per_rank,
+            tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_load_restores_every_rank_with_its_own_random_state, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_save_failing_on_one_rank_fails_on_every_rank_naming_it, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_load_refused_on_one_rank_changes_nothing_on_any_rank, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_load_falls_back_on_every_rank_past_one_ranks_corrupt_file,
+            tu_tmpdir_setup, tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_collective_save_busy_on_rank_0_is_busy_on_every_rank,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_save_writes_each_ranks_shard_file_and_load_reads_it,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_collective_save_of_chunks_that_overlap_fails_on_every_rank,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_agree_names_the_lowest_failing_rank_or_the_preferred_failure,
-                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_save_writes_each_ranks_shard_file_and_load_reads_it, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_save_of_chunks_that_overlap_fails_on_every_rank, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_agree_names_the_lowest_failing_rank_or_the_preferred_failure, tu_tmpdir_setup,
+            tu_tmpdir_teardown),
         cmocka_unit_test(test_file_records_travel_as_json_and_are_checked_on_arrival),
-        cmocka_unit_test_setup_teardown(test_collective_load_on_another_process_count_derives_every_ranks_generator,
+        cmocka_unit_test_setup_teardown(test_warnings_about_replicated_state_are_said_once,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(
+            test_collective_load_on_another_process_count_derives_every_ranks_generator,
+            tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -155,6 +155,30 @@ static void test_damage_is_named(void **state) {
     tu_flip_byte(ip, 10);
     assert_int_equal(ckpt_accelerator_start_over(b.acc), CKPT_OK);
     tu_expect_error(ckpt_load_state(b.acc, d), CKPT_ECORRUPT, "model.safetensors.index.json");
+    /* said as what it is: JSON, not a safetensors header */
+    tu_flip_byte(ip, 10);
+    tu_flip_byte(ip, 0);
+    ckpt_checkpoint_info info;
+    tu_expect_error(ckpt_checkpoint_verify(d, true, &info), CKPT_ECORRUPT,
+                    "model.safetensors.index.json: checksum mismatch and the shard index does not "
+                    "parse: model.safetensors.index.json: not valid JSON");
+    assert_null(strstr(ckpt_errmsg(), "header"));
+    tu_flip_byte(ip, 0);
+    FILE *f = fopen(ip, "r+b"); /* one digit of total_size changed: still an index */
+    assert_non_null(f);
+    char text[4096];
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    text[n] = '\0';
+    char *at = strstr(text, "\"total_size\": ");
+    assert_non_null(at);
+    at += strlen("\"total_size\": ");
+    *at = *at == '9' ? '8' : '9';
+    assert_int_equal(fseek(f, 0, SEEK_SET), 0);
+    assert_int_equal(fwrite(text, 1, n, f), n);
+    assert_int_equal(fclose(f), 0);
+    tu_expect_error(ckpt_checkpoint_verify(d, true, &info), CKPT_ECORRUPT,
+                    "model.safetensors.index.json: checksum mismatch in the shard index (it still "
+                    "parses)");
     net_close(&b);
     free(ip);
     free(shard);

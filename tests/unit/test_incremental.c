@@ -462,15 +462,19 @@ static void test_frozen_parameters_go_to_a_file_that_later_saves_link(void **sta
     uint64_t w0 = written_now();
     assert_int_equal(ckpt_save_state(om.acc, NULL), 0);
     uint64_t second = written_now() - w0;
-    /* the frozen base sits in the shard file, the head in model.safetensors */
-    assert_true(same_file(0, 1, "model-00001-of-00001.safetensors"));
+    /* the frozen base sits in a file of its own that no Hugging Face reader
+     * takes for a shard, the head in model.safetensors */
+    assert_true(same_file(0, 1, "model.frozen.safetensors"));
+    char *hf_like = ckpt_file(1, "model-00001-of-00001.safetensors");
+    assert_false(tu_exists(hf_like));
+    free(hf_like);
     assert_false(same_file(0, 1, "model.safetensors"));
     assert_true(stat_of(1, "model.safetensors").st_size < NHEAD * 4 + 4096);
     assert_true(second < NBASE * 4 / 4); /* the base's 256 KiB were not written */
     char *dir = tu_pathf("%s/checkpoints/checkpoint_1", tu_dir());
     ckpt_manifest m;
     assert_int_equal(ckpt__manifest_read(dir, &m), 0);
-    assert_int_equal(m.format_version, 2);
+    assert_int_equal(m.format_version, 3);
     ckpt__manifest_clear(&m);
     ckpt_checkpoint_info info;
     assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), 0);
@@ -495,6 +499,56 @@ static void test_frozen_parameters_go_to_a_file_that_later_saves_link(void **sta
     one_model_close(&om);
 }
 
+/* Format version 2 kept a one-process model's frozen tensors in
+ * <model>-00001-of-00001.safetensors: such a checkpoint (made here from a
+ * new one: the file renamed, the manifest rewritten as version 2) still
+ * verifies, opens and loads, and the next save writes the new name. */
+static void test_version_2_frozen_file_still_loads(void **state) {
+    (void)state;
+    static one_model om;
+    memset(&om, 0, sizeof om);
+    for (int i = 0; i < NBASE; i++) om.base[i] = (float)i;
+    one_model_open(&om, tu_dir(), true);
+    assert_int_equal(ckpt_save_state(om.acc, NULL), 0);
+    char *dir = tu_pathf("%s/checkpoints/checkpoint_0", tu_dir());
+    char *from = ckpt_file(0, "model.frozen.safetensors");
+    char *to = ckpt_file(0, "model-00001-of-00001.safetensors");
+    assert_int_equal(rename(from, to), 0);
+    ckpt_manifest m;
+    assert_int_equal(ckpt__manifest_read(dir, &m), 0);
+    bool renamed = false;
+    for (int64_t i = 0; i < m.nfiles; i++) {
+        if (strcmp(m.files[i].name, "model.frozen.safetensors") != 0) continue;
+        free(m.files[i].name);
+        m.files[i].name = strdup("model-00001-of-00001.safetensors");
+        renamed = true;
+    }
+    assert_true(renamed);
+    m.format_version = 2;
+    assert_int_equal(ckpt__manifest_write(&m, dir), 0);
+    ckpt__manifest_clear(&m);
+    ckpt_checkpoint_info info;
+    assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), 0);
+    assert_int_equal(info.format_version, 2);
+    ckpt_reader *r = NULL;
+    assert_int_equal(ckpt_checkpoint_open_object(dir, "model.safetensors", &r), 0);
+    static float got[NBASE];
+    assert_int_equal(ckpt_read_tensor(r, "base.w", CKPT_F32, 1, (int64_t[]){NBASE}, got), 0);
+    assert_memory_equal(got, om.base, sizeof om.base);
+    ckpt_reader_free(r);
+    memset(om.base, 0, sizeof om.base);
+    assert_int_equal(ckpt_load_state(om.acc, dir), 0);
+    assert_float_equal(om.base[NBASE - 1], (float)(NBASE - 1), 0);
+    assert_int_equal(ckpt_save_state(om.acc, NULL), 0);
+    char *next = ckpt_file(1, "model.frozen.safetensors");
+    assert_true(tu_exists(next));
+    free(next);
+    free(from);
+    free(to);
+    free(dir);
+    one_model_close(&om);
+}
+
 /* A model whose parameters are all frozen (or all trainable) stays one
  * file, as before: it changes as a whole or not at all. */
 static void test_model_of_one_kind_stays_one_file(void **state) {
@@ -503,7 +557,7 @@ static void test_model_of_one_kind_stays_one_file(void **state) {
     memset(&om, 0, sizeof om);
     one_model_open(&om, tu_dir(), false);
     assert_int_equal(ckpt_save_state(om.acc, NULL), 0);
-    char *shard = ckpt_file(0, "model-00001-of-00001.safetensors");
+    char *shard = ckpt_file(0, "model.frozen.safetensors");
     assert_false(tu_exists(shard));
     free(shard);
     char *dir = tu_pathf("%s/checkpoints/checkpoint_0", tu_dir());
@@ -686,6 +740,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_failed_save_after_link_loses_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(test_frozen_parameters_go_to_a_file_that_later_saves_link,
                                         tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_version_2_frozen_file_still_loads, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_model_of_one_kind_stays_one_file, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_set_frozen_by_pattern_and_by_optimizer_group,

@@ -106,6 +106,8 @@ static void test_name_rules(void **state) {
         {"custom_checkpoint_0", CKPT_EINVAL, "library's own"},
         {"random_states_2", CKPT_EINVAL, "library's own"},
         {"rng-00001-of-00002", CKPT_EINVAL, "shard file"},
+        {"model_ema.frozen", CKPT_EINVAL, "frozen file's (.frozen)"},
+        {"x.FROZEN", CKPT_EINVAL, "frozen file's (.frozen)"},
         {"a.safetensors.b", CKPT_EINVAL, "contains '.safetensors'"},
         {"a.SafeTensors", CKPT_EINVAL, "contains '.safetensors'"},
         {"0123456789012345678901234567890123456789012345678901234567890123456789", CKPT_EINVAL,

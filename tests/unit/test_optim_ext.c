@@ -249,7 +249,7 @@ static void test_checkpoints_across_freezing_load(void **state) {
     train(&f, 2, 4);
     assert_memory_equal(f.blk + NW, a.blk + NW, NB * sizeof(float)); /* b's moments loaded */
     assert_int_equal(ckpt_save_state(f.acc, frozen), CKPT_OK);
-    char *split = tu_pathf("%s/model-00001-of-00001.safetensors", frozen);
+    char *split = tu_pathf("%s/model.frozen.safetensors", frozen);
     assert_true(tu_exists(split)); /* w in the frozen model file */
     free(split);
 

@@ -10,6 +10,8 @@
 #include <cmocka.h>
 
 #include <math.h>
+#include <stdbool.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -251,6 +253,8 @@ static void test_refuses_every_hostile_file(void **state) {
         {"bad_recursion_bomb", CKPT_ECORRUPT, "nested deeper than 256"},
         {"bad_mark_bomb", CKPT_ECORRUPT, "open MARK"},
         {"bad_self_containing_list", CKPT_ECORRUPT, "contains itself"},
+        {"bad_object_bomb", CKPT_EUNSUPPORTED, "need more than 122 MiB of memory (at an object)"},
+        {"bad_set_copy_bomb", CKPT_EUNSUPPORTED, "more than 32 MiB of memory (at a container's"},
         {"bad_huge_memo_index", CKPT_ECORRUPT, "memo index 4294967295 too large"},
         {"bad_memo_get_unset", CKPT_ECORRUPT, "memo index 5 was never set"},
         {"bad_long_too_wide", CKPT_EUNSUPPORTED, "wider than 64 bits"},
@@ -287,6 +291,72 @@ static void test_refuses_every_hostile_file(void **state) {
     ckpt_writer_free(w);
     ckpt_torch_close(f);
     free(p);
+}
+
+/* A field of /proc/self/status in KiB; -1 if it cannot be read. */
+static long status_kib(const char *field) {
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long v = -1;
+    size_t n = strlen(field);
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, field, n) == 0) v = atol(line + n);
+    if (f) fclose(f);
+    return v;
+}
+
+/* --open FILE: opens it and prints "<rc> <VmRSS before> <VmHWM after>" (KiB). */
+static int open_and_measure(const char *file) {
+    long before = status_kib("VmRSS:");
+    ckpt_torch_file *f = NULL;
+    int rc = ckpt_torch_open(&f, file);
+    long peak = status_kib("VmHWM:");
+    ckpt_torch_close(f);
+    printf("%d %ld %ld\n", rc, before, peak);
+    return 0;
+}
+
+/* How much a fresh process's peak resident memory grows while it opens
+ * file: this program run again with --open, so that nothing freed earlier
+ * here can be reused and hide what the open costs. */
+static long open_growth_kib(const char *file, int *rc) {
+    char self[4096], cmd[8192];
+    ssize_t k = readlink("/proc/self/exe", self, sizeof self - 1);
+    assert_true(k > 0);
+    self[k] = '\0';
+    snprintf(cmd, sizeof cmd, "'%s' --open '%s'", self, file);
+    FILE *p = popen(cmd, "r");
+    assert_non_null(p);
+    long before = -1, peak = -1;
+    int got = fscanf(p, "%d %ld %ld", rc, &before, &peak);
+    assert_int_equal(pclose(p), 0);
+    if (got != 3 || before < 0 || peak < 0) fail_msg("--open %s: no measurement", file);
+    return peak - before;
+}
+
+/* What a hostile pickle costs, measured as peak resident memory: 2 million
+ * one-byte empty lists (a 2 MB pickle, 2 KB deflated) once took ~650 MB,
+ * one ~300-byte object each, before STOP refused them. The unpickler now
+ * charges each allocation first and stops at 64 bytes per pickle byte (122
+ * MiB here). An unbounded reader makes all 2 million objects (~160 bytes
+ * each now); the peak must stay well below what they alone would take. */
+static void test_object_bomb_memory_is_bounded(void **state) {
+    (void)state;
+    char *bomb = corpus_file("bad_object_bomb");
+    int rc = 0;
+    long grew = open_growth_kib(bomb, &rc);
+    assert_true(rc < 0);
+    long budget = 2000003L * 64 / 1024, objects = 2000000L * 160 / 1024;
+    print_message("object bomb: peak RSS grew %ld KiB (budget %ld KiB, the objects alone %ld "
+                  "KiB)\n",
+                  grew, budget, objects);
+    if (grew >= objects)
+        fail_msg("a 2 MB pickle of empty lists took %ld KiB at its peak (less than %ld expected)",
+                 grew, objects);
+    ckpt_torch_file *f = NULL;
+    tu_expect_error(ckpt_torch_open(&f, bomb), CKPT_EUNSUPPORTED,
+                    "need more than 122 MiB of memory (at an object)");
+    free(bomb);
 }
 
 static void test_truncations_and_flips_fail_cleanly(void **state) {
@@ -477,16 +547,23 @@ static void test_export_shards_and_import_reads_the_index(void **state) {
     free(back);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    if (argc == 3 && strcmp(argv[1], "--open") == 0) return open_and_measure(argv[2]);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_writer_values_read_back_exactly, tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_writer_refuses_misuse, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_writer_values_read_back_exactly, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_writer_refuses_misuse, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
         cmocka_unit_test(test_reads_files_pytorch_wrote),
         cmocka_unit_test(test_refuses_every_hostile_file),
+        cmocka_unit_test(test_object_bomb_memory_is_bounded),
         cmocka_unit_test(test_truncations_and_flips_fail_cleanly),
-        cmocka_unit_test_setup_teardown(test_flatten_makes_dotted_keys, tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_export_then_import_loads_back_bit_for_bit, tu_tmpdir_setup, tu_tmpdir_teardown),
-        cmocka_unit_test_setup_teardown(test_export_shards_and_import_reads_the_index, tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_flatten_makes_dotted_keys, tu_tmpdir_setup,
+                                        tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_export_then_import_loads_back_bit_for_bit,
+                                        tu_tmpdir_setup, tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_export_shards_and_import_reads_the_index,
+                                        tu_tmpdir_setup, tu_tmpdir_teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

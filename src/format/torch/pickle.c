@@ -2,9 +2,11 @@
  * of protocols 2 to 5 that a state dict needs and four globals (the tensor
  * and parameter rebuilds, OrderedDict, the typed storages); REDUCE applies
  * only those, and only to the arguments they take. Everything is checked
- * against the bytes left, the memo against the pickle's length, and the
- * finished object for cycles, depth and duplicate keys, so a hostile file
- * can make it fail but never run code, loop, or allocate without bound. */
+ * against the bytes left, the memo against the pickle's length, every
+ * allocation against a memory budget set by the pickle's length (charged
+ * before it is made), and the finished object for cycles, depth and
+ * duplicate keys, so a hostile file can make it fail but never run code,
+ * loop, or allocate more than a small multiple of its size. */
 #include "format/torch/pickle.h"
 
 #include <inttypes.h>
@@ -37,16 +39,15 @@ enum gkind { G_REBUILD_V2 = 1, G_REBUILD_PARAM, G_ODICT, G_STORAGE, G_SET };
 
 struct ckpt_pkl_node {
     ckpt_torch_value v;     /* first: a node is its value */
-    int ikind;
-    int global;             /* IK_GLOBAL */
-    ckpt_dtype sdtype;      /* G_STORAGE global, IK_STORAGE */
-    int64_t snumel;         /* IK_STORAGE */
-    const uint8_t *sdata;   /* IK_STORAGE */
-    ckpt_torch_value **items;
-    int64_t nitems, cap;    /* a dict holds 2 items a pair */
-    void *owned;            /* string bytes, gathered tensor data */
+    uint8_t ikind;
+    uint8_t global;         /* IK_GLOBAL */
     uint8_t mark;           /* walk: 0 unseen, 1 on the path, 2 done */
+    /* a G_STORAGE global and an IK_STORAGE keep their dtype in v.dtype, an
+     * IK_STORAGE its element count in v.i and its bytes in v.data */
+    int64_t nitems, cap; /* v.items: a dict holds 2 items a pair */
+    void *owned;         /* string bytes, gathered tensor data */
     ckpt_pkl_node *next;
+    int64_t dims[]; /* a tensor's shape (v.shape) */
 };
 
 static const struct {
@@ -69,7 +70,7 @@ void ckpt__pkl_arena_free(ckpt_pkl_arena *a) {
     ckpt_pkl_node *n = a->head;
     while (n) {
         ckpt_pkl_node *next = n->next;
-        free(n->items);
+        free((void *)n->v.items);
         free(n->owned);
         free(n);
         n = next;
@@ -93,6 +94,11 @@ typedef struct vm {
     ckpt_pkl_node **memo;
     size_t memo_cap;
     size_t memo_count; /* entries set, for MEMOIZE */
+    uint64_t used, budget; /* bytes charged so far, most allowed */
+    int fail;              /* why node_new last returned NULL */
+    /* the immutable values pickles repeat, made once each: None, the
+     * booleans, the empty tuple and the ints 0..65535 (BININT1, BININT2) */
+    ckpt_pkl_node *none, *boolean[2], *empty_tuple, **small_int;
 } vm;
 
 static int bad(vm *m, const char *fmt, ...) CKPT_PRINTF(2, 3);
@@ -105,19 +111,57 @@ static int bad(vm *m, const char *fmt, ...) {
     return ckpt__err(CKPT_ECORRUPT, "%s: data.pkl at byte %zu: %s", m->name, m->pos, msg);
 }
 
-static ckpt_pkl_node *node_new(vm *m, ckpt_torch_kind kind) {
-    ckpt_pkl_node *nd = ckpt__calloc(1, sizeof *nd);
-    if (!nd) return NULL;
+uint64_t ckpt__pkl_mem_budget(uint64_t n) {
+    if (n > CKPT_PKL_MEM_CAP / CKPT_PKL_MEM_PER_BYTE) return CKPT_PKL_MEM_CAP;
+    uint64_t b = n * CKPT_PKL_MEM_PER_BYTE;
+    return b < CKPT_PKL_MEM_FLOOR ? CKPT_PKL_MEM_FLOOR : b;
+}
+
+/* Charges bytes against the pickle's budget before they are allocated. */
+static int charge(vm *m, uint64_t bytes, const char *what_) {
+    if (bytes <= m->budget - m->used) {
+        m->used += bytes;
+        return CKPT_OK;
+    }
+    return ckpt__err(CKPT_EUNSUPPORTED,
+                     "%s: data.pkl at byte %zu: its objects need more than %" PRIu64
+                     " MiB of memory (at %s), the most a pickle of %zu bytes may use (%u bytes "
+                     "per byte, at least %" PRIu64 " MiB, at most %" PRIu64 " MiB)",
+                     m->name, m->pos, m->budget >> 20, what_, m->n, CKPT_PKL_MEM_PER_BYTE,
+                     CKPT_PKL_MEM_FLOOR >> 20, CKPT_PKL_MEM_CAP >> 20);
+}
+
+/* A new node in the arena with room for ndims sizes; NULL with the error in
+ * m->fail. Charged with the allocator's header. */
+static ckpt_pkl_node *node_alloc(vm *m, ckpt_torch_kind kind, size_t ndims) {
+    size_t size = sizeof(ckpt_pkl_node) + ndims * sizeof(int64_t);
+    m->fail = charge(m, (size + 31) / 16 * 16, "an object");
+    if (m->fail < 0) return NULL;
+    ckpt_pkl_node *nd = ckpt__calloc(1, size);
+    if (!nd) {
+        m->fail = ckpt__err_nomem("unpickler");
+        return NULL;
+    }
     nd->v.kind = kind;
     nd->next = m->a->head;
     m->a->head = nd;
     return nd;
 }
 
+static ckpt_pkl_node *node_new(vm *m, ckpt_torch_kind kind) { return node_alloc(m, kind, 0); }
+
+/* One of the immutable values a pickle repeats: made on first use, then
+ * shared (nothing changes a leaf or an empty tuple once made). */
+static ckpt_pkl_node *shared(vm *m, ckpt_pkl_node **slot, ckpt_torch_kind kind) {
+    if (!*slot) *slot = node_new(m, kind);
+    return *slot;
+}
+
 static int push(vm *m, ckpt_pkl_node *nd) {
-    if (!nd) return ckpt__err_nomem("unpickler");
+    if (!nd) return m->fail; /* node_new failed */
     if (m->sp == m->scap) {
         size_t cap = m->scap ? m->scap * 2 : 64;
+        CKPT_TRY(charge(m, (cap - m->scap) * sizeof *m->stack, "the stack"));
         void *s = ckpt__realloc(m->stack, cap * sizeof *m->stack);
         if (!s) return ckpt__err_nomem("unpickler stack");
         m->stack = s;
@@ -125,6 +169,12 @@ static int push(vm *m, ckpt_pkl_node *nd) {
     }
     m->stack[m->sp++] = nd;
     return CKPT_OK;
+}
+
+static int push_bool(vm *m, bool b) {
+    ckpt_pkl_node *nd = shared(m, &m->boolean[b], CKPT_TORCH_BOOL);
+    if (nd) nd->v.b = b;
+    return push(m, nd);
 }
 
 static size_t base_of_frame(const vm *m) { return m->mp ? m->marks[m->mp - 1] : 0; }
@@ -148,16 +198,24 @@ static int pop_mark(vm *m, size_t *first, const char *op) {
     return CKPT_OK;
 }
 
-static int add_item(ckpt_pkl_node *c, ckpt_pkl_node *it) {
-    if (c->nitems == c->cap) {
-        int64_t cap = c->cap ? c->cap * 2 : 4;
-        void *p = ckpt__realloc(c->items, (size_t)cap * sizeof *c->items);
-        if (!p) return ckpt__err_nomem("unpickler container");
-        c->items = p;
-        c->cap = cap;
-    }
-    c->items[c->nitems++] = &it->v;
-    c->v.items = c->items;
+/* Room for more items in c: exactly `more` for a container that has none
+ * yet (a tuple is made whole), else at least double. */
+static int reserve(vm *m, ckpt_pkl_node *c, size_t more) {
+    if ((uint64_t)(c->cap - c->nitems) >= more) return CKPT_OK;
+    uint64_t want = (uint64_t)c->nitems + more, cap = c->cap ? (uint64_t)c->cap * 2 : 0;
+    if (cap < want) cap = want;
+    if (cap > m->n && want <= m->n) cap = m->n; /* each item took a byte at least */
+    CKPT_TRY(charge(m, (cap - (uint64_t)c->cap) * sizeof *c->v.items, "a container's items"));
+    void *p = ckpt__realloc((void *)c->v.items, (size_t)cap * sizeof *c->v.items);
+    if (!p) return ckpt__err_nomem("unpickler container");
+    c->v.items = p;
+    c->cap = (int64_t)cap;
+    return CKPT_OK;
+}
+
+static int add_item(vm *m, ckpt_pkl_node *c, ckpt_pkl_node *it) {
+    CKPT_TRY(reserve(m, c, 1));
+    ((ckpt_torch_value **)c->v.items)[c->nitems++] = &it->v;
     c->v.n = c->v.kind == CKPT_TORCH_DICT ? c->nitems / 2 : c->nitems;
     return CKPT_OK;
 }
@@ -186,7 +244,8 @@ static int push_text(vm *m, uint64_t len, bool utf8, const char *op) {
     const uint8_t *s = m->p + m->pos;
     if (utf8 && !ckpt__utf8_valid(s, (size_t)len)) return bad(m, "%s is not valid UTF-8", op);
     ckpt_pkl_node *nd = node_new(m, utf8 ? CKPT_TORCH_STR : CKPT_TORCH_BYTES);
-    if (!nd) return ckpt__err_nomem("unpickler");
+    if (!nd) return m->fail;
+    CKPT_TRY(charge(m, (len + 1 + 31) / 16 * 16, "a string"));
     char *copy = ckpt__malloc((size_t)len + 1);
     if (!copy) return ckpt__err_nomem("unpickler string");
     memcpy(copy, s, (size_t)len);
@@ -198,8 +257,20 @@ static int push_text(vm *m, uint64_t len, bool utf8, const char *op) {
     return push(m, nd);
 }
 
+#define SMALL_INTS 65536
+
 static int push_int(vm *m, int64_t v) {
-    ckpt_pkl_node *nd = node_new(m, CKPT_TORCH_INT);
+    if (v < 0 || v >= SMALL_INTS) {
+        ckpt_pkl_node *nd = node_new(m, CKPT_TORCH_INT);
+        if (nd) nd->v.i = v;
+        return push(m, nd);
+    }
+    if (!m->small_int) {
+        CKPT_TRY(charge(m, SMALL_INTS * sizeof *m->small_int, "the table of small ints"));
+        m->small_int = ckpt__calloc(SMALL_INTS, sizeof *m->small_int);
+        if (!m->small_int) return ckpt__err_nomem("unpickler ints");
+    }
+    ckpt_pkl_node *nd = shared(m, &m->small_int[v], CKPT_TORCH_INT);
     if (nd) nd->v.i = v;
     return push(m, nd);
 }
@@ -234,6 +305,7 @@ static int memo_put(vm *m, uint64_t idx) {
         size_t cap = m->memo_cap ? m->memo_cap : 64;
         while (cap <= idx) cap *= 2;
         if (cap > m->n) cap = m->n;
+        CKPT_TRY(charge(m, (cap - m->memo_cap) * sizeof *m->memo, "the memo"));
         void *p = ckpt__realloc(m->memo, cap * sizeof *m->memo);
         if (!p) return ckpt__err_nomem("unpickler memo");
         memset((ckpt_pkl_node **)p + m->memo_cap, 0, (cap - m->memo_cap) * sizeof *m->memo);
@@ -273,10 +345,10 @@ static int push_global(vm *m, const char *mod, const char *name) {
                          "rebuilds, typed storages, OrderedDict and set); nothing was run",
                          m->name, m->pos, mod, name);
     ckpt_pkl_node *nd = node_new(m, CKPT_TORCH_NONE);
-    if (!nd) return ckpt__err_nomem("unpickler");
+    if (!nd) return m->fail;
     nd->ikind = IK_GLOBAL;
     nd->global = g;
-    nd->sdtype = dt;
+    nd->v.dtype = dt;
     return push(m, nd);
 }
 
@@ -325,13 +397,13 @@ static int persistent_load(vm *m, ckpt_pkl_node *pid) {
     if (((const ckpt_pkl_node *)t->items[3])->v.kind != CKPT_TORCH_STR)
         return bad(m, "persistent id with a bad location");
     const uint8_t *data = NULL;
-    CKPT_TRY(m->storage(m->ctx, key->s, cls->sdtype, numel->i, &data));
+    CKPT_TRY(m->storage(m->ctx, key->s, cls->v.dtype, numel->i, &data));
     ckpt_pkl_node *st = node_new(m, CKPT_TORCH_NONE);
-    if (!st) return ckpt__err_nomem("unpickler");
+    if (!st) return m->fail;
     st->ikind = IK_STORAGE;
-    st->sdtype = cls->sdtype;
-    st->snumel = numel->i;
-    st->sdata = data;
+    st->v.dtype = cls->v.dtype;
+    st->v.i = numel->i;
+    st->v.data = data;
     st->v.s = key->s; /* for messages; the key's node lives in the arena too */
     return push(m, st);
 }
@@ -362,22 +434,28 @@ static int rebuild_tensor(vm *m, const ckpt_torch_value *args) {
     if (hooks->kind != CKPT_TORCH_DICT) return bad(m, "tensor backward hooks are not a dict");
     if (hooks->n)
         return ckpt__err(CKPT_EUNSUPPORTED, "%s: a tensor with backward hooks", m->name);
-    ckpt_pkl_node *nd = node_new(m, CKPT_TORCH_TENSOR);
-    if (!nd) return ckpt__err_nomem("unpickler");
+    const ckpt_torch_value *size = args->items[2];
+    if (size->kind != CKPT_TORCH_TUPLE) return bad(m, "tensor size is not a tuple");
+    if (size->n > CKPT_MAX_NDIM)
+        return ckpt__err(CKPT_EUNSUPPORTED, "%s: a tensor of %" PRId64 " dimensions (at most %d)",
+                         m->name, size->n, CKPT_MAX_NDIM);
+    ckpt_pkl_node *nd = node_alloc(m, CKPT_TORCH_TENSOR, (size_t)size->n);
+    if (!nd) return m->fail;
     int64_t stride[CKPT_MAX_NDIM];
-    CKPT_TRY(int_tuple(m, args->items[2], nd->v.shape, "size"));
+    CKPT_TRY(int_tuple(m, size, nd->dims, "size"));
     CKPT_TRY(int_tuple(m, args->items[3], stride, "stride"));
-    int nd_ = (int)args->items[2]->n;
+    int nd_ = (int)size->n;
     if (args->items[3]->n != nd_) return bad(m, "tensor size and stride differ in length");
+    nd->v.shape = nd->dims;
     nd->v.ndim = nd_;
-    nd->v.dtype = st->sdtype;
+    nd->v.dtype = st->v.dtype;
     nd->v.requires_grad = rg->b;
-    if (ckpt_tensor_nbytes(st->sdtype, nd_, nd->v.shape, &nd->v.nbytes) < 0)
+    if (ckpt_tensor_nbytes(st->v.dtype, nd_, nd->dims, &nd->v.nbytes) < 0)
         return bad(m, "tensor too large");
-    size_t es = (size_t)ckpt_dtype_bits(st->sdtype) / 8;
+    size_t es = (size_t)ckpt_dtype_bits(st->v.dtype) / 8;
     uint64_t numel = nd->v.nbytes / es;
     if (numel == 0) {
-        nd->v.data = st->sdata;
+        nd->v.data = st->v.data;
         return push(m, nd);
     }
     /* the last element's index must lie inside the storage */
@@ -392,11 +470,14 @@ static int rebuild_tensor(vm *m, const ckpt_torch_value *args) {
         if (nd->v.shape[d] != 1 && (uint64_t)stride[d] != expect) contiguous = false;
         expect *= (uint64_t)nd->v.shape[d];
     }
-    if (last >= (uint64_t)st->snumel)
-        return ckpt__err(CKPT_ECORRUPT, "%s: storage '%s' has %" PRId64 " elements, a tensor "
-                         "needs element %" PRIu64, m->name, st->v.s, st->snumel, last);
+    const uint8_t *sdata = st->v.data;
+    if (last >= (uint64_t)st->v.i)
+        return ckpt__err(CKPT_ECORRUPT,
+                         "%s: storage '%s' has %" PRId64 " elements, a tensor "
+                         "needs element %" PRIu64,
+                         m->name, st->v.s, st->v.i, last);
     if (contiguous) {
-        nd->v.data = st->sdata + (uint64_t)off->i * es;
+        nd->v.data = sdata + (uint64_t)off->i * es;
         return push(m, nd);
     }
     if (m->a->gathered + nd->v.nbytes > m->a->gather_limit)
@@ -410,9 +491,9 @@ static int rebuild_tensor(vm *m, const ckpt_torch_value *args) {
     for (uint64_t e = 0; e < numel; e++) {
         uint64_t src = (uint64_t)off->i;
         for (int d = 0; d < nd_; d++) src += (uint64_t)idx[d] * (uint64_t)stride[d];
-        memcpy(dst + e * es, st->sdata + src * es, es);
+        memcpy(dst + e * es, sdata + src * es, es);
         for (int d = nd_ - 1; d >= 0; d--) {
-            if (++idx[d] < nd->v.shape[d]) break;
+            if (++idx[d] < nd->dims[d]) break;
             idx[d] = 0;
         }
     }
@@ -445,7 +526,7 @@ static int reduce(vm *m) {
             a->items[1]->kind != CKPT_TORCH_BOOL || a->items[2]->kind != CKPT_TORCH_DICT)
             return bad(m, "_rebuild_parameter takes (tensor, requires_grad, hooks)");
         ckpt_pkl_node *nd = node_new(m, CKPT_TORCH_TENSOR);
-        if (!nd) return ckpt__err_nomem("unpickler");
+        if (!nd) return m->fail;
         nd->v = *a->items[0];
         nd->v.requires_grad = a->items[1]->b;
         nd->v.parameter = true;
@@ -463,12 +544,13 @@ static int reduce(vm *m) {
         if (a->n > 1 || (a->n == 1 && a->items[0]->kind != CKPT_TORCH_LIST))
             return bad(m, "set() takes one list");
         ckpt_pkl_node *nd = node_new(m, CKPT_TORCH_SET);
-        if (!nd) return ckpt__err_nomem("unpickler");
+        if (!nd) return m->fail;
         const ckpt_pkl_node *l = a->n ? (const ckpt_pkl_node *)a->items[0] : NULL;
+        if (l) CKPT_TRY(reserve(m, nd, (size_t)l->nitems));
         for (int64_t i = 0; l && i < l->nitems; i++) {
-            if (!hashable((const ckpt_pkl_node *)l->items[i]))
+            if (!hashable((const ckpt_pkl_node *)l->v.items[i]))
                 return bad(m, "set item is not hashable");
-            CKPT_TRY(add_item(nd, (ckpt_pkl_node *)l->items[i]));
+            CKPT_TRY(add_item(m, nd, (ckpt_pkl_node *)l->v.items[i]));
         }
         return push(m, nd);
     }
@@ -482,10 +564,11 @@ static int set_items(vm *m, ckpt_pkl_node *d, size_t first, const char *op) {
     if (d->ikind || d->v.kind != CKPT_TORCH_DICT)
         return bad(m, "%s on %s, not a dict", op, what(d));
     if ((m->sp - first) % 2) return bad(m, "%s with an odd number of items", op);
+    CKPT_TRY(reserve(m, d, m->sp - first));
     for (size_t i = first; i < m->sp; i += 2) {
         if (!hashable(m->stack[i])) return bad(m, "%s: dict key is %s", op, what(m->stack[i]));
-        CKPT_TRY(add_item(d, m->stack[i]));
-        CKPT_TRY(add_item(d, m->stack[i + 1]));
+        CKPT_TRY(add_item(m, d, m->stack[i]));
+        CKPT_TRY(add_item(m, d, m->stack[i + 1]));
     }
     m->sp = first;
     return CKPT_OK;
@@ -495,19 +578,23 @@ static int append_items(vm *m, ckpt_pkl_node *l, size_t first, ckpt_torch_kind k
                         const char *op) {
     if (l->ikind || l->v.kind != kind)
         return bad(m, "%s on %s, not a %s", op, what(l), ckpt_torch_kind_name(kind));
+    CKPT_TRY(reserve(m, l, m->sp - first));
     for (size_t i = first; i < m->sp; i++) {
         if (kind == CKPT_TORCH_SET && !hashable(m->stack[i]))
             return bad(m, "%s: set item is %s", op, what(m->stack[i]));
-        CKPT_TRY(add_item(l, m->stack[i]));
+        CKPT_TRY(add_item(m, l, m->stack[i]));
     }
     m->sp = first;
     return CKPT_OK;
 }
 
 static int make_seq(vm *m, ckpt_torch_kind kind, size_t first) {
+    if (kind == CKPT_TORCH_TUPLE && first == m->sp)
+        return push(m, shared(m, &m->empty_tuple, CKPT_TORCH_TUPLE));
     ckpt_pkl_node *t = node_new(m, kind);
-    if (!t) return ckpt__err_nomem("unpickler");
-    for (size_t i = first; i < m->sp; i++) CKPT_TRY(add_item(t, m->stack[i]));
+    if (!t) return m->fail;
+    CKPT_TRY(reserve(m, t, m->sp - first));
+    for (size_t i = first; i < m->sp; i++) CKPT_TRY(add_item(m, t, m->stack[i]));
     m->sp = first;
     return push(m, t);
 }
@@ -537,6 +624,7 @@ static int run(vm *m) {
         case '(': /* MARK */
             if (m->mp == m->mcap) {
                 size_t cap = m->mcap ? m->mcap * 2 : 16;
+                CKPT_TRY(charge(m, (cap - m->mcap) * sizeof *m->marks, "the marks"));
                 void *p = ckpt__realloc(m->marks, cap * sizeof *m->marks);
                 if (!p) return ckpt__err_nomem("unpickler marks");
                 m->marks = p;
@@ -544,12 +632,9 @@ static int run(vm *m) {
             }
             m->marks[m->mp++] = m->sp;
             break;
-        case 'N': CKPT_TRY(push(m, node_new(m, CKPT_TORCH_NONE))); break;
-        case 0x88: case 0x89: /* NEWTRUE, NEWFALSE */
-            a = node_new(m, CKPT_TORCH_BOOL);
-            if (a) a->v.b = op == 0x88;
-            CKPT_TRY(push(m, a));
-            break;
+        case 'N': CKPT_TRY(push(m, shared(m, &m->none, CKPT_TORCH_NONE))); break;
+        case 0x88: /* NEWTRUE */
+        case 0x89: /* NEWFALSE */ CKPT_TRY(push_bool(m, op == 0x88)); break;
         case 'K':
             CKPT_TRY(need(m, 1, "BININT1"));
             CKPT_TRY(push_int(m, m->p[m->pos]));
@@ -620,7 +705,7 @@ static int run(vm *m) {
             m->pos += 8;
             CKPT_TRY(push_text(m, le(m->p + m->pos - 8, 8), false, "BINBYTES8"));
             break;
-        case ')': CKPT_TRY(push(m, node_new(m, CKPT_TORCH_TUPLE))); break;
+        case ')': CKPT_TRY(push(m, shared(m, &m->empty_tuple, CKPT_TORCH_TUPLE))); break;
         case ']': CKPT_TRY(push(m, node_new(m, CKPT_TORCH_LIST))); break;
         case '}': CKPT_TRY(push(m, node_new(m, CKPT_TORCH_DICT))); break;
         case 0x8f: CKPT_TRY(push(m, node_new(m, CKPT_TORCH_SET))); break; /* EMPTY_SET */
@@ -645,7 +730,7 @@ static int run(vm *m) {
             CKPT_TRY(pop(m, &a, "APPEND"));
             CKPT_TRY(top(m, &b, "APPEND"));
             if (b->ikind || b->v.kind != CKPT_TORCH_LIST) return bad(m, "APPEND to %s", what(b));
-            CKPT_TRY(add_item(b, a));
+            CKPT_TRY(add_item(m, b, a));
             break;
         case 'e': /* APPENDS */
             CKPT_TRY(pop_mark(m, &first, "APPENDS"));
@@ -794,7 +879,7 @@ static int walk(ckpt_pkl_node *nd, int depth, const char *name) {
     nd->mark = 1;
     int64_t items = nd->v.kind == CKPT_TORCH_TENSOR ? 0 : nd->nitems;
     for (int64_t i = 0; i < items; i++)
-        CKPT_TRY(walk((ckpt_pkl_node *)nd->items[i], depth + 1, name));
+        CKPT_TRY(walk((ckpt_pkl_node *)nd->v.items[i], depth + 1, name));
     if (nd->v.kind == CKPT_TORCH_DICT) CKPT_TRY(check_keys(&nd->v, name));
     nd->mark = 2;
     return CKPT_OK;
@@ -802,13 +887,20 @@ static int walk(ckpt_pkl_node *nd, int depth, const char *name) {
 
 int ckpt__unpickle(ckpt_pkl_arena *a, const uint8_t *p, size_t n, const char *name,
                    ckpt_pkl_storage_fn storage, void *ctx, const ckpt_torch_value **root) {
-    vm m = {.a = a, .p = p, .n = n, .name = name, .storage = storage, .ctx = ctx};
+    vm m = {.a = a,
+            .p = p,
+            .n = n,
+            .name = name,
+            .storage = storage,
+            .ctx = ctx,
+            .budget = ckpt__pkl_mem_budget(n)};
     int rc = run(&m);
     if (rc == 0) rc = walk(m.stack[0], 0, name);
     if (rc == 0) *root = &m.stack[0]->v;
     free(m.stack);
     free(m.marks);
     free(m.memo);
+    free(m.small_int);
     return rc;
 }
 

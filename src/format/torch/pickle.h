@@ -24,6 +24,21 @@ void ckpt__pkl_arena_free(ckpt_pkl_arena *a);
 typedef int (*ckpt_pkl_storage_fn)(void *ctx, const char *key, ckpt_dtype dt, int64_t numel,
                                    const uint8_t **data);
 
+/* The memory one pickle of n bytes may make the machine allocate (its
+ * objects, their item arrays, string copies, the stack, the marks and the
+ * memo): CKPT_PKL_MEM_PER_BYTE bytes per pickle byte, at least
+ * CKPT_PKL_MEM_FLOOR, never more than CKPT_PKL_MEM_CAP. Each allocation is
+ * charged before it is made; None, the booleans, the empty tuple and the
+ * ints 0..65535 are made once per pickle. Measured on what torch.save
+ * writes: model and optimizer state dicts need ~20 bytes per byte, long
+ * lists of floats, strings, tuples or distinct ints 13 to 40; an object
+ * (~160 bytes) per one- or two-byte opcode, as a pickle of nothing but
+ * empty lists has, is what the limit stops. */
+#define CKPT_PKL_MEM_PER_BYTE 64u
+#define CKPT_PKL_MEM_FLOOR ((uint64_t)32 << 20)
+#define CKPT_PKL_MEM_CAP ((uint64_t)1 << 30)
+uint64_t ckpt__pkl_mem_budget(uint64_t n);
+
 /* Runs the pickle p[0..n) on the allow-list machine and checks the result
  * (no internal objects left in it, no cycles, depth, duplicate dict keys).
  * *root is a view valid until the arena is freed. name is for messages. */
