@@ -159,11 +159,6 @@ bool ckpt__acc_holds_lock_file(const ckpt_accelerator *acc, const char *lock_pat
  * and the others still run; returns 0. */
 int ckpt__acc_run_hooks(ckpt_accelerator *acc, int which, const char *dir, const char *what);
 
-/* ckpt_load_state_ex on local folders only (load.c); remote.c's public
- * function fetches a checkpoint of object storage first. */
-int ckpt__load_state_local(ckpt_accelerator *acc, const char *input_dir,
-                           const ckpt_load_options *opt, ckpt_load_report *report);
-
 /* ---- the save phases: save_op.h ------------------------------------------ */
 
 /* ---- asynchronous saves (async.c) ------------------------------------------ */

@@ -17,6 +17,7 @@
 #include "accel/load_held.h"
 #include "accel/load_int.h"
 #include "accel/load_op.h"
+#include "accel/remote.h"
 #include "base/error.h"
 #include "base/io.h"
 #include "format/keymap.h"
@@ -79,8 +80,11 @@ int ckpt__load_op_new(ckpt_accelerator *acc, const char *input_dir, const ckpt_l
     op->report = report;
     op->phase = PH_NEW;
     ckpt__load_held_reset();
+    /* object storage: the files are read into the load's buffers as they
+     * arrive (ranged GETs), verified there: one pass does not apply */
+    op->remote = ckpt__load_is_remote(acc, input_dir);
     op->one_pass = opt && opt->one_pass && op->comm->size <= 1 && !opt->non_strict &&
-                   !opt->convert_dtypes && opt->num_prefix_map == 0 && !opt->rename;
+                   !opt->convert_dtypes && opt->num_prefix_map == 0 && !opt->rename && !op->remote;
     ckpt__coll_begin(acc, "load: agree on the options");
     op->in_op = true;
     int rc = ckpt__load_select(op);
@@ -132,7 +136,8 @@ static int list_candidates(ckpt__load_op *op, const char *cdir, int64_t **nums, 
     const ckpt_comm *c = op->comm;
     int rc = 0;
     if (c->rank == 0) {
-        rc = ckpt__list_numbers(cdir, nums, count);
+        rc = op->remote ? ckpt__load_remote_numbers(op, nums, count)
+                        : ckpt__list_numbers(cdir, nums, count);
         if (rc == 0 && *count == 0)
             rc = ckpt__err(CKPT_ENOENT, "load_state: no checkpoint in %s", cdir);
     }
@@ -180,6 +185,8 @@ static int find_candidates(ckpt__load_op *op) {
         const char *in = op->input_dir;
         struct stat st;
         if (!in[0]) rc = ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
+        else if (op->remote) /* a URL: its manifest says (plan) */
+            rc = (op->dir = ckpt__strdup(in)) ? 0 : ckpt__err_nomem("load path");
         else if (ckpt__os_lstat(in, &st) != 0 && errno == ENOENT)
             rc = ckpt__err(CKPT_ENOENT, "load_state: %s: no such checkpoint folder", in);
         else if (!(op->dir = ckpt__strdup(in))) rc = ckpt__err_nomem("load path");
@@ -189,7 +196,12 @@ static int find_candidates(ckpt__load_op *op) {
         return fail(op,
                     ckpt__err(CKPT_EINVAL, "load_state: no input folder given and no project_dir"),
                     true);
-    op->cdir = ckpt__checkpoints_dir(acc->project_dir);
+    if (op->remote) { /* the bucket's: s3://bucket/prefix/checkpoints */
+        const char *u = ckpt__acc_remote_url(acc);
+        if ((op->cdir = ckpt__malloc(strlen(u) + 16))) sprintf(op->cdir, "%s/checkpoints", u);
+    } else {
+        op->cdir = ckpt__checkpoints_dir(acc->project_dir);
+    }
     if (!op->cdir) return fail(op, ckpt__err_nomem("load path"), true);
     rc = list_candidates(op, op->cdir, &op->nums, &op->ncand);
     op->next = op->ncand - 1;
@@ -326,7 +338,8 @@ int ckpt__load_op_plan(ckpt__load_op *op) {
     free(op->shared);
     op->reader = NULL;
     op->shared = NULL;
-    int rc = ckpt__checkpoint_open_manifest(op->dir, &op->c);
+    int rc = op->remote ? ckpt__load_remote_manifest(op)
+                        : ckpt__checkpoint_open_manifest(op->dir, &op->c);
     /* One pass where every file fits it (else this checkpoint: two). */
     if (rc == 0 && op->one_pass && !one_pass_fits(&op->c.m)) op->one_pass = false;
     if (rc == 0 && op->comm->size > 1) rc = plan_reads(op);
@@ -356,8 +369,14 @@ static int read_files(ckpt__load_op *op) {
     bool *shallow = NULL;
     if (many && !(shallow = ckpt__calloc((size_t)(n ? n : 1), sizeof *shallow)))
         return ckpt__err_nomem("checkpoint check");
-    for (int64_t j = 0; many && j < n; j++) shallow[j] = op->reader[j] != op->comm->rank;
-    int rc = ckpt__checkpoint_read_files(op->dir, true, true, shallow, &op->acc->arena, &op->c);
+    /* object storage: every rank reads the pre-hooks' files (its hooks find
+     * them in a local folder of its own) */
+    for (int64_t j = 0; many && j < n; j++)
+        shallow[j] = op->reader[j] != op->comm->rank &&
+                     !(op->remote && strcmp(op->c.m.files[j].kind, "extra") == 0);
+    int rc = op->remote ? ckpt__load_remote_read(op, shallow)
+                        : ckpt__checkpoint_read_files(op->dir, true, true, shallow,
+                                                      &op->acc->arena, &op->c);
     free(shallow);
     for (int64_t j = 0; op->c.have_manifest && op->c.maps && j < n; j++)
         if (!many || op->reader[j] == op->comm->rank) op->held += op->c.m.files[j].size;
@@ -489,7 +508,11 @@ int ckpt__load_op_check(ckpt__load_op *op) {
         if (rc == 0) rc = ckpt__load_check_external(op);
     } else {
         name_phase(op, "load: pre-hooks and check");
-        if (rc == 0) rc = ckpt__acc_run_hooks(op->acc, HOOK_LOAD, op->dir, "load_state");
+        /* object storage: the hooks get a local folder with the pre-hooks' files */
+        if (rc == 0 && op->remote) rc = ckpt__load_remote_hook_dir(op);
+        if (rc == 0)
+            rc = ckpt__acc_run_hooks(op->acc, HOOK_LOAD, op->remote ? op->hook_dir : op->dir,
+                                     "load_state");
         if (rc == 0) rc = ckpt__load_check_objects(op);
         /* a check_state_dict may read streamed chunks: every rank ends alike */
         int src = ckpt__load_stream_end(op);
@@ -557,7 +580,8 @@ int ckpt__load_op_finish(ckpt__load_op *op) {
     if (acc && rc == 0) {
         acc->interval_start = ckpt__now(); /* a resumed run's time interval starts now */
         close_checkpoint(op);              /* the post-hooks may rewrite the folder */
-        ckpt__acc_run_hooks(acc, HOOK_LOAD_POST, op->dir, "load_state");
+        ckpt__acc_run_hooks(acc, HOOK_LOAD_POST, op->remote ? op->hook_dir : op->dir,
+                            "load_state");
     }
     if (acc && !op->bad_options) rc = record_outcome(acc, rc, op->nothing);
     if (rc < 0 && op->report) ckpt_load_report_free(op->report);
@@ -585,6 +609,7 @@ void ckpt__load_op_free(ckpt__load_op *op) {
     free(op->input_dir);
     free(op->cdir);
     free(op->nums);
+    ckpt__load_remote_free(op);
     if (op->in_op) ckpt__coll_end(op->acc); /* never finished */
     free(op);
 }
@@ -595,10 +620,12 @@ const char *ckpt__load_op_dir(const ckpt__load_op *op) { return op->rc == 0 ? op
 
 /* ---- the driver ---------------------------------------------------------------- */
 
-/* The load of a local folder (remote_load.c's ckpt_load_state_ex copies a
- * checkpoint of object storage into one first). */
-int ckpt__load_state_local(ckpt_accelerator *acc, const char *input_dir,
-                           const ckpt_load_options *opt, ckpt_load_report *report) {
+int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
+    return ckpt_load_state_ex(acc, input_dir, NULL, NULL);
+}
+
+int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_load_options *opt,
+                       ckpt_load_report *report) {
     ckpt__load_op *op = NULL;
     int rc = ckpt__load_op_new(acc, input_dir, opt, report, &op);
     if (!op) return rc;

@@ -93,15 +93,11 @@ static int plan_local(save_op *op, const char *output_dir) {
                          "ckpt_accelerator_start_over to start this run over deliberately",
                          ckpt__status_name(acc->load_failed_code),
                          acc->load_failed_msg ? acc->load_failed_msg : "(message lost)");
+    /* object storage: save_remote.c */
+    if (op->remote) return ckpt__save_remote_plan(op);
     if (op->automatic) {
         op->parent = ckpt__checkpoints_dir(acc->project_dir);
         if (!op->parent) return ckpt__err_nomem("save path");
-    } else if (ckpt__s3_is_url(output_dir)) {
-        return ckpt__err(CKPT_EUNSUPPORTED,
-                         "save_state: %s: an explicit folder in object storage is not supported "
-                         "yet; give the accelerator project_dir s3://... and save with automatic "
-                         "naming",
-                         output_dir);
     } else {
         CKPT_TRY(split_dir(output_dir, &op->parent, &op->base));
     }
@@ -122,16 +118,6 @@ static int plan_local(save_op *op, const char *output_dir) {
         if (rc < 0) return ckpt__err_prefix(rc, "save_state");
         op->number = acc->iteration;
         if (count > 0 && nums[count - 1] + 1 > op->number) op->number = nums[count - 1] + 1;
-        /* object storage: numbered after the bucket's checkpoints; nothing
-         * to link (every file is uploaded) */
-        if (acc->remote) {
-            op->link = false;
-            rc = ckpt__acc_remote_plan(acc, &op->number, &op->log);
-            if (rc < 0) {
-                free(nums);
-                return rc;
-            }
-        }
         if (op->link && count > 0) {
             char nm[48];
             snprintf(nm, sizeof nm, "checkpoint_%" PRId64, nums[count - 1]);
@@ -145,7 +131,8 @@ static int plan_local(save_op *op, const char *output_dir) {
     /* Before the project has a checkpoint (or for a folder of the user's):
      * the checkpoint this accelerator saved or loaded last, e.g. the one a
      * fine-tune started from. */
-    if (op->link && !op->prev_dir && acc->link_dir && acc->link_dir[0])
+    if (op->link && !op->prev_dir && acc->link_dir && acc->link_dir[0] &&
+        !ckpt__s3_is_url(acc->link_dir))
         op->prev_dir = ckpt__strdup(acc->link_dir);
     op->target = ckpt__path_join(op->parent, op->base);
     op->tname = ckpt__temp_name(op->base);
@@ -228,6 +215,15 @@ static int snapshot(save_op *op) {
  * the previous checkpoint's identical file there), recording it in slot. */
 static int write_file(save_op *op, ckpt_writer *w, const char *name, const char *kind, bool shards,
                       save_slot *slot) {
+    if (op->remote) { /* into its object (save_remote.c) */
+        int rc = ckpt__save_remote_file(op, w, name, shards, slot);
+        if (rc == 0) {
+            slot->has = true;
+            slot->kind = kind;
+            snprintf(slot->name, sizeof slot->name, "%s", name);
+        }
+        return rc;
+    }
     char *path = ckpt__path_join(op->tmp, name);
     if (!path) return ckpt__err_nomem("save path");
     ckpt__file_digest_free(&slot->d);
@@ -255,6 +251,13 @@ static int write_file(save_op *op, ckpt_writer *w, const char *name, const char 
 
 /* The index as a file of the temporary folder, with its digest. */
 static int write_text_file(save_op *op, const char *name, const char *text, save_slot *slot) {
+    if (op->remote) {
+        CKPT_TRY(ckpt__save_remote_text(op, name, text, slot));
+        slot->has = true;
+        slot->kind = ckpt__kind_name[K_MODEL];
+        snprintf(slot->name, sizeof slot->name, "%s", name);
+        return CKPT_OK;
+    }
     char *path = ckpt__path_join(op->tmp, name);
     if (!path) return ckpt__err_nomem("save path");
     ckpt_ostream s;
@@ -351,6 +354,15 @@ static int record_files(save_op *op) {
             if (!sl->has) continue;
             CKPT_TRY(ckpt__manifest_add(&op->mine, sl->name, sl->kind, &sl->d));
             op->mine.files[op->mine.nfiles - 1].rank = op->comm->rank;
+            if (op->remote) { /* the ETag of each object, for the commit */
+                char **nv = ckpt__realloc(op->etags_mine,
+                                          (size_t)(op->netags_mine + 1) * sizeof *nv);
+                if (!nv) return ckpt__err_nomem("file records");
+                op->etags_mine = nv;
+                if (!(nv[op->netags_mine] = ckpt__strdup(sl->etag)))
+                    return ckpt__err_nomem("file records");
+                op->netags_mine++;
+            }
         }
     }
     return CKPT_OK;
@@ -431,22 +443,52 @@ static int compare_order(const save_op *op, int r, const char *theirs) {
 }
 
 /* What a rank sends rank 0 at the agreement: its order (order_digest), a
- * NUL, then its file records as JSON. */
+ * NUL, its file records as JSON, a NUL, then (object storage) the ETag of
+ * each of its files, one per line. */
 static int records_to_wire(save_op *op, char **out, size_t *len) {
     char *json = NULL;
     size_t jlen = 0;
     CKPT_TRY(ckpt__manifest_files_to_json(&op->mine, &json, &jlen));
-    size_t olen = strlen(op->order);
-    char *w = ckpt__malloc(olen + 1 + jlen);
+    size_t olen = strlen(op->order), elen = 0;
+    for (int64_t i = 0; i < op->netags_mine; i++) elen += strlen(op->etags_mine[i]) + 1;
+    char *w = ckpt__malloc(olen + 1 + jlen + 1 + elen);
     if (!w) {
         free(json);
         return ckpt__err_nomem("file records");
     }
     memcpy(w, op->order, olen + 1);
     memcpy(w + olen + 1, json, jlen);
+    w[olen + 1 + jlen] = '\0';
+    size_t at = olen + 1 + jlen + 1;
+    for (int64_t i = 0; i < op->netags_mine; i++) {
+        size_t n = strlen(op->etags_mine[i]);
+        memcpy(w + at, op->etags_mine[i], n);
+        w[at + n] = '\n';
+        at += n + 1;
+    }
     free(json);
     *out = w;
-    *len = olen + 1 + jlen;
+    *len = at;
+    return CKPT_OK;
+}
+
+/* A rank's ETags (one line per file it listed, n of them) into op->etags. */
+static int etags_from_wire(save_op *op, const char *p, size_t len, int64_t n, int r) {
+    char **nv = ckpt__realloc(op->etags, (size_t)(op->netags + n + 1) * sizeof *nv);
+    if (!nv) return ckpt__err_nomem("file records");
+    op->etags = nv;
+    for (int64_t i = 0; i < n; i++) {
+        const char *nl = memchr(p, '\n', len);
+        if (!nl || (size_t)(nl - p) >= 128)
+            return ckpt__err(CKPT_EINVAL, "save_state: rank %d sent malformed object ETags", r);
+        char *e = ckpt__malloc((size_t)(nl - p) + 1);
+        if (!e) return ckpt__err_nomem("file records");
+        memcpy(e, p, (size_t)(nl - p));
+        e[nl - p] = '\0';
+        op->etags[op->netags++] = e;
+        len -= (size_t)(nl - p) + 1;
+        p = nl + 1;
+    }
     return CKPT_OK;
 }
 
@@ -473,7 +515,13 @@ static int gather_records(save_op *op, const char *wire, size_t len) {
             char what[64];
             snprintf(what, sizeof what, "save_state: file records of rank %d", r);
             size_t ol = (size_t)(nul - p) + 1;
-            if (rc == 0) rc = ckpt__manifest_files_from_json(&op->all, p + ol, lens[r] - ol, what);
+            const char *jend = memchr(p + ol, '\0', lens[r] - ol);
+            if (!jend) rc = ckpt__err(CKPT_EINVAL, "save_state: rank %d sent malformed file records", r);
+            size_t jl = jend ? (size_t)(jend - (p + ol)) : 0;
+            int64_t had = op->all.nfiles;
+            if (rc == 0) rc = ckpt__manifest_files_from_json(&op->all, p + ol, jl, what);
+            if (rc == 0 && op->remote)
+                rc = etags_from_wire(op, jend + 1, lens[r] - ol - jl - 1, op->all.nfiles - had, r);
             off += lens[r];
         }
         for (int64_t i = 0; rc == 0 && i < op->all.nfiles; i++)
@@ -506,6 +554,8 @@ static int commit(save_op *op) {
     /* The ranks' chunks of each sharded tensor must tile it exactly. */
     int rc = ckpt__manifest_check_chunks(m, CKPT_EINVAL, "save_state");
     if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
+    /* object storage: the manifest PUT last (save_remote.c) */
+    if (op->remote) return ckpt__save_remote_commit(op);
     CKPT_TRY(ckpt__save_add_extras(op));
     /* The manifest is the commit record: written last, after every file of
      * every rank is durable, so a folder with a valid manifest is a complete
@@ -517,23 +567,6 @@ static int commit(save_op *op) {
      * that a user's folder is never replaced. (Automatic names are published
      * without replacing.) The save owns its names (every rank has them), so
      * the transaction is a view of them. */
-    if (acc->remote && op->automatic) {
-        /* object storage: the staged files go up, the manifest last; the
-         * temporary folder is then removed like a failed save's (release) */
-        int64_t used = op->number;
-        rc = ckpt__acc_remote_commit(acc, op->tmp, op->number, &used, &op->log);
-        if (rc == 0 && used != op->number) {
-            op->number = used;
-            m->iteration = used + 1;
-        }
-        char *url = rc == 0 ? ckpt__acc_remote_checkpoint_url(acc, op->number) : NULL;
-        if (rc == 0 && !url) rc = ckpt__err_nomem("save path");
-        if (rc == 0) {
-            free(op->target);
-            op->target = url;
-        }
-        return rc;
-    }
     ckpt_txn t = {.target = op->target, .tmp = op->tmp, .what = "save_state", .made = op->tmp_made};
     rc = ckpt__txn_commit(&t, !op->automatic, &op->log);
     op->tmp_made = t.made;
@@ -544,9 +577,9 @@ static int commit(save_op *op) {
  * failure here leaves an extra old checkpoint, not a failed save. */
 static void rotate(save_op *op) {
     ckpt_accelerator *acc = op->acc;
-    if (!op->automatic || acc->remote ||
+    if (!op->automatic || op->remote ||
         (acc->total_limit <= 0 && !ckpt__retention_active(&acc->retention)))
-        return; /* object storage: rotated by the commit (remote.c) */
+        return; /* object storage: rotated by the commit (save_remote.c) */
     int64_t removed = 0;
     if (ckpt__rotate(op->parent, acc->total_limit, &acc->retention, &op->log, &removed) < 0)
         ckpt__log(&op->log, CKPT_LOG_WARNING, "total_limit rotation: %s", ckpt_errmsg());
@@ -601,6 +634,7 @@ void ckpt__save_op_free(save_op *op) {
     free(op->lockp);
     free(op->post_dir);
     free(op->output_dir);
+    ckpt__save_remote_free(op);
     free(op);
 }
 
@@ -648,6 +682,7 @@ int ckpt__save_op_new(ckpt_accelerator *acc, const char *output_dir, save_op **o
     op->number = -1;
     op->lk.fd = -1;
     op->link = !acc->no_link_unchanged;
+    op->remote = output_dir ? ckpt__s3_is_url(output_dir) : acc->remote != NULL;
     ckpt__manifest_init(&op->mine);
     ckpt__manifest_init(&op->all);
     /* A rank whose own checks fail still takes part in every collective
@@ -667,6 +702,7 @@ int ckpt__save_op_plan(save_op *op) {
     if (!enter(op, PH_PLAN) && c->size <= 1) return op->rc;
     if (c->size <= 1) {
         if (op->rc == 0) op->rc = plan_local(op, op->output_dir);
+        if (op->rc == 0 && op->remote) op->rc = ckpt__save_remote_open(op);
         return op->rc;
     }
     ckpt__coll_begin(op->acc, "save: share the plan");
@@ -679,6 +715,7 @@ int ckpt__save_op_plan(save_op *op) {
     } else {
         int src = plan_share(op);
         if (rc == 0) rc = src;
+        if (rc == 0 && op->remote) rc = ckpt__save_remote_open(op);
     }
     ckpt__coll_end(op->acc);
     return op->rc = rc;
@@ -693,7 +730,8 @@ int ckpt__save_op_snapshot(save_op *op) {
     if (acc->hooks[HOOK_SAVE_POST] && !(op->post_dir = ckpt__strdup(op->target)))
         rc = ckpt__err_nomem("save path");
     if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->tmp, "save_state");
-    if (rc == 0) ckpt__save_read_prev(op);
+    if (rc == 0 && op->remote) ckpt__save_remote_read_prev(op);
+    else if (rc == 0) ckpt__save_read_prev(op);
     if (rc == 0) rc = snapshot(op);
     if (rc == 0) rc = order_digest(op); /* before the plan marks what it spreads */
     if (rc == 0) rc = ckpt__save_plan_spread(op);
@@ -779,6 +817,10 @@ static int commit_all(save_op *op) {
         } else {
             op->all = op->mine;
             ckpt__manifest_init(&op->mine);
+            op->etags = op->etags_mine;
+            op->netags = op->netags_mine;
+            op->etags_mine = NULL;
+            op->netags_mine = 0;
         }
         /* commit, rotate */
         if (rc == 0 && op->committer) rc = commit(op);
@@ -786,6 +828,8 @@ static int commit_all(save_op *op) {
         if (op->committer) release(op);
         ckpt__coll_phase(op->acc, "save: share the outcome of the commit");
         rc = ckpt__coll_share(c, rc);
+        /* object storage: a number lost to another writer moved the commit */
+        if (rc == 0 && op->remote) rc = ckpt__save_remote_share_number(op);
     }
     if (op->committer) release(op);
     free(json);
@@ -812,11 +856,20 @@ void ckpt__save_op_apply(save_op *op) {
     acc->last_dir = op->target;
     op->target = NULL;
     free(acc->link_dir);
-    /* NULL: no linking next time, that is all (a URL has no files to link) */
-    acc->link_dir = acc->remote ? NULL : ckpt__strdup(acc->last_dir);
+    /* NULL: no linking next time, that is all (a URL: copies, in its bucket) */
+    acc->link_dir = ckpt__strdup(acc->last_dir);
     acc->last_save_written = op->written_bytes;
     acc->last_save_linked = op->linked_bytes;
-    /* After the lock is released, so that a post-hook may save again. */
+    /* After the lock is released, so that a post-hook may save again. In
+     * object storage the folder is the checkpoint's URL (the number the
+     * commit used). */
+    if (op->post_dir && op->remote && acc->last_dir) {
+        char *u = ckpt__strdup(acc->last_dir);
+        if (u) {
+            free(op->post_dir);
+            op->post_dir = u;
+        }
+    }
     if (op->post_dir) ckpt__acc_run_hooks(acc, HOOK_SAVE_POST, op->post_dir, "save_state");
 }
 

@@ -24,7 +24,7 @@ void ckpt__save_read_prev(save_op *op) {
 }
 
 /* The digest of a linked file, from the previous manifest's record. */
-static int digest_from_record(const ckpt_manifest_file *f, ckpt_file_digest *d) {
+int ckpt__save_digest_from_record(const ckpt_manifest_file *f, ckpt_file_digest *d) {
     memset(d, 0, sizeof *d);
     size_t n = f->ntensors ? (size_t)f->ntensors : 1;
     d->tensor_keys = ckpt__calloc(n, sizeof *d->tensor_keys);
@@ -103,7 +103,7 @@ int ckpt__save_try_link(save_op *op, ckpt_writer *w, const char *name, bool shar
         return 0;
     }
     free(from);
-    CKPT_TRY(digest_from_record(f, d));
+    CKPT_TRY(ckpt__save_digest_from_record(f, d));
     op->linked_bytes += f->size;
     return 1;
 }

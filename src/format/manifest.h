@@ -79,6 +79,9 @@ const ckpt_manifest_file *ckpt__manifest_find(const ckpt_manifest *m, const char
 /* Writes <dir>/checkpoint.json crash-safely (fsynced; the folder too). Fills
  * created/created_unix if they are unset. */
 int ckpt__manifest_write(ckpt_manifest *m, const char *dir);
+/* The text ckpt__manifest_write writes (its checksum filled), malloc'd in
+ * *out, *len bytes: how a manifest goes to object storage. */
+int ckpt__manifest_text(ckpt_manifest *m, char **out, size_t *len);
 /* Parses a manifest text; `what` names it in messages. CKPT_ECORRUPT for
  * anything malformed, CKPT_EUNSUPPORTED for a newer format version. */
 int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_manifest *m);
@@ -135,6 +138,24 @@ int ckpt__checkpoint_open_into(const char *dir,
 int ckpt__checkpoint_open_manifest(const char *dir, ckpt_checkpoint_open *c);
 int ckpt__checkpoint_read_files(const char *dir, bool deep, bool keep_maps, const bool *shallow,
                                 ckpt_arena *arena, ckpt_checkpoint_open *c);
+/* A checkpoint's files from a store other than a folder (object storage):
+ * check: every listed file present with the listed size and no .safetensors
+ * file the manifest does not list, before anything is reserved or read;
+ * read: the files idx[0..n) (ascending) read into dst[idx[k]], their
+ * XXH3-64 of exactly those bytes into h[idx[k]]. */
+typedef struct ckpt_file_source {
+    void *ctx;
+    int (*check)(void *ctx, const ckpt_manifest *m);
+    int (*read)(void *ctx, const ckpt_manifest *m, const int64_t *idx, int64_t n,
+                uint8_t *const *dst, uint64_t *h);
+} ckpt_file_source;
+/* ckpt__checkpoint_read_files(dir, deep, keep_maps, ...) with the files
+ * from src (dir names the checkpoint in messages): the same rules, sizes
+ * first, the files not shallow read into arena (NULL: c's own buffers) and
+ * checked against the manifest (a mismatch names the tensor). */
+int ckpt__checkpoint_read_files_from(const ckpt_file_source *src, const char *dir,
+                                     const bool *shallow, ckpt_arena *arena,
+                                     ckpt_checkpoint_open *c);
 /* Deep checks hash the files on two threads once they hold at least this
  * many bytes (default 64 MiB). Tests set 0 to exercise the threaded path on
  * small checkpoints; returns the previous value. */

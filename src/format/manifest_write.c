@@ -242,7 +242,9 @@ static int fill_text(ckpt_ostream *s, void *ctx) {
     return ckpt__ostream_write(s, t->p, t->n);
 }
 
-int ckpt__manifest_write(ckpt_manifest *m, const char *dir) {
+int ckpt__manifest_text(ckpt_manifest *m, char **out, size_t *len) {
+    *out = NULL;
+    *len = 0;
     if (m->created_unix == 0) {
         time_t now = time(NULL);
         struct tm tm;
@@ -288,17 +290,26 @@ int ckpt__manifest_write(ckpt_manifest *m, const char *dir) {
     char hex[17];
     hex64(sum, hex);
     memcpy(digits, hex, 16);
+    *out = withnl;
+    *len = n + 1;
+    return CKPT_OK;
+}
+
+int ckpt__manifest_write(ckpt_manifest *m, const char *dir) {
+    char *text = NULL;
+    size_t n = 0;
+    CKPT_TRY(ckpt__manifest_text(m, &text, &n));
     size_t plen = strlen(dir) + sizeof("/" CKPT_MANIFEST_NAME);
     char *path = ckpt__malloc(plen);
     if (!path) {
-        free(withnl);
+        free(text);
         return ckpt__err_nomem("manifest path");
     }
     snprintf(path, plen, "%s/%s", dir, CKPT_MANIFEST_NAME);
-    text_ctx t = {withnl, n + 1};
+    text_ctx t = {text, n};
     int rc = ckpt__publish_file(path, fill_text, &t, NULL, NULL);
     free(path);
-    free(withnl);
+    free(text);
     return rc;
 }
 

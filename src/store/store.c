@@ -382,18 +382,7 @@ static int each_leftover(const char *dir, leftover_fn fn, void *user) {
     return rc;
 }
 
-/* What a rotation or prune is asked to do. */
-typedef struct rotation {
-    int64_t keep;
-    const ckpt_retention *pol; /* NULL or inactive: the newest `keep` only */
-    bool dry_run;
-    bool verify_all; /* also verify the folders beyond keep (to say why each goes) */
-    ckpt_prune_fn report;
-    void *user;
-    const ckpt_logger *lg; /* NULL: no warnings (the report says it) */
-    int64_t removed;
-    int64_t valid_kept; /* valid checkpoints not removed (of those verified) */
-} rotation;
+typedef ckpt_rotation rotation;
 
 bool ckpt__retention_active(const ckpt_retention *pol) {
     return pol && (pol->keep_every_steps > 0 || pol->best_k > 0);
@@ -510,9 +499,9 @@ static void note_valid(verdict *v, const ckpt_checkpoint_info *info, const ckpt_
  * nothing), the ones beyond keep are checked against their manifests
  * (shallow) to learn their step and metrics, and the policy keeps some of
  * them (apply_policy). */
-static int rotate(const char *dir, rotation *r) {
+int ckpt__rotate_src(const ckpt_rotate_src *src, rotation *r) {
     int64_t *nums = NULL, count = 0;
-    CKPT_TRY(ckpt__list_numbers(dir, &nums, &count));
+    CKPT_TRY(src->numbers(src->ctx, &nums, &count));
     verdict *v = count ? ckpt__calloc((size_t)count, sizeof *v) : NULL;
     if (count && !v) {
         free(nums);
@@ -532,14 +521,9 @@ static int rotate(const char *dir, rotation *r) {
         }
         char name[48];
         snprintf(name, sizeof name, "checkpoint_%" PRId64, nums[i]);
-        char *p = ckpt__path_join(dir, name);
-        if (!p) {
-            rc = ckpt__err_nomem("rotation path");
-            break;
-        }
         ckpt_checkpoint_info info;
-        int vrc = ckpt__checkpoint_verify_local(p, !beyond || r->verify_all, &info);
-        free(p);
+        bool deep = !beyond || (r->verify_all && !r->shallow_beyond);
+        int vrc = src->verify(src->ctx, nums[i], deep, &info);
         if (vrc == 0) {
             if (!beyond) kept++;
             note_valid(&v[i], &info, policy ? r->pol : NULL);
@@ -561,7 +545,7 @@ static int rotate(const char *dir, rotation *r) {
         if (!v[i].remove) continue;
         char name[48];
         snprintf(name, sizeof name, "checkpoint_%" PRId64, nums[i]);
-        char *p = ckpt__path_join(dir, name);
+        char *p = ckpt__path_join(src->where, name);
         if (!p) {
             rc = ckpt__err_nomem("rotation path");
             break;
@@ -572,13 +556,39 @@ static int rotate(const char *dir, rotation *r) {
                       "removing %s, older than the newest valid checkpoint: %s", p,
                       v[i].why ? v[i].why : "invalid");
         free(p);
-        if (!r->dry_run) rc = remove_checkpoint(dir, name, r->lg);
+        if (!r->dry_run) rc = src->remove(src->ctx, nums[i], r->lg);
         if (rc == 0) r->removed++;
     }
     for (int64_t i = 0; i < count; i++) free(v[i].why);
     free(v);
     free(nums);
     return rc;
+}
+
+/* The checkpoint folders of a local checkpoints folder, for the rotation. */
+static int local_numbers(void *ctx, int64_t **nums, int64_t *count) {
+    return ckpt__list_numbers(ctx, nums, count);
+}
+
+static int local_verify(void *ctx, int64_t number, bool deep, ckpt_checkpoint_info *info) {
+    char name[48];
+    snprintf(name, sizeof name, "checkpoint_%" PRId64, number);
+    char *p = ckpt__path_join(ctx, name);
+    if (!p) return ckpt__err_nomem("rotation path");
+    int rc = ckpt__checkpoint_verify_local(p, deep, info);
+    free(p);
+    return rc;
+}
+
+static int local_remove(void *ctx, int64_t number, const ckpt_logger *lg) {
+    char name[48];
+    snprintf(name, sizeof name, "checkpoint_%" PRId64, number);
+    return remove_checkpoint(ctx, name, lg);
+}
+
+static int rotate(const char *dir, rotation *r) {
+    ckpt_rotate_src src = {(void *)dir, dir, local_numbers, local_verify, local_remove};
+    return ckpt__rotate_src(&src, r);
 }
 
 int ckpt__rotate(const char *dir, int64_t keep, const ckpt_retention *pol, const ckpt_logger *lg,

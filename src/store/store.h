@@ -64,6 +64,34 @@ typedef struct ckpt_retention {
 bool ckpt__retention_active(const ckpt_retention *pol);
 /* CKPT_EINVAL naming `what` and the field for a bad policy. */
 int ckpt__retention_check(const ckpt_retention *pol, const char *what);
+/* What a rotation or prune is asked to do, and what it did. */
+typedef struct ckpt_rotation {
+    int64_t keep;
+    const ckpt_retention *pol; /* NULL or inactive: the newest `keep` only */
+    bool dry_run;
+    bool verify_all; /* also verify the checkpoints beyond keep (to say why each goes) */
+    bool shallow_beyond; /* ... checking those against their manifests only, not reading them */
+    ckpt_prune_fn report;
+    void *user;
+    const ckpt_logger *lg; /* NULL: no warnings (the report says it) */
+    int64_t removed;
+    int64_t valid_kept; /* valid checkpoints not removed (of those verified) */
+} ckpt_rotation;
+/* Where the checkpoints of a rotation are: a local checkpoints folder, or
+ * a bucket's (store/s3). numbers: the checkpoint numbers, ascending;
+ * verify: checkpoint_<number> checked (deep: every byte) as
+ * ckpt_checkpoint_verify does, info filled; remove: it goes, for every
+ * reader at once. where names the checkpoints' parent in reports. */
+typedef struct ckpt_rotate_src {
+    void *ctx;
+    const char *where;
+    int (*numbers)(void *ctx, int64_t **nums, int64_t *count);
+    int (*verify)(void *ctx, int64_t number, bool deep, ckpt_checkpoint_info *info);
+    int (*remove)(void *ctx, int64_t number, const ckpt_logger *lg);
+} ckpt_rotate_src;
+/* The rule of ckpt_checkpoint_prune_ex over src: which checkpoints go
+ * (keep, the retention policy), reported, removed unless a dry run. */
+int ckpt__rotate_src(const ckpt_rotate_src *src, ckpt_rotation *r);
 /* Removes the checkpoint_<n> folders of dir the retention rule does not
  * keep (ckpt_checkpoint_prune_ex's rule; keep >= 0; pol may be NULL).
  * *removed (may be NULL) gets the count. */

@@ -42,6 +42,39 @@ has "CKPT_ECORRUPT" <"$WORK/err" && has "holds 5000000 bytes, expected 4999999" 
     fail "wrong size: $(cat "$WORK/err")"
 [ "$(s3_stat GET)" = 0 ] || fail "a GET was made for an object of the wrong size"
 
+# several objects' ranges at once, no HEAD: each response checked against the
+# size the caller expects (from a listing), the digest of the bytes kept
+s3_reset
+run_rc 0 "$T" getmany ckpt-test run/big 5000000 run/small 6
+[ "$(s3_stat req_head)" = 0 ] || fail "getmany made a HEAD: $(s3_stats)"
+[ "$(s3_stat req_get)" = 6 ] || fail "getmany: 5 ranges and 1 GET expected: $(s3_stats)"
+grep -q "^run/big xxh3 $h1 (of the bytes kept: $h1)" "$WORK/out" || fail "getmany: $(cat "$WORK/out")"
+run_rc 1 "$T" getmany ckpt-test run/small 6 run/big 4999999
+has "CKPT_ECORRUPT" <"$WORK/err" && has "s3://ckpt-test/run/big" <"$WORK/err" ||
+    fail "getmany of a wrong size: $(cat "$WORK/err")"
+grep -q "^failed 1" "$WORK/out" || fail "getmany names the failing object: $(cat "$WORK/out")"
+
+# server-side copies: CopyObject, only if the source's ETag is still the one
+# given; a larger object by UploadPartCopy ranges (the proxy does those)
+etag=$("$T" head ckpt-test run/big | sed -n 's/^size 5000000 etag \([^ ]*\) .*/\1/p')
+[ -n "$etag" ] || fail "no ETag for run/big"
+s3_reset
+run_rc 0 "$T" copy ckpt-test run/big run/big.copy 5000000 "$etag"
+[ "$(s3_stat req_copy)" = 1 ] && [ "$(s3_stat bytes_in)" = 0 ] ||
+    fail "a copy moved bytes through the client: $(s3_stats)"
+run_rc 0 "$T" get ckpt-test run/big.copy 5000000 "$WORK/copy.out"
+cmp -s "$WORK/big" "$WORK/copy.out" || fail "the copy differs"
+run_rc 1 "$T" copy ckpt-test run/big run/big.copy2 5000000 '"0123456789abcdef0123456789abcdef"'
+has "CKPT_EEXIST" <"$WORK/err" || fail "a copy whose source changed: $(cat "$WORK/err")"
+run_rc 1 "$T" head ckpt-test run/big.copy2
+s3_reset
+CKPT_S3_COPY_MAX=2M run_rc 0 "$T" copy ckpt-test run/big run/big.parts 5000000 "$etag"
+[ "$(s3_stat req_part_copy)" = 3 ] && [ "$(s3_stat req_complete)" = 1 ] ||
+    fail "a copy over CKPT_S3_COPY_MAX: $(s3_stats)"
+run_rc 0 "$T" get ckpt-test run/big.parts 5000000 "$WORK/copy.out"
+cmp -s "$WORK/big" "$WORK/copy.out" || fail "the copy in parts differs"
+for k in run/big.copy run/big.parts; do run_rc 0 "$T" delete ckpt-test "$k"; done
+
 # ListObjectsV2, one key per page: every key once, prefixes with a delimiter
 S3_TOOL_LIST_PAGE=1 run_rc 0 "$T" list ckpt-test run/
 [ "$(grep -c '^key ' "$WORK/out")" = 3 ] || fail "paged listing: $(cat "$WORK/out")"

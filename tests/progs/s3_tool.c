@@ -4,6 +4,10 @@
  *   s3_tool put <bucket> <key> <file> [absent]    PUT (If-None-Match: * with "absent")
  *   s3_tool upload <bucket> <key> <file> [piece]  streamed upload, written in pieces
  *   s3_tool get <bucket> <key> <size> <out>       parallel ranged GET, hashed in order
+ *   s3_tool getmany <bucket> <key> <size> [<key> <size>...]
+ *                                                 several objects' ranges at once (no HEAD)
+ *   s3_tool copy <bucket> <src> <dst> <size> [etag]  server-side copy (if the source's ETag
+ *                                                 is etag)
  *   s3_tool head <bucket> <key>
  *   s3_tool cat <bucket> <key>                    small GET to stdout
  *   s3_tool delete <bucket> <key>
@@ -75,9 +79,10 @@ int main(int argc, char **argv) {
         for (size_t off = 0; rc == 0 && off < n; off += piece)
             rc = ckpt__s3_upload_write(u, p + off, n - off < piece ? n - off : piece);
         uint64_t size = 0;
-        if (rc == 0) rc = ckpt__s3_upload_finish(u, &size);
+        char etag[128] = "";
+        if (rc == 0) rc = ckpt__s3_upload_finish(u, &size, etag);
         else ckpt__s3_upload_abort(u);
-        if (rc == 0) printf("uploaded %" PRIu64 "\n", size);
+        if (rc == 0) printf("uploaded %" PRIu64 " etag %s\n", size, etag);
         free(p);
     } else if (rc == 0 && strcmp(op, "get") == 0 && argc >= 6) {
         uint64_t size = strtoull(argv[4], NULL, 10), h = 0;
@@ -93,6 +98,31 @@ int main(int argc, char **argv) {
                    ckpt__xxh3(dst, size));
         }
         free(dst);
+    } else if (rc == 0 && strcmp(op, "getmany") == 0 && argc >= 5 && argc % 2 == 1) {
+        int64_t n = (argc - 3) / 2;
+        const char *keys[16];
+        uint64_t sizes[16], h[16];
+        uint8_t *dst[16];
+        int64_t failed = -1;
+        if (n > 16) n = 16;
+        for (int64_t i = 0; i < n; i++) {
+            keys[i] = argv[3 + 2 * i];
+            sizes[i] = strtoull(argv[4 + 2 * i], NULL, 10);
+            dst[i] = malloc(sizes[i] ? sizes[i] : 1);
+        }
+        rc = ckpt__s3_get_many(c, n, keys, sizes, dst, h, &failed);
+        for (int64_t i = 0; i < n; i++) {
+            if (rc == 0)
+                printf("%s xxh3 %016" PRIx64 " (of the bytes kept: %016" PRIx64 ")\n", keys[i],
+                       h[i], ckpt__xxh3(dst[i], sizes[i]));
+            free(dst[i]);
+        }
+        if (rc < 0) printf("failed %" PRId64 "\n", failed);
+    } else if (rc == 0 && strcmp(op, "copy") == 0 && argc >= 6) {
+        char etag[128] = "";
+        rc = ckpt__s3_copy(c, key, argv[4], strtoull(argv[5], NULL, 10),
+                           argc > 6 ? argv[6] : NULL, etag);
+        if (rc == 0) printf("copied etag %s\n", etag);
     } else if (rc == 0 && strcmp(op, "head") == 0) {
         ckpt_s3_head h;
         rc = ckpt__s3_head(c, key, &h);

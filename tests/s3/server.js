@@ -19,6 +19,10 @@
 //   ETag; conditional PUTs of one key are serialised, so of two writers
 //   racing for a key exactly one wins (S3's conditional writes);
 // - AbortMultipartUpload (DELETE ?uploadId=) answers 204 and drops the parts;
+// - CopyObject and UploadPartCopy honour x-amz-copy-source-if-match (412
+//   unless the source has that ETag), and UploadPartCopy (which s3rver does
+//   not implement) is done here: the source's range read from s3rver and
+//   uploaded as the part;
 // - faults, set by the test: POST /__proxy/faults with a JSON list of rules
 //     {"method": "PUT", "key": "<regex on the key>", "query": "<regex>",
 //      "action": "status" | "slow" | "drop" | "cut", "status": 503,
@@ -35,8 +39,11 @@
 //   compared with the body: 403 SignatureDoesNotMatch, 400
 //   XAmzContentSHA256Mismatch. A second implementation of the signature,
 //   written apart from the client's;
-// - GET /__proxy/stats: requests seen per method, faults injected, and
-//   POST /__proxy/reset: no rules, counters at zero.
+// - GET /__proxy/stats: requests seen per method (GET, PUT, ...) and per
+//   kind (req_list, req_get, req_head, req_put, req_part, req_copy,
+//   req_part_copy, req_initiate, req_complete, req_delete, req_abort),
+//   bytes received in bodies (bytes_in) and sent (bytes_out), faults
+//   injected; POST /__proxy/reset: no rules, counters at zero.
 'use strict';
 
 const crypto = require('crypto');
@@ -80,6 +87,29 @@ function currentEtag(bucket, key) {
     return '"' + fs.readFileSync(f + '.md5').toString().trim() + '"';
   } catch (e) {
     return '""';
+  }
+}
+
+// What a request is, for the counters.
+function kindOf(req, query) {
+  const q = (name) => new RegExp('(^|&)' + name + '(=|&|$)').test(query);
+  const copy = 'x-amz-copy-source' in req.headers;
+  switch (req.method) {
+    case 'GET':
+      return q('list-type') ? 'list' : 'get';
+    case 'HEAD':
+      return 'head';
+    case 'PUT':
+      if (q('uploadId')) return copy ? 'part_copy' : 'part';
+      return copy ? 'copy' : 'put';
+    case 'POST':
+      if (q('uploads')) return 'initiate';
+      if (q('uploadId')) return 'complete';
+      return 'post';
+    case 'DELETE':
+      return q('uploadId') ? 'abort' : 'delete';
+    default:
+      return 'other';
   }
 }
 
@@ -182,6 +212,7 @@ function forward(req, res, body, upstreamPort, cut) {
     },
     (ur) => {
       res.writeHead(ur.statusCode, ur.headers);
+      ur.on('data', (d) => (stats.bytes_out = (stats.bytes_out || 0) + d.length));
       if (!cut) {
         ur.pipe(res);
         return;
@@ -203,6 +234,63 @@ function forward(req, res, body, upstreamPort, cut) {
   );
   up.on('error', (e) => s3Error(res, 502, 'BadGateway', String(e)));
   up.end(body);
+}
+
+// "/bucket/key" of x-amz-copy-source -> [bucket, key]
+function copySource(h) {
+  const p = decodeURIComponent(h.startsWith('/') ? h.slice(1) : h);
+  const i = p.indexOf('/');
+  return i < 0 ? [p, ''] : [p.slice(0, i), p.slice(i + 1)];
+}
+
+// CopyObject (forwarded to s3rver) and UploadPartCopy (done here), with
+// x-amz-copy-source-if-match checked first.
+function copyObject(req, res, body, upstreamPort, query, cut) {
+  const [sb, sk] = copySource(req.headers['x-amz-copy-source']);
+  const want = req.headers['x-amz-copy-source-if-match'];
+  const etag = currentEtag(sb, sk);
+  if (etag === null) return s3Error(res, 404, 'NoSuchKey', 'The specified key does not exist.');
+  if (want && want !== etag) {
+    count('precondition_failed');
+    return s3Error(res, 412, 'PreconditionFailed',
+                   'At least one of the pre-conditions you specified did not hold');
+  }
+  if (!/(^|&)uploadId=/.test(query)) return forward(req, res, body, upstreamPort, cut);
+  const range = req.headers['x-amz-copy-source-range'];
+  const m = /^bytes=(\d+)-(\d+)$/.exec(range || '');
+  if (!m) return s3Error(res, 400, 'InvalidArgument', 'x-amz-copy-source-range is missing or malformed');
+  const src = fs.readFileSync(objectFile(sb, sk));
+  const a = Number(m[1]), b = Number(m[2]);
+  if (b >= src.length || a > b) return s3Error(res, 416, 'InvalidRange', 'The requested range is not satisfiable');
+  const part = src.subarray(a, b + 1);
+  // the part as an unsigned upload to s3rver (it checks no signature here)
+  const up = http.request(
+    {
+      host: '127.0.0.1',
+      port: upstreamPort,
+      method: 'PUT',
+      path: req.url,
+      headers: { 'content-length': part.length },
+    },
+    (ur) => {
+      const got = [];
+      ur.on('data', (d) => got.push(d));
+      ur.on('end', () => {
+        if (ur.statusCode !== 200) {
+          res.writeHead(ur.statusCode, ur.headers);
+          return res.end(Buffer.concat(got));
+        }
+        const xml =
+          '<?xml version="1.0" encoding="UTF-8"?>\n<CopyPartResult><ETag>' +
+          String(ur.headers.etag || '').replace(/"/g, '&quot;') +
+          '</ETag></CopyPartResult>';
+        res.writeHead(200, { 'Content-Type': 'application/xml', 'Content-Length': Buffer.byteLength(xml) });
+        res.end(xml);
+      });
+    },
+  );
+  up.on('error', (e) => s3Error(res, 502, 'BadGateway', String(e)));
+  up.end(part);
 }
 
 // Conditional writes of one key, one at a time.
@@ -241,6 +329,8 @@ function handle(req, res, upstreamPort) {
   req.on('end', () => {
     const body = Buffer.concat(chunks);
     count(req.method);
+    count('req_' + kindOf(req, query));
+    stats.bytes_in = (stats.bytes_in || 0) + body.length;
     const bad = checkSignature(req, body);
     if (bad) {
       count('refused_' + bad[1]);
@@ -264,6 +354,8 @@ function handle(req, res, upstreamPort) {
         res.writeHead(204);
         return res.end();
       }
+      const copySrc = req.headers['x-amz-copy-source'];
+      if (req.method === 'PUT' && copySrc) return copyObject(req, res, body, upstreamPort, query, cut);
       const inm = req.headers['if-none-match'];
       const im = req.headers['if-match'];
       if (req.method === 'PUT' && bucket && key && (inm === '*' || im)) {

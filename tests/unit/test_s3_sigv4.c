@@ -7,7 +7,8 @@
  * Calculations for the Authorization Header: Transferring Payload in a Single
  * Chunk", example credentials AKIAIOSFODNN7EXAMPLE), given only as a
  * reference for the inputs; the fourth is ours (path-style, a session token,
- * If-None-Match, UNSIGNED-PAYLOAD, another region). */
+ * If-None-Match, UNSIGNED-PAYLOAD, another region). The XML answers' text
+ * is read with its entities decoded (an ETag comes as &quot;...&quot;). */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -19,6 +20,9 @@
 
 #include "ckpt.h"
 #include "store/s3/s3.h"
+#ifdef CKPT_HAVE_S3
+#include "store/s3/s3_int.h"
+#endif
 
 static const ckpt_s3_creds aws_example = {
     "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", NULL, "us-east-1"};
@@ -161,6 +165,22 @@ static void test_parse_url(void **state) {
     assert_false(ckpt__s3_is_url("run/s3://x"));
 }
 
+static void test_xml_text(void **state) {
+    (void)state;
+#ifdef CKPT_HAVE_S3
+    const char *x = "<R><Key>a&amp;b&lt;c&gt;&apos;&#65;&#x42;</Key>"
+                    "<ETag>&quot;c2a7efff115d977e3306da7133164da0&quot;</ETag><Bad>&nope;</Bad></R>";
+    char out[128];
+    assert_int_equal(ckpt__s3_xml_text(x, strlen(x), "Key", out, sizeof out), 0);
+    assert_string_equal(out, "a&b<c>'AB");
+    assert_int_equal(ckpt__s3_xml_text(x, strlen(x), "ETag", out, sizeof out), 0);
+    assert_string_equal(out, "\"c2a7efff115d977e3306da7133164da0\"");
+    assert_int_equal(ckpt__s3_xml_text(x, strlen(x), "Bad", out, sizeof out), -1);
+    assert_int_equal(ckpt__s3_xml_text(x, strlen(x), "Missing", out, sizeof out), -1);
+    assert_int_equal(ckpt__s3_xml_text(x, strlen(x), "ETag", out, 10), -1); /* does not fit */
+#endif
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sigv4_get_object_with_range),
@@ -169,6 +189,7 @@ int main(void) {
         cmocka_unit_test(test_sigv4_path_style_token_conditional),
         cmocka_unit_test(test_uri_encode),
         cmocka_unit_test(test_parse_url),
+        cmocka_unit_test(test_xml_text),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -26,24 +26,12 @@ static int open_dir(const char *url, ckpt_remote *r, const char **dir) {
     return 0;
 }
 
-static void fill_info(ckpt_checkpoint_info *info, const ckpt_manifest *m) {
-    info->step = m->step;
-    info->iteration = m->iteration;
-    info->created_unix = m->created_unix;
-    info->num_files = (int)m->nfiles;
-    info->num_processes = m->num_processes;
-    info->format_version = (int)m->format_version;
-    snprintf(info->library_version, sizeof info->library_version, "%s", m->library_version);
-    info->num_metrics = m->nmetrics;
-    memcpy(info->metrics, m->metrics, sizeof info->metrics);
-    for (int64_t i = 0; i < m->nfiles; i++) info->total_bytes += m->files[i].size;
-}
-
-static int check_into(ckpt_remote *r, const char *dir, bool deep, ckpt_checkpoint_info *info) {
+static int check_into(ckpt_remote *r, const char *dir, const ckpt_remote_entry *e, bool deep,
+                      ckpt_checkpoint_info *info) {
     ckpt_manifest m;
     bool have = false;
-    int rc = ckpt__remote_check(r, dir, deep, &m, &have);
-    if (have) fill_info(info, &m);
+    int rc = ckpt__remote_check(r, dir, e, deep, &m, &have);
+    if (have) ckpt__remote_fill_info(info, &m);
     if (have) ckpt__manifest_clear(&m);
     if (rc == 0) info->status = CKPT_CHECKPOINT_COMPLETE;
     else if (!have && rc == CKPT_ENOENT) info->status = CKPT_CHECKPOINT_PARTIAL;
@@ -59,7 +47,7 @@ int ckpt__remote_verify_url(const char *url, bool deep, ckpt_checkpoint_info *in
     const char *base = strrchr(dir, '/');
     int64_t n;
     if (ckpt__parse_checkpoint_name(base ? base + 1 : dir, &n)) info->number = n;
-    int rc = check_into(&r, dir, deep, info);
+    int rc = check_into(&r, dir, NULL, deep, info);
     ckpt__remote_close(&r);
     return rc;
 }
@@ -91,12 +79,12 @@ int ckpt__remote_list_url(const char *project_url, bool deep, ckpt_checkpoint_in
         info->number = v[i].number;
         /* a bad checkpoint is an entry with its status; a failure of the
          * store itself (access, network) fails the list */
-        int vrc = check_into(&r, dir, deep, info);
+        int vrc = check_into(&r, dir, &v[i], deep, info);
         if (vrc < 0 && vrc != CKPT_ECORRUPT && vrc != CKPT_ENOENT && vrc != CKPT_EUNSUPPORTED)
             rc = vrc;
         free(dir);
     }
-    free(v);
+    ckpt__remote_scan_free(v, n);
     ckpt__remote_close(&r);
     if (rc < 0) {
         free(infos);
@@ -129,7 +117,7 @@ int ckpt__remote_leftovers_url(const char *project_url, ckpt_leftover_info **out
         l[k].running = false;
         k++;
     }
-    free(v);
+    ckpt__remote_scan_free(v, n);
     ckpt__remote_close(&r);
     if (rc < 0) {
         free(l);
@@ -146,18 +134,19 @@ int ckpt__remote_leftovers_url(const char *project_url, ckpt_leftover_info **out
 
 int ckpt__remote_prune_url(const char *project_url, const ckpt_prune_options *opts,
                            int64_t *removed) {
-    if (opts->keep_every_steps > 0 || opts->best_k > 0)
-        return ckpt__err(CKPT_EUNSUPPORTED,
-                         "checkpoint_prune: %s: keep_every_steps and best_k are not supported "
-                         "on object storage yet (keep is)",
-                         project_url);
+    ckpt_retention pol = {.keep_every_steps = opts->keep_every_steps,
+                          .best_metric = opts->best_metric,
+                          .best_mode = opts->best_mode,
+                          .best_k = opts->best_k};
+    CKPT_TRY(ckpt__retention_check(&pol, "checkpoint_prune"));
+    if (opts->valid_kept) *opts->valid_kept = 0;
     ckpt_remote r;
     CKPT_TRY(ckpt__remote_open(&r, project_url));
     ckpt_remote_lock lk = {0};
     int rc = 0;
     if (!opts->dry_run) rc = ckpt__remote_lock(&r, &lk, NULL);
     ckpt_remote_entry *v = NULL;
-    int64_t n = 0, kept = 0;
+    int64_t n = 0;
     if (rc == 0) rc = ckpt__remote_scan(&r, &v, &n);
     /* leftovers first */
     for (int64_t i = 0; rc == 0 && i < n; i++) {
@@ -166,51 +155,23 @@ int ckpt__remote_prune_url(const char *project_url, const ckpt_prune_options *op
         snprintf(path, sizeof path, "%s/checkpoints/checkpoint_%" PRId64 "/", r.url, v[i].number);
         if (opts->report) opts->report(opts->user, path, CKPT_PRUNE_LEFTOVER, NULL);
     }
-    if (rc == 0 && !opts->dry_run) rc = ckpt__remote_remove_leftovers(&r, NULL, NULL);
-    /* the newest `keep` valid (manifest and sizes) stay; older valid ones go,
-     * and invalid ones older than the newest valid one */
-    bool *go = rc == 0 && n ? ckpt__calloc((size_t)n, sizeof *go) : NULL;
-    char **why = rc == 0 && n ? ckpt__calloc((size_t)n, sizeof *why) : NULL;
-    if (rc == 0 && n && (!go || !why)) rc = ckpt__err_nomem("prune plan");
-    for (int64_t i = n - 1; rc == 0 && i >= 0; i--) {
-        if (!v[i].committed) continue;
-        char rel[80];
-        snprintf(rel, sizeof rel, "checkpoints/checkpoint_%" PRId64, v[i].number);
-        char *dir = ckpt__remote_key(&r, rel);
-        if (!dir) {
-            rc = ckpt__err_nomem("prune");
-            break;
-        }
-        ckpt_checkpoint_info info = {0};
-        int vrc = check_into(&r, dir, kept < opts->keep, &info);
-        free(dir);
-        if (vrc == 0) {
-            if (kept >= opts->keep) go[i] = true;
-            kept++;
-        } else if (vrc == CKPT_ECORRUPT || vrc == CKPT_ENOENT) {
-            why[i] = ckpt__strdup(ckpt_errmsg());
-            go[i] = kept > 0;
-        } else if (vrc != CKPT_EUNSUPPORTED) {
-            rc = vrc;
-        }
-    }
-    int64_t count = 0;
-    for (int64_t i = 0; rc == 0 && i < n; i++) {
-        if (!go || !go[i]) continue;
-        char path[4200];
-        snprintf(path, sizeof path, "%s/checkpoints/checkpoint_%" PRId64, r.url, v[i].number);
-        if (opts->report)
-            opts->report(opts->user, path, why[i] ? CKPT_PRUNE_INVALID : CKPT_PRUNE_OLD, why[i]);
-        if (!opts->dry_run) rc = ckpt__remote_remove(&r, v[i].number);
-        if (rc == 0) count++;
-    }
-    for (int64_t i = 0; why && i < n; i++) free(why[i]);
-    free(why);
-    free(go);
-    free(v);
+    if (rc == 0 && !opts->dry_run) rc = ckpt__remote_remove_leftovers(&r, v, &n, NULL, NULL);
+    /* the rule of a local prune: the newest `keep` valid (every byte read)
+     * stay, the policies keep more, invalid ones older than the newest
+     * valid one go */
+    ckpt_rotation rot = {.keep = opts->keep,
+                         .pol = &pol,
+                         .dry_run = opts->dry_run,
+                         .verify_all = true,
+                         .shallow_beyond = true,
+                         .report = opts->report,
+                         .user = opts->user};
+    if (rc == 0) rc = ckpt__remote_rotate(&r, v, n, -1, NULL, true, &rot);
+    ckpt__remote_scan_free(v, n);
     if (!opts->dry_run) ckpt__remote_unlock(&r, &lk);
     ckpt__remote_close(&r);
-    if (removed) *removed = count;
+    if (removed) *removed = rot.removed;
+    if (opts->valid_kept) *opts->valid_kept = rc == 0 ? rot.valid_kept : 0;
     return rc;
 }
 

@@ -1,6 +1,7 @@
 /* remote.c — a project folder in object storage (remote.h): scan, check,
  * fetch, publish, remove, leftovers and the lease lock. */
 #include "store/s3/remote.h"
+#include "store/s3/remote_int.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -47,13 +48,18 @@ char *ckpt__remote_key(const ckpt_remote *r, const char *rel) {
     return ckpt__path_join(r->prefix, rel);
 }
 
+char *ckpt__remote_number_key(const ckpt_remote *r, int64_t number) {
+    char rel[80];
+    snprintf(rel, sizeof rel, "checkpoints/checkpoint_%" PRId64, number);
+    return ckpt__remote_key(r, rel);
+}
+
 /* ---- scan ------------------------------------------------------------------ */
 
 typedef struct scan_ctx {
     size_t plen; /* length of "<prefix>/checkpoints/" */
     ckpt_remote_entry *v;
     int64_t n, cap;
-    int err;
 } scan_ctx;
 
 static ckpt_remote_entry *entry_for(scan_ctx *s, int64_t number) {
@@ -70,11 +76,28 @@ static ckpt_remote_entry *entry_for(scan_ctx *s, int64_t number) {
     return &s->v[s->n++];
 }
 
+static int entry_add(ckpt_remote_entry *e, const char *name, uint64_t size) {
+    if (e->nobjects == e->cap) {
+        int64_t cap = e->cap ? e->cap * 2 : 16;
+        char **nn = ckpt__realloc(e->names, (size_t)cap * sizeof *nn);
+        if (!nn) return ckpt__err_nomem("s3 checkpoint list");
+        e->names = nn;
+        uint64_t *ns = ckpt__realloc(e->sizes, (size_t)cap * sizeof *ns);
+        if (!ns) return ckpt__err_nomem("s3 checkpoint list");
+        e->sizes = ns;
+        e->cap = cap;
+    }
+    if (!(e->names[e->nobjects] = ckpt__strdup(name))) return ckpt__err_nomem("s3 checkpoint list");
+    e->sizes[e->nobjects++] = size;
+    e->bytes += size;
+    return 0;
+}
+
 static int scan_item(void *user, const char *key, uint64_t size, bool is_prefix) {
     scan_ctx *s = user;
     if (is_prefix || strlen(key) <= s->plen) return 0;
     const char *rest = key + s->plen, *slash = strchr(rest, '/');
-    if (!slash) return 0; /* .lock and the like */
+    if (!slash || !slash[1]) return 0; /* .lock and the like */
     char name[64];
     size_t nl = (size_t)(slash - rest);
     if (nl >= sizeof name) return 0;
@@ -84,15 +107,22 @@ static int scan_item(void *user, const char *key, uint64_t size, bool is_prefix)
     if (!ckpt__parse_checkpoint_name(name, &number)) return 0;
     ckpt_remote_entry *e = entry_for(s, number);
     if (!e) return ckpt__err_nomem("s3 checkpoint list");
-    e->nobjects++;
-    e->bytes += size;
     if (strcmp(slash + 1, CKPT_MANIFEST_NAME) == 0) e->committed = true;
-    return 0;
+    return entry_add(e, slash + 1, size);
 }
 
 static int cmp_entry(const void *a, const void *b) {
     int64_t x = ((const ckpt_remote_entry *)a)->number, y = ((const ckpt_remote_entry *)b)->number;
     return (x > y) - (x < y);
+}
+
+void ckpt__remote_scan_free(ckpt_remote_entry *v, int64_t count) {
+    for (int64_t i = 0; v && i < count; i++) {
+        for (int64_t k = 0; k < v[i].nobjects; k++) free(v[i].names[k]);
+        free(v[i].names);
+        free(v[i].sizes);
+    }
+    free(v);
 }
 
 int ckpt__remote_scan(ckpt_remote *r, ckpt_remote_entry **out, int64_t *count) {
@@ -104,13 +134,19 @@ int ckpt__remote_scan(ckpt_remote *r, ckpt_remote_entry **out, int64_t *count) {
     int rc = ckpt__s3_list(r->c, dir, NULL, scan_item, &s);
     free(dir);
     if (rc < 0) {
-        free(s.v);
+        ckpt__remote_scan_free(s.v, s.n);
         return rc;
     }
     if (s.n > 1) qsort(s.v, (size_t)s.n, sizeof *s.v, cmp_entry);
     *out = s.v;
     *count = s.n;
     return 0;
+}
+
+const ckpt_remote_entry *ckpt__remote_find(const ckpt_remote_entry *v, int64_t n, int64_t number) {
+    for (int64_t i = 0; i < n; i++)
+        if (v[i].number == number) return &v[i];
+    return NULL;
 }
 
 /* ---- manifest and check ---------------------------------------------------- */
@@ -135,46 +171,29 @@ int ckpt__remote_manifest(ckpt_remote *r, const char *dir, ckpt_manifest *m) {
     return rc;
 }
 
-typedef struct listing {
-    char **names;
-    uint64_t *sizes;
-    int64_t n, cap;
-    size_t plen;
-} listing;
-
+/* Every object under key dir/ (an entry of its own, number unused). */
 static int list_item(void *user, const char *key, uint64_t size, bool is_prefix) {
-    listing *l = user;
-    if (is_prefix || strlen(key) <= l->plen) return 0;
-    if (l->n == l->cap) {
-        int64_t cap = l->cap ? l->cap * 2 : 32;
-        char **nn = ckpt__realloc(l->names, (size_t)cap * sizeof *nn);
-        if (!nn) return ckpt__err_nomem("s3 listing");
-        l->names = nn;
-        uint64_t *ns = ckpt__realloc(l->sizes, (size_t)cap * sizeof *ns);
-        if (!ns) return ckpt__err_nomem("s3 listing");
-        l->sizes = ns;
-        l->cap = cap;
-    }
-    if (!(l->names[l->n] = ckpt__strdup(key + l->plen))) return ckpt__err_nomem("s3 listing");
-    l->sizes[l->n++] = size;
-    return 0;
+    scan_ctx *s = user;
+    if (is_prefix || strlen(key) <= s->plen) return 0;
+    return entry_add(&s->v[0], key + s->plen, size);
 }
 
-static void listing_free(listing *l) {
-    for (int64_t i = 0; i < l->n; i++) free(l->names[i]);
-    free(l->names);
-    free(l->sizes);
-}
-
-static int list_dir(ckpt_remote *r, const char *dir, listing *l) {
-    *l = (listing){0};
+int ckpt__remote_list_dir(ckpt_remote *r, const char *dir, ckpt_remote_entry *e) {
+    *e = (ckpt_remote_entry){.number = -1};
     char *p = ckpt__malloc(strlen(dir) + 2);
     if (!p) return ckpt__err_nomem("s3 listing");
     sprintf(p, "%s/", dir);
-    l->plen = strlen(p);
-    int rc = ckpt__s3_list(r->c, p, NULL, list_item, l);
+    scan_ctx s = {.plen = strlen(p), .v = e, .n = 1};
+    int rc = ckpt__s3_list(r->c, p, NULL, list_item, &s);
     free(p);
     return rc;
+}
+
+void ckpt__remote_entry_clear(ckpt_remote_entry *e) {
+    for (int64_t k = 0; k < e->nobjects; k++) free(e->names[k]);
+    free(e->names);
+    free(e->sizes);
+    *e = (ckpt_remote_entry){.number = -1};
 }
 
 static bool ends_with(const char *s, const char *suffix) {
@@ -182,30 +201,42 @@ static bool ends_with(const char *s, const char *suffix) {
     return a >= b && strcmp(s + a - b, suffix) == 0;
 }
 
-int ckpt__remote_check(ckpt_remote *r, const char *dir, bool deep, ckpt_manifest *m,
-                       bool *have_manifest) {
+/* Every file m lists is in e with its size, no state file is unlisted:
+ * what a look at a folder tells before anything is read. url names the
+ * checkpoint in messages. */
+int ckpt__remote_check_listing(const char *url, const ckpt_manifest *m,
+                               const ckpt_remote_entry *e) {
+    for (int64_t i = 0; i < m->nfiles; i++) {
+        const ckpt_manifest_file *f = &m->files[i];
+        int64_t j = 0;
+        while (j < e->nobjects && strcmp(e->names[j], f->name) != 0) j++;
+        if (j == e->nobjects)
+            return ckpt__err(CKPT_ECORRUPT, "%s: %s is listed in the manifest but missing", url,
+                             f->name);
+        if (e->sizes[j] != f->size)
+            return ckpt__err(CKPT_ECORRUPT,
+                             "%s: %s: size %" PRIu64 " bytes, the manifest says %" PRIu64 "%s",
+                             url, f->name, e->sizes[j], f->size,
+                             e->sizes[j] < f->size ? " (truncated)" : "");
+    }
+    for (int64_t j = 0; j < e->nobjects; j++)
+        if (ends_with(e->names[j], ".safetensors") && !ckpt__manifest_find(m, e->names[j]))
+            return ckpt__err(CKPT_ECORRUPT, "%s: %s is not listed in the manifest", url,
+                             e->names[j]);
+    return 0;
+}
+
+int ckpt__remote_check(ckpt_remote *r, const char *dir, const ckpt_remote_entry *e, bool deep,
+                       ckpt_manifest *m, bool *have_manifest) {
     *have_manifest = false;
     CKPT_TRY(ckpt__remote_manifest(r, dir, m));
     *have_manifest = true;
-    listing l;
-    int rc = list_dir(r, dir, &l);
-    for (int64_t i = 0; rc == 0 && i < m->nfiles; i++) {
-        const ckpt_manifest_file *f = &m->files[i];
-        int64_t j = 0;
-        while (j < l.n && strcmp(l.names[j], f->name) != 0) j++;
-        if (j == l.n)
-            rc = ckpt__err(CKPT_ECORRUPT, "s3://%s/%s/%s: missing (the manifest lists it)",
-                           r->bucket, dir, f->name);
-        else if (l.sizes[j] != f->size)
-            rc = ckpt__err(CKPT_ECORRUPT,
-                           "s3://%s/%s/%s: %" PRIu64 " bytes, the manifest says %" PRIu64,
-                           r->bucket, dir, f->name, l.sizes[j], f->size);
-    }
-    for (int64_t j = 0; rc == 0 && j < l.n; j++)
-        if (ends_with(l.names[j], ".safetensors") && !ckpt__manifest_find(m, l.names[j]))
-            rc = ckpt__err(CKPT_ECORRUPT, "s3://%s/%s/%s: a state file the manifest does not list",
-                           r->bucket, dir, l.names[j]);
-    listing_free(&l);
+    char url[1200];
+    snprintf(url, sizeof url, "s3://%s/%s", r->bucket, dir);
+    ckpt_remote_entry own = {.number = -1};
+    int rc = e ? 0 : ckpt__remote_list_dir(r, dir, &own);
+    if (rc == 0) rc = ckpt__remote_check_listing(url, m, e ? e : &own);
+    ckpt__remote_entry_clear(&own);
     for (int64_t i = 0; rc == 0 && deep && i < m->nfiles; i++) {
         const ckpt_manifest_file *f = &m->files[i];
         char *key = ckpt__path_join(dir, f->name);
@@ -220,6 +251,75 @@ int ckpt__remote_check(ckpt_remote *r, const char *dir, bool deep, ckpt_manifest
         free(key);
     }
     return rc;
+}
+
+/* ---- a load's read phase ------------------------------------------------------ */
+
+int ckpt__remote_open_manifest(ckpt_remote *r, const char *dir, const char *url,
+                               ckpt_checkpoint_open *c) {
+    memset(c, 0, sizeof *c);
+    int rc = ckpt__remote_manifest(r, dir, &c->m);
+    if (rc == CKPT_ENOENT) {
+        /* a prefix with objects but no manifest: a save that did not finish */
+        ckpt_remote_entry e;
+        char saved[1024];
+        snprintf(saved, sizeof saved, "%s", ckpt_errmsg());
+        if (ckpt__remote_list_dir(r, dir, &e) == 0 && e.nobjects > 0) c->no_manifest = true;
+        ckpt__remote_entry_clear(&e);
+        ckpt__err(rc, "%s", saved);
+    }
+    if (rc < 0) return rc;
+    c->have_manifest = true;
+    for (int64_t i = 0; i < c->m.nfiles; i++)
+        if (__builtin_add_overflow(c->total_bytes, c->m.files[i].size, &c->total_bytes))
+            c->total_bytes = UINT64_MAX;
+    (void)url;
+    return 0;
+}
+
+typedef struct read_src {
+    ckpt_remote *r;
+    const char *dir, *url;
+} read_src;
+
+static int src_check(void *ctx, const ckpt_manifest *m) {
+    read_src *s = ctx;
+    ckpt_remote_entry e;
+    int rc = ckpt__remote_list_dir(s->r, s->dir, &e);
+    if (rc == 0) rc = ckpt__remote_check_listing(s->url, m, &e);
+    ckpt__remote_entry_clear(&e);
+    return rc;
+}
+
+static int src_read(void *ctx, const ckpt_manifest *m, const int64_t *idx, int64_t n,
+                    uint8_t *const *dst, uint64_t *h) {
+    read_src *s = ctx;
+    char **keys = ckpt__calloc((size_t)(n ? n : 1), sizeof *keys);
+    uint64_t *sizes = ckpt__calloc((size_t)(n ? n : 1), sizeof *sizes);
+    uint8_t **to = ckpt__calloc((size_t)(n ? n : 1), sizeof *to);
+    uint64_t *got = ckpt__calloc((size_t)(n ? n : 1), sizeof *got);
+    int rc = keys && sizes && to && got ? 0 : ckpt__err_nomem("s3 read");
+    for (int64_t k = 0; rc == 0 && k < n; k++) {
+        const ckpt_manifest_file *f = &m->files[idx[k]];
+        if (!(keys[k] = ckpt__path_join(s->dir, f->name))) rc = ckpt__err_nomem("s3 key");
+        sizes[k] = f->size;
+        to[k] = dst[idx[k]];
+    }
+    if (rc == 0) rc = ckpt__s3_get_many(s->r->c, n, (const char *const *)keys, sizes, to, got, NULL);
+    for (int64_t k = 0; rc == 0 && k < n; k++) h[idx[k]] = got[k];
+    for (int64_t k = 0; keys && k < n; k++) free(keys[k]);
+    free(keys);
+    free(sizes);
+    free(to);
+    free(got);
+    return rc;
+}
+
+int ckpt__remote_read_files(ckpt_remote *r, const char *dir, const char *url, const bool *shallow,
+                            ckpt_arena *arena, ckpt_checkpoint_open *c) {
+    read_src s = {r, dir, url};
+    ckpt_file_source src = {&s, src_check, src_read};
+    return ckpt__checkpoint_read_files_from(&src, url, shallow, arena, c);
 }
 
 /* ---- fetch ------------------------------------------------------------------ */
@@ -284,185 +384,6 @@ int ckpt__remote_fetch(ckpt_remote *r, const char *dir, const char *local_dir,
     free(mkey);
     free(text);
     ckpt__manifest_clear(&m);
-    return rc;
-}
-
-/* ---- publish ------------------------------------------------------------- */
-
-/* Uploads one local file, reading it once: the bytes sent are the bytes
- * hashed and compared with the manifest (a file changed since it was
- * written is not published; the upload is aborted). */
-static int upload_file(ckpt_remote *r, const char *path, const char *key,
-                       const ckpt_manifest_file *f) {
-    struct stat st;
-    int fd = ckpt__open_read(path, path, true, &st);
-    if (fd < 0) return fd;
-    int rc = 0;
-    if ((uint64_t)st.st_size != f->size)
-        rc = ckpt__err(CKPT_ECORRUPT, "%s: %lld bytes, the manifest says %" PRIu64, path,
-                       (long long)st.st_size, f->size);
-    ckpt_s3_upload *u = NULL;
-    if (rc == 0) rc = ckpt__s3_upload_begin(r->c, key, &u);
-    size_t piece = (size_t)ckpt__s3_options(r->c)->part_size;
-    uint8_t *buf = rc == 0 ? ckpt__malloc(piece) : NULL;
-    XXH3_state_t *hs = rc == 0 ? XXH3_createState() : NULL;
-    if (rc == 0 && (!buf || !hs)) rc = ckpt__err_nomem("s3 upload");
-    if (rc == 0) XXH3_64bits_reset(hs);
-    uint64_t off = 0;
-    while (rc == 0 && off < f->size) {
-        size_t want = f->size - off < piece ? (size_t)(f->size - off) : piece;
-        ssize_t got = ckpt__os_pread(fd, buf, want, off);
-        if (got < 0) rc = ckpt__err_os(errno, "%s: read", path);
-        else if (got == 0) rc = ckpt__err(CKPT_ECORRUPT, "%s: ends early", path);
-        else {
-            XXH3_64bits_update(hs, buf, (size_t)got);
-            rc = ckpt__s3_upload_write(u, buf, (size_t)got);
-            off += (uint64_t)got;
-        }
-    }
-    if (rc == 0 && XXH3_64bits_digest(hs) != f->xxh3)
-        rc = ckpt__err(CKPT_ECORRUPT, "%s: does not match its manifest (checksum); not uploaded",
-                       path);
-    XXH3_freeState(hs);
-    free(buf);
-    ckpt__os_close(fd);
-    if (rc == 0) rc = ckpt__s3_upload_finish(u, NULL);
-    else ckpt__s3_upload_abort(u);
-    return rc;
-}
-
-/* Whether anything is stored under checkpoints/checkpoint_<n>/. */
-static int number_used(ckpt_remote *r, int64_t n, bool *used) {
-    char rel[80];
-    snprintf(rel, sizeof rel, "checkpoints/checkpoint_%" PRId64, n);
-    char *dir = ckpt__remote_key(r, rel);
-    if (!dir) return ckpt__err_nomem("s3 key");
-    listing l;
-    int rc = list_dir(r, dir, &l);
-    *used = l.n > 0;
-    listing_free(&l);
-    free(dir);
-    return rc;
-}
-
-int ckpt__remote_publish(ckpt_remote *r, const char *local_dir, int64_t number, int64_t *committed,
-                         const ckpt_logger *lg) {
-    if (committed) *committed = -1;
-    ckpt_manifest m;
-    CKPT_TRY(ckpt__manifest_read(local_dir, &m));
-    char *mpath = ckpt__path_join(local_dir, CKPT_MANIFEST_NAME);
-    char *mtext = NULL;
-    size_t mlen = 0;
-    int rc = mpath ? ckpt__read_small_file(mpath, true, CKPT_MANIFEST_MAX_BYTES, &mtext, &mlen)
-                   : ckpt__err_nomem("s3 publish");
-    for (int tries = 0; rc == 0; tries++, number++) {
-        bool used = false;
-        rc = number_used(r, number, &used);
-        if (rc < 0) break;
-        if (used) {
-            ckpt__log(lg, CKPT_LOG_WARNING,
-                      "%s/checkpoints/checkpoint_%" PRId64
-                      " already holds objects (another writer?); saving as the next number",
-                      r->url, number);
-            if (tries >= 100) {
-                rc = ckpt__err(CKPT_EBUSY, "%s: 100 checkpoint numbers in a row are taken", r->url);
-                break;
-            }
-            continue;
-        }
-        char rel[80];
-        snprintf(rel, sizeof rel, "checkpoints/checkpoint_%" PRId64, number);
-        char *dir = ckpt__remote_key(r, rel);
-        if (!dir) {
-            rc = ckpt__err_nomem("s3 key");
-            break;
-        }
-        for (int64_t i = 0; rc == 0 && i < m.nfiles; i++) {
-            char *path = ckpt__path_join(local_dir, m.files[i].name);
-            char *key = ckpt__path_join(dir, m.files[i].name);
-            rc = path && key ? upload_file(r, path, key, &m.files[i])
-                             : ckpt__err_nomem("s3 publish");
-            free(path);
-            free(key);
-        }
-        /* the commit: the manifest, only if nobody committed this number */
-        char *mkey = rc == 0 ? ckpt__path_join(dir, CKPT_MANIFEST_NAME) : NULL;
-        if (rc == 0 && !mkey) rc = ckpt__err_nomem("s3 key");
-        if (rc == 0) rc = ckpt__s3_put(r->c, mkey, mtext, mlen, CKPT_S3_IF_ABSENT, NULL, NULL);
-        free(mkey);
-        free(dir);
-        if (rc == CKPT_EEXIST && tries < 100) {
-            ckpt__log(lg, CKPT_LOG_WARNING,
-                      "%s/checkpoints/checkpoint_%" PRId64
-                      " was committed by another writer during this save; saving as the next "
-                      "number",
-                      r->url, number);
-            rc = 0;
-            continue;
-        }
-        if (rc == 0 && committed) *committed = number;
-        break;
-    }
-    free(mtext);
-    free(mpath);
-    ckpt__manifest_clear(&m);
-    return rc;
-}
-
-/* ---- removal -------------------------------------------------------------- */
-
-static int remove_dir_objects(ckpt_remote *r, const char *dir, bool manifest_first) {
-    if (manifest_first) {
-        char *mkey = ckpt__path_join(dir, CKPT_MANIFEST_NAME);
-        if (!mkey) return ckpt__err_nomem("s3 key");
-        int rc = ckpt__s3_delete(r->c, mkey);
-        free(mkey);
-        CKPT_TRY(rc);
-    }
-    listing l;
-    int rc = list_dir(r, dir, &l);
-    for (int64_t i = 0; rc == 0 && i < l.n; i++) {
-        char *key = ckpt__path_join(dir, l.names[i]);
-        rc = key ? ckpt__s3_delete(r->c, key) : ckpt__err_nomem("s3 key");
-        free(key);
-    }
-    listing_free(&l);
-    return rc;
-}
-
-int ckpt__remote_remove(ckpt_remote *r, int64_t number) {
-    char rel[80];
-    snprintf(rel, sizeof rel, "checkpoints/checkpoint_%" PRId64, number);
-    char *dir = ckpt__remote_key(r, rel);
-    if (!dir) return ckpt__err_nomem("s3 key");
-    int rc = remove_dir_objects(r, dir, true);
-    free(dir);
-    return rc;
-}
-
-int ckpt__remote_remove_leftovers(ckpt_remote *r, const ckpt_logger *lg, int64_t *removed) {
-    if (removed) *removed = 0;
-    ckpt_remote_entry *v = NULL;
-    int64_t n = 0;
-    CKPT_TRY(ckpt__remote_scan(r, &v, &n));
-    int rc = 0;
-    for (int64_t i = 0; rc == 0 && i < n; i++) {
-        if (v[i].committed) continue;
-        char rel[80];
-        snprintf(rel, sizeof rel, "checkpoints/checkpoint_%" PRId64, v[i].number);
-        char *dir = ckpt__remote_key(r, rel);
-        if (!dir) {
-            rc = ckpt__err_nomem("s3 key");
-            break;
-        }
-        ckpt__log(lg, CKPT_LOG_WARNING,
-                  "removing s3://%s/%s/: %" PRId64 " objects of a save that did not finish",
-                  r->bucket, dir, v[i].nobjects);
-        rc = remove_dir_objects(r, dir, false);
-        if (rc == 0 && removed) (*removed)++;
-        free(dir);
-    }
-    free(v);
     return rc;
 }
 

@@ -144,8 +144,8 @@ static const char *env(const char *name) {
     return v && *v ? v : NULL;
 }
 
-/* A byte count with an optional K/M/G suffix (powers of 1024). */
-static int env_bytes(const char *name, uint64_t dflt, uint64_t *out) {
+/* A byte count with an optional K/M/G suffix (powers of 1024), at most max. */
+static int env_bytes(const char *name, uint64_t dflt, uint64_t max, uint64_t *out) {
     const char *v = env(name);
     *out = dflt;
     if (!v) return 0;
@@ -156,8 +156,9 @@ static int env_bytes(const char *name, uint64_t dflt, uint64_t *out) {
     if (end && (*end == 'K' || *end == 'k')) mul = 1024, end++;
     else if (end && (*end == 'M' || *end == 'm')) mul = 1024 * 1024, end++;
     else if (end && (*end == 'G' || *end == 'g')) mul = 1024ull * 1024 * 1024, end++;
-    if (errno || end == v || *end || n == 0 || n > UINT64_MAX / mul || n * mul > (1ull << 32))
-        return ckpt__err(CKPT_EINVAL, "%s='%s': expected a size such as 8M (at most 4G)", name, v);
+    if (errno || end == v || *end || n == 0 || n > UINT64_MAX / mul || n * mul > max)
+        return ckpt__err(CKPT_EINVAL, "%s='%s': expected a size such as 8M (at most %" PRIu64 "M)",
+                         name, v, max >> 20);
     *out = n * mul;
     return 0;
 }
@@ -177,7 +178,8 @@ static int env_long(const char *name, long dflt, long lo, long hi, long *out) {
 
 static int read_options(ckpt_s3_options *o, bool custom_endpoint) {
     long conns, retries, timeout, backoff, sign;
-    CKPT_TRY(env_bytes("CKPT_S3_PART_SIZE", 8u << 20, &o->part_size));
+    CKPT_TRY(env_bytes("CKPT_S3_PART_SIZE", 8u << 20, 1ull << 32, &o->part_size));
+    CKPT_TRY(env_bytes("CKPT_S3_COPY_MAX", 5ull << 30, 5ull << 30, &o->copy_max));
     CKPT_TRY(env_long("CKPT_S3_CONNECTIONS", 8, 1, 64, &conns));
     CKPT_TRY(env_long("CKPT_S3_RETRIES", 5, 0, 100, &retries));
     CKPT_TRY(env_long("CKPT_S3_TIMEOUT", 60, 1, 86400, &timeout));
@@ -777,8 +779,8 @@ static int xml_decode(const char *src, size_t n, char *out, size_t cap) {
         if (ch == '&') {
             const char *semi = memchr(src + i, ';', n - i);
             if (!semi) return -1;
-            size_t el = (size_t)(semi - (src + i));
-            const char *e = src + i + 1;
+            const char *e = src + i + 1; /* the entity's name, up to the ';' */
+            size_t el = (size_t)(semi - e);
             if (el == 3 && !strncmp(e, "amp", 3)) ch = '&';
             else if (el == 2 && !strncmp(e, "lt", 2)) ch = '<';
             else if (el == 2 && !strncmp(e, "gt", 2)) ch = '>';
@@ -795,7 +797,7 @@ static int xml_decode(const char *src, size_t n, char *out, size_t cap) {
             } else {
                 return -1;
             }
-            i += el;
+            i += el + 1; /* past the ';' */
         }
         if (o + 1 >= cap) return -1;
         out[o++] = ch;

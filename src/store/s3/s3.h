@@ -20,6 +20,9 @@
  *                         jitter (default 200)
  *   CKPT_S3_SIGN_PAYLOAD  1: SHA-256 every request body (default: bodies up
  *                         under 1 MiB, see s3.c)
+ *   CKPT_S3_COPY_MAX      the largest object one CopyObject copies (default
+ *                         5G, S3's limit); larger ones are copied by
+ *                         UploadPartCopy in parts of that size
  *
  * A library built without libcurl or OpenSSL keeps this interface: every
  * call then returns CKPT_EUNSUPPORTED saying so (ckpt__s3_available).
@@ -38,9 +41,11 @@
 #include <stdint.h>
 
 #include "base/error.h"
+#include "base/io.h"
 
 typedef struct ckpt_s3_options {
     uint64_t part_size;
+    uint64_t copy_max; /* larger server-side copies go by UploadPartCopy, in parts of this size */
     int connections;
     int retries;
     long timeout_ms;
@@ -128,6 +133,26 @@ typedef int (*ckpt_s3_bytes_fn)(void *user, const uint8_t *p, size_t n);
 int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn, void *user,
                         uint64_t *xxh3);
 
+/* Several objects at once, each of exactly sizes[i] bytes (the caller
+ * checked them, from a listing, before asking) into dst[i]: the ranges of
+ * every object fetched `connections` at a time, each response checked
+ * before its bytes are kept (status, Content-Range and the object's total
+ * size, length), the caller's thread hashing each object's ranges in order
+ * as they arrive (XXH3-64 into xxh3[i]). No HEAD. On failure *failed (may
+ * be NULL) is the first object, in order, that failed; the ranges not yet
+ * started are dropped. */
+int ckpt__s3_get_many(ckpt_s3 *c, int64_t n, const char *const *keys, const uint64_t *sizes,
+                      uint8_t *const *dst, uint64_t *xxh3, int64_t *failed);
+
+/* A server-side copy of the object src_key (size bytes, in this bucket) to
+ * dst_key: CopyObject, or for an object over copy_max a multipart upload of
+ * UploadPartCopy ranges. if_match (may be NULL or ""): copy only if the
+ * source's ETag is that (x-amz-copy-source-if-match; CKPT_EEXIST if not).
+ * etag_out (may be NULL, 128 bytes) gets the new object's ETag. A failure
+ * reported in a 200 answer's body is a failure. */
+int ckpt__s3_copy(ckpt_s3 *c, const char *src_key, const char *dst_key, uint64_t size,
+                  const char *if_match, char *etag_out);
+
 /* DELETE (a missing key is fine: S3 says 204 either way). */
 int ckpt__s3_delete(ckpt_s3 *c, const char *key);
 
@@ -149,10 +174,22 @@ int ckpt__s3_list(ckpt_s3 *c, const char *prefix, const char *delimiter, ckpt_s3
 typedef struct ckpt_s3_upload ckpt_s3_upload;
 int ckpt__s3_upload_begin(ckpt_s3 *c, const char *key, ckpt_s3_upload **out);
 int ckpt__s3_upload_write(ckpt_s3_upload *u, const void *p, size_t n);
-/* Completes and frees u; *size (may be NULL) gets the bytes uploaded. */
-int ckpt__s3_upload_finish(ckpt_s3_upload *u, uint64_t *size);
+/* Completes and frees u (also on failure, the multipart upload then
+ * aborted); *size (may be NULL) gets the bytes uploaded, etag_out (may be
+ * NULL, 128 bytes) the object's ETag ("" if the store gave none). */
+int ckpt__s3_upload_finish(ckpt_s3_upload *u, uint64_t *size, char *etag_out);
 /* Aborts and frees u; NULL is fine. */
 void ckpt__s3_upload_abort(ckpt_s3_upload *u);
+
+/* An upload as a write stream's sink (ckpt__ostream_open_sink with ctx a
+ * ckpt_s3_sink whose u was begun): what a save streams into an object. At
+ * finish, size and etag are set and u is gone (so it is after abort). */
+typedef struct ckpt_s3_sink {
+    ckpt_s3_upload *u;
+    uint64_t size;
+    char etag[128];
+} ckpt_s3_sink;
+extern const ckpt_ostream_sink ckpt__s3_sink_ops;
 
 /* ---- Signature V4 (sigv4.c), exposed for tests ------------------------- */
 typedef struct ckpt_s3_hdr {

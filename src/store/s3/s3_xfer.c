@@ -9,6 +9,7 @@
 #include <string.h>
 
 #ifdef CKPT_HAVE_S3
+#include <stdatomic.h>
 #include <xxhash.h>
 
 #include "store/s3/s3_int.h"
@@ -25,6 +26,7 @@ typedef struct range_job {
     const char *key;
     uint8_t *dst; /* where this range's bytes go */
     uint64_t off, len, total;
+    atomic_bool *stop; /* NULL, or set when a range of the same read failed */
 } range_job;
 
 /* Bytes off..off+len-1 of an object of total bytes into dst (len bytes). */
@@ -52,8 +54,66 @@ static int get_range(ckpt_s3 *c, const char *key, uint8_t *dst, uint64_t off, ui
 
 static void run_range(ckpt_s3 *c, s3_job *j) {
     range_job *rj = (range_job *)j;
+    if (rj->stop && atomic_load(rj->stop)) return; /* dropped: the read failed already */
     int rc = get_range(c, rj->key, rj->dst, rj->off, rj->len, rj->total);
-    if (rc < 0) job_fail(j, rc);
+    if (rc < 0) {
+        job_fail(j, rc);
+        if (rj->stop) atomic_store(rj->stop, true);
+    }
+}
+
+int ckpt__s3_get_many(ckpt_s3 *c, int64_t n, const char *const *keys, const uint64_t *sizes,
+                      uint8_t *const *dst, uint64_t *xxh3, int64_t *failed) {
+    if (failed) *failed = -1;
+    uint64_t part = c->o.part_size, total = 0;
+    for (int64_t i = 0; i < n; i++) total += (sizes[i] + part - 1) / part;
+    range_job *jobs = ckpt__calloc((size_t)(total ? total : 1), sizeof *jobs);
+    XXH3_state_t *st = XXH3_createState();
+    if (!jobs || !st) {
+        free(jobs);
+        XXH3_freeState(st);
+        return ckpt__err_nomem("s3 GET");
+    }
+    atomic_bool stop = false;
+    int rc = 0;
+    uint64_t submitted = 0, k = 0;
+    for (int64_t i = 0; i < n && rc == 0; i++)
+        for (uint64_t off = 0; off < sizes[i] && rc == 0; off += part, k++) {
+            range_job *rj = &jobs[k];
+            rj->job.run = run_range;
+            rj->key = keys[i];
+            rj->dst = dst[i] + off;
+            rj->off = off;
+            rj->len = sizes[i] - off < part ? sizes[i] - off : part;
+            rj->total = sizes[i];
+            rj->stop = &stop;
+            rc = ckpt__s3_submit(c, &rj->job);
+            if (rc == 0) submitted++;
+        }
+    if (rc < 0) {
+        atomic_store(&stop, true);
+        if (failed) *failed = 0;
+    }
+    /* each object hashed in order, range by range as they complete, while
+     * the later ones still arrive; every submitted job is waited for (it
+     * writes into dst) */
+    k = 0;
+    for (int64_t i = 0; i < n; i++) {
+        XXH3_64bits_reset(st);
+        for (uint64_t off = 0; off < sizes[i]; off += part, k++) {
+            if (k >= submitted) break;
+            ckpt__s3_wait(c, &jobs[k].job);
+            if (rc == 0 && jobs[k].job.status < 0) {
+                rc = ckpt__s3_job_raise(&jobs[k].job);
+                if (failed) *failed = i;
+            }
+            if (rc == 0) XXH3_64bits_update(st, jobs[k].dst, (size_t)jobs[k].len);
+        }
+        if (rc == 0) xxh3[i] = sizes[i] ? XXH3_64bits_digest(st) : XXH3_64bits(dst[i], 0);
+    }
+    XXH3_freeState(st);
+    free(jobs);
+    return rc;
 }
 
 int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint64_t *xxh3) {
@@ -175,6 +235,9 @@ typedef struct part_job {
     int number;
     uint8_t *data;
     size_t len;
+    /* an UploadPartCopy instead: bytes copy_off..+len of the copy's source */
+    bool copy;
+    uint64_t copy_off;
     char etag[128];
 } part_job;
 
@@ -190,7 +253,21 @@ struct ckpt_s3_upload {
     int inflight_next; /* the oldest part not yet waited for */
     int err;
     char errmsg[640];
+    char etag[128]; /* the completed object's */
+    /* a multipart copy: its source ("/bucket/key", encoded) and condition */
+    char *copy_source;
+    const char *copy_if_match;
 };
+
+/* A 2xx answer whose body is an <Error> (CopyObject, UploadPartCopy and
+ * CompleteMultipartUpload may fail after answering 200). */
+static int body_error(ckpt_s3 *c, const char *key, const char *what, const s3_req *r) {
+    char code[96] = "";
+    if (!r->body_out || !strstr(r->body_out, "<Error>")) return 0;
+    ckpt__s3_xml_text(r->body_out, r->body_out_len, "Code", code, sizeof code);
+    return ckpt__err(CKPT_EIO, "s3://%s/%s: %s failed (%s)", c->bucket, key, what,
+                     *code ? code : "an error in a 200 answer");
+}
 
 static void run_part(ckpt_s3 *c, s3_job *j) {
     part_job *pj = (part_job *)j;
@@ -205,9 +282,28 @@ static void run_part(ckpt_s3 *c, s3_job *j) {
     s3_req r = {
         .method = "PUT", .key = pj->u->key, .query = q, .body = pj->data, .body_len = pj->len};
     r.sign_body = c->o.sign_payload || pj->len < CKPT_S3_SIGN_MAX;
-    char what[48];
-    snprintf(what, sizeof what, "upload of part %d", pj->number);
+    char what[64], range[64];
+    snprintf(what, sizeof what, "%s of part %d", pj->copy ? "copy" : "upload", pj->number);
+    if (pj->copy) {
+        /* UploadPartCopy: no body; the ETag comes in <CopyPartResult> */
+        r.body = NULL;
+        r.body_len = 0;
+        r.max_body = 1u << 20;
+        snprintf(range, sizeof range, "bytes=%" PRIu64 "-%" PRIu64, pj->copy_off,
+                 pj->copy_off + pj->len - 1);
+        r.extra[r.nextra++] = (ckpt_s3_hdr){"x-amz-copy-source", pj->u->copy_source};
+        if (pj->u->copy_if_match && *pj->u->copy_if_match)
+            r.extra[r.nextra++] =
+                (ckpt_s3_hdr){"x-amz-copy-source-if-match", pj->u->copy_if_match};
+        r.extra[r.nextra++] = (ckpt_s3_hdr){"x-amz-copy-source-range", range};
+    }
     int rc = ckpt__s3_send(c, &r, what);
+    if (rc == 0 && pj->copy) {
+        rc = body_error(c, pj->u->key, what, &r);
+        if (rc == 0 && r.body_out)
+            ckpt__s3_xml_text(r.body_out, r.body_out_len, "ETag", r.head.etag,
+                              sizeof r.head.etag);
+    }
     if (rc == 0 && !r.head.etag[0])
         rc = ckpt__err(CKPT_EIO, "s3://%s/%s: %s: no ETag in the answer", c->bucket, pj->u->key,
                        what);
@@ -333,6 +429,7 @@ static void free_upload(ckpt_s3_upload *u) {
         free(u->parts[i]->data);
         free(u->parts[i]);
     }
+    free(u->copy_source);
     free(u->parts);
     free(u->buf);
     free(u->upload_id);
@@ -382,12 +479,10 @@ static int complete(ckpt_s3_upload *u) {
                 .max_body = 1u << 20};
     int rc = ckpt__s3_send(u->c, &r, "completion of a multipart upload");
     /* S3 may answer 200 and put the failure in the body */
-    char code[96];
+    if (rc == 0) rc = body_error(u->c, u->key, "completion of a multipart upload", &r);
     if (rc == 0 && r.body_out &&
-        ckpt__s3_xml_text(r.body_out, r.body_out_len, "Code", code, sizeof code) == 0 &&
-        strstr(r.body_out, "<Error>"))
-        rc = ckpt__err(CKPT_EIO, "s3://%s/%s: completion of a multipart upload failed (%s)",
-                       u->c->bucket, u->key, code);
+        ckpt__s3_xml_text(r.body_out, r.body_out_len, "ETag", u->etag, sizeof u->etag) < 0)
+        u->etag[0] = '\0';
     ckpt__s3_req_clear(&r);
     free(x);
     return rc;
@@ -405,13 +500,14 @@ static void abort_server(ckpt_s3_upload *u) {
     ckpt__s3_req_clear(&r);
 }
 
-int ckpt__s3_upload_finish(ckpt_s3_upload *u, uint64_t *size) {
+int ckpt__s3_upload_finish(ckpt_s3_upload *u, uint64_t *size, char *etag_out) {
     if (size) *size = 0;
+    if (etag_out) etag_out[0] = '\0';
     int rc = u->err;
     if (rc == 0 && !u->upload_id) {
         /* smaller than one part: one PUT */
         rc = ckpt__s3_put(u->c, u->key, u->buf ? u->buf : (const uint8_t *)"", u->fill,
-                          CKPT_S3_ALWAYS, NULL, NULL);
+                          CKPT_S3_ALWAYS, NULL, etag_out);
         if (rc == 0 && size) *size = u->total;
         free_upload(u);
         return rc;
@@ -426,8 +522,9 @@ int ckpt__s3_upload_finish(ckpt_s3_upload *u, uint64_t *size) {
         snprintf(saved, sizeof saved, "%s", ckpt_errmsg());
         abort_server(u);
         ckpt__err(rc, "%s", saved);
-    } else if (size) {
-        *size = u->total;
+    } else {
+        if (size) *size = u->total;
+        if (etag_out) snprintf(etag_out, 128, "%s", u->etag);
     }
     free_upload(u);
     return rc;
@@ -443,6 +540,124 @@ void ckpt__s3_upload_abort(ckpt_s3_upload *u) {
     if (*saved) ckpt__err(CKPT_EIO, "%s", saved);
     else ckpt_clear_error();
     free_upload(u);
+}
+
+/* ---- an upload as a write stream's sink ------------------------------------ */
+
+static int sink_write(void *ctx, const void *p, size_t n) {
+    return ckpt__s3_upload_write(((ckpt_s3_sink *)ctx)->u, p, n);
+}
+
+static int sink_finish(void *ctx) {
+    ckpt_s3_sink *s = ctx;
+    ckpt_s3_upload *u = s->u;
+    s->u = NULL;
+    return ckpt__s3_upload_finish(u, &s->size, s->etag);
+}
+
+static void sink_abort(void *ctx) {
+    ckpt_s3_sink *s = ctx;
+    ckpt__s3_upload_abort(s->u);
+    s->u = NULL;
+}
+
+const ckpt_ostream_sink ckpt__s3_sink_ops = {sink_write, sink_finish, sink_abort};
+
+/* ---- server-side copies ------------------------------------------------------- */
+
+/* "/<bucket>/<key>", URI-encoded (slashes kept): x-amz-copy-source. */
+static char *copy_source(const ckpt_s3 *c, const char *key) {
+    char *ek = ckpt__s3_uri_encode(key, true);
+    char *eb = ckpt__s3_uri_encode(c->bucket, false);
+    char *out = ek && eb ? ckpt__malloc(strlen(ek) + strlen(eb) + 3) : NULL;
+    if (out) sprintf(out, "/%s/%s", eb, ek);
+    free(ek);
+    free(eb);
+    return out;
+}
+
+int ckpt__s3_copy(ckpt_s3 *c, const char *src_key, const char *dst_key, uint64_t size,
+                  const char *if_match, char *etag_out) {
+    if (etag_out) etag_out[0] = '\0';
+    char *src = copy_source(c, src_key);
+    if (!src) return ckpt__err_nomem("s3 copy");
+    char what[600];
+    snprintf(what, sizeof what, "copy from s3://%s/%s", c->bucket, src_key);
+    int rc = 0;
+    if (size <= c->o.copy_max) {
+        s3_req r = {.method = "PUT", .key = dst_key, .query = "", .max_body = 1u << 20};
+        r.extra[r.nextra++] = (ckpt_s3_hdr){"x-amz-copy-source", src};
+        if (if_match && *if_match)
+            r.extra[r.nextra++] = (ckpt_s3_hdr){"x-amz-copy-source-if-match", if_match};
+        rc = ckpt__s3_send(c, &r, what);
+        if (rc == 0) rc = body_error(c, dst_key, what, &r);
+        if (rc == 0 && etag_out &&
+            (!r.body_out || ckpt__s3_xml_text(r.body_out, r.body_out_len, "ETag", etag_out, 128)))
+            etag_out[0] = '\0';
+        ckpt__s3_req_clear(&r);
+        free(src);
+        return rc;
+    }
+    /* larger than one CopyObject: UploadPartCopy ranges of copy_max bytes,
+     * `connections` at a time, then the completion */
+    ckpt_s3_upload *u = NULL;
+    rc = ckpt__s3_upload_begin(c, dst_key, &u);
+    if (rc < 0) {
+        free(src);
+        return rc;
+    }
+    u->copy_source = src;
+    u->copy_if_match = if_match;
+    rc = initiate(u);
+    if (rc < 0) up_fail(u, rc);
+    for (uint64_t off = 0; u->err == 0 && off < size; off += c->o.copy_max) {
+        if (u->nparts == MAX_PARTS) {
+            up_fail(u, ckpt__err(CKPT_EINVAL, "s3://%s/%s: a copy of more than %d parts",
+                                 c->bucket, dst_key, MAX_PARTS));
+            break;
+        }
+        if (u->nparts == u->cap) {
+            int cap = u->cap ? u->cap * 2 : 16;
+            part_job **np = ckpt__realloc(u->parts, (size_t)cap * sizeof *np);
+            if (!np) {
+                up_fail(u, ckpt__err_nomem("s3 copy"));
+                break;
+            }
+            u->parts = np;
+            u->cap = cap;
+        }
+        while (u->nparts - u->inflight_next >= c->o.connections) wait_oldest(u);
+        if (u->err) break;
+        part_job *pj = ckpt__calloc(1, sizeof *pj);
+        if (!pj) {
+            up_fail(u, ckpt__err_nomem("s3 copy"));
+            break;
+        }
+        pj->job.run = run_part;
+        pj->u = u;
+        pj->number = u->nparts + 1;
+        pj->copy = true;
+        pj->copy_off = off;
+        pj->len = (size_t)(size - off < c->o.copy_max ? size - off : c->o.copy_max);
+        u->parts[u->nparts++] = pj;
+        int sub = ckpt__s3_submit(c, &pj->job);
+        if (sub < 0) {
+            pj->job.done = true;
+            up_fail(u, sub);
+        }
+    }
+    wait_all(u);
+    rc = u->err ? up_err(u) : complete(u);
+    if (rc < 0) {
+        char saved[1024];
+        snprintf(saved, sizeof saved, "%s", ckpt_errmsg());
+        abort_server(u);
+        ckpt__err(rc, "%s", saved);
+    } else if (etag_out) {
+        snprintf(etag_out, 128, "%s", u->etag);
+    }
+    free_upload(u);
+    return rc;
 }
 
 #else
@@ -461,9 +676,24 @@ int ckpt__s3_upload_begin(ckpt_s3 *c, const char *key, ckpt_s3_upload **out) {
 int ckpt__s3_upload_write(ckpt_s3_upload *u, const void *p, size_t n) {
     return ckpt__s3_available("s3 upload");
 }
-int ckpt__s3_upload_finish(ckpt_s3_upload *u, uint64_t *size) {
+int ckpt__s3_upload_finish(ckpt_s3_upload *u, uint64_t *size, char *etag_out) {
     return ckpt__s3_available("s3 upload");
 }
 void ckpt__s3_upload_abort(ckpt_s3_upload *u) { (void)u; }
+int ckpt__s3_get_many(ckpt_s3 *c, int64_t n, const char *const *keys, const uint64_t *sizes,
+                      uint8_t *const *dst, uint64_t *xxh3, int64_t *failed) {
+    if (failed) *failed = 0;
+    return ckpt__s3_available("s3 GET");
+}
+int ckpt__s3_copy(ckpt_s3 *c, const char *src_key, const char *dst_key, uint64_t size,
+                  const char *if_match, char *etag_out) {
+    return ckpt__s3_available(dst_key);
+}
+static int sink_write(void *ctx, const void *p, size_t n) {
+    return ckpt__s3_available("s3 upload");
+}
+static int sink_finish(void *ctx) { return ckpt__s3_available("s3 upload"); }
+static void sink_abort(void *ctx) { (void)ctx; }
+const ckpt_ostream_sink ckpt__s3_sink_ops = {sink_write, sink_finish, sink_abort};
 
 #endif
