@@ -375,8 +375,8 @@ static int read_files(ckpt__load_op *op) {
         shallow[j] = op->reader[j] != op->comm->rank &&
                      !(op->remote && strcmp(op->c.m.files[j].kind, "extra") == 0);
     int rc = op->remote ? ckpt__load_remote_read(op, shallow)
-                        : ckpt__checkpoint_read_files(op->dir, true, true, shallow,
-                                                      &op->acc->arena, &op->c);
+                        : ckpt__checkpoint_read_files(op->dir, true, true, shallow, &op->acc->arena,
+                                                      &op->c);
     free(shallow);
     for (int64_t j = 0; op->c.have_manifest && op->c.maps && j < n; j++)
         if (!many || op->reader[j] == op->comm->rank) op->held += op->c.m.files[j].size;
@@ -580,8 +580,7 @@ int ckpt__load_op_finish(ckpt__load_op *op) {
     if (acc && rc == 0) {
         acc->interval_start = ckpt__now(); /* a resumed run's time interval starts now */
         close_checkpoint(op);              /* the post-hooks may rewrite the folder */
-        ckpt__acc_run_hooks(acc, HOOK_LOAD_POST, op->remote ? op->hook_dir : op->dir,
-                            "load_state");
+        ckpt__acc_run_hooks(acc, HOOK_LOAD_POST, op->remote ? op->hook_dir : op->dir, "load_state");
     }
     if (acc && !op->bad_options) rc = record_outcome(acc, rc, op->nothing);
     if (rc < 0 && op->report) ckpt_load_report_free(op->report);

@@ -116,8 +116,8 @@ int ckpt__load_remote_hook_dir(ckpt__load_op *op) {
     struct stat st;
     if (rc == 0 && ckpt__os_lstat(op->hook_dir, &st) == 0) rc = ckpt__remove_tree(op->hook_dir);
     if (rc == 0 && ckpt__os_mkdir(op->hook_dir, 0755) != 0)
-        rc = ckpt__err_os(errno, "load_state: %s: create a folder for the load hooks",
-                          op->hook_dir);
+        rc =
+            ckpt__err_os(errno, "load_state: %s: create a folder for the load hooks", op->hook_dir);
     /* the pre-hooks' files, from the bytes read and verified */
     const ckpt_manifest *m = &op->c.m;
     for (int64_t j = 0; rc == 0 && j < m->nfiles; j++) {

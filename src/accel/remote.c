@@ -79,8 +79,8 @@ int ckpt__acc_remote_open(ckpt_accelerator *acc) {
     return 0;
 }
 
-int ckpt__acc_remote_for(ckpt_accelerator *acc, const char *url, ckpt_remote *own,
-                         ckpt_remote **r, char **dir) {
+int ckpt__acc_remote_for(ckpt_accelerator *acc, const char *url, ckpt_remote *own, ckpt_remote **r,
+                         char **dir) {
     *r = NULL;
     *dir = NULL;
     memset(own, 0, sizeof *own);

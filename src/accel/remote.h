@@ -32,7 +32,7 @@ int ckpt__acc_remote_open(ckpt_accelerator *acc);
 /* A client for a checkpoint URL: the project's when the bucket is its
  * (own->c NULL then), else own, opened here (ckpt__remote_close it).
  * *dir gets the checkpoint's key (ckpt__malloc'd). */
-int ckpt__acc_remote_for(ckpt_accelerator *acc, const char *url, ckpt_remote *own,
-                         ckpt_remote **r, char **dir);
+int ckpt__acc_remote_for(ckpt_accelerator *acc, const char *url, ckpt_remote *own, ckpt_remote **r,
+                         char **dir);
 
 #endif

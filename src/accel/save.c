@@ -355,8 +355,8 @@ static int record_files(save_op *op) {
             CKPT_TRY(ckpt__manifest_add(&op->mine, sl->name, sl->kind, &sl->d));
             op->mine.files[op->mine.nfiles - 1].rank = op->comm->rank;
             if (op->remote) { /* the ETag of each object, for the commit */
-                char **nv = ckpt__realloc(op->etags_mine,
-                                          (size_t)(op->netags_mine + 1) * sizeof *nv);
+                char **nv =
+                    ckpt__realloc(op->etags_mine, (size_t)(op->netags_mine + 1) * sizeof *nv);
                 if (!nv) return ckpt__err_nomem("file records");
                 op->etags_mine = nv;
                 if (!(nv[op->netags_mine] = ckpt__strdup(sl->etag)))
@@ -516,7 +516,8 @@ static int gather_records(save_op *op, const char *wire, size_t len) {
             snprintf(what, sizeof what, "save_state: file records of rank %d", r);
             size_t ol = (size_t)(nul - p) + 1;
             const char *jend = memchr(p + ol, '\0', lens[r] - ol);
-            if (!jend) rc = ckpt__err(CKPT_EINVAL, "save_state: rank %d sent malformed file records", r);
+            if (!jend)
+                rc = ckpt__err(CKPT_EINVAL, "save_state: rank %d sent malformed file records", r);
             size_t jl = jend ? (size_t)(jend - (p + ol)) : 0;
             int64_t had = op->all.nfiles;
             if (rc == 0) rc = ckpt__manifest_files_from_json(&op->all, p + ol, jl, what);

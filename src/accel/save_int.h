@@ -83,13 +83,13 @@ struct ckpt_save_op {
      * each file streams into its object, tmp is a local folder for what
      * pre-hooks leave. */
     bool remote;
-    ckpt_remote *rem;   /* the bucket's client: the accelerator's, or rem_own */
+    ckpt_remote *rem; /* the bucket's client: the accelerator's, or rem_own */
     ckpt_remote rem_own;
-    char *rdir;         /* the target's key */
-    char *rprev;        /* prev_dir's key, when it is in the same bucket */
-    char **etags_mine;  /* the ETag of each file of mine ("" unknown) */
+    char *rdir;        /* the target's key */
+    char *rprev;       /* prev_dir's key, when it is in the same bucket */
+    char **etags_mine; /* the ETag of each file of mine ("" unknown) */
     int64_t netags_mine;
-    char **etags;       /* rank 0, after the agreement: of each file of all */
+    char **etags; /* rank 0, after the agreement: of each file of all */
     int64_t netags;
 };
 typedef struct ckpt_save_op save_op;

@@ -247,7 +247,8 @@ static int write_new(ckpt_writer *w, const char *path, const ckpt_ostream_sink *
     ckpt_ostream s;
     if (rc && sink) sink->abort(sink_ctx); /* nothing was sent: dropped all the same */
     if (!rc) {
-        rc = sink ? ckpt__ostream_open_sink(&s, path, sink, sink_ctx) : ckpt__ostream_open(&s, path);
+        rc =
+            sink ? ckpt__ostream_open_sink(&s, path, sink, sink_ctx) : ckpt__ostream_open(&s, path);
         if (rc && sink) sink->abort(sink_ctx);
         if (!rc) {
             if (want128) ckpt__ostream_want128(&s);

@@ -69,7 +69,7 @@ typedef struct ckpt_rotation {
     int64_t keep;
     const ckpt_retention *pol; /* NULL or inactive: the newest `keep` only */
     bool dry_run;
-    bool verify_all; /* also verify the checkpoints beyond keep (to say why each goes) */
+    bool verify_all;     /* also verify the checkpoints beyond keep (to say why each goes) */
     bool shallow_beyond; /* ... checking those against their manifests only, not reading them */
     ckpt_prune_fn report;
     void *user;

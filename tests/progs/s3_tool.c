@@ -120,8 +120,8 @@ int main(int argc, char **argv) {
         if (rc < 0) printf("failed %" PRId64 "\n", failed);
     } else if (rc == 0 && strcmp(op, "copy") == 0 && argc >= 6) {
         char etag[128] = "";
-        rc = ckpt__s3_copy(c, key, argv[4], strtoull(argv[5], NULL, 10),
-                           argc > 6 ? argv[6] : NULL, etag);
+        rc = ckpt__s3_copy(c, key, argv[4], strtoull(argv[5], NULL, 10), argc > 6 ? argv[6] : NULL,
+                           etag);
         if (rc == 0) printf("copied etag %s\n", etag);
     } else if (rc == 0 && strcmp(op, "head") == 0) {
         ckpt_s3_head h;

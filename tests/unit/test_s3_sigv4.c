@@ -168,8 +168,9 @@ static void test_parse_url(void **state) {
 static void test_xml_text(void **state) {
     (void)state;
 #ifdef CKPT_HAVE_S3
-    const char *x = "<R><Key>a&amp;b&lt;c&gt;&apos;&#65;&#x42;</Key>"
-                    "<ETag>&quot;c2a7efff115d977e3306da7133164da0&quot;</ETag><Bad>&nope;</Bad></R>";
+    const char *x =
+        "<R><Key>a&amp;b&lt;c&gt;&apos;&#65;&#x42;</Key>"
+        "<ETag>&quot;c2a7efff115d977e3306da7133164da0&quot;</ETag><Bad>&nope;</Bad></R>";
     char out[128];
     assert_int_equal(ckpt__s3_xml_text(x, strlen(x), "Key", out, sizeof out), 0);
     assert_string_equal(out, "a&b<c>'AB");

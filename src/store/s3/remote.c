@@ -214,10 +214,9 @@ int ckpt__remote_check_listing(const char *url, const ckpt_manifest *m,
             return ckpt__err(CKPT_ECORRUPT, "%s: %s is listed in the manifest but missing", url,
                              f->name);
         if (e->sizes[j] != f->size)
-            return ckpt__err(CKPT_ECORRUPT,
-                             "%s: %s: size %" PRIu64 " bytes, the manifest says %" PRIu64 "%s",
-                             url, f->name, e->sizes[j], f->size,
-                             e->sizes[j] < f->size ? " (truncated)" : "");
+            return ckpt__err(
+                CKPT_ECORRUPT, "%s: %s: size %" PRIu64 " bytes, the manifest says %" PRIu64 "%s",
+                url, f->name, e->sizes[j], f->size, e->sizes[j] < f->size ? " (truncated)" : "");
     }
     for (int64_t j = 0; j < e->nobjects; j++)
         if (ends_with(e->names[j], ".safetensors") && !ckpt__manifest_find(m, e->names[j]))
@@ -305,7 +304,8 @@ static int src_read(void *ctx, const ckpt_manifest *m, const int64_t *idx, int64
         sizes[k] = f->size;
         to[k] = dst[idx[k]];
     }
-    if (rc == 0) rc = ckpt__s3_get_many(s->r->c, n, (const char *const *)keys, sizes, to, got, NULL);
+    if (rc == 0)
+        rc = ckpt__s3_get_many(s->r->c, n, (const char *const *)keys, sizes, to, got, NULL);
     for (int64_t k = 0; rc == 0 && k < n; k++) h[idx[k]] = got[k];
     for (int64_t k = 0; keys && k < n; k++) free(keys[k]);
     free(keys);

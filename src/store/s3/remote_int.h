@@ -12,7 +12,6 @@ int ckpt__remote_list_dir(ckpt_remote *r, const char *dir, ckpt_remote_entry *e)
 void ckpt__remote_entry_clear(ckpt_remote_entry *e);
 /* Every file m lists is in e with its size, and no .safetensors object is
  * unlisted; url names the checkpoint in messages. */
-int ckpt__remote_check_listing(const char *url, const ckpt_manifest *m,
-                               const ckpt_remote_entry *e);
+int ckpt__remote_check_listing(const char *url, const ckpt_manifest *m, const ckpt_remote_entry *e);
 
 #endif

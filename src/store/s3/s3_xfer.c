@@ -293,16 +293,14 @@ static void run_part(ckpt_s3 *c, s3_job *j) {
                  pj->copy_off + pj->len - 1);
         r.extra[r.nextra++] = (ckpt_s3_hdr){"x-amz-copy-source", pj->u->copy_source};
         if (pj->u->copy_if_match && *pj->u->copy_if_match)
-            r.extra[r.nextra++] =
-                (ckpt_s3_hdr){"x-amz-copy-source-if-match", pj->u->copy_if_match};
+            r.extra[r.nextra++] = (ckpt_s3_hdr){"x-amz-copy-source-if-match", pj->u->copy_if_match};
         r.extra[r.nextra++] = (ckpt_s3_hdr){"x-amz-copy-source-range", range};
     }
     int rc = ckpt__s3_send(c, &r, what);
     if (rc == 0 && pj->copy) {
         rc = body_error(c, pj->u->key, what, &r);
         if (rc == 0 && r.body_out)
-            ckpt__s3_xml_text(r.body_out, r.body_out_len, "ETag", r.head.etag,
-                              sizeof r.head.etag);
+            ckpt__s3_xml_text(r.body_out, r.body_out_len, "ETag", r.head.etag, sizeof r.head.etag);
     }
     if (rc == 0 && !r.head.etag[0])
         rc = ckpt__err(CKPT_EIO, "s3://%s/%s: %s: no ETag in the answer", c->bucket, pj->u->key,
@@ -612,8 +610,8 @@ int ckpt__s3_copy(ckpt_s3 *c, const char *src_key, const char *dst_key, uint64_t
     if (rc < 0) up_fail(u, rc);
     for (uint64_t off = 0; u->err == 0 && off < size; off += c->o.copy_max) {
         if (u->nparts == MAX_PARTS) {
-            up_fail(u, ckpt__err(CKPT_EINVAL, "s3://%s/%s: a copy of more than %d parts",
-                                 c->bucket, dst_key, MAX_PARTS));
+            up_fail(u, ckpt__err(CKPT_EINVAL, "s3://%s/%s: a copy of more than %d parts", c->bucket,
+                                 dst_key, MAX_PARTS));
             break;
         }
         if (u->nparts == u->cap) {
