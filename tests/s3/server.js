@@ -25,11 +25,12 @@
 //   uploaded as the part;
 // - faults, set by the test: POST /__proxy/faults with a JSON list of rules
 //     {"method": "PUT", "key": "<regex on the key>", "query": "<regex>",
-//      "action": "status" | "slow" | "drop" | "cut", "status": 503,
+//      "action": "status" | "slow" | "hold" | "drop" | "cut", "status": 503,
 //      "delay_ms": 3000, "count": N, "after": K}
 //   a rule skips its first `after` matches, then acts on the next `count`
 //   (-1: all): "status" answers that status with an S3 error body, "slow"
-//   holds the request delay_ms before forwarding it, "drop" closes the
+//   holds the request delay_ms before forwarding it, "hold" holds it until
+//   POST /__proxy/release (or reset) forwards every held one, "drop" closes the
 //   connection without an answer, "cut" forwards and closes the connection
 //   half-way through the answer's body;
 // - Signature V4 checked on every request (s3rver 3.7.1 checks only that the
@@ -43,7 +44,8 @@
 //   kind (req_list, req_get, req_head, req_put, req_part, req_copy,
 //   req_part_copy, req_initiate, req_complete, req_delete, req_abort),
 //   bytes received in bodies (bytes_in) and sent (bytes_out), faults
-//   injected; POST /__proxy/reset: no rules, counters at zero.
+//   injected (fault_hold: requests held so far); POST /__proxy/reset: no
+//   rules, counters at zero, held requests forwarded.
 'use strict';
 
 const crypto = require('crypto');
@@ -61,6 +63,7 @@ const S3rver = require(modDir ? path.join(modDir, 'node_modules', 's3rver') : 's
 
 let rules = [];
 let stats = {};
+let held = []; // the forwarding of each request a "hold" rule holds
 const keyLocks = new Map();
 
 function count(what) {
@@ -312,9 +315,14 @@ function handle(req, res, upstreamPort) {
       if (url === '/__proxy/faults' && req.method === 'POST') {
         const list = JSON.parse(text || '[]');
         rules = list.map((r) => ({ count: -1, after: 0, ...r }));
-      } else if (url === '/__proxy/reset') {
-        rules = [];
-        stats = {};
+      } else if (url === '/__proxy/reset' || url === '/__proxy/release') {
+        if (url === '/__proxy/reset') {
+          rules = [];
+          stats = {};
+        }
+        const go = held;
+        held = [];
+        go.forEach((f) => f());
       }
       res.writeHead(200, { 'Content-Type': 'application/json' });
       res.end(JSON.stringify(stats));
@@ -375,7 +383,10 @@ function handle(req, res, upstreamPort) {
       }
       forward(req, res, body, upstreamPort, cut);
     };
-    if (rule && rule.action === 'slow') {
+    if (rule && rule.action === 'hold') {
+      count('fault_hold');
+      held.push(go);
+    } else if (rule && rule.action === 'slow') {
       count('fault_slow');
       setTimeout(go, rule.delay_ms || 3000);
     } else {
