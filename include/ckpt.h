@@ -728,11 +728,14 @@ typedef struct ckpt_metric {
 typedef enum ckpt_best_mode { CKPT_BEST_MIN = 0, CKPT_BEST_MAX = 1 } ckpt_best_mode;
 
 /* project_dir may be a bucket prefix, "s3://bucket/prefix" (the same keys
- * as a folder; credentials from AWS_*; docs/OBJECT_STORAGE.md): saves are
- * committed there (data objects, then the manifest with If-None-Match: *),
- * loads read it, one process at a time holds its lock object; the logs go
- * to a local staging folder (ckpt_accelerator_logging_dir). Not yet with
- * several processes (CKPT_EUNSUPPORTED). */
+ * as a folder; credentials from AWS_*; docs/OBJECT_STORAGE.md): saves
+ * stream each file into its object (every rank its own files; in the
+ * background thread for ckpt_save_state_async) and commit with the
+ * manifest last (If-None-Match: *); loads read the objects by ranged GETs
+ * straight into their buffers; one job at a time holds the project's lock
+ * object (rank 0 for the job); the logs go to a local folder
+ * (ckpt_accelerator_logging_dir). Built without libcurl/OpenSSL, an s3://
+ * project_dir fails with CKPT_EUNSUPPORTED saying so. */
 typedef struct ckpt_project_config {
     const char *project_dir;          /* checkpoints: <project_dir>/checkpoints/checkpoint_<n> */
     const char *logging_dir;          /* NULL: <project_dir>/logs */

@@ -58,10 +58,11 @@ int ckpt__remote_upload_file(ckpt_remote *r, const char *path, const char *key,
 }
 
 /* Deletes the objects of e under key dir (the manifest first if it is
- * among them). */
-static int remove_listed(ckpt_remote *r, const char *dir, const ckpt_remote_entry *e) {
+ * among them, and not at all when the caller deleted it already). */
+static int remove_listed(ckpt_remote *r, const char *dir, const ckpt_remote_entry *e,
+                         bool manifest_gone) {
     int rc = 0;
-    for (int pass = 0; pass < 2 && rc == 0; pass++)
+    for (int pass = manifest_gone ? 1 : 0; pass < 2 && rc == 0; pass++)
         for (int64_t i = 0; rc == 0 && i < e->nobjects; i++) {
             bool manifest = strcmp(e->names[i], CKPT_MANIFEST_NAME) == 0;
             if (manifest != (pass == 0)) continue;
@@ -88,7 +89,7 @@ int ckpt__remote_prepare_dir(ckpt_remote *r, const char *dir, const ckpt_logger 
         ckpt__log(lg, CKPT_LOG_WARNING,
                   "removing s3://%s/%s/: %" PRId64 " objects of a save that did not finish",
                   r->bucket, dir, e.nobjects);
-        rc = remove_listed(r, dir, &e);
+        rc = remove_listed(r, dir, &e, false);
     }
     ckpt__remote_entry_clear(&e);
     return rc;
@@ -186,14 +187,14 @@ int ckpt__remote_remove(ckpt_remote *r, int64_t number, const ckpt_remote_entry 
         char *mkey = ckpt__path_join(dir, CKPT_MANIFEST_NAME);
         rc = mkey ? ckpt__s3_delete(r->c, mkey) : ckpt__err_nomem("s3 key");
         free(mkey);
-        if (rc == 0) rc = remove_listed(r, dir, e);
+        if (rc == 0) rc = remove_listed(r, dir, e, true);
     } else {
         char *mkey = ckpt__path_join(dir, CKPT_MANIFEST_NAME);
         rc = mkey ? ckpt__s3_delete(r->c, mkey) : ckpt__err_nomem("s3 key");
         free(mkey);
         ckpt_remote_entry own;
         if (rc == 0) rc = ckpt__remote_list_dir(r, dir, &own);
-        if (rc == 0) rc = remove_listed(r, dir, &own);
+        if (rc == 0) rc = remove_listed(r, dir, &own, true);
         ckpt__remote_entry_clear(&own);
     }
     free(dir);
@@ -219,7 +220,7 @@ int ckpt__remote_remove_leftovers(ckpt_remote *r, ckpt_remote_entry *v, int64_t 
         ckpt__log(lg, CKPT_LOG_WARNING,
                   "removing s3://%s/%s/: %" PRId64 " objects of a save that did not finish",
                   r->bucket, dir, v[i].nobjects);
-        rc = remove_listed(r, dir, &v[i]);
+        rc = remove_listed(r, dir, &v[i], false);
         free(dir);
         if (rc < 0) {
             v[k++] = v[i];
