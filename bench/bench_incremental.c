@@ -6,14 +6,17 @@
  *          on every block's attn.c_attn, attn.c_proj and mlp.c_fc: 1.22M
  *          trainable values (about 1%), AdamW on those only. One model: its
  *          frozen tensors go to a file of their own.
- *   run:   one save, then SAVES saves each after an optimizer step, once with
- *          linking on (the default) and once with no_link_unchanged (every
- *          file written), both durable.
+ *   run:   one save, then SAVES saves each after an optimizer step, all
+ *          durable, total_limit 3: with link_copies 1 (link every unchanged
+ *          file), with the default link_copies 2 (no one copy serves every
+ *          retained checkpoint), and with no_link_unchanged (every file
+ *          written); then link_copies 2 with total_limit 0.
  *   report: bytes written per save after the first (the process's write(2)
  *          bytes, /proc/self/io wchar: state files, manifest, everything)
  *          against the trainable values plus their AdamW state, and against
- *          the target 1.1 x that + 256 KiB; the median save time with
- *          linking against the median full save.
+ *          the target 1.1 x that + 256 KiB (link_copies 1); for each setting
+ *          against the full save; the median save time with links against
+ *          the median full save.
  *
  *   bench_incremental FOLDER      (everything written there is removed) */
 #include <stdint.h>
@@ -25,7 +28,7 @@
 #include "ckpt.h"
 #include "gpt2.h"
 
-#define SAVES 4
+#define SAVES 6
 #define RANK 12
 #define MAXT (MAXP + 6 * LAYERS)
 
@@ -119,8 +122,8 @@ static int cmp_double(const void *a, const void *b) {
 
 /* Saves once, then SAVES times after a step each; the later saves' median
  * time and mean bytes written. */
-static void run(const char *proj, bool no_link, double *median_s, uint64_t *bytes_later,
-                uint64_t *bytes_first, uint64_t *linked) {
+static void run(const char *proj, bool no_link, int link_copies, int total_limit, double *median_s,
+                uint64_t *bytes_later, uint64_t *bytes_first, uint64_t *linked) {
     ckpt_model *m = NULL;
     ckpt_optimizer *o = NULL;
     ckpt_accelerator *acc = NULL;
@@ -139,8 +142,9 @@ static void run(const char *proj, bool no_link, double *median_s, uint64_t *byte
     check(ckpt_optimizer_set_groups(o, 1, group_of, &g), "optimizer groups");
     ckpt_project_config cfg = {.project_dir = proj,
                                .automatic_checkpoint_naming = true,
-                               .total_limit = 2,
-                               .no_link_unchanged = no_link};
+                               .total_limit = total_limit,
+                               .no_link_unchanged = no_link,
+                               .link_copies = link_copies};
     check(ckpt_accelerator_new(&acc, &cfg), "accelerator");
     check(ckpt_prepare_model(acc, m), "prepare");
     check(ckpt_prepare_optimizer(acc, o), "prepare");
@@ -179,15 +183,6 @@ int main(int argc, char **argv) {
         return 2;
     }
     build();
-    char inc[4096], full[4096];
-    snprintf(inc, sizeof inc, "%s/incremental", argv[1]);
-    snprintf(full, sizeof full, "%s/full", argv[1]);
-    double ti, tf;
-    uint64_t bi, bf, firsti, firstf, li, lf;
-    run(full, true, &tf, &bf, &firstf, &lf);
-    remove_project(full);
-    run(inc, false, &ti, &bi, &firsti, &li);
-    remove_project(inc);
     /* the trainable values and their two AdamW moments, fp32 */
     double state = 3.0 * 4.0 * (double)ntrain, mib = 1024.0 * 1024.0;
     double target = 1.1 * state + 256.0 * 1024.0;
@@ -195,15 +190,31 @@ int main(int argc, char **argv) {
            "state that changes per step\n",
            (long long)ntrain, 100.0 * (double)ntrain / (double)(ntrain + GPT2_SMALL_PARAMS),
            (long long)(ntrain + GPT2_SMALL_PARAMS), state / mib);
-    printf("bench_incremental: bytes written per save after the first: %.1f MiB with linking "
-           "(%.3fx the changing state; target <= 1.1x + 256 KiB = %.1f MiB: %s), %.1f MiB "
-           "without (%.1fx); %.1f MiB linked per save; first save %.1f MiB\n",
-           (double)bi / mib, (double)bi / state, target / mib,
-           (double)bi <= target ? "met" : "MISSED", (double)bf / mib,
-           (double)bf / (double)(bi ? bi : 1), (double)li / mib, (double)firsti / mib);
-    printf("bench_incremental: save time after the first: %.3f s with linking, %.3f s full "
-           "(%.2fx the full save's time)\n",
-           ti, tf, ti / tf);
+    static const struct {
+        const char *name;
+        bool no_link;
+        int copies, limit;
+    } cases[] = {{"full (no_link_unchanged), total_limit 3", true, 0, 3},
+                 {"link_copies 1, total_limit 3", false, 1, 3},
+                 {"link_copies 2 (default), total_limit 3", false, 2, 3},
+                 {"link_copies 2 (default), total_limit 0", false, 2, 0}};
+    double t[4];
+    uint64_t b[4], first[4], l[4];
+    for (int c = 0; c < 4; c++) {
+        char proj[4096];
+        snprintf(proj, sizeof proj, "%s/case%d", argv[1], c);
+        run(proj, cases[c].no_link, cases[c].copies, cases[c].limit, &t[c], &b[c], &first[c],
+            &l[c]);
+        remove_project(proj);
+        printf("bench_incremental: %-40s bytes written per save after the first: %6.1f MiB "
+               "(%.3fx the changing state, %.3fx the full save); %.1f MiB linked per save; "
+               "median save %.3f s (%.2fx the full save's)\n",
+               cases[c].name, (double)b[c] / mib, (double)b[c] / state,
+               (double)b[c] / (double)(b[0] ? b[0] : 1), (double)l[c] / mib, t[c], t[c] / t[0]);
+    }
+    printf("bench_incremental: link_copies 1 against the target 1.1x + 256 KiB = %.1f MiB: %s; "
+           "first save %.1f MiB\n",
+           target / mib, (double)b[1] <= target ? "met" : "MISSED", (double)first[1] / mib);
     for (int i = 0; i < nt; i++) {
         free(T[i].data);
         free(T[i].grad);

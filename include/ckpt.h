@@ -228,6 +228,48 @@ CKPT_API int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype 
                                     const int64_t *global_shape, const int64_t *offsets,
                                     const int64_t *local_shape, void *dst);
 
+/* --- memory ckpt cannot touch (device memory) ------------------------------
+ * A tensor whose bytes live where the library cannot dereference a pointer
+ * (an accelerator's memory, a remote buffer) is named by a handle and the
+ * caller's two copy functions. The library never dereferences the handle:
+ * byte k of the tensor is byte `offset` k of it, moved only by
+ *   to_host(handle, offset, dst, n):   bytes [offset, offset + n) of the
+ *                                      tensor into host memory at dst;
+ *   from_host(handle, offset, src, n): n host bytes at src into bytes
+ *                                      [offset, offset + n) of the tensor.
+ * Each returns 0, or on failure a negative ckpt_status (any other value is
+ * reported as CKPT_EIO), optionally with ckpt_set_error's message; the save
+ * or load then fails naming the tensor. The calls are synchronous (the bytes
+ * are in place when a call returns), one at a time, each of at most
+ * CKPT_MEMORY_PIECE bytes, and always in the thread that called the save or
+ * load (an asynchronous save copies such tensors into its staging area
+ * before ckpt_save_state_async returns; its background thread never calls
+ * them). Where the bytes go (docs/CHECKPOINTS.md, "Memory behind ops"):
+ * a save writes each piece to_host gives (through a buffer of one piece;
+ * an incremental save's hash reads the tensor once more), an asynchronous
+ * save copies to_host straight into its staging area (one copy); a load
+ * calls from_host only with bytes already verified against the manifest
+ * (the one-pass load: each verified piece of at most 1 MiB); with several
+ * processes each rank moves only its rows of a replicated tensor, its share
+ * of ZeRO-1 state and the streamed pieces it receives. */
+typedef struct ckpt_memory_ops {
+    int (*to_host)(void *handle, uint64_t offset, void *dst, uint64_t n);
+    int (*from_host)(void *handle, uint64_t offset, const void *src, uint64_t n);
+} ckpt_memory_ops;
+/* The most bytes one to_host or from_host call moves. */
+#define CKPT_MEMORY_PIECE ((uint64_t)8 << 20)
+
+/* ckpt_write_tensor of a tensor behind memory ops (both functions set; ops
+ * and handle borrowed until the writer is saved or freed): nothing is read
+ * until the writer's file is written (or staged). A standalone
+ * ckpt_writer_save writes it too. */
+CKPT_API int ckpt_write_tensor_mem(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                                   const int64_t *shape, const ckpt_memory_ops *ops, void *handle);
+/* ckpt_read_tensor into a tensor behind memory ops: the same checks first,
+ * then the bytes through from_host in pieces. */
+CKPT_API int ckpt_read_tensor_mem(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                                  const int64_t *shape, const ckpt_memory_ops *ops, void *handle);
+
 /* ------------------------------------------------------------------------ */
 /* Stateful objects                                                          */
 /* ------------------------------------------------------------------------ */
@@ -315,6 +357,21 @@ CKPT_API void ckpt_model_free(ckpt_model *m);
  * model is freed. Names follow the key rules; a duplicate is CKPT_EEXIST. */
 CKPT_API int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
                                   const int64_t *shape, void *data, void *grad);
+/* Adds a parameter whose values live behind memory ops (device memory; see
+ * ckpt_memory_ops): saved, loaded, sharded and exported as any parameter,
+ * its bytes moved only through ops (borrowed, with handle, until the model
+ * is freed). A parameter behind ops has no gradient buffer ckpt knows of:
+ * its gradient is the caller's, next to its values, and so is its update.
+ * It is trainable when it is in an optimizer's group (ckpt_model_set_frozen
+ * says otherwise), and the optimizer that updates it is an external one
+ * (ckpt_optimizer_external_new, with its state where the caller keeps it:
+ * ckpt_optimizer_set_state_mem); ckpt's own optimizers update host memory
+ * only, so they refuse a trainable parameter behind ops (CKPT_EUNSUPPORTED
+ * naming it) and take a frozen one. ops needs both functions (CKPT_EINVAL);
+ * the rest as ckpt_model_add_param. */
+CKPT_API int ckpt_model_add_param_mem(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
+                                      const int64_t *shape, const ckpt_memory_ops *ops,
+                                      void *handle);
 /* Tied weights (GPT-2's lm_head.weight is transformer.wte.weight): alias
  * becomes a second name of the parameter target (or of target's own target,
  * if target is itself an alias). The pair is ONE parameter: one buffer (the
@@ -347,13 +404,15 @@ typedef struct ckpt_param_info {
     int ndim;
     int64_t shape[CKPT_MAX_NDIM];
     int64_t numel;
-    void *data;
+    void *data; /* NULL for a parameter behind memory ops */
     void *grad;
     bool frozen; /* see ckpt_model_set_frozen */
     /* A tied name (ckpt_model_tie): the parameter it is another name of
      * (view valid until the model is freed); data, grad and frozen are that
      * parameter's. NULL for a parameter of its own. */
     const char *tied_to;
+    const ckpt_memory_ops *mem_ops; /* ckpt_model_add_param_mem's, or NULL */
+    void *mem_handle;
 } ckpt_param_info;
 CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info);
 /* Marks every parameter whose name is pattern or matches it as a glob
@@ -539,9 +598,19 @@ CKPT_API int ckpt_optimizer_set_state(ckpt_optimizer *o, const char *param, cons
  * F16) gets the floats from element k of state_base on. CKPT_EINVAL, with
  * nothing attached, if a trainable parameter lies before params_base or is
  * not a whole number of elements from it; a parameter that lives outside the
- * block cannot be told apart, so attach such ones with set_state after. */
+ * block cannot be told apart, so attach such ones with set_state after.
+ * Parameters behind memory ops have no address and are skipped: attach
+ * theirs with ckpt_optimizer_set_state_mem. */
 CKPT_API int ckpt_optimizer_set_state_block(ckpt_optimizer *o, const char *field, void *state_base,
                                             const void *params_base);
+/* ckpt_optimizer_set_state for state behind memory ops (device memory; see
+ * ckpt_memory_ops): the field's numel floats are bytes [0, 4 * numel) of
+ * handle, moved only through ops (borrowed, with handle, until o is freed);
+ * saved, loaded, ZeRO-1-sharded (each rank moves its share only) and
+ * exported as host state. A parameter and its fields may each live on
+ * either side. Replaces an earlier attachment, host or not. */
+CKPT_API int ckpt_optimizer_set_state_mem(ckpt_optimizer *o, const char *param, const char *field,
+                                          const ckpt_memory_ops *ops, void *handle);
 
 /* ------------------------------------------------------------------------ */
 /* Learning-rate schedulers (drive every group of one optimizer)             */
@@ -794,6 +863,19 @@ typedef struct ckpt_project_config {
      * sector hits all of them; ckpt verify names them). true: always write
      * every file (zero-initialised configs keep linking on). */
     bool no_link_unchanged;
+    /* Retained checkpoints are independent copies: with linking on, a save
+     * keeps at least this many physical copies of every file among the
+     * checkpoints retained after it (the new one, and the ones its
+     * rotation keeps: the newest total_limit - 1, every one with
+     * total_limit 0; an explicit folder's link source), as far as they
+     * hold the same bytes. A file whose link would leave fewer is written
+     * anew (a copy of its own) instead of linked. 0 = the default, 2: no
+     * single bad sector or flipped byte can take every retained checkpoint
+     * down with it; with total_limit 0 that costs one extra copy of an
+     * unchanged file ever, with total_limit N about one write of it every
+     * N - 1 saves (bench/README.md). 1: link whenever the bytes are equal
+     * (one copy may serve every checkpoint). Negative: CKPT_EINVAL. */
+    int link_copies;
 } ckpt_project_config;
 
 #define CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S 600.0
@@ -946,6 +1028,23 @@ CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir
  * returns the save's status (CKPT_OK when none is pending and no failure is
  * waiting to be reported). Collective with several processes. */
 CKPT_API int ckpt_save_wait(ckpt_accelerator *acc);
+/* Makes a finished asynchronous save durable without waiting for one that
+ * is not: never waits for the background thread (nor the disk it writes).
+ * If every rank's files of the pending save are written, the save is
+ * committed now (with several processes the agreement, rank 0's manifest,
+ * rename and folder fsyncs, and total_limit, as at a wait; with one the
+ * background thread has committed it already) and its post-save hooks run;
+ * otherwise nothing happens. Returns 1 when nothing is pending (the last
+ * asynchronous save is committed, or there was none), 0 while the save is
+ * still being written, or the failure of the save (a failure is returned
+ * once, as by ckpt_save_wait; the save left nothing visible). Collective
+ * with several processes, like the other calls: every rank calls it at the
+ * same points and gets the same answer (one small reduction). A training
+ * loop that saves asynchronously calls it every step or every few, so a
+ * save is on disk, committed, as soon as its files are: a job preempted (or
+ * killed) before its next save, wait, load or free keeps it. (Without it,
+ * with several processes, the commit waits for that next call.) */
+CKPT_API int ckpt_save_poll(ckpt_accelerator *acc);
 /* How the background thread of asynchronous saves runs its jobs, so that
  * the training loop keeps its core and its disk: CKPT_ASYNC_CPU_IDLE, the
  * scheduler's idle class (SCHED_IDLE: the thread runs only on a core no
@@ -1007,15 +1106,18 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * returns the same status and message (so every rank's saves are refused or
  * allowed alike after it).
  *
- * CKPT_ENOENT means exactly "there is no checkpoint": input_dir NULL and no
- * checkpoint_<n> folder at all in the project, or an explicit input_dir that
- * does not exist or is not a checkpoint (no checkpoint.json; an explicit save
- * never replaces such a folder unless it is empty). It is the one failure
- * that is a fresh start, and the one that leaves saves allowed. Every other
+ * CKPT_ENOENT means exactly "there is no checkpoint yet": input_dir NULL and
+ * no checkpoint_<n> folder at all in the project. It is the one failure that
+ * is a fresh start, and the one that leaves saves allowed. An explicit
+ * input_dir that does not exist, is not a folder or is not a checkpoint (no
+ * checkpoint.json) is CKPT_EINVAL, naming the path and the checkpoints that
+ * do exist beside it (or in the project): a typo such as checkpoint_07 for
+ * checkpoint_7 must not read as a fresh start. That and every other
  * failure (a corrupt or partial checkpoint, CKPT_EMISMATCH after a change of
  * configuration, I/O, a hook) makes this accelerator's saves refuse until a
- * load succeeds or the caller calls ckpt_accelerator_start_over (a save into a project another run
- * owns still fails with CKPT_EBUSY first). The resume idiom:
+ * load succeeds or the caller calls ckpt_accelerator_start_over (a save into
+ * a project another run owns still fails with CKPT_EBUSY first). The resume
+ * idiom:
  *     int rc = ckpt_load_state(acc, NULL);
  *     if (rc == CKPT_ENOENT) start from step 0;
  *     else if (rc < 0) stop: print ckpt_errmsg() and exit;
@@ -1190,7 +1292,10 @@ CKPT_API void ckpt_clear_metrics(ckpt_accelerator *acc);
  * the same steps) and every rank gets the same answer: true if it is true on
  * any rank (clocks and signals differ between processes), so all ranks save
  * at the same step. It does not save: the caller calls ckpt_save_state (or
- * _async), and, after a preemption, exits. CKPT_EINVAL for step < 0. */
+ * _async), and, after a preemption, exits. After a preemption it first
+ * commits a pending asynchronous save (as ckpt_save_wait, keeping a failure
+ * for the next save), so that save is durable before the next one starts.
+ * CKPT_EINVAL for step < 0. */
 CKPT_API int ckpt_should_save(ckpt_accelerator *acc, int64_t step);
 
 /* Preemption. Schedulers warn before they kill a job (Slurm: SIGTERM, or

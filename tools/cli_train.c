@@ -147,7 +147,7 @@ int cli_train(int argc, char **argv) {
         goto done;
     }
     if (o->resume) {
-        if (has) {
+        if (has || o->resume_from) {
             if ((status = train_resume(&t)) != CLI_OK) goto done;
             step = ckpt_accelerator_step(t.acc);
             saved_step = step;
@@ -271,6 +271,11 @@ int cli_train(int argc, char **argv) {
         if (due || step == total) {
             if ((status = train_save(&t, step, step == total)) != CLI_OK) goto done;
             saved_step = step;
+        } else if (o->async && (rc = ckpt_save_poll(t.acc)) < 0) {
+            /* a background save whose files are written is committed here,
+             * not at the next save: a kill in between keeps it */
+            status = train_fail("save", rc);
+            goto done;
         }
 
         double now = train_now(), el = now - t0;

@@ -24,6 +24,7 @@
 
 typedef struct train_opts {
     int64_t epochs, batch_size, seed, save_every, total_limit, workers, log_every;
+    int64_t link_copies; /* 0: the library's default */
     double lr, save_every_seconds;
     double collective_timeout;  /* seconds; 0: none (the config's negative) */
     int64_t keep_every, best_k; /* retention beyond --total-limit */
@@ -32,6 +33,7 @@ typedef struct train_opts {
     const char *project_dir;
     const char *data;
     const char *init_from;  /* a checkpoint folder: its model only */
+    const char *resume_from; /* --resume-from: that checkpoint, not the newest */
     const char *freeze[16]; /* --freeze patterns */
     int nfreeze;
     uint64_t max_shard_size;

@@ -136,7 +136,7 @@ int train_init_from(trainer *t) {
     ckpt_load_options lo = {.objects = CKPT_LOAD_MODELS};
     ckpt_load_report rep;
     int rc = ckpt_load_state_ex(t->acc, dir, &lo, &rep);
-    if (rc == CKPT_ENOENT) {
+    if (rc == CKPT_EINVAL && cli_classify(dir) != CLI_KIND_CHECKPOINT) {
         cli_error("--init-from %s: not a checkpoint folder nor a project (%s); pass one such "
                   "as RUN/checkpoints/checkpoint_N, or RUN for its newest valid checkpoint",
                   dir, ckpt_errmsg());
@@ -187,7 +187,12 @@ static int saved_loader_position(const char *dir, int64_t *epoch, int64_t *pos) 
  * the saved one. */
 int train_resume(trainer *t) {
     const train_opts *o = &t->opt;
-    int rc = ckpt_load_state(t->acc, NULL);
+    int rc = ckpt_load_state(t->acc, o->resume_from);
+    if (rc == CKPT_EINVAL && o->resume_from &&
+        cli_classify(o->resume_from) != CLI_KIND_CHECKPOINT) {
+        cli_error("--resume-from: %s", ckpt_errmsg());
+        return CLI_USAGE;
+    }
     int saved_procs = 1, now_procs = t->dist.size > 0 ? t->dist.size : 1;
     bool drop = false;
     int64_t epoch = 0, pos = 0;
@@ -205,7 +210,7 @@ int train_resume(trainer *t) {
         static const char *const config_only[] = {"custom_checkpoint_0"};
         ckpt_load_options lo = {.names = config_only, .num_names = 1};
         ckpt_load_report rep;
-        if (ckpt_load_state_ex(t->acc, NULL, &lo, &rep) < 0) {
+        if (ckpt_load_state_ex(t->acc, o->resume_from, &lo, &rep) < 0) {
             cli_error("resume: %s", why);
             return CLI_RUNTIME;
         }

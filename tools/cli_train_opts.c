@@ -29,6 +29,9 @@ static const char train_help[] =
     "                     after waiting S seconds for another rank (default 600;\n"
     "                     0 = wait forever)\n"
     "  --total-limit N    keep the newest N valid checkpoints (default 3; 0 = all)\n"
+    "  --link-copies N    keep N physical copies of every unchanged file among the\n"
+    "                     retained checkpoints (default 2; 1: link every unchanged\n"
+    "                     file, one copy shared by all)\n"
     "  --keep-every N     also keep every checkpoint whose step is a multiple of N\n"
     "  --keep-best METRIC:min|max:K\n"
     "                     also keep the K best checkpoints by test_loss or test_acc\n"
@@ -42,6 +45,8 @@ static const char train_help[] =
     "  --data FILE        the data set (default: the project's data/digits.csv.gz,\n"
     "                     or $CKPT_DATA)\n"
     "  --resume           continue from the newest complete checkpoint in DIR\n"
+    "  --resume-from CKPT continue from checkpoint folder CKPT (a folder that is not\n"
+    "                     a checkpoint is an error naming those that exist)\n"
     "  --drop-data-position\n"
     "                     with --resume, when the global batch (--batch-size x\n"
     "                     processes) differs from the checkpoint's: keep the step,\n"
@@ -89,6 +94,8 @@ int train_parse_opts(int argc, char **argv, train_opts *o) {
         O_PROJECT,
         O_DATA,
         O_RESUME,
+        O_RESUME_FROM,
+        O_LINK_COPIES,
         O_LOG_EVERY,
         O_QUIET,
         O_SHARD_OPTIM,
@@ -117,6 +124,8 @@ int train_parse_opts(int argc, char **argv, train_opts *o) {
         {"project-dir", required_argument, NULL, O_PROJECT},
         {"data", required_argument, NULL, O_DATA},
         {"resume", no_argument, NULL, O_RESUME},
+        {"resume-from", required_argument, NULL, O_RESUME_FROM},
+        {"link-copies", required_argument, NULL, O_LINK_COPIES},
         {"init-from", required_argument, NULL, O_INIT_FROM},
         {"freeze", required_argument, NULL, O_FREEZE},
         {"max-shard-size", required_argument, NULL, O_MAX_SHARD},
@@ -159,10 +168,16 @@ int train_parse_opts(int argc, char **argv, train_opts *o) {
                  o->collective_timeout <= 1e9;
             break;
         case O_TOTAL_LIMIT: ok = cli_parse_i64(a, 0, INT32_MAX, &o->total_limit); break;
+        case O_LINK_COPIES: ok = cli_parse_i64(a, 1, 64, &o->link_copies); break;
         case O_WORKERS: ok = cli_parse_i64(a, 0, 64, &o->workers); break;
         case O_PROJECT: o->project_dir = a; break;
         case O_DATA: o->data = a; break;
         case O_RESUME: o->resume = true; break;
+        case O_RESUME_FROM:
+            o->resume = true;
+            o->resume_from = a;
+            ok = *a != '\0';
+            break;
         case O_INIT_FROM:
             o->init_from = a;
             ok = *a != '\0';

@@ -178,6 +178,7 @@ int trainer_setup(trainer *t) {
         .project_dir = o->project_dir,
         .automatic_checkpoint_naming = true,
         .total_limit = (int)o->total_limit,
+        .link_copies = (int)o->link_copies,
         .comm = t->dist.comm,
         .save_interval_steps = o->save_every,
         .keep_every_steps = o->keep_every,

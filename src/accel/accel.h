@@ -14,6 +14,9 @@
 #include "base/io.h"
 #include "store/store.h"
 
+/* ckpt_project_config.link_copies when 0. */
+#define CKPT_LINK_COPIES_DEFAULT 2
+
 /* The kinds of saved objects, in the order their files are written. */
 enum {
     K_MODEL,
@@ -81,6 +84,9 @@ struct ckpt_accelerator {
      * differ was given. */
     int64_t step;
     bool step_set, step_warned;
+    /* entries named checkpoint_<n> that are no checkpoint folder were
+     * reported (once per accelerator) */
+    bool odd_names_said;
     char *last_dir;
     ckpt_hook_handle *hooks[HOOK_KINDS];
     /* The last ckpt_load_state failed (other than "no checkpoint"): saves
@@ -104,6 +110,7 @@ struct ckpt_accelerator {
     ckpt_retention retention;
     uint64_t max_shard_size; /* models beyond it are saved as HF shards */
     bool no_link_unchanged;  /* incremental saves off: every file is written */
+    int link_copies;         /* physical copies kept among the retained checkpoints */
     uint64_t last_save_written, last_save_linked; /* ckpt_accelerator_last_save_bytes */
     char *link_dir; /* the checkpoint last saved or loaded (even partly): see save.c */
     /* A project in object storage (remote.c); NULL for a local one. */
@@ -189,11 +196,14 @@ int ckpt__coll_agree(const ckpt_comm *c, int rc, bool (*prefer)(int rc));
 int ckpt__coll_agree_echo(const ckpt_comm *c, int rc, bool (*prefer)(int rc), bool echo);
 /* Rank 0's status and message reach every rank: rank 0 passes rc, the
  * others anything; all return rank 0's rc, and on failure every rank's
- * message is "rank 0: <rank 0's message>". */
+ * message is "rank 0: <rank 0's message>". A rank whose copy did not
+ * arrive still learns rank 0's status (one reduction follows the
+ * broadcast), so every rank returns the same. */
 int ckpt__coll_share(const ckpt_comm *c, int rc);
 /* Rank 0's n bytes at *buf reach every rank: elsewhere *buf gets a
  * ckpt__malloc'd copy (free() it; one extra NUL byte after the data) and *n
- * its length. */
+ * its length. A transfer that fails on one rank fails on every rank (each
+ * step is agreed on). */
 int ckpt__coll_bcast_bytes(const ckpt_comm *c, char **buf, size_t *n);
 /* Deadlines (ckpt_comm.deadline; nothing for a comm without them or one
  * rank). ckpt__coll_begin starts an operation of acc (or, nested in one,

@@ -59,6 +59,11 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
                          "accelerator_new: save_interval_seconds is %g, expected a finite "
                          "number >= 0",
                          cfg->save_interval_seconds);
+    if (cfg->link_copies < 0)
+        return ckpt__err(CKPT_EINVAL,
+                         "accelerator_new: link_copies is %d, expected >= 0 (0: the "
+                         "default, 2)",
+                         cfg->link_copies);
     if (isnan(cfg->collective_timeout_s))
         return ckpt__err(CKPT_EINVAL, "accelerator_new: collective_timeout_s is NaN, expected "
                                       "seconds (0: the default, negative: no deadline)");
@@ -80,6 +85,7 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     acc->save_interval_steps = cfg->save_interval_steps;
     acc->max_shard_size = cfg->max_shard_size;
     acc->no_link_unchanged = cfg->no_link_unchanged;
+    acc->link_copies = cfg->link_copies ? cfg->link_copies : CKPT_LINK_COPIES_DEFAULT;
     acc->save_interval_seconds = cfg->save_interval_seconds;
     acc->coll_timeout = cfg->collective_timeout_s == 0 ? CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S
                         : cfg->collective_timeout_s < 0 || isinf(cfg->collective_timeout_s)

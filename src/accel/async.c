@@ -324,6 +324,32 @@ int ckpt_accelerator_prepare_async(ckpt_accelerator *acc) {
     return CKPT_OK;
 }
 
+/* Whether this rank's background job is done (no pending save counts as
+ * done): a look under the lock, never a wait. */
+static bool job_done(ckpt_async *as) {
+    if (!as || !as->pending) return true;
+    pthread_mutex_lock(&as->mu);
+    bool done = as->job == NULL;
+    pthread_mutex_unlock(&as->mu);
+    return done;
+}
+
+int ckpt_save_poll(ckpt_accelerator *acc) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "save_poll: acc is NULL");
+    int64_t ready = job_done(acc->async);
+    const ckpt_comm *c = acc->comm;
+    if (c->size > 1) {
+        /* every rank's files written, or no rank commits */
+        ckpt__coll_begin(acc, "save: poll");
+        int crc = c->allreduce_i64(c->ctx, &ready, 1, CKPT_REDUCE_MIN);
+        ckpt__coll_end(acc);
+        if (crc < 0) return ckpt__err_prefix(crc, "save_poll: communicator");
+    }
+    if (!ready) return 0;
+    int rc = ckpt__async_settle(acc, true);
+    return rc < 0 ? rc : 1;
+}
+
 int ckpt_save_wait(ckpt_accelerator *acc) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "save_wait: acc is NULL");
     return ckpt__async_settle(acc, true);

@@ -67,6 +67,22 @@ int ckpt__coll_agree(const ckpt_comm *c, int rc, bool (*prefer)(int rc)) {
     return ckpt__coll_agree_echo(c, rc, prefer, false);
 }
 
+/* Whether every rank failed with exactly this status and message, and the
+ * message is an agreement's ("rank <r>: ..."): the outcome of an earlier
+ * agreement that nested calls pass up. Naming the rank again would only
+ * stutter ("rank 0: rank 0: ..."). */
+static bool agreed_already(const char *all, size_t p, int status, const char *msg) {
+    const char *d = strncmp(msg, "rank ", 5) == 0 ? msg + 5 : NULL;
+    if (!d || *d < '0' || *d > '9') return false;
+    while (*d >= '0' && *d <= '9') d++;
+    if (d[0] != ':' || d[1] != ' ') return false;
+    for (size_t r = 0; r < p; r++) {
+        const char *rec = all + r * REC_BYTES;
+        if (rec_status(rec) != status || strncmp(rec + 8, msg, REC_MSG - 1) != 0) return false;
+    }
+    return true;
+}
+
 int ckpt__coll_agree_echo(const ckpt_comm *c, int rc, bool (*prefer)(int rc), bool echo) {
     if (rc > 0) rc = CKPT_EINVAL;
     if (c->size <= 1) return rc;
@@ -118,7 +134,9 @@ int ckpt__coll_agree_echo(const ckpt_comm *c, int rc, bool (*prefer)(int rc), bo
     char msg[REC_MSG];
     memcpy(msg, rec + 8, REC_MSG);
     msg[REC_MSG - 1] = '\0';
-    if (nfailed > 1)
+    if (agreed_already(all, p, status, msg))
+        ckpt__err(status, "%s", msg); /* an earlier agreement's: as it is */
+    else if (nfailed > 1)
         ckpt__err(status, "rank %d: %s (%d other rank%s failed too)", pick, msg, nfailed - 1,
                   nfailed - 1 == 1 ? "" : "s");
     else
@@ -130,38 +148,50 @@ int ckpt__coll_agree_echo(const ckpt_comm *c, int rc, bool (*prefer)(int rc), bo
 int ckpt__coll_share(const ckpt_comm *c, int rc) {
     if (rc > 0) rc = CKPT_EINVAL;
     if (c->size <= 1) return rc;
-    char *rec = malloc(REC_BYTES);
-    if (!rec) return ckpt__err_nomem("agreement");
+    char rec[REC_BYTES]; /* on the stack: no rank may drop out for memory */
+    memset(rec, 0, sizeof rec);
     if (c->rank == 0) rec_pack(rec, rc, false);
     int crc = c->bcast(c->ctx, rec, REC_BYTES, 0);
-    if (crc < 0) {
-        free(rec);
-        return comm_failed(crc, "bcast");
-    }
-    int status = rec_status(rec);
-    if (status < 0) {
+    /* A rank whose copy did not arrive must not go its own way: one
+     * reduction tells every rank whether a copy was lost, and rank 0's
+     * status (exactly: every status is <= 0). */
+    int64_t v[2] = {crc < 0, c->rank == 0 ? -(int64_t)rc : 0};
+    int arc = c->allreduce_i64(c->ctx, v, 2, CKPT_REDUCE_MAX);
+    if (arc < 0) return comm_failed(arc, "allreduce");
+    int status = v[0] ? (int)-v[1] : rec_status(rec);
+    if (status == 0) return CKPT_OK;
+    if (!v[0]) {
         rec[REC_BYTES - 1] = '\0';
         ckpt__err(status, "rank 0: %s", rec + 8);
+        return status;
     }
-    free(rec);
-    return status;
+    /* rank 0 failed and some rank lost its message: it travels again, in
+     * an agreement (the same message on every rank) */
+    if (c->rank == 0) {
+        rec[REC_BYTES - 1] = '\0';
+        ckpt__err(status, "%s", rec + 8);
+    }
+    return ckpt__coll_agree(c, c->rank == 0 ? status : CKPT_OK, NULL);
 }
 
 int ckpt__coll_bcast_bytes(const ckpt_comm *c, char **buf, size_t *n) {
     if (c->size <= 1) return CKPT_OK;
+    /* Each step is agreed on: a rank whose length or bytes did not arrive
+     * (or that has no memory for them) stops every rank, with one message. */
     uint64_t len = c->rank == 0 ? (uint64_t)*n : 0;
     int crc = c->bcast(c->ctx, &len, sizeof len, 0);
-    if (crc < 0) return comm_failed(crc, "bcast");
+    CKPT_TRY(ckpt__coll_agree(c, crc < 0 ? comm_failed(crc, "bcast") : CKPT_OK, NULL));
     if (len > SIZE_MAX - 1)
         return ckpt__err(CKPT_EINVAL, "communicator: bcast of %" PRIu64 " bytes", len);
     char *p = c->rank == 0 ? *buf : malloc((size_t)len + 1);
-    if (!p) return ckpt__err_nomem("bcast");
-    if (len) {
+    int rc = ckpt__coll_agree(c, p ? CKPT_OK : ckpt__err_nomem("bcast"), NULL);
+    if (rc == 0 && len) {
         crc = c->bcast(c->ctx, p, (size_t)len, 0);
-        if (crc < 0) {
-            if (c->rank != 0) free(p);
-            return comm_failed(crc, "bcast");
-        }
+        rc = ckpt__coll_agree(c, crc < 0 ? comm_failed(crc, "bcast") : CKPT_OK, NULL);
+    }
+    if (rc < 0) {
+        if (c->rank != 0) free(p);
+        return rc;
     }
     if (c->rank != 0) {
         p[len] = '\0';

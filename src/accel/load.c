@@ -165,10 +165,22 @@ static void warn_skipped(ckpt_accelerator *acc, const char *dir, const char *msg
               msg, older ? "; falling back to an older checkpoint" : "");
 }
 
+/* An explicit folder that is not there or is not a checkpoint: CKPT_EINVAL,
+ * never the CKPT_ENOENT of a fresh start (a typo in a resume path must not
+ * let the run start over and rotate its checkpoints away). */
+static int not_a_checkpoint(const ckpt__load_op *op, const char *what) {
+    char near[1024];
+    ckpt__checkpoints_near(op->input_dir, op->acc->project_dir, near, sizeof near);
+    return ckpt__err(CKPT_EINVAL,
+                     "load_state: %s: %s%s; an explicit input_dir must be a checkpoint "
+                     "(NULL loads the project's newest valid one)",
+                     op->input_dir, what, near);
+}
+
 /* The first choice: a pending asynchronous save ends, rank 0 takes the
  * project lock (collective), and the candidates are found: the caller's
- * folder (CKPT_ENOENT if it does not exist: there is no checkpoint, a fresh
- * start; this rank's alone, agreed on by read), or the project's
+ * folder (CKPT_EINVAL naming the checkpoints there are if it is not a
+ * folder; this rank's alone, agreed on by read), or the project's
  * checkpoints (rank 0's list on every rank). */
 static int find_candidates(ckpt__load_op *op) {
     ckpt_accelerator *acc = op->acc;
@@ -184,11 +196,13 @@ static int find_candidates(ckpt__load_op *op) {
     if (op->input_dir) {
         const char *in = op->input_dir;
         struct stat st;
+        int src = in[0] && !op->remote ? ckpt__os_stat(in, &st) : 0;
         if (!in[0]) rc = ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
         else if (op->remote) /* a URL: its manifest says (plan) */
             rc = (op->dir = ckpt__strdup(in)) ? 0 : ckpt__err_nomem("load path");
-        else if (ckpt__os_lstat(in, &st) != 0 && errno == ENOENT)
-            rc = ckpt__err(CKPT_ENOENT, "load_state: %s: no such checkpoint folder", in);
+        else if (src != 0 && (errno == ENOENT || errno == ENOTDIR))
+            rc = not_a_checkpoint(op, "no such checkpoint folder");
+        else if (src == 0 && !S_ISDIR(st.st_mode)) rc = not_a_checkpoint(op, "not a folder");
         else if (!(op->dir = ckpt__strdup(in))) rc = ckpt__err_nomem("load path");
         return fail(op, rc, false);
     }
@@ -343,7 +357,9 @@ int ckpt__load_op_plan(ckpt__load_op *op) {
     /* One pass where every file fits it (else this checkpoint: two). */
     if (rc == 0 && op->one_pass && !one_pass_fits(&op->c.m)) op->one_pass = false;
     if (rc == 0 && op->comm->size > 1) rc = plan_reads(op);
-    if (rc < 0 && op->input_dir) rc = ckpt__err_prefix(rc, "load_state");
+    if (rc == CKPT_ENOENT && op->input_dir && op->c.no_manifest)
+        rc = not_a_checkpoint(op, "not a checkpoint (no checkpoint.json)");
+    else if (rc < 0 && op->input_dir) rc = ckpt__err_prefix(rc, "load_state");
     return fail(op, rc, false);
 }
 
@@ -391,9 +407,8 @@ int ckpt__load_op_read(ckpt__load_op *op) {
     op->rc = 0; /* agreed on now */
     if (op->input_dir) {
         /* The caller's folder: no such folder, or not a checkpoint (no
-         * manifest), is CKPT_ENOENT: there is no checkpoint. */
+         * manifest), failed already (CKPT_EINVAL, never a fresh start). */
         rc = ckpt__coll_agree(op->comm, rc, NULL);
-        op->nothing = rc == CKPT_ENOENT;
         if (rc == 0) rc = ckpt__coll_agree(op->comm, ckpt__load_share_files(op), NULL);
         return fail(op, rc, true);
     }

@@ -480,6 +480,10 @@ static int stream_round(const ckpt_comm *c, int64_t ask, int64_t *lo, int64_t *h
     return CKPT_OK;
 }
 
+/* How many times a streamed chunk is sent again after a transfer that
+ * failed on some rank. */
+#define STREAM_RETRIES 2
+
 /* The reader's fetch (ckpt__reader_set_fetch) of a streamed chunk: every
  * rank asks for the same chunk at the same point (it reads the same
  * replicated keys in the same order); the chunk's file's reader then
@@ -521,29 +525,47 @@ int ckpt__load_fetch(void *ctx, int64_t id, const void *local, uint64_t nbytes, 
     /* After a failure the pieces still travel (the broadcasts stay paired);
      * the first failure is returned. A root without the bytes (it read the
      * file, so never) sends the window's, which the receivers' digest
-     * refuses. */
-    int rc =
-        me && !local ? ckpt__err(CKPT_EINVAL, "chunk %" PRId64 " not held by its reader", k) : 0;
+     * refuses. A chunk that did not arrive whole on some rank (the
+     * transport failed, or the bytes differ from the manifest's digest, the
+     * root's copy being verified) is sent again, to every rank, up to
+     * STREAM_RETRIES times: the objects may be loading (apply), and a
+     * transfer that failed on one rank must not leave it alone half loaded. */
     XXH3_state_t *h = me ? NULL : XXH3_createState();
-    if (h) XXH3_64bits_reset(h);
-    for (uint64_t off = 0; off < nbytes; off += piece) {
-        size_t n = nbytes - off < piece ? (size_t)(nbytes - off) : piece;
-        uint8_t *p = me && local ? (uint8_t *)(uintptr_t)local + off : op->window;
-        int crc = c->bcast(c->ctx, p, n, root);
-        if (crc < 0 && rc == 0)
-            rc = ckpt__err_prefix(crc, "communicator: bcast from rank %d", root);
-        if (rc == 0 && h) XXH3_64bits_update(h, p, n);
-        if (rc == 0) rc = put(put_ctx, p, off, n);
+    for (int attempt = 0;; attempt++) {
+        int rc = me && !local
+                     ? ckpt__err(CKPT_EINVAL, "chunk %" PRId64 " not held by its reader", k)
+                     : 0;
+        bool again = false; /* this rank's failure is one a new transfer may cure */
+        if (h) XXH3_64bits_reset(h);
+        for (uint64_t off = 0; off < nbytes; off += piece) {
+            size_t n = nbytes - off < piece ? (size_t)(nbytes - off) : piece;
+            uint8_t *p = me && local ? (uint8_t *)(uintptr_t)local + off : op->window;
+            int crc = c->bcast(c->ctx, p, n, root);
+            if (crc < 0 && rc == 0) {
+                rc = ckpt__err_prefix(crc, "communicator: bcast from rank %d", root);
+                again = crc != CKPT_ETIMEDOUT;
+            }
+            if (rc == 0 && h) XXH3_64bits_update(h, p, n);
+            if (rc == 0) rc = put(put_ctx, p, off, n);
+        }
+        if (rc == 0 && !me && f->tensor_xxh3 && k < f->ntensors &&
+            (!h || XXH3_64bits_digest(h) != f->tensor_xxh3[k])) {
+            rc = h ? ckpt__err(CKPT_ECORRUPT,
+                               "chunk %" PRId64 " received from rank %d differs from the "
+                               "manifest's digest",
+                               k, root)
+                   : ckpt__err_nomem("chunk digest");
+            again = h != NULL;
+        }
+        /* every rank: is a new transfer wanted, and would it be enough */
+        int64_t v[2] = {rc < 0 && again, rc < 0 && !again};
+        int crc = c->allreduce_i64(c->ctx, v, 2, CKPT_REDUCE_MAX);
+        if (crc < 0 && rc == 0) rc = ckpt__err_prefix(crc, "communicator: allreduce");
+        if (crc < 0 || !v[0] || v[1] || attempt == STREAM_RETRIES) {
+            XXH3_freeState(h);
+            return rc;
+        }
     }
-    if (rc == 0 && !me && f->tensor_xxh3 && k < f->ntensors &&
-        (!h || XXH3_64bits_digest(h) != f->tensor_xxh3[k]))
-        rc = h ? ckpt__err(CKPT_ECORRUPT,
-                           "chunk %" PRId64 " received from rank %d differs from the manifest's "
-                           "digest",
-                           k, root)
-               : ckpt__err_nomem("chunk digest");
-    XXH3_freeState(h);
-    return rc;
 }
 
 /* The end of a phase whose objects may have read streamed chunks: every

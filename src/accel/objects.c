@@ -38,6 +38,10 @@ int ckpt__acc_own_project(ckpt_accelerator *acc, bool create, const char *what) 
     else if (ckpt__os_stat(dir, &st) != 0)
         goto out; /* nothing to own yet; a load creates nothing */
     if (rc == 0) rc = ckpt__lock_acquire(&acc->project_lock, lp, !create);
+    /* A resume owns the project from here: the temporary folders of saves
+     * that were killed are garbage now (a save removes them all anyway). */
+    if (rc == 0 && !create && acc->project_lock.fd >= 0)
+        ckpt__remove_dead_leftovers(dir, &acc->log);
     if (rc == 0 && acc->project_lock.skipped)
         ckpt__log(&acc->log, CKPT_LOG_WARNING,
                   "%s: %s: read-only file system: loading without the project lock (nothing can "

@@ -6,24 +6,10 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
-#include <time.h>
 
 #include "ckpt.h"
 #include "accel/accel.h"
 #include "base/error.h"
-
-/* ---- the clock ------------------------------------------------------------ */
-
-static double real_now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static double (*clock_fn)(void) = real_now;
-
-double ckpt__now(void) { return clock_fn(); }
-void ckpt__set_clock(double (*fn)(void)) { clock_fn = fn ? fn : real_now; }
 
 /* ---- preemption ----------------------------------------------------------- */
 
@@ -91,16 +77,22 @@ int ckpt_should_save(ckpt_accelerator *acc, int64_t step) {
     if (!acc) return ckpt__err(CKPT_EINVAL, "should_save: acc is NULL");
     if (step < 0)
         return ckpt__err(CKPT_EINVAL, "should_save: step is %" PRId64 ", expected >= 0", step);
-    int64_t yes = ckpt_preemption_requested();
-    if (acc->save_interval_steps > 0 && step > 0 && step % acc->save_interval_steps == 0) yes = 1;
+    /* whether to save, and whether it is for a preemption */
+    int64_t v[2] = {0, ckpt_preemption_requested()};
+    v[0] = v[1];
+    if (acc->save_interval_steps > 0 && step > 0 && step % acc->save_interval_steps == 0) v[0] = 1;
     if (acc->save_interval_seconds > 0 &&
         ckpt__now() - acc->interval_start >= acc->save_interval_seconds)
-        yes = 1;
+        v[0] = 1;
     const ckpt_comm *c = acc->comm;
     if (c->size > 1) {
-        int rc = c->allreduce_i64(c->ctx, &yes, 1, CKPT_REDUCE_MAX);
+        int rc = c->allreduce_i64(c->ctx, v, 2, CKPT_REDUCE_MAX);
         if (rc < 0 || rc > 0)
             return ckpt__err_prefix(rc < 0 ? rc : CKPT_EIO, "should_save: communicator");
     }
-    return yes ? 1 : 0;
+    /* Preempted: a pending asynchronous save is committed now, before the
+     * next save starts (the job may be killed during it). Its failure, if
+     * any, waits for that save, as it would have. */
+    if (v[1]) ckpt__async_settle(acc, false);
+    return v[0] ? 1 : 0;
 }

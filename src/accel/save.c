@@ -112,20 +112,38 @@ static int plan_local(save_op *op, const char *output_dir) {
     int64_t n;
     bool numbered = op->automatic || ckpt__parse_checkpoint_name(op->base, &n);
     CKPT_TRY(ckpt__remove_leftovers(op->parent, numbered ? NULL : op->base, &op->log));
+    int64_t *nums = NULL, count = 0;
     if (op->automatic) {
-        int64_t *nums = NULL, count = 0;
+        int64_t taken = -1;
+        char odd[512];
         rc = ckpt__list_numbers(op->parent, &nums, &count);
-        if (rc < 0) return ckpt__err_prefix(rc, "save_state");
+        if (rc == 0) rc = ckpt__names_taken(op->parent, &taken, odd, sizeof odd);
+        if (rc < 0) {
+            free(nums);
+            return ckpt__err_prefix(rc, "save_state");
+        }
+        /* Past every name in use, folder or not: a commit never renames
+         * over an entry, so a file or a symlink named checkpoint_<n> would
+         * otherwise fail every save from then on. */
         op->number = acc->iteration;
-        if (count > 0 && nums[count - 1] + 1 > op->number) op->number = nums[count - 1] + 1;
+        if (taken + 1 > op->number) op->number = taken + 1;
+        if (odd[0] && !acc->odd_names_said) {
+            acc->odd_names_said = true;
+            ckpt__log(&op->log, CKPT_LOG_WARNING,
+                      "save_state: in %s, %s: not checkpoint folders; numbering steps over them "
+                      "and leaves them alone",
+                      op->parent, odd);
+        }
         if (op->link && count > 0) {
             char nm[48];
             snprintf(nm, sizeof nm, "checkpoint_%" PRId64, nums[count - 1]);
             op->prev_dir = ckpt__path_join(op->parent, nm);
         }
-        free(nums);
         op->base = ckpt__malloc(48);
-        if (!op->base) return ckpt__err_nomem("save path");
+        if (!op->base) {
+            free(nums);
+            return ckpt__err_nomem("save path");
+        }
         snprintf(op->base, 48, "checkpoint_%" PRId64, op->number);
     }
     /* Before the project has a checkpoint (or for a folder of the user's):
@@ -136,8 +154,11 @@ static int plan_local(save_op *op, const char *output_dir) {
         op->prev_dir = ckpt__strdup(acc->link_dir);
     op->target = ckpt__path_join(op->parent, op->base);
     op->tname = ckpt__temp_name(op->base);
-    if (!op->target || !op->tname || !(op->tmp = ckpt__path_join(op->parent, op->tname)))
-        return ckpt__err_nomem("save path");
+    rc = op->target && op->tname && (op->tmp = ckpt__path_join(op->parent, op->tname))
+             ? ckpt__save_plan_kept(op, nums, count)
+             : ckpt__err_nomem("save path");
+    free(nums);
+    if (rc < 0) return rc;
     if (!op->automatic) CKPT_TRY(ckpt__txn_check_replaceable(&(ckpt_txn){
                             .target = op->target, .tmp = op->tmp, .what = "save_state"}));
     if (ckpt__os_mkdir(op->tmp, 0755) != 0)
@@ -154,26 +175,36 @@ static int plan_share(save_op *op) {
     size_t n = 0;
     if (c->rank == 0) {
         const char *prev = op->prev_dir ? op->prev_dir : "";
-        size_t nt = strlen(op->target), np = strlen(op->tmp), nv = strlen(prev);
-        n = 24 + nt + 1 + np + 1 + nv + 1;
+        size_t nt = strlen(op->target), np = strlen(op->tmp), nv = strlen(prev), nk = 0;
+        char *kept = NULL;
+        CKPT_TRY(ckpt__save_kept_encode(op, &kept, &nk));
+        n = 24 + nt + 1 + np + 1 + nv + 1 + nk;
         blob = ckpt__malloc(n);
-        if (!blob) return ckpt__err_nomem("save plan");
+        if (!blob) {
+            free(kept);
+            return ckpt__err_nomem("save plan");
+        }
         memset(blob, 0, 24);
         snprintf(blob, 24, "%" PRId64, op->number);
         memcpy(blob + 24, op->target, nt + 1);
         memcpy(blob + 24 + nt + 1, op->tmp, np + 1);
         memcpy(blob + 24 + nt + 1 + np + 1, prev, nv + 1);
+        memcpy(blob + 24 + nt + 1 + np + 1 + nv + 1, kept, nk);
+        free(kept);
     }
     int rc = ckpt__coll_bcast_bytes(c, &blob, &n);
     if (rc == 0 && c->rank != 0) {
         /* From rank 0 of this job, but still checked: four strings (the
-         * last, the checkpoint to link from, may be empty). */
+         * last, the checkpoint to link from, may be empty), then the kept
+         * checkpoints. */
         const char *t = blob + 24, *end = blob + n;
         const char *p = n > 24 ? memchr(t, '\0', (size_t)(end - t)) : NULL;
         const char *v = p ? memchr(p + 1, '\0', (size_t)(end - p - 1)) : NULL;
-        if (!v || !memchr(v + 1, '\0', (size_t)(end - v - 1)) || !memchr(blob, '\0', 24)) {
+        const char *k = v ? memchr(v + 1, '\0', (size_t)(end - v - 1)) : NULL;
+        if (!k || !memchr(blob, '\0', 24)) {
             rc = ckpt__err(CKPT_EINVAL, "save_state: rank 0 sent a malformed plan");
         } else {
+            rc = ckpt__save_kept_decode(op, k + 1, (size_t)(end - k - 1));
             op->number = strtoll(blob, NULL, 10);
             op->target = ckpt__strdup(t);
             op->tmp = ckpt__strdup(p + 1);
@@ -295,13 +326,8 @@ static int write_hf(save_op *op, int i, const char *file) {
         if (op->hf_owner[i][s] != op->comm->rank) continue;
         ckpt_writer *part = NULL;
         rc = ckpt_writer_new(&part);
-        for (int64_t j = l->starts[s]; j < l->starts[s + 1] && rc == 0; j++) {
-            ckpt_entry_info e;
-            rc = ckpt_writer_entry(w, l->entry[j], &e);
-            if (rc == 0)
-                rc = ckpt_write_tensor(part, e.key, e.dtype, e.ndim, e.shape,
-                                       ckpt__writer_tensor_data(w, l->entry[j]));
-        }
+        for (int64_t j = l->starts[s]; j < l->starts[s + 1] && rc == 0; j++)
+            rc = ckpt__writer_put_tensor_of(part, w, l->entry[j]);
         /* a tied name in the part of its target; the index names tensors only */
         for (int64_t j = 0; j < ckpt_writer_entry_count(w) && rc == 0; j++) {
             ckpt_entry_info e;
@@ -625,6 +651,7 @@ void ckpt__save_op_free(save_op *op) {
     ckpt__manifest_clear(&op->mine);
     ckpt__manifest_clear(&op->all);
     if (op->have_prev) ckpt__manifest_clear(&op->prev);
+    ckpt__save_kept_free(op);
     free(op->order);
     free(op->prev_dir);
     free(op->parent);
@@ -683,6 +710,7 @@ int ckpt__save_op_new(ckpt_accelerator *acc, const char *output_dir, save_op **o
     op->number = -1;
     op->lk.fd = -1;
     op->link = !acc->no_link_unchanged;
+    op->link_copies = acc->link_copies;
     op->remote = output_dir ? ckpt__s3_is_url(output_dir) : acc->remote != NULL;
     ckpt__manifest_init(&op->mine);
     ckpt__manifest_init(&op->all);
@@ -783,8 +811,10 @@ int ckpt__save_op_stage(save_op *op) {
     int rc = ckpt__arena_reserve(&acc->arena, total);
     uint64_t off = 0;
     for (int i = 0; rc == 0 && i < n; i++) {
-        if (staged[i]) off += ckpt__writer_stage(op->writers[i], acc->arena.p + off);
+        uint64_t used = 0;
+        if (staged[i]) rc = ckpt__writer_stage(op->writers[i], acc->arena.p + off, &used);
         else if (writes_object(op, i)) rc = write_one(op, i);
+        off += used;
     }
     free(staged);
     if (rc < 0) ckpt__save_op_fail(op, rc);
@@ -811,20 +841,22 @@ static int commit_all(save_op *op) {
     /* agree */
     ckpt__coll_phase(op->acc, "save: agree on the commit");
     rc = ckpt__coll_agree(c, rc, NULL);
+    if (rc == 0 && c->size > 1) {
+        ckpt__coll_phase(op->acc, "save: gather the file records");
+        /* a rank whose records did not reach rank 0 (or rank 0 that could
+         * not read them) stops the commit on every rank */
+        rc = ckpt__coll_agree(c, gather_records(op, json, jlen), NULL);
+    } else if (rc == 0) {
+        op->all = op->mine;
+        ckpt__manifest_init(&op->mine);
+        op->etags = op->etags_mine;
+        op->netags = op->netags_mine;
+        op->etags_mine = NULL;
+        op->netags_mine = 0;
+    }
     if (rc == 0) {
-        if (c->size > 1) {
-            ckpt__coll_phase(op->acc, "save: gather the file records");
-            rc = gather_records(op, json, jlen);
-        } else {
-            op->all = op->mine;
-            ckpt__manifest_init(&op->mine);
-            op->etags = op->etags_mine;
-            op->netags = op->netags_mine;
-            op->etags_mine = NULL;
-            op->netags_mine = 0;
-        }
         /* commit, rotate */
-        if (rc == 0 && op->committer) rc = commit(op);
+        if (op->committer) rc = commit(op);
         if (rc == 0 && op->committer) rotate(op);
         if (op->committer) release(op);
         ckpt__coll_phase(op->acc, "save: share the outcome of the commit");

@@ -71,6 +71,14 @@ struct ckpt_save_op {
     char *prev_dir; /* rank 0 picks it, every rank reads its manifest */
     ckpt_manifest prev;
     bool have_prev;
+    /* link_copies > 1: the other checkpoints retained after this save
+     * (rank 0 lists them, every rank gets the list), and their manifests,
+     * read when a copy of theirs has to be compared */
+    int link_copies;
+    char **kept;
+    int nkept;
+    ckpt_manifest *kept_m;
+    signed char *kept_read; /* 0: not yet, 1: kept_m[i] read, -1: unreadable */
     bool split;             /* a model's frozen tensors went to a file of their own */
     bool *frozen_apart;     /* per object: its frozen tensors went there (one process) */
     uint64_t linked_bytes;  /* this rank's files linked, not written */
@@ -116,6 +124,15 @@ bool ckpt__save_hf_writes(const save_op *op, int i);
 
 /* Every rank, after the plan: the manifest of the checkpoint to link from. */
 void ckpt__save_read_prev(save_op *op);
+/* Rank 0, planning an automatic save with links (nums: the project's
+ * checkpoint numbers, ascending) or an explicit one: which other
+ * checkpoints the save retains (op->kept), for link_copies. */
+int ckpt__save_plan_kept(save_op *op, const int64_t *nums, int64_t count);
+/* The kept list on the wire (rank 0) and back (the others): "<n>\0" then n
+ * NUL-terminated paths. */
+int ckpt__save_kept_encode(const save_op *op, char **out, size_t *len);
+int ckpt__save_kept_decode(save_op *op, const char *p, size_t len);
+void ckpt__save_kept_free(save_op *op);
 /* 1: the file this rank would write at path as name is the previous
  * checkpoint's, linked there (d from its record); 0: write it (d->xxh128
  * may already hold its hash); < 0: a failure. */

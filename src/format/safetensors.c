@@ -276,11 +276,31 @@ static int set_new(json_t *obj, const char *key, json_t *v) {
     return 0;
 }
 
+/* A tensor behind memory ops: each piece to_host gives goes down the
+ * stream, through one buffer (made at the first such tensor, of one piece
+ * or less) that the write's later tensors reuse. */
+static int write_mem(ckpt_ostream *s, const ckpt_st_out *x, uint8_t **buf, uint64_t *cap) {
+    uint64_t want = x->nbytes < CKPT_MEMORY_PIECE ? x->nbytes : CKPT_MEMORY_PIECE;
+    if (*cap < want) {
+        free(*buf);
+        *cap = 0;
+        if (!(*buf = ckpt__mem_bounce(want, cap, "memory ops buffer"))) return CKPT_ENOMEM;
+    }
+    for (uint64_t off = 0; off < x->nbytes;) {
+        uint64_t k = x->nbytes - off < *cap ? x->nbytes - off : *cap;
+        CKPT_TRY(ckpt__mem_get(&x->mem, off, *buf, k, x->name));
+        CKPT_TRY(ckpt__ostream_write(s, *buf, (size_t)k));
+        off += k;
+    }
+    return CKPT_OK;
+}
+
 int ckpt__st_write(ckpt_ostream *s, const ckpt_st_out *t, int64_t n, const char *ckpt_doc,
                    const char *const *extra, int64_t nmeta, ckpt_st_written *res,
                    uint64_t *header_xxh3) {
     int rc = CKPT_OK;
-    uint8_t *head = NULL;
+    uint8_t *head = NULL, *bounce = NULL;
+    uint64_t bounce_cap = 0;
     order_item *ord = ckpt__calloc(n > 0 ? (size_t)n : 1, sizeof *ord);
     json_t *root = json_object();
     json_t *meta = json_object();
@@ -354,13 +374,15 @@ int ckpt__st_write(ckpt_ostream *s, const ckpt_st_out *t, int64_t n, const char 
     for (int64_t i = 0; !rc && i < n; i++) {
         const ckpt_st_out *x = ord[i].t;
         ckpt__ostream_part_begin(s);
-        if (x->nbytes) rc = ckpt__ostream_write(s, x->data, (size_t)x->nbytes);
+        if (x->nbytes && x->mem.ops) rc = write_mem(s, x, &bounce, &bounce_cap);
+        else if (x->nbytes) rc = ckpt__ostream_write(s, x->data, (size_t)x->nbytes);
         if (!rc && res) {
             res[ord[i].index].xxh3 = ckpt__ostream_part_digest(s);
             res[ord[i].index].offset += 8 + padded;
         }
     }
 out:
+    free(bounce);
     free(head);
     free(text);
     json_decref(meta);

@@ -9,6 +9,7 @@
 
 #include "ckpt.h"
 #include "base/io.h"
+#include "format/memref.h"
 
 /* The format's limit on the JSON header. */
 #define CKPT_ST_MAX_HEADER 100000000ULL
@@ -48,6 +49,7 @@ typedef struct ckpt_st_out {
     const int64_t *shape;
     const void *data;
     uint64_t nbytes;
+    ckpt_mem_ref mem; /* mem.ops set: the bytes are behind memory ops, not at data */
 } ckpt_st_out;
 
 /* Per-tensor results of a write, indexed like the input array. */
@@ -62,7 +64,8 @@ typedef struct ckpt_st_written {
  * then the nmeta pairs meta[2i] : meta[2i + 1] whose key is neither;
  * then the tensors in the reference writer's order: alignment descending,
  * then name), padded with spaces so the data starts 8-aligned, then each
- * tensor straight from its data pointer. res (may be NULL) gets n results,
+ * tensor straight from its data pointer (or, behind memory ops, through one
+ * buffer of at most CKPT_MEMORY_PIECE bytes, piece by piece). res (may be NULL) gets n results,
  * header_xxh3 (may be NULL) the XXH3-64 of the file's first 8 + header
  * length bytes (the length, the header, its padding). */
 int ckpt__st_write(ckpt_ostream *s, const ckpt_st_out *t, int64_t n, const char *ckpt_doc,

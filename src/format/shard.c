@@ -197,14 +197,12 @@ static bool elem_byte(uint64_t idx, int bits, uint64_t *out) {
     return true;
 }
 
-int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_t *src_shape,
-                   const void *src, const int64_t *dst_off, const int64_t *dst_shape, void *dst) {
+int ckpt__box_copy_to(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_t *src_shape,
+                      const void *src, const int64_t *dst_off, const int64_t *dst_shape,
+                      const ckpt_dst *dst) {
     int bits = ckpt_dtype_bits(dt);
     if (bits <= 0) return ckpt__err(CKPT_EINVAL, "box copy: invalid dtype %d", (int)dt);
-    if (ndim == 0) {
-        memcpy(dst, src, (size_t)bits / 8);
-        return CKPT_OK;
-    }
+    if (ndim == 0) return ckpt__dst_put(dst, 0, src, (uint64_t)bits / 8);
     int64_t lo[CKPT_MAX_NDIM] = {0},
             ext[CKPT_MAX_NDIM] = {0}; /* (zeroed: -O2 cannot see ndim > 0) */
     for (int d = 0; d < ndim; d++) {
@@ -236,7 +234,6 @@ int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_
     int64_t pos[CKPT_MAX_NDIM];
     for (int d = 0; d < ndim; d++) pos[d] = lo[d];
     const uint8_t *s = src;
-    uint8_t *o = dst;
     for (;;) {
         uint64_t si = 0, di = 0, sb, db;
         for (int d = 0; d < ndim; d++) {
@@ -247,7 +244,8 @@ int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_
             return ckpt__err(CKPT_EUNSUPPORTED,
                              "box copy: a %s slice that does not start on a byte boundary",
                              ckpt_dtype_name(dt));
-        memcpy(o + db, s + sb, (size_t)run_bytes);
+        if (!dst->mem.ops) memcpy(dst->host + db, s + sb, (size_t)run_bytes);
+        else CKPT_TRY(ckpt__dst_put(dst, db, s + sb, run_bytes));
         int d = k - 1;
         for (; d >= 0; d--) {
             if (++pos[d] < lo[d] + ext[d]) break;
@@ -258,15 +256,21 @@ int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_
     return CKPT_OK;
 }
 
+int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_t *src_shape,
+                   const void *src, const int64_t *dst_off, const int64_t *dst_shape, void *dst) {
+    ckpt_dst d = ckpt__dst_host(dst);
+    return ckpt__box_copy_to(dt, ndim, src_off, src_shape, src, dst_off, dst_shape, &d);
+}
+
 /* Elements [s, e) of the box (off, shape) whose dimensions below k are held
  * at one index (shape 1 there), src at element s: whole runs of dimension k
  * are one contiguous box; a partial run at either end recurses into
  * dimension k + 1. off and shape are restored on return. */
 static int range_copy(ckpt_dtype dt, int ndim, int64_t *off, int64_t *shape, int k, uint64_t s,
                       uint64_t e, const uint8_t *src, size_t esz, const int64_t *dst_off,
-                      const int64_t *dst_shape, void *dst) {
+                      const int64_t *dst_shape, const ckpt_dst *dst) {
     if (s >= e) return CKPT_OK;
-    if (k == ndim) return ckpt__box_copy(dt, ndim, off, shape, src, dst_off, dst_shape, dst);
+    if (k == ndim) return ckpt__box_copy_to(dt, ndim, off, shape, src, dst_off, dst_shape, dst);
     uint64_t inner = 1;
     for (int d = k + 1; d < ndim; d++) inner *= (uint64_t)shape[d];
     int64_t off_k = off[k], shape_k = shape[k];
@@ -285,7 +289,7 @@ static int range_copy(ckpt_dtype dt, int ndim, int64_t *off, int64_t *shape, int
     if (rc == 0 && s < e && b > a) { /* whole runs [a, b) */
         off[k] = off_k + (int64_t)a;
         shape[k] = (int64_t)(b - a);
-        rc = ckpt__box_copy(dt, ndim, off, shape, src, dst_off, dst_shape, dst);
+        rc = ckpt__box_copy_to(dt, ndim, off, shape, src, dst_off, dst_shape, dst);
         src += (b - a) * inner * esz;
         s = b * inner;
     }
@@ -303,6 +307,15 @@ static int range_copy(ckpt_dtype dt, int ndim, int64_t *off, int64_t *shape, int
 int ckpt__box_copy_range(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_t *src_shape,
                          uint64_t first, uint64_t count, const void *src, const int64_t *dst_off,
                          const int64_t *dst_shape, void *dst) {
+    ckpt_dst d = ckpt__dst_host(dst);
+    return ckpt__box_copy_range_to(dt, ndim, src_off, src_shape, first, count, src, dst_off,
+                                   dst_shape, &d);
+}
+
+int ckpt__box_copy_range_to(ckpt_dtype dt, int ndim, const int64_t *src_off,
+                            const int64_t *src_shape, uint64_t first, uint64_t count,
+                            const void *src, const int64_t *dst_off, const int64_t *dst_shape,
+                            const ckpt_dst *dst) {
     int bits = ckpt_dtype_bits(dt);
     if (bits <= 0 || bits % 8)
         return ckpt__err(CKPT_EUNSUPPORTED, "box copy: pieces of %s elements are not whole bytes",

@@ -54,6 +54,15 @@ int ckpt__box_copy(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_
 int ckpt__box_copy_range(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_t *src_shape,
                          uint64_t first, uint64_t count, const void *src, const int64_t *dst_off,
                          const int64_t *dst_shape, void *dst);
+/* Both, into a destination that may be behind memory ops (each contiguous
+ * run through from_host). */
+int ckpt__box_copy_to(ckpt_dtype dt, int ndim, const int64_t *src_off, const int64_t *src_shape,
+                      const void *src, const int64_t *dst_off, const int64_t *dst_shape,
+                      const ckpt_dst *dst);
+int ckpt__box_copy_range_to(ckpt_dtype dt, int ndim, const int64_t *src_off,
+                            const int64_t *src_shape, uint64_t first, uint64_t count,
+                            const void *src, const int64_t *dst_off, const int64_t *dst_shape,
+                            const ckpt_dst *dst);
 
 /* Hugging Face's shard names: "<stem>-<rank+1>-of-<size>.safetensors", each
  * number 5 digits (more if needed). CKPT_EINVAL if it does not fit in cap. */

@@ -5,6 +5,7 @@
 
 #include "ckpt.h"
 #include "base/io.h"
+#include "format/memref.h"
 
 /* Whether ckpt_dtype_convert converts to and from dt (F32, F16, BF16;
  * dtype.c). */
@@ -74,9 +75,29 @@ int ckpt__writer_set_optional(ckpt_writer *w, const char *key);
  * name, so the file's state.<i> may be another parameter's, of another
  * shape); kind and dtype are still compared. CKPT_ENOENT if no such entry. */
 int ckpt__writer_set_shape_by_object(ckpt_writer *w, const char *key);
-/* The bytes of w's tensor entry i (borrowed, staged if staged); NULL for
- * another kind of entry or an empty tensor. */
-const void *ckpt__writer_tensor_data(const ckpt_writer *w, int64_t i);
+/* Adds w's tensor entry j to dst under its key, whole, its bytes borrowed
+ * as w borrows them (host memory, staged, or behind memory ops).
+ * CKPT_EINVAL for another kind of entry or a chunk of a sharded tensor. */
+int ckpt__writer_put_tensor_of(ckpt_writer *dst, const ckpt_writer *w, int64_t j);
+
+/* ---- tensors behind memory ops (ckpt_memory_ops) ---------------------------
+ * ckpt_write_tensor / ckpt_write_tensor_shard whose bytes (the tensor's, or
+ * the chunk's) start at *m (copied; its ops and handle borrowed as data
+ * would be). */
+int ckpt__write_tensor_at(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                          const int64_t *shape, const ckpt_mem_ref *m);
+int ckpt__write_tensor_shard_at(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                                const int64_t *global_shape, const int64_t *offsets,
+                                const int64_t *local_shape, const ckpt_mem_ref *m);
+/* ckpt_read_tensor / ckpt_read_tensor_shard into dst, host memory or bytes
+ * behind memory ops (through bounded pieces: a file's bytes through one
+ * buffer of at most CKPT_MEMORY_PIECE, a verified reader's through its 1 MiB
+ * piece, in-memory bytes and streamed pieces straight from where they are). */
+int ckpt__read_tensor_to(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                         const int64_t *shape, const ckpt_dst *dst);
+int ckpt__read_tensor_shard_to(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                               const int64_t *global_shape, const int64_t *offsets,
+                               const int64_t *local_shape, const ckpt_dst *dst);
 /* Marks w's tensor entry key as a frozen parameter's (a model's state dict):
  * a save may write it to a file of its own that later saves link.
  * CKPT_ENOENT if there is no such tensor entry. */
@@ -116,7 +137,11 @@ int ckpt__check_key(const char *key, const char *what);
  * has that room, 64-byte aligned) and makes the writer borrow the copies
  * instead; returns the bytes used. */
 uint64_t ckpt__writer_stage_bytes(const ckpt_writer *w);
-uint64_t ckpt__writer_stage(ckpt_writer *w, uint8_t *dst);
+/* Tensors behind memory ops are copied through to_host straight into dst.
+ * *used gets the bytes used; on failure (a to_host call failed, named) the
+ * writer may borrow some copies and some originals: it still describes the
+ * same state. */
+int ckpt__writer_stage(ckpt_writer *w, uint8_t *dst, uint64_t *used);
 
 /* ---- sharded entries (many processes) ------------------------------------ */
 /* Whether w holds entries added with ckpt_write_tensor_shard. Such entries

@@ -151,6 +151,9 @@ int ckpt__reader_put_writer_views(ckpt_reader *r, const ckpt_writer *w) {
         }
         if (s->kind != CKPT_ENTRY_TENSOR || (s->shard && !shard_is_whole(s)))
             return ckpt__err(CKPT_EINVAL, "state dict: '%s' is not a whole tensor", s->key);
+        if (s->mem.ops)
+            return ckpt__err(CKPT_EUNSUPPORTED,
+                             "state dict: '%s' is behind memory ops: no view of it", s->key);
         entry e = entry_header(s);
         e.data = s->data;
         if (!(e.key = reader_own_strdup(r, s->key, strlen(s->key)))) return CKPT_ENOMEM;
@@ -178,7 +181,8 @@ int ckpt__reader_put_from_writer(ckpt_reader *r, const ckpt_writer *w, const cha
     if (s->nbytes) { /* a copy: the object reads it back into the memory it came from */
         uint8_t *buf = ckpt__malloc((size_t)s->nbytes);
         CKPT_TRY(reader_own(r, buf));
-        memcpy(buf, s->data, (size_t)s->nbytes);
+        if (s->mem.ops) CKPT_TRY(ckpt__mem_get(&s->mem, 0, buf, s->nbytes, key));
+        else memcpy(buf, s->data, (size_t)s->nbytes);
         e.data = buf;
     }
     return adapted_append(r, &e);

@@ -103,6 +103,8 @@ typedef struct entry {
     uint64_t nbytes;
     uint64_t offset;       /* reader tensors: absolute file offset */
     const void *data;      /* writer tensors: borrowed */
+    ckpt_mem_ref mem;      /* writer tensors: mem.ops set: the bytes are behind memory ops
+                              (data NULL) */
     int64_t i64;
     uint64_t u64;
     double f64;

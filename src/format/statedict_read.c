@@ -38,9 +38,16 @@ static int verify_skip_to(ckpt_reader *r, uint64_t end) {
  * large tensors it jumps over are still read once, into their buffers. */
 #define VERIFY_GAP_MAX ((uint64_t)64 << 10)
 
+/* Where piece [off, ...) of a verified read lands to be hashed: the
+ * caller's host memory itself, or the scratch piece (no destination, or one
+ * behind memory ops, which gets the piece once it is hashed). */
+static uint8_t *landing(const verify_stream *v, const ckpt_dst *dst, uint64_t off) {
+    return dst && !dst->mem.ops ? dst->host + off : v->scratch;
+}
+
 /* By parts: entry e's bytes into dst (NULL: through the scratch piece),
  * each piece hashed right after it lands, against e's own digest. */
-static int part_read(ckpt_reader *r, const entry *e, const char *key, uint8_t *dst) {
+static int part_read(ckpt_reader *r, const entry *e, const char *key, const ckpt_dst *dst) {
     verify_stream *v = r->vs;
     int64_t j = e - r->entries;
     if (!v->ehas[j])
@@ -49,10 +56,11 @@ static int part_read(ckpt_reader *r, const entry *e, const char *key, uint8_t *d
     XXH3_64bits_reset(v->t);
     for (uint64_t off = 0; off < e->nbytes;) {
         size_t k = e->nbytes - off < VERIFY_PIECE ? (size_t)(e->nbytes - off) : VERIFY_PIECE;
-        uint8_t *to = dst ? dst + off : v->scratch;
+        uint8_t *to = landing(v, dst, off);
         int rc = pread_all(r, to, k, e->offset + off);
         if (rc) return ckpt__err_prefix(rc, "tensor '%s'", key);
         XXH3_64bits_update(v->t, to, k);
+        if (dst && dst->mem.ops) CKPT_TRY(ckpt__dst_put(dst, off, to, k));
         off += k;
     }
     if (XXH3_64bits_digest(v->t) != v->edigest[j])
@@ -65,7 +73,7 @@ static int part_read(ckpt_reader *r, const entry *e, const char *key, uint8_t *d
  * after each piece lands there (so the bytes hashed are the bytes kept):
  * into the whole-file digest when it comes next in file order, else
  * against the tensor's own digest from the manifest. */
-static int verified_read(ckpt_reader *r, const entry *e, const char *key, uint8_t *dst) {
+static int verified_read(ckpt_reader *r, const entry *e, const char *key, const ckpt_dst *dst) {
     verify_stream *v = r->vs;
     if (v->by_parts) return part_read(r, e, key, dst);
     bool in_order = e->offset >= v->next && e->offset - v->next <= VERIFY_GAP_MAX;
@@ -73,9 +81,11 @@ static int verified_read(ckpt_reader *r, const entry *e, const char *key, uint8_
     else XXH3_64bits_reset(v->t);
     for (uint64_t off = 0; off < e->nbytes;) {
         size_t k = e->nbytes - off < VERIFY_PIECE ? (size_t)(e->nbytes - off) : VERIFY_PIECE;
-        int rc = pread_all(r, dst + off, k, e->offset + off);
+        uint8_t *to = landing(v, dst, off);
+        int rc = pread_all(r, to, k, e->offset + off);
         if (rc) return ckpt__err_prefix(rc, "tensor '%s'", key);
-        XXH3_64bits_update(in_order ? v->h : v->t, dst + off, k);
+        XXH3_64bits_update(in_order ? v->h : v->t, to, k);
+        if (dst->mem.ops) CKPT_TRY(ckpt__dst_put(dst, off, to, k));
         off += k;
     }
     if (in_order) {
@@ -151,29 +161,26 @@ static bool boxes_meet(int ndim, const int64_t *ao, const int64_t *as, const int
 typedef struct piece_dst {
     const shard_chunk *c;
     const int64_t *offsets, *shape;
-    void *dst;
+    const ckpt_dst *dst;
     bool same;
 } piece_dst;
 
 static int put_piece(void *ctx, const uint8_t *p, uint64_t off, uint64_t n) {
     const piece_dst *d = ctx;
-    if (d->same) {
-        memcpy((uint8_t *)d->dst + off, p, (size_t)n);
-        return CKPT_OK;
-    }
+    if (d->same) return ckpt__dst_put(d->dst, off, p, n);
     int bits = ckpt_dtype_bits(d->c->c.dtype);
     if (bits % 8)
         return ckpt__err(CKPT_EUNSUPPORTED, "a slice of a streamed %s chunk (only whole chunks)",
                          ckpt_dtype_name(d->c->c.dtype));
     uint64_t esz = (uint64_t)bits / 8;
-    return ckpt__box_copy_range(d->c->c.dtype, d->c->c.ndim, d->c->c.offsets, d->c->c.shape,
-                                off / esz, n / esz, p, d->offsets, d->shape, d->dst);
+    return ckpt__box_copy_range_to(d->c->c.dtype, d->c->c.ndim, d->c->c.offsets, d->c->c.shape,
+                                   off / esz, n / esz, p, d->offsets, d->shape, d->dst);
 }
 
 /* A streamed chunk of key, fetched whole; the part of it in the slice
  * [offsets, offsets + shape) lands in dst. */
 static int fetch_chunk(ckpt_reader *r, const char *key, const shard_chunk *c,
-                       const int64_t *offsets, const int64_t *shape, void *dst) {
+                       const int64_t *offsets, const int64_t *shape, const ckpt_dst *dst) {
     uint64_t nbytes = 0;
     CKPT_TRY(ckpt__chunk_check(&c->c, CKPT_ECORRUPT, c->file, key, &nbytes));
     if (!r->fetch)
@@ -238,7 +245,9 @@ int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
         if (e->nbytes > (uint64_t)SIZE_MAX) return ckpt__err_nomem("tensor view");
         uint8_t *buf = ckpt__malloc((size_t)e->nbytes);
         CKPT_TRY(reader_own(r, buf));
-        CKPT_TRY(verified_read(r, e, key, buf));
+        ckpt_dst d = ckpt__dst_host(buf);
+        d.key = key;
+        CKPT_TRY(verified_read(r, e, key, &d));
         ((entry *)e)->data = buf; /* r's own entry */
         *data = buf;
         if (info) entry_info(e, info);
@@ -253,6 +262,14 @@ int ckpt_reader_tensor_view(ckpt_reader *r, const char *key, const void **data,
 int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
                            const int64_t *global_shape, const int64_t *offsets,
                            const int64_t *local_shape, void *dst) {
+    ckpt_dst d = ckpt__dst_host(dst);
+    d.key = key;
+    return ckpt__read_tensor_shard_to(r, key, dt, ndim, global_shape, offsets, local_shape, &d);
+}
+
+int ckpt__read_tensor_shard_to(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                               const int64_t *global_shape, const int64_t *offsets,
+                               const int64_t *local_shape, const ckpt_dst *dst) {
     const entry *e = NULL;
     CKPT_TRY(find_tensor(r, key, &e));
     char a[200], b[200];
@@ -283,12 +300,13 @@ int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int n
     int rc = ckpt__chunk_check(&q, CKPT_EINVAL, r->name, key, &qbytes);
     if (rc) return rc;
     if (qbytes == 0) return CKPT_OK;
-    if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
+    if (!dst->host && !dst->mem.ops)
+        return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
     if (!e->sk) {
         bool whole = true;
         for (int d = 0; whole && d < ndim; d++)
             whole = offsets[d] == 0 && local_shape[d] == e->shape[d];
-        if (whole) return ckpt_read_tensor(r, key, dt, ndim, global_shape, dst);
+        if (whole) return ckpt__read_tensor_to(r, key, dt, ndim, global_shape, dst);
         CKPT_TRY(materialize(r, e));
         const uint8_t *src = e->data;
         if (!src) {
@@ -296,7 +314,7 @@ int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int n
             src = r->mem + e->offset;
         }
         static const int64_t zero[CKPT_MAX_NDIM];
-        rc = ckpt__box_copy(dt, ndim, zero, e->shape, src, offsets, local_shape, dst);
+        rc = ckpt__box_copy_to(dt, ndim, zero, e->shape, src, offsets, local_shape, dst);
         if (rc) return ckpt__err_prefix(rc, "%s: key '%s'", r->name, key);
         return CKPT_OK;
     }
@@ -312,7 +330,8 @@ int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype dt, int n
         if (c->absent && boxes_meet(ndim, c->c.offsets, c->c.shape, offsets, local_shape))
             return absent_chunk(r, key, c);
         if (!c->data) continue; /* an empty chunk, or one this read does not need */
-        rc = ckpt__box_copy(dt, ndim, c->c.offsets, c->c.shape, c->data, offsets, local_shape, dst);
+        rc = ckpt__box_copy_to(dt, ndim, c->c.offsets, c->c.shape, c->data, offsets, local_shape,
+                               dst);
         if (rc) return ckpt__err_prefix(rc, "%s: key '%s'", c->file, key);
     }
     return CKPT_OK;
@@ -502,14 +521,70 @@ out:
     return rc;
 }
 
+/* A file's bytes [off, off + n) into memory behind ops, through one buffer
+ * of at most a piece. */
+static int pread_to_mem(const ckpt_reader *r, const char *key, const ckpt_dst *dst, uint64_t n,
+                        uint64_t off) {
+    uint64_t cap = 0;
+    uint8_t *buf = ckpt__mem_bounce(n, &cap, "memory ops buffer");
+    if (!buf) return CKPT_ENOMEM;
+    int rc = CKPT_OK;
+    for (uint64_t at = 0; rc == 0 && at < n; at += cap) {
+        uint64_t k = n - at < cap ? n - at : cap;
+        rc = pread_all(r, buf, k, off + at);
+        if (rc) rc = ckpt__err_prefix(rc, "tensor '%s'", key);
+        else rc = ckpt__dst_put(dst, at, buf, k);
+    }
+    free(buf);
+    return rc;
+}
+
+/* Entry e, read converted from e->conv_from, into memory behind ops: each
+ * piece converted into one buffer, then put. */
+static int convert_to_mem(const entry *e, const ckpt_dst *dst) {
+    uint64_t out_es = (uint64_t)ckpt_dtype_bits(e->dtype) / 8;
+    uint64_t in_es = (uint64_t)ckpt_dtype_bits(e->conv_from) / 8;
+    uint64_t cap = 0;
+    uint8_t *buf = ckpt__mem_bounce(e->nbytes, &cap, "memory ops buffer");
+    if (!buf) return CKPT_ENOMEM;
+    uint64_t n = e->nbytes / out_es, per = cap / out_es ? cap / out_es : 1;
+    int rc = CKPT_OK;
+    for (uint64_t i = 0; rc == 0 && i < n; i += per) {
+        uint64_t k = n - i < per ? n - i : per;
+        rc = ckpt_dtype_convert(e->conv_from, (const uint8_t *)e->data + i * in_es, e->dtype, buf,
+                                k);
+        if (rc == 0) rc = ckpt__dst_put(dst, i * out_es, buf, k * out_es);
+    }
+    free(buf);
+    return rc;
+}
+
 int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
                      const int64_t *shape, void *dst) {
+    ckpt_dst d = ckpt__dst_host(dst);
+    d.key = key;
+    return ckpt__read_tensor_to(r, key, dt, ndim, shape, &d);
+}
+
+int ckpt_read_tensor_mem(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                         const int64_t *shape, const ckpt_memory_ops *ops, void *handle) {
+    char what[CKPT_MAX_KEY + 32];
+    snprintf(what, sizeof what, "%s: tensor '%s'", r ? r->name : "read tensor", key ? key : "?");
+    CKPT_TRY(ckpt__mem_check_ops(ops, what));
+    ckpt_dst d = ckpt__dst_host(NULL);
+    d.mem = (ckpt_mem_ref){ops, handle, 0};
+    d.key = key;
+    return ckpt__read_tensor_to(r, key, dt, ndim, shape, &d);
+}
+
+int ckpt__read_tensor_to(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
+                         const int64_t *shape, const ckpt_dst *dst) {
     const entry *e = NULL;
     CKPT_TRY(find_tensor(r, key, &e));
     if (e->sk) {
         /* The whole of a sharded tensor: assembled from its chunks. */
         static const int64_t zero[CKPT_MAX_NDIM];
-        return ckpt_read_tensor_shard(r, key, dt, ndim, shape, zero, shape, dst);
+        return ckpt__read_tensor_shard_to(r, key, dt, ndim, shape, zero, shape, dst);
     }
     char a[200], b[200];
     if (dt != e->dtype)
@@ -527,21 +602,19 @@ int ckpt_read_tensor(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
                          ckpt__shape_str(b, sizeof b, ndim, shape));
     }
     if (e->nbytes == 0) return CKPT_OK;
-    if (!dst) return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
+    if (!dst->host && !dst->mem.ops)
+        return ckpt__err(CKPT_EINVAL, "%s: key '%s': destination is NULL", r->name, key);
+    if (e->data && e->conv_from && dst->mem.ops) return convert_to_mem(e, dst);
     if (e->data && e->conv_from) { /* converted straight into dst: no copy in between */
         uint64_t n = e->nbytes / (uint64_t)(ckpt_dtype_bits(e->dtype) / 8);
-        return ckpt_dtype_convert(e->conv_from, e->data, e->dtype, dst, n);
+        return ckpt_dtype_convert(e->conv_from, e->data, e->dtype, dst->host, n);
     }
-    if (e->data) { /* an adapted reader's entry */
-        memcpy(dst, e->data, (size_t)e->nbytes);
-        return CKPT_OK;
-    }
+    if (e->data) /* an adapted reader's entry */
+        return ckpt__dst_put(dst, 0, e->data, e->nbytes);
     if (r->vs) return verified_read(r, e, key, dst);
-    if (r->mem) {
-        memcpy(dst, r->mem + e->offset, (size_t)e->nbytes);
-        return CKPT_OK;
-    }
-    int rc = pread_all(r, dst, e->nbytes, e->offset);
+    if (r->mem) return ckpt__dst_put(dst, 0, r->mem + e->offset, e->nbytes);
+    if (dst->mem.ops) return pread_to_mem(r, key, dst, e->nbytes, e->offset);
+    int rc = pread_all(r, dst->host, e->nbytes, e->offset);
     if (rc) return ckpt__err_prefix(rc, "tensor '%s'", key);
     return CKPT_OK;
 }

@@ -152,7 +152,8 @@ static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c, save_mode
         if (mode == SAVE_PLAIN && e->shard) continue;
         if (mode == SAVE_SHARDS && !shard_written(e)) continue;
         if (mode == SAVE_SHARDS) {
-            c->outs[k] = (ckpt_st_out){e->key, e->dtype, e->ndim, e->cshape, e->data, e->cbytes};
+            c->outs[k] =
+                (ckpt_st_out){e->key, e->dtype, e->ndim, e->cshape, e->data, e->cbytes, e->mem};
             ckpt_chunk *ch = &c->chunks[k];
             ch->dtype = e->dtype;
             ch->ndim = e->ndim;
@@ -160,7 +161,8 @@ static int save_prepare(ckpt_writer *w, const char *path, save_ctx *c, save_mode
             memcpy(ch->offsets, e->coff, sizeof ch->offsets);
             memcpy(ch->shape, e->cshape, sizeof ch->shape);
         } else {
-            c->outs[k] = (ckpt_st_out){e->key, e->dtype, e->ndim, e->shape, e->data, e->nbytes};
+            c->outs[k] =
+                (ckpt_st_out){e->key, e->dtype, e->ndim, e->shape, e->data, e->nbytes, e->mem};
         }
         k++;
     }

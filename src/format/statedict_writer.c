@@ -1,6 +1,7 @@
 /* statedict_writer.c — the writer: entries collected by key (tensor data
  * borrowed, never copied; sharded tensors as chunks), marked for the
  * schema check, and staged into one buffer for asynchronous saves. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -71,11 +72,6 @@ bool ckpt__writer_entry_frozen(const ckpt_writer *w, int64_t j) {
     return w && j >= 0 && j < w->count && w->entries[j].frozen;
 }
 
-const void *ckpt__writer_tensor_data(const ckpt_writer *w, int64_t i) {
-    if (!w || i < 0 || i >= w->count || w->entries[i].kind != CKPT_ENTRY_TENSOR) return NULL;
-    return w->entries[i].data;
-}
-
 bool ckpt__writer_has(const ckpt_writer *w, const char *key) {
     return w && key && key_index_get(&w->index, key) >= 0;
 }
@@ -118,12 +114,20 @@ static int writer_add(ckpt_writer *w, const char *key, ckpt_entry_kind kind, ent
     return CKPT_OK;
 }
 
-int ckpt_write_tensor(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
-                      const int64_t *shape, const void *data) {
+static int check_mem(const ckpt_mem_ref *m, const char *key) {
+    char what[CKPT_MAX_KEY + 40];
+    snprintf(what, sizeof what, "state dict: tensor '%s'", key ? key : "(null)");
+    return ckpt__mem_check_ops(m->ops, what);
+}
+
+/* A tensor at data, or (m not NULL) behind memory ops at *m. */
+static int write_tensor(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                        const int64_t *shape, const void *data, const ckpt_mem_ref *m) {
     uint64_t nb = 0;
     int rc = ckpt_tensor_nbytes(dt, ndim, shape, &nb);
     if (rc) return ckpt__err_prefix(rc, "state dict: tensor '%s'", key ? key : "(null)");
-    if (w && !w->schema && !data && nb)
+    if (m) CKPT_TRY(check_mem(m, key));
+    if (w && !w->schema && !m && !data && nb)
         return ckpt__err(CKPT_EINVAL, "state dict: tensor '%s': data is NULL for %" PRIu64 " bytes",
                          key ? key : "(null)", nb);
     if (w && (w->tensor_bytes + nb >= ((uint64_t)1 << 63)))
@@ -135,16 +139,34 @@ int ckpt_write_tensor(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
     e->ndim = ndim;
     for (int i = 0; i < ndim; i++) e->shape[i] = shape[i];
     e->nbytes = nb;
-    e->data = w->schema ? NULL : data;
+    e->data = w->schema || m ? NULL : data;
+    if (m && !w->schema) e->mem = *m;
     w->tensor_bytes += nb;
     w->count++;
     return CKPT_OK;
 }
 
-int ckpt_write_tensor_shard(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
-                            const int64_t *global_shape, const int64_t *offsets,
-                            const int64_t *local_shape, const void *data) {
+int ckpt_write_tensor(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                      const int64_t *shape, const void *data) {
+    return write_tensor(w, key, dt, ndim, shape, data, NULL);
+}
+
+int ckpt__write_tensor_at(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                          const int64_t *shape, const ckpt_mem_ref *m) {
+    return write_tensor(w, key, dt, ndim, shape, NULL, m);
+}
+
+int ckpt_write_tensor_mem(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                          const int64_t *shape, const ckpt_memory_ops *ops, void *handle) {
+    ckpt_mem_ref m = {ops, handle, 0};
+    return write_tensor(w, key, dt, ndim, shape, NULL, &m);
+}
+
+static int write_shard(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                       const int64_t *global_shape, const int64_t *offsets,
+                       const int64_t *local_shape, const void *data, const ckpt_mem_ref *m) {
     const char *k = key ? key : "(null)";
+    if (m) CKPT_TRY(check_mem(m, key));
     if (ndim > 0 && (!global_shape || !offsets || !local_shape))
         return ckpt__err(CKPT_EINVAL, "state dict: sharded tensor '%s': a shape or offsets is NULL",
                          k);
@@ -163,7 +185,7 @@ int ckpt_write_tensor_shard(ckpt_writer *w, const char *key, ckpt_dtype dt, int 
     uint64_t cb = 0, gb = 0;
     CKPT_TRY(ckpt__chunk_check(&c, CKPT_EINVAL, "state dict", k, &cb));
     CKPT_TRY(ckpt_tensor_nbytes(dt, ndim, global_shape, &gb));
-    if (w && !w->schema && !data && cb)
+    if (w && !w->schema && !m && !data && cb)
         return ckpt__err(CKPT_EINVAL,
                          "state dict: sharded tensor '%s': data is NULL for %" PRIu64 " bytes", k,
                          cb);
@@ -181,10 +203,33 @@ int ckpt_write_tensor_shard(ckpt_writer *w, const char *key, ckpt_dtype dt, int 
     e->nbytes = gb;
     e->cbytes = cb;
     e->shard = true;
-    e->data = w->schema ? NULL : data;
+    e->data = w->schema || m ? NULL : data;
+    if (m && !w->schema) e->mem = *m;
     w->tensor_bytes += cb;
     w->count++;
     return CKPT_OK;
+}
+
+int ckpt_write_tensor_shard(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                            const int64_t *global_shape, const int64_t *offsets,
+                            const int64_t *local_shape, const void *data) {
+    return write_shard(w, key, dt, ndim, global_shape, offsets, local_shape, data, NULL);
+}
+
+int ckpt__write_tensor_shard_at(ckpt_writer *w, const char *key, ckpt_dtype dt, int ndim,
+                                const int64_t *global_shape, const int64_t *offsets,
+                                const int64_t *local_shape, const ckpt_mem_ref *m) {
+    return write_shard(w, key, dt, ndim, global_shape, offsets, local_shape, NULL, m);
+}
+
+int ckpt__writer_put_tensor_of(ckpt_writer *dst, const ckpt_writer *w, int64_t j) {
+    if (!w || j < 0 || j >= w->count)
+        return ckpt__err(CKPT_EINVAL, "writer: entry %lld out of range", (long long)j);
+    const entry *e = &w->entries[j];
+    if (e->kind != CKPT_ENTRY_TENSOR || (e->shard && !shard_is_whole(e)))
+        return ckpt__err(CKPT_EINVAL, "state dict: '%s' is not a whole tensor", e->key);
+    return write_tensor(dst, e->key, e->dtype, e->ndim, e->shape, e->data,
+                        e->mem.ops ? &e->mem : NULL);
 }
 
 bool ckpt__writer_has_shards(const ckpt_writer *w) {
@@ -218,6 +263,7 @@ int ckpt__writer_spread(ckpt_writer *w, int64_t j, int64_t lo, int64_t hi) {
         e->elsewhere = true;
         e->cbytes = 0;
         e->data = NULL;
+        memset(&e->mem, 0, sizeof e->mem);
         return CKPT_OK;
     }
     if (e->ndim > 0) {
@@ -226,6 +272,7 @@ int ckpt__writer_spread(ckpt_writer *w, int64_t j, int64_t lo, int64_t hi) {
     }
     e->cbytes = row_bytes * (uint64_t)(hi - lo);
     if (e->data) e->data = (const uint8_t *)e->data + row_bytes * (uint64_t)lo;
+    if (e->mem.ops) e->mem.off += row_bytes * (uint64_t)lo;
     return CKPT_OK;
 }
 
@@ -248,7 +295,7 @@ int ckpt__writer_entry_shape(const ckpt_writer *w, int64_t j, ckpt_entry_kind *k
 #define STAGE_ALIGN 64
 
 static uint64_t stage_size(const entry *e) {
-    if (e->kind != CKPT_ENTRY_TENSOR || !e->data || e->elsewhere) return 0;
+    if (e->kind != CKPT_ENTRY_TENSOR || (!e->data && !e->mem.ops) || e->elsewhere) return 0;
     return e->shard ? e->cbytes : e->nbytes;
 }
 
@@ -261,17 +308,24 @@ uint64_t ckpt__writer_stage_bytes(const ckpt_writer *w) {
     return n;
 }
 
-uint64_t ckpt__writer_stage(ckpt_writer *w, uint8_t *dst) {
+int ckpt__writer_stage(ckpt_writer *w, uint8_t *dst, uint64_t *used) {
     uint64_t off = 0;
+    *used = 0;
     for (int64_t i = 0; w && i < w->count; i++) {
         entry *e = &w->entries[i];
         uint64_t b = stage_size(e);
         if (!b) continue;
-        memcpy(dst + off, e->data, (size_t)b);
+        if (e->mem.ops) { /* the one copy, piece by piece */
+            CKPT_TRY(ckpt__mem_get(&e->mem, 0, dst + off, b, e->key));
+            memset(&e->mem, 0, sizeof e->mem);
+        } else {
+            memcpy(dst + off, e->data, (size_t)b);
+        }
         e->data = dst + off;
         off += (b + STAGE_ALIGN - 1) / STAGE_ALIGN * STAGE_ALIGN;
+        *used = off;
     }
-    return off;
+    return CKPT_OK;
 }
 
 int ckpt_write_i64(ckpt_writer *w, const char *key, int64_t v) {

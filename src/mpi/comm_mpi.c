@@ -24,7 +24,14 @@
  *  - After a timeout the rest of the operation's collectives fail at once
  *    without being posted, and an abandoned request is never freed (MPI
  *    forbids it): it is kept with the buffers it may still touch (copies of
- *    the caller's) and tested again at every later call.
+ *    the caller's) and tested again at every later call. The late rank
+ *    posts its part of the collective it was late for, so these usually
+ *    complete: before a communicator they may run on is freed (the dirty
+ *    work communicator at the next operation, both at ckpt_comm_free) they
+ *    get up to min(timeout, 10 s) to do so. One that still cannot keeps its
+ *    communicator for the rest of the process (bury): Open MPI's
+ *    MPI_Finalize would otherwise progress it on a freed communicator and
+ *    crash.
  *  - Who did not arrive: at each collective every rank sends rank 0 an empty
  *    "arrived" message and rank 0 sends one to every rank. At its deadline
  *    rank 0 names the ranks it has no message from and sends that verdict
@@ -83,9 +90,12 @@ typedef struct mpi_ctx {
     char phase[160];
     bool dead; /* a collective of this operation timed out */
     char dead_msg[VERDICT_TEXT + 64];
-    /* the work communicator; dirty after a timeout on it */
+    /* the work communicator; dirty after a timeout on it (and before the
+     * first operation); work_dead: a timeout happened on it, so requests of
+     * some rank may stay pending on it forever */
     MPI_Comm work;
-    bool dirty;
+    bool dirty, work_dead;
+    bool ever_dead;   /* some operation timed out: notes on base may be unread */
     int64_t n;        /* collectives entered on work */
     int64_t *arrived; /* arrival messages on work, per sender */
     /* the handshake, as heard */
@@ -126,6 +136,31 @@ static void nap(long ns) {
  * process exits, since MPI may still write their buffers. */
 static pthread_mutex_t graveyard_lock = PTHREAD_MUTEX_INITIALIZER;
 static inflight *graveyard;
+
+/* Communicators on which a collective timed out: some rank's abandoned
+ * requests may never complete there (the rank they wait for never posts its
+ * part), and freeing such a communicator lets MPI_Finalize's progress
+ * engine run them on a destroyed one (a segfault in Open MPI 4.1's libnbc).
+ * They are never freed: kept here, reachable, until the process exits, one
+ * per timeout. */
+typedef struct buried {
+    MPI_Comm comm;
+    struct buried *next;
+} buried;
+static buried *cemetery;
+
+static void bury(MPI_Comm *c) {
+    if (*c == MPI_COMM_NULL) return;
+    buried *b = malloc(sizeof *b);
+    if (b) {
+        b->comm = *c;
+        pthread_mutex_lock(&graveyard_lock);
+        b->next = cemetery;
+        cemetery = b;
+        pthread_mutex_unlock(&graveyard_lock);
+    } /* out of memory: it is simply never freed */
+    *c = MPI_COMM_NULL;
+}
 
 static void inflight_free(inflight *f) {
     for (int i = 0; i < 4; i++) free(f->bufs[i]);
@@ -202,6 +237,8 @@ static void arrive(mpi_ctx *x) {
 static void go_dead(mpi_ctx *x, const char *msg) {
     x->dead = true;
     x->dirty = true;
+    x->work_dead = true;
+    x->ever_dead = true;
     snprintf(x->dead_msg, sizeof x->dead_msg, "%s", msg);
     if (x->rank == 0) send_note(x, TAG_REPLY, DEAD, msg, 0, x->size);
 }
@@ -365,10 +402,53 @@ static int await(mpi_ctx *x, MPI_Request *reqs, int n, void *const bufs[4]) {
     }
 }
 
+/* Drops every message waiting on c (notes nobody will read now). */
+static void drop_messages(MPI_Comm c) {
+    for (int flag = 1; flag && c != MPI_COMM_NULL;) {
+        MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, c, &flag, &st) != MPI_SUCCESS || !flag) break;
+        int n = 0;
+        MPI_Get_count(&st, MPI_BYTE, &n);
+        char *buf = malloc(n > 0 ? (size_t)n : 1);
+        if (!buf) break;
+        MPI_Recv(buf, n, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, c, MPI_STATUS_IGNORE);
+        free(buf);
+    }
+}
+
+/* After a timeout: gives the abandoned requests up to `seconds` to complete
+ * (the rank that was late posts its part of the collective it was late
+ * for when it comes), receiving the arrivals on work meanwhile (and with
+ * notes, the notes on base: only when no operation can follow). Whether
+ * none is left. */
+static bool settle_flying(mpi_ctx *x, double seconds, bool notes) {
+    double limit = now_s() + seconds;
+    for (long ns = 20000;; ns = ns < 2000000 ? ns * 2 : ns) {
+        reap(x);
+        if (!x->flying) return true;
+        if (now_s() >= limit) return false;
+        drop_messages(x->work);
+        if (notes) drop_messages(x->comm);
+        nap(ns);
+    }
+}
+
+/* How long a communicator that timed out waits for its abandoned requests
+ * before it gives up on them (and keeps them for good). */
+#define SETTLE_MAX_S 10.0
+
+static double settle_time(const mpi_ctx *x) {
+    return x->timeout < SETTLE_MAX_S ? x->timeout : SETTLE_MAX_S;
+}
+
 /* Replaces the work communicator by a fresh duplicate of base. Every rank
- * calls it at the same point, all known present. */
+ * calls it at the same point, all known present: a collective the late rank
+ * posted completes now, and only what no rank will ever match stays (with
+ * its communicator, see bury). */
 static int fresh_work(mpi_ctx *x) {
-    if (x->work != MPI_COMM_NULL) MPI_Comm_free(&x->work); /* pending requests finish first */
+    if (x->work_dead && !settle_flying(x, settle_time(x), false)) bury(&x->work);
+    else if (x->work != MPI_COMM_NULL) MPI_Comm_free(&x->work);
+    x->work_dead = false;
     int e = MPI_Comm_dup(x->comm, &x->work);
     if (e != MPI_SUCCESS) {
         x->work = MPI_COMM_NULL;
@@ -687,8 +767,17 @@ static void mpi_destroy(void *ctx) {
     MPI_Finalized(&finalized);
     if (!finalized) {
         if (c->in_op) op_end(c);
-        if (c->work != MPI_COMM_NULL) MPI_Comm_free(&c->work);
-        if (c->comm != MPI_COMM_NULL) MPI_Comm_free(&c->comm);
+        /* After a timeout, what was abandoned gets its chance to complete
+         * (every rank frees its communicator after the operation failed
+         * everywhere); what still cannot keeps its communicators (bury).
+         * Freeing them under pending requests makes MPI_Finalize progress
+         * those on destroyed communicators. */
+        bool settled = !c->ever_dead || settle_flying(c, settle_time(c), true);
+        if (settled) drop_messages(c->work), drop_messages(c->comm);
+        if (!settled) bury(&c->work);
+        else if (c->work != MPI_COMM_NULL) MPI_Comm_free(&c->work);
+        if (!settled) bury(&c->comm);
+        else if (c->comm != MPI_COMM_NULL) MPI_Comm_free(&c->comm);
     }
     /* What never completed (a rank that never came) stays allocated. */
     if (c->flying) {

@@ -96,6 +96,86 @@ int ckpt__list_numbers(const char *dir, int64_t **nums, int64_t *count) {
     return 0;
 }
 
+/* The folder part of path ("." for a bare name), malloc'd. */
+static char *parent_of(const char *path) {
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--;
+    while (n > 0 && path[n - 1] != '/') n--;
+    while (n > 1 && path[n - 1] == '/') n--;
+    if (n == 0) return ckpt__strdup(".");
+    char *p = ckpt__malloc(n + 1);
+    if (p) {
+        memcpy(p, path, n);
+        p[n] = '\0';
+    }
+    return p;
+}
+
+/* "checkpoint_5, checkpoint_6 and checkpoint_7" (the newest 8, then how
+ * many older) into buf at *used. */
+static void name_numbers(const int64_t *nums, int64_t count, char *buf, size_t cap, size_t *used) {
+    int64_t first = count > 8 ? count - 8 : 0;
+    for (int64_t i = first; i < count && *used < cap; i++) {
+        const char *sep = i == first ? "" : i == count - 1 ? " and " : ", ";
+        *used += (size_t)snprintf(buf + *used, cap - *used, "%scheckpoint_%" PRId64, sep, nums[i]);
+    }
+    if (first > 0 && *used < cap)
+        *used += (size_t)snprintf(buf + *used, cap - *used, " (and %" PRId64 " older)", first);
+}
+
+void ckpt__checkpoints_near(const char *path, const char *project_dir, char *buf, size_t cap) {
+    buf[0] = '\0';
+    char *parent = parent_of(path);
+    char *pdir = project_dir ? ckpt__checkpoints_dir(project_dir) : NULL;
+    const char *where[2] = {parent, pdir};
+    size_t used = 0;
+    for (int k = 0; k < 2 && used == 0; k++) {
+        int64_t *nums = NULL, count = 0;
+        if (!where[k] || (k == 1 && parent && strcmp(where[0], where[1]) == 0)) continue;
+        if (ckpt__list_numbers(where[k], &nums, &count) == 0 && count > 0) {
+            used = (size_t)snprintf(buf, cap, "; %s holds ", where[k]);
+            if (used < cap) name_numbers(nums, count, buf, cap, &used);
+        }
+        free(nums);
+    }
+    if (used == 0 && parent)
+        snprintf(buf, cap, "; there is no checkpoint_<n> folder in %s%s%s", parent,
+                 pdir && strcmp(parent, pdir) != 0 ? " nor in " : "",
+                 pdir && strcmp(parent, pdir) != 0 ? pdir : "");
+    ckpt_clear_error(); /* a listing that failed only leaves the hint out */
+    free(parent);
+    free(pdir);
+}
+
+int ckpt__names_taken(const char *dir, int64_t *highest, char *odd, size_t cap) {
+    *highest = -1;
+    if (odd && cap) odd[0] = '\0';
+    DIR *d = ckpt__os_opendir(dir);
+    if (!d) {
+        if (errno == ENOENT) return 0;
+        return ckpt__err_os(errno, "%s", dir);
+    }
+    size_t used = 0;
+    int nodd = 0;
+    struct dirent *e;
+    while ((e = ckpt__os_readdir(d)) != NULL) {
+        int64_t k;
+        if (!ckpt__parse_checkpoint_name(e->d_name, &k)) continue;
+        if (k > *highest) *highest = k;
+        if (!odd) continue;
+        struct stat st;
+        int src = ckpt__os_fstatat(ckpt__os_dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW);
+        if (src == 0 && S_ISDIR(st.st_mode)) continue;
+        const char *what = src == 0 ? ckpt__file_type_name(st.st_mode) : "cannot be looked at";
+        if (++nodd <= 4 && used < cap)
+            used += (size_t)snprintf(odd + used, cap - used, "%s%s (%s)", nodd > 1 ? ", " : "",
+                                     e->d_name, what);
+        else if (nodd == 5 && used < cap) used += (size_t)snprintf(odd + used, cap - used, ", ...");
+    }
+    ckpt__os_closedir(d);
+    return 0;
+}
+
 char *ckpt__lock_path(const char *parent, const char *base) {
     int64_t n;
     if (ckpt__parse_checkpoint_name(base, &n)) return ckpt__path_join(parent, ".lock");
@@ -380,6 +460,29 @@ static int each_leftover(const char *dir, leftover_fn fn, void *user) {
         if (is_leftover(e->d_name, NULL) && is_dir_at(d, e->d_name)) rc = fn(user, dir, e->d_name);
     ckpt__os_closedir(d);
     return rc;
+}
+
+static int remove_if_dead(void *user, const char *dir, const char *name) {
+    const ckpt_logger *lg = user;
+    int64_t pid = leftover_pid(name);
+    if (process_running(pid)) return 0;
+    char *p = ckpt__path_join(dir, name);
+    if (!p) return ckpt__err_nomem("leftover path");
+    ckpt__log(lg, CKPT_LOG_WARNING,
+              "removing %s, the temporary folder of a save whose process (%" PRId64 ") is gone", p,
+              pid);
+    if (ckpt__remove_tree(p) < 0)
+        ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s: %s", p, ckpt_errmsg());
+    free(p);
+    return 0;
+}
+
+void ckpt__remove_dead_leftovers(const char *dir, const ckpt_logger *lg) {
+    if (each_leftover(dir, remove_if_dead, (void *)lg) < 0) {
+        ckpt__log(lg, CKPT_LOG_WARNING, "leftover temporary folders not removed: %s",
+                  ckpt_errmsg());
+        ckpt_clear_error();
+    }
 }
 
 typedef ckpt_rotation rotation;

@@ -22,6 +22,26 @@ int ckpt__parse_checkpoint_name(const char *name, int64_t *n);
  * free()). A missing dir gives 0 entries. */
 int ckpt__list_numbers(const char *dir, int64_t **nums, int64_t *count);
 
+/* For a message about path, a folder that is not a checkpoint: "; <dir>
+ * holds checkpoint_5, checkpoint_6 and checkpoint_7" where <dir> is path's
+ * folder or else project_dir's checkpoints (may be NULL), or "; there is
+ * no checkpoint_<n> folder in ...", into buf (cap bytes; "" if out of
+ * memory). A typo (checkpoint_07 for checkpoint_7) is then plain. */
+void ckpt__checkpoints_near(const char *path, const char *project_dir, char *buf, size_t cap);
+
+/* Every entry of dir named checkpoint_<n>, whatever its type: *highest gets
+ * the largest n (-1: none), so automatic numbering steps over a file, a
+ * symlink or anything else that holds a checkpoint name (a commit could
+ * never rename over it). odd (cap bytes; may be NULL) gets those that are
+ * no checkpoint folder, "checkpoint_8 (a symbolic link), ..." ("": none).
+ * A missing dir has none. */
+int ckpt__names_taken(const char *dir, int64_t *highest, char *odd, size_t cap);
+/* Removes the leftover temporary folders in dir (".checkpoint_<n>.tmp.<pid>"
+ * and rotation's ".old." ones) whose process is gone, one warning each;
+ * those of a process still running (this one too) stay. Only under the lock
+ * that covers dir. Failures to remove are warnings. */
+void ckpt__remove_dead_leftovers(const char *dir, const ckpt_logger *lg);
+
 /* An exclusive, non-blocking flock on a lock file (created if missing). */
 typedef struct ckpt_lock {
     int fd;

@@ -20,6 +20,7 @@ typedef struct model_param {
     uint64_t nbytes;
     void *data;
     void *grad;
+    ckpt_mem_ref mem;        /* ckpt_model_add_param_mem: mem.ops set, data and grad NULL */
     signed char frozen_user; /* ckpt_model_set_frozen: 1 / 0; -1: not said */
     signed char grouped;     /* in a group of its optimizer: 1 / 0; -1: no optimizer said */
     int64_t tied;            /* a tied name: the index of its parameter (never itself tied);
@@ -50,8 +51,9 @@ void ckpt_model_free(ckpt_model *m) {
     free(m);
 }
 
-int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
-                         const int64_t *shape, void *data, void *grad) {
+/* A parameter at data (and grad), or behind memory ops (mem not NULL). */
+static int add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim, const int64_t *shape,
+                     void *data, void *grad, const ckpt_mem_ref *mem) {
     if (!m) return ckpt__err(CKPT_EINVAL, "model_add_param: model is NULL");
     /* Names become state-dict keys, so they follow the key rules. */
     CKPT_TRY(ckpt__check_key(name, "model: parameter name"));
@@ -63,8 +65,13 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
     uint64_t nbytes;
     int rc = ckpt_tensor_nbytes(dt, ndim, shape, &nbytes);
     if (rc < 0) return ckpt__err_prefix(rc, "model: parameter '%s'", name);
-    if (!data && nbytes > 0)
+    if (mem) {
+        char what[CKPT_MAX_KEY + 32];
+        snprintf(what, sizeof what, "model: parameter '%s'", name);
+        CKPT_TRY(ckpt__mem_check_ops(mem->ops, what));
+    } else if (!data && nbytes > 0) {
         return ckpt__err(CKPT_EINVAL, "model: parameter '%s': data is NULL", name);
+    }
     int64_t numel = 1;
     for (int d = 0; d < ndim; d++) numel *= shape[d]; /* no overflow: nbytes fit above */
     for (int64_t i = 0; i < m->n; i++)
@@ -74,7 +81,9 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
     int64_t tied = -1;
     for (int64_t i = 0; i < m->n && tied < 0 && nbytes > 0; i++) {
         const model_param *q = &m->params[i];
-        bool same = q->tied < 0 && q->data == data && q->dtype == dt && q->ndim == ndim;
+        bool same = q->tied < 0 && q->dtype == dt && q->ndim == ndim &&
+                    (mem ? q->mem.ops == mem->ops && q->mem.handle == mem->handle
+                         : !q->mem.ops && q->data == data);
         for (int d = 0; same && d < ndim; d++) same = q->shape[d] == shape[d];
         if (!same) continue;
         if (grad && q->grad && grad != q->grad)
@@ -103,6 +112,7 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
     p->nbytes = nbytes;
     p->data = data;
     p->grad = grad;
+    if (mem) p->mem = *mem;
     p->frozen_user = -1;
     p->grouped = -1;
     p->tied = tied;
@@ -110,6 +120,7 @@ int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndi
         model_param *t = &m->params[tied];
         if (!t->grad) t->grad = grad; /* the pair's one gradient */
         p->data = p->grad = NULL;
+        memset(&p->mem, 0, sizeof p->mem);
         m->ntied++;
     } else {
         m->numel += numel;
@@ -145,17 +156,32 @@ int ckpt_model_tie(ckpt_model *m, const char *alias, const char *target) {
     }
     /* registered on the target's buffer: tied to it (the only parameter of
      * its own there), or, for an empty tensor, tied here */
-    const model_param *q = &m->params[t];
-    int rc = ckpt_model_add_param(m, alias, q->dtype, q->ndim, q->shape, q->data, NULL);
+    /* (copies: adding the alias may move the parameter array) */
+    model_param q = m->params[t];
+    int64_t shape[CKPT_MAX_NDIM];
+    memcpy(shape, q.shape, sizeof shape);
+    int rc = add_param(m, alias, q.dtype, q.ndim, shape, q.data, NULL, q.mem.ops ? &q.mem : NULL);
     if (rc < 0) return ckpt__err_prefix(rc, "model_tie");
     model_param *p = &m->params[m->n - 1];
     if (p->tied < 0) {
         m->numel -= p->numel;
         p->data = NULL;
+        memset(&p->mem, 0, sizeof p->mem);
         m->ntied++;
     }
     p->tied = t;
     return CKPT_OK;
+}
+
+int ckpt_model_add_param(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
+                         const int64_t *shape, void *data, void *grad) {
+    return add_param(m, name, dt, ndim, shape, data, grad, NULL);
+}
+
+int ckpt_model_add_param_mem(ckpt_model *m, const char *name, ckpt_dtype dt, int ndim,
+                             const int64_t *shape, const ckpt_memory_ops *ops, void *handle) {
+    ckpt_mem_ref mem = {ops, handle, 0};
+    return add_param(m, name, dt, ndim, shape, NULL, NULL, &mem);
 }
 
 int64_t ckpt_model_num_params(const ckpt_model *m) { return m ? m->n : 0; }
@@ -189,6 +215,8 @@ int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *info) {
     info->grad = own->grad;
     info->frozen = param_frozen(m, p);
     info->tied_to = p->tied >= 0 ? own->name : NULL;
+    info->mem_ops = own->mem.ops;
+    info->mem_handle = own->mem.handle;
     return CKPT_OK;
 }
 
@@ -247,7 +275,9 @@ static int model_state_dict(void *self, ckpt_writer *w) {
             CKPT_TRY(ckpt_write_alias(w, p->name, m->params[p->tied].name));
             continue;
         }
-        CKPT_TRY(ckpt_write_tensor(w, p->name, p->dtype, p->ndim, p->shape, p->data));
+        if (p->mem.ops)
+            CKPT_TRY(ckpt__write_tensor_at(w, p->name, p->dtype, p->ndim, p->shape, &p->mem));
+        else CKPT_TRY(ckpt_write_tensor(w, p->name, p->dtype, p->ndim, p->shape, p->data));
         if (param_frozen(m, p)) CKPT_TRY(ckpt__writer_set_frozen(w, p->name));
     }
     return CKPT_OK;
@@ -336,7 +366,8 @@ static int model_load_state_dict(void *self, ckpt_reader *r) {
     for (int64_t i = 0; i < m->n; i++) {
         const model_param *p = &m->params[i];
         if (p->tied >= 0) continue; /* its parameter's buffer is read once */
-        CKPT_TRY(ckpt_read_tensor(r, p->name, p->dtype, p->ndim, p->shape, p->data));
+        ckpt_dst d = {p->data, p->mem, p->name};
+        CKPT_TRY(ckpt__read_tensor_to(r, p->name, p->dtype, p->ndim, p->shape, &d));
     }
     return CKPT_OK;
 }

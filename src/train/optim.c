@@ -127,6 +127,8 @@ static void free_state(const ckpt_optimizer *o, opt_param *p) {
     }
     if (!o->external) free(p->master);
     p->master = NULL;
+    memset(p->mbuf, 0, sizeof p->mbuf);
+    memset(&p->mmaster, 0, sizeof p->mmaster);
 }
 
 static void free_params(const ckpt_optimizer *o, opt_param *p, int64_t n) {
@@ -163,6 +165,15 @@ static int check_dtype(const ckpt_optimizer *o, const opt_param *p, const ckpt_o
 static int alloc_one(const ckpt_optimizer *o, opt_param *p, const ckpt_optim_options *g) {
     p->step = 0;
     if (o->external || p->frozen) return CKPT_OK;
+    if (p->mem.ops)
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "optimizer: parameter '%s' lives behind memory ops "
+                         "(ckpt_model_add_param_mem), which ckpt's own optimizers cannot update "
+                         "(they update host memory): update it with an external optimizer "
+                         "(ckpt_optimizer_external_new, its state attached with "
+                         "ckpt_optimizer_set_state_mem), or freeze it (ckpt_model_set_frozen) "
+                         "before making this optimizer",
+                         p->name);
     CKPT_TRY(check_dtype(o, p, g));
     int64_t own = p->hi - p->lo; /* the whole parameter unless sharded */
     bool ok = true;
@@ -198,6 +209,8 @@ static void param_init(const ckpt_optimizer *o, opt_param *p, int64_t mi, int g,
     p->numel = info.numel;
     p->data = info.data;
     p->grad = info.grad;
+    p->mem.ops = info.mem_ops;
+    p->mem.handle = info.mem_handle;
     p->group = g;
     p->hi = p->numel;
     p->frozen = ckpt__model_user_frozen(o->model, mi);
@@ -216,8 +229,14 @@ static void keep_attached(const ckpt_optimizer *o, opt_param *np_, int64_t n,
             const opt_param *old = &o->p[i];
             if (old->midx != q->midx) continue;
             for (int b = 0; b < o->impl->d.nbuffers; b++)
-                if (o->impl->d.needs(b, &opts[q->group])) q->buf[b] = old->buf[b];
-            if (q->needs_master) q->master = old->master;
+                if (o->impl->d.needs(b, &opts[q->group])) {
+                    q->buf[b] = old->buf[b];
+                    q->mbuf[b] = old->mbuf[b];
+                }
+            if (q->needs_master) {
+                q->master = old->master;
+                q->mmaster = old->mmaster;
+            }
             q->step = old->step;
         }
     }
@@ -733,16 +752,18 @@ int ckpt__optim_sync_frozen(ckpt_optimizer *o) {
 /* ---- state fields --------------------------------------------------------- */
 
 int ckpt__optim_fields(const ckpt_optimizer *o, const opt_param *p, const char **names,
-                       float **bufs) {
+                       float **bufs, ckpt_mem_ref *mems) {
     int n = 0;
     const ckpt_optim_options *g = &o->opts[p->group];
     for (int b = 0; b < o->impl->d.nbuffers; b++)
         if (o->impl->d.needs(b, g)) {
             names[n] = o->impl->d.buffers[b];
+            if (mems) mems[n] = p->mbuf[b];
             bufs[n++] = p->buf[b];
         }
     if (p->needs_master) {
         names[n] = "master";
+        if (mems) mems[n] = p->mmaster;
         bufs[n++] = p->master;
     }
     return n;
@@ -752,15 +773,16 @@ int ckpt__optim_check_attached(const ckpt_optimizer *o) {
     if (!o->external) return CKPT_OK;
     const char *names[CKPT_OPTIM_MAX_FIELDS];
     float *bufs[CKPT_OPTIM_MAX_FIELDS];
+    ckpt_mem_ref mems[CKPT_OPTIM_MAX_FIELDS];
     for (int64_t i = 0; i < o->np; i++) {
         const opt_param *p = &o->p[i];
         if (p->frozen || p->numel == 0) continue;
-        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs); j < n; j++)
-            if (!bufs[j])
+        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs, mems); j < n; j++)
+            if (!bufs[j] && !mems[j].ops)
                 return ckpt__err(CKPT_EINVAL,
                                  "optimizer: external %s optimizer: parameter '%s' has no '%s' "
                                  "(every trainable parameter needs every field of its group: "
-                                 "ckpt_optimizer_set_state or ckpt_optimizer_set_state_block)",
+                                 "ckpt_optimizer_set_state, _block or _mem)",
                                  o->impl->d.name, p->name, names[j]);
     }
     return CKPT_OK;

@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #include "ckpt.h"
+#include "format/memref.h"
 #include "train/optim.h"
 
 /* A parameter's state fields at most: its kind's buffers and a master. */
@@ -21,8 +22,10 @@ typedef struct opt_param {
     int ndim;
     int64_t shape[CKPT_MAX_NDIM];
     int64_t numel;
-    void *data; /* the model's values */
+    void *data; /* the model's values (NULL behind memory ops) */
     void *grad; /* the model's gradient, of dtype; may be NULL */
+    ckpt_mem_ref mem; /* the values behind memory ops (ckpt_model_add_param_mem): never
+                         updated by ckpt's own optimizer (it refuses them unless frozen) */
     int group;
     float step; /* PyTorch keeps a float32 0-d tensor */
     /* Frozen by the user (ckpt_model_set_frozen): no state (every buffer
@@ -39,6 +42,10 @@ typedef struct opt_param {
      * (the whole parameter's, of which a save reads [lo, hi)). */
     float *buf[CKPT_OPTIM_MAX_BUFFERS];
     float *master; /* needs_master: the fp32 master, held as the buffers are */
+    /* External: a buffer attached behind memory ops (ckpt_optimizer_set_state_mem)
+     * instead, its buf[b] / master NULL; ops NULL otherwise. */
+    ckpt_mem_ref mbuf[CKPT_OPTIM_MAX_BUFFERS];
+    ckpt_mem_ref mmaster;
     /* ZeRO-1: this rank updates and keeps state for elements [lo, hi) only
      * (whole rows); unsharded, and for parameters that are never split
      * (scalars, empty tensors, parameters frozen when the split was made),
@@ -136,8 +143,10 @@ int ckpt__optim_sync_frozen(ckpt_optimizer *o);
  * needs (CKPT_EINVAL naming the first missing one). CKPT_OK for ckpt's own. */
 int ckpt__optim_check_attached(const ckpt_optimizer *o);
 /* The state fields of p under its group's options, in state-dict order
- * (the kind's buffers, then "master"): names and buffers; returns how many. */
+ * (the kind's buffers, then "master"): names, host buffers and (mems, may
+ * be NULL) the buffers behind memory ops; returns how many. A field is
+ * attached when its buffer or its mem's ops is set. */
 int ckpt__optim_fields(const ckpt_optimizer *o, const opt_param *p, const char **names,
-                       float **bufs);
+                       float **bufs, ckpt_mem_ref *mems);
 
 #endif

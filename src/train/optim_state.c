@@ -52,25 +52,43 @@ static void share_box(const opt_param *p, int64_t *off, int64_t *local) {
 /* Writes one state field: a chunk of the whole tensor when sharded (every
  * rank writes one, empty if it owns no row of the parameter, so every rank's
  * state dict has the same keys), else the tensor. */
+/* Where the state of element lo of p starts in a buffer behind memory ops
+ * (only an external optimizer's, which holds the whole parameter's). */
+static ckpt_mem_ref mem_at(const opt_param *p, const ckpt_mem_ref *m) {
+    ckpt_mem_ref r = *m;
+    r.off += (uint64_t)p->lo * sizeof(float);
+    return r;
+}
+
+/* Writes one state field (buf, or behind memory ops at *mem when its ops
+ * are set): a chunk of the whole tensor when sharded (every rank writes
+ * one, empty if it owns no row of the parameter, so every rank's state dict
+ * has the same keys), else the tensor. */
 static int write_state(const ckpt_optimizer *o, ckpt_writer *w, const char *k, const opt_param *p,
-                       float *buf) {
+                       float *buf, const ckpt_mem_ref *mem) {
     const float *at = ckpt__optim_state_at(o, p, buf);
-    if (!o->comm || !p->sharded) return ckpt_write_tensor(w, k, CKPT_F32, p->ndim, p->shape, at);
+    ckpt_mem_ref m = mem->ops ? mem_at(p, mem) : *mem;
+    bool whole = !o->comm || !p->sharded;
     int64_t off[CKPT_MAX_NDIM], local[CKPT_MAX_NDIM];
-    share_box(p, off, local);
+    if (!whole) share_box(p, off, local);
+    if (m.ops && whole) return ckpt__write_tensor_at(w, k, CKPT_F32, p->ndim, p->shape, &m);
+    if (m.ops)
+        return ckpt__write_tensor_shard_at(w, k, CKPT_F32, p->ndim, p->shape, off, local, &m);
+    if (whole) return ckpt_write_tensor(w, k, CKPT_F32, p->ndim, p->shape, at);
     return ckpt_write_tensor_shard(w, k, CKPT_F32, p->ndim, p->shape, off, local, at);
 }
 
 /* Reads one state field: this rank's slice when sharded, from however
  * many chunks (or a whole tensor) the file has. */
 static int read_state(const ckpt_optimizer *o, ckpt_reader *r, const char *k, const opt_param *p,
-                      float *buf) {
-    float *at = ckpt__optim_state_at(o, p, buf);
-    if (!o->comm || !p->sharded) return ckpt_read_tensor(r, k, CKPT_F32, p->ndim, p->shape, at);
+                      float *buf, const ckpt_mem_ref *mem) {
+    ckpt_dst d = {(uint8_t *)ckpt__optim_state_at(o, p, buf), {0}, k};
+    if (mem->ops) d.mem = mem_at(p, mem);
+    if (!o->comm || !p->sharded) return ckpt__read_tensor_to(r, k, CKPT_F32, p->ndim, p->shape, &d);
     if (p->hi == p->lo) return CKPT_OK;
     int64_t off[CKPT_MAX_NDIM], local[CKPT_MAX_NDIM];
     share_box(p, off, local);
-    return ckpt_read_tensor_shard(r, k, CKPT_F32, p->ndim, p->shape, off, local, at);
+    return ckpt__read_tensor_shard_to(r, k, CKPT_F32, p->ndim, p->shape, off, local, &d);
 }
 
 /* A schema entry a file may or may not have (state of a parameter frozen
@@ -100,7 +118,8 @@ static int optimizer_state_dict(void *self, ckpt_writer *w) {
         const opt_param *p = &o->p[i];
         const char *names[CKPT_OPTIM_MAX_FIELDS];
         float *bufs[CKPT_OPTIM_MAX_FIELDS];
-        int n = ckpt__optim_fields(o, p, names, bufs);
+        ckpt_mem_ref mems[CKPT_OPTIM_MAX_FIELDS];
+        int n = ckpt__optim_fields(o, p, names, bufs, mems);
         /* A frozen parameter has no state. A file saved before it was
          * frozen has some, which a load skips: the schema allows it. */
         if (p->frozen && !schema) continue;
@@ -113,7 +132,7 @@ static int optimizer_state_dict(void *self, ckpt_writer *w) {
         for (int j = 0; j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)i, names[j]);
             if (p->frozen) CKPT_TRY(ckpt_write_tensor(w, k, CKPT_F32, p->ndim, p->shape, NULL));
-            else CKPT_TRY(write_state(o, w, k, p, bufs[j]));
+            else CKPT_TRY(write_state(o, w, k, p, bufs[j], &mems[j]));
             if (schema) CKPT_TRY(schema_optional(w, k));
         }
     }
@@ -310,7 +329,7 @@ static int optimizer_check(const ckpt_optimizer *o, ckpt_reader *r, int64_t *map
         }
         float step;
         CKPT_TRY(read_step(r, map[i], &step));
-        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs); j < n; j++) {
+        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs, NULL); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)map[i], names[j]);
             if (!strcmp(names[j], "master") && !ckpt__reader_has(r, k, NULL)) {
                 if (!o->external) continue; /* the master starts as the parameter */
@@ -407,26 +426,59 @@ static int optimizer_load_state_dict(void *self, ckpt_reader *r) {
     return CKPT_OK;
 }
 
+/* Fresh state of one field into d (elements [lo, hi) of p, from d on) in
+ * pieces, where the field or the parameter is behind memory ops: zeros, or
+ * (master) the parameter's values widened. */
+static int fresh_pieces(const opt_param *p, const ckpt_dst *d, bool master) {
+    uint64_t own = (uint64_t)(p->hi - p->lo), cap = 0;
+    float *buf = ckpt__mem_bounce(own * sizeof(float), &cap, "optimizer fresh state");
+    if (!buf) return CKPT_ENOMEM;
+    uint16_t *half = master && p->mem.ops ? ckpt__malloc((size_t)cap / 2 + 1) : NULL;
+    int rc = master && p->mem.ops && !half ? ckpt__err_nomem("optimizer fresh state") : 0;
+    if (!master) memset(buf, 0, (size_t)cap);
+    uint64_t per = cap / sizeof(float) ? cap / sizeof(float) : 1;
+    for (uint64_t i = 0; rc == 0 && i < own; i += per) {
+        uint64_t k = own - i < per ? own - i : per, e = (uint64_t)p->lo + i;
+        const void *src = half ? (const void *)half : (const char *)p->data + 2 * e;
+        if (half) rc = ckpt__mem_get(&p->mem, 2 * e, half, 2 * k, p->name);
+        if (master && rc == 0) rc = ckpt_dtype_convert(p->dtype, src, CKPT_F32, buf, k);
+        if (rc == 0) rc = ckpt__dst_put(d, i * sizeof(float), buf, k * sizeof(float));
+    }
+    free(half);
+    free(buf);
+    return rc;
+}
+
 /* Fresh state for trainable p (no state in the file): zeros, step 0, the
- * master (ckpt's own optimizer) as the parameter. */
-static void fresh_state(const ckpt_optimizer *o, opt_param *p) {
+ * master as the parameter. */
+static int fresh_state(const ckpt_optimizer *o, opt_param *p) {
     const char *names[CKPT_OPTIM_MAX_FIELDS];
     float *bufs[CKPT_OPTIM_MAX_FIELDS];
+    ckpt_mem_ref mems[CKPT_OPTIM_MAX_FIELDS];
     int64_t own = p->hi - p->lo;
-    for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs); j < n && own > 0; j++) {
+    for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs, mems); j < n && own > 0; j++) {
+        bool master = !strcmp(names[j], "master");
         float *at = ckpt__optim_state_at(o, p, bufs[j]);
-        if (!strcmp(names[j], "master"))
+        if (mems[j].ops || (master && p->mem.ops)) {
+            ckpt_dst d = {(uint8_t *)at, {0}, names[j]};
+            if (mems[j].ops) d.mem = mem_at(p, &mems[j]);
+            CKPT_TRY(fresh_pieces(p, &d, master));
+        } else if (master) {
             (void)ckpt_dtype_convert(p->dtype, (const char *)p->data + 2 * p->lo, CKPT_F32, at,
                                      (uint64_t)own);
-        else memset(at, 0, (size_t)own * sizeof(float));
+        } else {
+            memset(at, 0, (size_t)own * sizeof(float));
+        }
     }
     p->step = 0;
+    return CKPT_OK;
 }
 
 static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *map) {
     /* Commit: the same reads, every one checked above, so they cannot fail
      * now, but for a read error of a file-backed reader midway through the
-     * tensor copies (never in ckpt_load_state, whose readers are in memory). */
+     * tensor copies (never in ckpt_load_state, whose readers are in memory)
+     * or a failing memory ops call. */
     ckpt_optim_options op;
     for (int g = 0; g < o->ngroups; g++) {
         op = o->opts[g];
@@ -436,17 +488,18 @@ static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *ma
     char k[KEY_CAP];
     const char *names[CKPT_OPTIM_MAX_FIELDS];
     float *bufs[CKPT_OPTIM_MAX_FIELDS];
+    ckpt_mem_ref mems[CKPT_OPTIM_MAX_FIELDS];
     for (int64_t i = 0; i < o->np; i++) {
         opt_param *p = &o->p[i];
         if (p->frozen) continue;
         snprintf(k, sizeof k, "state.%lld.step", (long long)map[i]);
         if (!ckpt__reader_has(r, k, NULL)) {
-            fresh_state(o, p);
+            CKPT_TRY(fresh_state(o, p));
             continue;
         }
         float step;
         CKPT_TRY(read_step(r, map[i], &step));
-        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs); j < n; j++) {
+        for (int j = 0, n = ckpt__optim_fields(o, p, names, bufs, mems); j < n; j++) {
             snprintf(k, sizeof k, "state.%lld.%s", (long long)map[i], names[j]);
             if (!strcmp(names[j], "master") && !ckpt__reader_has(r, k, NULL)) {
                 /* the master follows the parameter (ckpt__optim_master_take_up) */
@@ -456,7 +509,7 @@ static int optimizer_commit(ckpt_optimizer *o, ckpt_reader *r, const int64_t *ma
                                              bufs[j], (uint64_t)own);
                 continue;
             }
-            CKPT_TRY(read_state(o, r, k, p, bufs[j]));
+            CKPT_TRY(read_state(o, r, k, p, bufs[j], &mems[j]));
         }
         p->step = step;
     }

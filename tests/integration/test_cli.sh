@@ -57,6 +57,30 @@ grep -q "^ckpt: resume: .*--lr" "$WORK/err" || fail "no --lr mismatch message"
 run_rc 0 "$CKPT_BIN" train --epochs 1 --resume --quiet --project-dir "$proj"
 [ "$(grep "test accuracy" "$WORK/out")" = "$acc" ] || fail "finished run: accuracy changed"
 [ "$(ls "$proj/checkpoints" | grep -c '^checkpoint_')" -eq 5 ] || fail "finished run saved again"
+# --async polls every step (ckpt_save_poll): a background save is committed
+# as soon as its files are written, and its failure ends the run at the next
+# step, not at the next save (80 here; the first save's first fsync fails)
+run_rc 3 env CKPT_FAULT=fsync:1:EIO "$CKPT_BIN" train --async --save-every 40 --epochs 2 \
+    --workers 0 --quiet --project-dir "$WORK/poll"
+grep -q "^ckpt: save: .*fsync: Input/output error" "$WORK/err" || fail "--async: no failure message"
+last=$(tail -n 1 "$WORK/poll/logs/metrics.jsonl" | sed -n 's/^{"step":\([0-9]*\),.*/\1/p')
+[ -n "$last" ] && [ "$last" -gt 40 ] && [ "$last" -lt 80 ] ||
+    fail "--async: the run stopped at step ${last:-?}, expected between the two saves"
+
+# --resume-from a checkpoint that is not there (a typo): a usage error naming
+# the checkpoints there are, nothing saved or rotated
+run_rc 2 "$CKPT_BIN" train --epochs 1 --resume-from "$proj/checkpoints/checkpoint_01" --quiet \
+    --total-limit 1 --project-dir "$proj"
+grep -q "checkpoint_01: no such checkpoint folder; .* holds checkpoint_0, checkpoint_1, .* and checkpoint_4" \
+    "$WORK/err" || { cat "$WORK/err" >&2; fail "--resume-from a typo: message"; }
+[ "$(ls "$proj/checkpoints" | grep -c '^checkpoint_')" -eq 5 ] || fail "--resume-from a typo rotated"
+# --resume-from an existing one resumes from there (in a copy of the project)
+cp -r "$proj" "$WORK/rf"
+run_rc 0 "$CKPT_BIN" train --epochs 1 --resume-from "$WORK/rf/checkpoints/checkpoint_3" \
+    --project-dir "$WORK/rf"
+grep -q "^resumed from $WORK/rf/checkpoints/checkpoint_3 at step 40$" "$WORK/out" ||
+    fail "--resume-from: no 'resumed from' line"
+[ "$(grep "test accuracy" "$WORK/out")" = "$acc" ] || fail "--resume-from: another accuracy"
 
 # diff: equal to itself; two steps differ in tensors and the manifest step
 c0=$proj/checkpoints/checkpoint_0

@@ -9,7 +9,10 @@
 #  - nothing changed: the failed load left the object as it was, the failed
 #    save committed nothing and left no temporary folder;
 #  - once the rank is back, the next save, load and save all succeed, and
-#    every checkpoint verifies.
+#    every checkpoint verifies;
+#  - a job whose ranks end right after a timed-out save or load (free the
+#    accelerator and the communicator, MPI_Finalize) exits cleanly on every
+#    rank: no segfault in MPI_Finalize over abandoned requests, no leak.
 source "$(dirname "$0")/common.bash"
 
 mpi_setup
@@ -53,6 +56,24 @@ run_case() { # run_case P SLEEPER
     fi
 }
 
+# run_exit P SLEEPER WHAT: the job ends after the timed-out WHAT (save2 or
+# load2); every rank reports CKPT_ETIMEDOUT and exits 0.
+run_exit() {
+    local p=$1 s=$2 what=$3 dir=$WORK/x$1s$2$3 out=$WORK/x$1s$2$3.out r
+    mkdir -p "$dir"
+    mpirun --oversubscribe -np "$p" "$PROG" "$dir" "$s" 2 "$what" >"$out" 2>"$WORK/err" ||
+        { cat "$out" "$WORK/err" >&2; fail "P=$p sleeper $s: the job did not exit cleanly after $what"; }
+    for ((r = 0; r < p; r++)); do
+        grep -q "^rank $r $what CKPT_ETIMEDOUT " "$out" || { cat "$out" >&2; fail "rank $r $what"; }
+    done
+    [ "$what" != load2 ] || for ((r = 0; r < p; r++)); do expect "$out" "$r" value2 -1; done
+    # save1 (and before load2, save3) committed; the timed-out save nothing
+    local n=1
+    [ "$what" = save2 ] || n=2
+    run_rc 0 "$CKPT_BIN" verify "$dir"
+    has "$n of $n checkpoints verified" <"$WORK/out" || { cat "$WORK/out"; fail "P=$p: verify after $what"; }
+}
+
 # ckpt train --collective-timeout: bad values are usage errors; a run with a
 # deadline trains and saves under mpirun as one without.
 for bad in -1 abc nan 1e10; do
@@ -71,4 +92,8 @@ done
 run_case 2 1
 run_case 3 2
 run_case 3 0
+run_exit 3 1 load2
+run_exit 3 0 load2
+run_exit 2 1 save2
+run_exit 3 2 save2
 echo "ok: deadlines under mpirun -np 2 and 3"

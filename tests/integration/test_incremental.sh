@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Incremental saves end to end: a fine-tune with --freeze writes its frozen
-# layers once and links them at every later save (same inode, bytes written
-# per save printed, ckpt ls / inspect show what is shared); a run started
-# with --init-from such a checkpoint links its frozen file too; verify of a
-# project names every checkpoint that shares a damaged file; pruning the old
-# checkpoints leaves the newest complete.
+# Incremental saves end to end: a fine-tune with --freeze and --link-copies 1
+# writes its frozen layers once and links them at every later save (same
+# inode, bytes written per save printed, ckpt ls / inspect show what is
+# shared); a run started with --init-from such a checkpoint links its frozen
+# file too; verify of a project names every checkpoint that shares a damaged
+# file; pruning the old checkpoints leaves the newest complete. With the
+# default (--link-copies 2) the second save writes a second copy, later
+# ones link, and one damaged copy leaves a checkpoint that loads.
 source "$(dirname "$0")/common.bash"
 FREEZE=(--freeze 'fc1.*' --freeze 'fc2.*')
 inode() { stat -c %i "$1"; }
 
 base=$WORK/base
 run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 20 --total-limit 0 --project-dir "$base" \
-    "${FREEZE[@]}"
+    --link-copies 1 "${FREEZE[@]}"
 grep -q "^bytes written per save: .* the first, then .* on average" "$WORK/out" ||
     fail "no bytes-per-save line: $(cat "$WORK/out")"
 cks=$base/checkpoints
@@ -92,7 +94,7 @@ n=$(latest_checkpoint "$old")
 # checkpoint it started from
 ft=$WORK/ft
 run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 20 --project-dir "$ft" --init-from "$base" \
-    "${FREEZE[@]}" --quiet
+    --link-copies 1 "${FREEZE[@]}" --quiet
 [ "$(inode "$ft/checkpoints/checkpoint_0/$frozen")" = "$(inode "$cks/checkpoint_2/$frozen")" ] ||
     fail "--init-from did not link the base's frozen file"
 
@@ -109,6 +111,26 @@ run_rc 0 "$CKPT_BIN" prune "$base" --keep 1
 [ ! -e "$cks/checkpoint_0" ] && [ ! -e "$cks/checkpoint_1" ] || fail "prune kept old checkpoints"
 run_rc 0 "$CKPT_BIN" verify "$cks/checkpoint_2"
 run_rc 0 "$CKPT_BIN" train --epochs 2 --save-every 20 --project-dir "$base" --resume \
-    "${FREEZE[@]}" --quiet
+    --link-copies 1 "${FREEZE[@]}" --quiet
 run_rc 0 "$CKPT_BIN" verify "$base"
-echo "ok: frozen layers linked across saves and --init-from, sharing shown, damage named"
+
+# the default: retained checkpoints are independent copies. The second save
+# writes the frozen file again, the third links it; a flipped byte in the
+# copy the newest two share leaves checkpoint_0, and a resume loads it.
+two=$WORK/two
+run_rc 0 "$CKPT_BIN" train --epochs 1 --save-every 20 --total-limit 0 --project-dir "$two" \
+    "${FREEZE[@]}" --quiet
+c2=$two/checkpoints
+[ "$(inode "$c2/checkpoint_0/$frozen")" != "$(inode "$c2/checkpoint_1/$frozen")" ] ||
+    fail "--link-copies 2: the second save linked the frozen file"
+[ "$(inode "$c2/checkpoint_1/$frozen")" = "$(inode "$c2/checkpoint_2/$frozen")" ] ||
+    fail "--link-copies 2: the third save wrote the frozen file again"
+flip_byte "$c2/checkpoint_2/$frozen" 100
+run_rc 1 "$CKPT_BIN" verify "$two"
+has "$frozen is one copy on disk shared by: checkpoint_1 checkpoint_2" <"$WORK/out" ||
+    fail "verify does not name the two sharing the damaged copy: $(cat "$WORK/out")"
+run_rc 0 "$CKPT_BIN" train --epochs 2 --save-every 20 --total-limit 0 --project-dir "$two" \
+    --resume "${FREEZE[@]}"
+grep -q "^resumed from $c2/checkpoint_0 at step 20$" "$WORK/out" ||
+    fail "no resume from the other copy: $(cat "$WORK/out" "$WORK/err")"
+echo "ok: frozen layers linked across saves and --init-from, sharing shown, damage named, two copies by default"

@@ -47,7 +47,7 @@ grep -A1 '{"name": "model.safetensors"' "$P/checkpoint_3/checkpoint.json" | grep
 assert_contains "$WORK/verify.out" "4 processes"
 "$CKPT_BIN" inspect "$Z/checkpoint_3" >"$WORK/inspect.out"
 assert_contains "$WORK/inspect.out" "4 processes"
-assert_contains "$WORK/inspect.out" "one process's chunks of sharded tensors"
+assert_contains "$WORK/inspect.out" "rank 2's chunks of tensors of model.safetensors"
 for n in 1 3; do
     "$CKPT_BIN" diff "$Z/checkpoint_$n" "$P/checkpoint_$n" >"$WORK/diff.out" ||
         { cat "$WORK/diff.out"; fail "sharded and unsharded checkpoint_$n differ"; }

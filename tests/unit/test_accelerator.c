@@ -649,8 +649,12 @@ static void test_no_checkpoint_at_all_is_enoent_and_saves_stay_allowed(void **st
     register_counter(acc, &c, 1);
     tu_expect_error(ckpt_load_state(acc, NULL), CKPT_ENOENT, "no checkpoint in");
     assert_int_equal(ckpt_save_state(acc, NULL), CKPT_OK);
+    /* An explicit folder that is not there is no fresh start (a typo): an
+     * error, and saves refuse until the run starts over deliberately. */
     char *missing = tu_pathf("%s/not_there", t);
-    tu_expect_error(ckpt_load_state(acc, missing), CKPT_ENOENT, "no such checkpoint folder");
+    tu_expect_error(ckpt_load_state(acc, missing), CKPT_EINVAL, "no such checkpoint folder");
+    tu_expect_error(ckpt_save_state(acc, missing), CKPT_EINVAL, "refused");
+    assert_int_equal(ckpt_accelerator_start_over(acc), CKPT_OK);
     assert_int_equal(ckpt_save_state(acc, missing), CKPT_OK);
     assert_int_equal(ckpt_save_state(acc, NULL), CKPT_OK);
     ckpt_accelerator_free(acc);
@@ -1546,7 +1550,8 @@ static void test_load_state_rejects_a_missing_manifest(void **st) {
     char *dir = save_two(t);
     char *f = tu_pathf("%s/checkpoint.json", dir);
     assert_int_equal(unlink(f), 0);
-    expect_load_fails(dir, 2, NULL, CKPT_ENOENT, "not a checkpoint (no checkpoint.json)");
+    /* explicit: an error, not the fresh start of CKPT_ENOENT */
+    expect_load_fails(dir, 2, NULL, CKPT_EINVAL, "not a checkpoint (no checkpoint.json)");
     ckpt_checkpoint_info info;
     assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), CKPT_ENOENT);
     assert_int_equal(info.status, CKPT_CHECKPOINT_PARTIAL);
@@ -1619,11 +1624,13 @@ static void test_load_state_rejects_an_unlisted_state_file(void **st) {
     tu_tmpdir_free(t);
 }
 
-static void test_load_state_of_a_missing_folder_is_enoent(void **st) {
+/* An explicit folder that is not there is an error (a typo must not read
+ * as a fresh start); only "no checkpoint at all" is CKPT_ENOENT. */
+static void test_load_state_of_a_missing_folder_is_enoent_only_without_input_dir(void **st) {
     (void)st;
     char *t = tu_tmpdir_new("acc");
     char *dir = tu_pathf("%s/nothing", t);
-    expect_load_fails(dir, 1, NULL, CKPT_ENOENT, "nothing");
+    expect_load_fails(dir, 1, NULL, CKPT_EINVAL, "nothing: no such checkpoint folder");
     ckpt_accelerator *acc = new_acc(t, true, 0, NULL);
     assert_int_equal(ckpt_load_state(acc, NULL), CKPT_ENOENT);
     tu_assert_errmsg_has("no checkpoint");
@@ -1898,7 +1905,8 @@ int main(void) {
         cmocka_unit_test(test_load_state_refuses_an_optimizer_of_another_kind_changing_nothing),
         cmocka_unit_test(test_load_state_refuses_a_scheduler_of_another_kind_changing_nothing),
         cmocka_unit_test(test_load_state_of_every_kind_changes_nothing_at_any_failed_allocation),
-        cmocka_unit_test(test_load_state_stops_at_a_custom_check_state_dict_before_loading_anything),
+        cmocka_unit_test(
+            test_load_state_stops_at_a_custom_check_state_dict_before_loading_anything),
         cmocka_unit_test(test_a_custom_object_without_check_state_dict_can_still_fail_mid_apply),
         cmocka_unit_test(test_load_state_runs_every_check_before_any_load),
         cmocka_unit_test(test_load_state_names_the_tensor_with_a_flipped_byte),
@@ -1908,7 +1916,7 @@ int main(void) {
         cmocka_unit_test(test_load_state_refuses_a_newer_format_version),
         cmocka_unit_test(test_load_state_rejects_hostile_manifests),
         cmocka_unit_test(test_load_state_rejects_an_unlisted_state_file),
-        cmocka_unit_test(test_load_state_of_a_missing_folder_is_enoent),
+        cmocka_unit_test(test_load_state_of_a_missing_folder_is_enoent_only_without_input_dir),
         cmocka_unit_test(test_load_state_null_falls_back_past_a_corrupt_newest_checkpoint),
         cmocka_unit_test(test_save_state_into_a_project_path_that_is_a_file_fails_clearly),
         cmocka_unit_test(test_save_state_into_an_unwritable_folder_fails_clearly),

@@ -15,7 +15,9 @@
 #include <errno.h>
 #include <glob.h>
 #include <pthread.h>
+#include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -99,6 +101,9 @@ static void run_open(run *r, const char *project, const char *explicit_dir) {
     memset(&cfg, 0, sizeof cfg);
     cfg.project_dir = explicit_dir ? NULL : project;
     cfg.automatic_checkpoint_naming = explicit_dir == NULL;
+    /* every save makes the same I/O calls (the fault tests count them):
+     * an unchanged file is linked at every save, never copied once more */
+    cfg.link_copies = 1;
     assert_int_equal(ckpt_accelerator_new(&r->acc, &cfg), 0);
     ckpt_accelerator_set_log(r->acc, log_to_book, &r->log);
     assert_int_equal(ckpt_model_new(&r->model), 0);
@@ -664,6 +669,102 @@ static void test_load_through_the_hashed_read(void **st) {
     tu_tmpdir_free(t);
 }
 
+/* ---- ckpt_save_poll ----------------------------------------------------------- */
+
+/* A gate the background writer stops at: the recorder (called after each
+ * mutating I/O call, from the thread that made it) holds the first call on
+ * a path containing `hold` until the gate opens. */
+typedef struct gate {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    const char *hold;
+    bool open, held;
+} gate;
+
+static gate the_gate = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, NULL, false, false};
+
+static void gate_record(void *user, const ckpt_io_event *ev) {
+    gate *g = user;
+    if (!ev->path || !g->hold || !strstr(ev->path, g->hold)) return;
+    pthread_mutex_lock(&g->mu);
+    g->held = true;
+    pthread_cond_broadcast(&g->cv);
+    while (!g->open) pthread_cond_wait(&g->cv, &g->mu);
+    pthread_mutex_unlock(&g->mu);
+}
+
+static void gate_close(const char *hold) {
+    pthread_mutex_lock(&the_gate.mu);
+    the_gate.hold = hold;
+    the_gate.open = false;
+    the_gate.held = false;
+    pthread_mutex_unlock(&the_gate.mu);
+    ckpt__io_set_recorder(gate_record, &the_gate);
+}
+
+static void gate_wait_held(void) {
+    pthread_mutex_lock(&the_gate.mu);
+    while (!the_gate.held) pthread_cond_wait(&the_gate.cv, &the_gate.mu);
+    pthread_mutex_unlock(&the_gate.mu);
+}
+
+static void gate_open(void) {
+    pthread_mutex_lock(&the_gate.mu);
+    the_gate.open = true;
+    pthread_cond_broadcast(&the_gate.cv);
+    pthread_mutex_unlock(&the_gate.mu);
+}
+
+static void gate_remove(void) {
+    ckpt__io_set_recorder(NULL, NULL);
+    gate_open();
+}
+
+/* Polls until the answer is not 0 (the background job finishing is only a
+ * matter of time once its gate is open). */
+static int poll_until_done(ckpt_accelerator *acc) {
+    for (;;) {
+        int rc = ckpt_save_poll(acc);
+        if (rc != 0) return rc;
+        usleep(1000);
+    }
+}
+
+/* One process: 0 while the files are being written (at once, however long
+ * the write takes), then 1 with the checkpoint committed and applied; a
+ * background failure is returned once, then 1. */
+static void test_poll_never_waits_and_commits_a_finished_save(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("async");
+    run r;
+    run_open(&r, t, NULL);
+    assert_int_equal(ckpt_save_poll(r.acc), 1); /* nothing pending */
+    run_set(&r, 1);
+    gate_close("custom_checkpoint_0");
+    assert_int_equal(ckpt_save_state_async(r.acc, NULL), 0);
+    gate_wait_held(); /* the writer is stopped inside the save */
+    for (int k = 0; k < 3; k++) assert_int_equal(ckpt_save_poll(r.acc), 0);
+    assert_string_equal(ckpt_accelerator_last_dir(r.acc), "");
+    gate_open();
+    assert_int_equal(poll_until_done(r.acc), 1);
+    gate_remove();
+    assert_string_equal(ckpt_accelerator_last_dir(r.acc), cp_dir(t, 0));
+    assert_checkpoints(t, 1);
+    assert_int_equal(load_fresh(t, NULL), 1);
+    assert_int_equal(ckpt_save_poll(r.acc), 1);
+    /* a failure in the background: returned by a poll, once */
+    run_set(&r, 2);
+    ckpt__fault_arm(CKPT_FAULT_FSYNC, 1, EIO, true);
+    assert_int_equal(ckpt_save_state_async(r.acc, NULL), 0);
+    tu_expect_error(poll_until_done(r.acc), CKPT_EIO, NULL);
+    ckpt__fault_disarm();
+    assert_int_equal(ckpt_save_poll(r.acc), 1);
+    assert_int_equal(ckpt_save_wait(r.acc), 0);
+    assert_checkpoints(t, 1);
+    run_close(&r);
+    tu_tmpdir_free(t);
+}
+
 /* ---- several processes (threads as ranks) ---------------------------------- */
 
 #define P 3
@@ -764,6 +865,96 @@ static void rank_job(const ckpt_comm *c, void *arg) {
     s->foreign[r] = w.foreign;
 }
 
+/* Several processes: every rank polls at the same points and gets the same
+ * answer; 0 (nothing committed) while one rank's writer is held, then the
+ * commit at the poll that finds every rank's files written, not at a later
+ * wait. A preemption caught by ckpt_should_save commits a pending save. */
+typedef struct pscen {
+    const char *proj;
+    int answers[P][64], nanswers[P], last[P]; /* the first 64 answers, how many, the last */
+    bool visible_while_held[P], committed_at_poll[P], committed_at_should_save[P];
+    int rc[P];
+} pscen;
+
+static bool visible(const char *proj, int n) {
+    char *m = tu_pathf("%s/checkpoints/checkpoint_%d/checkpoint.json", proj, n);
+    bool v = tu_exists(m);
+    free(m);
+    return v;
+}
+
+static void poll_job(const ckpt_comm *c, void *arg) {
+    pscen *s = arg;
+    int r = c->rank;
+    float p[4] = {1, 2, 3, 4};
+    ckpt_model *m = NULL;
+    ckpt_accelerator *acc = NULL;
+    ckpt_project_config cfg = {.project_dir = s->proj,
+                               .automatic_checkpoint_naming = true,
+                               .comm = c,
+                               .no_link_unchanged = true};
+    int rc = ckpt_model_new(&m);
+    if (rc == 0) rc = ckpt_model_add_param(m, "p", CKPT_F32, 1, (int64_t[]){4}, p, NULL);
+    if (rc == 0) rc = ckpt_accelerator_new(&acc, &cfg);
+    if (rc == 0) rc = ckpt_prepare_model(acc, m);
+    if (rc == 0) rc = ckpt_save_state_async(acc, NULL);
+    /* rank 1's writer is held at its generator's file until rank 0 has seen
+     * three answers of 0 */
+    for (int k = 0; rc == 0; k++) { /* as long as the writer takes */
+        int a = ckpt_save_poll(acc);
+        if (k < 64) s->answers[r][k] = a;
+        s->nanswers[r]++;
+        s->last[r] = a;
+        if (a != 0) {
+            rc = a < 0 ? a : 0;
+            break;
+        }
+        if (k == 0) s->visible_while_held[r] = visible(s->proj, 0);
+        if (r == 0 && k == 2) gate_open();
+        usleep(2000);
+    }
+    s->committed_at_poll[r] = visible(s->proj, 0);
+    /* a preemption: should_save commits the pending save before it answers */
+    c->barrier(c->ctx);
+    if (rc == 0) rc = ckpt_save_state_async(acc, NULL);
+    if (r == 0) raise(SIGUSR1);
+    c->barrier(c->ctx);
+    if (rc == 0) rc = ckpt_should_save(acc, 1) == 1 ? 0 : CKPT_EINVAL;
+    s->committed_at_should_save[r] = visible(s->proj, 1);
+    if (rc == 0) rc = ckpt_save_wait(acc);
+    s->rc[r] = rc;
+    ckpt_accelerator_free(acc);
+    ckpt_model_free(m);
+}
+
+static void test_several_processes_poll_alike_and_commit_at_the_poll(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("async");
+    pscen s;
+    memset(&s, 0, sizeof s);
+    s.proj = t;
+    static const int sigs[] = {SIGUSR1};
+    assert_int_equal(ckpt_preemption_install(sigs, 1), 0);
+    gate_close("random_states_1");
+    tc_run(P, poll_job, &s);
+    gate_remove();
+    ckpt_preemption_uninstall();
+    for (int r = 0; r < P; r++) {
+        assert_int_equal(s.rc[r], 0);
+        assert_int_equal(s.nanswers[r], s.nanswers[0]); /* the same answers */
+        for (int k = 0; k < s.nanswers[0] && k < 64; k++)
+            assert_int_equal(s.answers[r][k], s.answers[0][k]);
+        assert_true(s.nanswers[r] >= 4); /* three or more 0, then 1 */
+        for (int k = 0; k < 3; k++) assert_int_equal(s.answers[r][k], 0);
+        assert_int_equal(s.last[r], 1);
+        assert_false(s.visible_while_held[r]);
+        assert_true(s.committed_at_poll[r]);
+        assert_true(s.committed_at_should_save[r]);
+    }
+    assert_checkpoints(t, 2);
+    tu_tmpdir_free(t);
+}
+
 static void test_several_processes_commit_in_the_callers_thread(void **st) {
     (void)st;
     char *t = tu_tmpdir_new("async");
@@ -806,6 +997,8 @@ int main(void) {
         cmocka_unit_test(test_hooks_run_at_the_call_and_at_the_wait),
         cmocka_unit_test(test_load_through_the_hashed_read),
         cmocka_unit_test(test_several_processes_commit_in_the_callers_thread),
+        cmocka_unit_test(test_poll_never_waits_and_commits_a_finished_save),
+        cmocka_unit_test(test_several_processes_poll_alike_and_commit_at_the_poll),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

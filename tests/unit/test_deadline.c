@@ -34,8 +34,9 @@ typedef struct wrap {
     ckpt_comm comm;
     rec_call calls[MAX_CALLS];
     int ncalls;
-    /* this rank's allreduce number fail_at (1-based) fails with timeout */
-    int fail_at, nreduce;
+    /* this rank's first allreduce in phase fail_phase fails with a timeout */
+    const char *fail_phase;
+    bool failed;
 } wrap;
 
 static int w_barrier(void *ctx) {
@@ -60,7 +61,8 @@ static int w_allgather(void *ctx, const void *buf, void *out, const size_t *lens
 static int w_allreduce(void *ctx, int64_t *v, int n, ckpt_reduce_op op) {
     wrap *w = ctx;
     int rc = w->inner->allreduce_i64(w->inner->ctx, v, n, op);
-    if (rc == 0 && ++w->nreduce == w->fail_at)
+    if (rc == 0 && w->fail_phase && !w->failed && w->ncalls &&
+        strcmp(w->calls[w->ncalls - 1].phase, w->fail_phase) == 0 && (w->failed = true))
         return ckpt_set_error(CKPT_ETIMEDOUT, "%s: rank 2 did not arrive within %g s",
                               w->ncalls ? w->calls[w->ncalls - 1].phase : "?",
                               w->ncalls ? w->calls[w->ncalls - 1].seconds : 0.0);
@@ -74,10 +76,10 @@ static void w_deadline(void *ctx, double seconds, const char *phase) {
     snprintf(r->phase, sizeof r->phase, "%s", phase ? phase : "");
 }
 
-static void wrap_init(wrap *w, const ckpt_comm *inner, int fail_at) {
+static void wrap_init(wrap *w, const ckpt_comm *inner, const char *fail_phase) {
     memset(w, 0, sizeof *w);
     w->inner = inner;
-    w->fail_at = fail_at;
+    w->fail_phase = fail_phase;
     w->comm = *inner;
     w->comm.ctx = w;
     w->comm.barrier = w_barrier;
@@ -103,7 +105,7 @@ static const ckpt_stateful_ops value_ops = {.state_dict = value_sd, .load_state_
 typedef struct job {
     char dir[512];
     double timeout; /* the config's */
-    int fail_at;    /* see wrap */
+    const char *fail_phase; /* see wrap */
     wrap w[P];
     int save_rc[P], load_rc[P], save2_rc[P];
     char save_msg[P][512];
@@ -121,7 +123,7 @@ static void save_load(const ckpt_comm *comm, void *arg) {
     wrap *w;
     job *j = job_of(arg, comm, &w);
     int r = comm->rank;
-    wrap_init(w, comm, j->fail_at);
+    wrap_init(w, comm, j->fail_phase);
     ckpt_project_config cfg = {.project_dir = j->dir,
                                .automatic_checkpoint_naming = true,
                                .comm = &w->comm,
@@ -216,7 +218,7 @@ static void test_a_timeout_reaches_every_rank_unchanged_and_commits_nothing(void
     assert_non_null(j);
     snprintf(j->dir, sizeof j->dir, "%s/run", tu_dir());
     j->timeout = 3;
-    j->fail_at = 1; /* the first reduction: the agreement on the commit */
+    j->fail_phase = "save: agree on the commit"; /* its first reduction */
     tc_run(P, save_load, j);
     for (int r = 0; r < P; r++) {
         assert_int_equal(j->save_rc[r], CKPT_ETIMEDOUT);

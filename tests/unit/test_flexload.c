@@ -634,10 +634,13 @@ static void mp_rank(const ckpt_comm *c, void *arg) {
     free(proj);
     proj = tu_pathf("%s/mp_dst", st->dir);
     run d;
+    /* every step's status is checked: a failed save leaves no checkpoint to
+     * load (and no report to read) */
     rc = mp_open(&d, c, proj, M_BF16);
     ckpt_load_options o = {.objects = CKPT_LOAD_MODELS, .convert_dtypes = true};
     ckpt_load_report rep;
-    if (rc == 0 && ck) rc = ckpt_load_state_ex(d.acc, ck, &o, &rep);
+    memset(&rep, 0, sizeof rep);
+    if (rc == 0) rc = ck ? ckpt_load_state_ex(d.acc, ck, &o, &rep) : CKPT_ENOENT;
     st->load_rc[k] = rc;
     if (rc == 0) {
         st->conv[k] = (int)rep.num_converted;

@@ -4,7 +4,10 @@
  * bytes written), that it is decided from memory (the hash of the bytes the
  * save would write), that an old file changed after its commit is never
  * linked, that deleting an old checkpoint leaves the newer one complete, that
- * the project option turns it off, and that asynchronous saves link too. */
+ * the project option turns it off, and that asynchronous saves link too.
+ * Most tests look at the link itself and set link_copies 1 (link whenever
+ * the bytes are equal); the default, 2 (no single physical copy serves
+ * every retained checkpoint), has tests of its own below. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -48,8 +51,10 @@ static void on_log(void *user, ckpt_log_level level, const char *msg) {
 }
 
 static void open_acc(const char *project, bool no_link) {
-    ckpt_project_config cfg = {
-        .project_dir = project, .automatic_checkpoint_naming = true, .no_link_unchanged = no_link};
+    ckpt_project_config cfg = {.project_dir = project,
+                               .automatic_checkpoint_naming = true,
+                               .no_link_unchanged = no_link,
+                               .link_copies = 1};
     assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
     ckpt_accelerator_set_log(fx.acc, on_log, NULL);
     assert_int_equal(ckpt_prepare_model(fx.acc, fx.mbase), 0);
@@ -304,8 +309,10 @@ static void test_deleting_old_checkpoint_keeps_newer_complete(void **state) {
 static void test_rotation_keeps_linked_files(void **state) {
     (void)state;
     ckpt_accelerator_free(fx.acc);
-    ckpt_project_config cfg = {
-        .project_dir = tu_dir(), .automatic_checkpoint_naming = true, .total_limit = 1};
+    ckpt_project_config cfg = {.project_dir = tu_dir(),
+                               .automatic_checkpoint_naming = true,
+                               .total_limit = 1,
+                               .link_copies = 1};
     assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
     assert_int_equal(ckpt_prepare_model(fx.acc, fx.mbase), 0);
     assert_int_equal(ckpt_prepare_model(fx.acc, fx.mhead), 0);
@@ -441,7 +448,8 @@ static void one_model_open(one_model *om, const char *project, bool head_grad) {
     assert_int_equal(ckpt_model_add_param(om->m, "head.w", CKPT_F32, 1, (int64_t[]){NHEAD},
                                           om->head, head_grad ? om->ghead : NULL),
                      0);
-    ckpt_project_config cfg = {.project_dir = project, .automatic_checkpoint_naming = true};
+    ckpt_project_config cfg = {
+        .project_dir = project, .automatic_checkpoint_naming = true, .link_copies = 1};
     assert_int_equal(ckpt_accelerator_new(&om->acc, &cfg), 0);
     assert_int_equal(ckpt_prepare_model(om->acc, om->m), 0);
 }
@@ -656,13 +664,14 @@ typedef struct mp_job {
     const char *proj;
     int rc[MPR];
     char msg[MPR][512];
-    uint64_t written[MPR][2], linked[MPR][2];
+    uint64_t written[MPR][3], linked[MPR][3];
 } mp_job;
 
 /* Each rank (a thread): a frozen base and a trained head, both replicated;
  * the save plan spreads their tensors over the ranks, so each rank writes a
- * share of each model into its own shard files. Two saves, the head
- * changed between them. */
+ * share of each model into its own shard files. Three saves, the head
+ * changed between them, with the default link_copies (2): the second save
+ * writes a second copy of every unchanged file, the third links. */
 static void mp_rank(const ckpt_comm *c, void *arg) {
     mp_job *j = arg;
     static float base[MPR][MPBASE], head[MPR][NHEAD];
@@ -682,7 +691,7 @@ static void mp_rank(const ckpt_comm *c, void *arg) {
     if (rc == 0) rc = ckpt_accelerator_new(&acc, &cfg);
     if (rc == 0) rc = ckpt_prepare_model(acc, mb);
     if (rc == 0) rc = ckpt_prepare_model(acc, mh);
-    for (int k = 0; k < 2 && rc == 0; k++) {
+    for (int k = 0; k < 3 && rc == 0; k++) {
         for (int i = 0; i < NHEAD; i++) h[i] += 1.0f;
         rc = ckpt_save_state(acc, NULL);
         ckpt_accelerator_last_save_bytes(acc, &j->written[c->rank][k], &j->linked[c->rank][k]);
@@ -706,15 +715,139 @@ static void test_each_rank_links_its_own_files(void **state) {
         char name[64];
         /* the base's share of rank r, and rank r's generator */
         snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", r + 1, MPR);
-        assert_true(same_file(0, 1, name));
+        assert_false(same_file(0, 1, name)); /* the second copy */
+        assert_true(same_file(1, 2, name));
         snprintf(name, sizeof name, "random_states_%d.safetensors", r);
-        assert_true(same_file(0, 1, name));
-        /* every rank linked at the second save, and wrote less than at the first */
+        assert_false(same_file(0, 1, name));
+        assert_true(same_file(1, 2, name));
+        /* every rank linked at the third save only, and wrote less then */
         assert_int_equal(j.linked[r][0], 0);
-        assert_true(j.linked[r][1] > 0);
-        assert_true(j.written[r][1] < j.written[r][0]);
+        assert_int_equal(j.linked[r][1], 0);
+        assert_true(j.linked[r][2] > 0);
+        assert_true(j.written[r][2] < j.written[r][1]);
     }
-    verify_deep(1);
+    verify_deep(2);
+}
+
+/* ---- link_copies: retained checkpoints are independent copies ----------------- */
+
+/* The default config (link_copies 0 = 2) with total_limit `limit`. */
+static void open_default(int limit) {
+    ckpt_accelerator_free(fx.acc);
+    ckpt_project_config cfg = {
+        .project_dir = tu_dir(), .automatic_checkpoint_naming = true, .total_limit = limit};
+    assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mbase), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mhead), 0);
+}
+
+/* How many distinct inodes hold model.safetensors (the frozen base) among
+ * the checkpoints listed. */
+static int copies_of_base(const int *nums, int n) {
+    struct stat seen[16];
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        struct stat st = stat_of(nums[i], "model.safetensors");
+        bool dup = false;
+        for (int j = 0; j < k; j++) dup = dup || (seen[j].st_ino == st.st_ino);
+        if (!dup) seen[k++] = st;
+    }
+    return k;
+}
+
+/* total_limit 0: one extra copy ever. The second save writes the unchanged
+ * base again (a link would leave one copy for both checkpoints), every
+ * later save links. A flipped byte in either copy leaves a loadable
+ * checkpoint. */
+static void test_link_copies_default_keeps_two_copies_with_no_limit(void **state) {
+    (void)state;
+    open_default(0);
+    uint64_t linked[5];
+    for (int i = 0; i < 5; i++) {
+        assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+        ckpt_accelerator_last_save_bytes(fx.acc, NULL, &linked[i]);
+        train_step();
+    }
+    assert_false(same_file(0, 1, "model.safetensors"));
+    for (int n = 2; n < 5; n++) assert_true(same_file(1, n, "model.safetensors"));
+    assert_int_equal(linked[0], 0);
+    assert_int_equal(linked[1], 0);
+    for (int i = 2; i < 5; i++) assert_true(linked[i] > NBASE * 4);
+    /* the newest's copy is damaged: an older checkpoint on the other copy
+     * still loads (the fallback), although four of five share the bad one */
+    char *f = ckpt_file(4, "model.safetensors");
+    tu_flip_byte(f, tu_file_size(f) / 2);
+    free(f);
+    assert_int_equal(ckpt_load_state(fx.acc, NULL), 0);
+    char *c0 = tu_pathf("%s/checkpoints/checkpoint_0", tu_dir());
+    assert_string_equal(ckpt_accelerator_last_dir(fx.acc), c0);
+    free(c0);
+}
+
+/* total_limit 3: the retained three never share one copy; an unchanged
+ * file is written again about every second save (N - 1). */
+static void test_link_copies_default_with_total_limit(void **state) {
+    (void)state;
+    open_default(3);
+    int writes = 0;
+    for (int i = 0; i < 9; i++) {
+        uint64_t linked = 0;
+        assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+        ckpt_accelerator_last_save_bytes(fx.acc, NULL, &linked);
+        writes += linked < NBASE * 4;
+        if (i >= 2) {
+            int kept[3] = {i - 2, i - 1, i};
+            assert_int_equal(copies_of_base(kept, 3), 2);
+        }
+        train_step();
+    }
+    assert_int_equal(writes, 5); /* saves 0, 1, 3, 5, 7 */
+}
+
+/* link_copies 1 keeps today's rule; 3 keeps three copies; negative is
+ * refused. */
+static void test_link_copies_option(void **state) {
+    (void)state;
+    ckpt_accelerator_free(fx.acc);
+    fx.acc = NULL;
+    ckpt_project_config cfg = {
+        .project_dir = tu_dir(), .automatic_checkpoint_naming = true, .link_copies = -1};
+    tu_expect_error(ckpt_accelerator_new(&fx.acc, &cfg), CKPT_EINVAL, "link_copies");
+    cfg.link_copies = 3;
+    assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mbase), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mhead), 0);
+    for (int i = 0; i < 5; i++) {
+        assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+        train_step();
+    }
+    int all[5] = {0, 1, 2, 3, 4};
+    assert_int_equal(copies_of_base(all, 5), 3);
+    assert_true(same_file(2, 4, "model.safetensors"));
+}
+
+/* An explicit folder keeps its link source a copy apart: a fine-tune's
+ * first save next to the checkpoint it started from writes its own copy
+ * (the source stays, the new folder would otherwise share its only one);
+ * replacing the folder it links from links (that one goes). */
+static void test_link_copies_explicit_folders(void **state) {
+    (void)state;
+    open_default(0);
+    char *a = tu_pathf("%s/a", tu_dir()), *b = tu_pathf("%s/b", tu_dir());
+    char *fa = tu_pathf("%s/model.safetensors", a), *fb = tu_pathf("%s/model.safetensors", b);
+    assert_int_equal(ckpt_save_state(fx.acc, a), 0);
+    train_step();
+    assert_int_equal(ckpt_save_state(fx.acc, b), 0);
+    struct stat sa, sb;
+    assert_int_equal(lstat(fa, &sa), 0);
+    assert_int_equal(lstat(fb, &sb), 0);
+    assert_true(sa.st_ino != sb.st_ino);
+    uint64_t linked = 0;
+    train_step();
+    assert_int_equal(ckpt_save_state(fx.acc, b), 0); /* replaces b, links from b */
+    ckpt_accelerator_last_save_bytes(fx.acc, NULL, &linked);
+    assert_true(linked >= NBASE * 4);
+    free(a), free(b), free(fa), free(fb);
 }
 
 int main(void) {
@@ -750,6 +883,11 @@ int main(void) {
                                         tu_tmpdir_teardown),
         cmocka_unit_test_setup_teardown(test_each_rank_links_its_own_files, tu_tmpdir_setup,
                                         tu_tmpdir_teardown),
+        cmocka_unit_test_setup_teardown(test_link_copies_default_keeps_two_copies_with_no_limit,
+                                        setup, teardown),
+        cmocka_unit_test_setup_teardown(test_link_copies_default_with_total_limit, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_link_copies_option, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_link_copies_explicit_folders, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

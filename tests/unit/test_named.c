@@ -225,7 +225,9 @@ static void test_unchanged_named_file_is_linked(void **state) {
     obj a;
     obj_init(&a, N, 1);
     ckpt_accelerator *acc = NULL;
-    ckpt_project_config cfg = {.project_dir = tu_dir(), .automatic_checkpoint_naming = true};
+    /* link_copies 1: the second save links (the default writes a second copy) */
+    ckpt_project_config cfg = {
+        .project_dir = tu_dir(), .automatic_checkpoint_naming = true, .link_copies = 1};
     assert_int_equal(ckpt_accelerator_new(&acc, &cfg), CKPT_OK);
     assert_int_equal(ckpt_register_for_checkpointing_named(acc, "table", &obj_ops, &a), 0);
     assert_int_equal(ckpt_save_state(acc, NULL), CKPT_OK);

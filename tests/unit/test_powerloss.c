@@ -8,9 +8,12 @@
  * sharded so each rank writes its own files, rank 0 commits), a save that
  * replaces an explicit checkpoint folder, and ckpt_checkpoint_prune. The
  * model has a frozen parameter (in no optimizer group, never changed), so
- * every save after the first links its frozen file (one process) or the
- * unchanged files of the ranks instead of writing them: the record holds
- * links into the temporary folder. In every state:
+ * a save links its frozen file (one process) or the unchanged files of the
+ * ranks instead of writing them where two copies stay among the retained
+ * checkpoints (link_copies 2, the default: the saves without rotation), and
+ * writes a second copy where a link would leave one (total_limit 2): the
+ * records hold both. The two-process save is also made asynchronously,
+ * committed by ckpt_save_poll. In every state:
  *
  *   - load_state finds the previous newest checkpoint or the new one, bit
  *     for bit as saved (the new one once the operation had returned), and
@@ -397,6 +400,17 @@ static sim_run simulate(op_kind op, unsigned unsafe, bool verbose, int samples) 
         ckpt__io_set_unsafe(unsafe);
         assert_int_equal(ckpt_save_state(w->acc, NULL), 0);
         ckpt__io_set_unsafe(0);
+        {
+            /* link_copies 2 (the default): with total_limit 2 the frozen
+             * file's link would leave checkpoint_1's copy the only one of
+             * the two retained, so it is written anew (the second-copy
+             * rule, in the record); with no rotation checkpoint_0 and _1
+             * hold two copies already, so it is linked */
+            uint64_t linked = 0;
+            ckpt_accelerator_last_save_bytes(w->acc, NULL, &linked);
+            if (op == OP_AUTOMATIC) assert_int_equal(linked, 0);
+            else assert_true(linked >= NE * sizeof(float));
+        }
         break;
     case OP_ASYNC: /* as OP_AUTOMATIC, the save written by the background thread */
     case OP_ASYNC_PLAIN:
@@ -477,6 +491,8 @@ static sim_run simulate(op_kind op, unsigned unsafe, bool verbose, int samples) 
 typedef struct mp_ctx {
     const char *root, *workdir;
     int total_limit;
+    bool async;               /* the recorded save: asynchronous, committed by ckpt_save_poll */
+    bool by_poll[MP];         /* it was committed when the poll said so, before any wait */
     cs_sim *sim;              /* the recording (rank 0 starts and stops it) */
     snap before[MP], after[MP];
     /* one check's results, per rank */
@@ -523,7 +539,19 @@ static void mp_prepare_job(const ckpt_comm *c, void *arg) {
     c->barrier(c->ctx);
     if (r == 0 && cs_start(&x->sim, x->root) != 0) x->sim = NULL;
     c->barrier(c->ctx);
-    rc = ckpt_save_state(w->acc, NULL);
+    if (x->async) {
+        /* written in the background, committed by the poll that finds every
+         * rank's files written (the caller's thread, collective) */
+        rc = ckpt_save_state_async(w->acc, NULL);
+        int prc = 0;
+        while (rc == 0 && (prc = ckpt_save_poll(w->acc)) == 0) usleep(500);
+        if (rc == 0 && prc < 0) rc = prc;
+        char *m = tu_pathf("%s/checkpoints/checkpoint_2/checkpoint.json", x->root);
+        x->by_poll[r] = rc == 0 && tu_exists(m);
+        free(m);
+    } else {
+        rc = ckpt_save_state(w->acc, NULL);
+    }
     if (mp_any(c, rc)) mp_fail(x, r, "the recorded save", rc);
     c->barrier(c->ctx);
     if (r == 0 && x->sim && cs_stop(x->sim) != 0) mp_fail(x, r, "the record does not explain the folder", 0);
@@ -612,7 +640,8 @@ static int mp_check_state(void *user, const char *root, const cs_crash *cr, char
 
 /* total_limit 2: the save's rotation removes checkpoint_0; 0: no rotation
  * (nothing else then fsyncs the checkpoints folder after the commit). */
-static sim_run simulate_mp(int total_limit, unsigned unsafe, bool verbose, int samples) {
+static sim_run simulate_mp_ex(int total_limit, bool async, unsigned unsafe, bool verbose,
+                              int samples) {
     char *t = tu_tmpdir_new("powerloss");
     char root[4200], scratch[4200];
     tu_path(root, sizeof root, t, "proj");
@@ -621,12 +650,15 @@ static sim_run simulate_mp(int total_limit, unsigned unsafe, bool verbose, int s
     memset(&x, 0, sizeof x);
     x.root = root;
     x.workdir = t;
+    x.async = async;
     x.total_limit = total_limit;
     ckpt__io_set_unsafe(unsafe);
     tc_run(MP, mp_prepare_job, &x);
     ckpt__io_set_unsafe(0);
     for (int r = 0; r < MP; r++)
         if (x.failed[r]) fail_msg("%s", x.msg[r]);
+    for (int r = 0; async && r < MP; r++)
+        if (!x.by_poll[r]) fail_msg("rank %d: the poll said committed, the checkpoint was not", r);
     assert_non_null(x.sim);
     if (verbose && getenv("CKPT_CRASHSIM_PRINT")) cs_print_record(x.sim, stderr);
     cs_options o = {.seed = g_seed, .verbose = verbose, .samples = samples,
@@ -643,6 +675,10 @@ static sim_run simulate_mp(int total_limit, unsigned unsafe, bool verbose, int s
     }
     tu_tmpdir_free(t);
     return res;
+}
+
+static sim_run simulate_mp(int total_limit, unsigned unsafe, bool verbose, int samples) {
+    return simulate_mp_ex(total_limit, false, unsafe, verbose, samples);
 }
 
 static void report(const char *what, const sim_run *r) {
@@ -723,6 +759,20 @@ static void test_powerloss_multi_process_commit_without_rotation(void **state) {
     tu_assert_contains(r.res.first_violation, "not durable");
 }
 
+/* An asynchronous two-process save, committed by ckpt_save_poll (the
+ * caller's thread, once every rank's files are written), not by a wait. */
+static void test_powerloss_multi_process_async_commit_through_poll(void **state) {
+    (void)state;
+    sim_run r = simulate_mp_ex(0, true, 0, true, 8);
+    report("2-process async save, poll commits:", &r);
+    assert_true(r.res.checked > 20);
+    assert_int_equal(r.res.violations, 0);
+    r = simulate_mp_ex(0, true, CKPT_IO_SKIP_PUBLISH_FSYNC, false, 8);
+    report("2-process async save, poll, WITHOUT folder fsync (must fail):", &r);
+    assert_true(r.res.violations > 0);
+    tu_assert_contains(r.res.first_violation, "not durable");
+}
+
 static void test_powerloss_prune(void **state) {
     (void)state;
     expect_safe("prune:", OP_PRUNE);
@@ -799,6 +849,7 @@ int main(void) {
         {cmocka_unit_test(test_powerloss_automatic_save_without_rotation), 3},
         {cmocka_unit_test(test_powerloss_async_save_without_rotation), 3},
         {cmocka_unit_test(test_powerloss_multi_process_commit_without_rotation), 3},
+        {cmocka_unit_test(test_powerloss_multi_process_async_commit_through_poll), 3},
     };
     const char *part_env = getenv("CKPT_POWERLOSS_PART");
     int part = part_env && *part_env ? atoi(part_env) : 0;

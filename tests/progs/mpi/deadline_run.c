@@ -88,10 +88,12 @@ static void say(run *t, const char *what, int rc) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 4) {
-        fprintf(stderr, "usage: %s <project_dir> <sleeper rank> <timeout s>\n", argv[0]);
+    if (argc != 4 && argc != 5) {
+        fprintf(stderr, "usage: %s <project_dir> <sleeper rank> <timeout s> [save2|load2]\n",
+                argv[0]);
         return 2;
     }
+    const char *stop = argc == 5 ? argv[4] : "";
     MPI_Init(&argc, &argv);
     run t = {.dir = argv[1], .sleeper = atoi(argv[2]), .value = 7};
     MPI_Comm_rank(MPI_COMM_WORLD, &t.rank);
@@ -114,6 +116,7 @@ int main(int argc, char **argv) {
     say(&t, "save1", ckpt_save_state(acc, NULL));
     t.held = "save2";
     say(&t, "save2", ckpt_save_state(acc, NULL));
+    if (strcmp(stop, "save2") == 0) goto end;
     MPI_Barrier(MPI_COMM_WORLD);
     t.held = NULL;
     say(&t, "save3", ckpt_save_state(acc, NULL));
@@ -121,11 +124,13 @@ int main(int argc, char **argv) {
     t.held = "load2";
     say(&t, "load2", ckpt_load_state(acc, NULL));
     printf("rank %d value2 %lld\n", t.rank, (long long)t.value);
+    if (strcmp(stop, "load2") == 0) goto end;
     MPI_Barrier(MPI_COMM_WORLD);
     t.held = NULL;
     say(&t, "load3", ckpt_load_state(acc, NULL));
     printf("rank %d value3 %lld\n", t.rank, (long long)t.value);
     say(&t, "save4", ckpt_save_state(acc, NULL));
+end:
     ckpt_accelerator_free(acc);
     ckpt_comm_free(comm);
     MPI_Finalize();

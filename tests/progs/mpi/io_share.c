@@ -192,10 +192,13 @@ int main(int argc, char **argv) {
     size_ = comm->size;
     char project[4096];
     snprintf(project, sizeof project, "%s/%s-%d", argv[1], layout, size_);
+    /* link_copies 1: the second save of an unchanged state links every
+     * file (with the default it would write a second copy) */
     ckpt_project_config cfg = {.project_dir = project,
                                .automatic_checkpoint_naming = true,
                                .comm = comm,
-                               .max_shard_size = hf ? 2 * MIB : 0};
+                               .max_shard_size = hf ? 2 * MIB : 0,
+                               .link_copies = 1};
     ckpt_accelerator *acc = NULL;
     if (ckpt_accelerator_new(&acc, &cfg) < 0) die("accelerator");
 
