@@ -8,7 +8,9 @@
  *           buffer already touched. SAVES saves in a row (the optimizer
  *           stepping between them), after ckpt_accelerator_prepare_async
  *           (BENCH_PREPARE=0: without); the first, second, worst, median
- *           and best call against the median memcpy.
+ *           and best call against the median memcpy (targets, issue 37:
+ *           best <= 1.1x, worst <= 1.25x), and the CPU time of the calling
+ *           thread in both (what other jobs on the machine cannot stretch).
  *   loop    a training loop — a synthetic step of STEP_S seconds (a compute
  *           kernel that stays in the CPU cache, then the real AdamW update of
  *           all 124M parameters) — saving every SAVE_EVERY steps with
@@ -28,7 +30,7 @@
  *   bench_async FOLDER [torch_baseline.py]
  *
  * Environment: BENCH_REPS (default 3), BENCH_STEP_S (default 2.0),
- * BENCH_STEPS (default 20), BENCH_SAVE_EVERY (default 5), BENCH_SAVES (default 8),
+ * BENCH_STEPS (default 20), BENCH_SAVE_EVERY (default 5), BENCH_SAVES (default 5),
  * BENCH_PREPARE (default 1). */
 #include <fcntl.h>
 #include <math.h>
@@ -234,6 +236,14 @@ static void step(ckpt_optimizer *opt, long rounds) {
     if (ckpt_optimizer_step(opt)) die("optimizer step");
 }
 
+/* CPU time of the calling thread so far (user + system). */
+static double thread_cpu(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_THREAD, &ru) != 0) return 0;
+    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
+           (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+}
+
 /* Page faults of the calling thread so far (memory touched the first time). */
 static long minor_faults(void) {
     struct rusage ru;
@@ -290,7 +300,7 @@ int main(int argc, char **argv) {
     double step_s = env_num("BENCH_STEP_S", 2.0);
     int nsteps = (int)env_num("BENCH_STEPS", 20);
     int save_every = (int)env_num("BENCH_SAVE_EVERY", 5);
-    int nsaves_stall = (int)env_num("BENCH_SAVES", 8);
+    int nsaves_stall = (int)env_num("BENCH_SAVES", 5);
     if (nsaves_stall < 2) nsaves_stall = 2;
     if (nsaves_stall > MAXSAVES) nsaves_stall = MAXSAVES;
     bool prepare = env_num("BENCH_PREPARE", 1) != 0;
@@ -334,6 +344,7 @@ int main(int argc, char **argv) {
     files fl;
     memset(&fl, 0, sizeof fl);
     double t_stall[MAXSAVES], t_memcpy[MAXSAVES], t_prep = -1, t_loop[4][MAXREPS];
+    double c_stall[MAXSAVES], c_memcpy[MAXSAVES];
     long faults[MAXSAVES];
     double t_save[MAXREPS], t_raww[MAXREPS];
     bool only_load = env_num("BENCH_ONLY_LOAD", 0) != 0;
@@ -361,11 +372,14 @@ int main(int argc, char **argv) {
     for (int r = 0; r < nsaves_stall; r++) {
         if (r > 0 && ckpt_optimizer_step(opt)) die("step"); /* the state moves on */
         long f0 = minor_faults();
+        double c0 = thread_cpu();
         t0 = now();
         if (ckpt_save_state_async(acc, NULL)) die("save_state_async");
         t_stall[r] = now() - t0;
+        c_stall[r] = thread_cpu() - c0;
         faults[r] = minor_faults() - f0;
         if (ckpt_save_wait(acc)) die("save_wait");
+        c0 = thread_cpu();
         t0 = now();
         /* as many bytes from as many arrays: parameters, then the gradients
          * twice for the two moments' share */
@@ -376,6 +390,7 @@ int main(int argc, char **argv) {
                 at += (uint64_t)P[i].numel * 4;
             }
         t_memcpy[r] = now() - t0;
+        c_memcpy[r] = thread_cpu() - c0;
     }
     if (env_num("BENCH_ONLY_STALL", 0) != 0) goto report_stall;
     char ckdir[4096];
@@ -566,10 +581,21 @@ report_stall:
         printf("         page faults in the call: first %ld, second %ld, last %ld\n", faults[0],
                faults[1], faults[nsaves_stall - 1]);
         printf("         memcpy of the state     %7.3f s median  %6.2f GB/s\n", mm, sgb / mm);
-        printf("    stall / memcpy: first %.2fx, second %.2fx, worst %.2fx, median %.2fx  "
-               "(target: worst <= 1.5)  %s\n",
-               first / mm, second / mm, worst / mm, ms_ / mm,
-               worst / mm <= 1.5 ? "met" : "NOT met");
+        printf("    stall / memcpy: first %.2fx, second %.2fx, worst %.2fx, median %.2fx, best "
+               "%.2fx\n",
+               first / mm, second / mm, worst / mm, ms_ / mm, bs / mm);
+        if (prepare) {
+            printf("    targets (prepared): best <= 1.1x %s, worst (the first included) <= 1.25x "
+                   "%s\n",
+                   bs / mm <= 1.1 ? "met" : "NOT met", worst / mm <= 1.25 ? "met" : "NOT met");
+        } else {
+            printf("    without prepare_async (documented, no target): worst %.2fx\n", worst / mm);
+        }
+        double cm = median(c_memcpy, nsaves_stall), cw = c_stall[0];
+        for (int r = 1; r < nsaves_stall; r++) cw = c_stall[r] > cw ? c_stall[r] : cw;
+        printf("    CPU time of the calling thread: call median %.3f s, worst %.3f s; memcpy "
+               "median %.3f s: median %.2fx, worst %.2fx\n",
+               median(c_stall, nsaves_stall), cw, cm, median(c_stall, nsaves_stall) / cm, cw / cm);
     }
     if (env_num("BENCH_ONLY_STALL", 0) != 0) goto done;
     if (only_load) goto report_load;

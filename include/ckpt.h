@@ -903,7 +903,33 @@ typedef void (*ckpt_log_fn)(void *user, ckpt_log_level level, const char *msg);
  * only if <project_dir>/checkpoints exists. The kernel drops the lock when
  * the owner dies, even by SIGKILL: a stale lock file is no obstacle. */
 CKPT_API int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg);
-/* Releases the project lock, if held. */
+/* Releases the project lock, if held, and all the memory below.
+ *
+ * Memory each call keeps after it returns, beyond the objects' own (docs/
+ * CHECKPOINTS.md, "Memory: what each call keeps"; measured on a 384 MiB
+ * state by bench/bench_loadmem.c):
+ *
+ *   call                              keeps                     until
+ *   ckpt_accelerator_new, prepare_*   the accelerator, its      free
+ *                                     object list (KiB)
+ *   ckpt_save_state                   nothing                   -
+ *   ckpt_accelerator_prepare_async    the staging area: the     free
+ *                                     state's tensor bytes
+ *   ckpt_save_state_async             the staging area (the     free
+ *                                     first call allocates it
+ *                                     if prepare_async did not)
+ *   ckpt_load_state / _ex             nothing (the default      -
+ *                                     reads through 256 KiB
+ *                                     pieces; the loads of the
+ *                                     two passes hold a buffer
+ *                                     area the size of their
+ *                                     files during the call and
+ *                                     give it back at its end,
+ *                                     or read into the staging
+ *                                     area if it exists)
+ *   ckpt_save_wait                    nothing                   -
+ *   ckpt_accelerator_free             nothing: frees all of it
+ */
 CKPT_API void ckpt_accelerator_free(ckpt_accelerator *acc);
 /* Sets where the accelerator's warnings go (fn NULL: stderr), and those of
  * every data loader and optimizer prepared with it (now or later). Under
@@ -966,7 +992,12 @@ CKPT_API int ckpt_set_seed(ckpt_accelerator *acc, uint64_t seed);
  * checkpoint never is (CKPT_EEXIST, checked again right before the new
  * folder is published). Atomic: on any failure the previous state on disk is
  * intact and nothing partial is visible. Removes the oldest automatic
- * checkpoints beyond total_limit only after the new one is committed.
+ * checkpoints beyond total_limit only after the new one is committed (the
+ * new one counts as valid without being read again: this save hashed every
+ * byte of it). Each removed folder is renamed out of sight before the call
+ * returns; its files are deleted by the accelerator's background thread
+ * (started for it if no asynchronous save did), which the next save, load,
+ * ckpt_save_wait and ckpt_accelerator_free wait for.
  * With a comm of several processes it is collective (every rank calls it
  * with the same arguments): the replicated tensors are spread over the ranks
  * (each writes about 1/P of the state: its part of them, its shards, its
@@ -993,8 +1024,9 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * (with the temporary folder, as for ckpt_save_state), every object's
  * state_dict runs, and every tensor's bytes are copied into a staging area.
  * From then on the objects may change: what is saved is the state at the
- * call. The background thread (one per accelerator, started by
- * the first call, joined by ckpt_accelerator_free) then writes and fsyncs
+ * call. The background thread (one per accelerator, started by the first
+ * call or by ckpt_accelerator_prepare_async or a synchronous save's
+ * rotation, joined by ckpt_accelerator_free) then writes and fsyncs
  * the files, commits the checkpoint and applies total_limit, exactly as
  * ckpt_save_state would: same files, same atomicity (a failed or killed save
  * leaves nothing partial and the previous checkpoints intact).
@@ -1026,7 +1058,9 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
 CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir);
 /* Ends the pending asynchronous save: waits for the background thread and
  * returns the save's status (CKPT_OK when none is pending and no failure is
- * waiting to be reported). Collective with several processes. */
+ * waiting to be reported). Also waits for what else the thread has to do:
+ * touching the staging area (ckpt_accelerator_prepare_async) and deleting
+ * the folders a rotation removed. Collective with several processes. */
 CKPT_API int ckpt_save_wait(ckpt_accelerator *acc);
 /* Makes a finished asynchronous save durable without waiting for one that
  * is not: never waits for the background thread (nor the disk it writes).
@@ -1094,12 +1128,21 @@ CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uin
  * value; the objects loaded before it are then already changed and the error
  * says "state partially loaded". Restores the step counter and the automatic
  * numbering.
- * Each file is read once (pread, hashed piece by piece as it is read) into a
- * buffer area the accelerator keeps and reuses for the next load and for
- * asynchronous saves: it costs the size of the files this process reads
- * until ckpt_accelerator_free. (ckpt_load_state_ex with one_pass reads
- * straight into the objects instead: one copy, no buffer area, not
- * transactional; see ckpt_load_options.one_pass.)
+ * Memory: nothing stays after the call. With one process, plain files and
+ * no adapting option (the default), every file is first hashed whole
+ * through a reused 256 KiB piece (two threads), then each object reads its
+ * tensors straight from the file into its own memory, each piece hashed
+ * where it lands: a file rewritten in place between the two (by another
+ * writer) fails the load with CKPT_ECORRUPT naming the file, "the file
+ * changed after it was verified; state partially loaded", and saves refuse
+ * as after any failed load. Otherwise (several processes, Hugging Face
+ * shards, non_strict, convert_dtypes, prefix_map, rename) each file is read
+ * once into a buffer area of private memory, hashed on the way, and the
+ * objects load from it; the area (the size of the files this process
+ * reads) is given back at the end of the load, unless it is the staging
+ * area of asynchronous saves (ckpt_accelerator_prepare_async), which stays.
+ * (ckpt_load_state_ex with one_pass reads each file once, straight into the
+ * objects: not transactional; see ckpt_load_options.one_pass.)
  * With a comm of several processes it is collective: every rank loads the
  * same checkpoint (a candidate any rank finds corrupt is skipped by all), and
  * nothing is applied on any rank unless every rank's checks pass; every rank
@@ -1189,10 +1232,9 @@ typedef struct ckpt_load_options {
     void *rename_user;
     /* Verify and copy in one pass (docs/CHECKPOINTS.md, "One-pass load"):
      * each file is read straight into the objects' buffers, its checksum
-     * computed on the bytes as they land there, instead of read and
-     * verified whole into the accelerator's buffer area first and copied
-     * after. Faster (one copy, no buffer area) and no memory beyond the
-     * objects', but not transactional: a checksum mismatch is found while
+     * computed on the bytes as they land there, instead of verified whole
+     * first and read again after. Faster (each byte read once), but not
+     * transactional: a checksum mismatch is found while
      * or after the objects are loaded, so the load fails (CKPT_ECORRUPT
      * naming the file, and the tensor when it can), the objects hold a
      * mix of old and new values, and saves refuse as after any failed

@@ -99,8 +99,12 @@ struct ckpt_accelerator {
     uint64_t async_staging_limit; /* 0: no limit */
     unsigned async_background;    /* CKPT_ASYNC_* of the background thread's jobs */
     /* One reusable buffer area: an asynchronous save's staging, then a
-     * load's read buffers (never both at once: a load waits for the save). */
+     * load's read buffers (never both at once: a load waits for the save).
+     * Once it is the staging area (ckpt_accelerator_prepare_async, or an
+     * asynchronous save staged into it) it stays until free, by design;
+     * else a load that needed it gives it back at its end. */
     ckpt_arena arena;
+    bool arena_staging;
     ckpt_lock project_lock; /* rank 0: held from the first save or load until free */
     /* ckpt_should_save (policy.c) */
     int64_t save_interval_steps;

@@ -27,6 +27,7 @@
 #include "accel/accel.h"
 #include "accel/save_op.h"
 #include "base/error.h"
+#include "base/io.h"
 #include "format/statedict.h"
 
 #define MSG_CAP 2048
@@ -42,6 +43,10 @@ typedef struct ckpt_async {
     char bg_msg[MSG_CAP]; /* the thread's message of a failed job (read after it is done) */
     uint8_t *prefault;   /* under mu: pages the thread touches once, NULL when done */
     uint64_t prefault_len;
+    char **trash; /* under mu: hidden folders of old checkpoints the thread deletes */
+    int ntrash, trash_cap;
+    bool trashing;         /* under mu: the thread is deleting some */
+    ckpt_logger trash_log; /* under mu: where a failed deletion is reported */
     pid_t tid;           /* the thread's id (under mu; 0 until it runs) */
     unsigned background; /* CKPT_ASYNC_* of the next job (the caller's copy at hand-over) */
     bool lowered;        /* under mu: the running job runs at the lowered priority */
@@ -127,12 +132,40 @@ static void raise_worker(ckpt_async *as) {
     as->lowered = false;
 }
 
+/* Deletes the old checkpoints a synchronous save's rotation renamed away
+ * (ckpt__save_op_defer_removal); under mu on entry and return. */
+static void take_out_trash(ckpt_async *as) {
+    char **t = as->trash;
+    int n = as->ntrash;
+    ckpt_logger lg = as->trash_log;
+    as->trash = NULL;
+    as->ntrash = as->trash_cap = 0;
+    as->trashing = true;
+    pthread_mutex_unlock(&as->mu);
+    /* Housekeeping after a commit: nothing depends on it (a folder left
+     * behind is a hidden leftover the next save removes), so a fault layer
+     * neither counts nor fails its calls; they run whenever this thread
+     * gets to them. */
+    ckpt__fs_exempt_begin();
+    for (int i = 0; i < n; i++) {
+        if (ckpt__remove_tree(t[i]) < 0)
+            ckpt__log(&lg, CKPT_LOG_WARNING, "could not remove %s: %s", t[i], ckpt_errmsg());
+        free(t[i]);
+    }
+    ckpt__fs_exempt_end();
+    free(t);
+    pthread_mutex_lock(&as->mu);
+    as->trashing = false;
+    pthread_cond_broadcast(&as->cv);
+}
+
 static void *worker(void *arg) {
     ckpt_async *as = arg;
     pthread_mutex_lock(&as->mu);
     as->tid = (pid_t)syscall(SYS_gettid);
     for (;;) {
-        while (!as->job && !as->quit && !as->prefault) pthread_cond_wait(&as->cv, &as->mu);
+        while (!as->job && !as->quit && !as->prefault && !as->ntrash)
+            pthread_cond_wait(&as->cv, &as->mu);
         if (as->prefault) {
             uint8_t *p = as->prefault;
             uint64_t n = as->prefault_len;
@@ -143,6 +176,10 @@ static void *worker(void *arg) {
             raise_worker(as);
             as->prefault = NULL;
             pthread_cond_broadcast(&as->cv);
+            continue;
+        }
+        if (as->ntrash) {
+            take_out_trash(as);
             continue;
         }
         if (!as->job) break;
@@ -187,19 +224,59 @@ static int start_thread(ckpt_async *as) {
     return CKPT_OK;
 }
 
-/* Waits for the thread to finish touching the staging area's pages. */
-static void wait_prefault(ckpt_async *as) {
+/* Waits for the thread to finish touching the staging area's pages and
+ * deleting old checkpoints. */
+static void wait_chores(ckpt_async *as) {
     pthread_mutex_lock(&as->mu);
     if (as->prefault) raise_worker(as); /* the caller waits for it now */
-    while (as->prefault) pthread_cond_wait(&as->cv, &as->mu);
+    while (as->prefault || as->ntrash || as->trashing) pthread_cond_wait(&as->cv, &as->mu);
     pthread_mutex_unlock(&as->mu);
+}
+
+/* The old checkpoints a synchronous save's rotation renamed away, deleted
+ * by the background thread (or here, if it cannot start): the save returns
+ * once they are out of sight, not once their files are gone. Takes t. */
+static void hand_over_trash(ckpt_accelerator *acc, char **t, int n) {
+    if (n == 0) {
+        free(t);
+        return;
+    }
+    ckpt_async *as = async_get(acc);
+    bool handed = false;
+    if (as && start_thread(as) == 0) {
+        pthread_mutex_lock(&as->mu);
+        if (as->ntrash + n > as->trash_cap) {
+            int cap = as->ntrash + n;
+            char **g = ckpt__realloc(as->trash, (size_t)cap * sizeof *g);
+            if (g) {
+                as->trash = g;
+                as->trash_cap = cap;
+            }
+        }
+        if (as->ntrash + n <= as->trash_cap) {
+            memcpy(as->trash + as->ntrash, t, (size_t)n * sizeof *t);
+            as->ntrash += n;
+            as->trash_log = acc->log;
+            handed = true;
+            pthread_cond_broadcast(&as->cv);
+        }
+        pthread_mutex_unlock(&as->mu);
+    }
+    ckpt_clear_error(); /* the save succeeded: a thread that could not start is no failure */
+    for (int i = 0; !handed && i < n; i++) {
+        if (ckpt__remove_tree(t[i]) < 0)
+            ckpt__log(&acc->log, CKPT_LOG_WARNING, "could not remove %s: %s", t[i], ckpt_errmsg());
+        free(t[i]);
+    }
+    free(t);
 }
 
 int ckpt__async_settle(ckpt_accelerator *acc, bool report) {
     ckpt_async *as = acc->async;
     if (!as) return CKPT_OK;
-    /* Nothing uses the buffer area while the thread is touching it. */
-    wait_prefault(as);
+    /* Nothing uses the buffer area while the thread is touching it, and
+     * the next save's look for leftovers finds no folder being deleted. */
+    wait_chores(as);
     if (as->pending) {
         ckpt_save_op *op = as->pending;
         as->pending = NULL;
@@ -311,6 +388,7 @@ int ckpt_accelerator_prepare_async(ckpt_accelerator *acc) {
     }
     free(objs);
     if (rc == 0 && total > acc->arena.cap) rc = ckpt__arena_reserve(&acc->arena, total);
+    if (rc == 0 && total > 0) acc->arena_staging = true;
     if (rc == 0 && total > 0) rc = start_thread(as);
     if (rc < 0 || total == 0) return rc;
     /* The pages are touched in the background; the next save, load, wait
@@ -383,6 +461,11 @@ void ckpt__async_free(ckpt_accelerator *acc) {
         pthread_mutex_unlock(&as->mu);
         pthread_join(as->th, NULL);
     }
+    for (int i = 0; i < as->ntrash; i++) { /* the thread never ran */
+        if (ckpt__remove_tree(as->trash[i]) < 0) ckpt_clear_error();
+        free(as->trash[i]);
+    }
+    free(as->trash);
     pthread_cond_destroy(&as->cv);
     pthread_mutex_destroy(&as->mu);
     free(as);
@@ -404,7 +487,11 @@ int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir) {
     ckpt__save_op_plan(op);
     ckpt__save_op_snapshot(op);
     ckpt__save_op_write(op);
+    ckpt__save_op_defer_removal(op);
     int rc = ckpt__save_op_commit(op);
+    int ntrash = 0;
+    char **trash = ckpt__save_op_take_trash(op, &ntrash);
+    hand_over_trash(acc, trash, ntrash); /* before the post-hooks, which may save again */
     ckpt__save_op_apply(op);
     ckpt__save_op_free(op);
     if (rc == 0) acc->nmetrics = 0; /* recorded; a failed save keeps them for the retry */

@@ -81,10 +81,14 @@ int ckpt__load_op_new(ckpt_accelerator *acc, const char *input_dir, const ckpt_l
     op->phase = PH_NEW;
     ckpt__load_held_reset();
     /* object storage: the files are read into the load's buffers as they
-     * arrive (ranged GETs), verified there: one pass does not apply */
+     * arrive (ranged GETs), verified there: neither one pass nor the
+     * streamed default load applies */
     op->remote = ckpt__load_is_remote(acc, input_dir);
-    op->one_pass = opt && opt->one_pass && op->comm->size <= 1 && !opt->non_strict &&
-                   !opt->convert_dtypes && opt->num_prefix_map == 0 && !opt->rename && !op->remote;
+    bool plain = op->comm->size <= 1 && !op->remote &&
+                 (!opt || (!opt->non_strict && !opt->convert_dtypes && opt->num_prefix_map == 0 &&
+                           !opt->rename));
+    op->one_pass = plain && opt && opt->one_pass;
+    op->stream = plain && !op->one_pass;
     ckpt__coll_begin(acc, "load: agree on the options");
     op->in_op = true;
     int rc = ckpt__load_select(op);
@@ -169,8 +173,8 @@ static void warn_skipped(ckpt_accelerator *acc, const char *dir, const char *msg
  * never the CKPT_ENOENT of a fresh start (a typo in a resume path must not
  * let the run start over and rotate its checkpoints away). */
 static int not_a_checkpoint(const ckpt__load_op *op, const char *what) {
-    char near[1024];
-    ckpt__checkpoints_near(op->input_dir, op->acc->project_dir, near, sizeof near);
+    char near[1024] = ""; /* (a bucket's are not listed here) */
+    if (!op->remote) ckpt__checkpoints_near(op->input_dir, op->acc->project_dir, near, sizeof near);
     return ckpt__err(CKPT_EINVAL,
                      "load_state: %s: %s%s; an explicit input_dir must be a checkpoint "
                      "(NULL loads the project's newest valid one)",
@@ -354,8 +358,11 @@ int ckpt__load_op_plan(ckpt__load_op *op) {
     op->shared = NULL;
     int rc = op->remote ? ckpt__load_remote_manifest(op)
                         : ckpt__checkpoint_open_manifest(op->dir, &op->c);
-    /* One pass where every file fits it (else this checkpoint: two). */
-    if (rc == 0 && op->one_pass && !one_pass_fits(&op->c.m)) op->one_pass = false;
+    /* One pass, or verified and then streamed, where every file fits it
+     * (else this checkpoint: the two passes). */
+    bool fits = rc == 0 && one_pass_fits(&op->c.m);
+    if (op->one_pass && !fits) op->one_pass = false;
+    if (op->stream && !fits) op->stream = false;
     if (rc == 0 && op->comm->size > 1) rc = plan_reads(op);
     if (rc == CKPT_ENOENT && op->input_dir && op->c.no_manifest)
         rc = not_a_checkpoint(op, "not a checkpoint (no checkpoint.json)");
@@ -379,7 +386,13 @@ static void close_checkpoint(ckpt__load_op *op) {
  * several processes only the files the plan gives this rank (the others'
  * presence and size checked). */
 static int read_files(ckpt__load_op *op) {
-    if (op->one_pass) return ckpt__checkpoint_read_files(op->dir, false, false, NULL, NULL, &op->c);
+    if (op->one_pass || op->stream) {
+        /* Every byte hashed now when streamed (damage is found before
+         * anything changes, and the load can fall back), none kept. */
+        int rc = ckpt__checkpoint_read_files(op->dir, op->stream, false, NULL, NULL, &op->c);
+        if (rc < 0 && op->input_dir) rc = ckpt__err_prefix(rc, "load_state");
+        return rc;
+    }
     bool many = op->comm->size > 1;
     int64_t n = op->c.m.nfiles;
     bool *shallow = NULL;
@@ -619,6 +632,9 @@ void ckpt__load_op_free(ckpt__load_op *op) {
     free(op->shared);
     ckpt__adapt_result_free(&op->res);
     close_checkpoint(op);
+    /* The read buffers leave memory with the load, unless they are the
+     * asynchronous saves' staging area (which stays by design). */
+    if (op->acc && !op->acc->arena_staging) ckpt__arena_free(&op->acc->arena);
     free(op->dir);
     free(op->input_dir);
     free(op->cdir);

@@ -103,6 +103,14 @@ struct ckpt__load_op {
     struct ckpt_remote *rem_own;
     char *rdir;
     char *hook_dir;
+    /* The default load of one process, where the checkpoint allows it
+     * (plain files, every tensor's digest in the manifest, no adapting
+     * option): read verifies every file whole without keeping its bytes,
+     * then the objects read their tensors straight from the files into
+     * their own memory, each piece hashed there as it lands (the readers of
+     * one_pass). Transactional as the two passes: a damaged file is found
+     * before anything changes; no buffer area. */
+    bool stream;
 };
 
 /* ---- object storage (load_remote.c) ---------------------------------------- */

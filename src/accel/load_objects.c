@@ -271,7 +271,7 @@ static int open_object(ckpt__load_op *op, int i) {
         return ckpt__err(CKPT_EMISMATCH, "load_state: %s: %s holds a %s, expected a %s", op->dir,
                          name, m->files[idx].kind, ckpt__kind_name[o->kind]);
     int rc = CKPT_OK;
-    if (idx >= 0 && op->one_pass) {
+    if (idx >= 0 && (op->one_pass || op->stream)) {
         const ckpt_manifest_file *f = &m->files[idx];
         char *path = ckpt__path_join(op->dir, name);
         rc = path ? ckpt__reader_open_verified(&op->readers[i], path, name, f->xxh3,
@@ -369,10 +369,14 @@ int ckpt__load_apply_objects(ckpt__load_op *op) {
             char name[96];
             ckpt__acc_file_name(acc, o, name, sizeof name);
             free(last);
+            /* Streamed, every file verified whole before: a checksum that no
+             * longer matches is a file rewritten since. */
+            const char *why =
+                op->stream && rc == CKPT_ECORRUPT ? "the file changed after it was verified; " : "";
             return ckpt__err_prefix(rc,
-                                    "load_state: %s: %s (state partially loaded: %d of %d "
+                                    "load_state: %s: %s (%sstate partially loaded: %d of %d "
                                     "objects were loaded before this one)",
-                                    op->dir, name, done, nsel);
+                                    op->dir, name, why, done, nsel);
         }
         done++;
     }
@@ -386,6 +390,20 @@ int ckpt__load_apply_objects(ckpt__load_op *op) {
                                     "load_state: %s (one-pass load: the objects already hold "
                                     "what was read; they are not to be trusted until a load "
                                     "succeeds)",
+                                    op->dir);
+        }
+    }
+    /* Streamed: every file was verified whole before anything changed; what
+     * the reads put in place was hashed as it landed. A difference now
+     * means a file changed after it was verified. */
+    for (int i = 0; op->stream && i < op->nobjs; i++) {
+        int rc = op->sel[i] ? ckpt__reader_verify_applied(op->readers[i]) : 0;
+        if (rc < 0) {
+            free(last);
+            return ckpt__err_prefix(rc,
+                                    "load_state: %s (a file changed after it was verified: "
+                                    "state partially loaded; the objects are not to be "
+                                    "trusted until a load succeeds)",
                                     op->dir);
         }
     }

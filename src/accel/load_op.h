@@ -13,8 +13,10 @@
  *   plan     the candidate's manifest; which rank reads and verifies which
  *            file (a function of the manifest: the same on every rank)
  *   read     this rank's files read and verified (hashed on the way into
- *            private memory, or, one pass, checked by size now and hashed
- *            while the objects read them); every rank agrees on the
+ *            private memory; the default load of one process: hashed
+ *            whole and not kept, hashed again as the objects read them;
+ *            one pass: checked by size now and hashed while the objects
+ *            read them); every rank agrees on the
  *            candidate. Damaged (corrupt, unsupported, missing) with an
  *            older candidate left: returns CKPT__LOAD_NEXT and the driver
  *            goes back to choose. Taken: with several processes the files

@@ -600,15 +600,38 @@ static int commit(save_op *op) {
     return rc;
 }
 
+/* The rotation's hand-over of a folder to delete later (ckpt_rotate_opts). */
+static void keep_trash(void *user, char *hidden) {
+    save_op *op = user;
+    if (op->ntrash == op->trash_cap) {
+        int cap = op->trash_cap ? 2 * op->trash_cap : 4;
+        char **t = ckpt__realloc(op->trash, (size_t)cap * sizeof *t);
+        if (!t) { /* no room to remember it: delete it now */
+            if (ckpt__remove_tree(hidden) < 0)
+                ckpt__log(&op->log, CKPT_LOG_WARNING, "could not remove %s: %s", hidden,
+                          ckpt_errmsg());
+            free(hidden);
+            return;
+        }
+        op->trash = t;
+        op->trash_cap = cap;
+    }
+    op->trash[op->ntrash++] = hidden;
+}
+
 /* Rotation only after the commit: the newest checkpoint is never at risk. A
- * failure here leaves an extra old checkpoint, not a failed save. */
+ * failure here leaves an extra old checkpoint, not a failed save. The
+ * checkpoint just committed is not read again to count it valid: this save
+ * hashed every byte of it (store.h, ckpt_rotate_opts). */
 static void rotate(save_op *op) {
     ckpt_accelerator *acc = op->acc;
     if (!op->automatic || op->remote ||
         (acc->total_limit <= 0 && !ckpt__retention_active(&acc->retention)))
         return; /* object storage: rotated by the commit (save_remote.c) */
     int64_t removed = 0;
-    if (ckpt__rotate(op->parent, acc->total_limit, &acc->retention, &op->log, &removed) < 0)
+    ckpt_rotate_opts o = {
+        .fresh = op->number, .defer = op->defer_removal ? keep_trash : NULL, .user = op};
+    if (ckpt__rotate(op->parent, acc->total_limit, &acc->retention, &op->log, &o, &removed) < 0)
         ckpt__log(&op->log, CKPT_LOG_WARNING, "total_limit rotation: %s", ckpt_errmsg());
 }
 
@@ -663,6 +686,11 @@ void ckpt__save_op_free(save_op *op) {
     free(op->post_dir);
     free(op->output_dir);
     ckpt__save_remote_free(op);
+    for (int i = 0; i < op->ntrash; i++) { /* never taken: deleted now */
+        if (ckpt__remove_tree(op->trash[i]) < 0) ckpt_clear_error();
+        free(op->trash[i]);
+    }
+    free(op->trash);
     free(op);
 }
 
@@ -809,6 +837,7 @@ int ckpt__save_op_stage(save_op *op) {
                 ckpt__save_stage_fits(limit, &total, ckpt__writer_stage_bytes(op->writers[i]));
     /* Reused from save to save (and shared with loads, which wait first). */
     int rc = ckpt__arena_reserve(&acc->arena, total);
+    if (rc == 0 && total > 0) acc->arena_staging = true;
     uint64_t off = 0;
     for (int i = 0; rc == 0 && i < n; i++) {
         uint64_t used = 0;
@@ -904,6 +933,16 @@ void ckpt__save_op_apply(save_op *op) {
         }
     }
     if (op->post_dir) ckpt__acc_run_hooks(acc, HOOK_SAVE_POST, op->post_dir, "save_state");
+}
+
+void ckpt__save_op_defer_removal(save_op *op) { op->defer_removal = true; }
+
+char **ckpt__save_op_take_trash(save_op *op, int *n) {
+    char **t = op->trash;
+    *n = op->ntrash;
+    op->trash = NULL;
+    op->ntrash = op->trash_cap = 0;
+    return t;
 }
 
 void ckpt__save_op_fail(save_op *op, int rc) {

@@ -99,6 +99,11 @@ struct ckpt_save_op {
     int64_t netags_mine;
     char **etags; /* rank 0, after the agreement: of each file of all */
     int64_t netags;
+    /* The rotation's removed folders, renamed away and left for the driver
+     * to delete (ckpt__save_op_defer_removal): their hidden paths. */
+    bool defer_removal;
+    char **trash;
+    int ntrash, trash_cap;
 };
 typedef struct ckpt_save_op save_op;
 

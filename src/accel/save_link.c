@@ -226,7 +226,13 @@ int ckpt__save_try_link(save_op *op, ckpt_writer *w, const char *name, bool shar
     if (!f || !f->has_xxh128) return 0;
     uint64_t size = 0;
     ckpt_h128 h;
-    CKPT_TRY(ckpt__writer_hash128(w, path, shards, &size, &h));
+    bool differs = false;
+    /* Tensor by tensor against the old file's record first: a file that
+     * changed is known as such at its first changed tensor, without hashing
+     * the rest (the write then computes its XXH3-128 on the way). */
+    const uint64_t *expect = f->ntensors > 0 ? f->tensor_xxh3 : NULL;
+    CKPT_TRY(ckpt__writer_hash128(w, path, shards, expect, f->ntensors, &size, &h, &differs));
+    if (differs) return 0;
     d->has_xxh128 = true;
     d->xxh128 = h;
     if (size != f->size || !ckpt__h128_eq(h, f->xxh128)) return 0;

@@ -61,6 +61,16 @@ void ckpt__save_op_apply(ckpt_save_op *op);
 /* NULL is fine. */
 void ckpt__save_op_free(ckpt_save_op *op);
 
+/* Before commit: the rotation (total_limit) renames each old checkpoint it
+ * removes to a hidden name, which is all anyone sees of the removal, and
+ * leaves the deletion of its files to the driver: ckpt__save_op_take_trash
+ * after commit hands over their paths. Without it they are deleted inside
+ * commit. */
+void ckpt__save_op_defer_removal(ckpt_save_op *op);
+/* The hidden folders left to delete (malloc'd array of malloc'd paths,
+ * the caller's to free), or NULL with *n 0. */
+char **ckpt__save_op_take_trash(ckpt_save_op *op, int *n);
+
 /* Records a failure (kept if one is already): commit will agree on it. */
 void ckpt__save_op_fail(ckpt_save_op *op, int rc);
 int ckpt__save_op_status(const ckpt_save_op *op);

@@ -180,7 +180,12 @@ static int try_copy(save_op *op, ckpt_writer *w, const char *name, bool shards, 
     if (!f || !f->has_xxh128) return 0;
     uint64_t size = 0;
     ckpt_h128 h;
-    CKPT_TRY(ckpt__writer_hash128(w, key, shards, &size, &h));
+    bool differs = false;
+    /* tensor by tensor against the old object's record first: a changed
+     * file is known at its first changed tensor */
+    const uint64_t *expect = f->ntensors > 0 ? f->tensor_xxh3 : NULL;
+    CKPT_TRY(ckpt__writer_hash128(w, key, shards, expect, f->ntensors, &size, &h, &differs));
+    if (differs) return 0;
     d->has_xxh128 = true;
     d->xxh128 = h;
     if (size != f->size || !ckpt__h128_eq(h, f->xxh128)) return 0;

@@ -81,6 +81,10 @@ typedef struct ckpt_ostream {
     bool dry;           /* no file: only counts and hashes (ckpt__ostream_open_dry) */
     bool want128;       /* also an XXH3-128 of the whole stream */
     ckpt_h128 h128;     /* that digest, set by ckpt__ostream_finish */
+    const uint64_t *expect; /* dry: the parts' expected XXH3-64 (ckpt__ostream_expect_parts) */
+    int64_t nexpect;
+    int64_t nparts; /* dry: parts begun */
+    bool differs;   /* dry: a part differs from its expectation (kept after finish) */
 } ckpt_ostream;
 
 /* Creates path exclusively (O_CREAT|O_EXCL, 0644). */
@@ -95,12 +99,22 @@ int ckpt__ostream_open_sink(ckpt_ostream *s, const char *what, const ckpt_ostrea
  * from memory, whether a file it would write equals one already on disk.
  * what names it in messages. */
 int ckpt__ostream_open_dry(ckpt_ostream *s, const char *what);
-/* Makes an open stream compute the XXH3-128 of its bytes as well (into
- * s->h128 at finish); call before the first write. */
+/* A dry stream compares each part (ckpt__ostream_part_begin) with the
+ * XXH3-64 expected at its position, xxh3[0..n) (borrowed until finish): at
+ * the first part that differs, or when the parts are more or fewer than n,
+ * the stream differs (s->differs, kept after finish; h128 is then zero) and
+ * stops hashing, so that a file that changed costs a save the hash of its
+ * first changed part, not of the whole file. No-op on a stream that writes. */
+void ckpt__ostream_expect_parts(ckpt_ostream *s, const uint64_t *xxh3, int64_t n);
+/* Makes an open stream give the XXH3-128 of its bytes as well (into s->h128
+ * at finish); the same pass gives both digests. */
 void ckpt__ostream_want128(ckpt_ostream *s);
-/* Writes all n bytes (EINTR, short writes handled), updating the checksums.
- * After an error, every call returns that error without writing. Error
- * messages name the file and the OS error. */
+/* Writes all n bytes (EINTR, short writes handled), updating the checksums:
+ * in pieces of 256 KiB, each hashed and then written while it is in the CPU
+ * cache (one read of the caller's memory), the writeback of every 16 MiB
+ * started at once (sync_file_range). After an error, every call returns
+ * that error without writing. Error messages name the file and the OS
+ * error. */
 int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n);
 /* Starts a part checksum (e.g. one tensor's bytes) / returns it. */
 void ckpt__ostream_part_begin(ckpt_ostream *s);
@@ -164,11 +178,12 @@ const char *ckpt__file_type_name(mode_t mode);
 int ckpt__map_file(const char *path, ckpt_mapped *m);
 void ckpt__unmap(ckpt_mapped *m);
 /* Reads a checkpoint's file at path, which must hold exactly size bytes, with
- * pread in 8 MiB pieces, hashing each piece (XXH3-64) right after reading it,
- * while it is still in the CPU cache (and while the next piece is read
- * ahead): the checksum rides on the read. Into dst (size bytes, memory the
- * caller owns) if not NULL, so the bytes hashed are the bytes kept; else
- * through a small scratch piece (verification only). *digest gets the
+ * pread in 256 KiB pieces, hashing each piece (XXH3-64) right after reading
+ * it, while it is still in the CPU cache (the kernel reading ahead 8 MiB
+ * windows meanwhile): the checksum rides on the read. Into dst (size bytes,
+ * memory the caller owns) if not NULL, so the bytes hashed are the bytes
+ * kept; else through a 256 KiB scratch piece that never leaves the cache
+ * (verification only: memory is not written at all). *digest gets the
  * file's XXH3-64. A file of another size, or one that ends early, or one
  * that is not a regular file (ckpt__open_read, own) is CKPT_ECORRUPT naming
  * what (e.g. "dir: name"). */

@@ -161,7 +161,7 @@ static int check_one(const char *dir, const ckpt_manifest_file *f, bool deep, ck
             ckpt__unmap(&tmp);
         }
     }
-    if (rc == 0 && dst) ckpt__io_verified(path);
+    if (rc == 0) ckpt__io_verified(path);
     free(path);
     return rc;
 }

@@ -57,9 +57,13 @@ int ckpt__writer_write_sink(ckpt_writer *w, const char *what, const ckpt_ostream
                             void *ctx, bool shards, bool want128, ckpt_file_digest *d);
 /* What ckpt__writer_write_new_ex(w, ..., shards, ...) would write, measured
  * in memory without writing anything: its size and its XXH3-128. `what`
- * names the file in messages. */
-int ckpt__writer_hash128(ckpt_writer *w, const char *what, bool shards, uint64_t *size,
-                         ckpt_h128 *h);
+ * names the file in messages. With expect (n digests; NULL: none), the
+ * XXH3-64 each tensor would have in the file, in file order (a previous
+ * file's record): at the first tensor that differs the hashing stops,
+ * *differs is set and *h is zero (the file cannot be that one); else
+ * *differs is false and *h is the file's. */
+int ckpt__writer_hash128(ckpt_writer *w, const char *what, bool shards, const uint64_t *expect,
+                         int64_t n, uint64_t *size, ckpt_h128 *h, bool *differs);
 /* The position of r's entry named key (as ckpt_reader_entry counts), or -1.
  * No message either way. */
 int64_t ckpt__reader_index(const ckpt_reader *r, const char *key);
@@ -194,6 +198,12 @@ int ckpt__reader_open_verified(ckpt_reader **out, const char *path, const char *
  * "<name>: tensor '<key>': checksum mismatch" for a tensor no read
  * checked). CKPT_OK for any other reader. */
 int ckpt__reader_verify_finish(ckpt_reader *r);
+/* For a file already verified whole (every byte hashed against the
+ * manifest before any object read it): whether the bytes the reads put in
+ * place are the file's. By parts, every read was checked against its
+ * tensor's digest as it landed, so nothing is left to do; else the whole
+ * file's digest is completed as ckpt__reader_verify_finish does. */
+int ckpt__reader_verify_applied(ckpt_reader *r);
 /* buf NULL (len 0): the chunks are recorded from the manifest alone, their
  * bytes absent (a shard file this process did not receive): a read that
  * needs one fails with CKPT_EMISMATCH naming the key and the file; the

@@ -120,6 +120,11 @@ int ckpt__reader_verify_finish(ckpt_reader *r) {
     return CKPT_OK;
 }
 
+int ckpt__reader_verify_applied(ckpt_reader *r) {
+    if (!r || !r->vs || r->vs->by_parts) return CKPT_OK;
+    return ckpt__reader_verify_finish(r);
+}
+
 static int find_tensor(const ckpt_reader *r, const char *key, const entry **out) {
     if (!r || !key) return ckpt__err(CKPT_EINVAL, "read tensor: NULL argument");
     const entry *e = reader_get(r, key);

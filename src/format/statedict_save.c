@@ -288,17 +288,22 @@ int ckpt__writer_write_sink(ckpt_writer *w, const char *what, const ckpt_ostream
     return write_new(w, what, sink, ctx, d, shards ? SAVE_SHARDS : SAVE_PLAIN, want128);
 }
 
-int ckpt__writer_hash128(ckpt_writer *w, const char *what, bool shards, uint64_t *size,
-                         ckpt_h128 *h) {
+int ckpt__writer_hash128(ckpt_writer *w, const char *what, bool shards, const uint64_t *expect,
+                         int64_t n, uint64_t *size, ckpt_h128 *h, bool *differs) {
     save_ctx c;
+    *differs = false;
     int rc = save_prepare(w, what, &c, shards ? SAVE_SHARDS : SAVE_PLAIN);
     ckpt_ostream s;
     if (!rc) rc = ckpt__ostream_open_dry(&s, what);
     if (!rc) {
+        if (expect) ckpt__ostream_expect_parts(&s, expect, n);
         rc = fill_file(&s, &c);
         if (rc) ckpt__ostream_abort(&s);
         else rc = ckpt__ostream_finish(&s, NULL, size);
-        if (!rc) *h = s.h128;
+        if (!rc) {
+            *h = s.h128;
+            *differs = s.differs;
+        }
     }
     save_release(&c);
     return rc;

@@ -7,6 +7,7 @@
 
 #include "base/error.h"
 #include "base/io.h"
+#include "base/mem.h"
 #include "format/statedict.h"
 #include "format/statedict_int.h"
 
@@ -319,7 +320,7 @@ int ckpt__writer_stage(ckpt_writer *w, uint8_t *dst, uint64_t *used) {
             CKPT_TRY(ckpt__mem_get(&e->mem, 0, dst + off, b, e->key));
             memset(&e->mem, 0, sizeof e->mem);
         } else {
-            memcpy(dst + off, e->data, (size_t)b);
+            ckpt__copy_stream(dst + off, e->data, (size_t)b);
         }
         e->data = dst + off;
         off += (b + STAGE_ALIGN - 1) / STAGE_ALIGN * STAGE_ALIGN;

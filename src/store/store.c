@@ -517,7 +517,8 @@ int ckpt__retention_check(const ckpt_retention *pol, const char *what) {
  * midway leaves a hidden leftover that the next save or prune removes, never
  * a visible half-deleted checkpoint. Without the fsync a power cut could
  * undo the rename but keep some of the deletions. */
-static int remove_checkpoint(const char *dir, const char *name, const ckpt_logger *lg) {
+static int remove_checkpoint(const char *dir, const char *name, const ckpt_logger *lg,
+                             const ckpt_rotate_opts *o) {
     char hidden[96];
     snprintf(hidden, sizeof hidden, ".%s.old.%ld", name, (long)getpid());
     char *p = ckpt__path_join(dir, name);
@@ -529,6 +530,9 @@ static int remove_checkpoint(const char *dir, const char *name, const ckpt_logge
         rc = ckpt__err_os(errno, "removing old checkpoint %s", p);
     } else if (ckpt__fsync_dir(dir) < 0) {
         ckpt__log(lg, CKPT_LOG_WARNING, "left %s hidden, not deleted: %s", h, ckpt_errmsg());
+    } else if (o && o->defer) {
+        o->defer(o->user, h); /* its files are deleted later, by the callee */
+        h = NULL;
     } else if (ckpt__remove_tree(h) < 0) {
         ckpt__log(lg, CKPT_LOG_WARNING, "could not remove %s: %s", h, ckpt_errmsg());
     }
@@ -625,7 +629,9 @@ int ckpt__rotate_src(const ckpt_rotate_src *src, rotation *r) {
         char name[48];
         snprintf(name, sizeof name, "checkpoint_%" PRId64, nums[i]);
         ckpt_checkpoint_info info;
-        bool deep = !beyond || (r->verify_all && !r->shallow_beyond);
+        /* The checkpoint the save just committed was hashed on its way out. */
+        bool fresh = r->opts && r->opts->fresh >= 0 && nums[i] == r->opts->fresh;
+        bool deep = (!beyond || (r->verify_all && !r->shallow_beyond)) && !fresh;
         int vrc = src->verify(src->ctx, nums[i], deep, &info);
         if (vrc == 0) {
             if (!beyond) kept++;
@@ -669,14 +675,21 @@ int ckpt__rotate_src(const ckpt_rotate_src *src, rotation *r) {
 }
 
 /* The checkpoint folders of a local checkpoints folder, for the rotation. */
+typedef struct local_src {
+    const char *dir;
+    const ckpt_rotate_opts *opts;
+} local_src;
+
 static int local_numbers(void *ctx, int64_t **nums, int64_t *count) {
-    return ckpt__list_numbers(ctx, nums, count);
+    const local_src *x = ctx;
+    return ckpt__list_numbers(x->dir, nums, count);
 }
 
 static int local_verify(void *ctx, int64_t number, bool deep, ckpt_checkpoint_info *info) {
+    const local_src *x = ctx;
     char name[48];
     snprintf(name, sizeof name, "checkpoint_%" PRId64, number);
-    char *p = ckpt__path_join(ctx, name);
+    char *p = ckpt__path_join(x->dir, name);
     if (!p) return ckpt__err_nomem("rotation path");
     int rc = ckpt__checkpoint_verify_local(p, deep, info);
     free(p);
@@ -684,19 +697,21 @@ static int local_verify(void *ctx, int64_t number, bool deep, ckpt_checkpoint_in
 }
 
 static int local_remove(void *ctx, int64_t number, const ckpt_logger *lg) {
+    const local_src *x = ctx;
     char name[48];
     snprintf(name, sizeof name, "checkpoint_%" PRId64, number);
-    return remove_checkpoint(ctx, name, lg);
+    return remove_checkpoint(x->dir, name, lg, x->opts);
 }
 
 static int rotate(const char *dir, rotation *r) {
-    ckpt_rotate_src src = {(void *)dir, dir, local_numbers, local_verify, local_remove};
+    local_src x = {dir, r->opts};
+    ckpt_rotate_src src = {&x, dir, local_numbers, local_verify, local_remove};
     return ckpt__rotate_src(&src, r);
 }
 
 int ckpt__rotate(const char *dir, int64_t keep, const ckpt_retention *pol, const ckpt_logger *lg,
-                 int64_t *removed) {
-    rotation r = {.keep = keep, .pol = pol, .lg = lg};
+                 const ckpt_rotate_opts *opts, int64_t *removed) {
+    rotation r = {.keep = keep, .pol = pol, .lg = lg, .opts = opts};
     int rc = rotate(dir, &r);
     if (removed) *removed = r.removed;
     return rc;

@@ -84,6 +84,22 @@ typedef struct ckpt_retention {
 bool ckpt__retention_active(const ckpt_retention *pol);
 /* CKPT_EINVAL naming `what` and the field for a bad policy. */
 int ckpt__retention_check(const ckpt_retention *pol, const char *what);
+/* What a save's rotation knows beyond the rule (NULL: nothing).
+ *   fresh  the number of the checkpoint the save just committed (-1:
+ *          none): every one of its files was hashed by this process on its
+ *          way to the disk, or read back and hashed after it was linked, so
+ *          it counts as valid after a shallow check (manifest and sizes)
+ *          instead of a second read of all its bytes.
+ *   defer  where the deletion of each removed folder goes: the folder is
+ *          renamed to a hidden leftover name (".checkpoint_<n>.old.<pid>")
+ *          and the folder above fsynced, which is all anyone sees of the
+ *          removal, and defer(user, hidden path) is handed the deletion of
+ *          its files (the path is the callee's to free). NULL: deleted here. */
+typedef struct ckpt_rotate_opts {
+    int64_t fresh;
+    void (*defer)(void *user, char *hidden);
+    void *user;
+} ckpt_rotate_opts;
 /* What a rotation or prune is asked to do, and what it did. */
 typedef struct ckpt_rotation {
     int64_t keep;
@@ -93,7 +109,8 @@ typedef struct ckpt_rotation {
     bool shallow_beyond; /* ... checking those against their manifests only, not reading them */
     ckpt_prune_fn report;
     void *user;
-    const ckpt_logger *lg; /* NULL: no warnings (the report says it) */
+    const ckpt_logger *lg;        /* NULL: no warnings (the report says it) */
+    const ckpt_rotate_opts *opts; /* a save's (ckpt__rotate), else NULL */
     int64_t removed;
     int64_t valid_kept; /* valid checkpoints not removed (of those verified) */
 } ckpt_rotation;
@@ -116,7 +133,7 @@ int ckpt__rotate_src(const ckpt_rotate_src *src, ckpt_rotation *r);
  * keep (ckpt_checkpoint_prune_ex's rule; keep >= 0; pol may be NULL).
  * *removed (may be NULL) gets the count. */
 int ckpt__rotate(const char *dir, int64_t keep, const ckpt_retention *pol, const ckpt_logger *lg,
-                 int64_t *removed);
+                 const ckpt_rotate_opts *opts, int64_t *removed);
 
 /* The folder tools of include/ckpt/files.h on local folders (store.c); the
  * public functions (store/s3/project.c) hand s3:// URLs to object storage

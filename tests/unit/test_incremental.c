@@ -157,7 +157,10 @@ static void test_hash_in_memory_is_the_hash_of_the_written_file(void **state) {
     uint64_t size = 0;
     ckpt_h128 h = {0, 0};
     uint64_t before = written_now();
-    assert_int_equal(ckpt__writer_hash128(w, "x.safetensors", false, &size, &h), 0);
+    bool differs = true;
+    assert_int_equal(ckpt__writer_hash128(w, "x.safetensors", false, NULL, 0, &size, &h, &differs),
+                     0);
+    assert_false(differs);
     assert_int_equal(written_now(), before); /* nothing written */
     char path[4096];
     tu_path(path, sizeof path, tu_dir(), "x.safetensors");
@@ -171,6 +174,22 @@ static void test_hash_in_memory_is_the_hash_of_the_written_file(void **state) {
     assert_true(d.has_xxh128);
     assert_true(ckpt__h128_eq(d.xxh128, want));
     assert_int_equal(d.xxh3, ckpt__xxh3(bytes, n));
+    /* Against the file's own tensor digests (a previous file's record): the
+     * same hash. Against a tensor that differs, or a record of fewer
+     * tensors: it differs, and no hash is given. */
+    ckpt_h128 h2 = {1, 1};
+    assert_int_equal(d.ntensors, 1);
+    assert_int_equal(
+        ckpt__writer_hash128(w, "x", false, d.tensor_xxh3, d.ntensors, &size, &h2, &differs), 0);
+    assert_false(differs);
+    assert_true(ckpt__h128_eq(h2, want));
+    uint64_t other = d.tensor_xxh3[0] ^ 1;
+    assert_int_equal(ckpt__writer_hash128(w, "x", false, &other, 1, &size, &h2, &differs), 0);
+    assert_true(differs);
+    assert_true(ckpt__h128_eq(h2, (ckpt_h128){0, 0}));
+    assert_int_equal(ckpt__writer_hash128(w, "x", false, d.tensor_xxh3, 0, &size, &h2, &differs),
+                     0);
+    assert_true(differs);
     ckpt__file_digest_free(&d);
     free(bytes);
     ckpt_writer_free(w);
@@ -323,8 +342,41 @@ static void test_rotation_keeps_linked_files(void **state) {
     char *gone = tu_pathf("%s/checkpoints/checkpoint_2", tu_dir());
     assert_false(tu_exists(gone));
     free(gone);
+    /* checkpoint_2's files are deleted in the background: wait for it */
+    assert_int_equal(ckpt_save_wait(fx.acc), 0);
     assert_int_equal(stat_of(3, "model.safetensors").st_nlink, 1);
     verify_deep(3);
+}
+
+/* The rotation does not read again what the save just wrote to count it
+ * valid (every byte was hashed on its way out), and the removed folder's
+ * files are deleted in the background: out of sight when the save returns. */
+static void test_rotation_reads_nothing_of_the_new_checkpoint(void **state) {
+    (void)state;
+    ckpt_accelerator_free(fx.acc);
+    ckpt_project_config cfg = {.project_dir = tu_dir(),
+                               .automatic_checkpoint_naming = true,
+                               .total_limit = 1,
+                               .no_link_unchanged = true};
+    assert_int_equal(ckpt_accelerator_new(&fx.acc, &cfg), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mbase), 0);
+    assert_int_equal(ckpt_prepare_model(fx.acc, fx.mhead), 0);
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    train_step();
+    ckpt_io_bytes a, b;
+    ckpt__io_bytes(&a);
+    assert_int_equal(ckpt_save_state(fx.acc, NULL), 0);
+    ckpt__io_bytes(&b);
+    /* manifests only; model.safetensors alone is 256 KiB */
+    assert_true(b.read - a.read < 64 * 1024);
+    char *gone = tu_pathf("%s/checkpoints/checkpoint_0", tu_dir());
+    assert_false(tu_exists(gone));
+    free(gone);
+    verify_deep(1);
+    assert_int_equal(ckpt_save_wait(fx.acc), 0);
+    char *cd = tu_pathf("%s/checkpoints", tu_dir());
+    assert_int_equal(tu_count_hidden_tmp(cd), 0);
+    free(cd);
 }
 
 static void test_option_off_writes_every_file(void **state) {
@@ -864,6 +916,8 @@ int main(void) {
         cmocka_unit_test_setup_teardown(test_deleting_old_checkpoint_keeps_newer_complete, setup,
                                         teardown),
         cmocka_unit_test_setup_teardown(test_rotation_keeps_linked_files, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_rotation_reads_nothing_of_the_new_checkpoint, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_option_off_writes_every_file, setup_off, teardown),
         cmocka_unit_test_setup_teardown(test_previous_without_xxh128_never_links, setup_off,
                                         teardown),

@@ -75,6 +75,86 @@ static void test_ostream_writes_all_bytes_and_checksums_them(void **state) {
     tu_assert_file_is(p, data, sizeof data);
 }
 
+/* Several pieces (the stream hashes and writes 256 KiB at a time), a part
+ * that spans them, and the wide digest: the 64- and 128-bit digests of one
+ * state are those of the bytes (libxxhash resets and updates both kinds
+ * alike), a dry stream gives the same 128-bit digest, and so does a read
+ * of the file back. */
+static void test_ostream_pieces_and_both_digests_from_one_pass(void **state) {
+    fx *f = *state;
+    char p[128];
+    tu_path(p, sizeof p, f->dir, "big.bin");
+    size_t n = ((size_t)1 << 20) + 300001;
+    uint8_t *data = malloc(n);
+    assert_non_null(data);
+    for (size_t i = 0; i < n; i++) data[i] = (uint8_t)(i * 131 + (i >> 9));
+    size_t head = 100003; /* the part starts inside the first piece */
+    ckpt_ostream s;
+    assert_int_equal(ckpt__ostream_open(&s, p), CKPT_OK);
+    ckpt__ostream_want128(&s);
+    assert_int_equal(ckpt__ostream_write(&s, data, head), CKPT_OK);
+    ckpt__ostream_part_begin(&s);
+    assert_int_equal(ckpt__ostream_write(&s, data + head, n - head), CKPT_OK);
+    assert_true(ckpt__ostream_part_digest(&s) == ckpt__xxh3(data + head, n - head));
+    uint64_t dg = 0, sz = 0;
+    assert_int_equal(ckpt__ostream_finish(&s, &dg, &sz), CKPT_OK);
+    assert_int_equal(sz, n);
+    assert_true(dg == ckpt__xxh3(data, n));
+    ckpt_h128 want = ckpt__xxh128(data, n);
+    assert_true(ckpt__h128_eq(s.h128, want));
+    tu_assert_file_is(p, data, n);
+    ckpt_ostream d;
+    assert_int_equal(ckpt__ostream_open_dry(&d, "dry"), CKPT_OK);
+    assert_int_equal(ckpt__ostream_write(&d, data, head), CKPT_OK);
+    ckpt__ostream_part_begin(&d);
+    assert_int_equal(ckpt__ostream_write(&d, data + head, n - head), CKPT_OK);
+    assert_int_equal(ckpt__ostream_finish(&d, NULL, &sz), CKPT_OK);
+    assert_false(d.differs);
+    assert_true(ckpt__h128_eq(d.h128, want));
+    uint64_t rd = 0;
+    ckpt_h128 rw = {0, 0};
+    assert_int_equal(ckpt__read_hashed128(p, "big.bin", n, &rd, &rw), CKPT_OK);
+    assert_true(rd == dg);
+    assert_true(ckpt__h128_eq(rw, want));
+    free(data);
+}
+
+/* A dry stream with the parts' expected digests stops at the first part
+ * that differs, and says so; the same parts as expected keep the digest. */
+static void test_dry_stream_compares_parts_with_expected_digests(void **state) {
+    (void)state;
+    static uint8_t a[3000], b[5000];
+    for (size_t i = 0; i < sizeof a; i++) a[i] = (uint8_t)i;
+    for (size_t i = 0; i < sizeof b; i++) b[i] = (uint8_t)(i * 3);
+    uint64_t expect[2] = {ckpt__xxh3(a, sizeof a), ckpt__xxh3(b, sizeof b)};
+    for (int k = 0; k < 4; k++) {
+        uint64_t e[2] = {expect[0], expect[1]};
+        int64_t ne = 2;
+        if (k == 1) e[0] ^= 1; /* the first part differs */
+        if (k == 2) e[1] ^= 1; /* the last one */
+        if (k == 3) ne = 1;    /* more parts than expected */
+        ckpt_ostream d;
+        assert_int_equal(ckpt__ostream_open_dry(&d, "dry"), CKPT_OK);
+        ckpt__ostream_expect_parts(&d, e, ne);
+        assert_int_equal(ckpt__ostream_write(&d, "header", 6), CKPT_OK);
+        ckpt__ostream_part_begin(&d);
+        assert_int_equal(ckpt__ostream_write(&d, a, sizeof a), CKPT_OK);
+        ckpt__ostream_part_begin(&d);
+        assert_int_equal(ckpt__ostream_write(&d, b, sizeof b), CKPT_OK);
+        uint64_t sz = 0;
+        assert_int_equal(ckpt__ostream_finish(&d, NULL, &sz), CKPT_OK);
+        assert_int_equal(sz, 6 + sizeof a + sizeof b);
+        assert_true(d.differs == (k != 0));
+        if (k == 0) {
+            uint8_t all[6 + sizeof a + sizeof b];
+            memcpy(all, "header", 6);
+            memcpy(all + 6, a, sizeof a);
+            memcpy(all + 6 + sizeof a, b, sizeof b);
+            assert_true(ckpt__h128_eq(d.h128, ckpt__xxh128(all, sizeof all)));
+        }
+    }
+}
+
 static void test_ostream_handles_short_writes(void **state) {
     fx *f = *state;
     char p[128];
@@ -452,24 +532,37 @@ int main(int argc, char **argv) {
     self_exe = k > 0 ? exe : "/proc/self/exe";
     (void)argv;
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(test_ostream_writes_all_bytes_and_checksums_them, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_ostream_writes_all_bytes_and_checksums_them, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_ostream_pieces_and_both_digests_from_one_pass, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_dry_stream_compares_parts_with_expected_digests, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_ostream_handles_short_writes, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ostream_retries_eintr, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ostream_error_is_sticky_and_named, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ostream_fsync_failure_removes_file, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_ostream_open_is_exclusive_and_abort_unlinks, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_publish_file_creates_and_replaces_atomically, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_publish_file_fill_failure_leaves_nothing, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_publish_file_every_fault_keeps_old_file, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_ostream_open_is_exclusive_and_abort_unlinks, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_publish_file_creates_and_replaces_atomically, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_publish_file_fill_failure_leaves_nothing, setup,
+                                        teardown),
+        cmocka_unit_test_setup_teardown(test_publish_file_every_fault_keeps_old_file, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_publish_file_rejects_folder_paths, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_publish_dir_new_and_replace_and_refuse, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_publish_dir_new_and_replace_and_refuse, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_publish_dir_fault_keeps_old_folder, setup, teardown),
         cmocka_unit_test_setup_teardown(test_fsync_dir_reports_failures, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_mkdirs_nested_existing_and_file_in_the_way, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_mkdirs_nested_existing_and_file_in_the_way, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_remove_tree_does_not_follow_symlinks, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_map_file_regular_empty_folder_missing, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_map_file_regular_empty_folder_missing, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_read_small_file_limits_size, setup, teardown),
-        cmocka_unit_test_setup_teardown(test_fault_counts_only_armed_kinds_and_persist, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_fault_counts_only_armed_kinds_and_persist, setup,
+                                        teardown),
         cmocka_unit_test_setup_teardown(test_fault_env_variable_arms_the_hook, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -129,7 +129,10 @@ static void zero_in_place(void *user, const char *path) {
     rewrites++;
 }
 
-static void test_load_applies_the_bytes_it_verified(void **st) {
+/* The two passes (a load with an adapting option, here non_strict): the
+ * bytes applied are the private copy verified, whatever happens to the file
+ * after its check. */
+static void test_two_pass_load_applies_the_bytes_it_verified(void **st) {
     (void)st;
     char *t = tu_tmpdir_new("trust");
     counter c;
@@ -138,7 +141,8 @@ static void test_load_applies_the_bytes_it_verified(void **st) {
     /* Warm files: the page cache holds every byte just written. */
     rewrites = 0;
     ckpt__io_set_verified_hook(zero_in_place, NULL);
-    int rc = ckpt_load_state(acc, NULL);
+    ckpt_load_options o = {.non_strict = true};
+    int rc = ckpt_load_state_ex(acc, NULL, &o, NULL);
     ckpt__io_set_verified_hook(NULL, NULL);
     assert_int_equal(rc, 0);
     assert_int_equal(rewrites, 1);
@@ -148,6 +152,36 @@ static void test_load_applies_the_bytes_it_verified(void **st) {
     assert_counter_is(&c, 1);
     assert_int_equal(lb.warnings, 1);
     tu_assert_contains(lb.last, "checksum mismatch");
+    ckpt_accelerator_free(acc);
+    tu_tmpdir_free(t);
+}
+
+/* The default load (verified whole, then read straight into the objects,
+ * hashed as the bytes land): a file rewritten after its verification is
+ * never loaded silently. The rewrite is found as the object reads it, the
+ * load fails naming the file and saying that the state is partially loaded
+ * (saves refuse, as after any failed load), and the next load, finding the
+ * file damaged, falls back to the older checkpoint. */
+static void test_streamed_load_refuses_a_file_rewritten_after_its_check(void **st) {
+    (void)st;
+    char *t = tu_tmpdir_new("trust");
+    counter c;
+    logbuf lb;
+    ckpt_accelerator *acc = two_saves(t, &c, &lb);
+    rewrites = 0;
+    ckpt__io_set_verified_hook(zero_in_place, NULL);
+    int rc = ckpt_load_state(acc, NULL);
+    ckpt__io_set_verified_hook(NULL, NULL);
+    assert_int_equal(rewrites, 1);
+    assert_int_equal(rc, CKPT_ECORRUPT);
+    tu_assert_contains(ckpt_errmsg(), "custom_checkpoint_0.safetensors");
+    tu_assert_contains(ckpt_errmsg(), "changed after it was verified");
+    tu_expect_error(ckpt_save_state(acc, NULL), CKPT_EINVAL, "last load_state");
+    assert_int_equal(ckpt_load_state(acc, NULL), 0);
+    assert_counter_is(&c, 1);
+    assert_int_equal(lb.warnings, 1);
+    tu_assert_contains(lb.last, "checksum mismatch");
+    assert_int_equal(ckpt_save_state(acc, NULL), 0); /* a successful load lifts the refusal */
     ckpt_accelerator_free(acc);
     tu_tmpdir_free(t);
 }
@@ -366,7 +400,8 @@ static void test_load_falls_back_from_a_forged_huge_size(void **st) {
 
 int main(void) {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_load_applies_the_bytes_it_verified),
+        cmocka_unit_test(test_two_pass_load_applies_the_bytes_it_verified),
+        cmocka_unit_test(test_streamed_load_refuses_a_file_rewritten_after_its_check),
         cmocka_unit_test(test_object_reader_hands_out_the_bytes_it_verified),
         cmocka_unit_test(test_open_read_never_blocks_on_a_fifo),
         cmocka_unit_test(test_lock_never_follows_or_overwrites_what_is_not_its_own),

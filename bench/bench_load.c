@@ -1,0 +1,293 @@
+/* bench_load.c — the verified load against a raw read of the same bytes
+ * (issue 37), on the foreign trainer's GPT-2-small state of bench_save
+ * (foreign.h: 1.49 GB in model.safetensors and optimizer.safetensors).
+ *
+ * One save (total_limit 1), then a new accelerator over the same objects
+ * (a resumed run) and the page cache warmed with one read of every file.
+ * Then REPS pairs (BENCH_REPS, default 5), the order alternated within each
+ * pair:
+ *
+ *   pread  every file of the checkpoint read with pread in 8 MiB pieces
+ *          into a buffer allocated and touched beforehand (the bytes land
+ *          in memory once; no verification, nothing parsed)
+ *   load   ckpt_load_state of that checkpoint: every byte hashed and
+ *          checked against the manifest, every tensor in the objects'
+ *          own memory
+ *
+ * and after each pair a one-pass load (ckpt_load_options.one_pass: files
+ * hashed only as the objects read them, not transactional), its ratio
+ * against the pair's pread.
+ *
+ * It prints each pair, the median of the pairs' ratios (pread time / load
+ * time: 1.0x is a load as fast as the raw read; the target is >= 0.9x), the
+ * CPU time of each (user + system, getrusage: what other work on the
+ * machine cannot stretch), the resident set the first load of the process
+ * kept (VmRSS after less before; the target is <= +16 MiB), and, where
+ * the tree has the load op (src/accel/load_op.h), the load's phases:
+ *
+ *   choose   new, choose and plan: the options, the project lock, the
+ *            candidates, the manifest
+ *   read     the files read and verified (the default load of one process:
+ *            every file hashed whole, nothing kept)
+ *   check    the objects matched with their files, schemas checked; agree
+ *   apply    every object reads its tensors into its own memory (the
+ *            default load: straight from the files, each piece hashed as it
+ *            lands)
+ *   finish   the post-hooks, the refusal of saves lifted, free
+ *
+ *   bench_load FOLDER
+ *   bench_load FOLDER --once     one save, one warm load (for perf record
+ *                                -k CLOCK_MONOTONIC, then perf report --time
+ *                                with the times it prints)
+ *
+ * The source uses the public API and foreign.h, plus the load op's header
+ * where the tree has it, so that it also builds against a tree from before
+ * the load op (copied there with foreign.h) for a "before" column. */
+#include <dirent.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ckpt.h"
+#include "foreign.h"
+#if defined(__has_include)
+#if __has_include("accel/load_op.h")
+#define BENCH_LOAD_OP 1
+#include "accel/load_op.h"
+#endif
+#endif
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static double cpu(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
+           (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
+}
+
+static void die(const char *what) {
+    fprintf(stderr, "bench_load: %s: %s\n", what, ckpt_errmsg());
+    exit(1);
+}
+
+static long vm_rss_kib(void) {
+    FILE *f = fopen("/proc/self/status", "r");
+    long v = -1;
+    char line[256];
+    while (f && fgets(line, sizeof line, f))
+        if (strncmp(line, "VmRSS:", 6) == 0) v = atol(line + 6);
+    if (f) fclose(f);
+    return v;
+}
+
+/* pread of every file of dir into buf (8 MiB pieces); the bytes read. */
+static uint64_t raw_read(const char *dir, uint8_t *buf, uint64_t cap) {
+    DIR *d = opendir(dir);
+    if (!d) die("opendir");
+    struct dirent *e;
+    uint64_t at = 0;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.') continue;
+        char path[4400];
+        snprintf(path, sizeof path, "%.4000s/%.300s", dir, e->d_name);
+        int fd = open(path, O_RDONLY);
+        struct stat st;
+        if (fd < 0 || fstat(fd, &st) != 0) die("open");
+        uint64_t off = 0, size = (uint64_t)st.st_size;
+        if (at + size > cap) die("raw read: buffer too small");
+        while (off < size) {
+            size_t want = size - off < (8u << 20) ? (size_t)(size - off) : (8u << 20);
+            ssize_t r = pread(fd, buf + at + off, want, (off_t)off);
+            if (r <= 0) die("pread");
+            off += (uint64_t)r;
+        }
+        close(fd);
+        at += size;
+    }
+    closedir(d);
+    return at;
+}
+
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+static double median(const double *v, int n) {
+    double s[64];
+    memcpy(s, v, (size_t)n * sizeof *v);
+    qsort(s, (size_t)n, sizeof *s, cmp_d);
+    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
+}
+
+enum { P_CHOOSE, P_READ, P_CHECK, P_APPLY, P_FINISH, NP };
+static const char *const pname[NP] = {"choose", "read", "check", "apply", "finish"};
+
+/* One load of dir; its phases' wall and CPU times where the op is known.
+ * one_pass: ckpt_load_state_ex with one_pass, untimed by phase. */
+static void load(ckpt_accelerator *acc, const char *dir, bool one_pass, double *pw, double *pc) {
+    if (one_pass) {
+        ckpt_load_options o;
+        memset(&o, 0, sizeof o);
+        o.one_pass = true;
+        for (int k = 0; k < NP; k++) pw[k] = pc[k] = 0;
+        if (ckpt_load_state_ex(acc, dir, &o, NULL)) die("one-pass load");
+        return;
+    }
+#ifdef BENCH_LOAD_OP
+    double t[NP + 1], c[NP + 1];
+    t[0] = now(), c[0] = cpu();
+    ckpt__load_op *op = NULL;
+    ckpt__load_op_new(acc, dir, NULL, NULL, &op);
+    if (!op) die("load_op_new");
+    ckpt__load_op_choose(op);
+    ckpt__load_op_plan(op);
+    t[1] = now(), c[1] = cpu();
+    if (ckpt__load_op_read(op) != 0) die("load: read");
+    t[2] = now(), c[2] = cpu();
+    ckpt__load_op_check(op);
+    ckpt__load_op_agree(op);
+    t[3] = now(), c[3] = cpu();
+    ckpt__load_op_apply(op);
+    t[4] = now(), c[4] = cpu();
+    int rc = ckpt__load_op_finish(op);
+    ckpt__load_op_free(op);
+    t[5] = now(), c[5] = cpu();
+    if (rc) die("load");
+    for (int k = 0; k < NP; k++) pw[k] = t[k + 1] - t[k], pc[k] = c[k + 1] - c[k];
+#else
+    for (int k = 0; k < NP; k++) pw[k] = pc[k] = 0;
+    if (ckpt_load_state(acc, dir)) die("load");
+#endif
+}
+
+#define MAXREPS 32
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: bench_load FOLDER [--once]\n");
+        return 2;
+    }
+    bool once = argc > 2 && strcmp(argv[2], "--once") == 0;
+    const char *e = getenv("BENCH_REPS");
+    int reps = e && *e ? atoi(e) : 5;
+    if (reps < 1) reps = 1;
+    if (reps > MAXREPS) reps = MAXREPS;
+    char proj[4096];
+    snprintf(proj, sizeof proj, "%.4000s/load_project", argv[1]);
+
+    foreign F;
+    foreign_new(&F);
+    ckpt_project_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.project_dir = proj;
+    cfg.automatic_checkpoint_naming = true;
+    cfg.total_limit = 1;
+    ckpt_accelerator *acc;
+    if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
+    if (foreign_prepare(acc, &F)) die("prepare");
+    foreign_step(&F);
+    if (ckpt_save_state(acc, NULL)) die("save");
+    char last[4096];
+    snprintf(last, sizeof last, "%s", ckpt_accelerator_last_dir(acc));
+    ckpt_accelerator_free(acc);
+    /* A resumed run: a new accelerator over the same objects. */
+    if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
+    if (foreign_prepare(acc, &F)) die("prepare");
+    uint64_t nb = (uint64_t)F.n * 4 * 3, cap = nb + ((uint64_t)16 << 20);
+    uint8_t *buf = malloc((size_t)cap);
+    if (!buf) die("malloc");
+    memset(buf, 2, (size_t)cap);
+    uint64_t bytes = raw_read(last, buf, cap); /* the page cache warm */
+    double pw[NP], pc[NP];
+    if (once) {
+        double t0 = now(), c0 = cpu();
+        load(acc, last, false, pw, pc);
+        double t1 = now();
+        /* CLOCK_MONOTONIC: perf record -k CLOCK_MONOTONIC, report --time */
+        printf("bench_load: one load: %.3f s, cpu %.3f s (from %.6f to %.6f)\n", t1 - t0,
+               cpu() - c0, t0, t1);
+        goto out;
+    }
+    double rw[MAXREPS], rc[MAXREPS], lw[MAXREPS], lc[MAXREPS], ratio[MAXREPS];
+    double ow[MAXREPS], oc[MAXREPS], oratio[MAXREPS], cratio[MAXREPS], ocratio[MAXREPS];
+    double phw[NP][MAXREPS], phc[NP][MAXREPS];
+    long kept = 0;
+    for (int r = 0; r < reps; r++) {
+        for (int half = 0; half < 2; half++) {
+            if ((half == 0) == (r % 2 == 0)) {
+                double t0 = now(), c0 = cpu();
+                raw_read(last, buf, cap);
+                rw[r] = now() - t0, rc[r] = cpu() - c0;
+            } else {
+                F.params[1] = -1.0f; /* the load puts it back */
+                long rss0 = vm_rss_kib();
+                double t0 = now(), c0 = cpu();
+                load(acc, last, false, pw, pc);
+                lw[r] = now() - t0, lc[r] = cpu() - c0;
+                if (r == 0) kept = vm_rss_kib() - rss0;
+                if (F.params[1] == -1.0f) die("the load did not put the state back");
+                for (int k = 0; k < NP; k++) phw[k][r] = pw[k], phc[k][r] = pc[k];
+            }
+        }
+        /* and the one-pass load, right after */
+        F.params[1] = -1.0f;
+        double t0 = now(), c0 = cpu();
+        load(acc, last, true, pw, pc);
+        ow[r] = now() - t0, oc[r] = cpu() - c0;
+        if (F.params[1] == -1.0f) die("the one-pass load did not put the state back");
+        ratio[r] = rw[r] / lw[r];
+        oratio[r] = rw[r] / ow[r];
+        cratio[r] = rc[r] / lc[r];
+        ocratio[r] = rc[r] / oc[r];
+    }
+    char ld[64] = "?";
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f) {
+        if (!fgets(ld, sizeof ld, f)) ld[0] = '\0';
+        ld[strcspn(ld, " ")] = '\0';
+        fclose(f);
+    }
+    printf("bench_load: foreign trainer's state, %.3f GB in the checkpoint's files, warm, "
+           "load average %s\n",
+           (double)bytes / 1e9, ld);
+    for (int r = 0; r < reps; r++)
+        printf("  pair %d (%s first): pread %.3f s, load %.3f s: %.2fx; one pass %.3f s: %.2fx\n",
+               r + 1, r % 2 == 0 ? "pread" : "load", rw[r], lw[r], ratio[r], ow[r], oratio[r]);
+    printf("  median of %d pairs: pread / load %.2fx (target >= 0.9x); pread %.3f s (cpu %.3f s), "
+           "load %.3f s (cpu %.3f s)\n",
+           reps, median(ratio, reps), median(rw, reps), median(rc, reps), median(lw, reps),
+           median(lc, reps));
+    printf("  cpu time: pread / load %.2fx; one pass (not transactional): pread / one pass %.2fx "
+           "(wall), %.2fx (cpu), %.3f s (cpu %.3f s)\n",
+           median(cratio, reps), median(oratio, reps), median(ocratio, reps), median(ow, reps),
+           median(oc, reps));
+#ifdef BENCH_LOAD_OP
+    printf("  the load's phases (median):");
+    for (int k = 0; k < NP; k++)
+        printf(" %s %.3f s (cpu %.3f)%s", pname[k], median(phw[k], reps), median(phc[k], reps),
+               k + 1 < NP ? "," : "\n");
+#else
+    (void)phw, (void)phc, (void)pname;
+#endif
+    printf("  resident set the first load of the process kept: %+.1f MiB (target <= +16 MiB)\n",
+           (double)kept / 1024.0);
+out:
+    free(buf);
+    ckpt_accelerator_free(acc);
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "rm -rf '%.4000s'", proj);
+    if (system(cmd) != 0) fprintf(stderr, "bench_load: could not remove %s\n", proj);
+    foreign_free(&F);
+    return 0;
+}
