@@ -183,7 +183,7 @@ CKPT_API int ckpt_write_bytes(ckpt_writer *w, const char *key, const void *p, si
 /* A second name of a tensor (tied weights): alias names the tensor target,
  * which this writer already holds (written whole with ckpt_write_tensor, not
  * an alias itself). The file holds target's bytes once and records "alias
- * is target" (docs/FORMAT.md, "Aliases"); a reader gives alias's reads
+ * is target" (docs/FORMAT.md, the "alias" entry); a reader gives alias's reads
  * target's tensor, and lists alias as an entry of kind CKPT_ENTRY_ALIAS.
  * Key rules as above; CKPT_ENOENT if target is no tensor of w. */
 CKPT_API int ckpt_write_alias(ckpt_writer *w, const char *alias, const char *target);
@@ -249,7 +249,7 @@ CKPT_API int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype 
  * an incremental save's hash reads the tensor once more), an asynchronous
  * save copies to_host straight into its staging area (one copy); a load
  * calls from_host only with bytes already verified against the manifest
- * (the one-pass load: each verified piece of at most 1 MiB); with several
+ * (the one-pass load: each verified piece of at most 256 KiB); with several
  * processes each rank moves only its rows of a replicated tensor, its share
  * of ZeRO-1 state and the streamed pieces it receives. */
 typedef struct ckpt_memory_ops {
@@ -377,7 +377,7 @@ CKPT_API int ckpt_model_add_param_mem(ckpt_model *m, const char *name, ckpt_dtyp
  * if target is itself an alias). The pair is ONE parameter: one buffer (the
  * target's), one gradient, one optimizer state (an optimizer skips tied
  * names), frozen together. A checkpoint holds its bytes once, under target's
- * name, and records the alias (docs/FORMAT.md, "Aliases"); a load fills the
+ * name, and records the alias (docs/FORMAT.md, the "alias" entry); a load fills the
  * one buffer. alias is added as a new name (appended: ckpt_model_param lists
  * it after the parameters before it); if it already names target's
  * parameter the call does nothing. CKPT_ENOENT if target is no parameter,
@@ -434,8 +434,9 @@ CKPT_API int ckpt_model_param(const ckpt_model *m, int64_t i, ckpt_param_info *i
  * with both frozen and trainable parameters, saved by one process (and not
  * as Hugging Face shards), writes its trainable ones to <model>.safetensors
  * and its frozen ones to <model>.frozen.safetensors (format version 3,
- * docs/FORMAT.md), which every later save links instead of writing again
- * (ckpt_project_config.no_link_unchanged). Loads, verify, export and
+ * docs/FORMAT.md), which later saves link instead of writing again, as
+ * often as ckpt_project_config.link_copies allows (never with
+ * no_link_unchanged). Loads, verify, export and
  * ckpt_torch read the model from both files. Returns how many parameters
  * matched (> 0), or CKPT_ENOENT naming the pattern if none did. */
 CKPT_API int ckpt_model_set_frozen(ckpt_model *m, const char *pattern, bool frozen);
@@ -859,9 +860,11 @@ typedef struct ckpt_project_config {
      * records. Every checkpoint folder stays complete; deleting one never
      * breaks another. Where links cannot be made (another file system, no
      * hard links) the files are written, and a warning says so once per save.
-     * A linked file is one physical copy shared by the checkpoints (a bad
-     * sector hits all of them; ckpt verify names them). true: always write
-     * every file (zero-initialised configs keep linking on). */
+     * A linked file is one physical copy shared by the checkpoints that
+     * link it (a bad sector hits each of them; ckpt verify names them);
+     * link_copies below keeps more than one copy among the retained ones.
+     * true: always write every file (zero-initialised configs keep linking
+     * on). */
     bool no_link_unchanged;
     /* Retained checkpoints are independent copies: with linking on, a save
      * keeps at least this many physical copies of every file among the
@@ -876,6 +879,45 @@ typedef struct ckpt_project_config {
      * N - 1 saves (bench/README.md). 1: link whenever the bytes are equal
      * (one copy may serve every checkpoint). Negative: CKPT_EINVAL. */
     int link_copies;
+    /* Storage tiers (docs/DISTRIBUTED.md "Storage tiers"). With local_dir
+     * set, every automatic save first goes to a node-local folder: each rank
+     * writes its part there (a checkpoint folder committed atomically and
+     * verified like the project's, numbered with the save's number, with its
+     * own retention), then sends it over the communicator to
+     * local_replicas other nodes, whose ranks write and verify it in their
+     * own local folders. Every persist_every-th save, a save made after a
+     * preemption signal was caught (ckpt_preemption_requested) and a save
+     * after ckpt_accelerator_persist_next_save also go to the project
+     * folder, as without tiers (each rank copies its own part there, rank 0
+     * commits). ckpt_load_state(acc, NULL) then resumes from the newest save
+     * whose every rank's part is verified somewhere: this rank's node, a
+     * replica on another node, or the project folder. Explicit folders
+     * (ckpt_save_state(acc, dir)) never use the tiers. */
+    /* A folder on the node (a local disk, or /dev/shm: memory, which lasts
+     * only as long as the node runs). "%n" expands to the node's index, "%r"
+     * to the rank, "%%" to '%'; each rank keeps its files in
+     * <local_dir>/rank_<r>. NULL or "": no tier. Needs a project_dir, a local
+     * one (over an s3:// project_dir: CKPT_EUNSUPPORTED). */
+    const char *local_dir;
+    /* How many other nodes keep a copy of each rank's part: rank r's part
+     * goes to ranks r + J, r + 2J, ... (mod the process count), J being
+     * ranks_per_node, so each copy sits on another node. 0: the default, 1;
+     * negative: none (each part only on its own node). At most the number of
+     * nodes less one (more is lowered to that, with a warning). */
+    int local_replicas;
+    /* Every this many saves also goes to the project folder (a save whose
+     * number is at least persist_every past the project's newest
+     * checkpoint). 0: the default, 1 (every save); negative: CKPT_EINVAL. */
+    int persist_every;
+    /* Ranks per node, J. 0: the communicator's node split (ranks must then
+     * be laid out by node: rank r on node r / J, as mpirun --map-by core
+     * and Slurm's block distribution place them). Set it to simulate J-rank
+     * nodes on one machine (local_dir must then hold %n or %r). It must
+     * divide the process count. */
+    int ranks_per_node;
+    /* The node-local saves each rank keeps; older ones are removed once a
+     * newer one is committed on every node. 0: the default, 1. */
+    int local_total_limit;
 } ckpt_project_config;
 
 #define CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S 600.0
@@ -1042,19 +1084,27 @@ CKPT_API int ckpt_save_state(ckpt_accelerator *acc, const char *output_dir);
  * background (ENOSPC, EIO, ...) is sent to the log callback at once (from the
  * background thread, level CKPT_LOG_ERROR) and returned, with its message in
  * ckpt_errmsg() of the waiting thread, by the next ckpt_save_wait,
- * ckpt_save_state or ckpt_save_state_async; it is returned once.
+ * ckpt_save_poll, ckpt_save_state or ckpt_save_state_async; it is returned
+ * once.
  * A later ckpt_save_state / ckpt_save_state_async, ckpt_load_state and
  * ckpt_accelerator_free first wait for the pending save (load and free do
  * not return its failure: it stays for the next wait or save; free only
  * logs it). ckpt_accelerator_iteration counts the pending save at once (and
  * goes back if it fails); ckpt_accelerator_last_dir names it once it has
- * been waited for. The post-save hooks of a successful asynchronous save run
- * when it is waited for, in the waiting thread (never in the background).
+ * been waited for (or committed by ckpt_save_poll). The post-save hooks of a
+ * successful asynchronous save run then, in the caller's thread (never in
+ * the background).
  * With a comm of several processes it is collective like ckpt_save_state:
  * the background thread only writes this rank's files; the agreement and
- * the commit run in the caller's thread at the next ckpt_save_wait / save /
- * load / free, which are then collective too, so the communicator is only
- * ever used from the caller's thread (MPI needs no thread support). */
+ * the commit run in the caller's thread at the next ckpt_save_poll that
+ * finds every rank's files written, or the next ckpt_save_wait / save /
+ * load / free, which are then collective too, so the communicator's
+ * collectives are only ever used from the caller's thread (MPI needs no
+ * thread support). With node-local tiers (ckpt_project_config.local_dir)
+ * and a comm with exchange_background (ckpt_comm_mpi under
+ * MPI_THREAD_MULTIPLE), the background thread also replicates this rank's
+ * part to other nodes, over that channel; the commit checks what arrived
+ * against the manifest (docs/DISTRIBUTED.md "Storage tiers"). */
 CKPT_API int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir);
 /* Ends the pending asynchronous save: waits for the background thread and
  * returns the save's status (CKPT_OK when none is pending and no failure is
@@ -1375,12 +1425,19 @@ CKPT_API int ckpt_accelerator_start_over(ckpt_accelerator *acc);
 CKPT_API void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint64_t *written,
                                                uint64_t *linked);
 /* The folder of the last save or load; "" if none. View valid until the next
- * save/load or free. */
+ * save/load or free. After a save or load of a node-local tier
+ * (ckpt_project_config.local_dir) that was not in the project folder, this
+ * rank's folder of it on its node (<local_dir>/rank_<r>/checkpoint_<n>). */
 CKPT_API const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc);
 /* The folder for the run's logs: the config's logging_dir, else
  * <project_dir>/logs; with a project in object storage (s3://), the logs
  * folder of its local staging folder (docs/OBJECT_STORAGE.md). "" if none. */
 CKPT_API const char *ckpt_accelerator_logging_dir(const ckpt_accelerator *acc);
+/* With a node-local tier (ckpt_project_config.local_dir): the next automatic
+ * save also goes to the project folder, whatever persist_every says (a
+ * run's final save). With several processes rank 0's call decides; call it
+ * on every rank alike. Without a tier every save goes there anyway. */
+CKPT_API int ckpt_accelerator_persist_next_save(ckpt_accelerator *acc);
 
 /* The step: what a save records in its manifest and a full load restores
  * (the training step to resume at). It follows the optimizer: unless

@@ -33,8 +33,12 @@ extern "C" {
  * fatal). rank/size are comm's; local_rank/local_size come from the ranks
  * sharing this node (MPI_Comm_split_type with MPI_COMM_TYPE_SHARED), node
  * and num_nodes number the nodes in the order of their lowest rank. MPI
- * must be initialised; collective over comm. Free *out with ckpt_comm_free
- * before MPI_Finalize. CKPT_EIO naming the MPI error on failure. */
+ * must be initialised; collective over comm. If MPI runs at
+ * MPI_THREAD_MULTIPLE (MPI_Init_thread), *out also has exchange_background,
+ * on a second duplicate of comm, so that an asynchronous save with
+ * node-local tiers replicates in its background thread. Free *out with
+ * ckpt_comm_free before MPI_Finalize. CKPT_EIO naming the MPI error on
+ * failure. */
 CKPT_API int ckpt_comm_mpi(ckpt_comm **out, MPI_Comm comm);
 
 #ifdef __cplusplus

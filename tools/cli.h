@@ -159,8 +159,12 @@ typedef struct cli_dist {
  * one process. */
 extern int cli_rank;
 /* Under mpirun (and built with MPI): MPI_Init and a communicator over
- * MPI_COMM_WORLD; otherwise one process. Returns an exit code. */
-int cli_dist_init(cli_dist *d);
+ * MPI_COMM_WORLD; otherwise one process. threads: ask MPI for
+ * MPI_THREAD_MULTIPLE, so that an asynchronous save replicates to other
+ * nodes in its background thread (ckpt_comm.exchange_background); without
+ * it from MPI the run goes on, replicating in the caller's thread. Returns
+ * an exit code. */
+int cli_dist_init(cli_dist *d, bool threads);
 void cli_dist_finish(cli_dist *d);
 /* Whether a launcher (mpirun: Open MPI, PMIx or PMI) started this process
  * as a rank of a job, of any size, whether or not the build has MPI. */

@@ -27,13 +27,15 @@ bool cli_dist_launched(void) { return launched_size() > 0; }
 
 int cli_rank = -1; /* cli_error's "[rank r]" tag; -1: one process */
 
-int cli_dist_init(cli_dist *d) {
+int cli_dist_init(cli_dist *d, bool threads) {
     memset(d, 0, sizeof *d);
     d->size = 1;
     long launched = launched_size();
 #ifdef CKPT_HAVE_MPI
     if (launched <= 0) return CLI_OK;
-    if (MPI_Init(NULL, NULL) != MPI_SUCCESS) {
+    int level = 0;
+    if ((threads ? MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &level)
+                 : MPI_Init(NULL, NULL)) != MPI_SUCCESS) {
         cli_error("MPI_Init failed");
         return CLI_RUNTIME;
     }
@@ -51,6 +53,7 @@ int cli_dist_init(cli_dist *d) {
     if (d->size > 1) cli_rank = d->rank;
     return CLI_OK;
 #else
+    (void)threads;
     if (launched > 1) {
         cli_error("started as one of %ld processes, but this ckpt was built without MPI", launched);
         return CLI_USAGE;

@@ -130,7 +130,9 @@ int cli_train(int argc, char **argv) {
     static const int preempt_signals[] = {SIGTERM, SIGUSR1, SIGINT};
     if ((rc = ckpt_preemption_install(preempt_signals, 3)) < 0) return train_fail("signals", rc);
 
-    int status = cli_dist_init(&t.dist);
+    /* an asynchronous save with node-local tiers replicates in the
+     * background if MPI allows calls from two threads */
+    int status = cli_dist_init(&t.dist, o->local_dir && o->async);
     if (status != CLI_OK) goto done;
     t.speak = t.dist.rank == 0;
     status = trainer_setup(&t);
@@ -147,8 +149,12 @@ int cli_train(int argc, char **argv) {
         goto done;
     }
     if (o->resume) {
-        if (has || o->resume_from) {
+        /* with --local-dir the tiers may hold saves the project does not */
+        if (has || o->local_dir || o->resume_from) {
             if ((status = train_resume(&t)) != CLI_OK) goto done;
+            has = t.resumed_from[0] != '\0';
+        }
+        if (has) {
             step = ckpt_accelerator_step(t.acc);
             saved_step = step;
             resumed = true;
@@ -269,7 +275,10 @@ int cli_train(int argc, char **argv) {
             goto done;
         }
         if (due || step == total) {
-            if ((status = train_save(&t, step, step == total)) != CLI_OK) goto done;
+            /* the run's last save: at the end, or at the step a preemption
+             * stops at (persisted with --local-dir, waited for with --async) */
+            bool ending = step == total || (t.dist.size > 1 ? stop : ckpt_preemption_requested());
+            if ((status = train_save(&t, step, ending)) != CLI_OK) goto done;
             saved_step = step;
         } else if (o->async && (rc = ckpt_save_poll(t.acc)) < 0) {
             /* a background save whose files are written is committed here,

@@ -37,6 +37,10 @@ typedef struct train_opts {
     const char *freeze[16]; /* --freeze patterns */
     int nfreeze;
     uint64_t max_shard_size;
+    /* storage tiers: --local-dir, --replicas (-1: not given), --persist-every,
+     * --ranks-per-node */
+    const char *local_dir;
+    int64_t replicas, persist_every, ranks_per_node;
     bool resume, quiet, shard_optimizer, async;
     bool drop_data_position; /* resume with another global batch (see the help) */
     bool log_every_given;    /* --log-every: lines, never a redrawn bar */

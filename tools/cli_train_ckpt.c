@@ -193,6 +193,12 @@ int train_resume(trainer *t) {
         cli_error("--resume-from: %s", ckpt_errmsg());
         return CLI_USAGE;
     }
+    /* with node-local tiers a run may have saves there and none in the
+     * project folder yet: nothing anywhere is a fresh start */
+    if (rc == CKPT_ENOENT && o->local_dir && !o->resume_from) {
+        t->resumed_from[0] = '\0';
+        return CLI_OK;
+    }
     int saved_procs = 1, now_procs = t->dist.size > 0 ? t->dist.size : 1;
     bool drop = false;
     int64_t epoch = 0, pos = 0;
@@ -280,6 +286,9 @@ int train_save(trainer *t, int64_t step, bool last) {
     if (rc == 0)
         rc = ckpt_set_metric(t->acc, "test_acc",
                              t->ntest ? (double)correct / (double)t->ntest : 0.0);
+    /* with node-local tiers the last save (the end, a preemption) also goes
+     * to the project folder, whatever --persist-every says */
+    if (rc == 0 && last) rc = ckpt_accelerator_persist_next_save(t->acc);
     if (rc == 0)
         rc = t->opt.async ? ckpt_save_state_async(t->acc, NULL) : ckpt_save_state(t->acc, NULL);
     if (rc == 0 && t->opt.async && last) rc = ckpt_save_wait(t->acc);

@@ -58,13 +58,31 @@ static const char train_help[] =
     "                     checkpoint) with a fresh optimizer, schedule and data\n"
     "                     order, at step 0: fine-tuning (not with --resume)\n"
     "  --async            save in the background: the loop stalls only for the copy of\n"
-    "                     the state (ckpt_save_state_async); the last save is waited for\n"
+    "                     the state (ckpt_save_state_async); the last save is waited for;\n"
+    "                     with --local-dir under MPI the replicas are sent in the\n"
+    "                     background too (MPI_THREAD_MULTIPLE)\n"
     "  --freeze PATTERN   freeze the parameters whose names match the glob PATTERN\n"
     "                     (e.g. 'fc1.*'; repeatable): the optimizer leaves them alone\n"
     "                     and checkpoints keep them in a file of their own that\n"
-    "                     every later save links instead of writing again\n"
+    "                     later saves link instead of writing again, while\n"
+    "                     --link-copies physical copies remain (default 2)\n"
     "  --shard-optimizer  ZeRO-1: each process keeps the AdamW moments of its share\n"
     "                     of the parameters (saved as sharded tensors)\n"
+    "  --local-dir DIR    storage tiers: every save goes first to DIR, a folder on\n"
+    "                     each node (%n: the node's index, %r: the rank; e.g.\n"
+    "                     /dev/shm/ckpt-%n, memory, which lasts as long as the\n"
+    "                     node), and each rank's part is copied to --replicas\n"
+    "                     other nodes; --resume takes the newest save whose every\n"
+    "                     part is on some node or in the project folder\n"
+    "                     (docs/DISTRIBUTED.md, \"Storage tiers\")\n"
+    "  --replicas N       with --local-dir: other nodes that keep a copy of each\n"
+    "                     rank's part (default 1; 0 = none)\n"
+    "  --persist-every K  with --local-dir: every K-th save also goes to the project\n"
+    "                     folder (default 1); so do the last save and a save at a\n"
+    "                     preemption signal\n"
+    "  --ranks-per-node J with --local-dir: J ranks make a node (default: the\n"
+    "                     machines MPI found); set it to simulate nodes on one\n"
+    "                     machine\n"
     "  --log-every N      steps between progress lines (default 50); on a terminal a\n"
     "                     progress bar is redrawn instead, unless --log-every is given\n"
     "                     or the run is part of an MPI job\n"
@@ -107,7 +125,11 @@ int train_parse_opts(int argc, char **argv, train_opts *o) {
         O_MAX_SHARD,
         O_DROP_POSITION,
         O_COLL_TIMEOUT,
-        O_FREEZE
+        O_FREEZE,
+        O_LOCAL_DIR,
+        O_REPLICAS,
+        O_PERSIST_EVERY,
+        O_RANKS_PER_NODE
     };
     static const struct option longopts[] = {
         {"epochs", required_argument, NULL, O_EPOCHS},
@@ -134,6 +156,10 @@ int train_parse_opts(int argc, char **argv, train_opts *o) {
         {"quiet", no_argument, NULL, O_QUIET},
         {"shard-optimizer", no_argument, NULL, O_SHARD_OPTIM},
         {"async", no_argument, NULL, O_ASYNC},
+        {"local-dir", required_argument, NULL, O_LOCAL_DIR},
+        {"replicas", required_argument, NULL, O_REPLICAS},
+        {"persist-every", required_argument, NULL, O_PERSIST_EVERY},
+        {"ranks-per-node", required_argument, NULL, O_RANKS_PER_NODE},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -146,6 +172,7 @@ int train_parse_opts(int argc, char **argv, train_opts *o) {
                       .log_every = 50,
                       .lr = 2e-3,
                       .collective_timeout = CKPT_COLLECTIVE_TIMEOUT_DEFAULT_S,
+                      .replicas = -1,
                       .project_dir = "runs/digits"};
     opterr = 0;
     optind = 0;
@@ -198,6 +225,13 @@ int train_parse_opts(int argc, char **argv, train_opts *o) {
         case O_QUIET: o->quiet = true; break;
         case O_SHARD_OPTIM: o->shard_optimizer = true; break;
         case O_ASYNC: o->async = true; break;
+        case O_LOCAL_DIR:
+            o->local_dir = a;
+            ok = *a != '\0';
+            break;
+        case O_REPLICAS: ok = cli_parse_i64(a, 0, 1 << 20, &o->replicas); break;
+        case O_PERSIST_EVERY: ok = cli_parse_i64(a, 1, INT32_MAX, &o->persist_every); break;
+        case O_RANKS_PER_NODE: ok = cli_parse_i64(a, 1, 1 << 24, &o->ranks_per_node); break;
         case O_KEEP_EVERY: ok = cli_parse_i64(a, 1, INT64_MAX, &o->keep_every); break;
         case O_KEEP_BEST:
             if (!cli_parse_keep_best(a, o->best_metric, sizeof o->best_metric, &o->best_mode,
@@ -221,6 +255,9 @@ int train_parse_opts(int argc, char **argv, train_opts *o) {
     }
     if (optind < argc) return cli_usage_error("train", "unexpected argument '%s'", argv[optind]);
     if (!*o->project_dir) return cli_usage_error("train", "--project-dir is empty");
+    if (!o->local_dir && (o->replicas >= 0 || o->persist_every || o->ranks_per_node))
+        return cli_usage_error("train", "--replicas, --persist-every and --ranks-per-node "
+                                        "apply with --local-dir only");
     if (o->drop_data_position && !o->resume)
         return cli_usage_error("train", "--drop-data-position applies to a --resume only");
     if (o->init_from && o->resume)

@@ -188,6 +188,12 @@ int trainer_setup(trainer *t) {
         .best_k = (int)o->best_k,
         .save_interval_seconds = o->save_every_seconds,
         .collective_timeout_s = o->collective_timeout > 0 ? o->collective_timeout : -1.0,
+        .local_dir = o->local_dir,
+        .local_replicas = o->replicas < 0    ? 0
+                          : o->replicas == 0 ? -1
+                                             : (int)o->replicas,
+        .persist_every = (int)o->persist_every,
+        .ranks_per_node = (int)o->ranks_per_node,
     };
     if ((rc = ckpt_accelerator_new(&t->acc, &pc)) < 0) return train_fail("accelerator", rc);
     ckpt_accelerator_set_log(t->acc, cli_library_log, NULL); /* escaped, as every output */

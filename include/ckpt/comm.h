@@ -66,6 +66,30 @@ typedef struct ckpt_comm {
      * only. Collectives called outside an operation (ZeRO-1 optimizer steps,
      * ckpt_should_save) have no deadline. See docs/DISTRIBUTED.md. */
     void (*deadline)(void *ctx, double seconds, const char *phase);
+    /* Optional (NULL: ckpt moves such bytes with gather, one root rank at a
+     * time: P gathers where one exchange would do). Collective: every rank
+     * calls it at the same point. This rank sends sn bytes at sbuf to rank
+     * dest and receives rn bytes from rank src into rbuf (dest or src < 0,
+     * or a count of 0: nothing that way); what a rank sends another is
+     * exactly what that rank expects from it (the same count). With a
+     * deadline it waits as the collectives do. How node-local tiers move
+     * each rank's part to the nodes that keep a copy, and back
+     * (docs/DISTRIBUTED.md "Storage tiers"). */
+    int (*exchange)(void *ctx, const void *sbuf, size_t sn, int dest, void *rbuf, size_t rn,
+                    int src);
+    /* Optional (NULL: an asynchronous save's replication to other nodes runs
+     * in the caller's thread, at the next ckpt_save_poll that finds every
+     * rank's files written, ckpt_save_wait, save, load or free). exchange
+     * for ckpt's background thread: it is called there
+     * while the caller's thread may be in this communicator's other
+     * functions (or in the application's own traffic), so it must move its
+     * bytes on a channel of its own (ckpt_comm_mpi: a duplicate of the
+     * communicator, set only under MPI_THREAD_MULTIPLE). Pairs as exchange
+     * does, with exchanges of other ranks' background threads only, one
+     * background save at a time. Gives up after timeout_s seconds (<= 0:
+     * never) with CKPT_ETIMEDOUT. */
+    int (*exchange_background)(void *ctx, const void *sbuf, size_t sn, int dest, void *rbuf,
+                               size_t rn, int src, double timeout_s);
 } ckpt_comm;
 
 /* For communicator implementations: ckpt_set_error (see Errors above) sets

@@ -255,10 +255,46 @@ typedef struct ckpt_leftover_info {
 } ckpt_leftover_info;
 
 /* Lists the leftover temporary folders of a project, sorted by path. The
- * next save, or ckpt_checkpoint_prune, removes them. *out is malloc'd;
- * free() it. A project without a checkpoints folder has none. */
+ * next save, or ckpt_checkpoint_prune, removes them; so does a resume (the
+ * first ckpt_load_state of a run) for those whose process is gone. *out is
+ * malloc'd; free() it. A project without a checkpoints folder has none. */
 CKPT_API int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_info **out,
                                        int64_t *count);
+
+/* ------------------------------------------------------------------------ */
+/* Node-local tiers (ckpt_project_config.local_dir), for ckpt ls             */
+/* ------------------------------------------------------------------------ */
+
+/* One checkpoint folder of a node-local tier: what one rank keeps of a save
+ * (its own part and the parts it keeps for ranks on other nodes). */
+typedef struct ckpt_tier_info {
+    char path[4096]; /* <local_dir>/rank_<r>/checkpoint_<n> */
+    int rank;        /* r: whose folder */
+    int64_t number;  /* n */
+    int64_t step;
+    int64_t created_unix; /* seconds since the epoch */
+    int num_processes;    /* the save's */
+    uint64_t bytes;       /* of the files it holds that check */
+    int num_parts;        /* the ranks whose part it holds whole: each of their files there,
+                             of the listed size (and with deep, checksum) */
+    int parts[16];        /* those ranks, ascending (the first 16) */
+    bool in_memory;       /* on a file system in memory (tmpfs, ramfs): it lasts only as long
+                             as the node runs */
+    ckpt_checkpoint_status status; /* COMPLETE: every file it holds checks; PARTIAL: no
+                                      manifest; CORRUPT: the manifest or a file fails */
+} ckpt_tier_info;
+
+/* Lists the checkpoint folders of a node-local tier, by rank then number:
+ * dir is what a local_dir expanded to on a node (its rank_<r> folders), or
+ * one rank_<r> folder, or one checkpoint folder in one. *out is malloc'd
+ * (NULL when *count is 0); free() it. CKPT_ENOENT if dir holds no rank_<r>
+ * folder and is none. A folder that fails gets its status; the reason is
+ * ckpt_tier_verify's. */
+CKPT_API int ckpt_tier_list(const char *dir, bool deep, ckpt_tier_info **out, int64_t *count);
+/* Looks at one checkpoint folder of a tier (<...>/rank_<r>/checkpoint_<n>):
+ * CKPT_OK if its manifest and every file it holds check, else the first
+ * failure (ckpt_errmsg names the file), with info filled as far as read. */
+CKPT_API int ckpt_tier_verify(const char *dir, bool deep, ckpt_tier_info *info);
 
 #ifdef __cplusplus
 }

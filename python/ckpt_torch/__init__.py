@@ -390,7 +390,19 @@ def _check_object_name(name, taken):
         raise InvalidError("save: custom object name '%s' is taken (letter case aside)" % name)
 
 
-def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *, iteration=None,
+def _optimizer_step(flats):
+    """The step a save records when none is given, as the C library's
+    accelerator counts it: the first optimizer's step count, the largest
+    `state.<i>.step` of its parameters (frozen ones have none); 0 without an
+    optimizer or before its first step."""
+    if not flats:
+        return 0
+    steps = [int(float(v)) for k, v in flats[0].items()
+             if k.startswith("state.") and k.endswith(".step")]
+    return max(steps) if steps else 0
+
+
+def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=None, *, iteration=None,
          dataloader=None, custom=None, named=None, random_states=None, seed=0, warn=None,
          metrics=None, batches_per_step=1):
     """Writes a ckpt checkpoint folder `dir` that the C library's
@@ -404,7 +416,9 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
                   LambdaLR whose lambdas are ckpt_torch.WarmupCosine /
                   WarmupLinear / Constant, or a flat dict
       scaler      GradScaler, or its state dict (the five GradScaler keys)
-      step        the manifest's step (ckpt_accelerator_step after a load)
+      step        the manifest's step (ckpt_accelerator_step after a load);
+                  None (default): as in C, the first optimizer's step count
+                  (its parameters' `step`), 0 without an optimizer
       dataloader, custom, random_states
                   flat dicts (as load_state_dict() returns) for the C objects
                   PyTorch has no counterpart of: the data loader's position,
@@ -436,14 +450,16 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=0, *
     into place; a folder already holding a checkpoint is exchanged
     atomically; a non-empty folder without a manifest is never replaced.
     Returns the manifest written."""
-    loaders = [_plain_flat(x) for x in _as_list(dataloader)]
-    _check_position(loaders, step, batches_per_step)
     files = []
     for i, x in enumerate(_as_list(model)):
         files.append((_file_name("model", i), "model", _model_flat(x)))
     for i, x in enumerate(_as_list(optimizer)):
         flat = _plain_flat(x) if _is_flat(x) else optimizer_to_flat(x, _param_names(x, _as_list(model)))
         files.append((_file_name("optimizer", i), "optimizer", flat))
+    if step is None:
+        step = _optimizer_step([f[2] for f in files if f[1] == "optimizer"])
+    loaders = [_plain_flat(x) for x in _as_list(dataloader)]
+    _check_position(loaders, step, batches_per_step)
     for i, x in enumerate(_as_list(scheduler)):
         flat = _plain_flat(x) if _is_flat(x) else scheduler_to_flat(x)
         files.append((_file_name("scheduler", i), "scheduler", flat))

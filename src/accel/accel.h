@@ -13,6 +13,7 @@
 #include "ckpt.h"
 #include "base/io.h"
 #include "store/store.h"
+#include "accel/tier.h"
 
 /* ckpt_project_config.link_copies when 0. */
 #define CKPT_LINK_COPIES_DEFAULT 2
@@ -122,6 +123,8 @@ struct ckpt_accelerator {
     /* ckpt_set_metric: recorded by the next save */
     int nmetrics;
     ckpt_metric metrics[CKPT_MAX_METRICS];
+    /* the node-local tier (tier.h); tier.pattern NULL: none */
+    ckpt_tier tier;
 };
 
 /* Monotonic seconds (policy.c); tests replace the clock with

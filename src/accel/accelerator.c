@@ -67,8 +67,14 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     if (isnan(cfg->collective_timeout_s))
         return ckpt__err(CKPT_EINVAL, "accelerator_new: collective_timeout_s is NaN, expected "
                                       "seconds (0: the default, negative: no deadline)");
+    ckpt_tier tier;
+    CKPT_TRY(ckpt__tier_configure(&tier, cfg, np));
     ckpt_accelerator *acc = ckpt__calloc(1, sizeof *acc);
-    if (!acc) return ckpt__err_nomem("accelerator");
+    if (!acc) {
+        ckpt__tier_free(&tier);
+        return ckpt__err_nomem("accelerator");
+    }
+    acc->tier = tier;
     acc->project_lock.fd = -1;
     acc->automatic_checkpoint_naming = cfg->automatic_checkpoint_naming;
     acc->total_limit = cfg->total_limit;
@@ -97,7 +103,12 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
         if (!acc->project_dir) goto nomem;
         /* s3://bucket/prefix: project_dir becomes the local staging folder */
         if (ckpt__s3_is_url(cfg->project_dir)) {
-            int rrc = ckpt__acc_remote_init(acc, cfg->project_dir);
+            int rrc = cfg->local_dir && cfg->local_dir[0]
+                          ? ckpt__err(CKPT_EUNSUPPORTED,
+                                      "%s: a node-local tier (local_dir) over a project in object "
+                                      "storage is not supported",
+                                      cfg->project_dir)
+                          : ckpt__acc_remote_init(acc, cfg->project_dir);
             if (rrc < 0) {
                 ckpt_accelerator_free(acc);
                 return ckpt__err_prefix(rrc, "accelerator_new");
@@ -129,6 +140,7 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
     }
     ckpt__lock_release(&acc->project_lock);
     ckpt__acc_remote_free(acc);
+    ckpt__tier_free(&acc->tier);
     free(acc->objs);
     free(acc->project_dir);
     free(acc->logging_dir);
@@ -230,6 +242,12 @@ const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc) {
 
 const char *ckpt_accelerator_logging_dir(const ckpt_accelerator *acc) {
     return acc && acc->logging_dir ? acc->logging_dir : "";
+}
+
+int ckpt_accelerator_persist_next_save(ckpt_accelerator *acc) {
+    if (!acc) return ckpt__err(CKPT_EINVAL, "accelerator_persist_next_save: acc is NULL");
+    acc->tier.persist_next = true;
+    return CKPT_OK;
 }
 
 /* ---- registration ---------------------------------------------------------- */

@@ -6,7 +6,9 @@
  *                     tensor copied into the staging area (or, past
  *                     async_staging_limit, its file written at once)
  *   background thread write; with one process also agree (trivial),
- *                     commit, rotate and release
+ *                     commit, rotate and release; with node-local tiers
+ *                     and ckpt_comm.exchange_background, the replication
+ *                     of this rank's part to other nodes
  *   caller's thread   at the next wait / save / load / free: with several
  *                     processes the agreement and the commit (collectives
  *                     never leave the caller's thread); the numbering and
@@ -64,6 +66,9 @@ typedef struct ckpt_async {
  * message of ckpt_errmsg() is the thread's own). */
 static void run_job(ckpt_async *as, ckpt_save_op *op, bool finish) {
     int rc = ckpt__save_op_write(op);
+    /* with node-local tiers and a channel for it: the replication too
+     * (every rank's thread takes part, whatever its status) */
+    if (ckpt__save_op_replicates_in_background(op)) ckpt__save_op_replicate(op);
     if (finish) rc = ckpt__save_op_commit(op);
     if (rc < 0) {
         snprintf(as->bg_msg, sizeof as->bg_msg, "%s", ckpt_errmsg());
@@ -319,11 +324,16 @@ int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir) {
     ckpt_save_op *op = NULL;
     ckpt__save_op_new(acc, output_dir, &op);
     if (!op) return ckpt__err_nomem("save_state_async");
+    ckpt__save_op_replicate_in_background(op);
+    bool bg = ckpt__save_op_replicates_in_background(op);
     ckpt__save_op_plan(op);
     ckpt__save_op_snapshot(op);
     int rc = ckpt__save_op_agree_snapshot(op);
     if (rc == 0) rc = ckpt__save_op_stage(op);
-    if (rc == 0) rc = start_thread(as);
+    if (rc == 0 || bg) {
+        int trc = start_thread(as);
+        if (rc == 0) rc = trc;
+    }
     if (rc < 0 && acc->comm->size <= 1) {
         /* Nothing handed over: ends here, as a synchronous save would. */
         ckpt__save_op_fail(op, rc);
@@ -343,14 +353,16 @@ int ckpt_save_state_async(ckpt_accelerator *acc, const char *output_dir) {
     as->iteration_before = acc->iteration;
     int64_t num = ckpt__save_op_number(op);
     if (rc == 0 && num >= 0 && num + 1 > acc->iteration) acc->iteration = num + 1;
-    if (rc == 0) {
+    /* A failed rank's thread still takes part in the replication's
+     * exchanges (sending nothing), so that no other rank waits for it. */
+    if (rc == 0 || (bg && as->started)) {
         pthread_mutex_lock(&as->mu);
         as->job = op;
         as->job_finish = acc->comm->size <= 1;
         as->background = acc->async_background;
         pthread_cond_broadcast(&as->cv);
         pthread_mutex_unlock(&as->mu);
-        acc->nmetrics = 0; /* the pending save carries them */
+        if (rc == 0) acc->nmetrics = 0; /* the pending save carries them */
     }
     return CKPT_OK;
 }

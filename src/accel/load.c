@@ -221,6 +221,20 @@ static int find_candidates(ckpt__load_op *op) {
         op->cdir = ckpt__checkpoints_dir(acc->project_dir);
     }
     if (!op->cdir) return fail(op, ckpt__err_nomem("load path"), true);
+    /* With a node-local tier: the newest save whose every part is on some
+     * node, if the project folder has nothing newer (tier_load.c). */
+    if (ckpt__tier_on(&acc->tier)) {
+        ckpt__coll_phase(acc, "load: choose among the node-local tiers");
+        rc = ckpt__tier_choose(acc, &op->tpick);
+        if (rc < 0) return fail(op, rc, true);
+        if (op->tpick.use) {
+            op->tier = true;
+            op->dir = ckpt__tier_folder(&acc->tier, op->tpick.number);
+            rc = ckpt__coll_agree(op->comm, op->dir ? CKPT_OK : ckpt__err_nomem("load path"), NULL);
+            return fail(op, rc, true);
+        }
+        ckpt__coll_phase(acc, "load: choose the checkpoint");
+    }
     rc = list_candidates(op, op->cdir, &op->nums, &op->ncand);
     op->next = op->ncand - 1;
     return fail(op, rc, true);
@@ -231,7 +245,14 @@ int ckpt__load_op_choose(ckpt__load_op *op) {
     if (!enter(op, PH_CHOOSE, first || op->retry)) return op->rc;
     op->retry = false;
     if (first && find_candidates(op) < 0) return op->rc;
-    if (op->input_dir) return op->rc;
+    if (op->input_dir || op->tier) return op->rc;
+    if (op->tier_fallback) { /* the tiers' save failed: the project's checkpoints */
+        op->tier_fallback = false;
+        ckpt__coll_phase(op->acc, "load: choose the checkpoint");
+        int rc = list_candidates(op, op->cdir, &op->nums, &op->ncand);
+        op->next = op->ncand - 1;
+        if (fail(op, rc, true) < 0) return op->rc;
+    }
     /* The next candidate, newest first (read never asks past the oldest). */
     char name[48];
     snprintf(name, sizeof name, "checkpoint_%" PRId64, op->nums[op->next--]);
@@ -352,6 +373,7 @@ static bool one_pass_fits(const ckpt_manifest *m) {
 
 int ckpt__load_op_plan(ckpt__load_op *op) {
     if (!enter(op, PH_PLAN, op->phase == PH_CHOOSE) || op->rc < 0) return op->rc;
+    if (op->tier) return op->rc; /* the manifest comes with the parts (read) */
     free(op->reader);
     free(op->shared);
     op->reader = NULL;
@@ -414,8 +436,46 @@ static int read_files(ckpt__load_op *op) {
     return rc;
 }
 
+/* The tiers' save: the manifest and this rank's part, from its own folder
+ * or another rank's (tier_load.c), then the read plan of the same number of
+ * processes (each rank holds the files it wrote) and the files shared as
+ * for the project's. If the parts cannot be had whole and verified, the
+ * project's checkpoints are tried instead, with one line saying why. */
+static int read_tier(ckpt__load_op *op) {
+    ckpt_accelerator *acc = op->acc;
+    ckpt__coll_phase(acc, "load: move parts between nodes");
+    op->one_pass = false; /* the parts arrive verified whole */
+    uint64_t held = 0;
+    char *dir = NULL;
+    int rc = ckpt__tier_fetch(acc, &op->tpick, &op->c, &dir, &held);
+    if (rc == 0) {
+        free(op->dir);
+        op->dir = dir;
+        op->held += held;
+        ckpt__load_held_add(held);
+        ckpt__tier_adopt(acc, &op->tpick, &op->c);
+        if (op->comm->size > 1) rc = ckpt__coll_agree(op->comm, plan_reads(op), NULL);
+        if (rc == 0) rc = ckpt__coll_agree(op->comm, ckpt__load_share_files(op), NULL);
+        if (rc < 0) rc = ckpt__err_prefix(rc, "load_state");
+        return fail(op, rc, true);
+    }
+    if (op->comm->rank == 0)
+        ckpt__log(&acc->log, CKPT_LOG_WARNING,
+                  "load_state: node-local tiers: checkpoint_%" PRId64
+                  ": %s; loading from the project folder %s",
+                  op->tpick.number, ckpt_errmsg(), acc->project_dir);
+    close_checkpoint(op);
+    free(op->dir);
+    op->dir = NULL;
+    op->tier = false;
+    op->tier_fallback = true;
+    op->retry = true;
+    return CKPT__LOAD_NEXT;
+}
+
 int ckpt__load_op_read(ckpt__load_op *op) {
     if (!enter(op, PH_READ, op->phase == PH_PLAN)) return op->rc;
+    if (op->tier) return read_tier(op); /* its choice was agreed: op->rc is 0 here */
     int rc = op->rc < 0 ? op->rc : read_files(op);
     op->rc = 0; /* agreed on now */
     if (op->input_dir) {
@@ -640,6 +700,7 @@ void ckpt__load_op_free(ckpt__load_op *op) {
     free(op->cdir);
     free(op->nums);
     ckpt__load_remote_free(op);
+    ckpt__tier_pick_free(&op->tpick);
     if (op->in_op) ckpt__coll_end(op->acc); /* never finished */
     free(op);
 }

@@ -1,18 +1,37 @@
-/* load_held.c — the counter of load_held.h. A load runs on one thread at a
- * time per process (ckpt_load_state is not reentrant), so plain counters. */
+/* load_held.c — the counter of load_held.h. One process may run several
+ * accelerators at once (threads standing for ranks in the tests, or a program
+ * with two projects), so the counters are atomic: relaxed, since they order
+ * nothing and only count. The figures are then the process's sum. */
+#include <stdatomic.h>
+
 #include "accel/load_held.h"
 
-static uint64_t held_now, held_peak;
+static _Atomic uint64_t held_now, held_peak;
 
-void ckpt__load_held_reset(void) { held_now = held_peak = 0; }
-
-void ckpt__load_held_add(uint64_t n) {
-    held_now += n;
-    if (held_now > held_peak) held_peak = held_now;
+void ckpt__load_held_reset(void) {
+    atomic_store_explicit(&held_now, 0, memory_order_relaxed);
+    atomic_store_explicit(&held_peak, 0, memory_order_relaxed);
 }
 
-void ckpt__load_held_sub(uint64_t n) { held_now = n > held_now ? 0 : held_now - n; }
+void ckpt__load_held_add(uint64_t n) {
+    uint64_t now = atomic_fetch_add_explicit(&held_now, n, memory_order_relaxed) + n;
+    uint64_t peak = atomic_load_explicit(&held_peak, memory_order_relaxed);
+    while (now > peak && !atomic_compare_exchange_weak_explicit(
+                             &held_peak, &peak, now, memory_order_relaxed, memory_order_relaxed)) {
+    }
+}
 
-uint64_t ckpt__load_held_now(void) { return held_now; }
+void ckpt__load_held_sub(uint64_t n) {
+    uint64_t now = atomic_load_explicit(&held_now, memory_order_relaxed);
+    uint64_t next;
+    do {
+        next = n > now ? 0 : now - n;
+    } while (!atomic_compare_exchange_weak_explicit(&held_now, &now, next, memory_order_relaxed,
+                                                    memory_order_relaxed));
+}
 
-uint64_t ckpt__load_held_peak(void) { return held_peak; }
+uint64_t ckpt__load_held_now(void) { return atomic_load_explicit(&held_now, memory_order_relaxed); }
+
+uint64_t ckpt__load_held_peak(void) {
+    return atomic_load_explicit(&held_peak, memory_order_relaxed);
+}

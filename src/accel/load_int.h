@@ -11,6 +11,7 @@
 
 #include "accel/accel.h"
 #include "accel/load_op.h"
+#include "accel/tier_load.h"
 #include "format/keymap.h"
 #include "format/manifest.h"
 #include "format/statedict.h"
@@ -38,6 +39,11 @@ struct ckpt__load_op {
     int64_t *nums, ncand, next;
     char why[1536];
     bool retry; /* read skipped a damaged candidate: choose takes the next */
+    /* A node-local tier (tier_load.c): the choice among the tiers, whether
+     * the candidate is that save (tier), and whether, after it failed, the
+     * project's candidates are still to be listed (tier_fallback). */
+    ckpt_tier_pick tpick;
+    bool tier, tier_fallback;
     /* The candidate being tried, then the checkpoint chosen. */
     char *dir;
     ckpt_checkpoint_open c;

@@ -127,6 +127,16 @@ static int plan_local(save_op *op, const char *output_dir) {
          * otherwise fail every save from then on. */
         op->number = acc->iteration;
         if (taken + 1 > op->number) op->number = taken + 1;
+        if (op->tier) {
+            /* Above every number of any rank's local tier too, so that a
+             * number is never reused for another state; to the project
+             * folder once persist_every numbers past its newest checkpoint,
+             * when asked, and after a preemption signal. */
+            if (op->tier_highest + 1 > op->number) op->number = op->tier_highest + 1;
+            int64_t newest = count > 0 ? nums[count - 1] : -1;
+            op->persist = op->persist_next || ckpt_preemption_requested() ||
+                          op->number - newest >= acc->tier.persist_every;
+        }
         if (odd[0] && !acc->odd_names_said) {
             acc->odd_names_said = true;
             ckpt__log(&op->log, CKPT_LOG_WARNING,
@@ -149,9 +159,14 @@ static int plan_local(save_op *op, const char *output_dir) {
     /* Before the project has a checkpoint (or for a folder of the user's):
      * the checkpoint this accelerator saved or loaded last, e.g. the one a
      * fine-tune started from. */
-    if (op->link && !op->prev_dir && acc->link_dir && acc->link_dir[0] &&
+    if (op->link && !op->prev_dir && !op->tier && acc->link_dir && acc->link_dir[0] &&
         !ckpt__s3_is_url(acc->link_dir))
         op->prev_dir = ckpt__strdup(acc->link_dir);
+    /* Only to the node-local tiers: no project folder is made. */
+    if (op->tier && !op->persist) {
+        free(nums);
+        return CKPT_OK;
+    }
     op->target = ckpt__path_join(op->parent, op->base);
     op->tname = ckpt__temp_name(op->base);
     rc = op->target && op->tname && (op->tmp = ckpt__path_join(op->parent, op->tname))
@@ -175,7 +190,8 @@ static int plan_share(save_op *op) {
     size_t n = 0;
     if (c->rank == 0) {
         const char *prev = op->prev_dir ? op->prev_dir : "";
-        size_t nt = strlen(op->target), np = strlen(op->tmp), nv = strlen(prev), nk = 0;
+        const char *tg = op->target ? op->target : "", *tp = op->tmp ? op->tmp : "";
+        size_t nt = strlen(tg), np = strlen(tp), nv = strlen(prev), nk = 0;
         char *kept = NULL;
         CKPT_TRY(ckpt__save_kept_encode(op, &kept, &nk));
         n = 24 + nt + 1 + np + 1 + nv + 1 + nk;
@@ -185,9 +201,9 @@ static int plan_share(save_op *op) {
             return ckpt__err_nomem("save plan");
         }
         memset(blob, 0, 24);
-        snprintf(blob, 24, "%" PRId64, op->number);
-        memcpy(blob + 24, op->target, nt + 1);
-        memcpy(blob + 24 + nt + 1, op->tmp, np + 1);
+        snprintf(blob, 24, "%" PRId64 " %d", op->number, (int)op->persist);
+        memcpy(blob + 24, tg, nt + 1);
+        memcpy(blob + 24 + nt + 1, tp, np + 1);
         memcpy(blob + 24 + nt + 1 + np + 1, prev, nv + 1);
         memcpy(blob + 24 + nt + 1 + np + 1 + nv + 1, kept, nk);
         free(kept);
@@ -205,10 +221,12 @@ static int plan_share(save_op *op) {
             rc = ckpt__err(CKPT_EINVAL, "save_state: rank 0 sent a malformed plan");
         } else {
             rc = ckpt__save_kept_decode(op, k + 1, (size_t)(end - k - 1));
-            op->number = strtoll(blob, NULL, 10);
-            op->target = ckpt__strdup(t);
-            op->tmp = ckpt__strdup(p + 1);
-            if (!op->target || !op->tmp) rc = ckpt__err_nomem("save plan");
+            char *rest = NULL;
+            op->number = strtoll(blob, &rest, 10);
+            op->persist = strtol(rest, NULL, 10) != 0;
+            /* empty: a save to the node-local tiers only */
+            if (t[0] && !(op->target = ckpt__strdup(t))) rc = ckpt__err_nomem("save plan");
+            if (p[1] && !(op->tmp = ckpt__strdup(p + 1))) rc = ckpt__err_nomem("save plan");
             if (rc == 0 && v[1] && !(op->prev_dir = ckpt__strdup(v + 1)))
                 rc = ckpt__err_nomem("save plan");
         }
@@ -255,7 +273,7 @@ static int write_file(save_op *op, ckpt_writer *w, const char *name, const char 
         }
         return rc;
     }
-    char *path = ckpt__path_join(op->tmp, name);
+    char *path = ckpt__path_join(op->wdir, name);
     if (!path) return ckpt__err_nomem("save path");
     ckpt__file_digest_free(&slot->d);
     memset(&slot->d, 0, sizeof slot->d);
@@ -289,7 +307,7 @@ static int write_text_file(save_op *op, const char *name, const char *text, save
         snprintf(slot->name, sizeof slot->name, "%s", name);
         return CKPT_OK;
     }
-    char *path = ckpt__path_join(op->tmp, name);
+    char *path = ckpt__path_join(op->wdir, name);
     if (!path) return ckpt__err_nomem("save path");
     ckpt_ostream s;
     uint64_t xxh = 0, size = 0;
@@ -586,8 +604,13 @@ static int commit(save_op *op) {
     CKPT_TRY(ckpt__save_add_extras(op));
     /* The manifest is the commit record: written last, after every file of
      * every rank is durable, so a folder with a valid manifest is a complete
-     * checkpoint. */
-    rc = ckpt__manifest_write(m, op->tmp);
+     * checkpoint. With a node-local tier the same text goes into every
+     * rank's local folder too, after the project's commit. */
+    rc = ckpt__manifest_text(m, &op->mtext, &op->mlen);
+    if (rc == 0 && op->tier && op->persist) rc = ckpt__tier_persist_extras(op);
+    if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
+    if (op->tier && !op->persist) return CKPT_OK;
+    rc = ckpt__manifest_publish(op->mtext, op->mlen, op->tmp);
     if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
     /* The folder may have appeared (or changed) since the plan checked it,
      * while the hooks ran and the files were written: the commit checks again
@@ -674,6 +697,7 @@ void ckpt__save_op_free(save_op *op) {
     ckpt__manifest_clear(&op->mine);
     ckpt__manifest_clear(&op->all);
     if (op->have_prev) ckpt__manifest_clear(&op->prev);
+    ckpt__tier_release(op);
     ckpt__save_kept_free(op);
     free(op->order);
     free(op->prev_dir);
@@ -738,6 +762,10 @@ int ckpt__save_op_new(ckpt_accelerator *acc, const char *output_dir, save_op **o
     op->number = -1;
     op->lk.fd = -1;
     op->link = !acc->no_link_unchanged;
+    op->tier = output_dir == NULL && ckpt__tier_on(&acc->tier);
+    op->persist_next = op->tier && acc->tier.persist_next;
+    if (op->tier) acc->tier.persist_next = false; /* this save's (back if it fails) */
+    op->tier_highest = -1;
     op->link_copies = acc->link_copies;
     op->remote = output_dir ? ckpt__s3_is_url(output_dir) : acc->remote != NULL;
     ckpt__manifest_init(&op->mine);
@@ -758,12 +786,23 @@ int ckpt__save_op_plan(save_op *op) {
     const ckpt_comm *c = op->comm;
     if (!enter(op, PH_PLAN) && c->size <= 1) return op->rc;
     if (c->size <= 1) {
+        if (op->rc == 0 && op->tier) op->rc = ckpt__tier_plan(op, op->rc);
         if (op->rc == 0) op->rc = plan_local(op, op->output_dir);
+        if (op->rc == 0) op->wdir = op->tmp;
+        if (op->rc == 0 && op->tier) op->rc = ckpt__tier_open(op);
         if (op->rc == 0 && op->remote) op->rc = ckpt__save_remote_open(op);
         return op->rc;
     }
     ckpt__coll_begin(op->acc, "save: share the plan");
     int rc = op->rc;
+    if (op->tier) {
+        rc = ckpt__tier_plan(op, rc);
+        if (rc < 0) { /* agreed: every rank knows */
+            op->ended = true;
+            ckpt__coll_end(op->acc);
+            return op->rc = rc;
+        }
+    }
     if (op->committer && rc == 0) rc = plan_local(op, op->output_dir);
     int prc = ckpt__coll_share(c, op->committer ? rc : CKPT_OK);
     if (prc < 0) { /* every rank knows: no agreement follows */
@@ -772,6 +811,8 @@ int ckpt__save_op_plan(save_op *op) {
     } else {
         int src = plan_share(op);
         if (rc == 0) rc = src;
+        op->wdir = op->tmp;
+        if (rc == 0 && op->tier) rc = ckpt__tier_open(op);
         if (rc == 0 && op->remote) rc = ckpt__save_remote_open(op);
     }
     ckpt__coll_end(op->acc);
@@ -786,7 +827,7 @@ int ckpt__save_op_snapshot(save_op *op) {
     int rc = CKPT_OK;
     if (acc->hooks[HOOK_SAVE_POST] && !(op->post_dir = ckpt__strdup(op->target)))
         rc = ckpt__err_nomem("save path");
-    if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->tmp, "save_state");
+    if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->wdir, "save_state");
     if (rc == 0 && op->remote) ckpt__save_remote_read_prev(op);
     else if (rc == 0) ckpt__save_read_prev(op);
     if (rc == 0) rc = snapshot(op);
@@ -853,6 +894,8 @@ int ckpt__save_op_stage(save_op *op) {
 int ckpt__save_op_write(save_op *op) {
     if (!enter(op, PH_WRITE)) return op->rc;
     for (int i = 0; op->rc == 0 && i < op->nobjs; i++) write_one(op, i);
+    /* a tier's persisted save: this rank's part into the project folder too */
+    if (op->rc == 0 && op->tier && op->persist) op->rc = ckpt__tier_persist(op);
     return op->rc;
 }
 
@@ -886,12 +929,14 @@ static int commit_all(save_op *op) {
     if (rc == 0) {
         /* commit, rotate */
         if (op->committer) rc = commit(op);
-        if (rc == 0 && op->committer) rotate(op);
+        if (rc == 0 && op->committer && (!op->tier || op->persist)) rotate(op);
         if (op->committer) release(op);
         ckpt__coll_phase(op->acc, "save: share the outcome of the commit");
         rc = ckpt__coll_share(c, rc);
         /* object storage: a number lost to another writer moved the commit */
         if (rc == 0 && op->remote) rc = ckpt__save_remote_share_number(op);
+        /* the node-local tiers: replicas, every rank's local commit */
+        if (op->tier) rc = ckpt__tier_finish(op, rc);
     }
     if (op->committer) release(op);
     free(json);

@@ -41,8 +41,8 @@ static bool writes_name(const save_op *op, const char *name) {
  * to write (the write would fail on "File exists", a less useful message).
  * Only this rank's own names: other ranks may already have written theirs. */
 int ckpt__save_check_hook_names(save_op *op) {
-    DIR *d = ckpt__os_opendir(op->tmp);
-    if (!d) return ckpt__err_os(errno, "save_state: %s", op->tmp);
+    DIR *d = ckpt__os_opendir(op->wdir);
+    if (!d) return ckpt__err_os(errno, "save_state: %s", op->wdir);
     int rc = 0;
     struct dirent *e;
     while (rc == 0 && (e = ckpt__os_readdir(d)) != NULL)
@@ -58,7 +58,7 @@ int ckpt__save_check_hook_names(save_op *op) {
 /* Makes one pre-hook file durable and lists it: fsync, then size and
  * XXH3-64 of what is on disk. */
 static int add_extra(save_op *op, const char *name) {
-    char *path = ckpt__path_join(op->tmp, name);
+    char *path = ckpt__path_join(op->wdir, name);
     if (!path) return ckpt__err_nomem("save path");
     int rc = 0;
     /* The hook's file goes into the checkpoint: a regular file, no link. */
@@ -91,8 +91,8 @@ static int cmp_name(const void *a, const void *b) {
  * fails the save, naming it: dropping a file the user meant to keep, or
  * following a link out of the folder, would be worse. */
 int ckpt__save_add_extras(save_op *op) {
-    DIR *d = ckpt__os_opendir(op->tmp);
-    if (!d) return ckpt__err_os(errno, "save_state: %s", op->tmp);
+    DIR *d = ckpt__os_opendir(op->wdir);
+    if (!d) return ckpt__err_os(errno, "save_state: %s", op->wdir);
     char **names = NULL;
     int n = 0, cap = 0, rc = 0;
     struct dirent *e;
@@ -102,7 +102,7 @@ int ckpt__save_add_extras(save_op *op) {
             continue;
         struct stat st;
         if (ckpt__os_fstatat(ckpt__os_dirfd(d), nm, &st, AT_SYMLINK_NOFOLLOW) != 0) {
-            rc = ckpt__err_os(errno, "save_state: %s/%s", op->tmp, nm);
+            rc = ckpt__err_os(errno, "save_state: %s/%s", op->wdir, nm);
             break;
         }
         const char *why = NULL;

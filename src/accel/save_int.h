@@ -104,6 +104,35 @@ struct ckpt_save_op {
     bool defer_removal;
     char **trash;
     int ntrash, trash_cap;
+    /* Where this rank writes its files: tmp, or with a node-local tier its
+     * own temporary folder there (ltmp). Borrowed. */
+    const char *wdir;
+    /* A save to the node-local tier (tier_save.c): an automatic save of an
+     * accelerator with a local_dir. persist: it also goes to the project
+     * folder (target, tmp; else target is this rank's local folder and tmp
+     * NULL), as rank 0 decided at the plan. */
+    bool tier, persist;
+    bool persist_next;    /* ckpt_accelerator_persist_next_save, taken at new (back if it fails) */
+    int64_t tier_highest; /* the newest local checkpoint of any rank, -1: none */
+    char *ltarget, *ltmp; /* this rank's local folder of the save, and its temporary one */
+    bool ltmp_made;
+    char *pprev_dir; /* persist: the project checkpoint its unchanged files link from */
+    ckpt_manifest pprev;
+    bool have_pprev;
+    char *mtext; /* the manifest's text, the same in every folder */
+    size_t mlen;
+    ckpt_manifest tm; /* that manifest, parsed (every rank) */
+    bool have_tm;
+    /* An asynchronous save whose communicator has exchange_background: the
+     * background thread replicates after the write (before the commit),
+     * recording in rx[k-1] the files of replica k it received, each with the
+     * XXH3-64 of the bytes that arrived; the commit compares them with the
+     * manifest. bg_rc, bg_msg: that replication's own failure. */
+    bool tier_bg;
+    ckpt_manifest *rx;
+    int nrx;
+    int bg_rc;
+    char *bg_msg;
 };
 typedef struct ckpt_save_op save_op;
 
@@ -143,6 +172,42 @@ void ckpt__save_kept_free(save_op *op);
  * may already hold its hash); < 0: a failure. */
 int ckpt__save_try_link(save_op *op, ckpt_writer *w, const char *name, bool shards,
                         const char *path, ckpt_file_digest *d);
+/* The same for a file whose size and XXH3-128 are known, against any
+ * checkpoint's manifest prev and folder prev_dir. */
+int ckpt__save_link_same(save_op *op, const ckpt_manifest *prev, const char *prev_dir,
+                         const char *name, uint64_t size, ckpt_h128 h, const char *path,
+                         ckpt_file_digest *d);
+
+/* ---- node-local tiers (tier_save.c) ---------------------------------------- */
+
+/* In the plan, before rank 0 picks the number, on every rank (collective):
+ * the tier set up, this rank's local checkpoints listed, and the newest of
+ * any rank into op->tier_highest. rc: this rank's status so far; returns
+ * the agreed one. */
+int ckpt__tier_plan(save_op *op, int rc);
+/* After the plan reached every rank: this rank's local folder, temporary
+ * folder (created) and the checkpoint its unchanged files link from. */
+int ckpt__tier_open(save_op *op);
+/* After this rank's files are written, if the save is persisted: each of
+ * them copied (or linked from the project's previous checkpoint) into the
+ * project's temporary folder. */
+int ckpt__tier_persist(save_op *op);
+/* Rank 0 at the commit, with the manifest's text in op->mtext: the
+ * pre-hooks' files of its local folder copied to the project's. */
+int ckpt__tier_persist_extras(save_op *op);
+/* After the project commit (or none) and its agreed outcome rc: the
+ * manifest reaches every rank, each part goes to its replicas, every rank
+ * commits its local folder, and all agree (collective). Returns the save's
+ * status; a persisted save succeeds even if its node-local copy failed
+ * (logged). */
+int ckpt__tier_finish(save_op *op, int rc);
+/* Removes the local temporary folder if the save did not commit it. */
+void ckpt__tier_release(save_op *op);
+/* The background thread of an asynchronous save with op->tier_bg, after
+ * the write: this rank's part to its replica nodes, and theirs received,
+ * over comm->exchange_background (every rank's thread takes part, a
+ * failed op's too, sending nothing). Its failure is kept in op->bg_rc. */
+void ckpt__tier_replicate_background(save_op *op);
 
 /* The digest of a file the previous checkpoint has with the same bytes,
  * from its manifest's record. */

@@ -235,8 +235,16 @@ int ckpt__save_try_link(save_op *op, ckpt_writer *w, const char *name, bool shar
     if (differs) return 0;
     d->has_xxh128 = true;
     d->xxh128 = h;
-    if (size != f->size || !ckpt__h128_eq(h, f->xxh128)) return 0;
-    char *from = ckpt__path_join(op->prev_dir, name);
+    return ckpt__save_link_same(op, &op->prev, op->prev_dir, name, size, h, path, d);
+}
+
+int ckpt__save_link_same(save_op *op, const ckpt_manifest *prev, const char *prev_dir,
+                         const char *name, uint64_t size, ckpt_h128 h, const char *path,
+                         ckpt_file_digest *d) {
+    if (op->link_off) return 0;
+    const ckpt_manifest_file *f = ckpt__manifest_find(prev, name);
+    if (!f || !f->has_xxh128 || size != f->size || !ckpt__h128_eq(h, f->xxh128)) return 0;
+    char *from = ckpt__path_join(prev_dir, name);
     if (!from) return ckpt__err_nomem("save path");
     /* a copy of its own where a link would leave too few (link_copies) */
     if (op->link_copies > 1 && !enough_copies(op, name, f, from)) {
@@ -250,7 +258,7 @@ int ckpt__save_try_link(save_op *op, ckpt_writer *w, const char *name, bool shar
             ckpt__log(&op->log, CKPT_LOG_WARNING,
                       "save_state: cannot hard-link unchanged files from %s (%s: %s); writing "
                       "them instead",
-                      op->prev_dir, name, strerror(e));
+                      prev_dir, name, strerror(e));
         }
         free(from);
         return 0;

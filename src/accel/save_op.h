@@ -77,6 +77,13 @@ int ckpt__save_op_status(const ckpt_save_op *op);
 /* The automatic checkpoint's number once planned; -1 for an explicit folder. */
 int64_t ckpt__save_op_number(const ckpt_save_op *op);
 /* The log callback as at new. */
+/* An asynchronous save: with a node-local tier and a communicator with
+ * exchange_background (several processes), its replication runs in the
+ * background thread after the write (tier_save.c). Right after new. */
+void ckpt__save_op_replicate_in_background(ckpt_save_op *op);
+bool ckpt__save_op_replicates_in_background(const ckpt_save_op *op);
+/* The background thread, after write: that replication (nothing else). */
+void ckpt__save_op_replicate(ckpt_save_op *op);
 const ckpt_logger *ckpt__save_op_logger(const ckpt_save_op *op);
 
 /* Whether a file of b staging bytes still fits under limit (0: none) with

@@ -7,6 +7,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "base/fs.h"
@@ -50,6 +51,13 @@ static int posix_fstatat(int dirfd_, const char *name, struct stat *st, int flag
     return fstatat(dirfd_, name, st, flags);
 }
 
+static int posix_fs_type(const char *path, int64_t *type) {
+    struct statfs st;
+    if (statfs(path, &st) != 0) return -1;
+    *type = (int64_t)st.f_type;
+    return 0;
+}
+
 static ssize_t posix_readlink(const char *path, char *buf, size_t n) {
     return readlink(path, buf, n);
 }
@@ -90,6 +98,7 @@ const ckpt_fs ckpt__fs_posix = {
     .dirfd = dirfd,
     .mmap = mmap,
     .munmap = munmap,
+    .fs_type = posix_fs_type,
     .note = posix_note,
 };
 

@@ -72,6 +72,9 @@ typedef struct ckpt_fs {
     int (*dirfd)(DIR *d);
     void *(*mmap)(void *addr, size_t len, int prot, int flags, int fd, off_t off);
     int (*munmap)(void *p, size_t len);
+    /* statfs(2)'s f_type of the file system holding path (what kind of
+     * storage a folder is on: tmpfs is memory). */
+    int (*fs_type)(const char *path, int64_t *type);
     /* Not an OS call: see ckpt_fs_note. The POSIX table ignores it. */
     void (*note)(ckpt_fs_note what, long value);
 } ckpt_fs;

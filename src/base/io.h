@@ -206,6 +206,10 @@ int ckpt__read_private(const char *path, const char *what, uint64_t size, ckpt_m
 void ckpt__io_set_verified_hook(void (*fn)(void *user, const char *path), void *user);
 void ckpt__io_verified(const char *path);
 
+/* Whether path is on a file system in memory (tmpfs, ramfs: what it holds
+ * is gone when the machine stops); false if it cannot be told. */
+bool ckpt__in_memory_fs(const char *path);
+
 /* Whether n bytes fit in this process's address space at all (a range of
  * that size can be reserved; nothing is allocated). Checkpoint files whose
  * listed sizes add up past it cannot have been saved from memory: damage. */

@@ -259,6 +259,12 @@ int ckpt__read_private(const char *path, const char *what, uint64_t size, ckpt_m
     return CKPT_OK;
 }
 
+bool ckpt__in_memory_fs(const char *path) {
+    int64_t t = 0;
+    if (ckpt__fs()->fs_type(path, &t) != 0) return false;
+    return t == 0x01021994 /* TMPFS_MAGIC */ || t == (int64_t)0x858458f6 /* RAMFS_MAGIC */;
+}
+
 bool ckpt__addressable(uint64_t n) {
     if (n > (uint64_t)SIZE_MAX / 2) return false;
     if (n == 0) return true;

@@ -79,9 +79,12 @@ const ckpt_manifest_file *ckpt__manifest_find(const ckpt_manifest *m, const char
 /* Writes <dir>/checkpoint.json crash-safely (fsynced; the folder too). Fills
  * created/created_unix if they are unset. */
 int ckpt__manifest_write(ckpt_manifest *m, const char *dir);
-/* The text ckpt__manifest_write writes (its checksum filled), malloc'd in
- * *out, *len bytes: how a manifest goes to object storage. */
+/* The two halves of ckpt__manifest_write: the text it would write (*out
+ * malloc'd, NUL-terminated, *len bytes without the NUL), and that text
+ * written crash-safely as <dir>/checkpoint.json. How the same manifest,
+ * byte for byte, goes into several folders (node-local tiers). */
 int ckpt__manifest_text(ckpt_manifest *m, char **out, size_t *len);
+int ckpt__manifest_publish(const char *text, size_t len, const char *dir);
 /* Parses a manifest text; `what` names it in messages. CKPT_ECORRUPT for
  * anything malformed, CKPT_EUNSUPPORTED for a newer format version. */
 int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_manifest *m);

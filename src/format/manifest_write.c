@@ -295,20 +295,22 @@ int ckpt__manifest_text(ckpt_manifest *m, char **out, size_t *len) {
     return CKPT_OK;
 }
 
+int ckpt__manifest_publish(const char *text, size_t len, const char *dir) {
+    size_t plen = strlen(dir) + sizeof("/" CKPT_MANIFEST_NAME);
+    char *path = ckpt__malloc(plen);
+    if (!path) return ckpt__err_nomem("manifest path");
+    snprintf(path, plen, "%s/%s", dir, CKPT_MANIFEST_NAME);
+    text_ctx t = {text, len};
+    int rc = ckpt__publish_file(path, fill_text, &t, NULL, NULL);
+    free(path);
+    return rc;
+}
+
 int ckpt__manifest_write(ckpt_manifest *m, const char *dir) {
     char *text = NULL;
     size_t n = 0;
     CKPT_TRY(ckpt__manifest_text(m, &text, &n));
-    size_t plen = strlen(dir) + sizeof("/" CKPT_MANIFEST_NAME);
-    char *path = ckpt__malloc(plen);
-    if (!path) {
-        free(text);
-        return ckpt__err_nomem("manifest path");
-    }
-    snprintf(path, plen, "%s/%s", dir, CKPT_MANIFEST_NAME);
-    text_ctx t = {text, n};
-    int rc = ckpt__publish_file(path, fill_text, &t, NULL, NULL);
-    free(path);
+    int rc = ckpt__manifest_publish(text, n, dir);
     free(text);
     return rc;
 }

@@ -95,8 +95,9 @@ int ckpt__write_tensor_shard_at(ckpt_writer *w, const char *key, ckpt_dtype dt, 
                                 const int64_t *local_shape, const ckpt_mem_ref *m);
 /* ckpt_read_tensor / ckpt_read_tensor_shard into dst, host memory or bytes
  * behind memory ops (through bounded pieces: a file's bytes through one
- * buffer of at most CKPT_MEMORY_PIECE, a verified reader's through its 1 MiB
- * piece, in-memory bytes and streamed pieces straight from where they are). */
+ * buffer of at most CKPT_MEMORY_PIECE, a verified reader's through its
+ * 256 KiB piece, in-memory bytes and streamed pieces straight from where
+ * they are). */
 int ckpt__read_tensor_to(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
                          const int64_t *shape, const ckpt_dst *dst);
 int ckpt__read_tensor_shard_to(ckpt_reader *r, const char *key, ckpt_dtype dt, int ndim,
@@ -181,7 +182,7 @@ int ckpt__writer_write_shards_new(ckpt_writer *w, const char *path, ckpt_file_di
  * verifies in one pass. With header_xxh3 (the manifest's digest of the
  * header; NULL for older manifests) the file is checked by parts: the
  * header when it is opened, each tensor against its own digest (keys/
- * digests, n of them, borrowed: the manifest's) right after each 1 MiB
+ * digests, n of them, borrowed: the manifest's) right after each 256 KiB
  * piece lands in the caller's buffer, in any order. Without it, the file's
  * XXH3-64 (xxh3, the manifest's) is computed over the header it parses and
  * over every tensor's bytes as they land, in file order; a tensor read out

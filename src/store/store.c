@@ -541,6 +541,10 @@ static int remove_checkpoint(const char *dir, const char *name, const ckpt_logge
     return rc;
 }
 
+int ckpt__remove_checkpoint(const char *dir, const char *name, const ckpt_logger *lg) {
+    return remove_checkpoint(dir, name, lg, NULL);
+}
+
 /* One checkpoint folder's fate. */
 typedef struct verdict {
     bool remove;

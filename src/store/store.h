@@ -72,6 +72,11 @@ char *ckpt__temp_name(const char *base);
  * ".<base>.tmp*" names (base NULL: any ".checkpoint_<digits>.tmp*" name),
  * warning about each. Only called under the lock that covers those names. */
 int ckpt__remove_leftovers(const char *dir, const char *base, const ckpt_logger *lg);
+/* Removes checkpoint folder `name` of dir: hidden first by one rename
+ * (".<name>.old.<pid>", made durable), then deleted, so a crash midway never
+ * leaves a visible half-deleted checkpoint; the next save or prune removes
+ * the hidden leftover. A failure to delete is only logged through lg. */
+int ckpt__remove_checkpoint(const char *dir, const char *name, const ckpt_logger *lg);
 /* What a retention keeps beyond the newest `keep` (ckpt_prune_options'
  * policy fields; all 0 / NULL: none). */
 typedef struct ckpt_retention {

@@ -42,6 +42,10 @@ bool ckpt__fault_fired(void);
  * paths run. */
 void ckpt__fault_set_max_write(size_t max);
 
+/* The environment variable CKPT_OPEN_LOG=<file> makes the layer append
+ * "read <path>" or "write <path>" for every file the library opens to
+ * <file>, one a line (shared by the processes of a job: O_APPEND). */
+
 /* ---- crash recording ----------------------------------------------------- */
 /* Every successful mutating call (and every open, so a recorder can map
  * descriptors to files) is reported to the recorder, if one is set, after

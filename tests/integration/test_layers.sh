@@ -199,7 +199,7 @@ NAMES = """open openat creat close read pread write pwrite readv writev lseek fs
 fdatasync sync_file_range ftruncate truncate fcntl flock posix_fadvise
 fallocate posix_fallocate rename renameat renameat2 mkdir mkdirat rmdir unlink
 unlinkat link linkat symlink symlinkat readlink readlinkat stat lstat fstat
-fstatat statx access faccessat opendir fdopendir readdir closedir dirfd
+fstatat statx statfs fstatfs access faccessat opendir fdopendir readdir closedir dirfd
 scandir nftw ftw mmap munmap mremap msync fopen freopen""".split()
 pat = re.compile(r"^(__)?(%s)(64)?(_2|_chk)?$" % "|".join(NAMES))
 pat_old = re.compile(r"^__(x|fx|lx|fxat)stat(64)?$")

@@ -7,7 +7,8 @@
 #   checkpoint, which verifies and loads the state as it was at the call;
 # - an upload failing for good in the background: the call returned, the
 #   failure is logged at once and returned by ckpt_save_wait naming the key;
-#   nothing is committed.
+#   nothing is committed;
+# - a node-local tier (local_dir) over a bucket project: refused, saying so.
 source "$(dirname "$0")/common.bash"
 source "$(dirname "$0")/s3_common.bash"
 s3_start
@@ -62,4 +63,8 @@ has "ckpt: error: .*custom_checkpoint_0.safetensors: PUT: HTTP 500" <"$WORK/a.er
 s3_reset
 run_rc 0 "$CKPT_BIN" ls "$U/failing"
 has complete <"$WORK/out" && fail "a failed save was committed: $(cat "$WORK/out")"
+# a node-local tier over a bucket project is refused, saying so
+run_rc 3 "$CKPT_BIN" train --epochs 1 --quiet --project-dir "$U/tier" --local-dir "$WORK/local"
+has "node-local tier (local_dir) over a project in object storage is not supported" <"$WORK/err" ||
+    fail "a tier over a bucket: $(cat "$WORK/err")"
 echo "s3 async: ok"

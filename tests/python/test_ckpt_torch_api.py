@@ -14,6 +14,8 @@ Usage: test_ckpt_torch_api.py <build dir>   (CKPT_BIN: the ckpt CLI)
    lambda that cannot be mapped is refused naming it and its group. (PyTorch)
 6. save() refuses a data loader position that does not match the step
    (batches_per_step for gradient accumulation, None to skip).
+8. save() without a step records the first optimizer's step count, as the C
+   accelerator does (0 without an optimizer). (PyTorch)
 7. `pip install` of python/ into a temporary target works offline and the
    installed package imports and verifies a checkpoint.
 """
@@ -154,6 +156,22 @@ class Net(torch.nn.Module if torch else object):
     def __init__(self, out=3):
         super().__init__()
         self.fc = torch.nn.Linear(2, out)
+
+
+def check_step_follows_optimizer(tmp):
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01)
+    for _ in range(3):
+        opt.zero_grad()
+        net.fc(torch.ones(4, 2)).sum().backward()
+        opt.step()
+    d = os.path.join(tmp, "stepfollows", "checkpoint_0")
+    assert ckpt_torch.save(d, model=net, optimizer=opt)["step"] == 3
+    assert ckpt_torch.verify(d)["step"] == 3
+    assert ckpt_torch.save(d, model=net, optimizer=opt, step=7)["step"] == 7
+    assert ckpt_torch.save(d, model=net)["step"] == 0
+    print("ok: save() without a step records the optimizer's step count (3), as C does")
 
 
 def check_key_mapping(tmp):
@@ -348,6 +366,7 @@ def main():
             return
         check_key_mapping(tmp)
         check_lambdalr(tmp)
+        check_step_follows_optimizer(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print("all ckpt_torch API tests passed")

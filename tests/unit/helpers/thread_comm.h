@@ -4,6 +4,8 @@
 #ifndef CKPT_THREAD_COMM_H
 #define CKPT_THREAD_COMM_H
 
+#include <stdbool.h>
+
 #include "ckpt.h"
 
 /* Runs fn(comm, arg) on p threads at once, thread r with a communicator of
@@ -11,5 +13,11 @@
  * fn must not call cmocka assertions (they long-jump across threads):
  * record results in arg and check them afterwards. */
 void tc_run(int p, void (*fn)(const ckpt_comm *comm, void *arg), void *arg);
+/* Whether the communicators of later tc_run calls have an exchange
+ * (ckpt_comm.exchange; default: none, so ckpt falls back to gathers). */
+void tc_set_exchange(bool on);
+/* Whether they have a background channel (ckpt_comm.exchange_background:
+ * an asynchronous save replicates in its background thread; default none). */
+void tc_set_exchange_background(bool on);
 
 #endif
