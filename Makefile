@@ -32,6 +32,7 @@ build-test:
 	@bash scripts/setup test
 	@$(CMAKE) -S . -B build-test -DCMAKE_BUILD_TYPE=Debug -DCKPT_SANITIZE=ON >/dev/null
 	@$(CMAKE) --build build-test -j $(JOBS)
+	@bash scripts/setup s3rver build-test/s3rver
 
 test: build-test
 	@cd build-test && ctest --output-on-failure -j $(JOBS)

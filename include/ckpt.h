@@ -797,6 +797,15 @@ typedef struct ckpt_metric {
 /* Which end of a metric is best (retention's best_k). */
 typedef enum ckpt_best_mode { CKPT_BEST_MIN = 0, CKPT_BEST_MAX = 1 } ckpt_best_mode;
 
+/* project_dir may be a bucket prefix, "s3://bucket/prefix" (the same keys
+ * as a folder; credentials from AWS_*; docs/OBJECT_STORAGE.md): saves
+ * stream each file into its object (every rank its own files; in the
+ * background thread for ckpt_save_state_async) and commit with the
+ * manifest last (If-None-Match: *); loads read the objects by ranged GETs
+ * straight into their buffers; one job at a time holds the project's lock
+ * object (rank 0 for the job); the logs go to a local folder
+ * (ckpt_accelerator_logging_dir). Built without libcurl/OpenSSL, an s3://
+ * project_dir fails with CKPT_EUNSUPPORTED saying so. */
 typedef struct ckpt_project_config {
     const char *project_dir;          /* checkpoints: <project_dir>/checkpoints/checkpoint_<n> */
     const char *logging_dir;          /* NULL: <project_dir>/logs */
@@ -887,7 +896,8 @@ typedef struct ckpt_project_config {
     /* A folder on the node (a local disk, or /dev/shm: memory, which lasts
      * only as long as the node runs). "%n" expands to the node's index, "%r"
      * to the rank, "%%" to '%'; each rank keeps its files in
-     * <local_dir>/rank_<r>. NULL or "": no tier. Needs a project_dir. */
+     * <local_dir>/rank_<r>. NULL or "": no tier. Needs a project_dir, a local
+     * one (over an s3:// project_dir: CKPT_EUNSUPPORTED). */
     const char *local_dir;
     /* How many other nodes keep a copy of each rank's part: rank r's part
      * goes to ranks r + J, r + 2J, ... (mod the process count), J being
@@ -1419,6 +1429,10 @@ CKPT_API void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint
  * (ckpt_project_config.local_dir) that was not in the project folder, this
  * rank's folder of it on its node (<local_dir>/rank_<r>/checkpoint_<n>). */
 CKPT_API const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc);
+/* The folder for the run's logs: the config's logging_dir, else
+ * <project_dir>/logs; with a project in object storage (s3://), the logs
+ * folder of its local staging folder (docs/OBJECT_STORAGE.md). "" if none. */
+CKPT_API const char *ckpt_accelerator_logging_dir(const ckpt_accelerator *acc);
 /* With a node-local tier (ckpt_project_config.local_dir): the next automatic
  * save also goes to the project folder, whatever persist_every says (a
  * run's final save). With several processes rank 0's call decides; call it

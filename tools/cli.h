@@ -86,6 +86,10 @@ typedef enum cli_kind {
     CLI_KIND_OTHER_FILE  /* any other file */
 } cli_kind;
 cli_kind cli_classify(const char *path);
+/* A verified local copy of the checkpoint at an s3:// URL (in a private
+ * folder removed at exit), for the commands that read a folder: its path in
+ * out. CLI_OK, or the exit status after printing the error. */
+int cli_local_copy(const char *cmd, const char *url, char *out, size_t cap);
 /* fopen that never blocks on a FIFO and opens only a regular file (else
  * NULL, errno EINVAL). how 'r': reads (a symlink is followed: a user's
  * input). 'w', 'a', 'x' (a new file, O_EXCL): a file the tool itself writes

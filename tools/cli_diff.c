@@ -523,7 +523,11 @@ int cli_diff(int argc, char **argv) {
         use[k] = p;
         dir[k] = kind == CLI_KIND_CHECKPOINT || kind == CLI_KIND_PROJECT;
         switch (kind) {
-        case CLI_KIND_MISSING: cli_error("diff: %s: %s", p, strerror(errno)); return CLI_RUNTIME;
+        case CLI_KIND_MISSING:
+            cli_error("diff: %s: %s", p,
+                      strncmp(p, "s3://", 5) == 0 && *ckpt_errmsg() ? ckpt_errmsg()
+                                                                    : strerror(errno));
+            return CLI_RUNTIME;
         case CLI_KIND_CHECKPOINT:
         case CLI_KIND_STATE_FILE: break;
         case CLI_KIND_PROJECT: {
@@ -542,6 +546,14 @@ int cli_diff(int argc, char **argv) {
         if (use[k] != paths[k])
             printf("%c: %s (the newest valid checkpoint of %s)\n", "AB"[k], cli_esc(use[k]),
                    cli_esc(paths[k]));
+    /* object storage: each side read from a verified local copy */
+    char copies[2][1024];
+    for (int k = 0; k < 2; k++)
+        if (strncmp(use[k], "s3://", 5) == 0) {
+            int st = cli_local_copy("diff", use[k], copies[k], sizeof copies[k]);
+            if (st != CLI_OK) return st;
+            use[k] = copies[k];
+        }
     int status = dir[0] ? diff_dirs(&d, use[0], use[1]) : diff_files(&d, use[0], use[1], "file");
     if (status != CLI_OK) return status;
     if (d.differences) {

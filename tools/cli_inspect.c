@@ -446,6 +446,16 @@ int cli_inspect(int argc, char **argv) {
     if (!path) return cli_usage_error("inspect", "missing PATH");
 
     cli_kind kind = cli_classify(path);
+    char copy[1024];
+    if (kind == CLI_KIND_CHECKPOINT && strncmp(path, "s3://", 5) == 0) {
+        int st = cli_local_copy("inspect", path, copy, sizeof copy);
+        if (st != CLI_OK) return st;
+        path = copy;
+    }
+    if (kind == CLI_KIND_MISSING && strncmp(path, "s3://", 5) == 0) {
+        cli_error("inspect: %s: %s", path, *ckpt_errmsg() ? ckpt_errmsg() : strerror(errno));
+        return CLI_RUNTIME;
+    }
     if (kind == CLI_KIND_TORCH_ZIP) return inspect_torch(path, json);
     if (kind == CLI_KIND_OTHER_FILE || kind == CLI_KIND_PROJECT)
         return cli_wrong_kind("inspect", path, kind, "a checkpoint folder or a .safetensors file");

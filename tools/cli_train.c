@@ -178,7 +178,10 @@ int cli_train(int argc, char **argv) {
     }
 
     char logdir[PATH_MAX], metrics_path[PATH_MAX + 16];
-    if (snprintf(logdir, sizeof logdir, "%s/logs", o->project_dir) >= (int)sizeof logdir) {
+    /* the library's: <DIR>/logs, or for an s3:// project its local staging folder's */
+    if (snprintf(logdir, sizeof logdir, "%s", ckpt_accelerator_logging_dir(t.acc)) >=
+            (int)sizeof logdir ||
+        !logdir[0]) {
         cli_error("--project-dir is too long");
         status = CLI_USAGE;
         goto done;

@@ -96,12 +96,20 @@ int cli_verify(int argc, char **argv) {
     const char *path;
     int rc = cli_parse_simple(argc, argv, verify_help, NULL, NULL, NULL, NULL, &path);
     if (rc) return rc < 0 ? CLI_OK : rc;
+    /* object storage: a checkpoint or a project URL, checked by the library */
+    bool url = strncmp(path, "s3://", 5) == 0;
+    cli_kind ukind = url ? cli_classify(path) : CLI_KIND_MISSING;
+    if (url && ukind == CLI_KIND_MISSING) {
+        cli_error("verify: %s: %s", path, *ckpt_errmsg() ? ckpt_errmsg() : strerror(errno));
+        return CLI_RUNTIME;
+    }
+    if (url && ukind == CLI_KIND_CHECKPOINT) return verify_one(path) ? CLI_OK : CLI_DIFFER;
     struct stat st;
-    if (stat(path, &st) != 0) {
+    if (!url && stat(path, &st) != 0) {
         cli_error("verify: %s: %s", path, strerror(errno));
         return CLI_RUNTIME;
     }
-    if (!S_ISDIR(st.st_mode)) {
+    if (!url && !S_ISDIR(st.st_mode)) {
         cli_kind kind = cli_classify(path);
         if (kind == CLI_KIND_TORCH_ZIP)
             return cli_wrong_kind("verify", path, kind,
@@ -124,8 +132,8 @@ int cli_verify(int argc, char **argv) {
     char sub[PATH_MAX], manifest[PATH_MAX];
     snprintf(sub, sizeof sub, "%s/checkpoints", path);
     snprintf(manifest, sizeof manifest, "%s/checkpoint.json", path);
-    bool has_manifest = access(manifest, F_OK) == 0;
-    bool project = cli_is_dir(sub) && !has_manifest;
+    bool has_manifest = !url && access(manifest, F_OK) == 0;
+    bool project = url || (cli_is_dir(sub) && !has_manifest);
     if (!project && !has_manifest && !looks_like_partial(path))
         return cli_wrong_kind("verify", path, CLI_KIND_FOLDER,
                               "a checkpoint folder, a project or a .safetensors file");

@@ -164,6 +164,16 @@ CKPT_API int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_check
  * such object, CKPT_ECORRUPT for a bad file or chunk table. *out is freed
  * with ckpt_reader_free. */
 CKPT_API int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader **out);
+/* Object storage: every function of this header that takes a folder also
+ * takes an s3:// URL (a project "s3://bucket/prefix", a checkpoint
+ * "s3://bucket/prefix/checkpoints/checkpoint_<n>"; docs/OBJECT_STORAGE.md).
+ * Copies the checkpoint at url into the local folder local_dir, which must
+ * not exist, every file checked against the manifest as it arrives (size
+ * before reading, XXH3-64 of the bytes written); the folder appears whole
+ * or not at all. CKPT_ENOENT if url holds no checkpoint (no manifest),
+ * CKPT_ECORRUPT naming the object that does not match, CKPT_EUNSUPPORTED
+ * if this library was built without object storage. */
+CKPT_API int ckpt_checkpoint_fetch(const char *url, const char *local_dir);
 /* Removes old automatic checkpoints of <project_dir>/checkpoints so that the
  * newest `keep` VALID ones remain (complete and deep-verified; partial and
  * corrupt folders do not count toward keep), and removes leftover temporary

@@ -118,6 +118,8 @@ struct ckpt_accelerator {
     int link_copies;         /* physical copies kept among the retained checkpoints */
     uint64_t last_save_written, last_save_linked; /* ckpt_accelerator_last_save_bytes */
     char *link_dir; /* the checkpoint last saved or loaded (even partly): see save.c */
+    /* A project in object storage (remote.c); NULL for a local one. */
+    struct ckpt_acc_remote *remote;
     /* ckpt_set_metric: recorded by the next save */
     int nmetrics;
     ckpt_metric metrics[CKPT_MAX_METRICS];

@@ -12,10 +12,12 @@
 
 #include "ckpt.h"
 #include "accel/accel.h"
+#include "accel/remote.h"
 #include "base/error.h"
 #include "base/io.h"
 #include "format/manifest.h"
 #include "format/shard.h"
+#include "store/s3/s3.h"
 #include "train/dataloader.h"
 #include "train/optim.h"
 
@@ -99,9 +101,22 @@ int ckpt_accelerator_new(ckpt_accelerator **out, const ckpt_project_config *cfg)
     if (cfg->project_dir) {
         acc->project_dir = ckpt__strdup(cfg->project_dir);
         if (!acc->project_dir) goto nomem;
+        /* s3://bucket/prefix: project_dir becomes the local staging folder */
+        if (ckpt__s3_is_url(cfg->project_dir)) {
+            int rrc = cfg->local_dir && cfg->local_dir[0]
+                          ? ckpt__err(CKPT_EUNSUPPORTED,
+                                      "%s: a node-local tier (local_dir) over a project in object "
+                                      "storage is not supported",
+                                      cfg->project_dir)
+                          : ckpt__acc_remote_init(acc, cfg->project_dir);
+            if (rrc < 0) {
+                ckpt_accelerator_free(acc);
+                return ckpt__err_prefix(rrc, "accelerator_new");
+            }
+        }
     }
     if (cfg->logging_dir) acc->logging_dir = ckpt__strdup(cfg->logging_dir);
-    else if (cfg->project_dir) acc->logging_dir = ckpt__path_join(cfg->project_dir, "logs");
+    else if (cfg->project_dir) acc->logging_dir = ckpt__path_join(acc->project_dir, "logs");
     if ((cfg->logging_dir || cfg->project_dir) && !acc->logging_dir) goto nomem;
     ckpt_rng_seed_stream(&acc->rng, 0, (uint64_t)acc->process_index);
     *out = acc;
@@ -124,6 +139,7 @@ void ckpt_accelerator_free(ckpt_accelerator *acc) {
         }
     }
     ckpt__lock_release(&acc->project_lock);
+    ckpt__acc_remote_free(acc);
     ckpt__tier_free(&acc->tier);
     free(acc->objs);
     free(acc->project_dir);
@@ -222,6 +238,10 @@ void ckpt_accelerator_last_save_bytes(const ckpt_accelerator *acc, uint64_t *wri
 
 const char *ckpt_accelerator_last_dir(const ckpt_accelerator *acc) {
     return acc && acc->last_dir ? acc->last_dir : "";
+}
+
+const char *ckpt_accelerator_logging_dir(const ckpt_accelerator *acc) {
+    return acc && acc->logging_dir ? acc->logging_dir : "";
 }
 
 int ckpt_accelerator_persist_next_save(ckpt_accelerator *acc) {

@@ -17,6 +17,7 @@
 #include "accel/load_held.h"
 #include "accel/load_int.h"
 #include "accel/load_op.h"
+#include "accel/remote.h"
 #include "base/error.h"
 #include "base/io.h"
 #include "format/keymap.h"
@@ -79,8 +80,13 @@ int ckpt__load_op_new(ckpt_accelerator *acc, const char *input_dir, const ckpt_l
     op->report = report;
     op->phase = PH_NEW;
     ckpt__load_held_reset();
-    bool plain = op->comm->size <= 1 && (!opt || (!opt->non_strict && !opt->convert_dtypes &&
-                                                  opt->num_prefix_map == 0 && !opt->rename));
+    /* object storage: the files are read into the load's buffers as they
+     * arrive (ranged GETs), verified there: neither one pass nor the
+     * streamed default load applies */
+    op->remote = ckpt__load_is_remote(acc, input_dir);
+    bool plain = op->comm->size <= 1 && !op->remote &&
+                 (!opt || (!opt->non_strict && !opt->convert_dtypes && opt->num_prefix_map == 0 &&
+                           !opt->rename));
     op->one_pass = plain && opt && opt->one_pass;
     op->stream = plain && !op->one_pass;
     ckpt__coll_begin(acc, "load: agree on the options");
@@ -134,7 +140,8 @@ static int list_candidates(ckpt__load_op *op, const char *cdir, int64_t **nums, 
     const ckpt_comm *c = op->comm;
     int rc = 0;
     if (c->rank == 0) {
-        rc = ckpt__list_numbers(cdir, nums, count);
+        rc = op->remote ? ckpt__load_remote_numbers(op, nums, count)
+                        : ckpt__list_numbers(cdir, nums, count);
         if (rc == 0 && *count == 0)
             rc = ckpt__err(CKPT_ENOENT, "load_state: no checkpoint in %s", cdir);
     }
@@ -166,8 +173,8 @@ static void warn_skipped(ckpt_accelerator *acc, const char *dir, const char *msg
  * never the CKPT_ENOENT of a fresh start (a typo in a resume path must not
  * let the run start over and rotate its checkpoints away). */
 static int not_a_checkpoint(const ckpt__load_op *op, const char *what) {
-    char near[1024];
-    ckpt__checkpoints_near(op->input_dir, op->acc->project_dir, near, sizeof near);
+    char near[1024] = ""; /* (a bucket's are not listed here) */
+    if (!op->remote) ckpt__checkpoints_near(op->input_dir, op->acc->project_dir, near, sizeof near);
     return ckpt__err(CKPT_EINVAL,
                      "load_state: %s: %s%s; an explicit input_dir must be a checkpoint "
                      "(NULL loads the project's newest valid one)",
@@ -193,8 +200,10 @@ static int find_candidates(ckpt__load_op *op) {
     if (op->input_dir) {
         const char *in = op->input_dir;
         struct stat st;
-        int src = in[0] ? ckpt__os_stat(in, &st) : 0;
+        int src = in[0] && !op->remote ? ckpt__os_stat(in, &st) : 0;
         if (!in[0]) rc = ckpt__err(CKPT_EINVAL, "load_state: input_dir is empty");
+        else if (op->remote) /* a URL: its manifest says (plan) */
+            rc = (op->dir = ckpt__strdup(in)) ? 0 : ckpt__err_nomem("load path");
         else if (src != 0 && (errno == ENOENT || errno == ENOTDIR))
             rc = not_a_checkpoint(op, "no such checkpoint folder");
         else if (src == 0 && !S_ISDIR(st.st_mode)) rc = not_a_checkpoint(op, "not a folder");
@@ -205,7 +214,12 @@ static int find_candidates(ckpt__load_op *op) {
         return fail(op,
                     ckpt__err(CKPT_EINVAL, "load_state: no input folder given and no project_dir"),
                     true);
-    op->cdir = ckpt__checkpoints_dir(acc->project_dir);
+    if (op->remote) { /* the bucket's: s3://bucket/prefix/checkpoints */
+        const char *u = ckpt__acc_remote_url(acc);
+        if ((op->cdir = ckpt__malloc(strlen(u) + 16))) sprintf(op->cdir, "%s/checkpoints", u);
+    } else {
+        op->cdir = ckpt__checkpoints_dir(acc->project_dir);
+    }
     if (!op->cdir) return fail(op, ckpt__err_nomem("load path"), true);
     /* With a node-local tier: the newest save whose every part is on some
      * node, if the project folder has nothing newer (tier_load.c). */
@@ -364,7 +378,8 @@ int ckpt__load_op_plan(ckpt__load_op *op) {
     free(op->shared);
     op->reader = NULL;
     op->shared = NULL;
-    int rc = ckpt__checkpoint_open_manifest(op->dir, &op->c);
+    int rc = op->remote ? ckpt__load_remote_manifest(op)
+                        : ckpt__checkpoint_open_manifest(op->dir, &op->c);
     /* One pass, or verified and then streamed, where every file fits it
      * (else this checkpoint: the two passes). */
     bool fits = rc == 0 && one_pass_fits(&op->c.m);
@@ -405,8 +420,14 @@ static int read_files(ckpt__load_op *op) {
     bool *shallow = NULL;
     if (many && !(shallow = ckpt__calloc((size_t)(n ? n : 1), sizeof *shallow)))
         return ckpt__err_nomem("checkpoint check");
-    for (int64_t j = 0; many && j < n; j++) shallow[j] = op->reader[j] != op->comm->rank;
-    int rc = ckpt__checkpoint_read_files(op->dir, true, true, shallow, &op->acc->arena, &op->c);
+    /* object storage: every rank reads the pre-hooks' files (its hooks find
+     * them in a local folder of its own) */
+    for (int64_t j = 0; many && j < n; j++)
+        shallow[j] = op->reader[j] != op->comm->rank &&
+                     !(op->remote && strcmp(op->c.m.files[j].kind, "extra") == 0);
+    int rc = op->remote ? ckpt__load_remote_read(op, shallow)
+                        : ckpt__checkpoint_read_files(op->dir, true, true, shallow, &op->acc->arena,
+                                                      &op->c);
     free(shallow);
     for (int64_t j = 0; op->c.have_manifest && op->c.maps && j < n; j++)
         if (!many || op->reader[j] == op->comm->rank) op->held += op->c.m.files[j].size;
@@ -575,7 +596,11 @@ int ckpt__load_op_check(ckpt__load_op *op) {
         if (rc == 0) rc = ckpt__load_check_external(op);
     } else {
         name_phase(op, "load: pre-hooks and check");
-        if (rc == 0) rc = ckpt__acc_run_hooks(op->acc, HOOK_LOAD, op->dir, "load_state");
+        /* object storage: the hooks get a local folder with the pre-hooks' files */
+        if (rc == 0 && op->remote) rc = ckpt__load_remote_hook_dir(op);
+        if (rc == 0)
+            rc = ckpt__acc_run_hooks(op->acc, HOOK_LOAD, op->remote ? op->hook_dir : op->dir,
+                                     "load_state");
         if (rc == 0) rc = ckpt__load_check_objects(op);
         /* a check_state_dict may read streamed chunks: every rank ends alike */
         int src = ckpt__load_stream_end(op);
@@ -643,7 +668,7 @@ int ckpt__load_op_finish(ckpt__load_op *op) {
     if (acc && rc == 0) {
         acc->interval_start = ckpt__now(); /* a resumed run's time interval starts now */
         close_checkpoint(op);              /* the post-hooks may rewrite the folder */
-        ckpt__acc_run_hooks(acc, HOOK_LOAD_POST, op->dir, "load_state");
+        ckpt__acc_run_hooks(acc, HOOK_LOAD_POST, op->remote ? op->hook_dir : op->dir, "load_state");
     }
     if (acc && !op->bad_options) rc = record_outcome(acc, rc, op->nothing);
     if (rc < 0 && op->report) ckpt_load_report_free(op->report);
@@ -674,6 +699,7 @@ void ckpt__load_op_free(ckpt__load_op *op) {
     free(op->input_dir);
     free(op->cdir);
     free(op->nums);
+    ckpt__load_remote_free(op);
     ckpt__tier_pick_free(&op->tpick);
     if (op->in_op) ckpt__coll_end(op->acc); /* never finished */
     free(op);

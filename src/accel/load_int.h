@@ -100,6 +100,15 @@ struct ckpt__load_op {
     /* ckpt_load_options.one_pass, where it applies: the files are checked
      * shallowly at the choice and verified while the objects read them */
     bool one_pass;
+    /* Object storage (load_remote.c): the candidates and dir are s3://
+     * URLs, read from the bucket by rem (the accelerator's client, or
+     * rem_own) at key rdir; hook_dir: a local folder holding the
+     * checkpoint's pre-hook files for the load hooks. */
+    bool remote;
+    struct ckpt_remote *rem;
+    struct ckpt_remote *rem_own;
+    char *rdir;
+    char *hook_dir;
     /* The default load of one process, where the checkpoint allows it
      * (plain files, every tensor's digest in the manifest, no adapting
      * option): read verifies every file whole without keeping its bytes,
@@ -109,6 +118,23 @@ struct ckpt__load_op {
      * before anything changes; no buffer area. */
     bool stream;
 };
+
+/* ---- object storage (load_remote.c) ---------------------------------------- */
+
+/* Whether the load reads from object storage (the input URL, or the
+ * project's bucket). */
+bool ckpt__load_is_remote(const ckpt_accelerator *acc, const char *input_dir);
+/* Rank 0: the committed checkpoints of the project's bucket (one listing),
+ * ascending; op->cdir is the bucket's checkpoints URL. */
+int ckpt__load_remote_numbers(ckpt__load_op *op, int64_t **nums, int64_t *count);
+/* The candidate's manifest (plan), and this rank's files read straight
+ * into the load's buffers (read; shallow as ckpt__checkpoint_read_files). */
+int ckpt__load_remote_manifest(ckpt__load_op *op);
+int ckpt__load_remote_read(ckpt__load_op *op, const bool *shallow);
+/* The folder the load hooks get: a local one holding the checkpoint's
+ * pre-hook files (kind "extra"), made from the verified bytes. */
+int ckpt__load_remote_hook_dir(ckpt__load_op *op);
+void ckpt__load_remote_free(ckpt__load_op *op);
 
 /* ---- the objects (load_objects.c) ------------------------------------------ */
 

@@ -29,6 +29,7 @@
 
 #include "ckpt.h"
 #include "accel/accel.h"
+#include "accel/remote.h"
 #include "accel/save_op.h"
 #include "base/error.h"
 #include "base/io.h"
@@ -36,6 +37,7 @@
 #include "format/manifest.h"
 #include "format/shard.h"
 #include "format/statedict.h"
+#include "store/s3/s3.h"
 #include "store/store.h"
 #include "store/txn.h"
 #include "accel/save_int.h"
@@ -91,6 +93,8 @@ static int plan_local(save_op *op, const char *output_dir) {
                          "ckpt_accelerator_start_over to start this run over deliberately",
                          ckpt__status_name(acc->load_failed_code),
                          acc->load_failed_msg ? acc->load_failed_msg : "(message lost)");
+    /* object storage: save_remote.c */
+    if (op->remote) return ckpt__save_remote_plan(op);
     if (op->automatic) {
         op->parent = ckpt__checkpoints_dir(acc->project_dir);
         if (!op->parent) return ckpt__err_nomem("save path");
@@ -155,7 +159,8 @@ static int plan_local(save_op *op, const char *output_dir) {
     /* Before the project has a checkpoint (or for a folder of the user's):
      * the checkpoint this accelerator saved or loaded last, e.g. the one a
      * fine-tune started from. */
-    if (op->link && !op->prev_dir && !op->tier && acc->link_dir && acc->link_dir[0])
+    if (op->link && !op->prev_dir && !op->tier && acc->link_dir && acc->link_dir[0] &&
+        !ckpt__s3_is_url(acc->link_dir))
         op->prev_dir = ckpt__strdup(acc->link_dir);
     /* Only to the node-local tiers: no project folder is made. */
     if (op->tier && !op->persist) {
@@ -259,6 +264,15 @@ static int snapshot(save_op *op) {
  * the previous checkpoint's identical file there), recording it in slot. */
 static int write_file(save_op *op, ckpt_writer *w, const char *name, const char *kind, bool shards,
                       save_slot *slot) {
+    if (op->remote) { /* into its object (save_remote.c) */
+        int rc = ckpt__save_remote_file(op, w, name, shards, slot);
+        if (rc == 0) {
+            slot->has = true;
+            slot->kind = kind;
+            snprintf(slot->name, sizeof slot->name, "%s", name);
+        }
+        return rc;
+    }
     char *path = ckpt__path_join(op->wdir, name);
     if (!path) return ckpt__err_nomem("save path");
     ckpt__file_digest_free(&slot->d);
@@ -286,6 +300,13 @@ static int write_file(save_op *op, ckpt_writer *w, const char *name, const char 
 
 /* The index as a file of the temporary folder, with its digest. */
 static int write_text_file(save_op *op, const char *name, const char *text, save_slot *slot) {
+    if (op->remote) {
+        CKPT_TRY(ckpt__save_remote_text(op, name, text, slot));
+        slot->has = true;
+        slot->kind = ckpt__kind_name[K_MODEL];
+        snprintf(slot->name, sizeof slot->name, "%s", name);
+        return CKPT_OK;
+    }
     char *path = ckpt__path_join(op->wdir, name);
     if (!path) return ckpt__err_nomem("save path");
     ckpt_ostream s;
@@ -377,6 +398,15 @@ static int record_files(save_op *op) {
             if (!sl->has) continue;
             CKPT_TRY(ckpt__manifest_add(&op->mine, sl->name, sl->kind, &sl->d));
             op->mine.files[op->mine.nfiles - 1].rank = op->comm->rank;
+            if (op->remote) { /* the ETag of each object, for the commit */
+                char **nv =
+                    ckpt__realloc(op->etags_mine, (size_t)(op->netags_mine + 1) * sizeof *nv);
+                if (!nv) return ckpt__err_nomem("file records");
+                op->etags_mine = nv;
+                if (!(nv[op->netags_mine] = ckpt__strdup(sl->etag)))
+                    return ckpt__err_nomem("file records");
+                op->netags_mine++;
+            }
         }
     }
     return CKPT_OK;
@@ -457,22 +487,52 @@ static int compare_order(const save_op *op, int r, const char *theirs) {
 }
 
 /* What a rank sends rank 0 at the agreement: its order (order_digest), a
- * NUL, then its file records as JSON. */
+ * NUL, its file records as JSON, a NUL, then (object storage) the ETag of
+ * each of its files, one per line. */
 static int records_to_wire(save_op *op, char **out, size_t *len) {
     char *json = NULL;
     size_t jlen = 0;
     CKPT_TRY(ckpt__manifest_files_to_json(&op->mine, &json, &jlen));
-    size_t olen = strlen(op->order);
-    char *w = ckpt__malloc(olen + 1 + jlen);
+    size_t olen = strlen(op->order), elen = 0;
+    for (int64_t i = 0; i < op->netags_mine; i++) elen += strlen(op->etags_mine[i]) + 1;
+    char *w = ckpt__malloc(olen + 1 + jlen + 1 + elen);
     if (!w) {
         free(json);
         return ckpt__err_nomem("file records");
     }
     memcpy(w, op->order, olen + 1);
     memcpy(w + olen + 1, json, jlen);
+    w[olen + 1 + jlen] = '\0';
+    size_t at = olen + 1 + jlen + 1;
+    for (int64_t i = 0; i < op->netags_mine; i++) {
+        size_t n = strlen(op->etags_mine[i]);
+        memcpy(w + at, op->etags_mine[i], n);
+        w[at + n] = '\n';
+        at += n + 1;
+    }
     free(json);
     *out = w;
-    *len = olen + 1 + jlen;
+    *len = at;
+    return CKPT_OK;
+}
+
+/* A rank's ETags (one line per file it listed, n of them) into op->etags. */
+static int etags_from_wire(save_op *op, const char *p, size_t len, int64_t n, int r) {
+    char **nv = ckpt__realloc(op->etags, (size_t)(op->netags + n + 1) * sizeof *nv);
+    if (!nv) return ckpt__err_nomem("file records");
+    op->etags = nv;
+    for (int64_t i = 0; i < n; i++) {
+        const char *nl = memchr(p, '\n', len);
+        if (!nl || (size_t)(nl - p) >= 128)
+            return ckpt__err(CKPT_EINVAL, "save_state: rank %d sent malformed object ETags", r);
+        char *e = ckpt__malloc((size_t)(nl - p) + 1);
+        if (!e) return ckpt__err_nomem("file records");
+        memcpy(e, p, (size_t)(nl - p));
+        e[nl - p] = '\0';
+        op->etags[op->netags++] = e;
+        len -= (size_t)(nl - p) + 1;
+        p = nl + 1;
+    }
     return CKPT_OK;
 }
 
@@ -499,7 +559,14 @@ static int gather_records(save_op *op, const char *wire, size_t len) {
             char what[64];
             snprintf(what, sizeof what, "save_state: file records of rank %d", r);
             size_t ol = (size_t)(nul - p) + 1;
-            if (rc == 0) rc = ckpt__manifest_files_from_json(&op->all, p + ol, lens[r] - ol, what);
+            const char *jend = memchr(p + ol, '\0', lens[r] - ol);
+            if (!jend)
+                rc = ckpt__err(CKPT_EINVAL, "save_state: rank %d sent malformed file records", r);
+            size_t jl = jend ? (size_t)(jend - (p + ol)) : 0;
+            int64_t had = op->all.nfiles;
+            if (rc == 0) rc = ckpt__manifest_files_from_json(&op->all, p + ol, jl, what);
+            if (rc == 0 && op->remote)
+                rc = etags_from_wire(op, jend + 1, lens[r] - ol - jl - 1, op->all.nfiles - had, r);
             off += lens[r];
         }
         for (int64_t i = 0; rc == 0 && i < op->all.nfiles; i++)
@@ -532,6 +599,8 @@ static int commit(save_op *op) {
     /* The ranks' chunks of each sharded tensor must tile it exactly. */
     int rc = ckpt__manifest_check_chunks(m, CKPT_EINVAL, "save_state");
     if (rc < 0) return ckpt__err_prefix(rc, "save_state: %s", op->target);
+    /* object storage: the manifest PUT last (save_remote.c) */
+    if (op->remote) return ckpt__save_remote_commit(op);
     CKPT_TRY(ckpt__save_add_extras(op));
     /* The manifest is the commit record: written last, after every file of
      * every rank is durable, so a folder with a valid manifest is a complete
@@ -579,8 +648,9 @@ static void keep_trash(void *user, char *hidden) {
  * hashed every byte of it (store.h, ckpt_rotate_opts). */
 static void rotate(save_op *op) {
     ckpt_accelerator *acc = op->acc;
-    if (!op->automatic || (acc->total_limit <= 0 && !ckpt__retention_active(&acc->retention)))
-        return;
+    if (!op->automatic || op->remote ||
+        (acc->total_limit <= 0 && !ckpt__retention_active(&acc->retention)))
+        return; /* object storage: rotated by the commit (save_remote.c) */
     int64_t removed = 0;
     ckpt_rotate_opts o = {
         .fresh = op->number, .defer = op->defer_removal ? keep_trash : NULL, .user = op};
@@ -639,6 +709,7 @@ void ckpt__save_op_free(save_op *op) {
     free(op->lockp);
     free(op->post_dir);
     free(op->output_dir);
+    ckpt__save_remote_free(op);
     for (int i = 0; i < op->ntrash; i++) { /* never taken: deleted now */
         if (ckpt__remove_tree(op->trash[i]) < 0) ckpt_clear_error();
         free(op->trash[i]);
@@ -696,6 +767,7 @@ int ckpt__save_op_new(ckpt_accelerator *acc, const char *output_dir, save_op **o
     if (op->tier) acc->tier.persist_next = false; /* this save's (back if it fails) */
     op->tier_highest = -1;
     op->link_copies = acc->link_copies;
+    op->remote = output_dir ? ckpt__s3_is_url(output_dir) : acc->remote != NULL;
     ckpt__manifest_init(&op->mine);
     ckpt__manifest_init(&op->all);
     /* A rank whose own checks fail still takes part in every collective
@@ -718,6 +790,7 @@ int ckpt__save_op_plan(save_op *op) {
         if (op->rc == 0) op->rc = plan_local(op, op->output_dir);
         if (op->rc == 0) op->wdir = op->tmp;
         if (op->rc == 0 && op->tier) op->rc = ckpt__tier_open(op);
+        if (op->rc == 0 && op->remote) op->rc = ckpt__save_remote_open(op);
         return op->rc;
     }
     ckpt__coll_begin(op->acc, "save: share the plan");
@@ -740,6 +813,7 @@ int ckpt__save_op_plan(save_op *op) {
         if (rc == 0) rc = src;
         op->wdir = op->tmp;
         if (rc == 0 && op->tier) rc = ckpt__tier_open(op);
+        if (rc == 0 && op->remote) rc = ckpt__save_remote_open(op);
     }
     ckpt__coll_end(op->acc);
     return op->rc = rc;
@@ -754,7 +828,8 @@ int ckpt__save_op_snapshot(save_op *op) {
     if (acc->hooks[HOOK_SAVE_POST] && !(op->post_dir = ckpt__strdup(op->target)))
         rc = ckpt__err_nomem("save path");
     if (rc == 0) rc = ckpt__acc_run_hooks(acc, HOOK_SAVE, op->wdir, "save_state");
-    if (rc == 0) ckpt__save_read_prev(op);
+    if (rc == 0 && op->remote) ckpt__save_remote_read_prev(op);
+    else if (rc == 0) ckpt__save_read_prev(op);
     if (rc == 0) rc = snapshot(op);
     if (rc == 0) rc = order_digest(op); /* before the plan marks what it spreads */
     if (rc == 0) rc = ckpt__save_plan_spread(op);
@@ -846,6 +921,10 @@ static int commit_all(save_op *op) {
     } else if (rc == 0) {
         op->all = op->mine;
         ckpt__manifest_init(&op->mine);
+        op->etags = op->etags_mine;
+        op->netags = op->netags_mine;
+        op->etags_mine = NULL;
+        op->netags_mine = 0;
     }
     if (rc == 0) {
         /* commit, rotate */
@@ -854,6 +933,8 @@ static int commit_all(save_op *op) {
         if (op->committer) release(op);
         ckpt__coll_phase(op->acc, "save: share the outcome of the commit");
         rc = ckpt__coll_share(c, rc);
+        /* object storage: a number lost to another writer moved the commit */
+        if (rc == 0 && op->remote) rc = ckpt__save_remote_share_number(op);
         /* the node-local tiers: replicas, every rank's local commit */
         if (op->tier) rc = ckpt__tier_finish(op, rc);
     }
@@ -882,10 +963,20 @@ void ckpt__save_op_apply(save_op *op) {
     acc->last_dir = op->target;
     op->target = NULL;
     free(acc->link_dir);
-    acc->link_dir = ckpt__strdup(acc->last_dir); /* NULL: no linking next time, that is all */
+    /* NULL: no linking next time, that is all (a URL: copies, in its bucket) */
+    acc->link_dir = ckpt__strdup(acc->last_dir);
     acc->last_save_written = op->written_bytes;
     acc->last_save_linked = op->linked_bytes;
-    /* After the lock is released, so that a post-hook may save again. */
+    /* After the lock is released, so that a post-hook may save again. In
+     * object storage the folder is the checkpoint's URL (the number the
+     * commit used). */
+    if (op->post_dir && op->remote && acc->last_dir) {
+        char *u = ckpt__strdup(acc->last_dir);
+        if (u) {
+            free(op->post_dir);
+            op->post_dir = u;
+        }
+    }
     if (op->post_dir) ckpt__acc_run_hooks(acc, HOOK_SAVE_POST, op->post_dir, "save_state");
 }
 

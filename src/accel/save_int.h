@@ -13,6 +13,7 @@
 #include "format/hfindex.h"
 #include "format/manifest.h"
 #include "format/statedict.h"
+#include "store/s3/remote.h"
 #include "store/store.h"
 
 /* One file a rank wrote, kept in its object's slot so the manifest lists
@@ -22,6 +23,7 @@ typedef struct save_slot {
     char name[160];
     const char *kind;
     ckpt_file_digest d;
+    char etag[128]; /* object storage: the object's ETag ("" if unknown) */
 } save_slot;
 
 /* The phases in the order they run (save_op.h). */
@@ -85,6 +87,18 @@ struct ckpt_save_op {
      * line per object: "<file> <hash> <count>\n" (order_digest). Every
      * rank must have the same: rank 0 compares at the commit. */
     char *order;
+    /* Object storage (save_remote.c): target and prev_dir are s3:// URLs,
+     * each file streams into its object, tmp is a local folder for what
+     * pre-hooks leave. */
+    bool remote;
+    ckpt_remote *rem; /* the bucket's client: the accelerator's, or rem_own */
+    ckpt_remote rem_own;
+    char *rdir;        /* the target's key */
+    char *rprev;       /* prev_dir's key, when it is in the same bucket */
+    char **etags_mine; /* the ETag of each file of mine ("" unknown) */
+    int64_t netags_mine;
+    char **etags; /* rank 0, after the agreement: of each file of all */
+    int64_t netags;
     /* The rotation's removed folders, renamed away and left for the driver
      * to delete (ckpt__save_op_defer_removal): their hidden paths. */
     bool defer_removal;
@@ -194,6 +208,38 @@ void ckpt__tier_release(save_op *op);
  * over comm->exchange_background (every rank's thread takes part, a
  * failed op's too, sending nothing). Its failure is kept in op->bg_rc. */
 void ckpt__tier_replicate_background(save_op *op);
+
+/* The digest of a file the previous checkpoint has with the same bytes,
+ * from its manifest's record. */
+int ckpt__save_digest_from_record(const ckpt_manifest_file *f, ckpt_file_digest *d);
+
+/* ---- object storage (save_remote.c) ----------------------------------------- */
+
+/* Rank 0's plan of a save into object storage, after the project lock: the
+ * lock object taken or renewed, one listing (leftovers removed, the number
+ * above every stored one, the checkpoint to copy from); an explicit URL
+ * checked (never a checkpoint already there); the local temporary folder. */
+int ckpt__save_remote_plan(save_op *op);
+/* Every rank, once the plan is known: the client of the target's bucket. */
+int ckpt__save_remote_open(save_op *op);
+/* Every rank, after the plan: prev_dir's manifest from the bucket. */
+void ckpt__save_remote_read_prev(save_op *op);
+/* One file of this rank: a server-side copy of the previous checkpoint's
+ * object when the bytes are the same (XXH3-128 from memory), else the bytes
+ * streamed into its object as they are produced (a multipart upload of
+ * parallel parts, or one PUT for less than a part), hashed on the way. */
+int ckpt__save_remote_file(save_op *op, ckpt_writer *w, const char *name, bool shards,
+                           save_slot *slot);
+/* A small text file (a shard index) into its object. */
+int ckpt__save_remote_text(save_op *op, const char *name, const char *text, save_slot *slot);
+/* Rank 0's commit: the pre-hooks' files uploaded, the lease renewed, the
+ * manifest PUT last with If-None-Match: * (automatic names: a lost number
+ * moves on, op->number and target follow), then the rotation. */
+int ckpt__save_remote_commit(save_op *op);
+/* After the commit's outcome is shared: every rank learns the number the
+ * commit used (collective; several processes only). */
+int ckpt__save_remote_share_number(save_op *op);
+void ckpt__save_remote_free(save_op *op);
 
 /* ---- files a save pre-hook adds (save_extras.c) ---------------------------- */
 

@@ -184,7 +184,7 @@ static bool enough_copies(save_op *op, const char *name, const ckpt_manifest_fil
 }
 
 /* The digest of a linked file, from the previous manifest's record. */
-static int digest_from_record(const ckpt_manifest_file *f, ckpt_file_digest *d) {
+int ckpt__save_digest_from_record(const ckpt_manifest_file *f, ckpt_file_digest *d) {
     memset(d, 0, sizeof *d);
     size_t n = f->ntensors ? (size_t)f->ntensors : 1;
     d->tensor_keys = ckpt__calloc(n, sizeof *d->tensor_keys);
@@ -282,7 +282,7 @@ int ckpt__save_link_same(save_op *op, const ckpt_manifest *prev, const char *pre
         return 0;
     }
     free(from);
-    CKPT_TRY(digest_from_record(f, d));
+    CKPT_TRY(ckpt__save_digest_from_record(f, d));
     op->linked_bytes += f->size;
     return 1;
 }

@@ -57,8 +57,20 @@ typedef struct ckpt_h128 {
     uint64_t lo, hi;
 } ckpt_h128;
 
+/* Where a stream's bytes go instead of a file (ckpt__ostream_open_sink): an
+ * object-storage upload, for instance. write takes every byte in order;
+ * finish completes it (called once, after the last write); abort drops it
+ * (a failed or abandoned stream). Each returns or leaves a message. */
+typedef struct ckpt_ostream_sink {
+    int (*write)(void *ctx, const void *p, size_t n);
+    int (*finish)(void *ctx);
+    void (*abort)(void *ctx);
+} ckpt_ostream_sink;
+
 typedef struct ckpt_ostream {
     int fd;
+    const ckpt_ostream_sink *sink; /* instead of fd (ckpt__ostream_open_sink) */
+    void *sink_ctx;
     char *path;         /* for messages (owned) */
     int err;            /* sticky: first error status, 0 if none */
     uint64_t bytes;     /* written so far */
@@ -77,6 +89,11 @@ typedef struct ckpt_ostream {
 
 /* Creates path exclusively (O_CREAT|O_EXCL, 0644). */
 int ckpt__ostream_open(ckpt_ostream *s, const char *path);
+/* A stream into sink (ctx its state) instead of a file: the same checksums
+ * on the bytes handed to it, finish calls sink->finish (nothing to fsync),
+ * abort and a failed finish call sink->abort. what names it in messages. */
+int ckpt__ostream_open_sink(ckpt_ostream *s, const char *what, const ckpt_ostream_sink *sink,
+                            void *ctx);
 /* A stream that writes nothing: it counts the bytes and computes only their
  * XXH3-128 (h128 after finish; the 64-bit digests stay 0). How a save learns,
  * from memory, whether a file it would write equals one already on disk.

@@ -33,6 +33,8 @@ static void ostream_release(ckpt_ostream *s) {
     s->hash = NULL;
     s->part_hash = NULL;
     s->fd = -1;
+    s->sink = NULL;
+    s->sink_ctx = NULL;
 }
 
 static int ostream_init(ckpt_ostream *s, const char *path) {
@@ -85,6 +87,14 @@ int ckpt__ostream_open(ckpt_ostream *s, const char *path) {
     return CKPT_OK;
 }
 
+int ckpt__ostream_open_sink(ckpt_ostream *s, const char *what, const ckpt_ostream_sink *sink,
+                            void *ctx) {
+    CKPT_TRY(ostream_init(s, what));
+    s->sink = sink;
+    s->sink_ctx = ctx;
+    return CKPT_OK;
+}
+
 /* Bytes go down in pieces small enough to stay in the CPU's cache: each
  * piece is hashed (the whole stream's digest, then the part's) and then
  * written, so the two hashes and the kernel's copy into the page cache read
@@ -124,7 +134,8 @@ static void check_part(ckpt_ostream *s) {
 int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n) {
     if (s->err) return s->err;
     if (!s->hash) return s->err = ckpt__err(CKPT_EINVAL, "write stream: not open");
-    if (!s->dry && s->fd < 0) return s->err = ckpt__err(CKPT_EINVAL, "write stream: not open");
+    if (!s->dry && s->fd < 0 && !s->sink)
+        return s->err = ckpt__err(CKPT_EINVAL, "write stream: not open");
     const uint8_t *b = p;
     hash_pair *h = hash_pair_of(s);
     if (s->dry) {
@@ -144,7 +155,12 @@ int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n) {
         size_t piece = n < OSTREAM_PIECE ? n : OSTREAM_PIECE;
         XXH3_64bits_update(&h->whole, b, piece);
         XXH3_64bits_update(&h->part, b, piece);
-        size_t done = 0;
+        size_t done = s->sink ? piece : 0;
+        if (s->sink) {
+            /* hashed as handed over: the bytes sent are the bytes hashed */
+            int rc = s->sink->write(s->sink_ctx, b, piece);
+            if (rc < 0) return s->err = rc;
+        }
         while (done < piece) {
             ssize_t w = ckpt__os_write(s->fd, b + done, piece - done);
             if (w < 0) return s->err = ckpt__err_os(errno, "%s: write", s->path);
@@ -154,7 +170,7 @@ int ckpt__ostream_write(ckpt_ostream *s, const void *p, size_t n) {
         s->bytes += piece;
         b += piece;
         n -= piece;
-        ostream_kick_writeback(s);
+        if (!s->sink) ostream_kick_writeback(s);
     }
     return CKPT_OK;
 }
@@ -192,6 +208,15 @@ int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
         ostream_release(s);
         return rc;
     }
+    if (s->sink) {
+        if (rc) s->sink->abort(s->sink_ctx);
+        else rc = s->sink->finish(s->sink_ctx);
+        if (!rc && digest) *digest = XXH3_64bits_digest(&hash_pair_of(s)->whole);
+        if (!rc && size) *size = s->bytes;
+        if (!rc) take_h128(s);
+        ostream_release(s);
+        return rc;
+    }
     if (!rc && ckpt__os_fsync(s->fd) < 0) rc = ckpt__err_os(errno, "%s: fsync", s->path);
     if (s->fd >= 0) {
         /* A failing close can report a delayed write error (NFS): count it. */
@@ -212,6 +237,11 @@ int ckpt__ostream_finish(ckpt_ostream *s, uint64_t *digest, uint64_t *size) {
 
 void ckpt__ostream_abort(ckpt_ostream *s) {
     if (!s) return;
+    if (s->sink) {
+        s->sink->abort(s->sink_ctx);
+        ostream_release(s);
+        return;
+    }
     if (s->fd >= 0) ckpt__os_close(s->fd);
     if (s->path && !s->dry) ckpt__os_unlink(s->path);
     ostream_release(s);

@@ -92,6 +92,9 @@ int ckpt__manifest_parse(const char *text, size_t len, const char *what, ckpt_ma
  * checkpoint: CKPT_ENOENT "... not a checkpoint (no checkpoint.json)"; a
  * missing dir CKPT_ENOENT too. */
 int ckpt__manifest_read(const char *dir, ckpt_manifest *m);
+/* ckpt_checkpoint_files of a local folder (store/s3/project.c dispatches
+ * s3:// URLs before it). */
+int ckpt__checkpoint_files_local(const char *dir, ckpt_checkpoint_file **out, int64_t *count);
 
 /* An opened, verified checkpoint folder: its manifest and every listed file
  * mapped (maps[i] belongs to m.files[i]). */
@@ -138,6 +141,24 @@ int ckpt__checkpoint_open_into(const char *dir,
 int ckpt__checkpoint_open_manifest(const char *dir, ckpt_checkpoint_open *c);
 int ckpt__checkpoint_read_files(const char *dir, bool deep, bool keep_maps, const bool *shallow,
                                 ckpt_arena *arena, ckpt_checkpoint_open *c);
+/* A checkpoint's files from a store other than a folder (object storage):
+ * check: every listed file present with the listed size and no .safetensors
+ * file the manifest does not list, before anything is reserved or read;
+ * read: the files idx[0..n) (ascending) read into dst[idx[k]], their
+ * XXH3-64 of exactly those bytes into h[idx[k]]. */
+typedef struct ckpt_file_source {
+    void *ctx;
+    int (*check)(void *ctx, const ckpt_manifest *m);
+    int (*read)(void *ctx, const ckpt_manifest *m, const int64_t *idx, int64_t n,
+                uint8_t *const *dst, uint64_t *h);
+} ckpt_file_source;
+/* ckpt__checkpoint_read_files(dir, deep, keep_maps, ...) with the files
+ * from src (dir names the checkpoint in messages): the same rules, sizes
+ * first, the files not shallow read into arena (NULL: c's own buffers) and
+ * checked against the manifest (a mismatch names the tensor). */
+int ckpt__checkpoint_read_files_from(const ckpt_file_source *src, const char *dir,
+                                     const bool *shallow, ckpt_arena *arena,
+                                     ckpt_checkpoint_open *c);
 /* Deep checks hash the files on two threads once they hold at least this
  * many bytes (default 64 MiB). Tests set 0 to exercise the threaded path on
  * small checkpoints; returns the previous value. */

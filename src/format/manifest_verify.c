@@ -406,6 +406,54 @@ int ckpt__checkpoint_read_files(const char *dir, bool deep, bool keep_maps, cons
     return rc;
 }
 
+int ckpt__checkpoint_read_files_from(const ckpt_file_source *src, const char *dir,
+                                     const bool *shallow, ckpt_arena *arena,
+                                     ckpt_checkpoint_open *c) {
+    int64_t n = c->m.nfiles;
+    c->maps = ckpt__calloc((size_t)(n ? n : 1), sizeof *c->maps);
+    if (!c->maps) {
+        ckpt__checkpoint_close(c);
+        return ckpt__err_nomem("checkpoint maps");
+    }
+    /* Every size (and nothing unlisted) before a byte is reserved or read. */
+    int rc = src->check(src->ctx, &c->m);
+    if (rc == 0 && !ckpt__addressable(c->total_bytes))
+        rc = ckpt__err(CKPT_ECORRUPT,
+                       "%s: the listed files' sizes add up to %" PRIu64
+                       " bytes, more than memory can hold (forged sizes)",
+                       dir, c->total_bytes);
+    uint8_t **dst = NULL;
+    int64_t *idx = NULL, k = 0;
+    uint64_t *h = NULL;
+    if (rc == 0) rc = place_files(dir, c, shallow, arena, &dst);
+    if (rc == 0) {
+        idx = ckpt__calloc((size_t)(n ? n : 1), sizeof *idx);
+        h = ckpt__calloc((size_t)(n ? n : 1), sizeof *h);
+        if (!idx || !h) rc = ckpt__err_nomem("checkpoint check");
+    }
+    for (int64_t i = 0; rc == 0 && i < n; i++)
+        if (!shallow || !shallow[i]) idx[k++] = i;
+    if (rc == 0) rc = src->read(src->ctx, &c->m, idx, k, dst, h);
+    /* The readers use only the bytes hashed here; a mismatch names the
+     * tensor when the file still parses. */
+    for (int64_t j = 0; rc == 0 && j < k; j++) {
+        const ckpt_manifest_file *f = &c->m.files[idx[j]];
+        ckpt_mapped *mp = &c->maps[idx[j]];
+        mp->data = f->size ? dst[idx[j]] : empty_file; /* borrowed from the read buffers */
+        mp->size = f->size;
+        if (h[idx[j]] != f->xxh3) rc = name_mismatch(dir, f, mp);
+    }
+    free(idx);
+    free(h);
+    free(dst);
+    if (rc < 0 && c->maps) {
+        for (int64_t i = 0; i < n; i++) memset(&c->maps[i], 0, sizeof c->maps[i]);
+        free(c->maps);
+        c->maps = NULL;
+    }
+    return rc;
+}
+
 static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
                            bool (*want)(const ckpt_manifest_file *f, void *ctx), void *ctx,
                            ckpt_arena *arena, ckpt_checkpoint_open *c) {
@@ -424,7 +472,7 @@ static int open_checkpoint(const char *dir, bool deep, bool keep_maps,
     return rc;
 }
 
-int ckpt_checkpoint_files(const char *dir, ckpt_checkpoint_file **out, int64_t *count) {
+int ckpt__checkpoint_files_local(const char *dir, ckpt_checkpoint_file **out, int64_t *count) {
     if (out) *out = NULL;
     if (count) *count = 0;
     if (!dir || !out || !count) return ckpt__err(CKPT_EINVAL, "checkpoint_files: NULL argument");

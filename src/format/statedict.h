@@ -50,6 +50,11 @@ int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d
  * fills d->xxh128 (the file's XXH3-128) when want128. */
 int ckpt__writer_write_new_ex(ckpt_writer *w, const char *path, bool shards, bool want128,
                               ckpt_file_digest *d);
+/* The same file into a stream's sink instead of a path (an object-storage
+ * upload: ckpt__ostream_open_sink), want128 as above; the sink is finished
+ * (or aborted on failure) before this returns. what names it in messages. */
+int ckpt__writer_write_sink(ckpt_writer *w, const char *what, const ckpt_ostream_sink *sink,
+                            void *ctx, bool shards, bool want128, ckpt_file_digest *d);
 /* What ckpt__writer_write_new_ex(w, ..., shards, ...) would write, measured
  * in memory without writing anything: its size and its XXH3-128. `what`
  * names the file in messages. With expect (n digests; NULL: none), the

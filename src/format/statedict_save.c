@@ -240,15 +240,18 @@ int ckpt_writer_save(ckpt_writer *w, const char *path) {
     return ckpt__writer_save_digest(w, path, NULL);
 }
 
-static int write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d, save_mode mode,
-                     bool want128) {
+static int write_new(ckpt_writer *w, const char *path, const ckpt_ostream_sink *sink,
+                     void *sink_ctx, ckpt_file_digest *d, save_mode mode, bool want128) {
     if (d) digest_clear(d);
     save_ctx c;
     int rc = save_prepare(w, path, &c, mode);
     uint64_t size = 0, xxh = 0;
     ckpt_ostream s;
+    if (rc && sink) sink->abort(sink_ctx); /* nothing was sent: dropped all the same */
     if (!rc) {
-        rc = ckpt__ostream_open(&s, path);
+        rc =
+            sink ? ckpt__ostream_open_sink(&s, path, sink, sink_ctx) : ckpt__ostream_open(&s, path);
+        if (rc && sink) sink->abort(sink_ctx);
         if (!rc) {
             if (want128) ckpt__ostream_want128(&s);
             rc = fill_file(&s, &c);
@@ -268,16 +271,21 @@ static int write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d, save
 }
 
 int ckpt__writer_write_new(ckpt_writer *w, const char *path, ckpt_file_digest *d) {
-    return write_new(w, path, d, SAVE_PLAIN, false);
+    return write_new(w, path, NULL, NULL, d, SAVE_PLAIN, false);
 }
 
 int ckpt__writer_write_shards_new(ckpt_writer *w, const char *path, ckpt_file_digest *d) {
-    return write_new(w, path, d, SAVE_SHARDS, false);
+    return write_new(w, path, NULL, NULL, d, SAVE_SHARDS, false);
 }
 
 int ckpt__writer_write_new_ex(ckpt_writer *w, const char *path, bool shards, bool want128,
                               ckpt_file_digest *d) {
-    return write_new(w, path, d, shards ? SAVE_SHARDS : SAVE_PLAIN, want128);
+    return write_new(w, path, NULL, NULL, d, shards ? SAVE_SHARDS : SAVE_PLAIN, want128);
+}
+
+int ckpt__writer_write_sink(ckpt_writer *w, const char *what, const ckpt_ostream_sink *sink,
+                            void *ctx, bool shards, bool want128, ckpt_file_digest *d) {
+    return write_new(w, what, sink, ctx, d, shards ? SAVE_SHARDS : SAVE_PLAIN, want128);
 }
 
 int ckpt__writer_hash128(ckpt_writer *w, const char *what, bool shards, const uint64_t *expect,

@@ -15,6 +15,8 @@
 #include "format/manifest.h"
 #include "format/shard.h"
 #include "format/statedict.h"
+#include "store/s3/project.h"
+#include "store/s3/s3.h"
 #include "store/store.h"
 #include "store/txn.h"
 #include "train/optim.h"
@@ -919,6 +921,22 @@ static int export_all(exp_ctx *c, const ckpt_export_options *o) {
 int ckpt_export_torch(const char *checkpoint_dir, const char *out_dir,
                       const ckpt_export_options *opt) {
     if (!checkpoint_dir || !out_dir) return ckpt__err(CKPT_EINVAL, "export: NULL argument");
+    if (ckpt__s3_is_url(out_dir))
+        return ckpt__err(CKPT_EUNSUPPORTED,
+                         "export: %s: exports go to a local folder (copy it with any S3 client)",
+                         out_dir);
+    if (ckpt__s3_is_url(checkpoint_dir)) {
+        /* from a verified local copy, removed afterwards */
+        char *local = NULL, *root = NULL;
+        int rc = ckpt__remote_checkout(checkpoint_dir, &local, &root);
+        if (rc < 0) return ckpt__err_prefix(rc, "export");
+        rc = ckpt_export_torch(local, out_dir, opt);
+        char saved[2048];
+        snprintf(saved, sizeof saved, "%s", rc < 0 ? ckpt_errmsg() : "");
+        ckpt__remote_checkout_done(local, root);
+        if (rc < 0) ckpt__err(rc, "%s", saved);
+        return rc;
+    }
     ckpt_export_options o = {0};
     if (opt) o = *opt;
     ckpt_checkpoint_info info;

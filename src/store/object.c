@@ -12,11 +12,49 @@
 #include "format/manifest.h"
 #include "format/shard.h"
 #include "format/statedict.h"
+#include "store/s3/remote.h"
+#include "store/s3/s3.h"
+
+/* Where the checkpoint is: a local folder, or (rem not NULL) the objects
+ * under key rkey of a bucket (dir is then its URL). */
+typedef struct obj_src {
+    const char *dir;
+    ckpt_remote *rem;
+    const char *rkey;
+} obj_src;
+
+/* An object of the checkpoint into private memory, by parallel ranged
+ * GETs, hashed as it arrives (its size was checked against a listing). */
+static int map_object(const obj_src *s, const ckpt_manifest_file *f, ckpt_mapped *mp) {
+    char *key = ckpt__path_join(s->rkey, f->name);
+    uint8_t *buf = key ? ckpt__malloc(f->size ? (size_t)f->size : 1) : NULL;
+    if (!buf) {
+        free(key);
+        return ckpt__err_nomem("checkpoint object");
+    }
+    uint64_t h = 0;
+    const char *k = key;
+    int rc = ckpt__s3_get_many(s->rem->c, 1, &k, &f->size, &buf, &h, NULL);
+    free(key);
+    if (rc == 0 && h != f->xxh3)
+        rc = ckpt__err(CKPT_ECORRUPT, "%s: %s does not match the manifest (checksum)", s->dir,
+                       f->name);
+    if (rc < 0) {
+        free(buf);
+        return rc;
+    }
+    mp->heap = buf;
+    mp->data = buf;
+    mp->size = f->size;
+    return CKPT_OK;
+}
 
 /* Reads dir/f->name into private memory, hashing it on the way, and checks
  * it against the manifest: the readers then use exactly the bytes that were
  * checked, whatever happens to the file afterwards. */
-static int map_checked(const char *dir, const ckpt_manifest_file *f, ckpt_mapped *mp) {
+static int map_checked(const obj_src *s, const ckpt_manifest_file *f, ckpt_mapped *mp) {
+    if (s->rem) return map_object(s, f, mp);
+    const char *dir = s->dir;
     size_t n = strlen(dir) + strlen(f->name) + 2;
     char *path = ckpt__malloc(n);
     if (!path) return ckpt__err_nomem("checkpoint path");
@@ -39,22 +77,22 @@ static int map_checked(const char *dir, const ckpt_manifest_file *f, ckpt_mapped
 /* A part of a model saved as Hugging Face shards: its file, checked against
  * the manifest, as a reader that owns the mapping. */
 static int open_part(void *ctx, const ckpt_manifest_file *f, ckpt_reader **out) {
-    const char *dir = ctx;
+    const obj_src *s = ctx;
     ckpt_mapped mp;
     memset(&mp, 0, sizeof mp);
-    int rc = map_checked(dir, f, &mp);
+    int rc = map_checked(s, f, &mp);
     if (rc == 0) rc = ckpt_reader_open_memory(out, mp.data, (size_t)mp.size, f->name);
     if (rc == 0) rc = ckpt__reader_adopt_map(*out, &mp);
     if (rc < 0 && mp.data) ckpt__unmap(&mp);
     return rc;
 }
 
-static int open_hf(const char *dir, const ckpt_manifest *m, const ckpt_manifest_file *f,
+static int open_hf(const obj_src *s, const ckpt_manifest *m, const ckpt_manifest_file *f,
                    const char *file, ckpt_reader **out) {
     ckpt_mapped im;
     memset(&im, 0, sizeof im);
-    CKPT_TRY(map_checked(dir, f, &im));
-    int rc = ckpt__hf_open(m, f, im.data, (size_t)im.size, dir, file, open_part, (void *)dir, out);
+    CKPT_TRY(map_checked(s, f, &im));
+    int rc = ckpt__hf_open(m, f, im.data, (size_t)im.size, s->dir, file, open_part, (void *)s, out);
     ckpt__unmap(&im);
     return rc;
 }
@@ -63,9 +101,28 @@ int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader *
     if (!out) return ckpt__err(CKPT_EINVAL, "checkpoint_open_object: out is NULL");
     *out = NULL;
     if (!dir || !file) return ckpt__err(CKPT_EINVAL, "checkpoint_open_object: NULL argument");
+    obj_src src = {.dir = dir};
+    ckpt_remote rem = {0};
     ckpt_manifest m;
-    CKPT_TRY(ckpt__manifest_read(dir, &m));
     int rc = CKPT_OK;
+    if (ckpt__s3_is_url(dir)) {
+        /* the objects it needs, read into private memory: its manifest and
+         * a listing (every size checked) first, nothing copied to disk */
+        bool have = false;
+        rc = ckpt__remote_open(&rem, dir);
+        if (rc == 0 && !*rem.prefix)
+            rc = ckpt__err(CKPT_EINVAL, "%s: a bucket, not a checkpoint folder", dir);
+        if (rc == 0) rc = ckpt__remote_check(&rem, rem.prefix, NULL, false, &m, &have);
+        if (rc < 0) {
+            if (have) ckpt__manifest_clear(&m);
+            ckpt__remote_close(&rem);
+            return rc;
+        }
+        src.rem = &rem;
+        src.rkey = rem.prefix;
+    } else {
+        CKPT_TRY(ckpt__manifest_read(dir, &m));
+    }
     ckpt_reader *r = NULL;
     const ckpt_manifest_file *base = ckpt__manifest_find(&m, file);
     size_t stem = strlen(file);
@@ -87,7 +144,7 @@ int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader *
         snprintf(iname, sizeof iname, "%s.index.json", file);
         const ckpt_manifest_file *idx = ckpt__manifest_find(&m, iname);
         if (idx) {
-            rc = open_hf(dir, &m, idx, file, &r);
+            rc = open_hf(&src, &m, idx, file, &r);
             goto out;
         }
     }
@@ -98,7 +155,7 @@ int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader *
     if (base) {
         ckpt_mapped mp;
         memset(&mp, 0, sizeof mp);
-        rc = map_checked(dir, base, &mp);
+        rc = map_checked(&src, base, &mp);
         if (rc == 0) rc = ckpt_reader_open_memory(&r, mp.data, (size_t)mp.size, file);
         if (rc == 0) rc = ckpt__reader_adopt_map(r, &mp);
         if (rc < 0 && mp.data) ckpt__unmap(&mp);
@@ -118,7 +175,7 @@ int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader *
         }
         ckpt_mapped mp;
         memset(&mp, 0, sizeof mp);
-        rc = map_checked(dir, f, &mp);
+        rc = map_checked(&src, f, &mp);
         if (rc < 0) break;
         const uint8_t *data = mp.data;
         size_t len = (size_t)mp.size;
@@ -132,6 +189,7 @@ int ckpt_checkpoint_open_object(const char *dir, const char *file, ckpt_reader *
     }
 out:
     ckpt__manifest_clear(&m);
+    if (src.rem) ckpt__remote_close(&rem);
     if (rc < 0) {
         ckpt_reader_free(r);
         return rc;

@@ -485,19 +485,7 @@ void ckpt__remove_dead_leftovers(const char *dir, const ckpt_logger *lg) {
     }
 }
 
-/* What a rotation or prune is asked to do. */
-typedef struct rotation {
-    int64_t keep;
-    const ckpt_retention *pol; /* NULL or inactive: the newest `keep` only */
-    bool dry_run;
-    bool verify_all; /* also verify the folders beyond keep (to say why each goes) */
-    ckpt_prune_fn report;
-    void *user;
-    const ckpt_logger *lg; /* NULL: no warnings (the report says it) */
-    const ckpt_rotate_opts *opts; /* a save's (ckpt__rotate), else NULL */
-    int64_t removed;
-    int64_t valid_kept; /* valid checkpoints not removed (of those verified) */
-} rotation;
+typedef ckpt_rotation rotation;
 
 bool ckpt__retention_active(const ckpt_retention *pol) {
     return pol && (pol->keep_every_steps > 0 || pol->best_k > 0);
@@ -622,9 +610,9 @@ static void note_valid(verdict *v, const ckpt_checkpoint_info *info, const ckpt_
  * nothing), the ones beyond keep are checked against their manifests
  * (shallow) to learn their step and metrics, and the policy keeps some of
  * them (apply_policy). */
-static int rotate(const char *dir, rotation *r) {
+int ckpt__rotate_src(const ckpt_rotate_src *src, rotation *r) {
     int64_t *nums = NULL, count = 0;
-    CKPT_TRY(ckpt__list_numbers(dir, &nums, &count));
+    CKPT_TRY(src->numbers(src->ctx, &nums, &count));
     verdict *v = count ? ckpt__calloc((size_t)count, sizeof *v) : NULL;
     if (count && !v) {
         free(nums);
@@ -644,16 +632,11 @@ static int rotate(const char *dir, rotation *r) {
         }
         char name[48];
         snprintf(name, sizeof name, "checkpoint_%" PRId64, nums[i]);
-        char *p = ckpt__path_join(dir, name);
-        if (!p) {
-            rc = ckpt__err_nomem("rotation path");
-            break;
-        }
         ckpt_checkpoint_info info;
         /* The checkpoint the save just committed was hashed on its way out. */
         bool fresh = r->opts && r->opts->fresh >= 0 && nums[i] == r->opts->fresh;
-        int vrc = ckpt_checkpoint_verify(p, (!beyond || r->verify_all) && !fresh, &info);
-        free(p);
+        bool deep = (!beyond || (r->verify_all && !r->shallow_beyond)) && !fresh;
+        int vrc = src->verify(src->ctx, nums[i], deep, &info);
         if (vrc == 0) {
             if (!beyond) kept++;
             note_valid(&v[i], &info, policy ? r->pol : NULL);
@@ -675,7 +658,7 @@ static int rotate(const char *dir, rotation *r) {
         if (!v[i].remove) continue;
         char name[48];
         snprintf(name, sizeof name, "checkpoint_%" PRId64, nums[i]);
-        char *p = ckpt__path_join(dir, name);
+        char *p = ckpt__path_join(src->where, name);
         if (!p) {
             rc = ckpt__err_nomem("rotation path");
             break;
@@ -686,13 +669,48 @@ static int rotate(const char *dir, rotation *r) {
                       "removing %s, older than the newest valid checkpoint: %s", p,
                       v[i].why ? v[i].why : "invalid");
         free(p);
-        if (!r->dry_run) rc = remove_checkpoint(dir, name, r->lg, r->opts);
+        if (!r->dry_run) rc = src->remove(src->ctx, nums[i], r->lg);
         if (rc == 0) r->removed++;
     }
     for (int64_t i = 0; i < count; i++) free(v[i].why);
     free(v);
     free(nums);
     return rc;
+}
+
+/* The checkpoint folders of a local checkpoints folder, for the rotation. */
+typedef struct local_src {
+    const char *dir;
+    const ckpt_rotate_opts *opts;
+} local_src;
+
+static int local_numbers(void *ctx, int64_t **nums, int64_t *count) {
+    const local_src *x = ctx;
+    return ckpt__list_numbers(x->dir, nums, count);
+}
+
+static int local_verify(void *ctx, int64_t number, bool deep, ckpt_checkpoint_info *info) {
+    const local_src *x = ctx;
+    char name[48];
+    snprintf(name, sizeof name, "checkpoint_%" PRId64, number);
+    char *p = ckpt__path_join(x->dir, name);
+    if (!p) return ckpt__err_nomem("rotation path");
+    int rc = ckpt__checkpoint_verify_local(p, deep, info);
+    free(p);
+    return rc;
+}
+
+static int local_remove(void *ctx, int64_t number, const ckpt_logger *lg) {
+    const local_src *x = ctx;
+    char name[48];
+    snprintf(name, sizeof name, "checkpoint_%" PRId64, number);
+    return remove_checkpoint(x->dir, name, lg, x->opts);
+}
+
+static int rotate(const char *dir, rotation *r) {
+    local_src x = {dir, r->opts};
+    ckpt_rotate_src src = {&x, dir, local_numbers, local_verify, local_remove};
+    return ckpt__rotate_src(&src, r);
 }
 
 int ckpt__rotate(const char *dir, int64_t keep, const ckpt_retention *pol, const ckpt_logger *lg,
@@ -717,7 +735,7 @@ static const char *base_name(const char *path, char *buf, size_t cap) {
     return buf;
 }
 
-int ckpt_checkpoint_shared_bytes(const char *dir, const char *other, uint64_t *bytes) {
+int ckpt__checkpoint_shared_bytes_local(const char *dir, const char *other, uint64_t *bytes) {
     if (bytes) *bytes = 0;
     if (!dir || !other || !bytes)
         return ckpt__err(CKPT_EINVAL, "checkpoint_shared_bytes: NULL argument");
@@ -739,7 +757,7 @@ int ckpt_checkpoint_shared_bytes(const char *dir, const char *other, uint64_t *b
     return rc;
 }
 
-int ckpt_checkpoint_verify_file(const char *dir, const char *name) {
+int ckpt__checkpoint_verify_file_local(const char *dir, const char *name) {
     if (!dir || !name) return ckpt__err(CKPT_EINVAL, "checkpoint_verify_file: NULL argument");
     ckpt_manifest m;
     ckpt__manifest_init(&m);
@@ -793,7 +811,7 @@ static char *predecessor(const char *dir, int64_t n) {
     return out;
 }
 
-int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *info) {
+int ckpt__checkpoint_verify_local(const char *dir, bool deep, ckpt_checkpoint_info *info) {
     ckpt_checkpoint_info local;
     if (!info) info = &local;
     memset(info, 0, sizeof *info);
@@ -826,7 +844,7 @@ int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *inf
     if (prev) {
         /* the verification's message stays the one callers read */
         char *keep = rc < 0 ? ckpt__strdup(ckpt_errmsg()) : NULL;
-        (void)ckpt_checkpoint_shared_bytes(dir, prev, &info->shared_bytes);
+        (void)ckpt__checkpoint_shared_bytes_local(dir, prev, &info->shared_bytes);
         if (keep) ckpt__err(rc, "%s", keep);
         else if (rc == 0) ckpt_clear_error();
         free(keep);
@@ -835,8 +853,8 @@ int ckpt_checkpoint_verify(const char *dir, bool deep, ckpt_checkpoint_info *inf
     return rc;
 }
 
-int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
-                         int64_t *count) {
+int ckpt__checkpoint_list_local(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
+                                int64_t *count) {
     if (out) *out = NULL;
     if (count) *count = 0;
     if (!project_dir || !out || !count)
@@ -864,7 +882,7 @@ int ckpt_checkpoint_list(const char *project_dir, bool deep, ckpt_checkpoint_inf
             break;
         }
         /* A bad checkpoint is an entry with its status, not a failure of the list. */
-        (void)ckpt_checkpoint_verify(p, deep, &infos[i]);
+        (void)ckpt__checkpoint_verify_local(p, deep, &infos[i]);
         free(p);
     }
     free(nums);
@@ -925,7 +943,8 @@ static int cmp_leftover(const void *a, const void *b) {
     return strcmp(((const ckpt_leftover_info *)a)->path, ((const ckpt_leftover_info *)b)->path);
 }
 
-int ckpt_checkpoint_leftovers(const char *project_dir, ckpt_leftover_info **out, int64_t *count) {
+int ckpt__checkpoint_leftovers_local(const char *project_dir, ckpt_leftover_info **out,
+                                     int64_t *count) {
     if (out) *out = NULL;
     if (count) *count = 0;
     if (!out || !count) return ckpt__err(CKPT_EINVAL, "checkpoint_leftovers: NULL argument");
@@ -960,8 +979,8 @@ static int prune_leftover(void *user, const char *dir, const char *name) {
     return rc;
 }
 
-int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *opts,
-                             int64_t *removed) {
+int ckpt__checkpoint_prune_ex_local(const char *project_dir, const ckpt_prune_options *opts,
+                                    int64_t *removed) {
     if (removed) *removed = 0;
     if (!opts) return ckpt__err(CKPT_EINVAL, "checkpoint_prune: opts is NULL");
     if (opts->keep < 0)
@@ -991,9 +1010,4 @@ int ckpt_checkpoint_prune_ex(const char *project_dir, const ckpt_prune_options *
     if (opts->valid_kept) *opts->valid_kept = rc == 0 ? r.valid_kept : 0;
     free(dir);
     return rc;
-}
-
-int ckpt_checkpoint_prune(const char *project_dir, int keep, int64_t *removed) {
-    ckpt_prune_options o = {.keep = keep};
-    return ckpt_checkpoint_prune_ex(project_dir, &o, removed);
 }

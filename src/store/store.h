@@ -105,10 +105,52 @@ typedef struct ckpt_rotate_opts {
     void (*defer)(void *user, char *hidden);
     void *user;
 } ckpt_rotate_opts;
+/* What a rotation or prune is asked to do, and what it did. */
+typedef struct ckpt_rotation {
+    int64_t keep;
+    const ckpt_retention *pol; /* NULL or inactive: the newest `keep` only */
+    bool dry_run;
+    bool verify_all;     /* also verify the checkpoints beyond keep (to say why each goes) */
+    bool shallow_beyond; /* ... checking those against their manifests only, not reading them */
+    ckpt_prune_fn report;
+    void *user;
+    const ckpt_logger *lg;        /* NULL: no warnings (the report says it) */
+    const ckpt_rotate_opts *opts; /* a save's (ckpt__rotate), else NULL */
+    int64_t removed;
+    int64_t valid_kept; /* valid checkpoints not removed (of those verified) */
+} ckpt_rotation;
+/* Where the checkpoints of a rotation are: a local checkpoints folder, or
+ * a bucket's (store/s3). numbers: the checkpoint numbers, ascending;
+ * verify: checkpoint_<number> checked (deep: every byte) as
+ * ckpt_checkpoint_verify does, info filled; remove: it goes, for every
+ * reader at once. where names the checkpoints' parent in reports. */
+typedef struct ckpt_rotate_src {
+    void *ctx;
+    const char *where;
+    int (*numbers)(void *ctx, int64_t **nums, int64_t *count);
+    int (*verify)(void *ctx, int64_t number, bool deep, ckpt_checkpoint_info *info);
+    int (*remove)(void *ctx, int64_t number, const ckpt_logger *lg);
+} ckpt_rotate_src;
+/* The rule of ckpt_checkpoint_prune_ex over src: which checkpoints go
+ * (keep, the retention policy), reported, removed unless a dry run. */
+int ckpt__rotate_src(const ckpt_rotate_src *src, ckpt_rotation *r);
 /* Removes the checkpoint_<n> folders of dir the retention rule does not
  * keep (ckpt_checkpoint_prune_ex's rule; keep >= 0; pol may be NULL).
  * *removed (may be NULL) gets the count. */
 int ckpt__rotate(const char *dir, int64_t keep, const ckpt_retention *pol, const ckpt_logger *lg,
                  const ckpt_rotate_opts *opts, int64_t *removed);
+
+/* The folder tools of include/ckpt/files.h on local folders (store.c); the
+ * public functions (store/s3/project.c) hand s3:// URLs to object storage
+ * and everything else to these. */
+int ckpt__checkpoint_verify_local(const char *dir, bool deep, ckpt_checkpoint_info *info);
+int ckpt__checkpoint_verify_file_local(const char *dir, const char *name);
+int ckpt__checkpoint_shared_bytes_local(const char *dir, const char *other, uint64_t *bytes);
+int ckpt__checkpoint_list_local(const char *project_dir, bool deep, ckpt_checkpoint_info **out,
+                                int64_t *count);
+int ckpt__checkpoint_leftovers_local(const char *project_dir, ckpt_leftover_info **out,
+                                     int64_t *count);
+int ckpt__checkpoint_prune_ex_local(const char *project_dir, const ckpt_prune_options *opts,
+                                    int64_t *removed);
 
 #endif
