@@ -92,7 +92,7 @@ run_until() {
     for _ in $(seq 1 6000); do
         every_rank_has "$WORK/$proj-local" "$n" && break
         kill -0 "$mp" 2>/dev/null || break
-        sleep 0.05
+        sleep 0.01
     done
     kill -0 "$mp" 2>/dev/null || { cat "$WORK/job.out" >&2; fail "the job ended before checkpoint_$n"; }
     kill_job "$mp"
@@ -197,9 +197,9 @@ for r in 0 1 2 3; do
 done
 [ "$pm" -gt "$m" ] && m=$pm
 # the stale folder goes at node 1's next local save (its retention); a resume
-# that lands after the run's last save makes none, and keeps it (older, and
-# never chosen over the newer ones)
-if [ "$(newest "$L/n1/rank_2")" -gt "$k" ]; then
+# after the run's last save makes none, and keeps it (older, and never chosen
+# over the newer ones)
+if [ "$(node0_newest "$L")" -gt "$m" ]; then
     [ ! -d "$L/n1/rank_2/checkpoint_$k" ] || fail "the stale checkpoint_$k was kept"
 fi
 echo "ok: node 1 back with its stale checkpoint_$k: resumed from checkpoint_$m"
