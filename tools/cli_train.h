@@ -32,9 +32,9 @@ typedef struct train_opts {
     ckpt_best_mode best_mode;
     const char *project_dir;
     const char *data;
-    const char *init_from;  /* a checkpoint folder: its model only */
+    const char *init_from;   /* a checkpoint folder: its model only */
     const char *resume_from; /* --resume-from: that checkpoint, not the newest */
-    const char *freeze[16]; /* --freeze patterns */
+    const char *freeze[16];  /* --freeze patterns */
     int nfreeze;
     uint64_t max_shard_size;
     /* storage tiers: --local-dir, --replicas (-1: not given), --persist-every,

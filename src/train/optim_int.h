@@ -22,8 +22,8 @@ typedef struct opt_param {
     int ndim;
     int64_t shape[CKPT_MAX_NDIM];
     int64_t numel;
-    void *data; /* the model's values (NULL behind memory ops) */
-    void *grad; /* the model's gradient, of dtype; may be NULL */
+    void *data;       /* the model's values (NULL behind memory ops) */
+    void *grad;       /* the model's gradient, of dtype; may be NULL */
     ckpt_mem_ref mem; /* the values behind memory ops (ckpt_model_add_param_mem): never
                          updated by ckpt's own optimizer (it refuses them unless frozen) */
     int group;
