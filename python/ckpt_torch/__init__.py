@@ -418,7 +418,8 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=None
       scaler      GradScaler, or its state dict (the five GradScaler keys)
       step        the manifest's step (ckpt_accelerator_step after a load);
                   None (default): as in C, the first optimizer's step count
-                  (its parameters' `step`), 0 without an optimizer
+                  (its parameters' `step`), 0 without an optimizer; a step
+                  given that differs from that count is kept, with a warning
       dataloader, custom, random_states
                   flat dicts (as load_state_dict() returns) for the C objects
                   PyTorch has no counterpart of: the data loader's position,
@@ -456,8 +457,14 @@ def save(dir, model=None, optimizer=None, scheduler=None, scaler=None, step=None
     for i, x in enumerate(_as_list(optimizer)):
         flat = _plain_flat(x) if _is_flat(x) else optimizer_to_flat(x, _param_names(x, _as_list(model)))
         files.append((_file_name("optimizer", i), "optimizer", flat))
+    opt_step = _optimizer_step([f[2] for f in files if f[1] == "optimizer"])
     if step is None:
-        step = _optimizer_step([f[2] for f in files if f[1] == "optimizer"])
+        step = opt_step
+    elif any(f[1] == "optimizer" for f in files) and opt_step and step != opt_step:
+        # as the C accelerator's save: said once, and the given step is kept
+        msg = ("step %d differs from the optimizer's step count %d; the checkpoint records %d"
+               % (step, opt_step, step))
+        (warn or (lambda m: warnings.warn(m, stacklevel=3)))(msg)
     loaders = [_plain_flat(x) for x in _as_list(dataloader)]
     _check_position(loaders, step, batches_per_step)
     for i, x in enumerate(_as_list(scheduler)):

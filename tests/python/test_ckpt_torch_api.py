@@ -169,9 +169,15 @@ def check_step_follows_optimizer(tmp):
     d = os.path.join(tmp, "stepfollows", "checkpoint_0")
     assert ckpt_torch.save(d, model=net, optimizer=opt)["step"] == 3
     assert ckpt_torch.verify(d)["step"] == 3
-    assert ckpt_torch.save(d, model=net, optimizer=opt, step=7)["step"] == 7
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert ckpt_torch.save(d, model=net, optimizer=opt, step=7)["step"] == 7
+        assert ckpt_torch.save(d, model=net, optimizer=opt, step=3)["step"] == 3
+    said = [str(x.message) for x in w]
+    assert said == ["step 7 differs from the optimizer's step count 3; the checkpoint records 7"], said
     assert ckpt_torch.save(d, model=net)["step"] == 0
-    print("ok: save() without a step records the optimizer's step count (3), as C does")
+    print("ok: save() without a step records the optimizer's step count (3), as C does; "
+          "a step that differs is kept with a warning")
 
 
 def check_key_mapping(tmp):
