@@ -167,6 +167,11 @@ int ckpt__save_plan_kept(save_op *op, const int64_t *nums, int64_t count);
 int ckpt__save_kept_encode(const save_op *op, char **out, size_t *len);
 int ckpt__save_kept_decode(save_op *op, const char *p, size_t len);
 void ckpt__save_kept_free(save_op *op);
+/* 1: the file this rank would write at where as name has the previous
+ * checkpoint's size and XXH3-128 for it (*fp: that record); 0: write it;
+ * < 0: a failure (save_link.c). */
+int ckpt__save_unchanged(save_op *op, ckpt_writer *w, const char *name, bool shards,
+                         const char *where, ckpt_file_digest *d, const ckpt_manifest_file **fp);
 /* 1: the file this rank would write at path as name is the previous
  * checkpoint's, linked there (d from its record); 0: write it (d->xxh128
  * may already hold its hash); < 0: a failure. */

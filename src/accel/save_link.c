@@ -212,30 +212,44 @@ int ckpt__save_digest_from_record(const ckpt_manifest_file *f, ckpt_file_digest 
     return CKPT_OK;
 }
 
-/* Whether the file the save would write as name equals the previous
- * checkpoint's file of that name, decided from memory: the same size and
- * XXH3-128 as its manifest records. If so it is hard-linked into the
- * temporary folder at path (1; d from the record). 0: write it (d->xxh128
- * may already hold its hash). The old file is never read to decide; it is
- * read once linked, to check that its bytes are those in memory and those
- * its manifest records (a file changed after its commit is never linked). */
-int ckpt__save_try_link(save_op *op, ckpt_writer *w, const char *name, bool shards,
-                        const char *path, ckpt_file_digest *d) {
+/* Whether the file the save would write as name (at where: a path or a key)
+ * has the size and XXH3-128 that the previous checkpoint's manifest records
+ * for its file of that name, decided from memory: 1, with *fp that record;
+ * 0: write it (d->xxh128 may already hold its hash). Tensor by tensor
+ * against the old file's record first: a file that changed is known as such
+ * at its first changed tensor, without hashing the rest (the write then
+ * computes its XXH3-128 on the way). Shared by the link of a folder's save
+ * and the server-side copy of a bucket's. */
+int ckpt__save_unchanged(save_op *op, ckpt_writer *w, const char *name, bool shards,
+                         const char *where, ckpt_file_digest *d, const ckpt_manifest_file **fp) {
     if (!op->have_prev || op->link_off) return 0;
     const ckpt_manifest_file *f = ckpt__manifest_find(&op->prev, name);
     if (!f || !f->has_xxh128) return 0;
     uint64_t size = 0;
     ckpt_h128 h;
     bool differs = false;
-    /* Tensor by tensor against the old file's record first: a file that
-     * changed is known as such at its first changed tensor, without hashing
-     * the rest (the write then computes its XXH3-128 on the way). */
     const uint64_t *expect = f->ntensors > 0 ? f->tensor_xxh3 : NULL;
-    CKPT_TRY(ckpt__writer_hash128(w, path, shards, expect, f->ntensors, &size, &h, &differs));
+    CKPT_TRY(ckpt__writer_hash128(w, where, shards, expect, f->ntensors, &size, &h, &differs));
     if (differs) return 0;
     d->has_xxh128 = true;
     d->xxh128 = h;
-    return ckpt__save_link_same(op, &op->prev, op->prev_dir, name, size, h, path, d);
+    if (size != f->size || !ckpt__h128_eq(h, f->xxh128)) return 0;
+    *fp = f;
+    return 1;
+}
+
+/* Whether the file the save would write as name equals the previous
+ * checkpoint's file of that name (ckpt__save_unchanged). If so it is
+ * hard-linked into the temporary folder at path (1; d from the record).
+ * 0: write it. The old file is never read to decide; it is read once
+ * linked, to check that its bytes are those in memory and those its
+ * manifest records (a file changed after its commit is never linked). */
+int ckpt__save_try_link(save_op *op, ckpt_writer *w, const char *name, bool shards,
+                        const char *path, ckpt_file_digest *d) {
+    const ckpt_manifest_file *f = NULL;
+    int rc = ckpt__save_unchanged(op, w, name, shards, path, d, &f);
+    if (rc <= 0) return rc;
+    return ckpt__save_link_same(op, &op->prev, op->prev_dir, name, f->size, f->xxh128, path, d);
 }
 
 int ckpt__save_link_same(save_op *op, const ckpt_manifest *prev, const char *prev_dir,

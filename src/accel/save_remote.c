@@ -175,20 +175,9 @@ void ckpt__save_remote_read_prev(save_op *op) {
  * one's (a load then falls back). */
 static int try_copy(save_op *op, ckpt_writer *w, const char *name, bool shards, const char *key,
                     ckpt_file_digest *d, save_slot *slot) {
-    if (!op->have_prev || op->link_off) return 0;
-    const ckpt_manifest_file *f = ckpt__manifest_find(&op->prev, name);
-    if (!f || !f->has_xxh128) return 0;
-    uint64_t size = 0;
-    ckpt_h128 h;
-    bool differs = false;
-    /* tensor by tensor against the old object's record first: a changed
-     * file is known at its first changed tensor */
-    const uint64_t *expect = f->ntensors > 0 ? f->tensor_xxh3 : NULL;
-    CKPT_TRY(ckpt__writer_hash128(w, key, shards, expect, f->ntensors, &size, &h, &differs));
-    if (differs) return 0;
-    d->has_xxh128 = true;
-    d->xxh128 = h;
-    if (size != f->size || !ckpt__h128_eq(h, f->xxh128)) return 0;
+    const ckpt_manifest_file *f = NULL;
+    int same = ckpt__save_unchanged(op, w, name, shards, key, d, &f);
+    if (same <= 0) return same;
     char *from = ckpt__path_join(op->rprev, name);
     if (!from) return ckpt__err_nomem("save path");
     int rc = ckpt__s3_copy(op->rem->c, from, key, f->size, NULL, slot->etag);
