@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "base/error.h"
+#include "base/hashread.h"
 #include "base/io.h"
 #include "base/xxh.h"
 #include "base/io_int.h"
@@ -162,16 +163,21 @@ ckpt_h128 ckpt__xxh128(const void *p, size_t n) {
 
 /* Each piece is read and then hashed while it is in the CPU cache (256 KiB:
  * the kernel's copy and the hash touch memory once, and a verification-only
- * read never leaves the cache); reads from disk still go in large requests:
- * the kernel is asked to read ahead a window of 8 MiB at a time (a cold read
- * in 1 MiB requests ran at a third of the speed of 8 MiB ones). */
-#define HASH_PIECE ((size_t)256 << 10)
-#define HASH_WINDOW ((uint64_t)8 << 20)
+ * read never leaves the cache), the reads on a second thread where that
+ * pays (hashread.h); reads from disk still go in large requests: the kernel
+ * is asked to read ahead a window of 8 MiB at a time (a cold read in 1 MiB
+ * requests ran at a third of the speed of 8 MiB ones). */
 
 static int read_hashed(const char *path, const char *what, uint64_t size, uint8_t *dst,
                        uint64_t *digest, ckpt_h128 *wide) {
     size_t align = _Alignof(XXH3_state_t) > 64 ? _Alignof(XXH3_state_t) : 64;
-    void *mem = ckpt__malloc(sizeof(XXH3_state_t) + align + (dst ? 0 : HASH_PIECE));
+    /* without a destination the pieces pass through a ring of at most
+     * CKPT_HASHREAD_RING bytes */
+    uint64_t pieces = (size + CKPT_HASHREAD_PIECE - 1) / CKPT_HASHREAD_PIECE;
+    uint64_t ring = pieces * CKPT_HASHREAD_PIECE < CKPT_HASHREAD_RING
+                        ? pieces * CKPT_HASHREAD_PIECE
+                        : CKPT_HASHREAD_RING;
+    void *mem = ckpt__malloc(sizeof(XXH3_state_t) + align + (dst ? 0 : (size_t)ring));
     if (!mem) return ckpt__err_nomem(what);
     uintptr_t a = ((uintptr_t)mem + align - 1) & ~(uintptr_t)(align - 1);
     XXH3_state_t *h = (XXH3_state_t *)a; /* both digests come from it (xxh.h) */
@@ -185,40 +191,18 @@ static int read_hashed(const char *path, const char *what, uint64_t size, uint8_
         free(mem);
         return fd;
     }
+    ckpt__hashread_fail why;
     if ((uint64_t)st.st_size != size) {
         rc = ckpt__err(CKPT_ECORRUPT, "%s: %lld bytes, the manifest says %llu", what,
                        (long long)st.st_size, (unsigned long long)size);
     } else {
-        /* The kernel reads ahead further for a file read from start to end. */
+        /* The kernel reads ahead further for a file read from start to end
+         * (and hashread asks for the next window as it goes). */
         (void)ckpt__os_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-        uint64_t off = 0, asked = 0;
-        while (off < size) {
-            /* From disk: the next window is on its way while this one is
-             * read and hashed. */
-            if (off >= asked && off + HASH_WINDOW < size) {
-                asked = off + HASH_WINDOW;
-                (void)ckpt__os_fadvise(fd, asked, HASH_WINDOW, POSIX_FADV_WILLNEED);
-            }
-            size_t want = size - off < HASH_PIECE ? (size_t)(size - off) : HASH_PIECE;
-            uint8_t *p = dst ? dst + off : scratch;
-            size_t got = 0;
-            while (got < want) {
-                ssize_t r = ckpt__os_pread(fd, p + got, want - got, off + got);
-                if (r < 0) {
-                    rc = ckpt__err_os(errno, "%s: read", what);
-                    break;
-                }
-                if (r == 0) {
-                    rc = ckpt__err(CKPT_ECORRUPT, "%s: ends at byte %llu, the manifest says %llu",
-                                   what, (unsigned long long)(off + got), (unsigned long long)size);
-                    break;
-                }
-                got += (size_t)r;
-            }
-            if (rc < 0) break;
-            XXH3_64bits_update(h, p, want);
-            off += want;
-        }
+        if (ckpt__hashread(fd, 0, size, dst, dst ? NULL : scratch, h, &why) < 0)
+            rc = why.err ? ckpt__err_os(why.err, "%s: read", what)
+                         : ckpt__err(CKPT_ECORRUPT, "%s: ends at byte %llu, the manifest says %llu",
+                                     what, (unsigned long long)why.at, (unsigned long long)size);
     }
     ckpt__os_close(fd);
     if (rc == 0 && digest) *digest = XXH3_64bits_digest(h);

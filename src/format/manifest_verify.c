@@ -12,6 +12,7 @@
 #include <sys/stat.h>
 
 #include "base/error.h"
+#include "base/hashread.h"
 #include "base/io.h"
 #include "format/manifest.h"
 #include "format/manifest_int.h"
@@ -256,7 +257,13 @@ static int check_files(const char *dir, const ckpt_manifest *m, bool deep, const
         job[w].idx = idx + (size_t)w * (size_t)n;
         job[w].failed = -1; /* a job that never runs has not failed */
     }
-    bool parallel = deep && n >= 2 && total >= atomic_load(&parallel_check_bytes);
+    /* A file large enough to be read on two threads by itself (hashread.h)
+     * is: the files then go one after the other (else four threads would
+     * share two cores). */
+    bool large = false;
+    for (int64_t i = 0; i < n && ckpt__hashread_helpers() > 0; i++)
+        if ((!shallow || !shallow[i]) && m->files[i].size >= CKPT_HASHREAD_MIN) large = true;
+    bool parallel = deep && n >= 2 && !large && total >= atomic_load(&parallel_check_bytes);
     if (parallel) {
         /* Greedy by size: each file, largest first, goes to the job with
          * fewer bytes so far; each job then checks its files in index order. */

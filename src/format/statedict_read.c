@@ -10,6 +10,7 @@
 #include <sys/mman.h>
 
 #include "base/error.h"
+#include "base/hashread.h"
 #include "base/io.h"
 #include "format/safetensors.h"
 #include "format/shard.h"
@@ -45,6 +46,18 @@ static uint8_t *landing(const verify_stream *v, const ckpt_dst *dst, uint64_t of
     return dst && !dst->mem.ops ? dst->host + off : v->scratch;
 }
 
+/* The bytes [off, off + n) of r's file into host memory to, hashed into h
+ * in order as they land (two threads for a large range: hashread.h). */
+static int read_hashed_to(ckpt_reader *r, const char *key, uint8_t *to, uint64_t n, uint64_t off,
+                          XXH3_state_t *h) {
+    ckpt__hashread_fail why;
+    if (ckpt__hashread(r->fd, off, n, to, NULL, h, &why) == 0) return CKPT_OK;
+    int rc = why.err ? ckpt__err_os(why.err, "%s: read at offset %" PRIu64, r->name, why.at)
+                     : ckpt__err(CKPT_ECORRUPT, "%s: file ended at offset %" PRIu64 " while reading",
+                                 r->name, why.at);
+    return ckpt__err_prefix(rc, "tensor '%s'", key);
+}
+
 /* By parts: entry e's bytes into dst (NULL: through the scratch piece),
  * each piece hashed right after it lands, against e's own digest. */
 static int part_read(ckpt_reader *r, const entry *e, const char *key, const ckpt_dst *dst) {
@@ -54,7 +67,8 @@ static int part_read(ckpt_reader *r, const entry *e, const char *key, const ckpt
         return ckpt__err(CKPT_ECORRUPT, "%s: tensor '%s': the manifest records no checksum for it",
                          r->name, key);
     XXH3_64bits_reset(v->t);
-    for (uint64_t off = 0; off < e->nbytes;) {
+    if (dst && !dst->mem.ops) CKPT_TRY(read_hashed_to(r, key, dst->host, e->nbytes, e->offset, v->t));
+    for (uint64_t off = 0; !(dst && !dst->mem.ops) && off < e->nbytes;) {
         size_t k = e->nbytes - off < VERIFY_PIECE ? (size_t)(e->nbytes - off) : VERIFY_PIECE;
         uint8_t *to = landing(v, dst, off);
         int rc = pread_all(r, to, k, e->offset + off);
@@ -79,7 +93,9 @@ static int verified_read(ckpt_reader *r, const entry *e, const char *key, const 
     bool in_order = e->offset >= v->next && e->offset - v->next <= VERIFY_GAP_MAX;
     if (in_order) CKPT_TRY(verify_skip_to(r, e->offset));
     else XXH3_64bits_reset(v->t);
-    for (uint64_t off = 0; off < e->nbytes;) {
+    if (!dst->mem.ops)
+        CKPT_TRY(read_hashed_to(r, key, dst->host, e->nbytes, e->offset, in_order ? v->h : v->t));
+    for (uint64_t off = 0; dst->mem.ops && off < e->nbytes;) {
         size_t k = e->nbytes - off < VERIFY_PIECE ? (size_t)(e->nbytes - off) : VERIFY_PIECE;
         uint8_t *to = landing(v, dst, off);
         int rc = pread_all(r, to, k, e->offset + off);
