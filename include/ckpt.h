@@ -1171,28 +1171,32 @@ CKPT_API int ckpt_accelerator_prepare_async(ckpt_accelerator *acc);
 CKPT_API int ckpt_accelerator_set_async_staging_limit(ckpt_accelerator *acc, uint64_t bytes);
 /* Loads everything registered. input_dir NULL: the newest complete checkpoint
  * that verifies in <project_dir>/checkpoints, falling back (with a warning)
- * to older ones. Transactional: everything is checked first (manifest,
- * files, every object's schema, then every object's check_state_dict) and
- * nothing in memory changes unless all of it matches. The one exception: a
- * custom object without check_state_dict whose load_state_dict refuses a
- * value; the objects loaded before it are then already changed and the error
- * says "state partially loaded". Restores the step counter and the automatic
+ * to older ones. Everything is checked (manifest, files, every object's
+ * schema, then every object's check_state_dict) before anything in memory
+ * changes; the files' checksums, on the first load of an accelerator (the
+ * resume), as the bytes land in the objects, and on every later load before
+ * anything changes (see ckpt_load_options.one_pass and transactional: a
+ * damaged newest checkpoint still ends with the next older valid one
+ * loaded, but on a first load the objects may hold part of a damaged
+ * checkpoint when the load fails). The one other exception: a custom object
+ * without check_state_dict whose load_state_dict refuses a value; the
+ * objects loaded before it are then already changed and the error says
+ * "state partially loaded". Restores the step counter and the automatic
  * numbering.
  * Memory: nothing stays after the call. With one process, plain files and
- * no adapting option (the default), every file is first hashed whole
- * through a reused 256 KiB piece (two threads), then each object reads its
- * tensors straight from the file into its own memory, each piece hashed
- * where it lands: a file rewritten in place between the two (by another
- * writer) fails the load with CKPT_ECORRUPT naming the file, "the file
- * changed after it was verified; state partially loaded", and saves refuse
- * as after any failed load. Otherwise (several processes, Hugging Face
- * shards, non_strict, convert_dtypes, prefix_map, rename) each file is read
- * once into a buffer area of private memory, hashed on the way, and the
- * objects load from it; the area (the size of the files this process
- * reads) is given back at the end of the load, unless it is the staging
- * area of asynchronous saves (ckpt_accelerator_prepare_async), which stays.
- * (ckpt_load_state_ex with one_pass reads each file once, straight into the
- * objects: not transactional; see ckpt_load_options.one_pass.)
+ * no adapting option (the default), the first load reads each file once
+ * straight into the objects' memory, a piece at a time, hashing each piece
+ * where it lands (the reads on a second thread); a later load first hashes
+ * every file whole through a reused 2 MiB ring, then reads again the same
+ * way: a file rewritten in place between the two (by another writer) fails
+ * the load with CKPT_ECORRUPT naming the file, "the file changed after it
+ * was verified; state partially loaded", and saves refuse as after any
+ * failed load. Otherwise (several processes, Hugging Face shards,
+ * non_strict, convert_dtypes, prefix_map, rename) each file is read once
+ * into a buffer area of private memory, hashed on the way, and the objects
+ * load from it; the area (the size of the files this process reads) is
+ * given back at the end of the load, unless it is the staging area of
+ * asynchronous saves (ckpt_accelerator_prepare_async), which stays.
  * With a comm of several processes it is collective: every rank loads the
  * same checkpoint (a candidate any rank finds corrupt is skipped by all), and
  * nothing is applied on any rank unless every rank's checks pass; every rank
@@ -1280,20 +1284,25 @@ typedef struct ckpt_load_options {
     int num_prefix_map;
     ckpt_key_rename_fn rename;
     void *rename_user;
-    /* Verify and copy in one pass (docs/CHECKPOINTS.md, "One-pass load"):
-     * each file is read straight into the objects' buffers, its checksum
-     * computed on the bytes as they land there, instead of verified whole
-     * first and read again after. Faster (each byte read once), but not
-     * transactional: a checksum mismatch is found while
-     * or after the objects are loaded, so the load fails (CKPT_ECORRUPT
-     * naming the file, and the tensor when it can), the objects hold a
-     * mix of old and new values, and saves refuse as after any failed
-     * load until a load succeeds; there is no fallback to an older
-     * checkpoint. Schemas and check_state_dict still run before anything
-     * changes. Applies with one process, without the adapting options
-     * above, to checkpoints of plain files; elsewhere the load makes its
-     * two passes as without it. */
+    /* How many times each byte is read (docs/CHECKPOINTS.md, "One pass or
+     * two"). By default the accelerator's first load (no save yet, no load
+     * applied: the resume) reads each file once, straight into the
+     * objects' buffers, each piece hashed as it lands; a checksum mismatch
+     * is then found while the objects load, so the objects hold part of
+     * that checkpoint: the load of the newest checkpoint (input_dir NULL)
+     * warns and loads the next older valid one over them (a strict load
+     * rewrites every byte), and otherwise fails with CKPT_ECORRUPT naming
+     * the file (and the tensor when it can), saves refusing until a load
+     * succeeds. Every later load is transactional: every file is verified
+     * whole before anything changes, then read again into the objects.
+     * Schemas and check_state_dict always run before anything changes.
+     * one_pass: one pass for this load too, even a later one.
+     * transactional: two passes for this load too, even the first (both
+     * set: CKPT_EINVAL). One pass applies with one process, without the
+     * adapting options above, to checkpoints of plain files; elsewhere the
+     * load makes its two passes. */
     bool one_pass;
+    bool transactional;
 } ckpt_load_options;
 
 /* One key the report names. */

@@ -90,6 +90,11 @@ struct ckpt_accelerator {
     bool odd_names_said;
     char *last_dir;
     ckpt_hook_handle *hooks[HOOK_KINDS];
+    /* A save ran or a load began to apply: the objects may hold state no
+     * checkpoint holds, so loads verify everything before changing anything
+     * (two passes); until then a load is the resume, made in one pass
+     * (load.c). */
+    bool objects_live;
     /* The last ckpt_load_state failed (other than "no checkpoint"): saves
      * refuse until a load succeeds or ckpt_accelerator_start_over. */
     bool load_failed;

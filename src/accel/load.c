@@ -87,11 +87,20 @@ int ckpt__load_op_new(ckpt_accelerator *acc, const char *input_dir, const ckpt_l
     bool plain = op->comm->size <= 1 && !op->remote &&
                  (!opt || (!opt->non_strict && !opt->convert_dtypes && opt->num_prefix_map == 0 &&
                            !opt->rename));
-    op->one_pass = plain && opt && opt->one_pass;
+    /* The first load of an accelerator (no save yet, no load applied) is
+     * the resume: the objects hold only their initial values, so it reads
+     * each file once, verified as it lands, and an older checkpoint is
+     * loaded over them if the newest turns out damaged (the driver below).
+     * Any later load verifies everything before it changes anything. */
+    bool first = !acc->objects_live && !(opt && opt->transactional);
+    op->one_pass = plain && ((opt && opt->one_pass) || first);
     op->stream = plain && !op->one_pass;
     ckpt__coll_begin(acc, "load: agree on the options");
     op->in_op = true;
-    int rc = ckpt__load_select(op);
+    int rc = opt && opt->one_pass && opt->transactional
+                 ? ckpt__err(CKPT_EINVAL, "load_state: options one_pass and transactional "
+                                          "contradict each other: set one of them")
+                 : ckpt__load_select(op);
     if (rc == 0 && input_dir && !(op->input_dir = ckpt__strdup(input_dir)))
         rc = ckpt__err_nomem("load path");
     /* Bad options change nothing, not even the refusal of saves. */
@@ -236,6 +245,14 @@ static int find_candidates(ckpt__load_op *op) {
         ckpt__coll_phase(acc, "load: choose the checkpoint");
     }
     rc = list_candidates(op, op->cdir, &op->nums, &op->ncand);
+    /* a retry after a one-pass load found a candidate damaged: the older
+     * ones only */
+    while (rc == 0 && op->below > 0 && op->ncand > 0 && op->nums[op->ncand - 1] >= op->below)
+        op->ncand--;
+    if (rc == 0 && op->ncand == 0)
+        rc = ckpt__err(CKPT_ECORRUPT,
+                       "load_state: no checkpoint older than checkpoint_%" PRId64 " is left in %s",
+                       op->below, op->cdir);
     op->next = op->ncand - 1;
     return fail(op, rc, true);
 }
@@ -410,8 +427,18 @@ static void close_checkpoint(ckpt__load_op *op) {
 static int read_files(ckpt__load_op *op) {
     if (op->one_pass || op->stream) {
         /* Every byte hashed now when streamed (damage is found before
-         * anything changes, and the load can fall back), none kept. */
-        int rc = ckpt__checkpoint_read_files(op->dir, op->stream, false, NULL, NULL, &op->c);
+         * anything changes, and the load can fall back), none kept. One
+         * pass: the files a save pre-hook added (kind "extra"), which no
+         * object reads and the load hooks may, are hashed now; the others
+         * as the objects read them. */
+        bool *shallow = NULL;
+        int64_t n = op->c.m.nfiles;
+        if (op->one_pass && !(shallow = ckpt__calloc((size_t)(n ? n : 1), sizeof *shallow)))
+            return ckpt__err_nomem("checkpoint check");
+        for (int64_t j = 0; shallow && j < n; j++)
+            shallow[j] = strcmp(op->c.m.files[j].kind, "extra") != 0;
+        int rc = ckpt__checkpoint_read_files(op->dir, true, false, shallow, NULL, &op->c);
+        free(shallow);
         if (rc < 0 && op->input_dir) rc = ckpt__err_prefix(rc, "load_state");
         return rc;
     }
@@ -649,6 +676,8 @@ int ckpt__load_op_apply(ckpt__load_op *op) {
     }
     /* apply: the objects read the streamed chunks as they load */
     name_phase(op, "load: apply");
+    op->applied = true;
+    if (op->acc) op->acc->objects_live = true; /* later loads are transactional */
     op->echo = false; /* a check's swallowed echo is not this phase's */
     int rc = ckpt__load_apply_objects(op);
     int src = ckpt__load_stream_end(op);
@@ -715,20 +744,74 @@ int ckpt_load_state(ckpt_accelerator *acc, const char *input_dir) {
     return ckpt_load_state_ex(acc, input_dir, NULL, NULL);
 }
 
+/* A one-pass load of the project's newest checkpoint that found it damaged
+ * while the objects read it (they hold part of it): with an older candidate
+ * left, its number (the driver then loads the older one over the objects,
+ * which a strict load rewrites whole, and the retry's op->why starts with
+ * this one's message); else -1, and without an older candidate the failure
+ * says that no valid checkpoint is left and what the objects hold. */
+static int64_t damaged_while_applied(ckpt__load_op *op) {
+    if (!(op->rc == CKPT_ECORRUPT && op->applied && op->one_pass && !op->input_dir && !op->tier &&
+          !op->remote && op->comm->size <= 1))
+        return -1;
+    int64_t number = op->nums[op->next + 1];
+    char msg[1200];
+    snprintf(msg, sizeof msg, "%s", ckpt_errmsg());
+    size_t used = strlen(op->why);
+    snprintf(op->why + used, sizeof op->why - used, "%s%s", used ? "; " : "", msg);
+    if (op->next < 0) {
+        op->rc = ckpt__err(CKPT_ECORRUPT,
+                           "load_state: no valid checkpoint in %s: %s (the objects hold part of "
+                           "checkpoint_%" PRId64 ": the first load reads each file once, "
+                           "verified as it lands; load a good checkpoint, or set them anew "
+                           "and call ckpt_accelerator_start_over)",
+                           op->cdir, op->why, number);
+        return -1;
+    }
+    snprintf(msg + strlen(msg), sizeof msg - strlen(msg),
+             " (the objects hold part of it: the first load reads each file once; an older "
+             "checkpoint is loaded over them)");
+    warn_skipped(op->acc, op->dir, msg, true);
+    return number;
+}
+
 int ckpt_load_state_ex(ckpt_accelerator *acc, const char *input_dir, const ckpt_load_options *opt,
                        ckpt_load_report *report) {
-    ckpt__load_op *op = NULL;
-    int rc = ckpt__load_op_new(acc, input_dir, opt, report, &op);
-    if (!op) return rc;
-    /* a damaged candidate: the next older one */
-    do {
-        ckpt__load_op_choose(op);
-        ckpt__load_op_plan(op);
-    } while (ckpt__load_op_read(op) == CKPT__LOAD_NEXT);
-    ckpt__load_op_check(op);
-    ckpt__load_op_agree(op);
-    ckpt__load_op_apply(op);
-    rc = ckpt__load_op_finish(op);
-    ckpt__load_op_free(op);
-    return rc;
+    int64_t below = 0;
+    char why[sizeof((ckpt__load_op *)0)->why] = "";
+    for (;;) {
+        ckpt__load_op *op = NULL;
+        int rc = ckpt__load_op_new(acc, input_dir, opt, report, &op);
+        if (!op) return rc;
+        if (below > 0) { /* the retry of the resume: one pass again, older ones */
+            op->below = below;
+            op->one_pass = true;
+            op->stream = false;
+            memcpy(op->why, why, sizeof why);
+        }
+        /* a damaged candidate: the next older one */
+        do {
+            ckpt__load_op_choose(op);
+            ckpt__load_op_plan(op);
+        } while (ckpt__load_op_read(op) == CKPT__LOAD_NEXT);
+        ckpt__load_op_check(op);
+        ckpt__load_op_agree(op);
+        ckpt__load_op_apply(op);
+        int64_t damaged = damaged_while_applied(op);
+        if (damaged >= 0) memcpy(why, op->why, sizeof why);
+        rc = ckpt__load_op_finish(op);
+        ckpt__load_op_free(op);
+        if (damaged < 0) {
+            if (rc < 0 && below > 0 && !strstr(ckpt_errmsg(), "the objects hold part of")) {
+                char m[1200];
+                snprintf(m, sizeof m, "%s", ckpt_errmsg());
+                rc = ckpt__err(rc,
+                               "%s (the objects hold part of checkpoint_%" PRId64
+                               ", found damaged while they read it)",
+                               m, below);
+            }
+            return rc;
+        }
+        below = damaged;
+    }
 }

@@ -97,9 +97,15 @@ struct ckpt__load_op {
     uint64_t *hdr_len;
     /* This rank stopped because another one did (its failure echoes). */
     bool echo;
-    /* ckpt_load_options.one_pass, where it applies: the files are checked
-     * shallowly at the choice and verified while the objects read them */
+    /* One pass, where it applies (ckpt_load_options.one_pass, or the
+     * accelerator's first load unless transactional): the files are checked
+     * shallowly at the choice and verified while the objects read them.
+     * applied: the objects began to read (apply ran). below: a retry after
+     * a one-pass load found the newest checkpoint damaged while the objects
+     * read it; only candidates numbered below it are tried. */
     bool one_pass;
+    bool applied;
+    int64_t below;
     /* Object storage (load_remote.c): the candidates and dir are s3://
      * URLs, read from the bucket by rem (the accelerator's client, or
      * rem_own) at key rdir; hook_dir: a local folder holding the

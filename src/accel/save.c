@@ -755,6 +755,7 @@ int ckpt__save_op_new(ckpt_accelerator *acc, const char *output_dir, save_op **o
     op->acc = acc;
     op->comm = acc->comm;
     op->log = acc->log;
+    acc->objects_live = true; /* later loads are transactional (load.c) */
     op->step = ckpt__acc_save_step(acc);
     op->iteration = acc->iteration;
     op->automatic = output_dir == NULL;

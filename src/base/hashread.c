@@ -27,7 +27,9 @@
 
 static _Atomic int helpers = -1; /* -1: not decided yet */
 
-int ckpt__hashread_set_helpers(int n) { return atomic_exchange(&helpers, n < 0 ? 0 : n > 1 ? 1 : n); }
+int ckpt__hashread_set_helpers(int n) {
+    return atomic_exchange(&helpers, n < 0 ? 0 : n > 1 ? 1 : n);
+}
 
 /* One helper where this process may run on two CPUs or more. */
 static int helper_count(void) {
@@ -53,10 +55,10 @@ typedef struct failure {
 typedef struct job {
     int fd;
     uint64_t off, n, np;
-    uint8_t *dst;  /* or NULL: the ring */
-    uint8_t *ring; /* WINDOW pieces */
-    _Atomic uint64_t claim;  /* the next piece nobody has claimed */
-    _Atomic uint64_t hashed; /* pieces hashed (the caller's count) */
+    uint8_t *dst;                 /* or NULL: the ring */
+    uint8_t *ring;                /* WINDOW pieces */
+    _Atomic uint64_t claim;       /* the next piece nobody has claimed */
+    _Atomic uint64_t hashed;      /* pieces hashed (the caller's count) */
     _Atomic uint64_t seq[WINDOW]; /* slot k % WINDOW holds piece k once it is k + 1 */
     _Atomic bool stop;
     failure helper_fail;

@@ -174,9 +174,8 @@ static int read_hashed(const char *path, const char *what, uint64_t size, uint8_
     /* without a destination the pieces pass through a ring of at most
      * CKPT_HASHREAD_RING bytes */
     uint64_t pieces = (size + CKPT_HASHREAD_PIECE - 1) / CKPT_HASHREAD_PIECE;
-    uint64_t ring = pieces * CKPT_HASHREAD_PIECE < CKPT_HASHREAD_RING
-                        ? pieces * CKPT_HASHREAD_PIECE
-                        : CKPT_HASHREAD_RING;
+    uint64_t ring = pieces * CKPT_HASHREAD_PIECE < CKPT_HASHREAD_RING ? pieces * CKPT_HASHREAD_PIECE
+                                                                      : CKPT_HASHREAD_RING;
     void *mem = ckpt__malloc(sizeof(XXH3_state_t) + align + (dst ? 0 : (size_t)ring));
     if (!mem) return ckpt__err_nomem(what);
     uintptr_t a = ((uintptr_t)mem + align - 1) & ~(uintptr_t)(align - 1);

@@ -52,9 +52,10 @@ static int read_hashed_to(ckpt_reader *r, const char *key, uint8_t *to, uint64_t
                           XXH3_state_t *h) {
     ckpt__hashread_fail why;
     if (ckpt__hashread(r->fd, off, n, to, NULL, h, &why) == 0) return CKPT_OK;
-    int rc = why.err ? ckpt__err_os(why.err, "%s: read at offset %" PRIu64, r->name, why.at)
-                     : ckpt__err(CKPT_ECORRUPT, "%s: file ended at offset %" PRIu64 " while reading",
-                                 r->name, why.at);
+    int rc = why.err
+                 ? ckpt__err_os(why.err, "%s: read at offset %" PRIu64, r->name, why.at)
+                 : ckpt__err(CKPT_ECORRUPT, "%s: file ended at offset %" PRIu64 " while reading",
+                             r->name, why.at);
     return ckpt__err_prefix(rc, "tensor '%s'", key);
 }
 
@@ -67,7 +68,8 @@ static int part_read(ckpt_reader *r, const entry *e, const char *key, const ckpt
         return ckpt__err(CKPT_ECORRUPT, "%s: tensor '%s': the manifest records no checksum for it",
                          r->name, key);
     XXH3_64bits_reset(v->t);
-    if (dst && !dst->mem.ops) CKPT_TRY(read_hashed_to(r, key, dst->host, e->nbytes, e->offset, v->t));
+    if (dst && !dst->mem.ops)
+        CKPT_TRY(read_hashed_to(r, key, dst->host, e->nbytes, e->offset, v->t));
     for (uint64_t off = 0; !(dst && !dst->mem.ops) && off < e->nbytes;) {
         size_t k = e->nbytes - off < VERIFY_PIECE ? (size_t)(e->nbytes - off) : VERIFY_PIECE;
         uint8_t *to = landing(v, dst, off);

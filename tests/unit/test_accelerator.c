@@ -1056,8 +1056,14 @@ static char *save_two(const char *t) {
     return dir;
 }
 
+/* The load expect_load_fails makes: the default (the first load of an
+ * accelerator: one pass), or transactional (two passes). */
+static bool load_transactional;
+
 /* Loads dir into two fresh counters (values 50, 60), expecting `code` and a
- * message containing `needle`, with both counters and the RNG unchanged. */
+ * message containing `needle`, with both counters and the RNG unchanged
+ * (a failure found before anything changes: every failure of a
+ * transactional load, and every one but a checksum of a first load). */
 static void expect_load_fails(const char *dir, int ncounters, void (*tweak)(counter *), int code,
                               const char *needle) {
     ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
@@ -1072,7 +1078,8 @@ static void expect_load_fails(const char *dir, int ncounters, void (*tweak)(coun
     counter before[3];
     memcpy(before, cs, sizeof cs);
     ckpt_rng rng_before = *ckpt_accelerator_rng(acc);
-    int rc = ckpt_load_state(acc, dir);
+    ckpt_load_options o = {.transactional = load_transactional};
+    int rc = ckpt_load_state_ex(acc, dir, &o, NULL);
     tu_expect_error(rc, code, needle);
     if (getenv("CKPT_TEST_VERBOSE")) print_message("  %s\n", ckpt_errmsg());
     assert_memory_equal(cs, before, sizeof cs);
@@ -1509,8 +1516,27 @@ static void test_load_state_names_the_tensor_with_a_flipped_byte(void **st) {
     char *f = tu_pathf("%s/custom_checkpoint_1.safetensors", dir);
     /* The tensor data is the file's tail (the only tensor, 16 bytes). */
     tu_flip_byte(f, -3);
+    /* The first load reads each file once: the damage is found while the
+     * objects read it (the first counter is loaded, the second part). */
+    ckpt_accelerator *acc = new_acc(NULL, false, 0, NULL);
+    counter cs[2];
+    for (int i = 0; i < 2; i++) {
+        counter_set(&cs[i], 50 + 10 * i);
+        assert_int_equal(ckpt_register_for_checkpointing(acc, &counter_ops, &cs[i]), 0);
+    }
+    tu_expect_error(ckpt_load_state(acc, dir), CKPT_ECORRUPT,
+                    "custom_checkpoint_1.safetensors: tensor 'w': checksum mismatch");
+    tu_assert_errmsg_has("state partially loaded: 1 of 3 objects"); /* and the generator */
+    assert_int_equal(cs[0].value, 1);
+    char *out = tu_pathf("%s/out", t);
+    tu_expect_error(ckpt_save_state(acc, out), CKPT_EINVAL, "refused");
+    free(out);
+    ckpt_accelerator_free(acc);
+    /* A transactional load finds it before anything changes. */
+    load_transactional = true;
     expect_load_fails(dir, 2, NULL, CKPT_ECORRUPT,
                       "custom_checkpoint_1.safetensors: tensor 'w': checksum mismatch");
+    load_transactional = false;
     ckpt_checkpoint_info info;
     assert_int_equal(ckpt_checkpoint_verify(dir, true, &info), CKPT_ECORRUPT);
     assert_int_equal(info.status, CKPT_CHECKPOINT_CORRUPT);
