@@ -249,7 +249,7 @@ CKPT_API int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype 
  * an incremental save's hash reads the tensor once more), an asynchronous
  * save copies to_host straight into its staging area (one copy); a load
  * calls from_host only with bytes already verified against the manifest
- * (the one-pass load: each verified piece of at most 256 KiB); with several
+ * (a load that reads the file once: each verified piece of at most 256 KiB); with several
  * processes each rank moves only its rows of a replicated tensor, its share
  * of ZeRO-1 state and the streamed pieces it receives. */
 typedef struct ckpt_memory_ops {

@@ -7,7 +7,13 @@
  * With the manifest's header digests (header_xxh3) every byte is read once
  * whatever order the objects read in, a damaged header is caught when its
  * file is opened, and a tensor nobody read is checked at the end; a
- * manifest without them (older checkpoints) still loads in one pass. */
+ * manifest without them (older checkpoints) still loads in one pass.
+ * The first load of an accelerator (the resume) is one pass by default:
+ * it reads each file once where a later load reads it twice; a newest
+ * checkpoint found damaged while a tensor read on two threads lands is
+ * replaced by the next older one, loaded over the objects, with a warning;
+ * with every checkpoint damaged the error says what the objects hold, and a
+ * transactional load leaves them untouched. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <setjmp.h>
@@ -312,9 +318,172 @@ static void test_options_one_pass_does_not_apply_to_fall_back_to_two_passes(void
     run_close(&r);
 }
 
+/* ---- the first load of an accelerator: one pass, and its fallback ------- */
+
+/* A model with one tensor large enough to be read on two threads
+ * (hashread.h: CKPT_HASHREAD_MIN), and a step. */
+#define BIG ((int64_t)(3u << 20) / 4) /* 3 MiB of F32 */
+
+typedef struct bigrun {
+    float *big;
+    ckpt_model *model;
+    ckpt_accelerator *acc;
+    char *dir;
+    char warned[2048];
+} bigrun;
+
+static void keep_warning(void *user, ckpt_log_level level, const char *msg) {
+    bigrun *b = user;
+    if (level == CKPT_LOG_WARNING && !b->warned[0]) snprintf(b->warned, sizeof b->warned, "%s", msg);
+}
+
+static void big_set(bigrun *b, float x) {
+    for (int64_t i = 0; i < BIG; i++) b->big[i] = x + (float)(i % 1000);
+}
+
+static bool big_is(const bigrun *b, float x) {
+    for (int64_t i = 0; i < BIG; i++)
+        if (b->big[i] != x + (float)(i % 1000)) return false;
+    return true;
+}
+
+/* A new accelerator (a resumed run) over the project dir (NULL: a new one). */
+static void big_open(bigrun *b, char *dir) {
+    memset(b, 0, sizeof *b);
+    b->dir = dir ? dir : tu_tmpdir_new("onepass_big");
+    b->big = malloc((size_t)BIG * sizeof(float));
+    assert_non_null(b->big);
+    ckpt_project_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.project_dir = b->dir;
+    cfg.automatic_checkpoint_naming = true;
+    assert_int_equal(ckpt_accelerator_new(&b->acc, &cfg), 0);
+    ckpt_accelerator_set_log(b->acc, keep_warning, b);
+    assert_int_equal(ckpt_model_new(&b->model), 0);
+    assert_int_equal(ckpt_model_add_param(b->model, "big", CKPT_F32, 1, (int64_t[]){BIG}, b->big,
+                                          NULL),
+                     0);
+    assert_int_equal(ckpt_prepare_model(b->acc, b->model), 0);
+}
+
+/* Frees all but the project folder, which it returns. */
+static char *big_close(bigrun *b) {
+    ckpt_accelerator_free(b->acc);
+    ckpt_model_free(b->model);
+    free(b->big);
+    return b->dir;
+}
+
+static void flip_in(const char *dir, int n, const char *file, long off) {
+    char *path = tu_pathf("%s/checkpoints/checkpoint_%d/%s", dir, n, file);
+    tu_flip_byte(path, off);
+    free(path);
+}
+
+static uint64_t bytes_read(void) {
+    ckpt_io_bytes io;
+    ckpt__io_bytes(&io);
+    return io.read;
+}
+
+/* Three checkpoints of steps 10, 20, 30 (values 1, 2, 3). */
+static char *three_saves(void) {
+    bigrun b;
+    big_open(&b, NULL);
+    for (int k = 1; k <= 3; k++) {
+        big_set(&b, (float)k);
+        ckpt_accelerator_set_step(b.acc, 10 * k);
+        assert_int_equal(ckpt_save_state(b.acc, NULL), 0);
+    }
+    return big_close(&b);
+}
+
+static void test_the_first_load_reads_once_and_later_loads_twice(void **st) {
+    (void)st;
+    char *dir = three_saves();
+    char *model = tu_pathf("%s/checkpoints/checkpoint_2/model.safetensors", dir);
+    uint64_t size = (uint64_t)tu_file_size(model);
+    free(model);
+    bigrun b;
+    big_open(&b, dir);
+    big_set(&b, 9);
+    uint64_t r0 = bytes_read();
+    assert_int_equal(ckpt_load_state(b.acc, NULL), 0);
+    uint64_t first = bytes_read() - r0;
+    assert_true(big_is(&b, 3));
+    assert_int_equal(ckpt_accelerator_step(b.acc), 30);
+    /* the first load read the model's file once (and the small generator
+     * file); a later load verifies everything first: twice */
+    assert_true(first >= size && first < size + size / 2);
+    big_set(&b, 9);
+    r0 = bytes_read();
+    assert_int_equal(ckpt_load_state(b.acc, NULL), 0);
+    uint64_t later = bytes_read() - r0;
+    assert_true(big_is(&b, 3));
+    assert_true(later >= 2 * size);
+    /* transactional on a first load: twice as well */
+    big_close(&b);
+    big_open(&b, dir);
+    ckpt_load_options t = {.transactional = true};
+    r0 = bytes_read();
+    assert_int_equal(ckpt_load_state_ex(b.acc, NULL, &t, NULL), 0);
+    assert_true(bytes_read() - r0 >= 2 * size);
+    /* both at once contradict each other */
+    ckpt_load_options both = {.transactional = true, .one_pass = true};
+    tu_expect_error(ckpt_load_state_ex(b.acc, NULL, &both, NULL), CKPT_EINVAL, "contradict");
+    tu_tmpdir_free(big_close(&b));
+}
+
+static void test_a_damaged_newest_is_replaced_by_the_next_older(void **st) {
+    (void)st;
+    char *dir = three_saves();
+    /* a byte near the end of the big tensor: read by the helper thread,
+     * after most of the tensor has landed in the objects */
+    flip_in(dir, 2, "model.safetensors", -100);
+    bigrun b;
+    big_open(&b, dir);
+    big_set(&b, 9);
+    assert_int_equal(ckpt_load_state(b.acc, NULL), 0);
+    assert_true(big_is(&b, 2)); /* checkpoint_1, whole */
+    assert_int_equal(ckpt_accelerator_step(b.acc), 20);
+    tu_assert_contains(b.warned, "checkpoint_2");
+    tu_assert_contains(b.warned, "tensor 'big': checksum mismatch");
+    tu_assert_contains(b.warned, "an older checkpoint is loaded over them");
+    /* saves go on, numbered after the damaged one */
+    assert_int_equal(ckpt_save_state(b.acc, NULL), 0);
+    tu_assert_contains(ckpt_accelerator_last_dir(b.acc), "checkpoint_3");
+    tu_tmpdir_free(big_close(&b));
+}
+
+static void test_every_checkpoint_damaged_says_what_the_objects_hold(void **st) {
+    (void)st;
+    char *dir = three_saves();
+    for (int n = 0; n <= 2; n++) flip_in(dir, n, "model.safetensors", -100);
+    bigrun b;
+    big_open(&b, dir);
+    big_set(&b, 9);
+    tu_expect_error(ckpt_load_state(b.acc, NULL), CKPT_ECORRUPT, "no valid checkpoint in");
+    tu_assert_errmsg_has("checkpoint_2");
+    tu_assert_errmsg_has("checkpoint_1");
+    tu_assert_errmsg_has("the objects hold part of checkpoint_0");
+    tu_expect_error(ckpt_save_state(b.acc, NULL), CKPT_EINVAL, "refused");
+    big_close(&b);
+    /* transactional: the same verdict, the objects untouched */
+    big_open(&b, dir);
+    big_set(&b, 9);
+    ckpt_load_options t = {.transactional = true};
+    tu_expect_error(ckpt_load_state_ex(b.acc, NULL, &t, NULL), CKPT_ECORRUPT,
+                    "no valid checkpoint in");
+    assert_true(big_is(&b, 9));
+    tu_tmpdir_free(big_close(&b));
+}
+
 int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_one_pass_loads_what_was_saved),
+        cmocka_unit_test(test_the_first_load_reads_once_and_later_loads_twice),
+        cmocka_unit_test(test_a_damaged_newest_is_replaced_by_the_next_older),
+        cmocka_unit_test(test_every_checkpoint_damaged_says_what_the_objects_hold),
         cmocka_unit_test(test_a_corrupted_byte_read_in_order_fails_and_saves_refuse),
         cmocka_unit_test(test_a_corrupted_tensor_read_out_of_order_is_named),
         cmocka_unit_test(test_options_one_pass_does_not_apply_to_fall_back_to_two_passes),
