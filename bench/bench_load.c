@@ -35,6 +35,10 @@
  *   finish   the post-hooks, the refusal of saves lifted, free
  *
  *   bench_load FOLDER
+ *   bench_load FOLDER --cold     the same with the page cache emptied before
+ *                                each timed read and load (sync, then
+ *                                /proc/sys/vm/drop_caches: needs root); the
+ *                                figures are then against a raw cold read
  *   bench_load FOLDER --once     one save, one warm resume (for perf record
  *                                -k CLOCK_MONOTONIC, then perf report --time
  *                                with the times it prints)
@@ -118,6 +122,18 @@ static uint64_t raw_read(const char *dir, uint8_t *buf, uint64_t cap) {
     return at;
 }
 
+/* --cold: the page cache emptied (the files' bytes come from the disk). */
+static bool cold;
+static void drop_cache(void) {
+    if (!cold) return;
+    sync();
+    FILE *f = fopen("/proc/sys/vm/drop_caches", "w");
+    if (!f || fputs("1\n", f) < 0 || fclose(f) != 0) {
+        fprintf(stderr, "bench_load: --cold: cannot write /proc/sys/vm/drop_caches (root?)\n");
+        exit(1);
+    }
+}
+
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -169,6 +185,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     bool once = argc > 2 && strcmp(argv[2], "--once") == 0;
+    cold = argc > 2 && strcmp(argv[2], "--cold") == 0;
     const char *e = getenv("BENCH_REPS");
     int reps = e && *e ? atoi(e) : 5;
     if (reps < 1) reps = 1;
@@ -220,11 +237,13 @@ int main(int argc, char **argv) {
         if (foreign_prepare(acc, &F)) die("prepare");
         for (int half = 0; half < 2; half++) {
             if ((half == 0) == (r % 2 == 0)) {
+                drop_cache();
                 double t0 = now(), c0 = cpu();
                 raw_read(last, buf, cap);
                 rw[r] = now() - t0, rc[r] = cpu() - c0;
             } else {
                 F.params[1] = -1.0f; /* the load puts it back */
+                drop_cache();
                 long rss0 = vm_rss_kib();
                 double t0 = now(), c0 = cpu();
                 load(acc, last, pw, pc);
@@ -237,6 +256,7 @@ int main(int argc, char **argv) {
         /* and a later load of the same accelerator (transactional), right
          * after */
         F.params[1] = -1.0f;
+        drop_cache();
         double t0 = now(), c0 = cpu();
         load(acc, last, pw, pc);
         tw[r] = now() - t0, tc[r] = cpu() - c0;
@@ -256,9 +276,9 @@ int main(int argc, char **argv) {
         ld[strcspn(ld, " ")] = '\0';
         fclose(f);
     }
-    printf("bench_load: foreign trainer's state, %.3f GB in the checkpoint's files, warm, "
+    printf("bench_load: foreign trainer's state, %.3f GB in the checkpoint's files, %s, "
            "load average %s\n",
-           (double)bytes / 1e9, ld);
+           (double)bytes / 1e9, cold ? "cold (page cache dropped before each)" : "warm", ld);
     for (int r = 0; r < reps; r++)
         printf("  pair %d (%s first): pread %.3f s, resume %.3f s: %.2fx; later load %.3f s: "
                "%.2fx\n",
@@ -268,7 +288,7 @@ int main(int argc, char **argv) {
            reps, median(ratio, reps), median(rw, reps), median(rc, reps), median(lw, reps),
            median(lc, reps));
     printf("  later load (transactional, two passes): pread / later %.2fx (DESIGN: >= 0.5x "
-           "warm), %.3f s (cpu %.3f s)\n",
+           "warm, >= 0.9x cold), %.3f s (cpu %.3f s)\n",
            median(tratio, reps), median(tw, reps), median(tc, reps));
     printf("  cpu time: pread / resume %.2fx, pread / later %.2fx\n", median(cratio, reps),
            median(tcratio, reps));

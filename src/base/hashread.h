@@ -31,7 +31,7 @@ typedef struct ckpt__hashread_fail {
 } ckpt__hashread_fail;
 
 /* Pieces of this size are read and hashed. */
-#define CKPT_HASHREAD_PIECE ((uint64_t)256 << 10)
+#define CKPT_HASHREAD_PIECE ((uint64_t)128 << 10)
 
 /* The pieces in flight past the hash (and the ring's size). */
 #define CKPT_HASHREAD_RING ((uint64_t)2 << 20)

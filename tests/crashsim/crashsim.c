@@ -866,7 +866,8 @@ static int materialise(const cs_sim *s, const state *st, int ino, const char *pa
     const dlist *d = &st->ents[ino];
     for (size_t i = 0; i < d->n; i++) {
         char p[4096];
-        snprintf(p, sizeof p, "%s/%s", path, d->v[i].name);
+        int len = snprintf(p, sizeof p, "%s/%s", path, d->v[i].name);
+        if (len < 0 || (size_t)len >= sizeof p) return -1; /* a path too long to rebuild */
         int c = d->v[i].ino;
         if (s->inodes[c].dir) {
             if (materialise(s, st, c, p, depth + 1) != 0) return -1;
