@@ -6,7 +6,10 @@
  * still on its way it claims and reads one itself. No thread reads more
  * than WINDOW pieces past the hash: the pieces are hashed while they are
  * still in the cache, and in ring mode (no destination) WINDOW pieces are
- * the ring. */
+ * the ring. (A helper that reads every piece while the caller only hashes
+ * measured 0.64-0.72x of a raw pread on the GPT-2 state, against 0.90-0.99x
+ * for this: hashing bytes that sit dirty in the other core's cache costs
+ * more than reading half of them oneself.) */
 #include "base/hashread.h"
 
 #include <errno.h>
