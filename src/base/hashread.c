@@ -19,6 +19,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
+#include <stdlib.h>
 
 #include "base/io.h"
 
@@ -126,8 +127,68 @@ static void *helper_main(void *arg) {
     return NULL;
 }
 
-int ckpt__hashread(int fd, uint64_t off, uint64_t n, uint8_t *dst, uint8_t *ring, XXH3_state_t *h,
-                   ckpt__hashread_fail *why) {
+/* ---- a helper thread kept for many ranges ----------------------------------- */
+
+struct ckpt__hashread_helper {
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    job *current; /* posted by the caller, NULL once the helper is done with it */
+    bool quit;
+};
+
+static void *kept_main(void *arg) {
+    ckpt__hashread_helper *hp = arg;
+    pthread_mutex_lock(&hp->mu);
+    for (;;) {
+        while (!hp->current && !hp->quit) pthread_cond_wait(&hp->cv, &hp->mu);
+        if (!hp->current) break; /* quit, nothing posted */
+        job *j = hp->current;
+        pthread_mutex_unlock(&hp->mu);
+        helper_main(j);
+        pthread_mutex_lock(&hp->mu);
+        hp->current = NULL;
+        pthread_cond_broadcast(&hp->cv);
+    }
+    pthread_mutex_unlock(&hp->mu);
+    return NULL;
+}
+
+/* The kept helper, started now if *slot has none; NULL if it cannot be. */
+static ckpt__hashread_helper *kept_helper(ckpt__hashread_helper **slot) {
+    if (*slot) return *slot;
+    ckpt__hashread_helper *hp = calloc(1, sizeof *hp);
+    if (!hp) return NULL;
+    if (pthread_mutex_init(&hp->mu, NULL) != 0) {
+        free(hp);
+        return NULL;
+    }
+    if (pthread_cond_init(&hp->cv, NULL) != 0 ||
+        pthread_create(&hp->th, NULL, kept_main, hp) != 0) {
+        pthread_cond_destroy(&hp->cv);
+        pthread_mutex_destroy(&hp->mu);
+        free(hp);
+        return NULL;
+    }
+    return *slot = hp;
+}
+
+void ckpt__hashread_helper_free(ckpt__hashread_helper *hp) {
+    if (!hp) return;
+    pthread_mutex_lock(&hp->mu);
+    hp->quit = true;
+    pthread_cond_broadcast(&hp->cv);
+    pthread_mutex_unlock(&hp->mu);
+    pthread_join(hp->th, NULL);
+    pthread_cond_destroy(&hp->cv);
+    pthread_mutex_destroy(&hp->mu);
+    free(hp);
+}
+
+/* ---- the read ------------------------------------------------------------------ */
+
+int ckpt__hashread(ckpt__hashread_helper **kept, int fd, uint64_t off, uint64_t n, uint8_t *dst,
+                   uint8_t *ring, XXH3_state_t *h, ckpt__hashread_fail *why) {
     job jb = {.fd = fd,
               .off = off,
               .n = n,
@@ -135,9 +196,22 @@ int ckpt__hashread(int fd, uint64_t off, uint64_t n, uint8_t *dst, uint8_t *ring
               .dst = dst,
               .ring = ring};
     job *j = &jb;
+    /* the helper: the caller's kept one (posted the job), else a thread of
+     * this call's own */
+    ckpt__hashread_helper *hp = NULL;
     pthread_t th;
-    bool threaded = n >= CKPT_HASHREAD_MIN && helper_count() > 0 &&
-                    pthread_create(&th, NULL, helper_main, j) == 0;
+    bool threaded = false;
+    if (n >= CKPT_HASHREAD_MIN && helper_count() > 0) {
+        if (kept && (hp = kept_helper(kept)) != NULL) {
+            pthread_mutex_lock(&hp->mu);
+            hp->current = j;
+            pthread_cond_broadcast(&hp->cv);
+            pthread_mutex_unlock(&hp->mu);
+            threaded = true;
+        } else {
+            threaded = pthread_create(&th, NULL, helper_main, j) == 0;
+        }
+    }
     failure mine = {0};
     uint64_t c = 0;
     while (c < j->np && !atomic_load(&j->stop)) {
@@ -154,7 +228,13 @@ int ckpt__hashread(int fd, uint64_t off, uint64_t n, uint8_t *dst, uint8_t *ring
         }
     }
     atomic_store(&j->stop, true);
-    if (threaded) pthread_join(th, NULL);
+    if (threaded && hp) { /* the kept helper lets go of the job */
+        pthread_mutex_lock(&hp->mu);
+        while (hp->current) pthread_cond_wait(&hp->cv, &hp->mu);
+        pthread_mutex_unlock(&hp->mu);
+    } else if (threaded) {
+        pthread_join(th, NULL);
+    }
     const failure *f = NULL;
     if (mine.failed) f = &mine;
     if (j->helper_fail.failed && (!f || j->helper_fail.piece < f->piece)) f = &j->helper_fail;

@@ -39,8 +39,17 @@ typedef struct ckpt__hashread_fail {
 /* Ranges shorter than this are read by the caller alone. */
 #define CKPT_HASHREAD_MIN ((uint64_t)2 << 20)
 
-int ckpt__hashread(int fd, uint64_t off, uint64_t n, uint8_t *dst, uint8_t *ring, XXH3_state_t *h,
-                   ckpt__hashread_fail *why);
+/* The helper thread: kept in *kept across calls (started by the first
+ * call that needs it; kept NULL: one thread started and joined by the
+ * call). A kept helper serves one caller at a time: the owner of *kept
+ * (a file reader) calls from one thread. */
+typedef struct ckpt__hashread_helper ckpt__hashread_helper;
+
+int ckpt__hashread(ckpt__hashread_helper **kept, int fd, uint64_t off, uint64_t n, uint8_t *dst,
+                   uint8_t *ring, XXH3_state_t *h, ckpt__hashread_fail *why);
+
+/* Stops and frees a kept helper (NULL: nothing). */
+void ckpt__hashread_helper_free(ckpt__hashread_helper *helper);
 
 /* The helper threads a large range gets (0 or 1). */
 int ckpt__hashread_helpers(void);

@@ -198,7 +198,7 @@ static int read_hashed(const char *path, const char *what, uint64_t size, uint8_
         /* The kernel reads ahead further for a file read from start to end
          * (and hashread asks for the next window as it goes). */
         (void)ckpt__os_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
-        if (ckpt__hashread(fd, 0, size, dst, dst ? NULL : scratch, h, &why) < 0)
+        if (ckpt__hashread(NULL, fd, 0, size, dst, dst ? NULL : scratch, h, &why) < 0)
             rc = why.err ? ckpt__err_os(why.err, "%s: read", what)
                          : ckpt__err(CKPT_ECORRUPT, "%s: ends at byte %llu, the manifest says %llu",
                                      what, (unsigned long long)why.at, (unsigned long long)size);

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/mman.h>
 
+#include "base/hashread.h"
 #include "base/xxh.h"
 
 #include "base/error.h"
@@ -251,10 +252,13 @@ typedef struct verify_stream {
      * recorded) and whether a read checked it. */
     uint64_t *edigest;
     bool *ehas, *edone;
+    /* the reads' helper thread, kept for the reader's life (hashread.h) */
+    ckpt__hashread_helper *helper;
 } verify_stream;
 
 static inline void verify_stream_free(verify_stream *vs) {
     if (!vs) return;
+    ckpt__hashread_helper_free(vs->helper);
     free(vs->mem);
     free(vs->edigest);
     free(vs->ehas);

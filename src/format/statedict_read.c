@@ -51,7 +51,7 @@ static uint8_t *landing(const verify_stream *v, const ckpt_dst *dst, uint64_t of
 static int read_hashed_to(ckpt_reader *r, const char *key, uint8_t *to, uint64_t n, uint64_t off,
                           XXH3_state_t *h) {
     ckpt__hashread_fail why;
-    if (ckpt__hashread(r->fd, off, n, to, NULL, h, &why) == 0) return CKPT_OK;
+    if (ckpt__hashread(&r->vs->helper, r->fd, off, n, to, NULL, h, &why) == 0) return CKPT_OK;
     int rc = why.err
                  ? ckpt__err_os(why.err, "%s: read at offset %" PRIu64, r->name, why.at)
                  : ckpt__err(CKPT_ECORRUPT, "%s: file ended at offset %" PRIu64 " while reading",

@@ -61,6 +61,11 @@ static int teardown(void **state) {
     return 0;
 }
 
+/* The helper kept across calls (NULL: one per call), as a file reader keeps
+ * it. */
+static ckpt__hashread_helper *kept;
+static ckpt__hashread_helper **kept_slot;
+
 static uint64_t digest_of(const uint8_t *p, size_t n) { return XXH3_64bits(p, n); }
 
 /* One range through both modes; the digest and the bytes must be the file's. */
@@ -70,11 +75,11 @@ static void check_range(fixture *f, uint64_t off, uint64_t n) {
     ckpt__hashread_fail why;
     memset(dst, 0xAB, n ? n : 1);
     XXH3_64bits_reset(h);
-    assert_int_equal(ckpt__hashread(f->fd, off, n, dst, NULL, h, &why), 0);
+    assert_int_equal(ckpt__hashread(kept_slot, f->fd, off, n, dst, NULL, h, &why), 0);
     assert_true(XXH3_64bits_digest(h) == digest_of(f->data + off, n));
     assert_memory_equal(dst, f->data + off, n);
     XXH3_64bits_reset(h);
-    assert_int_equal(ckpt__hashread(f->fd, off, n, NULL, ring, h, &why), 0);
+    assert_int_equal(ckpt__hashread(kept_slot, f->fd, off, n, NULL, ring, h, &why), 0);
     assert_true(XXH3_64bits_digest(h) == digest_of(f->data + off, n));
     free(dst);
     free(ring);
@@ -110,7 +115,7 @@ static void ends_early(fixture *f) {
     uint8_t *dst = malloc(SIZE);
     ckpt__hashread_fail why = {-1, 0};
     XXH3_64bits_reset(h);
-    assert_int_equal(ckpt__hashread(f->fd, 1000, SIZE, dst, NULL, h, &why), -1);
+    assert_int_equal(ckpt__hashread(kept_slot, f->fd, 1000, SIZE, dst, NULL, h, &why), -1);
     assert_int_equal(why.err, 0);
     assert_true(why.at == SIZE);
     free(dst);
@@ -122,6 +127,20 @@ static void test_ends_early(void **state) {
     ends_early(*state);
     ckpt__hashread_set_helpers(0);
     ends_early(*state);
+}
+
+/* The same through one helper kept across the calls (a reader's), which
+ * then stops cleanly. */
+static void test_ranges_kept_helper(void **state) {
+    ckpt__hashread_set_helpers(1);
+    kept_slot = &kept;
+    ranges(*state);
+    ends_early(*state);
+    ranges(*state);
+    assert_non_null(kept);
+    ckpt__hashread_helper_free(kept);
+    kept = NULL;
+    kept_slot = NULL;
 }
 
 /* The n-th read fails with EIO, for every n up to the number of reads: the
@@ -138,7 +157,7 @@ static void test_read_fails(void **state) {
             XXH3_64bits_reset(h);
             ckpt__fault_arm(CKPT_FAULT_READ, n, EIO, false);
             int rc =
-                ckpt__hashread(f->fd, 0, SIZE, n % 2 ? dst : NULL, n % 2 ? NULL : ring, h, &why);
+                ckpt__hashread(kept_slot, f->fd, 0, SIZE, n % 2 ? dst : NULL, n % 2 ? NULL : ring, h, &why);
             bool fired = ckpt__fault_fired();
             ckpt__fault_disarm();
             assert_true(fired);
@@ -156,6 +175,7 @@ int main(void) {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(test_ranges_helper, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ranges_alone, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_ranges_kept_helper, setup, teardown),
         cmocka_unit_test_setup_teardown(test_ends_early, setup, teardown),
         cmocka_unit_test_setup_teardown(test_read_fails, setup, teardown),
     };
