@@ -156,8 +156,8 @@ static void test_read_fails(void **state) {
             ckpt__hashread_fail why = {0, 0};
             XXH3_64bits_reset(h);
             ckpt__fault_arm(CKPT_FAULT_READ, n, EIO, false);
-            int rc =
-                ckpt__hashread(kept_slot, f->fd, 0, SIZE, n % 2 ? dst : NULL, n % 2 ? NULL : ring, h, &why);
+            int rc = ckpt__hashread(kept_slot, f->fd, 0, SIZE, n % 2 ? dst : NULL,
+                                    n % 2 ? NULL : ring, h, &why);
             bool fired = ckpt__fault_fired();
             ckpt__fault_disarm();
             assert_true(fired);
