@@ -419,8 +419,8 @@ int main(int argc, char **argv) {
                tr.save_s, tr.bytes / 1e9 / tr.save_s, tr.bytes / 1e9, tr.version);
     printf("  load  ckpt_load_state (verified)     %7.3f s  %6.2f GB/s  (runs: %s s)\n", t_load,
            gb / t_load, load_runs);
-    printf("        resume: first load, one pass   %7.3f s  %6.2f GB/s  (runs: %s s)\n",
-           t_resume, gb / t_resume, resume_runs);
+    printf("        resume: first load, one pass   %7.3f s  %6.2f GB/s  (runs: %s s)\n", t_resume,
+           gb / t_resume, resume_runs);
     printf("          its verify pass alone        %7.3f s  %6.2f GB/s  (ckpt_checkpoint_verify deep)\n",
            t_verify, gb / t_verify);
     printf("        raw read, no verification      %7.3f s  %6.2f GB/s  (reader_open + read_tensor)\n",
@@ -440,8 +440,8 @@ int main(int argc, char **argv) {
         printf("    save / torch.save+fsync             skipped (no /usr/bin/python3 with torch)\n");
     printf("    load_state / cat                    %5.2fx  (target >= 0.8)  %s\n", t_cat / t_load,
            t_cat / t_load >= 0.8 ? "met" : "NOT met");
-    printf("    resume / cat                        %5.2fx  (target >= 0.8)  %s\n", t_cat / t_resume,
-           t_cat / t_resume >= 0.8 ? "met" : "NOT met");
+    printf("    resume / cat                        %5.2fx  (target >= 0.8)  %s\n",
+           t_cat / t_resume, t_cat / t_resume >= 0.8 ? "met" : "NOT met");
     printf("    resume / raw read                   %5.2fx  (the same reads, verified)\n",
            t_raw / t_resume);
     printf("    raw read / cat                      %5.2fx  (no verification)\n",
