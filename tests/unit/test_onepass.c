@@ -334,7 +334,8 @@ typedef struct bigrun {
 
 static void keep_warning(void *user, ckpt_log_level level, const char *msg) {
     bigrun *b = user;
-    if (level == CKPT_LOG_WARNING && !b->warned[0]) snprintf(b->warned, sizeof b->warned, "%s", msg);
+    if (level == CKPT_LOG_WARNING && !b->warned[0])
+        snprintf(b->warned, sizeof b->warned, "%s", msg);
 }
 
 static void big_set(bigrun *b, float x) {
@@ -360,9 +361,8 @@ static void big_open(bigrun *b, char *dir) {
     assert_int_equal(ckpt_accelerator_new(&b->acc, &cfg), 0);
     ckpt_accelerator_set_log(b->acc, keep_warning, b);
     assert_int_equal(ckpt_model_new(&b->model), 0);
-    assert_int_equal(ckpt_model_add_param(b->model, "big", CKPT_F32, 1, (int64_t[]){BIG}, b->big,
-                                          NULL),
-                     0);
+    assert_int_equal(
+        ckpt_model_add_param(b->model, "big", CKPT_F32, 1, (int64_t[]){BIG}, b->big, NULL), 0);
     assert_int_equal(ckpt_prepare_model(b->acc, b->model), 0);
 }
 
