@@ -249,9 +249,10 @@ CKPT_API int ckpt_read_tensor_shard(ckpt_reader *r, const char *key, ckpt_dtype 
  * an incremental save's hash reads the tensor once more), an asynchronous
  * save copies to_host straight into its staging area (one copy); a load
  * calls from_host only with bytes already verified against the manifest
- * (a load that reads the file once: each verified piece of at most 256 KiB); with several
- * processes each rank moves only its rows of a replicated tensor, its share
- * of ZeRO-1 state and the streamed pieces it receives. */
+ * (a load that reads the file once: each verified piece of at most
+ * 256 KiB); with several processes each rank moves only its rows of a
+ * replicated tensor, its share of ZeRO-1 state and the streamed pieces it
+ * receives. */
 typedef struct ckpt_memory_ops {
     int (*to_host)(void *handle, uint64_t offset, void *dst, uint64_t n);
     int (*from_host)(void *handle, uint64_t offset, const void *src, uint64_t n);

@@ -19,7 +19,6 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
-#include <stdlib.h>
 
 #include "base/io.h"
 
