@@ -45,19 +45,9 @@
 #include <dirent.h>
 
 #include "ckpt.h"
+#define BENCH_NAME "bench_async"
+#include "bench_util.h"
 #include "gpt2.h"
-
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void die(const char *what) {
-    fprintf(stderr, "bench_async: %s: %s\n", what, ckpt_errmsg());
-    exit(1);
-}
 
 static void *xmalloc(size_t n) {
     void *p = malloc(n ? n : 1);
@@ -236,28 +226,12 @@ static void step(ckpt_optimizer *opt, long rounds) {
     if (ckpt_optimizer_step(opt)) die("optimizer step");
 }
 
-/* CPU time of the calling thread so far (user + system). */
-static double thread_cpu(void) {
-    struct rusage ru;
-    if (getrusage(RUSAGE_THREAD, &ru) != 0) return 0;
-    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
-           (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
-}
-
 /* Page faults of the calling thread so far (memory touched the first time). */
 static long minor_faults(void) {
     struct rusage ru;
     return getrusage(RUSAGE_THREAD, &ru) == 0 ? ru.ru_minflt : 0;
 }
 
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_d);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 static double best(const double *v, int n) {
     double b = v[0];
     for (int i = 1; i < n; i++) b = v[i] < b ? v[i] : b;

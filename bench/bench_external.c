@@ -38,20 +38,11 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#define BENCH_NAME "bench_external"
+#include "bench_util.h"
 #include "gpt2.h"
 
 enum { NV = 3, REPS = 5 }; /* the states; the rounds */
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void die(const char *what) {
-    fprintf(stderr, "bench_external: %s: %s\n", what, ckpt_errmsg());
-    exit(1);
-}
 
 static void shell(const char *cmd) {
     if (system(cmd) != 0) {
@@ -126,16 +117,6 @@ static void measure_once(ckpt_accelerator *acc, const char *dd, double *t_save, 
     unlink(dd);
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", last);
     shell(cmd);
-}
-
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
 /* Memory ops over host memory: the handle is the tensor's address. */

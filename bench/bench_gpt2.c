@@ -44,19 +44,9 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#define BENCH_NAME "bench_gpt2"
+#include "bench_util.h"
 #include "gpt2.h"
-
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void die(const char *what) {
-    fprintf(stderr, "bench_gpt2: %s: %s\n", what, ckpt_errmsg());
-    exit(1);
-}
 
 static void sync_all(void) {
     if (system("sync") != 0) {
@@ -111,21 +101,6 @@ static void add(const char *name, int ndim, int64_t a, int64_t b) {
 static void gpt2_small(void) { gpt2_small_each(add); }
 
 /* ---- memory: /proc/self/status ---- */
-
-static long status_kib(const char *field) {
-    FILE *f = fopen("/proc/self/status", "r");
-    if (!f) return -1;
-    char line[256];
-    long v = -1;
-    size_t k = strlen(field);
-    while (fgets(line, sizeof line, f))
-        if (strncmp(line, field, k) == 0 && line[k] == ':') {
-            v = atol(line + k + 1);
-            break;
-        }
-    fclose(f);
-    return v;
-}
 
 /* Resets VmHWM to the current RSS (Linux >= 4.0). */
 static int reset_hwm(void) {

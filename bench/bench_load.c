@@ -43,7 +43,7 @@
  *                                -k CLOCK_MONOTONIC, then perf report --time
  *                                with the times it prints)
  *
- * The source uses the public API and foreign.h, plus the load op's header
+ * The source uses the public API, foreign.h and bench_util.h, plus the load op's header
  * where the tree has it, so that it also builds against a tree from before
  * the load op (copied there with foreign.h) for a "before" column. */
 #include <dirent.h>
@@ -58,6 +58,8 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#define BENCH_NAME "bench_load"
+#include "bench_util.h"
 #include "foreign.h"
 #if defined(__has_include)
 #if __has_include("accel/load_op.h")
@@ -65,62 +67,6 @@
 #include "accel/load_op.h"
 #endif
 #endif
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static double cpu(void) {
-    struct rusage ru;
-    getrusage(RUSAGE_SELF, &ru);
-    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
-           (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
-}
-
-static void die(const char *what) {
-    fprintf(stderr, "bench_load: %s: %s\n", what, ckpt_errmsg());
-    exit(1);
-}
-
-static long vm_rss_kib(void) {
-    FILE *f = fopen("/proc/self/status", "r");
-    long v = -1;
-    char line[256];
-    while (f && fgets(line, sizeof line, f))
-        if (strncmp(line, "VmRSS:", 6) == 0) v = atol(line + 6);
-    if (f) fclose(f);
-    return v;
-}
-
-/* pread of every file of dir into buf (8 MiB pieces); the bytes read. */
-static uint64_t raw_read(const char *dir, uint8_t *buf, uint64_t cap) {
-    DIR *d = opendir(dir);
-    if (!d) die("opendir");
-    struct dirent *e;
-    uint64_t at = 0;
-    while ((e = readdir(d)) != NULL) {
-        if (e->d_name[0] == '.') continue;
-        char path[4400];
-        snprintf(path, sizeof path, "%.4000s/%.300s", dir, e->d_name);
-        int fd = open(path, O_RDONLY);
-        struct stat st;
-        if (fd < 0 || fstat(fd, &st) != 0) die("open");
-        uint64_t off = 0, size = (uint64_t)st.st_size;
-        if (at + size > cap) die("raw read: buffer too small");
-        while (off < size) {
-            size_t want = size - off < (8u << 20) ? (size_t)(size - off) : (8u << 20);
-            ssize_t r = pread(fd, buf + at + off, want, (off_t)off);
-            if (r <= 0) die("pread");
-            off += (uint64_t)r;
-        }
-        close(fd);
-        at += size;
-    }
-    closedir(d);
-    return at;
-}
 
 /* --cold: the page cache emptied (the files' bytes come from the disk). */
 static bool cold;
@@ -132,17 +78,6 @@ static void drop_cache(void) {
         fprintf(stderr, "bench_load: --cold: cannot write /proc/sys/vm/drop_caches (root?)\n");
         exit(1);
     }
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(const double *v, int n) {
-    double s[64];
-    memcpy(s, v, (size_t)n * sizeof *v);
-    qsort(s, (size_t)n, sizeof *s, cmp_d);
-    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
 }
 
 enum { P_CHOOSE, P_READ, P_CHECK, P_APPLY, P_FINISH, NP };
@@ -213,7 +148,7 @@ int main(int argc, char **argv) {
     uint8_t *buf = malloc((size_t)cap);
     if (!buf) die("malloc");
     memset(buf, 2, (size_t)cap);
-    uint64_t bytes = raw_read(last, buf, cap); /* the page cache warm */
+    uint64_t bytes = raw_read_dir(last, buf, cap); /* the page cache warm */
     double pw[NP], pc[NP];
     if (once) { /* the resume: a new accelerator's first load */
         if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
@@ -239,16 +174,16 @@ int main(int argc, char **argv) {
             if ((half == 0) == (r % 2 == 0)) {
                 drop_cache();
                 double t0 = now(), c0 = cpu();
-                raw_read(last, buf, cap);
+                raw_read_dir(last, buf, cap);
                 rw[r] = now() - t0, rc[r] = cpu() - c0;
             } else {
                 F.params[1] = -1.0f; /* the load puts it back */
                 drop_cache();
-                long rss0 = vm_rss_kib();
+                long rss0 = status_kib("VmRSS");
                 double t0 = now(), c0 = cpu();
                 load(acc, last, pw, pc);
                 lw[r] = now() - t0, lc[r] = cpu() - c0;
-                if (r == 0) kept = vm_rss_kib() - rss0;
+                if (r == 0) kept = status_kib("VmRSS") - rss0;
                 if (F.params[1] == -1.0f) die("the load did not put the state back");
                 for (int k = 0; k < NP; k++) phw[k][r] = pw[k], phc[k][r] = pc[k];
             }

@@ -30,26 +30,17 @@
 #include <string.h>
 
 #include "ckpt.h"
+#define BENCH_NAME "bench_loadmem"
+#define BENCH_DIE_CODE 2
+#include "bench_util.h"
 
 #define NT 32
 #define TENSOR_FLOATS ((int64_t)1 << 20) /* 4 MiB */
 
-static void die(const char *what) {
-    fprintf(stderr, "bench_loadmem: %s: %s\n", what, ckpt_errmsg());
-    exit(2);
-}
-
-/* VmRSS and VmHWM in KiB. */
-static void status_kib(long *rss, long *hwm) {
-    *rss = *hwm = -1;
-    FILE *f = fopen("/proc/self/status", "r");
-    if (!f) return;
-    char line[256];
-    while (fgets(line, sizeof line, f)) {
-        if (strncmp(line, "VmRSS:", 6) == 0) *rss = atol(line + 6);
-        if (strncmp(line, "VmHWM:", 6) == 0) *hwm = atol(line + 6);
-    }
-    fclose(f);
+/* This process's resident set and its peak (KiB). */
+static void rss_hwm(long *rss, long *hwm) {
+    *rss = status_kib("VmRSS");
+    *hwm = status_kib("VmHWM");
 }
 
 static void reset_hwm(void) {
@@ -67,11 +58,11 @@ static mem begin(void) {
     mem m;
     long hwm;
     reset_hwm();
-    status_kib(&m.before, &hwm);
+    rss_hwm(&m.before, &hwm);
     return m;
 }
 
-static void end(mem *m) { status_kib(&m->after, &m->peak); }
+static void end(mem *m) { rss_hwm(&m->after, &m->peak); }
 
 static void show(const char *what, const mem *m, bool is_load, int *bad) {
     double kept = (double)(m->after - m->before) / 1024.0;

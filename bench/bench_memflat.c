@@ -27,31 +27,22 @@
 #include <string.h>
 
 #include "ckpt.h"
+#define BENCH_NAME "bench_memflat"
+#define BENCH_DIE_CODE 2
+#include "bench_util.h"
 
 #define TENSOR_FLOATS ((int64_t)1 << 20) /* 4 MiB */
-
-static void die(const char *what) {
-    fprintf(stderr, "bench_memflat: %s: %s\n", what, ckpt_errmsg());
-    exit(2);
-}
-
-/* VmRSS and VmHWM in KiB. */
-static void status_kib(long *rss, long *hwm) {
-    *rss = *hwm = -1;
-    FILE *f = fopen("/proc/self/status", "r");
-    if (!f) return;
-    char line[256];
-    while (fgets(line, sizeof line, f)) {
-        if (strncmp(line, "VmRSS:", 6) == 0) *rss = atol(line + 6);
-        if (strncmp(line, "VmHWM:", 6) == 0) *hwm = atol(line + 6);
-    }
-    fclose(f);
-}
 
 typedef struct phase {
     const char *name;
     long rss10, hwm10, rss_end, hwm_end;
 } phase;
+
+/* This process's resident set and its peak (KiB). */
+static void rss_hwm(long *rss, long *hwm) {
+    *rss = status_kib("VmRSS");
+    *hwm = status_kib("VmHWM");
+}
 
 static bool flat(const phase *p) {
     return p->rss_end <= p->rss10 + 1024 && p->hwm_end <= p->hwm10 + 1024;
@@ -115,8 +106,8 @@ int main(int argc, char **argv) {
             if (rc) die(ph[p].name);
             if (i == 10 || i == n) {
                 if (ckpt_save_wait(acc)) die("save_wait");
-                status_kib(i == 10 ? &ph[p].rss10 : &ph[p].rss_end,
-                           i == 10 ? &ph[p].hwm10 : &ph[p].hwm_end);
+                rss_hwm(i == 10 ? &ph[p].rss10 : &ph[p].rss_end,
+                        i == 10 ? &ph[p].hwm10 : &ph[p].hwm_end);
             }
         }
     }

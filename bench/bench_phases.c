@@ -41,79 +41,14 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#define BENCH_NAME "bench_phases"
+#include "bench_util.h"
 #include "accel/accel.h"
 #include "accel/save_op.h"
 #include "base/io.h"
 #include "foreign.h"
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static double cpu(void) {
-    struct rusage ru;
-    getrusage(RUSAGE_SELF, &ru);
-    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
-           (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
-}
-
-static void die(const char *what) {
-    fprintf(stderr, "bench_phases: %s: %s\n", what, ckpt_errmsg());
-    exit(1);
-}
-
 static foreign F;
-
-/* pread of every file of dir into buf (8 MiB pieces): the raw read. */
-static uint64_t raw_read(const char *dir, uint8_t *buf, uint64_t cap) {
-    DIR *d = opendir(dir);
-    if (!d) die("opendir");
-    struct dirent *e;
-    uint64_t at = 0;
-    while ((e = readdir(d)) != NULL) {
-        if (e->d_name[0] == '.') continue;
-        char path[4400];
-        snprintf(path, sizeof path, "%.4000s/%.300s", dir, e->d_name);
-        int fd = open(path, O_RDONLY);
-        struct stat st;
-        if (fd < 0 || fstat(fd, &st) != 0) die("open");
-        uint64_t off = 0, size = (uint64_t)st.st_size;
-        if (at + size > cap) die("raw read: buffer too small");
-        while (off < size) {
-            size_t want = size - off < (8u << 20) ? (size_t)(size - off) : (8u << 20);
-            ssize_t r = pread(fd, buf + at + off, want, (off_t)off);
-            if (r <= 0) die("pread");
-            off += (uint64_t)r;
-        }
-        close(fd);
-        at += size;
-    }
-    closedir(d);
-    return at;
-}
-
-static long vm_rss_kib(void) {
-    FILE *f = fopen("/proc/self/status", "r");
-    long v = -1;
-    char line[256];
-    while (f && fgets(line, sizeof line, f))
-        if (strncmp(line, "VmRSS:", 6) == 0) v = atol(line + 6);
-    if (f) fclose(f);
-    return v;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(const double *v, int n) {
-    double s[64];
-    memcpy(s, v, (size_t)n * sizeof *v);
-    qsort(s, (size_t)n, sizeof *s, cmp_d);
-    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
-}
 
 enum { S_PLAN, S_SNAP, S_WRITE, S_COMMIT, S_DELETE, S_TOTAL, NS };
 static const char *const sname[NS] = {"new+plan", "snapshot", "write",
@@ -262,7 +197,7 @@ int main(int argc, char **argv) {
     uint8_t *rbuf = malloc((size_t)nb * 3 + ((size_t)16 << 20));
     if (!rbuf) die("malloc");
     memset(rbuf, 2, (size_t)nb * 3 + ((size_t)16 << 20));
-    raw_read(last, rbuf, (uint64_t)nb * 3 + ((uint64_t)16 << 20)); /* the page cache warm */
+    raw_read_dir(last, rbuf, (uint64_t)nb * 3 + ((uint64_t)16 << 20)); /* the page cache warm */
     ckpt_accelerator_free(acc);
     if (ckpt_accelerator_new(&acc, &cfg)) die("accelerator_new");
     if (foreign_prepare(acc, &F)) die("prepare");
@@ -271,13 +206,13 @@ int main(int argc, char **argv) {
     one.one_pass = true;
     for (int r = 0; r < reps; r++) {
         double t0 = now(), c0 = cpu();
-        raw_read(last, rbuf, (uint64_t)nb * 3 + ((uint64_t)16 << 20));
+        raw_read_dir(last, rbuf, (uint64_t)nb * 3 + ((uint64_t)16 << 20));
         lw[0][r] = now() - t0, lc[0][r] = cpu() - c0;
-        long rss0 = vm_rss_kib();
+        long rss0 = status_kib("VmRSS");
         t0 = now(), c0 = cpu();
         if (ckpt_load_state(acc, last)) die("load");
         lw[1][r] = now() - t0, lc[1][r] = cpu() - c0;
-        if (r == 0) kept = vm_rss_kib() - rss0;
+        if (r == 0) kept = status_kib("VmRSS") - rss0;
         t0 = now(), c0 = cpu();
         if (ckpt_load_state_ex(acc, last, &one, NULL)) die("one-pass load");
         lw[2][r] = now() - t0, lc[2][r] = cpu() - c0;

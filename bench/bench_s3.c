@@ -34,18 +34,9 @@
 #include <time.h>
 
 #include "ckpt.h"
+#define BENCH_NAME "bench_s3"
+#include "bench_util.h"
 #include "gpt2.h"
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void die(const char *what) {
-    fprintf(stderr, "bench_s3: %s: %s\n", what, ckpt_errmsg());
-    exit(1);
-}
 
 static double run_shell(const char *cmd) {
     double t0 = now();

@@ -46,28 +46,9 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#define BENCH_NAME "bench_save"
+#include "bench_util.h"
 #include "foreign.h"
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* CPU time of the calling thread (user + system): the kernel's copy into
- * the page cache and the writeback it starts are charged to it, so this is
- * the work each way costs, whatever else the machine runs. */
-static double thread_cpu(void) {
-    struct rusage ru;
-    getrusage(RUSAGE_THREAD, &ru);
-    return (double)ru.ru_utime.tv_sec + (double)ru.ru_utime.tv_usec * 1e-6 +
-           (double)ru.ru_stime.tv_sec + (double)ru.ru_stime.tv_usec * 1e-6;
-}
-
-static void die(const char *what) {
-    fprintf(stderr, "bench_save: %s: %s\n", what, ckpt_errmsg());
-    exit(1);
-}
 
 static void shell(const char *cmd) {
     if (system(cmd) != 0) {
@@ -185,17 +166,6 @@ static double run(int v, double *cpu) {
     }
     if (cpu) *cpu = thread_cpu() - c0;
     return t;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-static double median(const double *v, int n) {
-    double s[64];
-    memcpy(s, v, (size_t)n * sizeof *v);
-    qsort(s, (size_t)n, sizeof *s, cmp_d);
-    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
 }
 
 int main(int argc, char **argv) {
