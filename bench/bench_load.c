@@ -204,13 +204,8 @@ int main(int argc, char **argv) {
         cratio[r] = rc[r] / lc[r];
         tcratio[r] = rc[r] / tc[r];
     }
-    char ld[64] = "?";
-    FILE *f = fopen("/proc/loadavg", "r");
-    if (f) {
-        if (!fgets(ld, sizeof ld, f)) ld[0] = '\0';
-        ld[strcspn(ld, " ")] = '\0';
-        fclose(f);
-    }
+    char ld[64];
+    load_average(ld, sizeof ld);
     printf("bench_load: foreign trainer's state, %.3f GB in the checkpoint's files, %s, "
            "load average %s\n",
            (double)bytes / 1e9, cold ? "cold (page cache dropped before each)" : "warm", ld);

@@ -218,13 +218,8 @@ int main(int argc, char **argv) {
         lw[2][r] = now() - t0, lc[2][r] = cpu() - c0;
     }
     free(rbuf);
-    char ld[64] = "?";
-    FILE *f = fopen("/proc/loadavg", "r");
-    if (f) {
-        if (!fgets(ld, sizeof ld, f)) ld[0] = '\0';
-        ld[strcspn(ld, " ")] = '\0';
-        fclose(f);
-    }
+    char ld[64];
+    load_average(ld, sizeof ld);
     printf("bench_phases: foreign trainer's state, %.3f GB, total_limit 1, load average %s\n",
            (double)nb * 3 / 1e9, ld);
     report("ckpt_save_state", sname, NS, sw, sc, reps);

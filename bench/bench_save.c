@@ -213,13 +213,8 @@ int main(int argc, char **argv) {
                 before(v);
                 t[v][r] = run(v, &c[v][r]);
             }
-        char ld[64] = "?";
-        FILE *f = fopen("/proc/loadavg", "r");
-        if (f) {
-            if (!fgets(ld, sizeof ld, f)) ld[0] = '\0';
-            ld[strcspn(ld, " ")] = '\0';
-            fclose(f);
-        }
+        char ld[64];
+        load_average(ld, sizeof ld);
         printf("bench_save: foreign trainer (one parameter block, its own AdamW's moments), "
                "%.3f GB, state changed before each, %d paired reps, load average %s\n",
                gb, reps, ld);

@@ -71,6 +71,18 @@ static inline double median(const double *v, int n) {
     return m;
 }
 
+/* The machine's load average over the last minute, as /proc/loadavg
+ * gives it ("?" if it cannot be read): printed with every run's figures. */
+static inline const char *load_average(char *buf, size_t cap) {
+    snprintf(buf, cap, "?");
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (!f) return buf;
+    if (!fgets(buf, (int)cap, f)) snprintf(buf, cap, "?");
+    buf[strcspn(buf, " \n")] = '\0';
+    fclose(f);
+    return buf;
+}
+
 /* A field of /proc/self/status in KiB ("VmRSS", "VmHWM"); -1 if absent. */
 static inline long status_kib(const char *field) {
     FILE *f = fopen("/proc/self/status", "r");
