@@ -227,6 +227,22 @@ static int parse_endpoint(ckpt_s3 *c, const char *ep) {
     return 0;
 }
 
+/* The client's memory: its handle lists (the handles already cleaned up),
+ * its strings (the secret wiped first) and itself. */
+static void free_client(ckpt_s3 *c) {
+    free(c->handles);
+    free(c->free_handles);
+    if (c->secret_key) memset(c->secret_key, 0, strlen(c->secret_key));
+    free(c->bucket);
+    free(c->access_key);
+    free(c->secret_key);
+    free(c->region);
+    free(c->token);
+    free(c->endpoint);
+    free(c->host);
+    free(c);
+}
+
 int ckpt__s3_new(ckpt_s3 **out, const char *bucket) {
     *out = NULL;
     pthread_once(&curl_once, curl_init);
@@ -285,18 +301,7 @@ int ckpt__s3_new(ckpt_s3 **out, const char *bucket) {
         pthread_cond_init(&c->done_cv, NULL);
     }
     if (rc < 0) {
-        free(c->handles);
-        free(c->free_handles);
-        c->handles = NULL;
-        c->nhandles = 0;
-        free(c->bucket);
-        free(c->access_key);
-        free(c->secret_key);
-        free(c->region);
-        free(c->token);
-        free(c->endpoint);
-        free(c->host);
-        free(c);
+        free_client(c); /* no handle, lock or thread exists yet */
         return rc;
     }
     *out = c;
@@ -308,21 +313,11 @@ void ckpt__s3_free(ckpt_s3 *c) {
     ckpt__s3_workers_stop(c);
     for (int i = 0; i < c->nhandles; i++)
         if (c->handles[i]) curl_easy_cleanup(c->handles[i]);
-    free(c->handles);
-    free(c->free_handles);
     pthread_mutex_destroy(&c->pool_mu);
     pthread_mutex_destroy(&c->mu);
     pthread_cond_destroy(&c->work_cv);
     pthread_cond_destroy(&c->done_cv);
-    if (c->secret_key) memset(c->secret_key, 0, strlen(c->secret_key));
-    free(c->bucket);
-    free(c->access_key);
-    free(c->secret_key);
-    free(c->region);
-    free(c->token);
-    free(c->endpoint);
-    free(c->host);
-    free(c);
+    free_client(c);
 }
 
 const ckpt_s3_options *ckpt__s3_options(const ckpt_s3 *c) { return &c->o; }
