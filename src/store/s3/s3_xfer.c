@@ -116,13 +116,19 @@ int ckpt__s3_get_many(ckpt_s3 *c, int64_t n, const char *const *keys, const uint
     return rc;
 }
 
-int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint64_t *xxh3) {
+/* HEAD of key: it must hold exactly size bytes. */
+static int head_of_size(ckpt_s3 *c, const char *key, uint64_t size) {
     ckpt_s3_head h;
     CKPT_TRY(ckpt__s3_head(c, key, &h));
     if (h.size != size)
         return ckpt__err(CKPT_ECORRUPT,
                          "s3://%s/%s: the object holds %" PRIu64 " bytes, expected %" PRIu64,
                          c->bucket, key, h.size, size);
+    return CKPT_OK;
+}
+
+int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint64_t *xxh3) {
+    CKPT_TRY(head_of_size(c, key, size));
     if (size == 0) {
         *xxh3 = XXH3_64bits(dst, 0);
         return 0;
@@ -170,12 +176,7 @@ int ckpt__s3_get(ckpt_s3 *c, const char *key, uint64_t size, uint8_t *dst, uint6
 
 int ckpt__s3_get_stream(ckpt_s3 *c, const char *key, uint64_t size, ckpt_s3_bytes_fn fn, void *user,
                         uint64_t *xxh3) {
-    ckpt_s3_head h;
-    CKPT_TRY(ckpt__s3_head(c, key, &h));
-    if (h.size != size)
-        return ckpt__err(CKPT_ECORRUPT,
-                         "s3://%s/%s: the object holds %" PRIu64 " bytes, expected %" PRIu64,
-                         c->bucket, key, h.size, size);
+    CKPT_TRY(head_of_size(c, key, size));
     uint64_t part = c->o.part_size;
     uint64_t per = (uint64_t)c->o.connections;
     uint64_t win = size < part * per ? size : part * per;
